@@ -1,0 +1,92 @@
+"""`launcher` / `python -m autotuner`: argument parsing only. Errors become one line and an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+
+from autotuner.errors import AutotunerError, UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # argparse exits 2 too; keep our one-line format
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="launcher",
+        description="Start a training script on N ranks (torch elastic), or autotune its DeepSpeed-style config.",
+        usage="launcher [options] script.py [script args ...] --deepspeed ds.json",
+    )
+    parser.add_argument("--nproc_per_node", "--num_gpus", dest="nproc_per_node", type=int, default=None,
+                        help="ranks per node (default: all visible GPUs, or 1 on CPU)")
+    parser.add_argument("--num_nodes", "--nnodes", dest="num_nodes", type=int, default=1, help="number of nodes")
+    parser.add_argument("--node_rank", type=int, default=0, help="this node's rank, 0..num_nodes-1")
+    parser.add_argument("--master_addr", default=None, help="address of node 0 (default: 127.0.0.1 on one node)")
+    parser.add_argument("--master_port", type=int, default=None, help="rendezvous port (default: a free one)")
+    parser.add_argument("--rdzv_endpoint", default=None, help="HOST:PORT for torch's c10d elastic rendezvous")
+    parser.add_argument("--rdzv_id", default=None, help="job id shared by all nodes with --rdzv_endpoint")
+    parser.add_argument("--autotuning", choices=("tune", "run"), default=None,
+                        help="tune: search ZeRO stage x micro-batch x gas and write the optimum; run: tune, then train")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and torch elastic's logs")
+    parser.add_argument("script", help="training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def _check_config(script_args: tuple[str, ...]) -> None:
+    """Validate the script's config before starting anything, so a typo costs no launch."""
+    from autotuner.config import load_config
+    from autotuner.launch.script_args import config_path
+
+    path = config_path(script_args)
+    if path is not None:
+        load_config(path)
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from autotuner.launch import LaunchOptions, build_plan, run_plan
+
+    options = LaunchOptions(
+        script=args.script,
+        script_args=tuple(args.script_args),
+        nproc_per_node=args.nproc_per_node,
+        num_nodes=args.num_nodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+    )
+    plan = build_plan(options, sys.executable)
+    _check_config(options.script_args)
+    return run_plan(plan, quiet=not args.debug)
+
+
+def _autotune(args: argparse.Namespace) -> int:
+    from autotuner.tuning.cli import autotune
+
+    return autotune(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        debug = args.debug
+        logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(name)s: %(message)s")
+        if args.autotuning:
+            return _autotune(args)
+        return _launch(args)
+    except AutotunerError as err:
+        if debug:
+            traceback.print_exc()
+        print(f"launcher: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("launcher: interrupted", file=sys.stderr)
+        return 130

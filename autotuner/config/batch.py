@@ -1,0 +1,74 @@
+"""The batch-size triad: train_batch_size = micro × gas × data-parallel world size."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    data_parallel_size: int
+
+
+def _given(value) -> int | None:
+    if isinstance(value, list):
+        raise ConfigError(
+            f"train_micro_batch_size_per_gpu: got the list {value}; a list is only allowed when autotuning "
+            "(launcher --autotuning tune|run); give one positive integer to train"
+        )
+    return None if value in (None, "auto") else int(value)
+
+
+def resolve_batch(config: DeepSpeedConfig, data_parallel_size: int) -> BatchSizes:
+    """Fill in the missing member of the triad, as DeepSpeed does, or report the inconsistency."""
+    if data_parallel_size < 1:
+        raise ConfigError(f"data-parallel world size must be >= 1, got {data_parallel_size}")
+    total = _given(config.train_batch_size)
+    micro = _given(config.train_micro_batch_size_per_gpu)
+    gas = _given(config.gradient_accumulation_steps)
+    dp = data_parallel_size
+
+    if total is not None and micro is not None and gas is not None:
+        if total != micro * gas * dp:
+            raise ConfigError(
+                f"batch triad is inconsistent: train_batch_size ({total}) != train_micro_batch_size_per_gpu "
+                f"({micro}) * gradient_accumulation_steps ({gas}) * data-parallel world size ({dp}) = "
+                f"{micro * gas * dp}; fix one of them or set it to \"auto\""
+            )
+    elif total is not None and micro is not None:
+        gas, rest = divmod(total, micro * dp)
+        if rest or gas == 0:
+            raise ConfigError(
+                f"batch triad is inconsistent: train_batch_size ({total}) is not a multiple of "
+                f"train_micro_batch_size_per_gpu ({micro}) * data-parallel world size ({dp})"
+            )
+    elif total is not None and gas is not None:
+        micro, rest = divmod(total, gas * dp)
+        if rest or micro == 0:
+            raise ConfigError(
+                f"batch triad is inconsistent: train_batch_size ({total}) is not a multiple of "
+                f"gradient_accumulation_steps ({gas}) * data-parallel world size ({dp})"
+            )
+    elif micro is not None:
+        gas = gas or 1
+        total = micro * gas * dp
+    elif total is not None:
+        gas = 1
+        micro, rest = divmod(total, dp)
+        if rest or micro == 0:
+            raise ConfigError(
+                f"batch triad is inconsistent: train_batch_size ({total}) is not a multiple of the "
+                f"data-parallel world size ({dp})"
+            )
+    else:
+        raise ConfigError(
+            "batch size is unset: give train_batch_size or train_micro_batch_size_per_gpu "
+            "(a positive integer; \"auto\" is settled only by the autotuner or your script)"
+        )
+    return BatchSizes(total, micro, gas, dp)

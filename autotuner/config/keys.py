@@ -1,0 +1,96 @@
+"""Key checking before validation: typos are refused with a suggestion, and
+known DeepSpeed keys we do not act on are set aside with one warning."""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from typing import Any
+
+from pydantic import BaseModel
+
+from autotuner.errors import ConfigError
+
+# DeepSpeed keys that are real but have no effect in our engine, by section.
+# "" is the top level. They are accepted so a user's existing file still loads.
+KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
+    "": frozenset(
+        {
+            "activation_checkpointing", "aio", "amp", "bfloat16", "checkpoint", "comms_logger",
+            "communication_data_type", "compression_training", "csv_monitor", "curriculum_learning",
+            "data_efficiency", "data_types", "dataloader_drop_last", "disable_allgather", "dump_state",
+            "eigenvalue", "elasticity", "flops_profiler", "gradient_predivide_factor", "memory_breakdown",
+            "monitor_config", "pipeline", "prescale_gradients", "progressive_layer_drop", "sparse_attention",
+            "sparse_gradients", "tensorboard", "wandb", "weight_quantization", "zero_allow_untested_optimizer",
+            "zero_force_ds_cpu_optimizer", "train_batch_size_per_gpu_at_fp16", "hybrid_engine",
+            "compile", "timers", "nebula", "quantize_training",
+        }
+    ),
+    "zero_optimization": frozenset(
+        {
+            "allgather_partitions", "reduce_scatter", "round_robin_gradients", "load_from_fp32_weights",
+            "elastic_checkpoint", "ignore_unused_parameters", "sub_group_size", "cpu_offload",
+            "cpu_offload_params", "cpu_offload_use_pin_memory", "stage3_max_live_parameters",
+            "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save",
+            "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
+            "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather",
+            "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "pipeline_loading_checkpoint",
+            "override_module_apply", "log_trace_cache_warnings", "module_granularity_threshold",
+            "use_all_reduce_for_fetch_params", "legacy_stage1",
+        }
+    ),
+    "zero_optimization.offload_optimizer": frozenset(
+        {"nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "ratio"}
+    ),
+    "zero_optimization.offload_param": frozenset({"nvme_path", "buffer_count", "buffer_size", "max_in_cpu"}),
+    "fp16": frozenset({"fp16_master_weights_and_grads"}),
+    "bf16": frozenset({"immediate_grad_update", "check_grad_overflow"}),
+    "autotuning": frozenset({"min_train_batch_size"}),
+}
+
+
+def field_names(model: type[BaseModel]) -> set[str]:
+    names = set()
+    for name, info in model.model_fields.items():
+        names.add(name)
+        if info.alias:
+            names.add(info.alias)
+    return names
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel inside `Model`, `Model | None` or `Optional[Model]`, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def check_keys(raw: dict[str, Any], model: type[BaseModel], source: str, path: str = "") -> tuple[dict, list[str]]:
+    """Return a copy of `raw` without known-unused keys, and their dotted paths.
+
+    Raises ConfigError on the first unknown key, with the closest known key.
+    """
+    known = field_names(model)
+    unused_here = KNOWN_UNUSED_KEYS.get(path, frozenset())
+    kept: dict[str, Any] = {}
+    ignored: list[str] = []
+    for key, value in raw.items():
+        dotted = f"{path}.{key}" if path else key
+        if key in known:
+            sub = _section_model(model.model_fields[key].annotation)
+            if sub is not None and isinstance(value, dict):
+                value, sub_ignored = check_keys(value, sub, source, dotted)
+                ignored.extend(sub_ignored)
+            kept[key] = value
+        elif key in unused_here:
+            ignored.append(dotted)
+        else:
+            close = difflib.get_close_matches(key, sorted(known | unused_here), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; allowed keys: {', '.join(sorted(known))}"
+            raise ConfigError(f"{source}: unknown key '{dotted}'{hint}")
+    return kept, ignored

@@ -1,0 +1,98 @@
+"""Read a config from a JSON/hjson file or a dict, check its keys, validate it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+import hjson
+from pydantic import ValidationError
+
+from autotuner.config.keys import check_keys
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ConfigSource = Union[str, os.PathLike, Mapping[str, Any], DeepSpeedConfig]
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    """Parse a JSON or hjson file (comments and trailing commas allowed) into a plain dict."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: config file not found")
+    if path.is_dir():
+        raise ConfigError(f"{path}: is a directory; expected a JSON or hjson config file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot read config file: {err}") from err
+    try:
+        data = hjson.loads(text)
+    except hjson.HjsonDecodeError as err:
+        raise ConfigError(f"{path}:{err.lineno}:{err.colno}: malformed JSON/hjson: {err.msg}") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be an object {{...}}, got {type(data).__name__}")
+    # hjson returns OrderedDicts; a round trip through json gives plain types.
+    return json.loads(json.dumps(data))
+
+
+def _describe(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, (str, int, float, bool, type(None), list, dict)) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    """One line: source, dotted path, the bad value, what is allowed."""
+    first = err.errors(include_url=False)[0]
+    # Union members add their type name to loc ("int", "literal['auto']"); drop those.
+    parts = [str(p) for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    dotted = ".".join(parts) or "(top level)"
+    if first["type"] == "value_error":
+        allowed = first["msg"].removeprefix("Value error, ")
+    else:
+        allowed = _ALLOWED.get(dotted) or _ALLOWED.get(parts[-1] if parts else "", first["msg"])
+    value = first.get("input")
+    if isinstance(value, dict):  # a cross-field check: the message names the keys
+        return f"{source}: {dotted}: {allowed}"
+    return f"{source}: {dotted}: got {_describe(value)}; {allowed}"
+
+
+_TYPE_TAGS = {"int", "bool", "float", "str", "list", "dict", "none", "constrained-int", "function-after"}
+
+_ALLOWED = {
+    "train_batch_size": 'expected a positive integer or "auto"',
+    "train_micro_batch_size_per_gpu": 'expected a positive integer, "auto", or a list of positive integers',
+    "gradient_accumulation_steps": 'expected a positive integer or "auto"',
+    "stage": 'expected a ZeRO stage 0, 1, 2 or 3, a list of them, or "all"',
+    "optimizer.type": 'expected "Adam", "AdamW" or "SGD"',
+    "scheduler.type": 'expected "WarmupLR", "WarmupDecayLR" or "WarmupCosineLR"',
+    "gradient_clipping": "expected a number >= 0 (0 disables clipping)",
+    "device": 'expected "none" or "cpu"',
+    "metric": 'expected "throughput", "latency" or "FLOPS"',
+    "tuner_type": 'expected "gridsearch", "random" or "model_based"',
+}
+
+
+def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedConfig:
+    """Load and validate a config from a path, a dict, or an existing DeepSpeedConfig.
+
+    Known DeepSpeed keys we do not act on are dropped with one warning that lists them.
+    """
+    if isinstance(source, DeepSpeedConfig):
+        return source
+    if isinstance(source, Mapping):
+        raw, label = json.loads(json.dumps(dict(source))), name or "config"
+    else:
+        raw, label = read_config_file(source), name or str(source)
+    kept, ignored = check_keys(raw, DeepSpeedConfig, label)
+    if ignored:
+        logger.warning("%s: accepted but not used by autotuner: %s", label, ", ".join(ignored))
+    try:
+        return DeepSpeedConfig.model_validate(kept)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, label)) from err

@@ -1,0 +1,206 @@
+"""Pydantic models of the DeepSpeed-compatible config.
+
+Key names and meanings follow DeepSpeed. Values the autotuner may search
+(`"auto"`, lists, `"all"`) are accepted here; `resolve` settles them before a
+run, and the engine refuses anything still unsettled.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, field_validator, model_validator
+
+Auto = Literal["auto"]
+
+
+class _Section(BaseModel):
+    # Unknown keys are caught earlier by keys.check_keys, with suggestions;
+    # "forbid" is the backstop.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class FP16Config(_Section):
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: NonNegativeFloat = Field(0.0, description="0 means dynamic loss scaling")
+    initial_scale_power: int = Field(16, ge=0, le=64, description="dynamic scaling starts at 2**power")
+    loss_scale_window: PositiveInt = Field(1000, description="steps without overflow before the scale grows")
+    hysteresis: PositiveInt = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: NonNegativeFloat = 1.0
+
+
+class BF16Config(_Section):
+    enabled: bool = False
+
+
+OptimizerType = Literal["Adam", "AdamW", "SGD"]
+SchedulerType = Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+
+
+class OptimizerConfig(_Section):
+    type: OptimizerType
+    params: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _canonical_case(cls, value: Any) -> Any:
+        # DeepSpeed matches optimizer names case-insensitively ("adamw").
+        names = {"adam": "Adam", "adamw": "AdamW", "sgd": "SGD"}
+        return names.get(value.lower(), value) if isinstance(value, str) else value
+
+
+class SchedulerConfig(_Section):
+    type: SchedulerType
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class OffloadConfig(_Section):
+    device: Literal["none", "cpu"] = "none"
+    pin_memory: bool = False
+
+
+ZeroStage = Literal[0, 1, 2, 3]
+
+
+class ZeroConfig(_Section):
+    """`zero_optimization`. A list or "all" for `stage` is only meaningful to the autotuner."""
+
+    stage: Union[ZeroStage, list[ZeroStage], Literal["all"]] = 0
+    overlap_comm: Union[bool, list[bool], None] = None
+    reduce_bucket_size: Union[PositiveInt, list[PositiveInt], None] = Field(
+        None, description="elements per gradient bucket (DDP bucket_cap_mb = elements * 4 B)"
+    )
+    allgather_bucket_size: Union[PositiveInt, list[PositiveInt], None] = None
+    contiguous_gradients: Union[bool, list[bool], None] = None
+    stage3_prefetch_bucket_size: Union[int, list[int], None] = Field(None, ge=0)
+    stage3_param_persistence_threshold: Union[int, list[int], None] = Field(None, ge=0)
+    offload_optimizer: OffloadConfig | None = None
+    offload_param: OffloadConfig | None = None
+
+    @field_validator("stage", mode="before")
+    @classmethod
+    def _stage_list_not_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list tunes nothing; give stages 0-3, a list of them, or \"all\"")
+        return value
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """Stages this config allows, sorted."""
+        if self.stage == "all":
+            return (0, 1, 2, 3)
+        if isinstance(self.stage, list):
+            return tuple(sorted(set(self.stage)))
+        return (self.stage,)
+
+
+class ModelInfo(_Section):
+    profile: bool = False
+    num_params: PositiveInt | None = None
+    trainable_num_params: PositiveInt | None = None
+    hidden_size: PositiveInt | None = None
+    num_layers: PositiveInt | None = None
+    activation_bytes_per_sample: int | None = Field(None, ge=0)
+
+
+MetricName = Literal["throughput", "latency", "FLOPS"]
+TunerType = Literal["gridsearch", "random", "model_based"]
+
+
+class AutotuningConfig(_Section):
+    """The `autotuning` section: DeepSpeed's keys plus our documented additions."""
+
+    enabled: bool = False
+    fast: bool = True
+    results_dir: str = "autotuning_results"
+    exps_dir: str = "autotuning_exps"
+    overwrite: bool = Field(False, description="false resumes finished experiments; true starts afresh")
+    metric: MetricName = "throughput"
+    start_profile_step: PositiveInt = 3
+    end_profile_step: PositiveInt = 5
+    metric_path: str | None = None
+    model_info_path: str | None = None
+    tuner_type: TunerType = "gridsearch"
+    tuner_early_stopping: PositiveInt = 5
+    tuner_num_trials: PositiveInt = 50
+    tuner_seed: int = Field(0, description="seed of the random and model_based tuners")
+    arg_mappings: dict[str, str] = Field(default_factory=dict)
+    max_train_batch_size: PositiveInt | None = None
+    min_train_micro_batch_size_per_gpu: PositiveInt = 1
+    max_train_micro_batch_size_per_gpu: PositiveInt = 1024
+    num_tuning_micro_batch_sizes: PositiveInt = 3
+    mp_size: PositiveInt = 1
+    model_info: ModelInfo | None = None
+    exp_timeout_s: float = Field(600.0, gt=0, description="wall-clock limit of one experiment, seconds")
+    memory_per_rank_bytes: PositiveInt | None = Field(
+        None, description="overrides the detected per-rank device memory budget"
+    )
+
+    @field_validator("metric", mode="before")
+    @classmethod
+    def _metric_alias(cls, value: Any) -> Any:
+        # DeepSpeed spells it "flops" in docs and FLOPS_per_gpu in metrics files.
+        if isinstance(value, str) and value.lower() in ("flops", "flops_per_gpu"):
+            return "FLOPS"
+        return value
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "AutotuningConfig":
+        if self.start_profile_step >= self.end_profile_step:
+            raise ValueError(
+                f"start_profile_step ({self.start_profile_step}) must be less than "
+                f"end_profile_step ({self.end_profile_step})"
+            )
+        if self.min_train_micro_batch_size_per_gpu > self.max_train_micro_batch_size_per_gpu:
+            raise ValueError(
+                f"min_train_micro_batch_size_per_gpu ({self.min_train_micro_batch_size_per_gpu}) is larger than "
+                f"max_train_micro_batch_size_per_gpu ({self.max_train_micro_batch_size_per_gpu})"
+            )
+        return self
+
+
+BatchValue = Union[PositiveInt, Auto, None]
+
+
+class DeepSpeedConfig(_Section):
+    """The whole config file. Batch values may be "auto" until `resolve_batch` runs."""
+
+    train_batch_size: BatchValue = None
+    train_micro_batch_size_per_gpu: Union[PositiveInt, Auto, list[PositiveInt], None] = None
+    gradient_accumulation_steps: BatchValue = None
+    gradient_clipping: NonNegativeFloat = Field(0.0, description="max grad norm; 0 disables clipping")
+    steps_per_print: PositiveInt = 10
+    wall_clock_breakdown: bool = False
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    bf16: BF16Config = Field(default_factory=BF16Config)
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+
+    @field_validator("train_micro_batch_size_per_gpu", mode="before")
+    @classmethod
+    def _micro_list_not_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list tunes nothing; give a positive integer, \"auto\" or a list of them")
+        return value
+
+    @model_validator(mode="after")
+    def _one_precision(self) -> "DeepSpeedConfig":
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        return self
+
+    @property
+    def precision(self) -> Literal["fp32", "fp16", "bf16"]:
+        if self.fp16.enabled:
+            return "fp16"
+        if self.bf16.enabled:
+            return "bf16"
+        return "fp32"
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain dict that loads back to an equal config (unset sections left out)."""
+        return self.model_dump(mode="json", exclude_unset=True)

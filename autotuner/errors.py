@@ -1,0 +1,32 @@
+"""One error hierarchy. The CLI turns each into a one-line message and an exit code."""
+
+
+class AutotunerError(Exception):
+    """Base of every error we raise on purpose. `exit_code` is what the CLI returns."""
+
+    exit_code = 1
+
+
+class UsageError(AutotunerError):
+    """Bad command line: a flag, a missing file, a value out of range."""
+
+    exit_code = 2
+
+
+class ConfigError(AutotunerError):
+    """The DeepSpeed-style config is malformed or inconsistent.
+
+    The message names the file or dotted key, the bad value and what is allowed.
+    """
+
+    exit_code = 2
+
+
+class UnsupportedError(ConfigError):
+    """A valid config that cannot work on this device or torch version."""
+
+
+class LaunchError(AutotunerError):
+    """Ranks could not be started, or failed."""
+
+    exit_code = 1

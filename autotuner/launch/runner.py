@@ -1,0 +1,73 @@
+"""Run a LaunchPlan through torch elastic's launcher API and return the worst rank's exit status.
+
+torch elastic starts each rank in its own session and, on SIGINT/SIGTERM or a failed
+rank, kills every rank's process group before returning.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import sys
+import tempfile
+
+from autotuner.launch.plan import LaunchPlan
+
+logger = logging.getLogger(__name__)
+
+
+def exit_status(exitcode: int) -> int:
+    """Shell convention: a rank killed by signal N reports 128 + N."""
+    return 128 - exitcode if exitcode < 0 else exitcode
+
+
+def worst_exit_status(exitcodes: list[int]) -> int:
+    statuses = [exit_status(code) for code in exitcodes if code != 0]
+    return max(statuses) if statuses else 0
+
+
+def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
+    """Start the plan's ranks, wait for them, and return the worst exit status (0 when all succeed)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if quiet:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+        logging.getLogger("torch.distributed.launcher").setLevel(logging.ERROR)
+    os.environ.update(plan.env)
+    log_dir = tempfile.mkdtemp(prefix="autotuner-elastic-")
+    config = LaunchConfig(
+        min_nodes=plan.num_nodes,
+        max_nodes=plan.num_nodes,
+        nproc_per_node=plan.nproc_per_node,
+        run_id=plan.run_id,
+        rdzv_backend=plan.rdzv_backend,
+        rdzv_endpoint=plan.rdzv_endpoint,
+        rdzv_configs=dict(plan.rdzv_configs),
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        local_addr=plan.local_addr,
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+    )
+    program, *args = plan.command
+    try:
+        elastic_launch(config, program)(*args)
+        return 0
+    except ChildFailedError as failed:
+        codes = [failure.exitcode for failure in failed.failures.values()]
+        for rank, failure in sorted(failed.failures.items()):
+            print(f"launcher: rank {rank} exited with status {exit_status(failure.exitcode)}", file=sys.stderr)
+        return worst_exit_status(codes)
+    except SignalException as interrupted:
+        print(f"launcher: stopped by {signal.Signals(interrupted.sigval).name}; all ranks ended", file=sys.stderr)
+        return 128 + int(interrupted.sigval)
+    except KeyboardInterrupt:
+        print("launcher: interrupted; all ranks ended", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)

@@ -1,0 +1,49 @@
+"""Reading and rewriting a training script's own arguments, as lists (never a shell string)."""
+
+from __future__ import annotations
+
+from autotuner.errors import UsageError
+
+CONFIG_FLAGS = ("--deepspeed", "--deepspeed_config")
+
+
+def find_flag(args: tuple[str, ...], flag: str) -> tuple[int, str | None] | None:
+    """Where `flag` is given: (index, value) for `--flag V` or `--flag=V`; value None if bare."""
+    for index, arg in enumerate(args):
+        if arg == flag:
+            nxt = args[index + 1] if index + 1 < len(args) else None
+            return index, (nxt if nxt is not None and not nxt.startswith("--") else None)
+        if arg.startswith(flag + "="):
+            return index, arg[len(flag) + 1:]
+    return None
+
+
+def config_path(args: tuple[str, ...]) -> str | None:
+    """The config file the script will be given (--deepspeed PATH, --deepspeed_config PATH, or = forms)."""
+    for flag in reversed(CONFIG_FLAGS):  # --deepspeed_config wins over a bare --deepspeed
+        found = find_flag(args, flag)
+        if found and found[1] is not None:
+            return found[1]
+    return None
+
+
+def set_flag(args: tuple[str, ...], flag: str, value: str) -> tuple[str, ...]:
+    """Set `flag` to `value` in both `--flag V` and `--flag=V` forms; append it when absent."""
+    found = find_flag(args, flag)
+    if found is None:
+        return (*args, flag, value)
+    index, old = found
+    if args[index].startswith(flag + "="):
+        return (*args[:index], f"{flag}={value}", *args[index + 1:])
+    if old is None:  # a bare flag: insert the value after it
+        return (*args[: index + 1], value, *args[index + 1:])
+    return (*args[: index + 1], value, *args[index + 2:])
+
+
+def replace_config(args: tuple[str, ...], path: str) -> tuple[str, ...]:
+    """Point the script at another config, keeping whichever config flag the user used."""
+    for flag in reversed(CONFIG_FLAGS):
+        found = find_flag(args, flag)
+        if found and found[1] is not None:
+            return set_flag(args, flag, path)
+    raise UsageError("no config among the script's arguments: pass --deepspeed PATH after the script")

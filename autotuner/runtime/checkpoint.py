@@ -1,0 +1,100 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP).
+
+Each rank writes only what it holds: FSDP2 shards (ZeRO-2/3), its ZeRO-1 optimizer
+partition, and rank-identical DDP state once. Non-tensor engine state goes to JSON,
+so nothing here unpickles arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from autotuner.errors import AutotunerError
+from autotuner.runtime.metrics import write_json_atomic
+
+LATEST_FILE = "latest"
+ENGINE_STATE_FILE = "engine_state.json"
+
+
+class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner unpickles non-tensor items with weights_only=False; we refuse that."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._nested_dict import set_element  # noqa: PLC0415
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _ensure_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """DCP loads into existing tensors, so an optimizer that never stepped needs its state made first."""
+    if optimizer.state:
+        return
+    from torch.distributed.checkpoint.state_dict import _init_optim_state  # noqa: PLC0415
+
+    _init_optim_state(optimizer)
+
+
+def save(
+    save_dir: str | Path,
+    tag: str,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    engine_state: dict[str, Any],
+) -> Path:
+    """Save model and optimizer with DCP under save_dir/tag; rank 0 writes engine state and `latest`."""
+    path = Path(save_dir) / tag
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
+    if dist.get_rank() == 0:
+        write_json_atomic(path / ENGINE_STATE_FILE, engine_state)
+        tmp = Path(save_dir) / f".{LATEST_FILE}.tmp"
+        tmp.write_text(tag)
+        tmp.replace(Path(save_dir) / LATEST_FILE)
+    dist.barrier()
+    return path
+
+
+def resolve_tag(load_dir: str | Path, tag: str | None) -> str | None:
+    if tag is not None:
+        return tag
+    latest = Path(load_dir) / LATEST_FILE
+    return latest.read_text().strip() if latest.exists() else None
+
+
+def load(
+    load_dir: str | Path, tag: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    """Load into model (and optimizer) in place; returns the saved engine state."""
+    path = Path(load_dir) / tag
+    if not (path / ENGINE_STATE_FILE).exists():
+        raise AutotunerError(f"{path}: not a checkpoint written by save_checkpoint ({ENGINE_STATE_FILE} missing)")
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        _ensure_optimizer_state(model, optimizer)
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path), planner=_WeightsOnlyLoadPlanner())
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    return json.loads((path / ENGINE_STATE_FILE).read_text())

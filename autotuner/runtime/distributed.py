@@ -1,0 +1,75 @@
+"""Process-group set-up from the launcher's environment (torch elastic's env:// variables)."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import os
+import signal
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+    backend: str
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this rank if the launcher dies, so a killed launcher leaves no orphans."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        # The parent may have died before prctl took effect.
+        if os.getppid() == 1:
+            os._exit(1)
+    except OSError:
+        pass
+
+
+def select_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 1800.0) -> DistributedContext:
+    """Join (or reuse) the default process group: nccl on CUDA, gloo on CPU.
+
+    Without launcher variables it forms a world of one, so a plain `python train.py` works.
+    """
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched and "TORCHELASTIC_RUN_ID" in os.environ:
+        _die_with_parent()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = select_device(local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if launched:
+            kwargs = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
+        else:
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    world_size = dist.get_world_size()
+    return DistributedContext(
+        rank=dist.get_rank(),
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        device=device,
+        backend=dist.get_backend(),
+    )

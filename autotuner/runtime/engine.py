@@ -1,0 +1,275 @@
+"""The training engine: DeepSpeed's forward / backward / step contract over a wrapped model."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from autotuner.config.batch import BatchSizes
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.runtime import checkpoint
+from autotuner.runtime.distributed import DistributedContext
+from autotuner.runtime.metrics import build_metrics, peak_memory_bytes, write_json_atomic
+from autotuner.runtime.profile import ActivationProbe, FlopProbe, write_model_info
+from autotuner.runtime.timers import ProfileWindow, Stopwatch, Summary
+
+logger = logging.getLogger(__name__)
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Engine(nn.Module):
+    """Returned by `autotuner.initialize`. Call it for forward, then `backward(loss)` and `step()`
+    on every micro-batch; the optimizer steps only at the gradient-accumulation boundary."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        config: DeepSpeedConfig,
+        batch: BatchSizes,
+        ctx: DistributedContext,
+        local_optimizer: torch.optim.Optimizer,
+        grad_scaler: Any = None,
+        training_dataloader: Any = None,
+    ):
+        super().__init__()
+        self.module = module
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.config = config
+        self.batch = batch
+        self.ctx = ctx
+        self.training_dataloader = training_dataloader
+        self.zero_stage = int(config.zero_optimization.stage)
+        self.precision = config.precision
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self._local_optimizer = local_optimizer  # what DCP checkpoints: this rank's (partition of the) optimizer
+        self._grad_scaler = grad_scaler
+        self._fsdp = self.zero_stage >= 2
+        self._autocast = self.precision in _AUTOCAST_DTYPES and not self._fsdp
+        tuning = config.autotuning
+        self._window = ProfileWindow(tuning.start_profile_step, tuning.end_profile_step)
+        self._exit_after_window = tuning.enabled and tuning.metric_path is not None
+        self._forward_watch = Stopwatch(ctx.device)
+        self._backward_watch = Stopwatch(ctx.device)
+        self._step_watch = Stopwatch(ctx.device)
+        self._pending_forward_s = 0.0
+        self._last_boundary_end: float | None = None
+        # FLOPs are counted on the first micro-step, which lies before the profile window.
+        count_flops = self._exit_after_window and tuning.start_profile_step > 1
+        self._flop_probe = FlopProbe() if count_flops else None
+        want_model_info = tuning.enabled and tuning.model_info_path is not None
+        self._activation_probe = ActivationProbe(self._parameters_for_probe()) if want_model_info else None
+
+    # ----- DeepSpeed-compatible accessors -----
+    @property
+    def global_rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.ctx.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    # ----- training -----
+    def _set_gradient_sync(self, sync: bool) -> None:
+        # Must be set before forward: DDP decides at forward time whether backward all-reduces.
+        if self._fsdp:
+            self.module.set_requires_gradient_sync(sync)
+        elif isinstance(self.module, DistributedDataParallel):
+            self.module.require_backward_grad_sync = sync
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._last_boundary_end is None:
+            self._last_boundary_end = self._forward_watch._now()
+        self._set_gradient_sync(self.is_gradient_accumulation_boundary())
+        if self._flop_probe is not None and self.micro_steps == 0:
+            self._flop_probe.start()
+        if self._activation_probe is not None and self.micro_steps == 0:
+            self._activation_probe.start()
+        autocast = (
+            torch.autocast(self.ctx.device.type, dtype=_AUTOCAST_DTYPES[self.precision])
+            if self._autocast
+            else contextlib.nullcontext()
+        )
+        self._forward_watch.start()
+        with autocast:
+            output = self.module(*inputs, **kwargs)
+        self._pending_forward_s = self._forward_watch.stop()
+        if self._activation_probe is not None and self.micro_steps == 0:
+            self._activation_probe.stop()
+        return output
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of loss / gas; gradients are synchronised only at the accumulation boundary."""
+        scaled = loss / self.batch.gradient_accumulation_steps if self.batch.gradient_accumulation_steps > 1 else loss
+        if self._grad_scaler is not None:
+            scaled = self._grad_scaler.scale(scaled)
+        self._backward_watch.start()
+        scaled.backward()
+        backward_s = self._backward_watch.stop()
+        if self._flop_probe is not None and self.micro_steps == 0:
+            self._flop_probe.stop()
+        self._window.record_micro(self.global_steps + 1, self._pending_forward_s, backward_s)
+        return loss
+
+    def step(self) -> None:
+        """Call on every micro-batch. At the boundary: clip, optimizer step, zero grad, scheduler step."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self._step_watch.start()
+        if self._grad_scaler is not None:
+            self._grad_scaler.unscale_(self.optimizer)
+        if self.config.gradient_clipping > 0:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clipping)
+        if self._grad_scaler is not None:
+            self._grad_scaler.step(self.optimizer)
+            self._grad_scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        step_s = self._step_watch.stop()
+        now = self._step_watch._now()
+        wall = now - (self._last_boundary_end or now)
+        self._last_boundary_end = now
+        self.global_steps += 1
+        self.global_samples += self.batch.train_batch_size
+        self._window.record_step(self.global_steps, step_s, wall)
+        self._report_progress(wall)
+        if self._activation_probe is not None and self.global_steps == 1:
+            self._write_model_info()
+        if self._exit_after_window and self.global_steps == self._window.end_step:
+            self._finish_profile()
+
+    def _report_progress(self, wall_s: float) -> None:
+        if self.ctx.rank != 0 or self.global_steps % self.config.steps_per_print:
+            return
+        line = f"step={self.global_steps} lr={self.get_lr()[0]:.3g} samples/s={self.batch.train_batch_size / max(wall_s, 1e-9):.2f}"
+        if self.config.wall_clock_breakdown:
+            w = self._window
+            line += (
+                f" | forward {Summary.of(w.forward_s[-self.batch.gradient_accumulation_steps:]).mean_s * 1e3:.1f} ms"
+                f" backward {Summary.of(w.backward_s[-self.batch.gradient_accumulation_steps:]).mean_s * 1e3:.1f} ms"
+            )
+        print(line, flush=True)
+
+    # ----- autotuning hooks -----
+    def _parameters_for_probe(self) -> list[torch.Tensor]:
+        return list(self.module.parameters())
+
+    def _gather_max(self, value: int) -> list[int]:
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.ctx.device)
+        gathered = [torch.zeros_like(tensor) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, tensor)
+        return [int(t.item()) for t in gathered]
+
+    def _write_model_info(self) -> None:
+        per_rank = self._gather_max(self._activation_probe.bytes_saved)
+        if self.ctx.rank == 0:
+            write_model_info(
+                self.config.autotuning.model_info_path,
+                zero_stage_module=self.module,
+                activation_bytes_per_rank=per_rank,
+                micro_batch_size=self.batch.micro_batch_size,
+                peak_memory_bytes=peak_memory_bytes(self.ctx.device),
+            )
+
+    def _finish_profile(self) -> None:
+        """Rank 0 writes the metrics file; every rank then leaves with status 0."""
+        per_rank = self._gather_max(peak_memory_bytes(self.ctx.device))
+        flops = self._flop_probe.total if self._flop_probe is not None else None
+        if self.ctx.rank == 0:
+            metrics = build_metrics(
+                self._window,
+                train_batch_size=self.batch.train_batch_size,
+                world_size=self.ctx.world_size,
+                micro_batch_size=self.batch.micro_batch_size,
+                gradient_accumulation_steps=self.batch.gradient_accumulation_steps,
+                zero_stage=self.zero_stage,
+                precision=self.precision,
+                peak_memory=max(per_rank),
+                peak_memory_per_rank=per_rank,
+                flops_per_step=flops * self.batch.gradient_accumulation_steps if flops else None,
+                device_type=self.ctx.device.type,
+            )
+            write_json_atomic(self.config.autotuning.metric_path, metrics)
+            print(f"autotuner: profile steps done; metrics written to {self.config.autotuning.metric_path}", flush=True)
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.exit(0)
+
+    # ----- checkpoints -----
+    def _checkpoint_model(self) -> nn.Module:
+        return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
+
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
+        """Save with torch.distributed.checkpoint; ZeRO-2/3 checkpoints are sharded. Collective."""
+        tag = tag or f"global_step{self.global_steps}"
+        state = {
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "global_samples": self.global_samples,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "grad_scaler": self._grad_scaler.state_dict() if self._grad_scaler is not None else None,
+            "client_state": client_state or {},
+            "zero_stage": self.zero_stage,
+            "world_size": self.ctx.world_size,
+        }
+        return checkpoint.save(save_dir, tag, self._checkpoint_model(), self._local_optimizer, state)
+
+    def load_checkpoint(
+        self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True
+    ) -> tuple[str | None, dict | None]:
+        """Returns (path, client_state) like DeepSpeed, or (None, None) when there is no checkpoint."""
+        resolved = checkpoint.resolve_tag(load_dir, tag)
+        if resolved is None:
+            logger.warning("%s: no 'latest' file and no tag given; nothing loaded", load_dir)
+            return None, None
+        optimizer = self._local_optimizer if load_optimizer_states else None
+        state = checkpoint.load(load_dir, resolved, self._checkpoint_model(), optimizer)
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state["micro_steps"]
+        self.global_samples = state["global_samples"]
+        if self.lr_scheduler is not None and state.get("lr_scheduler"):
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self._grad_scaler is not None and state.get("grad_scaler"):
+            self._grad_scaler.load_state_dict(state["grad_scaler"])
+        return str(Path(load_dir) / resolved), state.get("client_state", {})

@@ -1,0 +1,172 @@
+"""`initialize` and `add_config_arguments`: the DeepSpeed-style entry points of a training script."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Iterable, Union
+
+import torch
+import torch.nn as nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from autotuner.config.batch import resolve_batch
+from autotuner.config.loader import ConfigSource, load_config
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.errors import ConfigError
+from autotuner.runtime.distributed import init_distributed
+from autotuner.runtime.engine import Engine
+from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
+from autotuner.runtime.zero import unwrap, wrap_model, zero_redundancy
+
+OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Optimizer], None]
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add `--deepspeed PATH` (alias `--deepspeed_config PATH`). A bare `--deepspeed` is accepted
+    for DeepSpeed's `--deepspeed --deepspeed_config PATH` form."""
+    group = parser.add_argument_group("autotuner", "DeepSpeed-style configuration")
+    group.add_argument("--deepspeed", dest="deepspeed", nargs="?", const=None, default=None, metavar="PATH",
+                       help="DeepSpeed-compatible JSON/hjson config")
+    group.add_argument("--deepspeed_config", dest="deepspeed_config", default=None, metavar="PATH",
+                       help="alias of --deepspeed PATH")
+    return parser
+
+
+def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
+    paths = [getattr(args, name, None) for name in ("deepspeed", "deepspeed_config")] if args is not None else []
+    paths = [p for p in paths if isinstance(p, str)]
+    if config is not None and paths:
+        raise ConfigError(f"config given twice: initialize(config=...) and --deepspeed {paths[0]}; pass one")
+    if len(set(paths)) > 1:
+        raise ConfigError(f"--deepspeed {paths[0]} and --deepspeed_config {paths[1]} disagree; pass one")
+    if config is None and not paths:
+        raise ConfigError("no config: pass --deepspeed PATH or initialize(config=...)")
+    return load_config(config if config is not None else paths[0])
+
+
+def _remap_groups(params: Iterable, id_to_name: dict[int, str], new_by_name: dict[str, nn.Parameter]) -> list[dict]:
+    """Param groups pointing at the wrapped model's parameters (FSDP2 replaces them with DTensors)."""
+    items = list(params)
+    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    remapped = []
+    for group in groups:
+        new_params = []
+        for param in group["params"]:
+            name = id_to_name.get(id(param))
+            if name is None:
+                raise ConfigError("model_parameters/optimizer hold a tensor that is not a parameter of the model")
+            new_params.append(new_by_name[name])
+        remapped.append({**group, "params": new_params})
+    return remapped
+
+
+def _build_optimizer(
+    client: OptimizerArg, config: DeepSpeedConfig, groups: list[dict], stage: int
+) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
+    """(optimizer the user steps, optimizer whose state this rank holds)."""
+    if isinstance(client, torch.optim.Optimizer):
+        if config.optimizer is not None:
+            raise ConfigError("optimizer given twice: initialize(optimizer=...) and the config's 'optimizer'; pass one")
+        if stage == 1:
+            zero = zero_redundancy(groups, type(client), dict(client.defaults))
+            return zero, zero.optim
+        # Same optimizer object, pointed at the wrapped parameters; it has no state yet.
+        for group, new in zip(client.param_groups, groups):
+            group["params"] = new["params"]
+        return client, client
+    if callable(client):
+        if config.optimizer is not None:
+            raise ConfigError("optimizer given twice: initialize(optimizer=...) and the config's 'optimizer'; pass one")
+        built = client(groups)
+        if stage == 1:
+            zero = zero_redundancy(groups, type(built), dict(built.defaults))
+            return zero, zero.optim
+        return built, built
+    if config.optimizer is None:
+        raise ConfigError("no optimizer: add an 'optimizer' section to the config or pass initialize(optimizer=...)")
+    if stage == 1:
+        zero = zero_redundancy(groups, optimizer_class(config.optimizer), optimizer_kwargs(config.optimizer))
+        return zero, zero.optim
+    built = build_optimizer(config.optimizer, groups)
+    return built, built
+
+
+def _build_scheduler(client: Any, config: DeepSpeedConfig, optimizer: torch.optim.Optimizer, stage: int):
+    if client is None:
+        return build_scheduler(config.scheduler, optimizer) if config.scheduler is not None else None
+    if config.scheduler is not None:
+        raise ConfigError("scheduler given twice: initialize(lr_scheduler=...) and the config's 'scheduler'; pass one")
+    if callable(client) and not hasattr(client, "step"):
+        return client(optimizer)
+    if stage == 1 and getattr(client, "optimizer", None) is not optimizer:
+        raise ConfigError(
+            "lr_scheduler: under ZeRO stage 1 the optimizer is rebuilt as ZeroRedundancyOptimizer, so a scheduler "
+            "instance would drive the old one; pass a callable optimizer -> scheduler, or use the config's 'scheduler'"
+        )
+    return client
+
+
+def _grad_scaler(config: DeepSpeedConfig, device: torch.device, stage: int):
+    if config.precision != "fp16":
+        return None
+    fp16 = config.fp16
+    dynamic = fp16.loss_scale == 0
+    kwargs = dict(
+        init_scale=2.0**fp16.initial_scale_power if dynamic else fp16.loss_scale,
+        growth_interval=fp16.loss_scale_window if dynamic else 2**31 - 1,
+    )
+    if stage >= 2:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device.type, **kwargs)
+    return torch.amp.GradScaler(device.type, **kwargs)
+
+
+def _dataloader(dataset: Dataset, collate_fn: Any, batch_size: int, rank: int, world_size: int) -> DataLoader:
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, drop_last=True)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True)
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: OptimizerArg = None,
+    model_parameters: Iterable | None = None,
+    lr_scheduler: Any = None,
+    config: ConfigSource | None = None,
+    training_data: Dataset | None = None,
+    collate_fn: Callable | None = None,
+    config_params: ConfigSource | None = None,
+) -> tuple[Engine, torch.optim.Optimizer, DataLoader | None, Any]:
+    """Wrap `model` for the configured ZeRO stage; returns (engine, optimizer, dataloader, lr_scheduler)
+    as deepspeed.initialize does. Every unsupported combination fails here, before training."""
+    if model is None:
+        raise ConfigError("initialize: model is required")
+    cfg = _config_from(args, config if config is not None else config_params)
+    stage = cfg.zero_optimization.stage
+    if not isinstance(stage, int):
+        raise ConfigError(
+            f"zero_optimization.stage: got {stage!r}; a list or \"all\" is only for the autotuner "
+            "(launcher --autotuning tune|run); give 0, 1, 2 or 3 to train"
+        )
+    ctx = init_distributed()
+    batch = resolve_batch(cfg, ctx.world_size)
+    id_to_name = {id(p): name for name, p in model.named_parameters()}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        source = [dict(group) for group in optimizer.param_groups]
+    else:
+        source = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    wrapped = wrap_model(model, stage, cfg.zero_optimization, cfg.precision, ctx)
+    groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
+    opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage)
+    scheduler = _build_scheduler(lr_scheduler, cfg, opt, stage)
+    loader = None
+    if training_data is not None:
+        loader = _dataloader(training_data, collate_fn, batch.micro_batch_size, ctx.rank, ctx.world_size)
+    engine = Engine(
+        wrapped, opt, scheduler, cfg, batch, ctx,
+        local_optimizer=local_opt,
+        grad_scaler=_grad_scaler(cfg, ctx.device, stage),
+        training_dataloader=loader,
+    )
+    return engine, opt, loader, scheduler

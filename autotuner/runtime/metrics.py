@@ -1,0 +1,96 @@
+"""The metrics file an experiment leaves for the tuner, and peak-memory measurement.
+
+Key names `throughput`, `latency` and `FLOPS_per_gpu` match DeepSpeed's, so either
+engine can feed the tuner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import resource
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from autotuner.runtime.timers import ProfileWindow, Summary
+
+
+def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
+    """Write JSON so a reader sees the old file or the whole new one, never a torn one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """This rank's peak: the CUDA allocator's on GPU, the resident-set high-water mark on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def build_metrics(
+    window: ProfileWindow,
+    *,
+    train_batch_size: int,
+    world_size: int,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    zero_stage: int,
+    precision: str,
+    peak_memory: int,
+    peak_memory_per_rank: list[int],
+    flops_per_step: float | None,
+    device_type: str,
+) -> dict[str, Any]:
+    """Metrics over the profile window. Throughput uses end-to-end step time (data loading included)."""
+    wall = Summary.of(window.step_wall_s)
+    latency = wall.mean_s
+    metrics: dict[str, Any] = {
+        "throughput": train_batch_size / latency if latency > 0 else 0.0,
+        "throughput_std": _throughput_spread(window.step_wall_s, train_batch_size),
+        "latency": latency,
+        "step_wall_s": dataclasses.asdict(wall),
+        "forward": dataclasses.asdict(Summary.of(window.forward_s)),
+        "backward": dataclasses.asdict(Summary.of(window.backward_s)),
+        "step": dataclasses.asdict(Summary.of(window.step_s)),
+        "peak_memory_bytes": peak_memory,
+        "peak_memory_bytes_per_rank": peak_memory_per_rank,
+        "world_size": world_size,
+        "train_batch_size": train_batch_size,
+        "micro_batch_size": micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "zero_stage": zero_stage,
+        "precision": precision,
+        "device_type": device_type,
+        "start_profile_step": window.start_step,
+        "end_profile_step": window.end_step,
+    }
+    if flops_per_step and latency > 0:
+        metrics["FLOPS_per_gpu"] = flops_per_step / latency
+    return metrics
+
+
+def _throughput_spread(step_wall_s: list[float], train_batch_size: int) -> float:
+    rates = [train_batch_size / s for s in step_wall_s if s > 0]
+    return Summary.of(rates).std_s

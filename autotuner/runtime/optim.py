@@ -1,0 +1,142 @@
+"""Optimizers and learning-rate schedules named by the config, with DeepSpeed's semantics."""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+
+from autotuner.config.models import OptimizerConfig, SchedulerConfig
+from autotuner.errors import ConfigError
+
+# DeepSpeed-only optimizer params: they choose its fused kernels, which we do not use.
+_DEEPSPEED_ONLY_OPTIMIZER_PARAMS = {"torch_adam", "adam_w_mode"}
+
+
+def optimizer_class(config: OptimizerConfig) -> type[torch.optim.Optimizer]:
+    """DeepSpeed's "Adam" decouples weight decay (adam_w_mode defaults to true), i.e. AdamW."""
+    if config.type == "SGD":
+        return torch.optim.SGD
+    if config.type == "AdamW" or config.params.get("adam_w_mode", True):
+        return torch.optim.AdamW
+    return torch.optim.Adam
+
+
+def optimizer_kwargs(config: OptimizerConfig) -> dict[str, Any]:
+    """The config's params, checked against the torch optimizer's signature."""
+    cls = optimizer_class(config)
+    allowed = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    kwargs = {}
+    for key, value in config.params.items():
+        if key in _DEEPSPEED_ONLY_OPTIMIZER_PARAMS:
+            continue
+        if key not in allowed:
+            raise ConfigError(
+                f"optimizer.params.{key}: not a parameter of torch.optim.{cls.__name__}; "
+                f"allowed: {', '.join(sorted(allowed))}"
+            )
+        kwargs[key] = tuple(value) if key == "betas" else value
+    return kwargs
+
+
+def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Optimizer:
+    cls = optimizer_class(config)
+    try:
+        return cls(params, **optimizer_kwargs(config))
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"optimizer.params: torch.optim.{cls.__name__} refused them: {err}") from err
+
+
+def _warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str) -> float:
+    """Fraction of warm-up done after `step` scheduler steps (DeepSpeed's log or linear ramp)."""
+    if step >= warmup_num_steps:
+        return 1.0
+    if warmup_type == "log":
+        return math.log(step + 1) / math.log(warmup_num_steps) if warmup_num_steps > 1 else 1.0
+    return step / warmup_num_steps
+
+
+_SCHEDULER_PARAMS = {
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"},
+    "WarmupDecayLR": {
+        "total_num_steps": None,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 0.001,
+        "warmup_num_steps": 1000,
+        "warmup_type": "log",
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": None,
+        "warmup_min_ratio": 0.0,
+        "warmup_num_steps": 1000,
+        "cos_min_ratio": 0.0001,
+        "warmup_type": "log",
+    },
+}
+
+
+def _scheduler_params(config: SchedulerConfig) -> dict[str, Any]:
+    defaults = _SCHEDULER_PARAMS[config.type]
+    for key in config.params:
+        if key not in defaults and key != "last_batch_iteration":
+            raise ConfigError(
+                f"scheduler.params.{key}: not a parameter of {config.type}; allowed: {', '.join(sorted(defaults))}"
+            )
+    params = {**defaults, **{k: v for k, v in config.params.items() if k != "last_batch_iteration"}}
+    if "total_num_steps" in params and not params["total_num_steps"]:
+        raise ConfigError(f"scheduler.params.total_num_steps: required by {config.type}; give a positive integer")
+    if params["warmup_type"] not in ("log", "linear"):
+        raise ConfigError(f"scheduler.params.warmup_type: got {params['warmup_type']!r}; expected \"log\" or \"linear\"")
+    if int(params["warmup_num_steps"]) < 0:
+        raise ConfigError("scheduler.params.warmup_num_steps: must be >= 0")
+    return params
+
+
+def lr_function(config: SchedulerConfig) -> Callable[[int, float], float]:
+    """lr(step, base_lr) for the configured schedule; `step` counts scheduler steps from 0."""
+    p = _scheduler_params(config)
+    warmup = int(p["warmup_num_steps"])
+    if config.type in ("WarmupLR", "WarmupDecayLR"):
+        low, high = float(p["warmup_min_lr"]), float(p["warmup_max_lr"])
+        total = int(p.get("total_num_steps") or 0)
+
+        def absolute(step: int, base_lr: float) -> float:
+            if config.type == "WarmupDecayLR" and step >= warmup:
+                return high * max(0.0, (total - step) / max(1.0, float(total - warmup)))
+            return low + (high - low) * _warmup_gamma(step, warmup, p["warmup_type"])
+
+        return absolute
+
+    total = int(p["total_num_steps"])
+    min_ratio, cos_min = float(p["warmup_min_ratio"]), float(p["cos_min_ratio"])
+
+    def cosine(step: int, base_lr: float) -> float:
+        if step < warmup:
+            ratio = min_ratio + (1.0 - min_ratio) * _warmup_gamma(step, warmup, p["warmup_type"])
+        else:
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            ratio = cos_min + (1.0 - cos_min) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return base_lr * ratio
+
+    return cosine
+
+
+class DeepSpeedStyleLR(LRScheduler):
+    """An LRScheduler that sets each group's lr to lr_fn(step, base_lr)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_fn: Callable[[int, float], float], last_epoch: int = -1):
+        self.lr_fn = lr_fn
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        return [self.lr_fn(max(0, self.last_epoch), base) for base in self.base_lrs]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_fn")}
+
+
+def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer) -> LRScheduler:
+    return DeepSpeedStyleLR(optimizer, lr_function(config))

@@ -1,0 +1,112 @@
+"""Measurements the autotuner asks of a rank: FLOPs per micro-step and activation bytes.
+
+Activation bytes are the tensors autograd saves for backward (parameters excluded),
+counted once per storage with saved-tensor hooks. That works the same on CPU and
+GPU and does not depend on allocator noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autotuner.runtime.metrics import write_json_atomic
+
+
+class FlopProbe:
+    """Counts FLOPs of one forward + backward with torch's FlopCounterMode."""
+
+    def __init__(self) -> None:
+        self.total: float | None = None
+        self._mode = None
+
+    def start(self) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._mode = FlopCounterMode(display=False)
+        self._mode.__enter__()
+
+    def stop(self) -> None:
+        if self._mode is None:
+            return
+        self._mode.__exit__(None, None, None)
+        self.total = float(self._mode.get_total_flops()) or None
+        self._mode = None
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    try:
+        return (str(tensor.device), tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return (str(tensor.device), id(tensor))
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return tensor.numel() * tensor.element_size()
+
+
+class ActivationProbe:
+    """Bytes of tensors saved for backward during one forward, excluding parameter storage."""
+
+    def __init__(self, parameters: list[torch.Tensor]):
+        self._param_keys = {_storage_key(_local(p)) for p in parameters}
+        self._seen: set[tuple[str, int]] = set()
+        self.bytes_saved = 0
+        self._hooks = None
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(tensor)
+        if key not in self._param_keys and key not in self._seen:
+            self._seen.add(key)
+            self.bytes_saved += _storage_bytes(tensor)
+        return tensor
+
+    def start(self) -> None:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+
+    def stop(self) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def count_parameters(module: nn.Module) -> tuple[int, int]:
+    """(all, trainable) element counts of the full, unsharded model."""
+    total = trainable = 0
+    for param in module.parameters():
+        numel = param.numel()  # a DTensor reports its global size
+        total += numel
+        if param.requires_grad:
+            trainable += numel
+    return total, trainable
+
+
+def write_model_info(
+    path: str | Path,
+    *,
+    zero_stage_module: nn.Module,
+    activation_bytes_per_rank: list[int],
+    micro_batch_size: int,
+    peak_memory_bytes: int,
+) -> None:
+    total, trainable = count_parameters(zero_stage_module)
+    info: dict[str, Any] = {
+        "num_params": total,
+        "trainable_num_params": trainable,
+        "activation_bytes_per_rank": activation_bytes_per_rank,
+        "activation_bytes_per_sample": max(activation_bytes_per_rank) // max(1, micro_batch_size),
+        "micro_batch_size": micro_batch_size,
+        "peak_memory_bytes": peak_memory_bytes,
+    }
+    write_json_atomic(path, info)

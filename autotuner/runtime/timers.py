@@ -1,0 +1,76 @@
+"""Wall-clock timers for forward, backward, optimizer step and whole training steps."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Statistics of a list of durations, in seconds."""
+
+    mean_s: float
+    std_s: float
+    median_s: float
+    min_s: float
+    max_s: float
+    count: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Summary":
+        if not values:
+            return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0)
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        return cls(statistics.fmean(values), std, statistics.median(values), min(values), max(values), len(values))
+
+
+class Stopwatch:
+    """Measures one phase; synchronises CUDA so GPU work is inside the interval."""
+
+    def __init__(self, device: torch.device):
+        self._cuda = device.type == "cuda"
+        self._started: float | None = None
+
+    def _now(self) -> float:
+        if self._cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self._started = self._now()
+
+    def stop(self) -> float:
+        if self._started is None:
+            return 0.0
+        elapsed = self._now() - self._started
+        self._started = None
+        return elapsed
+
+
+@dataclass
+class ProfileWindow:
+    """Durations recorded for optimizer steps start..end inclusive (steps count from 1)."""
+
+    start_step: int
+    end_step: int
+    forward_s: list[float] = field(default_factory=list)
+    backward_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    step_wall_s: list[float] = field(default_factory=list)
+
+    def covers(self, step: int) -> bool:
+        return self.start_step <= step <= self.end_step
+
+    def record_micro(self, step: int, forward: float, backward: float) -> None:
+        if self.covers(step):
+            self.forward_s.append(forward)
+            self.backward_s.append(backward)
+
+    def record_step(self, step: int, optimizer_step: float, wall: float) -> None:
+        if self.covers(step):
+            self.step_s.append(optimizer_step)
+            self.step_wall_s.append(wall)

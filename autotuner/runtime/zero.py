@@ -1,0 +1,117 @@
+"""ZeRO stages on native PyTorch: DDP (0), DDP + ZeroRedundancyOptimizer (1), FSDP2 (2, 3).
+
+No sharding is written here; this module only chooses and configures torch's wrappers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from autotuner.config.models import ZeroConfig
+from autotuner.errors import UnsupportedError
+from autotuner.runtime.distributed import DistributedContext
+
+_LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def ddp_bucket_cap_mb(zero: ZeroConfig) -> float | None:
+    """DeepSpeed's reduce_bucket_size counts elements; DDP's bucket_cap_mb counts MiB of fp32 gradients."""
+    if zero.reduce_bucket_size is None:
+        return None
+    return zero.reduce_bucket_size * 4 / 2**20
+
+
+def check_supported(stage: int, zero: ZeroConfig, precision: str, device: torch.device) -> None:
+    """Refuse, before any wrapping, what cannot work on this device or stage."""
+    offload = [
+        name
+        for name, section in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param))
+        if section is not None and section.device != "none"
+    ]
+    if offload and device.type != "cuda":
+        raise UnsupportedError(
+            f"zero_optimization.{offload[0]}.device: \"cpu\" offload needs a CUDA device (torch's FSDP2 "
+            "CPUOffloadPolicy refuses a CPU-only machine); set it to \"none\" here"
+        )
+    if offload and stage < 2:
+        raise UnsupportedError(
+            f"zero_optimization.{offload[0]}: offload needs ZeRO stage 2 or 3 (FSDP2 CPUOffloadPolicy); "
+            f"stage is {stage}"
+        )
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise UnsupportedError("bf16.enabled: this GPU does not support bf16; use fp16 or fp32")
+
+
+def _shard_units(model: nn.Module, persistence_threshold: int) -> list[nn.Module]:
+    """Modules sharded on their own: the entries of every ModuleList (transformer blocks).
+
+    Blocks smaller than `stage3_param_persistence_threshold` elements stay with their parent.
+    """
+    units = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList):
+            for block in module:
+                if sum(p.numel() for p in block.parameters()) >= persistence_threshold:
+                    units.append(block)
+    return units
+
+
+def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: DistributedContext) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mixed = MixedPrecisionPolicy()
+    if precision in _LOW_PRECISION:
+        # Gradients are reduced in fp32 so ranks agree to the last bit with DeepSpeed's default.
+        mixed = MixedPrecisionPolicy(param_dtype=_LOW_PRECISION[precision], reduce_dtype=torch.float32)
+    offloading = any(
+        s is not None and s.device == "cpu" for s in (zero.offload_optimizer, zero.offload_param)
+    )
+    offload = CPUOffloadPolicy(pin_memory=bool(zero.offload_param and zero.offload_param.pin_memory)) if offloading else OffloadPolicy()
+    reshard = stage == 3
+    kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
+    units = _shard_units(model, zero.stage3_param_persistence_threshold or 0)
+    for unit in units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    if zero.overlap_comm and len(units) > 1:
+        # Explicit one-ahead prefetch: gather block i+1 while block i computes.
+        for current, following in zip(units, units[1:]):
+            current.set_modules_to_forward_prefetch([following])
+        for current, previous in zip(units[1:], units):
+            current.set_modules_to_backward_prefetch([previous])
+    return model
+
+
+def wrap_model(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: DistributedContext) -> nn.Module:
+    """Move `model` to the device and wrap it for `stage`. FSDP2 shards it in place."""
+    check_supported(stage, zero, precision, ctx.device)
+    model = model.to(ctx.device)
+    if stage >= 2:
+        return _fsdp2(model, stage, zero, precision, ctx)
+    kwargs: dict[str, Any] = {}
+    cap = ddp_bucket_cap_mb(zero)
+    if cap is not None:
+        kwargs["bucket_cap_mb"] = cap
+    if zero.contiguous_gradients is not None:
+        kwargs["gradient_as_bucket_view"] = zero.contiguous_gradients
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def zero_redundancy(
+    param_groups: Iterable[dict[str, Any]], optimizer_cls: type[torch.optim.Optimizer], defaults: dict[str, Any]
+) -> torch.optim.Optimizer:
+    """ZeRO-1: optimizer state sharded across ranks by torch's ZeroRedundancyOptimizer."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(list(param_groups), optimizer_class=optimizer_cls, **defaults)
