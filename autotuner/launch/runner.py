@@ -23,11 +23,6 @@ def exit_status(exitcode: int) -> int:
     return 128 - exitcode if exitcode < 0 else exitcode
 
 
-def worst_exit_status(exitcodes: list[int]) -> int:
-    statuses = [exit_status(code) for code in exitcodes if code != 0]
-    return max(statuses) if statuses else 0
-
-
 def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
     """Start the plan's ranks, wait for them, and return the worst exit status (0 when all succeed)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
@@ -36,8 +31,9 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if quiet:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
-        logging.getLogger("torch.distributed.launcher").setLevel(logging.ERROR)
+        # We print one line per failed rank ourselves; elastic's own report repeats it at length.
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+        logging.getLogger("torch.distributed.launcher").setLevel(logging.CRITICAL)
     os.environ.update(plan.env)
     log_dir = tempfile.mkdtemp(prefix="autotuner-elastic-")
     config = LaunchConfig(
@@ -59,10 +55,12 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
         elastic_launch(config, program)(*args)
         return 0
     except ChildFailedError as failed:
-        codes = [failure.exitcode for failure in failed.failures.values()]
         for rank, failure in sorted(failed.failures.items()):
             print(f"launcher: rank {rank} exited with status {exit_status(failure.exitcode)}", file=sys.stderr)
-        return worst_exit_status(codes)
+        # The first rank to fail is the cause; the others were usually stopped by the agent (SIGTERM).
+        first_rank, first = failed.get_first_failure()
+        print(f"launcher: rank {first_rank} failed first", file=sys.stderr)
+        return exit_status(first.exitcode) or 1
     except SignalException as interrupted:
         print(f"launcher: stopped by {signal.Signals(interrupted.sigval).name}; all ranks ended", file=sys.stderr)
         return 128 + int(interrupted.sigval)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -27,6 +28,9 @@ from autotuner.errors import AutotunerError
 from autotuner.runtime.metrics import write_json_atomic
 
 LATEST_FILE = "latest"
+# Keys per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"), not per group index:
+# ZeRO-1 ranks hold different groups, and index keys would collide when DCP merges ranks.
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 ENGINE_STATE_FILE = "engine_state.json"
 
 
@@ -63,7 +67,7 @@ def save(
     path = Path(save_dir) / tag
     state = {
         "model": get_model_state_dict(model),
-        "optim": get_optimizer_state_dict(model, optimizer),
+        "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
     }
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
     if dist.get_rank() == 0:
@@ -92,9 +96,9 @@ def load(
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         _ensure_optimizer_state(model, optimizer)
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
     dcp.load(state, checkpoint_id=str(path), planner=_WeightsOnlyLoadPlanner())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"])
+        set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM_OPTIONS)
     return json.loads((path / ENGINE_STATE_FILE).read_text())

@@ -250,6 +250,7 @@ class Engine(nn.Module):
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "grad_scaler": self._grad_scaler.state_dict() if self._grad_scaler is not None else None,
             "client_state": client_state or {},
+            "param_groups": [_plain_hyperparameters(group) for group in self.optimizer.param_groups],
             "zero_stage": self.zero_stage,
             "world_size": self.ctx.world_size,
         }
@@ -265,6 +266,11 @@ class Engine(nn.Module):
             return None, None
         optimizer = self._local_optimizer if load_optimizer_states else None
         state = checkpoint.load(load_dir, resolved, self._checkpoint_model(), optimizer)
+        if optimizer is not None:
+            # ZeRO-1 copies its global groups' hyperparameters into the local optimizer at each
+            # step, so they are restored from the engine state, not from the local optimizer.
+            for group, saved in zip(self.optimizer.param_groups, state.get("param_groups", [])):
+                group.update(saved)
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
         self.global_samples = state["global_samples"]
@@ -273,3 +279,16 @@ class Engine(nn.Module):
         if self._grad_scaler is not None and state.get("grad_scaler"):
             self._grad_scaler.load_state_dict(state["grad_scaler"])
         return str(Path(load_dir) / resolved), state.get("client_state", {})
+
+
+def _plain_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's JSON-safe hyperparameters (lr, betas, ...), without the parameters."""
+    plain = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, (int, float, bool, str, type(None))):
+            plain[key] = value
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value):
+            plain[key] = list(value) if isinstance(value, list) else value
+    return plain

@@ -1,0 +1,86 @@
+"""The engine on 2 gloo ranks, started by our launcher: stage parity, gas, checkpoints, metrics."""
+
+import json
+
+import pytest
+
+from autotuner.config import read_config_file
+
+from conftest import CONFIGS, MINIMAL, WORKERS, run_launcher
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+STAGES = ("0", "1", "2", "3")
+
+
+def run_check(check: str, tmp_path) -> dict:
+    out = tmp_path / f"{check}.json"
+    result = run_launcher("--nproc_per_node", "2", WORKERS / "engine_checks.py", "--check", check, "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == 2
+    return data
+
+
+def test_every_stage_gives_stage0_losses(tmp_path, no_orphans):
+    losses = run_check("parity", tmp_path)["losses"]
+    assert len(losses["0"]) == 5
+    for stage in ("1", "2", "3"):
+        assert losses[stage] == pytest.approx(losses["0"], abs=1e-5), f"stage {stage}"
+    assert len(set(losses["0"])) > 1  # the model really trained on changing data
+
+
+def test_micro2_gas2_equals_micro4_gas1(tmp_path, no_orphans):
+    result = run_check("gas", tmp_path)
+    for stage in STAGES:
+        accumulated, single = result[stage]["2x2"], result[stage]["4x1"]
+        assert accumulated.keys() == single.keys()
+        for name in single:
+            assert accumulated[name] == pytest.approx(single[name], abs=1e-6), f"stage {stage} {name}"
+
+
+def test_checkpoint_round_trip_gives_identical_losses(tmp_path, no_orphans):
+    result = run_check("checkpoint", tmp_path)
+    for stage in STAGES:
+        record = result[stage]
+        assert record["resumed"] == record["continued"], f"stage {stage}"
+        assert record["client_state"] == {"note": "three steps"}
+        assert record["global_steps"] == 5
+        assert record["lr"] == record["lr_continued"]
+
+
+def test_metrics_written_and_ranks_exit_at_end_profile_step(tmp_path, no_orphans):
+    metric_path = tmp_path / "metrics.json"
+    config = read_config_file(CONFIGS / "zero2.json")
+    config["autotuning"] = {"enabled": True, "start_profile_step": 3, "end_profile_step": 6,
+                            "metric_path": str(metric_path)}
+    config["gradient_accumulation_steps"] = 2
+    config_file = tmp_path / "ds.json"
+    config_file.write_text(json.dumps(config))
+    result = run_launcher("--nproc_per_node", "2", MINIMAL, "--deepspeed", config_file, "--steps", "50")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done:" not in result.stdout  # the ranks left at step 6, not after 50 steps
+    metrics = json.loads(metric_path.read_text())
+    assert metrics["world_size"] == 2 and metrics["zero_stage"] == 2
+    assert metrics["micro_batch_size"] == 16 and metrics["gradient_accumulation_steps"] == 2
+    assert metrics["train_batch_size"] == 64
+    assert metrics["step_wall_s"]["count"] == 4  # steps 3..6 inclusive
+    assert metrics["forward"]["count"] == 8 and metrics["backward"]["count"] == 8  # 4 steps x gas 2
+    assert metrics["step"]["count"] == 4
+    assert metrics["latency"] == pytest.approx(metrics["step_wall_s"]["mean_s"])
+    assert metrics["throughput"] == pytest.approx(64 / metrics["latency"])
+    assert metrics["latency"] >= metrics["forward"]["mean_s"] * 2
+    assert metrics["FLOPS_per_gpu"] > 0
+    assert len(metrics["peak_memory_bytes_per_rank"]) == 2
+    assert metrics["peak_memory_bytes"] == max(metrics["peak_memory_bytes_per_rank"]) > 50 * 2**20
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_minimal_example_trains_under_each_stage(stage, tmp_path, no_orphans):
+    losses_file = tmp_path / "losses.json"
+    result = run_launcher("--nproc_per_node", "2", MINIMAL, "--deepspeed", CONFIGS / f"zero{stage}.json",
+                          "--steps", "30", "--losses_out", losses_file, "--save_dir", tmp_path / "ckpt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = json.loads(losses_file.read_text())
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5  # it learns
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step30"
