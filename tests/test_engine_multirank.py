@@ -32,10 +32,12 @@ def test_every_stage_gives_stage0_losses(tmp_path, no_orphans):
 def test_micro2_gas2_equals_micro4_gas1(tmp_path, no_orphans):
     result = run_check("gas", tmp_path)
     for stage in STAGES:
-        accumulated, single = result[stage]["2x2"], result[stage]["4x1"]
+        accumulated, single, initial = result[stage]["2x2"], result[stage]["4x1"], result[stage]["initial"]
         assert accumulated.keys() == single.keys()
         for name in single:
             assert accumulated[name] == pytest.approx(single[name], abs=1e-6), f"stage {stage} {name}"
+        moved = max(abs(a - b) for name in single for a, b in zip(single[name], initial[name]))
+        assert moved > 1e-3  # the step really changed the parameters
 
 
 def test_checkpoint_round_trip_gives_identical_losses(tmp_path, no_orphans):

@@ -70,6 +70,11 @@ def full_parameters(engine) -> dict[str, list]:
     return out
 
 
+def full_parameters_of(model_cls) -> dict[str, list]:
+    torch.manual_seed(0)
+    return {name: p.detach().flatten().tolist() for name, p in model_cls().named_parameters()}
+
+
 def check_parity() -> dict:
     losses = {}
     for stage in STAGES:
@@ -86,7 +91,9 @@ def check_gas() -> dict:
         params = {}
         for micro, gas in ((4, 1), (2, 2)):
             torch.manual_seed(0)
-            engine, *_ = autotuner.initialize(model=Net(), config=config(stage, micro, gas, optimizer="SGD"))
+            settings = config(stage, micro, gas, optimizer="SGD")
+            del settings["scheduler"]  # warm-up would start at lr 0 and hide any difference
+            engine, *_ = autotuner.initialize(model=Net(), config=settings)
             x, y = batch(0, 0, 4)
             for index in range(gas):
                 part = slice(index * micro, (index + 1) * micro)
@@ -94,6 +101,7 @@ def check_gas() -> dict:
                 engine.step()
             assert engine.global_steps == 1
             params[f"{micro}x{gas}"] = full_parameters(engine)
+        params["initial"] = full_parameters_of(Net)
         result[stage] = params
     return result
 
