@@ -136,6 +136,8 @@ def bench_stage(stage: int, base: nn.Module, batches: list, args: argparse.Names
         "plain": make_plain_step(copy.deepcopy(base), stage),
         "engine": make_engine_step(copy.deepcopy(base), stage, args.batch),
     }
+    if args.control:  # A/A check: a second plain copy in the engine's slot shows the noise floor
+        steps["engine"] = make_plain_step(copy.deepcopy(base), stage)
     for name, step in steps.items():  # first steps: lazy init, DDP bucket rebuild, optimizer state
         run_block(step, batches, args.warmup, 0, 0)
     all_times: dict[str, list[float]] = {name: [] for name in steps}
@@ -180,10 +182,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each block")
     parser.add_argument("--repeats", type=int, default=5, help="blocks per variant and stage")
     parser.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch", type=int, default=32, help="micro-batch per rank")
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    parser.add_argument("--control", action="store_true", help="time plain against plain (noise floor)")
     args = parser.parse_args()
 
     # torch reads OMP_NUM_THREADS at start-up; set it again so a hand-launched run matches the launcher.

@@ -59,12 +59,12 @@ def field_names(model: type[BaseModel]) -> set[str]:
     return names
 
 
-def _section_model(annotation: Any) -> type[BaseModel] | None:
+def section_model(annotation: Any) -> type[BaseModel] | None:
     """The BaseModel inside `Model`, `Model | None` or `Optional[Model]`, if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     for arg in typing.get_args(annotation):
-        found = _section_model(arg)
+        found = section_model(arg)
         if found is not None:
             return found
     return None
@@ -82,7 +82,7 @@ def check_keys(raw: dict[str, Any], model: type[BaseModel], source: str, path: s
     for key, value in raw.items():
         dotted = f"{path}.{key}" if path else key
         if key in known:
-            sub = _section_model(model.model_fields[key].annotation)
+            sub = section_model(model.model_fields[key].annotation)
             if sub is not None and isinstance(value, dict):
                 value, sub_ignored = check_keys(value, sub, source, dotted)
                 ignored.extend(sub_ignored)

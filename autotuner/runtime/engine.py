@@ -17,8 +17,9 @@ from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.runtime import checkpoint
 from autotuner.runtime.distributed import DistributedContext
-from autotuner.runtime.metrics import build_metrics, peak_memory_bytes, write_json_atomic
-from autotuner.runtime.profile import ActivationProbe, FlopProbe, write_model_info
+from autotuner.runtime.metrics import build_metrics, is_out_of_memory, peak_memory_bytes, write_json_atomic
+from autotuner.runtime.profile import ActivationProbe, FlopProbe, device_memory_bytes, write_model_info
+from autotuner.runtime.zero import shard_units
 from autotuner.runtime.timers import ProfileWindow, Stopwatch, Summary
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class Engine(nn.Module):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._last_boundary_end is None:
-            self._last_boundary_end = self._forward_watch._now()
+            self._last_boundary_end = self._forward_watch.now()
         self._set_gradient_sync(self.is_gradient_accumulation_boundary())
         if self._flop_probe is not None and self.micro_steps == 0:
             self._flop_probe.start()
@@ -127,7 +128,7 @@ class Engine(nn.Module):
             else contextlib.nullcontext()
         )
         self._forward_watch.start()
-        with autocast:
+        with autocast, self._oom_guard():
             output = self.module(*inputs, **kwargs)
         self._pending_forward_s = self._forward_watch.stop()
         if self._activation_probe is not None and self.micro_steps == 0:
@@ -140,7 +141,8 @@ class Engine(nn.Module):
         if self._grad_scaler is not None:
             scaled = self._grad_scaler.scale(scaled)
         self._backward_watch.start()
-        scaled.backward()
+        with self._oom_guard():
+            scaled.backward()
         backward_s = self._backward_watch.stop()
         if self._flop_probe is not None and self.micro_steps == 0:
             self._flop_probe.stop()
@@ -154,6 +156,22 @@ class Engine(nn.Module):
         if not boundary:
             return
         self._step_watch.start()
+        with self._oom_guard():
+            self._optimizer_step()
+        step_s = self._step_watch.stop()
+        now = self._step_watch.now()
+        wall = now - (self._last_boundary_end or now)
+        self._last_boundary_end = now
+        self.global_steps += 1
+        self.global_samples += self.batch.train_batch_size
+        self._window.record_step(self.global_steps, step_s, wall)
+        self._report_progress(wall)
+        if self._activation_probe is not None and self.global_steps == 1:
+            self._write_model_info()
+        if self._exit_after_window and self.global_steps == self._window.end_step:
+            self._finish_profile()
+
+    def _optimizer_step(self) -> None:
         if self._grad_scaler is not None:
             self._grad_scaler.unscale_(self.optimizer)
         if self.config.gradient_clipping > 0:
@@ -166,18 +184,18 @@ class Engine(nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
-        step_s = self._step_watch.stop()
-        now = self._step_watch._now()
-        wall = now - (self._last_boundary_end or now)
-        self._last_boundary_end = now
-        self.global_steps += 1
-        self.global_samples += self.batch.train_batch_size
-        self._window.record_step(self.global_steps, step_s, wall)
-        self._report_progress(wall)
-        if self._activation_probe is not None and self.global_steps == 1:
-            self._write_model_info()
-        if self._exit_after_window and self.global_steps == self._window.end_step:
-            self._finish_profile()
+
+    @contextlib.contextmanager
+    def _oom_guard(self):
+        """When tuning, leave a marker beside the metrics file on out-of-memory, so the tuner
+        records OOM from a file rather than by reading logs. The error still propagates."""
+        try:
+            yield
+        except (torch.OutOfMemoryError, RuntimeError) as err:
+            path = self.config.autotuning.metric_path
+            if path and is_out_of_memory(err):
+                write_json_atomic(f"{path}.oom-rank{self.ctx.rank}", {"rank": self.ctx.rank, "error": str(err)[:500]})
+            raise
 
     def _report_progress(self, wall_s: float) -> None:
         if self.ctx.rank != 0 or self.global_steps % self.config.steps_per_print:
@@ -202,15 +220,34 @@ class Engine(nn.Module):
         return [int(t.item()) for t in gathered]
 
     def _write_model_info(self) -> None:
-        per_rank = self._gather_max(self._activation_probe.bytes_saved)
+        """After step 1: parameters, activation bytes, optimizer-state bytes and peak memory.
+
+        With autotuning.model_info.profile set, every rank then leaves with status 0."""
+        activation_per_rank = self._gather_max(self._activation_probe.bytes_saved)
+        optimizer_bytes = sum(self._gather_max(_state_bytes(self._local_optimizer)))
+        peak_per_rank = self._gather_max(peak_memory_bytes(self.ctx.device))
         if self.ctx.rank == 0:
             write_model_info(
                 self.config.autotuning.model_info_path,
                 zero_stage_module=self.module,
-                activation_bytes_per_rank=per_rank,
+                activation_bytes_per_rank=activation_per_rank,
+                optimizer_state_bytes=optimizer_bytes,
                 micro_batch_size=self.batch.micro_batch_size,
-                peak_memory_bytes=peak_memory_bytes(self.ctx.device),
+                peak_memory_bytes_per_rank=peak_per_rank,
+                num_shard_units=len(shard_units(self.module, 0)),
+                device_memory_bytes=device_memory_bytes(self.ctx.device),
+                zero_stage=self.zero_stage,
+                precision=self.precision,
+                world_size=self.ctx.world_size,
             )
+        model_info = self.config.autotuning.model_info
+        if model_info is not None and model_info.profile:
+            self._leave()
+
+    def _leave(self) -> None:
+        dist.barrier()
+        dist.destroy_process_group()
+        sys.exit(0)
 
     def _finish_profile(self) -> None:
         """Rank 0 writes the metrics file; every rank then leaves with status 0."""
@@ -232,9 +269,7 @@ class Engine(nn.Module):
             )
             write_json_atomic(self.config.autotuning.metric_path, metrics)
             print(f"autotuner: profile steps done; metrics written to {self.config.autotuning.metric_path}", flush=True)
-        dist.barrier()
-        dist.destroy_process_group()
-        sys.exit(0)
+        self._leave()
 
     # ----- checkpoints -----
     def _checkpoint_model(self) -> nn.Module:
@@ -279,6 +314,17 @@ class Engine(nn.Module):
         if self._grad_scaler is not None and state.get("grad_scaler"):
             self._grad_scaler.load_state_dict(state["grad_scaler"])
         return str(Path(load_dir) / resolved), state.get("client_state", {})
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's optimizer state tensors (their local shards under FSDP2)."""
+    total = 0
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
 
 
 def _plain_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -35,6 +35,13 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
         raise
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator failing (e.g. under RLIMIT_AS)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    return isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """This rank's peak: the CUDA allocator's on GPU, the resident-set high-water mark on CPU."""
     if device.type == "cuda":

@@ -92,21 +92,41 @@ def count_parameters(module: nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of this rank's GPU; None on CPU (the tuner uses host RAM there)."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device).total_memory)
+
+
 def write_model_info(
     path: str | Path,
     *,
     zero_stage_module: nn.Module,
     activation_bytes_per_rank: list[int],
+    optimizer_state_bytes: int,
     micro_batch_size: int,
-    peak_memory_bytes: int,
+    peak_memory_bytes_per_rank: list[int],
+    num_shard_units: int,
+    device_memory_bytes: int | None,
+    zero_stage: int,
+    precision: str,
+    world_size: int,
 ) -> None:
     total, trainable = count_parameters(zero_stage_module)
     info: dict[str, Any] = {
         "num_params": total,
         "trainable_num_params": trainable,
         "activation_bytes_per_rank": activation_bytes_per_rank,
-        "activation_bytes_per_sample": max(activation_bytes_per_rank) // max(1, micro_batch_size),
+        "activation_bytes": max(activation_bytes_per_rank),
+        "optimizer_state_bytes_per_param": optimizer_state_bytes / max(1, trainable),
         "micro_batch_size": micro_batch_size,
-        "peak_memory_bytes": peak_memory_bytes,
+        "peak_memory_bytes_per_rank": peak_memory_bytes_per_rank,
+        "peak_memory_bytes": max(peak_memory_bytes_per_rank),
+        "num_shard_units": num_shard_units,
+        "device_memory_bytes": device_memory_bytes,
+        "zero_stage": zero_stage,
+        "precision": precision,
+        "world_size": world_size,
     }
     write_json_atomic(path, info)

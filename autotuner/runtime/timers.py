@@ -35,18 +35,18 @@ class Stopwatch:
         self._cuda = device.type == "cuda"
         self._started: float | None = None
 
-    def _now(self) -> float:
+    def now(self) -> float:
         if self._cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
 
     def start(self) -> None:
-        self._started = self._now()
+        self._started = self.now()
 
     def stop(self) -> float:
         if self._started is None:
             return 0.0
-        elapsed = self._now() - self._started
+        elapsed = self.now() - self._started
         self._started = None
         return elapsed
 

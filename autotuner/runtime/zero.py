@@ -46,7 +46,7 @@ def check_supported(stage: int, zero: ZeroConfig, precision: str, device: torch.
         raise UnsupportedError("bf16.enabled: this GPU does not support bf16; use fp16 or fp32")
 
 
-def _shard_units(model: nn.Module, persistence_threshold: int) -> list[nn.Module]:
+def shard_units(model: nn.Module, persistence_threshold: int) -> list[nn.Module]:
     """Modules sharded on their own: the entries of every ModuleList (transformer blocks).
 
     Blocks smaller than `stage3_param_persistence_threshold` elements stay with their parent.
@@ -75,7 +75,7 @@ def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: 
     offload = CPUOffloadPolicy(pin_memory=bool(zero.offload_param and zero.offload_param.pin_memory)) if offloading else OffloadPolicy()
     reshard = stage == 3
     kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
-    units = _shard_units(model, zero.stage3_param_persistence_threshold or 0)
+    units = shard_units(model, zero.stage3_param_persistence_threshold or 0)
     for unit in units:
         fully_shard(unit, **kwargs)
     fully_shard(model, **kwargs)

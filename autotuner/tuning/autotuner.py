@@ -1,0 +1,243 @@
+"""The one orchestrator: profile -> memory model -> search (ask/run/tell) -> results."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.errors import AutotunerError
+from autotuner.launch.script_args import replace_config
+from autotuner.tuning.experiment import RECORD_FILE, ExperimentSettings, experiment_config, mapped_script_args, run_experiment
+from autotuner.tuning.memory import ModelProfile, StageSettings, estimate, max_micro_batch_size
+from autotuner.tuning.profiling import profile_from_config, profile_model
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.results import write_results
+from autotuner.tuning.search import DEFAULT_KNOBS, SearchPolicy, SearchSpace, run_search
+from autotuner.tuning.space import Experiment
+
+SAFETY_MARGIN = 0.1
+
+
+class TuningFailed(AutotunerError):
+    """Nothing to choose from: the model did not run, or every experiment failed."""
+
+    exit_code = 1
+
+
+@dataclass(frozen=True)
+class TuningOutcome:
+    results: tuple[TrialResult, ...]
+    best: TrialResult | None
+    summary: str
+    optimal_config_path: Path | None
+    optimal_script_args: tuple[str, ...] | None
+    optimal_command: tuple[str, ...] | None
+
+
+def _zero_settings(config: DeepSpeedConfig) -> dict[str, Any]:
+    return config.to_dict().get("zero_optimization", {})
+
+
+def base_config(config: DeepSpeedConfig) -> dict[str, Any]:
+    """The user's config with every searchable value settled to a default; experiments set their own."""
+    base = config.to_dict()
+    zero = dict(base.get("zero_optimization", {}))
+    for knob, value in list(zero.items()):
+        if isinstance(value, list) and knob != "stage":
+            zero[knob] = value[0]
+    zero.pop("stage", None)
+    base["zero_optimization"] = zero
+    return base
+
+
+def knob_values(config: DeepSpeedConfig) -> dict[int, dict[str, list[Any]]]:
+    """Full-mode knob values per stage: a user scalar fixes a knob, a user list replaces the defaults."""
+    user = _zero_settings(config)
+    values: dict[int, dict[str, list[Any]]] = {}
+    for stage, defaults in DEFAULT_KNOBS.items():
+        stage_values = {}
+        for knob, default in defaults.items():
+            if knob not in user:
+                stage_values[knob] = default
+            elif isinstance(user[knob], list):
+                stage_values[knob] = user[knob]
+        values[stage] = stage_values
+    return values
+
+
+def search_space(config: DeepSpeedConfig, data_parallel_size: int) -> SearchSpace:
+    tuning = config.autotuning
+    micro = config.train_micro_batch_size_per_gpu
+    fixed_micro = tuple(micro) if isinstance(micro, list) else (micro,) if isinstance(micro, int) else ()
+    gas = config.gradient_accumulation_steps
+    exact = isinstance(config.train_batch_size, int)
+    global_batch = config.train_batch_size if exact else tuning.max_train_batch_size
+    return SearchSpace(
+        stages=config.zero_optimization.stages,
+        data_parallel_size=data_parallel_size,
+        min_micro_batch_size=tuning.min_train_micro_batch_size_per_gpu,
+        max_micro_batch_size=tuning.max_train_micro_batch_size_per_gpu,
+        fixed_micro_batch_sizes=fixed_micro,
+        fixed_gradient_accumulation_steps=gas if isinstance(gas, int) else None,
+        global_batch_size=global_batch,
+        global_batch_exact=exact,
+        num_micro_batch_sizes=tuning.num_tuning_micro_batch_sizes,
+        knob_values=knob_values(config),
+    )
+
+
+def _offloads(config: DeepSpeedConfig) -> tuple[bool, bool]:
+    zero = config.zero_optimization
+    return (bool(zero.offload_optimizer and zero.offload_optimizer.device == "cpu"),
+            bool(zero.offload_param and zero.offload_param.device == "cpu"))
+
+
+class Autotuner:
+    """Runs one tuning job. `report` receives progress lines."""
+
+    def __init__(self, config: DeepSpeedConfig, settings: ExperimentSettings, results_dir: Path, exps_dir: Path,
+                 report: Callable[[str], None] = print):
+        self.config = config
+        self.settings = settings
+        self.results_dir = results_dir
+        self.exps_dir = exps_dir
+        self.report = report
+        self.objective = settings.objective
+        tuning = config.autotuning
+        self.policy = SearchPolicy(self.objective, tuning.tuner_type, tuning.tuner_early_stopping,
+                                   tuning.tuner_num_trials, tuning.tuner_seed, tuning.fast)
+        self.space = search_space(config, settings.data_parallel_size)
+        self._results: dict[Experiment, TrialResult] = {}
+        self._pruned: list[TrialResult] = []
+        self._journal: dict[str, TrialResult] = {}
+        self._launched = 0
+        self._started = time.monotonic()
+        self.profile: ModelProfile | None = None
+        self.budget_bytes: int | None = None
+
+    # ----- set-up -----
+    def _prepare_dirs(self) -> None:
+        if self.config.autotuning.overwrite:
+            for directory in (self.exps_dir, self.results_dir):
+                if directory.exists():
+                    for child in directory.iterdir():
+                        if child.name != ".lock":
+                            shutil.rmtree(child) if child.is_dir() else child.unlink()
+        self.exps_dir.mkdir(parents=True, exist_ok=True)
+        self.results_dir.mkdir(parents=True, exist_ok=True)
+        for record in self.exps_dir.glob(f"*/{RECORD_FILE}"):
+            try:
+                result = TrialResult.from_json(json.loads(record.read_text()))
+            except (ValueError, KeyError, TypeError):
+                continue  # a record from an older format, or damaged: run that experiment again
+            if result.state.finished:
+                self._journal[result.name] = result
+
+    def _stage_settings(self, stage: int) -> StageSettings:
+        offload_optimizer, offload_param = _offloads(self.config)
+        zero = base_config(self.config)["zero_optimization"]
+        return StageSettings(stage, self.config.precision, self.settings.data_parallel_size,
+                             offload_optimizer, offload_param, bool(zero.get("contiguous_gradients")))
+
+    def _measure_model(self) -> None:
+        tuning = self.config.autotuning
+        if tuning.model_info is not None and tuning.model_info.num_params:
+            self.profile = profile_from_config(tuning.model_info)
+            device_memory = None
+            self.report(f"model_info given: {self.profile.num_params:,} parameters; no profile run")
+        else:
+            outcome = profile_model(self.space.stages, self.exps_dir, self.settings, self.config.precision,
+                                    reuse=not tuning.overwrite, report=self.report)
+            if outcome.profile is None:
+                failure = outcome.failure
+                where = self.exps_dir / f"profile_z{failure.experiment.zero_stage}_mbs{failure.experiment.micro_batch_size}"
+                raise TuningFailed(f"the model did not run in the profile launch ({failure.state.value}): "
+                                   f"{failure.error}; see {where}/stderr.log")
+            self.profile = outcome.profile
+            device_memory = outcome.device_memory_bytes
+            self.report(f"profile: {self.profile.num_params:,} parameters, "
+                        f"{self.profile.activation_bytes_per_sample / 2**20:.2f} MiB activations per sample, "
+                        f"baseline {self.profile.baseline_bytes / 2**20:.0f} MiB per rank")
+        if tuning.memory_per_rank_bytes:
+            self.budget_bytes = tuning.memory_per_rank_bytes
+        elif device_memory:
+            self.budget_bytes = device_memory
+        else:
+            self.budget_bytes = psutil.virtual_memory().total // self.settings.nproc_per_node
+        self.report(f"memory budget: {self.budget_bytes / 2**20:.0f} MiB per rank (safety margin {SAFETY_MARGIN:.0%})")
+
+    def predicted_largest(self) -> dict[int, int]:
+        return {stage: max_micro_batch_size(self.profile, self._stage_settings(stage), self.budget_bytes, SAFETY_MARGIN)
+                for stage in self.space.stages}
+
+    def predicted_memory(self, experiment: Experiment) -> int:
+        return estimate(self.profile, self._stage_settings(experiment.zero_stage), experiment.micro_batch_size).total
+
+    # ----- the loop -----
+    def _evaluate(self, experiment: Experiment) -> TrialResult:
+        if experiment in self._results:
+            return self._results[experiment]
+        reused = self._journal.get(experiment.name)
+        if reused is not None:
+            result = reused
+        else:
+            result = run_experiment(experiment, self.exps_dir / experiment.name, self.settings,
+                                    self.predicted_memory(experiment))
+            self._launched += 1
+        self._results[experiment] = result
+        self._progress(result, reused is not None)
+        return result
+
+    def _prune(self, stage: int, reason: str) -> None:
+        experiment = self.space.experiment(stage, self.space.min_micro_batch_size)
+        self._pruned.append(TrialResult(experiment, TrialState.PRUNED, error=reason,
+                                        predicted_memory_bytes=self.predicted_memory(experiment)))
+        self.report(f"ZeRO {stage}: pruned, not launched ({reason})")
+
+    def _progress(self, result: TrialResult, reused: bool) -> None:
+        best = self.objective.best(list(self._results.values()))
+        value = f"{result.value:.4g} {self.objective.metric}" if result.value is not None else result.error
+        best_text = f"{best.name} {best.value:.4g}" if best else "none yet"
+        elapsed = time.strftime("%H:%M:%S", time.gmtime(time.monotonic() - self._started))
+        tag = " (from an earlier run)" if reused else ""
+        self.report(f"[{len(self._results)}] {result.name}: {result.state.value}{tag}: {value} | best {best_text} | "
+                    f"elapsed {elapsed}")
+
+    def tune(self) -> TuningOutcome:
+        self._prepare_dirs()
+        self._measure_model()
+        largest = self.predicted_largest()
+        self.report("memory model, largest micro-batch per stage: " +
+                    ", ".join(f"z{s}={m}" for s, m in sorted(largest.items())))
+        results = run_search(self.space, self.policy, largest, self._evaluate, self._prune)
+        everything = list(dict.fromkeys(results)) + self._pruned
+        best = self.objective.best(everything)
+        optimal_path = optimal_args = optimal_cmd = config = None
+        if best is not None:
+            config = experiment_config(best.experiment, self.settings, None)
+            optimal_path = (self.results_dir / "ds_config_optimal.json").resolve()
+            optimal_args = optimal_script_args(self.settings, config, optimal_path)
+            optimal_cmd = optimal_command(self.settings, optimal_args)
+        summary = write_results(self.results_dir, everything, self.objective, time.monotonic() - self._started,
+                                config, list(optimal_cmd) if optimal_cmd else None)
+        return TuningOutcome(tuple(everything), best, summary, optimal_path, optimal_args, optimal_cmd)
+
+
+def optimal_script_args(settings: ExperimentSettings, config: dict[str, Any], config_path: Path) -> tuple[str, ...]:
+    """The user's script arguments with the optimum's mapped values and config file."""
+    return replace_config(mapped_script_args(settings.script_args, settings.arg_mappings, config), str(config_path))
+
+
+def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tuple[str, ...]:
+    """The command that trains with the optimum: our launcher, the user's script, its arguments."""
+    launcher = shutil.which("launcher")
+    prefix = [launcher] if launcher else [sys.executable, "-m", "autotuner"]
+    return (*prefix, "--nproc_per_node", str(settings.nproc_per_node), *settings.launcher_args, settings.script, *args)

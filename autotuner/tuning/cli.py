@@ -1,0 +1,149 @@
+"""`launcher --autotuning tune|run`: check the request, lock the results, tune, then maybe train."""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from autotuner.config import DeepSpeedConfig, load_config
+from autotuner.config.keys import field_names, section_model
+from autotuner.errors import ConfigError, UsageError
+from autotuner.launch import LaunchOptions, build_plan, run_plan
+from autotuner.launch.script_args import config_path
+from autotuner.tuning.autotuner import Autotuner, TuningFailed, base_config
+from autotuner.tuning.experiment import ExperimentSettings
+from autotuner.tuning.records import Objective
+
+logger = logging.getLogger(__name__)
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM reached the tuner; raised so every running experiment is ended on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def check_arg_mappings(config: DeepSpeedConfig, source: str) -> None:
+    """Every mapped key must name a config key (dotted for nested ones)."""
+    for key in config.autotuning.arg_mappings:
+        model = type(config)
+        parts = key.split(".")
+        for depth, part in enumerate(parts):
+            if model is None or part not in field_names(model):
+                raise ConfigError(f"{source}: autotuning.arg_mappings: '{key}' is not a config key; map keys like "
+                                  "train_micro_batch_size_per_gpu or gradient_accumulation_steps to script flags")
+            model = section_model(model.model_fields[part].annotation) if depth < len(parts) - 1 else None
+    for key, flag in config.autotuning.arg_mappings.items():
+        if not flag.startswith("-"):
+            raise ConfigError(f"{source}: autotuning.arg_mappings.{key}: got {flag!r}; expected a flag like --{key}")
+
+
+def check_results_dir(path: Path, key: str) -> None:
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"autotuning.{key}: {path} exists and is not a directory")
+    probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"autotuning.{key}: {path} is not writable")
+
+
+@contextmanager
+def exclusive_lock(results_dir: Path):
+    """One tuner per results_dir: a second one started while this runs is refused."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(results_dir / ".lock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise UsageError(f"autotuning.results_dir: {results_dir} is in use by another tuner (locked); "
+                         "wait for it or choose another results_dir") from None
+    try:
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+@contextmanager
+def signals_as_exceptions():
+    def handler(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _say(line: str) -> None:
+    print(f"autotuner: {line}", flush=True)
+
+
+def autotune(args: argparse.Namespace) -> int:
+    script_args = tuple(args.script_args)
+    source = config_path(script_args)
+    if source is None:
+        raise UsageError("--autotuning needs the script's config: add --deepspeed ds.json after the script")
+    config = load_config(source)
+    tuning = config.autotuning
+    if not tuning.enabled:
+        # The flag states the intent; DeepSpeed would silently do nothing here.
+        _say(f"{source}: autotuning.enabled is false; tuning anyway because --autotuning {args.autotuning} was given")
+    check_arg_mappings(config, source)
+    options = LaunchOptions(script=args.script, script_args=script_args, nproc_per_node=args.nproc_per_node,
+                            num_nodes=args.num_nodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                            master_port=args.master_port)
+    plan = build_plan(options, sys.executable)  # validates the launch options before anything starts
+    if plan.num_nodes > 1:
+        raise UsageError("--autotuning runs on one node for now; drop --num_nodes or tune on a single node")
+    results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
+    check_results_dir(results_dir, "results_dir")
+    check_results_dir(exps_dir, "exps_dir")
+    data_parallel_size = plan.world_size // tuning.mp_size
+    if data_parallel_size < 1 or plan.world_size % tuning.mp_size:
+        raise ConfigError(f"{source}: autotuning.mp_size: got {tuning.mp_size}; it must divide the world size "
+                          f"({plan.world_size})")
+    settings = ExperimentSettings(
+        script=args.script,
+        script_args=script_args,
+        base_config=base_config(config),
+        nproc_per_node=plan.nproc_per_node,
+        data_parallel_size=data_parallel_size,
+        objective=Objective(tuning.metric),
+        timeout_s=tuning.exp_timeout_s,
+        start_profile_step=tuning.start_profile_step,
+        end_profile_step=tuning.end_profile_step,
+        arg_mappings=dict(tuning.arg_mappings),
+        memory_budget_bytes=tuning.memory_per_rank_bytes,
+    )
+    with exclusive_lock(results_dir), signals_as_exceptions():
+        try:
+            outcome = Autotuner(config, settings, results_dir, exps_dir, report=_say).tune()
+        except Interrupted as stop:
+            print(f"autotuner: stopped by {signal.Signals(stop.signum).name}; running experiment ended, finished "
+                  f"records kept in {exps_dir}. Resume with the same command.", file=sys.stderr)
+            return 128 + stop.signum
+    print(outcome.summary, end="")
+    if outcome.best is None:
+        raise TuningFailed(f"no experiment succeeded ({len(outcome.results)} recorded); see {results_dir}/experiments.csv "
+                           f"and each experiment's stderr.log under {exps_dir}")
+    _say(f"{outcome.best.name} is the optimal setup; config: {outcome.optimal_config_path}")
+    _say(f"train with it: {(results_dir / 'cmd_optimal.txt').read_text().strip()}")
+    if args.autotuning == "tune":
+        return 0
+    _say("training with the optimal config ...")
+    optimal = LaunchOptions(script=args.script, script_args=outcome.optimal_script_args,
+                            nproc_per_node=plan.nproc_per_node)
+    return run_plan(build_plan(optimal, sys.executable), quiet=not args.debug)

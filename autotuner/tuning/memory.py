@@ -1,0 +1,125 @@
+"""Memory model: bytes per rank for a ZeRO stage, precision and micro-batch. Pure functions.
+
+It costs what our engine really holds (see autotuner/runtime/zero.py):
+- stage 0/1 (DDP): fp32 parameters and gradients, plus DDP's gradient buckets (a second
+  gradient copy unless `contiguous_gradients` makes gradients views into the buckets);
+  bf16/fp16 run under autocast, which keeps a low-precision copy of the weights;
+  stage 1 shards only the optimizer states (ZeroRedundancyOptimizer).
+- stage 2/3 (FSDP2): fp32 parameters, gradients and optimizer states sharded over the
+  ranks; the unsharded compute copy (2 bytes in bf16/fp16, 4 in fp32) is held whole
+  from forward to backward in stage 2, and one or two blocks at a time in stage 3.
+- offload moves optimizer states, and with `offload_param` the sharded parameters and
+  gradients, to host memory.
+Activations come from the profile run. `baseline_bytes` is what the process holds
+before the model (CUDA context, or on CPU the interpreter and libraries).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BYTES_FP32 = 4
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the memory model needs to know about the model, per rank."""
+
+    num_params: int
+    activation_bytes_per_sample: int
+    optimizer_state_bytes_per_param: float = 8.0  # Adam/AdamW: two fp32 moments
+    baseline_bytes: int = 0
+    num_shard_units: int = 0  # blocks FSDP2 shards separately (0: unknown)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds at its peak, by kind."""
+
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    working_buffers: int  # DDP buckets, autocast weight copies, FSDP2 unsharded blocks
+    activations: int
+    baseline: int
+
+    @property
+    def total(self) -> int:
+        return (self.parameters + self.gradients + self.optimizer_states + self.working_buffers
+                + self.activations + self.baseline)
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    zero_stage: int
+    precision: str = "fp32"
+    world_size: int = 1
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    contiguous_gradients: bool = False
+
+
+def model_state_bytes(profile: ModelProfile, settings: StageSettings) -> MemoryEstimate:
+    """Everything except activations, for one rank."""
+    p, w, stage = profile.num_params, max(1, settings.world_size), settings.zero_stage
+    compute = COMPUTE_BYTES[settings.precision]
+    optimizer = int(profile.optimizer_state_bytes_per_param * p)
+    if stage <= 1:
+        parameters, gradients = BYTES_FP32 * p, BYTES_FP32 * p
+        buffers = 0 if settings.contiguous_gradients else BYTES_FP32 * p
+        if compute < BYTES_FP32:
+            buffers += compute * p  # autocast's cached low-precision weights
+        if stage == 1:
+            optimizer //= w
+    else:
+        parameters, gradients, optimizer = BYTES_FP32 * p // w, BYTES_FP32 * p // w, optimizer // w
+        if stage == 2:
+            # Unsharded compute params persist forward->backward; one block's fp32 gradients in flight.
+            buffers = compute * p + BYTES_FP32 * _block(profile)
+        else:
+            # The running block and the prefetched one, params and gradients.
+            buffers = 2 * (compute + BYTES_FP32) * _block(profile)
+        if settings.offload_param:
+            parameters = gradients = 0
+    if settings.offload_optimizer:
+        optimizer = 0
+    return MemoryEstimate(parameters, gradients, optimizer, buffers, 0, profile.baseline_bytes)
+
+
+def _block(profile: ModelProfile) -> int:
+    """Parameters in one FSDP2 unit; the whole model when the block count is unknown."""
+    if profile.num_shard_units > 0:
+        return -(-profile.num_params // profile.num_shard_units)
+    return profile.num_params
+
+
+def estimate(profile: ModelProfile, settings: StageSettings, micro_batch_size: int) -> MemoryEstimate:
+    states = model_state_bytes(profile, settings)
+    return MemoryEstimate(states.parameters, states.gradients, states.optimizer_states, states.working_buffers,
+                          profile.activation_bytes_per_sample * micro_batch_size, states.baseline)
+
+
+def usable_bytes(budget_bytes: int, safety_margin: float) -> int:
+    """The part of the budget we plan to fill; the rest absorbs fragmentation and estimate error."""
+    return int(budget_bytes * (1.0 - safety_margin))
+
+
+def max_micro_batch_size(profile: ModelProfile, settings: StageSettings, budget_bytes: int,
+                         safety_margin: float = 0.1) -> int:
+    """Largest micro-batch whose estimate fits the budget; 0 when not even the model states fit."""
+    room = usable_bytes(budget_bytes, safety_margin) - model_state_bytes(profile, settings).total
+    if room <= 0:
+        return 0
+    if profile.activation_bytes_per_sample <= 0:
+        return 2**31 - 1
+    return int(room // profile.activation_bytes_per_sample)
+
+
+def calibrate_baseline(profile: ModelProfile, settings: StageSettings, micro_batch_size: int,
+                       measured_peak_bytes: int) -> int:
+    """Process overhead implied by a measured peak: what the model does not explain (never negative)."""
+    explained = estimate(ModelProfile(profile.num_params, profile.activation_bytes_per_sample,
+                                      profile.optimizer_state_bytes_per_param, 0, profile.num_shard_units),
+                         settings, micro_batch_size).total
+    return max(0, measured_peak_bytes - explained)

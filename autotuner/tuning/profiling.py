@@ -1,0 +1,106 @@
+"""The profile run: two short launches (micro-batch 1 and 2) that measure the model.
+
+Each writes model_info.json after its first optimizer step: parameter count, bytes that
+autograd saved for backward, optimizer-state bytes and peak memory. The difference
+between the two launches gives activation bytes per sample, free of the constant parts
+(autocast weight copies, buffers); the first launch's peak calibrates the process baseline.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from autotuner.tuning.experiment import METRICS_FILE, ExperimentSettings, classify, launch, prepare
+from autotuner.tuning.memory import ModelProfile, StageSettings, calibrate_baseline
+from autotuner.tuning.records import TrialResult, TrialState
+from autotuner.tuning.space import Experiment
+
+PROFILE_MICRO_BATCH_SIZES = (1, 2)
+MODEL_INFO_FILE = "model_info.json"
+
+
+@dataclass(frozen=True)
+class ProfileOutcome:
+    profile: ModelProfile | None
+    device_memory_bytes: int | None
+    failure: TrialResult | None  # the launch that failed, when profile is None
+    runs: tuple[dict[str, Any], ...] = ()
+
+
+def _profile_section(exp_dir: Path) -> dict[str, Any]:
+    return {
+        "enabled": True,
+        "model_info_path": str(exp_dir / MODEL_INFO_FILE),
+        "metric_path": str(exp_dir / METRICS_FILE),  # where an OOM marker would go
+        "model_info": {"profile": True},
+    }
+
+
+def _profile_once(stage: int, micro_batch_size: int, exps_dir: Path, settings: ExperimentSettings,
+                  reuse: bool) -> tuple[dict[str, Any] | None, TrialResult | None]:
+    experiment = Experiment(stage, micro_batch_size, 1)
+    exp_dir = exps_dir / f"profile_z{stage}_mbs{micro_batch_size}"
+    info_path = exp_dir / MODEL_INFO_FILE
+    if reuse and info_path.exists():
+        return json.loads(info_path.read_text()), None
+    info_path.unlink(missing_ok=True)
+    command = prepare(experiment, exp_dir, settings, _profile_section(exp_dir))
+    outcome = launch(command, exp_dir, settings.timeout_s)
+    if outcome.returncode == 0 and info_path.exists():
+        return json.loads(info_path.read_text()), None
+    failure = classify(experiment, exp_dir, outcome.returncode, outcome.timed_out, outcome.wall_time_s,
+                       settings, None)
+    if failure.state is TrialState.OK:  # exited 0 but wrote no model info
+        failure = TrialResult(experiment, TrialState.FAILED, error="no model_info.json: the script "
+                              "exited before its first optimizer step finished", wall_time_s=outcome.wall_time_s)
+    return None, failure
+
+
+def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentSettings, precision: str,
+                  reuse: bool, report=print) -> ProfileOutcome:
+    """Profile at the lowest stage that runs; a higher stage is tried only after an OOM."""
+    last_failure = None
+    for stage in sorted(stages):
+        infos = []
+        for micro in PROFILE_MICRO_BATCH_SIZES:
+            report(f"profile: ZeRO {stage}, micro-batch {micro} ...")
+            info, failure = _profile_once(stage, micro, exps_dir, settings, reuse)
+            if info is None:
+                last_failure = failure
+                break
+            infos.append(info)
+        if len(infos) == len(PROFILE_MICRO_BATCH_SIZES):
+            return ProfileOutcome(_to_profile(infos, settings, precision), infos[0].get("device_memory_bytes"),
+                                  None, tuple(infos))
+        if last_failure is not None and last_failure.state is not TrialState.OOM:
+            break  # a crash will not go away at a higher stage
+    return ProfileOutcome(None, None, last_failure)
+
+
+def _to_profile(infos: list[dict[str, Any]], settings: ExperimentSettings, precision: str) -> ModelProfile:
+    first, second = infos
+    per_sample = (second["activation_bytes"] - first["activation_bytes"]) / max(
+        1, second["micro_batch_size"] - first["micro_batch_size"])
+    if per_sample <= 0:
+        per_sample = first["activation_bytes"] / first["micro_batch_size"]
+    profile = ModelProfile(
+        num_params=first["num_params"],
+        activation_bytes_per_sample=int(per_sample),
+        optimizer_state_bytes_per_param=first["optimizer_state_bytes_per_param"],
+        num_shard_units=first.get("num_shard_units", 0),
+    )
+    stage_settings = StageSettings(first["zero_stage"], precision, settings.data_parallel_size)
+    baseline = calibrate_baseline(profile, stage_settings, first["micro_batch_size"], first["peak_memory_bytes"])
+    return ModelProfile(profile.num_params, profile.activation_bytes_per_sample,
+                        profile.optimizer_state_bytes_per_param, baseline, profile.num_shard_units)
+
+
+def profile_from_config(model_info: Any) -> ModelProfile:
+    """`autotuning.model_info` given by the user: no profile run. Unknown activations cost 0."""
+    return ModelProfile(
+        num_params=model_info.num_params,
+        activation_bytes_per_sample=model_info.activation_bytes_per_sample or 0,
+    )

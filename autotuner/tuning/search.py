@@ -1,0 +1,178 @@
+"""The search over ZeRO stage × micro-batch × gas (and, in full mode, ZeRO knobs).
+
+Experiments are measured through an injected `evaluate`, so this module launches nothing
+and can be tested with a fake. Order of work, per stage in 0..3:
+1. prune what the memory model says cannot fit, and stages that cannot beat a lower one;
+2. confirm the predicted largest micro-batch, bisecting down on OOM;
+3. let the tuner pick among micro-batch candidates (each with its own gas);
+then, in full mode, tune knobs on the best stages.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space import Experiment, gas_for
+from autotuner.tuning.tuners import drive, make_tuner
+
+Evaluate = Callable[[Experiment], TrialResult]
+
+# Knob values tried in full mode, per stage; the user's scalar fixes a knob, a list replaces its values.
+DEFAULT_KNOBS: dict[int, dict[str, list[Any]]] = {
+    0: {"reduce_bucket_size": [1_000_000, 6_553_600, 50_000_000], "contiguous_gradients": [False, True]},
+    1: {"reduce_bucket_size": [1_000_000, 6_553_600, 50_000_000], "contiguous_gradients": [False, True]},
+    2: {"overlap_comm": [False, True]},
+    3: {"overlap_comm": [False, True], "stage3_param_persistence_threshold": [0, 100_000]},
+}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    stages: tuple[int, ...]
+    data_parallel_size: int
+    min_micro_batch_size: int = 1
+    max_micro_batch_size: int = 1024
+    fixed_micro_batch_sizes: tuple[int, ...] = ()  # the user's int or list: not searched
+    fixed_gradient_accumulation_steps: int | None = None
+    global_batch_size: int | None = None  # fixed train_batch_size, or max_train_batch_size
+    global_batch_exact: bool = False  # True when train_batch_size is fixed
+    num_micro_batch_sizes: int = 3
+    knob_values: dict[int, dict[str, list[Any]]] = field(default_factory=dict, hash=False)
+
+    def gas(self, micro_batch_size: int) -> int | None:
+        if self.fixed_gradient_accumulation_steps is not None:
+            gas = self.fixed_gradient_accumulation_steps
+            if self.global_batch_exact and micro_batch_size * gas * self.data_parallel_size != self.global_batch_size:
+                return None
+            return gas
+        return gas_for(micro_batch_size, self.data_parallel_size, self.global_batch_size, self.global_batch_exact)
+
+    def valid_micro_batch_sizes(self, upper: int) -> list[int]:
+        """Micro-batch sizes from the minimum up to `upper` that give a valid gas."""
+        upper = min(upper, self.max_micro_batch_size)
+        return [m for m in range(self.min_micro_batch_size, upper + 1) if self.gas(m) is not None]
+
+    def experiment(self, stage: int, micro_batch_size: int) -> Experiment:
+        return Experiment(stage, micro_batch_size, self.gas(micro_batch_size) or 1)
+
+
+@dataclass(frozen=True)
+class SearchPolicy:
+    objective: Objective
+    tuner_type: str = "gridsearch"
+    early_stopping: int = 5
+    num_trials: int = 50
+    seed: int = 0
+    fast: bool = True
+
+
+def spread_micro_batch_sizes(valid: list[int], largest: int, count: int) -> list[int]:
+    """`count` sizes from `valid` up to `largest`, spaced geometrically (largest, ~half, ~quarter, ...)."""
+    pool = [m for m in valid if m <= largest]
+    if not pool:
+        return []
+    chosen: list[int] = []
+    for k in range(count):
+        target = largest / 2**k
+        nearest = min(pool, key=lambda m: (abs(math.log(m) - math.log(target)), -m))
+        if nearest not in chosen:
+            chosen.append(nearest)
+    return sorted(chosen, reverse=True)
+
+
+def confirm_largest(space: SearchSpace, stage: int, predicted: int, evaluate: Evaluate) -> tuple[int | None, list[TrialResult]]:
+    """Run the predicted largest micro-batch; on OOM or failure bisect down over valid sizes."""
+    valid = space.valid_micro_batch_sizes(predicted)
+    if not valid:
+        return None, []
+    results = [evaluate(space.experiment(stage, valid[-1]))]
+    if results[-1].state is TrialState.OK:
+        return valid[-1], results
+    low, high = -1, len(valid) - 1  # indices: valid[low] fits (virtual at -1), valid[high] does not
+    while high - low > 1:
+        middle = (low + high) // 2
+        results.append(evaluate(space.experiment(stage, valid[middle])))
+        if results[-1].state is TrialState.OK:
+            low = middle
+        else:
+            high = middle
+    return (valid[low] if low >= 0 else None), results
+
+
+def search_stage(space: SearchSpace, policy: SearchPolicy, stage: int, predicted: int, evaluate: Evaluate,
+                 larger_than: int) -> tuple[int | None, list[TrialResult]]:
+    """Measure one stage; returns (its largest working micro-batch, results)."""
+    if space.fixed_micro_batch_sizes:
+        candidates = [space.experiment(stage, m) for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
+        tuner = make_tuner(policy.tuner_type, candidates, policy.objective, policy.seed)
+        results = drive(tuner, evaluate, early_stopping=policy.early_stopping, max_trials=policy.num_trials)
+        ok = [r.experiment.micro_batch_size for r in results if r.state is TrialState.OK]
+        return (max(ok) if ok else None), results
+    largest, results = confirm_largest(space, stage, predicted, evaluate)
+    if largest is None or largest <= larger_than:
+        return largest, results  # nothing this stage can add over a lower one
+    sizes = spread_micro_batch_sizes(space.valid_micro_batch_sizes(largest), largest, space.num_micro_batch_sizes)
+    tuner = make_tuner(policy.tuner_type, [space.experiment(stage, m) for m in sizes], policy.objective, policy.seed)
+    for result in results:
+        if result.experiment in tuner.space:
+            tuner.tell(result)
+    budget = max(0, policy.num_trials - len(results))
+    results += drive(tuner, evaluate, early_stopping=policy.early_stopping, max_trials=budget)
+    return largest, results
+
+
+def knob_space(space: SearchSpace, stage: int) -> list[dict[str, Any]]:
+    values = space.knob_values.get(stage, {})
+    if not values:
+        return []
+    names = sorted(values)
+    return [dict(zip(names, combo)) for combo in itertools.product(*(values[n] for n in names))]
+
+
+def search_knobs(space: SearchSpace, policy: SearchPolicy, fast_results: list[TrialResult],
+                 evaluate: Evaluate, top_stages: int = 2, top_micro: int = 2) -> list[TrialResult]:
+    """Full mode: tune ZeRO knobs on the best stages, around their best micro-batch sizes."""
+    objective = policy.objective
+    by_stage: dict[int, list[TrialResult]] = {}
+    for result in fast_results:
+        if result.state is TrialState.OK:
+            by_stage.setdefault(result.experiment.zero_stage, []).append(result)
+    ranked = sorted(by_stage, key=lambda s: objective.best(by_stage[s]).value, reverse=objective.maximize)
+    results: list[TrialResult] = []
+    for stage in ranked[:top_stages]:
+        knobs = knob_space(space, stage)
+        if not knobs:
+            continue
+        best_first = sorted(by_stage[stage], key=lambda r: r.value, reverse=objective.maximize)[:top_micro]
+        candidates = [r.experiment.with_knobs(k) for r in best_first for k in knobs]
+        tuner = make_tuner(policy.tuner_type, candidates, objective, policy.seed)
+        results += drive(tuner, evaluate, early_stopping=policy.early_stopping, max_trials=policy.num_trials)
+    return results
+
+
+def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict[int, int], evaluate: Evaluate,
+               prune: Callable[[int, str], None]) -> list[TrialResult]:
+    """The whole search. `predicted_largest[stage]` is the memory model's largest micro-batch
+    (0: the model states alone do not fit); `prune(stage, reason)` records a stage not launched."""
+    results: list[TrialResult] = []
+    largest_so_far = 0
+    for stage in sorted(space.stages):
+        predicted = min(predicted_largest.get(stage, space.max_micro_batch_size), space.max_micro_batch_size)
+        if predicted < space.min_micro_batch_size:
+            prune(stage, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
+            continue
+        if not space.fixed_micro_batch_sizes and largest_so_far and predicted <= largest_so_far:
+            prune(stage, f"cannot help: its largest micro-batch ({predicted}) is no larger than a lower "
+                         f"stage's ({largest_so_far})")
+            continue
+        largest, stage_results = search_stage(space, policy, stage, predicted, evaluate, largest_so_far)
+        results += stage_results
+        if largest is not None:
+            largest_so_far = max(largest_so_far, largest)
+    if not policy.fast:
+        results += search_knobs(space, policy, results, evaluate)
+    return results

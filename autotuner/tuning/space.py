@@ -1,0 +1,88 @@
+"""Experiments: frozen, hashable points of the search space, each with a canonical name."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+# Short tags for knob names in experiment names (DeepSpeed uses rbs/abs likewise).
+KNOB_TAGS = {
+    "reduce_bucket_size": "rbs",
+    "allgather_bucket_size": "abs",
+    "overlap_comm": "oc",
+    "contiguous_gradients": "cg",
+    "stage3_prefetch_bucket_size": "pbs",
+    "stage3_param_persistence_threshold": "ppt",
+}
+
+
+def _format_knob(value: Any) -> str:
+    if isinstance(value, bool):
+        return "T" if value else "F"
+    if isinstance(value, (int, float)) and value >= 10_000:
+        return f"{float(value):.1e}".replace("+", "")
+    return str(value)
+
+
+@dataclass(frozen=True, order=True)
+class Experiment:
+    """One training configuration to measure. `knobs` are extra zero_optimization settings."""
+
+    zero_stage: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int = 1
+    knobs: tuple[tuple[str, Any], ...] = field(default=())
+
+    @property
+    def name(self) -> str:
+        tags = "".join(f"_{KNOB_TAGS.get(k, k)}{_format_knob(v)}" for k, v in self.knobs)
+        return f"z{self.zero_stage}{tags}_gas{self.gradient_accumulation_steps}_mbs{self.micro_batch_size}"
+
+    def train_batch_size(self, data_parallel_size: int) -> int:
+        return self.micro_batch_size * self.gradient_accumulation_steps * data_parallel_size
+
+    def with_knobs(self, knobs: dict[str, Any]) -> "Experiment":
+        return Experiment(self.zero_stage, self.micro_batch_size, self.gradient_accumulation_steps,
+                          tuple(sorted(knobs.items())))
+
+    def features(self) -> dict[str, float]:
+        """Numeric description for cost models."""
+        import math
+
+        out = {
+            "zero_stage": float(self.zero_stage),
+            "log2_micro_batch_size": math.log2(self.micro_batch_size),
+            "log2_gradient_accumulation_steps": math.log2(self.gradient_accumulation_steps),
+        }
+        for key, value in self.knobs:
+            number = float(value)
+            out[key] = math.log2(number) if number > 1 else number
+        return out
+
+    def apply(self, base_config: dict[str, Any], data_parallel_size: int) -> dict[str, Any]:
+        """The base config with this experiment's stage, batch triad and knobs set."""
+        config = copy.deepcopy(base_config)
+        zero = dict(config.get("zero_optimization") or {})
+        zero["stage"] = self.zero_stage
+        zero.update(dict(self.knobs))
+        config["zero_optimization"] = zero
+        config["train_micro_batch_size_per_gpu"] = self.micro_batch_size
+        config["gradient_accumulation_steps"] = self.gradient_accumulation_steps
+        config["train_batch_size"] = self.train_batch_size(data_parallel_size)
+        return config
+
+
+def gas_for(micro_batch_size: int, data_parallel_size: int, global_batch: int | None, exact: bool) -> int | None:
+    """Gas that makes micro × gas × dp reach `global_batch`.
+
+    With a fixed train_batch_size (`exact`) it must divide evenly, else None. With only
+    max_train_batch_size it is the largest gas that stays within the cap. No target: 1.
+    """
+    if global_batch is None:
+        return 1
+    per_step = micro_batch_size * data_parallel_size
+    gas, rest = divmod(global_batch, per_step)
+    if gas < 1 or (exact and rest):
+        return None
+    return gas

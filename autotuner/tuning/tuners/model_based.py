@@ -1,0 +1,59 @@
+"""Model-based search: a cost model fitted on finished experiments picks the most promising untried one.
+
+The model is ridge regression on the experiments' numeric features and their squares
+(a smooth response surface: throughput rises with micro-batch and flattens). Failed
+experiments are scored as the worst outcome so the model learns to avoid their region.
+With probability `explore` an untried experiment is picked at random instead; the
+random source is seeded, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+
+from autotuner.tuning.records import TrialState
+from autotuner.tuning.space import Experiment
+from autotuner.tuning.tuners.base import Tuner
+
+
+class ModelBasedTuner(Tuner):
+    def __init__(self, *args, initial_trials: int = 2, explore: float = 0.2, ridge: float = 1e-3, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._rng = random.Random(self.seed)
+        self.initial_trials = initial_trials
+        self.explore = explore
+        self.ridge = ridge
+        self._feature_names = sorted({name for e in self.space for name in e.features()})
+
+    def _vector(self, experiment: Experiment) -> np.ndarray:
+        raw = experiment.features()
+        base = np.array([raw.get(name, 0.0) for name in self._feature_names])
+        return np.concatenate([[1.0], base, base**2])
+
+    def _scores(self) -> tuple[np.ndarray, np.ndarray]:
+        finished = list(self.results.values())
+        values = [r.value for r in finished if r.state is TrialState.OK and r.value is not None]
+        if self.objective.maximize:
+            worst = 0.0
+        else:
+            worst = 2.0 * max(values) if values else 1.0
+        x = np.array([self._vector(r.experiment) for r in finished])
+        y = np.array([r.value if r.state is TrialState.OK and r.value is not None else worst for r in finished])
+        return x, y
+
+    def predict(self, candidates: list[Experiment]) -> np.ndarray:
+        """Predicted objective value of each candidate from the results so far."""
+        x, y = self._scores()
+        scale = np.abs(y).max() or 1.0
+        gram = x.T @ x + self.ridge * np.eye(x.shape[1])
+        weights = np.linalg.solve(gram, x.T @ (y / scale))
+        return np.array([self._vector(c) @ weights for c in candidates]) * scale
+
+    def _choose(self, untried: list[Experiment]) -> Experiment:
+        if len(self.results) < self.initial_trials or self._rng.random() < self.explore:
+            return self._rng.choice(untried)
+        predicted = self.predict(untried)
+        index = int(np.argmax(predicted) if self.objective.maximize else np.argmin(predicted))
+        return untried[index]
