@@ -2,7 +2,7 @@
 
 Run as the rank program (2 gloo ranks, OMP_NUM_THREADS=1 each):
 
-    python -m autotuner --nproc_per_node 2 benchmarks/engine_overhead.py [--steps 20 --warmup 3 --repeats 5]
+    python -m autotuner --nproc_per_node 2 benchmarks/engine_overhead.py [--steps 10 --warmup 2 --repeats 10]
 
 For each stage both variants are built from the same initial weights and train on the same batches.
 Blocks alternate plain, engine, plain, engine, ...; every block starts after gc and a barrier, runs
@@ -178,9 +178,9 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per block")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps before each block")
-    parser.add_argument("--repeats", type=int, default=5, help="blocks per variant and stage")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per block")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each block")
+    parser.add_argument("--repeats", type=int, default=10, help="blocks per variant and stage")
     parser.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages")
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=6)
@@ -216,7 +216,8 @@ def main() -> None:
             print(f"stage {stage}: plain {r['plain_ms']:.2f} ms, engine {r['engine_ms']:.2f} ms, "
                   f"ratio {r['ratio']:.3f} ({time.perf_counter() - started:.0f} s)", flush=True)
     if ctx.rank == 0:
-        print()
+        # Other work on this 2-core machine shows up here and in the block spread; rerun if it is high.
+        print(f"\nload average after the run: {os.getloadavg()[0]:.2f}\n")
         print(markdown(rows))
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         with open(args.csv, "w", newline="") as handle:

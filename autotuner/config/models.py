@@ -102,7 +102,8 @@ class ModelInfo(_Section):
     trainable_num_params: PositiveInt | None = None
     hidden_size: PositiveInt | None = None
     num_layers: PositiveInt | None = None
-    activation_bytes_per_sample: int | None = Field(None, ge=0)
+    activation_bytes_per_sample: int | None = Field(None, ge=0, description="ours: skips the profile's measurement")
+    baseline_bytes: int | None = Field(None, ge=0, description="ours: per-rank memory held before the model")
 
 
 MetricName = Literal["throughput", "latency", "FLOPS"]

@@ -15,7 +15,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.runtime import checkpoint
 from autotuner.runtime.distributed import DistributedContext
 from autotuner.runtime.metrics import build_metrics, is_out_of_memory, peak_memory_bytes, write_json_atomic
 from autotuner.runtime.profile import ActivationProbe, FlopProbe, device_memory_bytes, write_model_info
@@ -289,12 +288,16 @@ class Engine(nn.Module):
             "zero_stage": self.zero_stage,
             "world_size": self.ctx.world_size,
         }
+        from autotuner.runtime import checkpoint  # DCP imports DTensor: ~1 s, paid only when used
+
         return checkpoint.save(save_dir, tag, self._checkpoint_model(), self._local_optimizer, state)
 
     def load_checkpoint(
         self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True
     ) -> tuple[str | None, dict | None]:
         """Returns (path, client_state) like DeepSpeed, or (None, None) when there is no checkpoint."""
+        from autotuner.runtime import checkpoint
+
         resolved = checkpoint.resolve_tag(load_dir, tag)
         if resolved is None:
             logger.warning("%s: no 'latest' file and no tag given; nothing loaded", load_dir)

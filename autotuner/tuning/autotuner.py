@@ -121,6 +121,7 @@ class Autotuner:
         self._launched = 0
         self._started = time.monotonic()
         self.profile: ModelProfile | None = None
+        self._profiled = False  # a profile launch has shown the script runs
         self.budget_bytes: int | None = None
 
     # ----- set-up -----
@@ -162,6 +163,7 @@ class Autotuner:
                 raise TuningFailed(f"the model did not run in the profile launch ({failure.state.value}): "
                                    f"{failure.error}; see {where}/stderr.log")
             self.profile = outcome.profile
+            self._profiled = True
             device_memory = outcome.device_memory_bytes
             self.report(f"profile: {self.profile.num_params:,} parameters, "
                         f"{self.profile.activation_bytes_per_sample / 2**20:.2f} MiB activations per sample, "
@@ -192,6 +194,11 @@ class Autotuner:
             result = run_experiment(experiment, self.exps_dir / experiment.name, self.settings,
                                     self.predicted_memory(experiment))
             self._launched += 1
+            if self._launched == 1 and not self._profiled and result.state is TrialState.FAILED:
+                # Without a profile run, a crash (not OOM) on the first launch is the script or its
+                # arguments, not the configuration: every other experiment would fail the same way.
+                raise TuningFailed(f"the first experiment {result.name} failed: {result.error}; "
+                                   f"see {self.exps_dir / result.name}/stderr.log")
         self._results[experiment] = result
         self._progress(result, reused is not None)
         return result

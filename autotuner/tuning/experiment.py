@@ -92,8 +92,12 @@ def launch_command(config: dict[str, Any], config_path: Path, settings: Experime
 
 def _last_exception_line(stderr_text: str) -> str | None:
     """The message of the last Python exception in the log (for the record, not for detection)."""
-    pattern = re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b.*)$")
-    found = [m.group(1).strip() for line in stderr_text.splitlines() if (m := pattern.match(line.strip()))]
+    patterns = (
+        re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b.*)$"),
+        re.compile(r"^(?:\[rank\d+\]:\s*)?([\w./-]+: error: .*)$"),  # argparse in the user's script
+    )
+    found = [m.group(1).strip() for line in stderr_text.splitlines()
+             for pattern in patterns if (m := pattern.match(line.strip()))]
     return found[-1][:500] if found else None
 
 

@@ -99,8 +99,11 @@ def _to_profile(infos: list[dict[str, Any]], settings: ExperimentSettings, preci
 
 
 def profile_from_config(model_info: Any) -> ModelProfile:
-    """`autotuning.model_info` given by the user: no profile run. Unknown activations cost 0."""
+    """`autotuning.model_info` given by the user: no profile run. Unknown activations and
+    baseline cost 0, so the first experiments may OOM and the search then backs off."""
     return ModelProfile(
         num_params=model_info.num_params,
         activation_bytes_per_sample=model_info.activation_bytes_per_sample or 0,
+        baseline_bytes=model_info.baseline_bytes or 0,
+        num_shard_units=model_info.num_layers or 0,
     )

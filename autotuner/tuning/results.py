@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
 import shlex
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,10 @@ from autotuner.tuning.records import Objective, TrialResult, TrialState
 
 
 def _format_duration(seconds: float) -> str:
-    return str(datetime.timedelta(seconds=round(seconds, 2)))
+    """H:MM:SS.ss, as DeepSpeed prints it."""
+    minutes, secs = divmod(seconds, 60)
+    hours, minutes = divmod(int(minutes), 60)
+    return f"{hours}:{minutes:02d}:{secs:05.2f}"
 
 
 def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: float) -> str:

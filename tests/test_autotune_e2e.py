@@ -1,0 +1,135 @@
+"""`launcher --autotuning tune|run` end to end on 2 CPU ranks with real launches."""
+
+import json
+import shlex
+import subprocess
+
+import pandas as pd
+import pytest
+
+from autotuner.config import read_config_file
+from conftest import ROOT, WORKERS, launcher_env, run_launcher
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+TOY = WORKERS / "toy_train.py"
+MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
+            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+
+
+def write_config(path, autotuning: dict, **top) -> str:
+    config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+        "zero_optimization": {"stage": 0},
+        **top,
+        "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
+                       "exp_timeout_s": 120, **autotuning},
+    }
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def tune(tmp_path, config: str, *script_args: str, mode: str = "tune") -> subprocess.CompletedProcess:
+    return run_launcher("--autotuning", mode, "--nproc_per_node", "2", TOY, *script_args, "--deepspeed", config,
+                        cwd=tmp_path, timeout=400)
+
+
+def experiments(tmp_path) -> pd.DataFrame:
+    return pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+
+
+def test_tune_writes_every_output_and_picks_the_best(tmp_path, no_orphans):
+    config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 16,
+                                                 "max_train_batch_size": 64})
+    result = tune(tmp_path, config, "--ms_per_sample", "1", "--ms_per_step", "20")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = tmp_path / "autotuning_results"
+    summary = (results / "summary.txt").read_text()
+    assert "| tuning_space" in summary and "| global" in summary and "Tuning completed in" in summary
+    assert summary in result.stdout
+
+    table = experiments(tmp_path)
+    ok = table[table.state == "ok"]
+    assert len(ok) >= 2
+    # Gas is really tuned under max_train_batch_size: 64 = micro x gas x 2 ranks.
+    assert set(ok.gradient_accumulation_steps) == {64 // (2 * m) for m in ok.micro_batch_size}
+    assert ok.gradient_accumulation_steps.nunique() > 1
+    best = ok.loc[ok.throughput.idxmax()]
+    assert f"| global         |                 {len(table[table.state != 'pruned'])} |" in summary
+    assert best["name"] in summary.splitlines()[-2]  # the global row names the best
+    assert (ok.predicted_memory_mib > 0).all() and (ok.measured_memory_mib > 0).all()
+
+    exp_dir = tmp_path / "autotuning_exps" / best["name"]
+    for name in ("ds_config.json", "cmd.txt", "stdout.log", "stderr.log", "metrics.json", "exp.json"):
+        assert (exp_dir / name).exists(), name
+    record = json.loads((exp_dir / "exp.json").read_text())
+    assert record["state"] == "ok" and record["value"] == pytest.approx(best["throughput"])
+
+    optimal = read_config_file(results / "ds_config_optimal.json")
+    assert "autotuning" not in optimal
+    assert optimal["train_micro_batch_size_per_gpu"] == best["micro_batch_size"]
+    assert optimal["gradient_accumulation_steps"] == best["gradient_accumulation_steps"]
+    assert (results / "metric_vs_micro_batch.png").exists()
+
+    command = shlex.split((results / "cmd_optimal.txt").read_text())
+    assert f"--micro_batch_size" in command and str(best["micro_batch_size"]) in command
+    trained = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=120)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert "done: 8 steps" in trained.stdout
+
+
+def test_run_trains_to_the_end_with_fixed_stage_and_micro_batch(tmp_path, no_orphans):
+    config = write_config(tmp_path / "ds.json", {"model_info": {"num_params": 1000}},
+                          train_micro_batch_size_per_gpu=4, zero_optimization={"stage": 1})
+    result = tune(tmp_path, config, "--steps", "12", mode="run")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = experiments(tmp_path)
+    assert list(table.name) == ["z1_gas1_mbs4"]  # constants are not tuned
+    assert "training with the optimal config" in result.stdout
+    assert "done: 12 steps" in result.stdout  # past end_profile_step, to the user's step count
+
+
+def test_memory_model_prunes_stage0_before_launch(tmp_path, no_orphans):
+    # Hand-sized: 20 M params, fp32 Adam, 2 ranks: stage 0 needs ~767 MB, stage 3 ~543 MB; usable 630 MB.
+    model_info = {"num_params": 20_000_000, "num_layers": 20, "activation_bytes_per_sample": 2**20,
+                  "baseline_bytes": 350 * 2**20}
+    config = write_config(tmp_path / "ds.json", {"model_info": model_info, "memory_per_rank_bytes": 700_000_000,
+                                                 "max_train_micro_batch_size_per_gpu": 4,
+                                                 "num_tuning_micro_batch_sizes": 1},
+                          zero_optimization={"stage": [0, 3]})
+    result = tune(tmp_path, config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = experiments(tmp_path)
+    pruned = table[table.state == "pruned"]
+    assert list(pruned.zero_stage) == [0]
+    assert "memory model" in pruned.error.iloc[0]
+    assert not list((tmp_path / "autotuning_exps").glob("z0_*"))  # never launched
+    assert list(table[table.state == "ok"].name) == ["z3_gas1_mbs4"]
+
+
+def test_forced_oom_is_recorded_and_the_search_backs_off(tmp_path, no_orphans):
+    # Each sample holds 24 MiB; the memory model is told nothing about it, so it over-predicts.
+    budget = 770 * 2**20
+    config = write_config(tmp_path / "ds.json", {"model_info": {"num_params": 1000}, "memory_per_rank_bytes": budget,
+                                                 "max_train_micro_batch_size_per_gpu": 32,
+                                                 "num_tuning_micro_batch_sizes": 1})
+    result = tune(tmp_path, config, "--mem_per_sample_mb", "24")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = experiments(tmp_path)
+    first = table.iloc[0]
+    assert (first["name"], first.state) == ("z0_gas1_mbs32", "oom")
+    assert "budget" in first.error
+    ok = table[table.state == "ok"]
+    assert len(ok) >= 1 and ok.micro_batch_size.max() < 32
+    assert (ok.measured_memory_mib * 2**20 <= budget).all()
+    assert (table[table.state == "oom"].measured_memory_mib * 2**20 > budget).all()
+
+
+def test_rejected_mapped_flag_stops_tuning_with_the_scripts_error(tmp_path, no_orphans):
+    config = write_config(tmp_path / "ds.json", {"model_info": {"num_params": 1000},
+                                                 "arg_mappings": {"train_micro_batch_size_per_gpu": "--no_such_flag"}})
+    result = tune(tmp_path, config)
+    assert result.returncode == 1
+    assert "unrecognized arguments: --no_such_flag" in result.stderr
+    assert len(list((tmp_path / "autotuning_exps").iterdir())) == 1  # reported once; nothing more launched
+    assert "Traceback" not in result.stderr

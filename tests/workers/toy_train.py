@@ -1,0 +1,81 @@
+"""A training script with controllable memory, speed and faults, for autotuner tests.
+
+Per micro-step it holds `--mem_per_sample_mb` MiB per sample (touched, so it is resident)
+and sleeps `--ms_per_sample` ms per sample plus a fixed `--ms_per_step` per optimizer step,
+so the throughput curve, and so the true optimum, is known in advance.
+"""
+
+import argparse
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+import autotuner
+from autotuner.config import fill_auto
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--micro_batch_size", type=int, default=None)
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--mem_per_sample_mb", type=float, default=0.0)
+    parser.add_argument("--ms_per_sample", type=float, default=0.0)
+    parser.add_argument("--ms_per_step", type=float, default=0.0)
+    parser.add_argument("--slow_above", type=int, default=0, help="micro-batches above this are 4x slower per sample")
+    parser.add_argument("--fail_rank", type=int, default=-1, help="this rank raises at --fail_at_step")
+    parser.add_argument("--fail_at_step", type=int, default=2)
+    parser.add_argument("--kill_rank", type=int, default=-1, help="this rank SIGKILLs itself at --fail_at_step")
+    parser.add_argument("--hang_at_step", type=int, default=0)
+    parser.add_argument("--exit_at_step", type=int, default=0, help="exit 0 at this step, before any metrics")
+    parser.add_argument("--fail_if_micro_batch_at_least", type=int, default=0)
+    parser.add_argument("--echo_args_to", default=None, help="rank 0 writes sys.argv here")
+    parser.add_argument("--width", type=int, default=64)
+    autotuner.add_config_arguments(parser)
+    args = parser.parse_args()
+
+    if args.echo_args_to and os.environ.get("RANK", "0") == "0":
+        with open(args.echo_args_to, "a") as handle:
+            handle.write("\x1f".join(sys.argv[1:]) + "\n")
+    config = fill_auto(args.deepspeed_config or args.deepspeed, {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+    })
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Linear(args.width, 1))
+    engine, *_ = autotuner.initialize(model=model, config=config)
+    micro = engine.train_micro_batch_size_per_gpu()
+    if args.fail_if_micro_batch_at_least and micro >= args.fail_if_micro_batch_at_least:
+        raise ValueError(f"refusing micro-batch {micro}")
+    per_sample_s = args.ms_per_sample / 1e3 * (4 if args.slow_above and micro > args.slow_above else 1)
+    rank = engine.global_rank
+    for step in range(1, args.steps + 1):
+        if step == args.hang_at_step:
+            time.sleep(3600)
+        if step == args.exit_at_step:
+            sys.exit(0)
+        if step == args.fail_at_step and rank == args.fail_rank:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+        if step == args.fail_at_step and rank == args.kill_rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+        for _ in range(engine.gradient_accumulation_steps()):
+            held = None
+            if args.mem_per_sample_mb:
+                held = torch.ones(int(micro * args.mem_per_sample_mb * 2**20 / 4))  # resident: written
+            x, y = torch.randn(micro, 16), torch.randn(micro, 1)
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            time.sleep(per_sample_s * micro)
+            del held
+            engine.step()
+        time.sleep(args.ms_per_step / 1e3)
+    if rank == 0:
+        print(f"done: {engine.global_steps} steps", flush=True)
+
+
+if __name__ == "__main__":
+    main()
