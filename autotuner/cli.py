@@ -74,7 +74,8 @@ def _autotune(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in argv
+    script_at = next((i for i, arg in enumerate(argv) if arg.endswith(".py")), len(argv))
+    debug = "--debug" in argv[:script_at]  # a --debug after the script is the script's
     try:
         args = build_parser().parse_args(argv)
         debug = args.debug

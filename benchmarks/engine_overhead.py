@@ -109,26 +109,37 @@ def make_engine_step(model: nn.Module, stage: int, micro_batch: int) -> Callable
 
 
 # ----- timing -----
-def run_block(step: Callable, batches: list, warmup: int, steps: int, offset: int) -> list[float]:
-    """Untimed warm-up, then `steps` timed steps; returns this rank's per-step seconds."""
+def machine_busy_s() -> float:
+    """CPU seconds all processes on this machine have used (Linux /proc/stat); NaN elsewhere."""
+    try:
+        with open("/proc/stat") as handle:
+            ticks = [int(v) for v in handle.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return float("nan")
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # minus idle and iowait
+
+
+def run_block(step: Callable, batches: list, warmup: int, steps: int, offset: int) -> tuple[list[float], float]:
+    """Untimed warm-up, then `steps` timed steps. Returns the per-step seconds (slowest rank per step)
+    and the cores that other processes kept busy meanwhile: on 2 cores any of it inflates the steps."""
     gc.collect()
     dist.barrier()
     for i in range(warmup):
         step(*batches[(offset + i) % len(batches)])
     times = []
+    busy, own, wall = machine_busy_s(), time.process_time(), time.perf_counter()
     for i in range(steps):
         x, y = batches[(offset + warmup + i) % len(batches)]
         start = time.perf_counter()
         step(x, y)
         times.append(time.perf_counter() - start)
-    return times
-
-
-def slowest_rank(times: list[float]) -> list[float]:
-    """Per step, the slowest rank's time: a synchronous data-parallel step is only done when all are."""
-    tensor = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+    busy, own, wall = machine_busy_s() - busy, time.process_time() - own, time.perf_counter() - wall
+    # A synchronous data-parallel step is done only when every rank is; all ranks share this machine.
+    per_step = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(per_step, op=dist.ReduceOp.MAX)
+    ours = torch.tensor([own], dtype=torch.float64)
+    dist.all_reduce(ours)
+    return per_step.tolist(), max(0.0, busy - ours.item()) / max(wall, 1e-9)
 
 
 def bench_stage(stage: int, base: nn.Module, batches: list, args: argparse.Namespace) -> dict:
@@ -140,38 +151,41 @@ def bench_stage(stage: int, base: nn.Module, batches: list, args: argparse.Names
         steps["engine"] = make_plain_step(copy.deepcopy(base), stage)
     for name, step in steps.items():  # first steps: lazy init, DDP bucket rebuild, optimizer state
         run_block(step, batches, args.warmup, 0, 0)
-    all_times: dict[str, list[float]] = {name: [] for name in steps}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     block_medians: dict[str, list[float]] = {name: [] for name in steps}
+    other_cores: list[float] = []
     for repeat in range(args.repeats):
         for name, step in steps.items():  # interleaved: plain, engine, plain, engine, ...
-            times = slowest_rank(run_block(step, batches, args.warmup, args.steps, repeat * args.steps))
-            all_times[name] += times
-            block_medians[name].append(statistics.median(times))
-    plain_ms = statistics.median(all_times["plain"]) * 1e3
-    engine_ms = statistics.median(all_times["engine"]) * 1e3
+            block, other = run_block(step, batches, args.warmup, args.steps, repeat * args.steps)
+            times[name] += block
+            block_medians[name].append(statistics.median(block))
+            other_cores.append(other)
+    plain_ms, engine_ms = (statistics.median(times[name]) * 1e3 for name in ("plain", "engine"))
+    ms = lambda seconds: round(seconds * 1e3, 3)  # noqa: E731
     return {
         "stage": stage,
         "plain_ms": round(plain_ms, 3),
         "engine_ms": round(engine_ms, 3),
         "ratio": round(engine_ms / plain_ms, 4),
-        "plain_block_min_ms": round(min(block_medians["plain"]) * 1e3, 3),
-        "plain_block_max_ms": round(max(block_medians["plain"]) * 1e3, 3),
-        "engine_block_min_ms": round(min(block_medians["engine"]) * 1e3, 3),
-        "engine_block_max_ms": round(max(block_medians["engine"]) * 1e3, 3),
-        "timed_steps_per_variant": len(all_times["plain"]),
+        "plain_block_min_ms": ms(min(block_medians["plain"])),
+        "plain_block_max_ms": ms(max(block_medians["plain"])),
+        "engine_block_min_ms": ms(min(block_medians["engine"])),
+        "engine_block_max_ms": ms(max(block_medians["engine"])),
+        "other_cpu_cores": round(statistics.fmean(other_cores), 3),
+        "timed_steps_per_variant": len(times["plain"]),
     }
 
 
 def markdown(rows: list[dict]) -> str:
     lines = [
-        "| stage | plain ms | engine ms | ratio | plain block medians ms | engine block medians ms |",
-        "|---|---|---|---|---|---|",
+        "| stage | plain ms | engine ms | ratio | plain block medians ms | engine block medians ms | other load |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r['stage']} | {r['plain_ms']:.2f} | {r['engine_ms']:.2f} | {r['ratio']:.3f} "
             f"| {r['plain_block_min_ms']:.1f}-{r['plain_block_max_ms']:.1f} "
-            f"| {r['engine_block_min_ms']:.1f}-{r['engine_block_max_ms']:.1f} |"
+            f"| {r['engine_block_min_ms']:.1f}-{r['engine_block_max_ms']:.1f} | {r['other_cpu_cores']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -216,9 +230,9 @@ def main() -> None:
             print(f"stage {stage}: plain {r['plain_ms']:.2f} ms, engine {r['engine_ms']:.2f} ms, "
                   f"ratio {r['ratio']:.3f} ({time.perf_counter() - started:.0f} s)", flush=True)
     if ctx.rank == 0:
-        # Other work on this 2-core machine shows up here and in the block spread; rerun if it is high.
-        print(f"\nload average after the run: {os.getloadavg()[0]:.2f}\n")
-        print(markdown(rows))
+        print("\n" + markdown(rows))
+        print("\nother load: cores kept busy by other processes during the timed steps; above ~0.1 on a "
+              "2-core machine the numbers are contaminated, rerun when it is quiet.")
         args.csv.parent.mkdir(parents=True, exist_ok=True)
         with open(args.csv, "w", newline="") as handle:
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

@@ -86,7 +86,8 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
     if isinstance(source, DeepSpeedConfig):
         return source
     if isinstance(source, Mapping):
-        raw, label = json.loads(json.dumps(dict(source))), name or "config"
+        # Paths and other scalars become strings, as they would in a file.
+        raw, label = json.loads(json.dumps(dict(source), default=str)), name or "config"
     else:
         raw, label = read_config_file(source), name or str(source)
     kept, ignored = check_keys(raw, DeepSpeedConfig, label)

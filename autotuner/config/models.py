@@ -9,9 +9,21 @@ from __future__ import annotations
 
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat, PositiveInt, field_validator, model_validator
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, field_validator, model_validator
 
 Auto = Literal["auto"]
+
+
+def _no_bool(value: Any) -> Any:
+    # JSON true is not a count; pydantic's lax mode would read it as 1.
+    if isinstance(value, bool):
+        raise ValueError(f"got {str(value).lower()}; expected a positive integer")
+    return value
+
+
+PositiveInt = Annotated[int, BeforeValidator(_no_bool), Field(gt=0)]
 
 
 class _Section(BaseModel):
@@ -32,7 +44,7 @@ class FP16Config(_Section):
 
 
 class BF16Config(_Section):
-    enabled: bool = False
+    enabled: Union[bool, Auto] = Field(False, description='"auto": bf16 where the GPU supports it, else fp32')
 
 
 OptimizerType = Literal["Adam", "AdamW", "SGD"]
@@ -190,17 +202,27 @@ class DeepSpeedConfig(_Section):
 
     @model_validator(mode="after")
     def _one_precision(self) -> "DeepSpeedConfig":
-        if self.fp16.enabled and self.bf16.enabled:
+        if self.fp16.enabled and self.bf16.enabled is True:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
         return self
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:
+        """Settled precision; call `with_device_precision` first when bf16.enabled is "auto"."""
         if self.fp16.enabled:
             return "fp16"
+        if self.bf16.enabled == "auto":
+            raise ValueError('bf16.enabled is "auto"; settle it with with_device_precision()')
         if self.bf16.enabled:
             return "bf16"
         return "fp32"
+
+    def with_device_precision(self, bf16_supported: bool) -> "DeepSpeedConfig":
+        """A copy with bf16.enabled "auto" settled: on where the device supports bf16 (and fp16 is off)."""
+        if self.bf16.enabled != "auto":
+            return self
+        settled = bf16_supported and not self.fp16.enabled
+        return self.model_copy(update={"bf16": BF16Config(enabled=settled)})
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict that loads back to an equal config (unset sections left out)."""

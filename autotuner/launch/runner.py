@@ -32,8 +32,10 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
 
     if quiet:
         # We print one line per failed rank ourselves; elastic's own report repeats it at length.
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-        logging.getLogger("torch.distributed.launcher").setLevel(logging.CRITICAL)
+        # Its modules set their loggers' levels themselves, so each one is quieted.
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+                logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.update(plan.env)
     log_dir = tempfile.mkdtemp(prefix="autotuner-elastic-")
     config = LaunchConfig(

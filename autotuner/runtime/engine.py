@@ -197,7 +197,8 @@ class Engine(nn.Module):
             raise
 
     def _report_progress(self, wall_s: float) -> None:
-        if self.ctx.rank != 0 or self.global_steps % self.config.steps_per_print:
+        """With wall_clock_breakdown, rank 0 prints step timings every steps_per_print steps."""
+        if not self.config.wall_clock_breakdown or self.ctx.rank != 0 or self.global_steps % self.config.steps_per_print:
             return
         line = f"step={self.global_steps} lr={self.get_lr()[0]:.3g} samples/s={self.batch.train_batch_size / max(wall_s, 1e-9):.2f}"
         if self.config.wall_clock_breakdown:

@@ -150,6 +150,7 @@ def initialize(
             "(launcher --autotuning tune|run); give 0, 1, 2 or 3 to train"
         )
     ctx = init_distributed()
+    cfg = cfg.with_device_precision(ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
     batch = resolve_batch(cfg, ctx.world_size)
     id_to_name = {id(p): name for name, p in model.named_parameters()}
     if isinstance(optimizer, torch.optim.Optimizer):

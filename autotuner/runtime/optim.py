@@ -105,7 +105,7 @@ def lr_function(config: SchedulerConfig) -> Callable[[int, float], float]:
 
         def absolute(step: int, base_lr: float) -> float:
             if config.type == "WarmupDecayLR" and step >= warmup:
-                return high * max(0.0, (total - step) / max(1.0, float(total - warmup)))
+                return low + (high - low) * max(0.0, (total - step) / max(1.0, float(total - warmup)))
             return low + (high - low) * _warmup_gamma(step, warmup, p["warmup_type"])
 
         return absolute
@@ -117,7 +117,8 @@ def lr_function(config: SchedulerConfig) -> Callable[[int, float], float]:
         if step < warmup:
             ratio = min_ratio + (1.0 - min_ratio) * _warmup_gamma(step, warmup, p["warmup_type"])
         else:
-            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            # DeepSpeed counts the first post-warm-up step as 1; past the total we hold the minimum.
+            progress = min(1.0, (step - warmup + 1) / max(1, total - warmup))
             ratio = cos_min + (1.0 - cos_min) * 0.5 * (1.0 + math.cos(math.pi * progress))
         return base_lr * ratio
 

@@ -122,6 +122,7 @@ class Autotuner:
         self._started = time.monotonic()
         self.profile: ModelProfile | None = None
         self._profiled = False  # a profile launch has shown the script runs
+        self.precision = "fp32"  # as the ranks settle it; from the profile when there is one
         self.budget_bytes: int | None = None
 
     # ----- set-up -----
@@ -145,17 +146,18 @@ class Autotuner:
     def _stage_settings(self, stage: int) -> StageSettings:
         offload_optimizer, offload_param = _offloads(self.config)
         zero = base_config(self.config)["zero_optimization"]
-        return StageSettings(stage, self.config.precision, self.settings.data_parallel_size,
+        return StageSettings(stage, self.precision, self.settings.data_parallel_size,
                              offload_optimizer, offload_param, bool(zero.get("contiguous_gradients")))
 
     def _measure_model(self) -> None:
         tuning = self.config.autotuning
         if tuning.model_info is not None and tuning.model_info.num_params:
             self.profile = profile_from_config(tuning.model_info)
+            self.precision = self.config.with_device_precision(_cuda_bf16()).precision
             device_memory = None
             self.report(f"model_info given: {self.profile.num_params:,} parameters; no profile run")
         else:
-            outcome = profile_model(self.space.stages, self.exps_dir, self.settings, self.config.precision,
+            outcome = profile_model(self.space.stages, self.exps_dir, self.settings,
                                     reuse=not tuning.overwrite, report=self.report)
             if outcome.profile is None:
                 failure = outcome.failure
@@ -163,6 +165,7 @@ class Autotuner:
                 raise TuningFailed(f"the model did not run in the profile launch ({failure.state.value}): "
                                    f"{failure.error}; see {where}/stderr.log")
             self.profile = outcome.profile
+            self.precision = outcome.runs[0]["precision"]
             self._profiled = True
             device_memory = outcome.device_memory_bytes
             self.report(f"profile: {self.profile.num_params:,} parameters, "
@@ -236,6 +239,15 @@ class Autotuner:
         summary = write_results(self.results_dir, everything, self.objective, time.monotonic() - self._started,
                                 config, list(optimal_cmd) if optimal_cmd else None)
         return TuningOutcome(tuple(everything), best, summary, optimal_path, optimal_args, optimal_cmd)
+
+
+def _cuda_bf16() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    except ImportError:
+        return False
 
 
 def optimal_script_args(settings: ExperimentSettings, config: dict[str, Any], config_path: Path) -> tuple[str, ...]:

@@ -59,7 +59,7 @@ def _profile_once(stage: int, micro_batch_size: int, exps_dir: Path, settings: E
     return None, failure
 
 
-def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentSettings, precision: str,
+def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentSettings,
                   reuse: bool, report=print) -> ProfileOutcome:
     """Profile at the lowest stage that runs; a higher stage is tried only after an OOM."""
     last_failure = None
@@ -73,14 +73,14 @@ def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentS
                 break
             infos.append(info)
         if len(infos) == len(PROFILE_MICRO_BATCH_SIZES):
-            return ProfileOutcome(_to_profile(infos, settings, precision), infos[0].get("device_memory_bytes"),
+            return ProfileOutcome(_to_profile(infos, settings), infos[0].get("device_memory_bytes"),
                                   None, tuple(infos))
         if last_failure is not None and last_failure.state is not TrialState.OOM:
             break  # a crash will not go away at a higher stage
     return ProfileOutcome(None, None, last_failure)
 
 
-def _to_profile(infos: list[dict[str, Any]], settings: ExperimentSettings, precision: str) -> ModelProfile:
+def _to_profile(infos: list[dict[str, Any]], settings: ExperimentSettings) -> ModelProfile:
     first, second = infos
     per_sample = (second["activation_bytes"] - first["activation_bytes"]) / max(
         1, second["micro_batch_size"] - first["micro_batch_size"])
@@ -92,7 +92,7 @@ def _to_profile(infos: list[dict[str, Any]], settings: ExperimentSettings, preci
         optimizer_state_bytes_per_param=first["optimizer_state_bytes_per_param"],
         num_shard_units=first.get("num_shard_units", 0),
     )
-    stage_settings = StageSettings(first["zero_stage"], precision, settings.data_parallel_size)
+    stage_settings = StageSettings(first["zero_stage"], first["precision"], settings.data_parallel_size)
     baseline = calibrate_baseline(profile, stage_settings, first["micro_batch_size"], first["peak_memory_bytes"])
     return ModelProfile(profile.num_params, profile.activation_bytes_per_sample,
                         profile.optimizer_state_bytes_per_param, baseline, profile.num_shard_units)

@@ -1,0 +1,118 @@
+"""Train a randomly initialised Hugging Face GPT-2 through autotuner's DeepSpeed-style engine.
+
+Arguments are named like transformers' run_clm.py, so DeepSpeed's tutorial arg_mappings
+work unchanged. Nothing is downloaded: the model is built from a GPT2Config and the data
+is text already on this machine (see data.py).
+
+    launcher --autotuning run --nproc_per_node 2 examples/hf_gpt2/train.py --model_size tiny \
+        --max_steps 300 --output_dir output/gpt2 --deepspeed examples/hf_gpt2/ds_config.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for the hub, not even to check
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+
+import autotuner
+from autotuner.config import fill_auto
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from data import TokenBlocks, load_tokens  # noqa: E402
+
+# (n_layer, n_embd, n_head, vocab) with the real dimensions; "tiny" takes seconds per step on CPU.
+PRESETS = {
+    "tiny": (2, 128, 4, 4096),
+    "gpt2": (12, 768, 12, 50257),
+    "gpt2-medium": (24, 1024, 16, 50257),
+    "gpt2-large": (36, 1280, 20, 50257),
+    "gpt2-xl": (48, 1600, 25, 50257),
+}
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model_size", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--per_device_train_batch_size", type=int, default=None)
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
+    parser.add_argument("--learning_rate", type=float, default=None, help="overrides optimizer.params.lr")
+    parser.add_argument("--max_steps", type=int, default=-1, help="optimizer steps; -1: use --num_train_epochs")
+    parser.add_argument("--num_train_epochs", type=float, default=1.0)
+    parser.add_argument("--seq_len", "--block_size", dest="seq_len", type=int, default=128)
+    parser.add_argument("--output_dir", default="output/hf_gpt2")
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--corpus_mb", type=float, default=8.0, help="MB of standard-library text to train on")
+    parser.add_argument("--tokenizer_vocab", type=int, default=4096, help="BPE vocabulary trained on the corpus")
+    autotuner.add_config_arguments(parser)
+    return parser.parse_args()
+
+
+def build_model(size: str, seq_len: int, tokenizer_vocab: int) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    n_layer, n_embd, n_head, vocab = PRESETS[size]
+    config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=max(seq_len, 1024),
+                        vocab_size=max(vocab, tokenizer_vocab), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(args.seed)
+    config = fill_auto(args.deepspeed_config or args.deepspeed, {
+        "train_micro_batch_size_per_gpu": args.per_device_train_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+    })
+    if args.learning_rate is not None and config.get("optimizer"):
+        config["optimizer"].setdefault("params", {})["lr"] = args.learning_rate
+    output_dir = Path(args.output_dir)
+    tokens, vocab = load_tokens(output_dir / "cache", args.tokenizer_vocab, args.corpus_mb)
+    model = build_model(args.model_size, args.seq_len, vocab)
+    engine, _, loader, _ = autotuner.initialize(model=model, config=config,
+                                                training_data=TokenBlocks(tokens, args.seq_len))
+    steps_per_epoch = len(loader) // engine.gradient_accumulation_steps()
+    max_steps = args.max_steps if args.max_steps > 0 else int(args.num_train_epochs * steps_per_epoch)
+    if engine.global_rank == 0:
+        params = sum(p.numel() for p in model.parameters())
+        print(f"GPT-2 {args.model_size}: {params / 1e6:.2f} M parameters, {len(tokens):,} tokens, "
+              f"ZeRO {engine.zero_stage}, micro-batch {engine.train_micro_batch_size_per_gpu()} x gas "
+              f"{engine.gradient_accumulation_steps()} x {engine.world_size} ranks, {max_steps} steps", flush=True)
+
+    epoch, running, window_start = 0, 0.0, time.perf_counter()
+    print_every = engine.config.steps_per_print
+    while engine.global_steps < max_steps:
+        loader.sampler.set_epoch(epoch)
+        for batch in loader:
+            batch = batch.to(engine.device)
+            loss = engine(input_ids=batch, labels=batch).loss
+            engine.backward(loss)
+            running += loss.item() / engine.gradient_accumulation_steps()
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            if not boundary:
+                continue
+            if engine.global_steps % print_every == 0 and engine.global_rank == 0:
+                elapsed = time.perf_counter() - window_start
+                rate = print_every * engine.train_batch_size() / elapsed
+                print(f"step {engine.global_steps}/{max_steps}: loss {running / print_every:.3f}, "
+                      f"{rate:.1f} samples/s", flush=True)
+                running, window_start = 0.0, time.perf_counter()
+            elif engine.global_steps % print_every == 0:
+                running = 0.0
+            if engine.global_steps >= max_steps:
+                break
+        epoch += 1
+    path = engine.save_checkpoint(output_dir / "checkpoints")
+    if engine.global_rank == 0:
+        print(f"saved checkpoint to {path}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,538 @@
+"""Pure pieces around one experiment (its config, arguments, command and verdict) and the
+result files. Verdicts are built from files written into tmp_path; nothing is launched."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from autotuner.config import load_config
+from autotuner.errors import ConfigError
+from autotuner.tuning.autotuner import base_config, knob_values, search_space
+from autotuner.tuning.experiment import (
+    ExperimentSettings,
+    classify,
+    config_value,
+    experiment_config,
+    launch_command,
+    mapped_script_args,
+)
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning import results as results_module
+from autotuner.tuning.results import summary_text, write_results
+from autotuner.tuning.search import DEFAULT_KNOBS
+from autotuner.tuning.space import Experiment
+
+THROUGHPUT = Objective("throughput")
+
+
+def settings(**kwargs) -> ExperimentSettings:
+    values = dict(script="train.py", script_args=("--deepspeed", "ds.json"), base_config={"steps_per_print": 7},
+                  nproc_per_node=2, data_parallel_size=2, objective=THROUGHPUT, timeout_s=30.0,
+                  python="/usr/bin/python3")
+    values.update(kwargs)
+    return ExperimentSettings(**values)
+
+
+# ----- mapped_script_args -----
+
+MAPPINGS = {
+    "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+    "gradient_accumulation_steps": "--gradient_accumulation_steps",
+    "zero_optimization.stage": "--zero_stage",
+}
+
+
+def test_mapped_args_rewrite_both_forms_and_append_absent_flags():
+    config = Experiment(1, 8, 2).apply({}, 2)
+    args = ("--per_device_train_batch_size", "2", "--gradient_accumulation_steps=1", "--lr", "1e-4")
+    got = mapped_script_args(args, MAPPINGS, config)
+    assert got == ("--per_device_train_batch_size", "8", "--gradient_accumulation_steps=2", "--lr", "1e-4",
+                   "--zero_stage", "1")
+
+
+def test_mapped_args_without_mappings_are_unchanged():
+    args = ("--a", "1", "--b=2")
+    assert mapped_script_args(args, {}, Experiment(0, 4).apply({}, 1)) == args
+
+
+def test_mapped_args_fill_a_bare_flag():
+    config = Experiment(0, 4).apply({}, 1)
+    got = mapped_script_args(("--per_device_train_batch_size", "--lr", "1"),
+                             {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}, config)
+    assert got == ("--per_device_train_batch_size", "4", "--lr", "1")
+
+
+def test_mapped_args_take_knob_values_by_dotted_key():
+    config = Experiment(2, 4).with_knobs({"overlap_comm": True}).apply({}, 1)
+    got = mapped_script_args((), {"zero_optimization.overlap_comm": "--overlap"}, config)
+    assert got == ("--overlap", "True")
+
+
+@pytest.mark.parametrize("key", ["no_such_key", "zero_optimization.no_such_knob", "train_batch_size.deeper"])
+def test_mapped_args_unknown_key_is_a_config_error(key):
+    config = Experiment(0, 4).apply({}, 1)
+    with pytest.raises(ConfigError, match=re.escape(f"'{key}'")) as err:
+        mapped_script_args(("--x", "1"), {key: "--x"}, config)
+    assert "arg_mappings" in str(err.value)
+    assert err.value.exit_code == 2
+
+
+def test_config_value_walks_dotted_keys():
+    config = {"a": {"b": {"c": 3}}, "d": 0}
+    assert config_value(config, "a.b.c") == 3
+    assert config_value(config, "d") == 0
+    with pytest.raises(ConfigError):
+        config_value(config, "a.x")
+
+
+@pytest.mark.xfail(reason="set_flag rewrites only the first occurrence: args ('--bs','2','--bs','4') mapped to "
+                          "micro 8 give ('--bs','8','--bs','4'), and argparse (last one wins) trains with 4",
+                   strict=True)
+def test_mapped_args_rewrite_every_occurrence_of_a_flag():
+    config = Experiment(0, 8).apply({}, 1)
+    got = mapped_script_args(("--bs", "2", "--bs", "4"), {"train_micro_batch_size_per_gpu": "--bs"}, config)
+    assert "4" not in got
+
+
+# ----- experiment_config / launch_command -----
+
+def test_experiment_config_sets_the_experiment():
+    base = {"steps_per_print": 7, "zero_optimization": {"overlap_comm": False, "stage": 0},
+            "autotuning": {"enabled": True, "arg_mappings": {}}}
+    s = settings(base_config=base, data_parallel_size=4)
+    experiment = Experiment(2, 8, 3).with_knobs({"overlap_comm": True})
+    section = {"enabled": True, "metric_path": "/tmp/m.json"}
+    config = experiment_config(experiment, s, section)
+    assert config["zero_optimization"] == {"stage": 2, "overlap_comm": True}
+    assert config["train_micro_batch_size_per_gpu"] == 8
+    assert config["gradient_accumulation_steps"] == 3
+    assert config["train_batch_size"] == 8 * 3 * 4
+    assert config["steps_per_print"] == 7
+    assert config["autotuning"] == section
+    # The base config is not modified.
+    assert base["zero_optimization"] == {"overlap_comm": False, "stage": 0}
+    assert "train_batch_size" not in base
+
+
+def test_experiment_config_without_autotuning_is_the_optimal_config():
+    base = {"autotuning": {"enabled": True, "fast": False}, "zero_optimization": {}}
+    config = experiment_config(Experiment(1, 4), settings(base_config=base), None)
+    assert "autotuning" not in config
+    assert config["zero_optimization"] == {"stage": 1}
+    assert config["train_batch_size"] == 4 * 1 * 2
+
+
+def test_launch_command_is_pure_and_points_at_the_experiment_config(tmp_path):
+    s = settings(script_args=("--deepspeed=ds.json", "--bs", "1"), arg_mappings={"train_micro_batch_size_per_gpu": "--bs"},
+                 launcher_args=("--master_port", "29600"))
+    config = experiment_config(Experiment(0, 16), s, None)
+    path = tmp_path / "exp" / "ds_config.json"
+    assert launch_command(config, path, s) == [
+        "/usr/bin/python3", "-m", "autotuner", "--nproc_per_node", "2", "--master_port", "29600", "train.py",
+        f"--deepspeed={path}", "--bs", "16"]
+    assert not path.exists()
+
+
+# ----- base_config / knob_values / search_space -----
+
+def test_base_config_settles_knob_lists_and_removes_the_stage():
+    config = load_config({
+        "train_micro_batch_size_per_gpu": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": [1, 2], "reduce_bucket_size": [1000, 2000], "overlap_comm": [True, False],
+                              "contiguous_gradients": True},
+    })
+    base = base_config(config)
+    assert base["zero_optimization"] == {"reduce_bucket_size": 1000, "overlap_comm": True,
+                                         "contiguous_gradients": True}
+    assert base["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-3}}
+
+
+def test_base_config_with_no_zero_section():
+    base = base_config(load_config({"train_micro_batch_size_per_gpu": 2}))
+    assert base["zero_optimization"] == {}
+    assert base["train_micro_batch_size_per_gpu"] == 2
+
+
+def test_knob_values_defaults():
+    assert knob_values(load_config({"train_batch_size": 8})) == DEFAULT_KNOBS
+
+
+def test_knob_values_user_scalar_fixes_and_user_list_replaces():
+    config = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage": "all", "reduce_bucket_size": 500_000, "contiguous_gradients": [True],
+        "stage3_param_persistence_threshold": 10}})
+    values = knob_values(config)
+    assert values[0] == values[1] == {"contiguous_gradients": [True]}  # rbs fixed: not tuned
+    assert values[2] == {"overlap_comm": [False, True]}
+    assert values[3] == {"overlap_comm": [False, True]}  # ppt fixed at 10: not tuned
+
+
+def test_knob_values_user_list_of_bucket_sizes():
+    config = load_config({"train_batch_size": 8, "zero_optimization": {"reduce_bucket_size": [10, 20],
+                                                                        "overlap_comm": [True]}})
+    values = knob_values(config)
+    assert values[0] == {"reduce_bucket_size": [10, 20], "contiguous_gradients": [False, True]}
+    assert values[3] == {"overlap_comm": [True], "stage3_param_persistence_threshold": [0, 100_000]}
+
+
+@pytest.mark.xfail(reason="ZeroConfig declares stage3_param_persistence_threshold (and stage3_prefetch_bucket_size) "
+                          "as Union[int, list[int], None] with Field(ge=0): a list makes pydantic raise a raw "
+                          "TypeError \"Unable to apply constraint 'ge'\" from load_config instead of accepting it",
+                   strict=True)
+def test_knob_values_user_list_of_persistence_thresholds():
+    config = load_config({"train_batch_size": 8, "zero_optimization": {
+        "stage3_param_persistence_threshold": [0, 10, 1000], "stage3_prefetch_bucket_size": [0, 5]}})
+    assert knob_values(config)[3]["stage3_param_persistence_threshold"] == [0, 10, 1000]
+
+
+def test_search_space_auto_micro_is_searched_under_a_cap():
+    config = load_config({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "all"},
+                          "autotuning": {"enabled": True, "max_train_batch_size": 64,
+                                         "min_train_micro_batch_size_per_gpu": 2,
+                                         "max_train_micro_batch_size_per_gpu": 32,
+                                         "num_tuning_micro_batch_sizes": 4}})
+    space = search_space(config, data_parallel_size=2)
+    assert space.stages == (0, 1, 2, 3)
+    assert space.data_parallel_size == 2
+    assert space.fixed_micro_batch_sizes == ()
+    assert space.global_batch_size == 64 and space.global_batch_exact is False
+    assert (space.min_micro_batch_size, space.max_micro_batch_size, space.num_micro_batch_sizes) == (2, 32, 4)
+    assert space.fixed_gradient_accumulation_steps is None
+    assert space.knob_values == DEFAULT_KNOBS
+
+
+def test_search_space_int_micro_is_fixed():
+    space = search_space(load_config({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}), 1)
+    assert space.fixed_micro_batch_sizes == (4,)
+    assert space.stages == (1,)
+    assert space.global_batch_size is None
+
+
+def test_search_space_list_micro_is_a_fixed_tuple():
+    space = search_space(load_config({"train_micro_batch_size_per_gpu": [2, 8],
+                                      "zero_optimization": {"stage": [2, 0]}}), 1)
+    assert space.fixed_micro_batch_sizes == (2, 8)
+    assert space.stages == (0, 2)
+
+
+def test_search_space_fixed_train_batch_size_is_exact():
+    config = load_config({"train_batch_size": 32, "gradient_accumulation_steps": 2,
+                          "autotuning": {"max_train_batch_size": 1024}})
+    space = search_space(config, 2)
+    assert space.global_batch_size == 32 and space.global_batch_exact is True
+    assert space.fixed_gradient_accumulation_steps == 2
+    assert space.valid_micro_batch_sizes(100) == [8]
+
+
+def test_search_space_auto_gas_is_searched():
+    space = search_space(load_config({"train_batch_size": "auto", "gradient_accumulation_steps": "auto"}), 1)
+    assert space.fixed_gradient_accumulation_steps is None
+    assert space.global_batch_size is None and space.global_batch_exact is False
+
+
+# ----- classify -----
+
+EXP = Experiment(1, 8, 2)
+
+
+def _classify(exp_dir: Path, returncode=0, timed_out=False, **kwargs) -> TrialResult:
+    return classify(EXP, exp_dir, returncode, timed_out, 12.5, settings(**kwargs), 1234)
+
+
+def _metrics(exp_dir: Path, **values) -> None:
+    (exp_dir / "metrics.json").write_text(json.dumps(values))
+
+
+def test_timeout(tmp_path):
+    _metrics(tmp_path, throughput=3.0)  # even with metrics, a timeout is a timeout
+    result = _classify(tmp_path, returncode=None, timed_out=True)
+    assert result.state is TrialState.TIMEOUT
+    assert result.value is None
+    assert "exp_timeout_s=30s" in result.error
+    assert (result.experiment, result.wall_time_s, result.predicted_memory_bytes) == (EXP, 12.5, 1234)
+
+
+def test_oom_marker_names_the_rank(tmp_path):
+    (tmp_path / "metrics.json.oom-rank1").write_text("")
+    result = _classify(tmp_path, returncode=1)
+    assert result.state is TrialState.OOM
+    assert result.error == "out of memory on rank 1"
+    assert result.value is None
+
+
+def test_oom_markers_of_several_ranks(tmp_path):
+    for rank in (1, 0):
+        (tmp_path / f"metrics.json.oom-rank{rank}").write_text("")
+    result = _classify(tmp_path, returncode=0)
+    assert result.state is TrialState.OOM
+    assert result.error == "out of memory on rank 0, 1"
+
+
+TRACEBACK = """\
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "train.py", line 12, in <module>
+[rank1]:     raise ValueError("learning rate must be positive")
+[rank1]: ValueError: learning rate must be positive
+some noise line about an error in passing
+launcher: rank 1 exited with status 1
+launcher: rank 0 exited with status 143
+launcher: rank 1 failed first
+"""
+
+
+def test_failure_names_rank_and_last_exception(tmp_path):
+    (tmp_path / "stderr.log").write_text(TRACEBACK)
+    result = _classify(tmp_path, returncode=1)
+    assert result.state is TrialState.FAILED
+    assert result.error == "rank 1: ValueError: learning rate must be positive"
+    assert result.value is None
+
+
+def test_failure_with_a_qualified_exception_name(tmp_path):
+    (tmp_path / "stderr.log").write_text(
+        "Traceback (most recent call last):\n  File \"t.py\", line 1\n"
+        "KeyError: 'a'\n\nDuring handling of the above exception, another exception occurred:\n\n"
+        "torch.distributed.DistBackendError: NCCL failure\nlauncher: rank 3 failed first\n")
+    assert _classify(tmp_path, returncode=1).error == "rank 3: torch.distributed.DistBackendError: NCCL failure"
+
+
+def test_failure_from_argparse_in_the_script(tmp_path):
+    (tmp_path / "stderr.log").write_text("usage: train.py [-h]\ntrain.py: error: unrecognized arguments: --foo\n"
+                                         "launcher: rank 0 failed first\n")
+    assert _classify(tmp_path, returncode=2).error == "rank 0: train.py: error: unrecognized arguments: --foo"
+
+
+def test_failure_without_traceback_or_log(tmp_path):
+    result = _classify(tmp_path, returncode=3)
+    assert result.state is TrialState.FAILED
+    assert result.error == "exit status 3"
+
+
+def test_exit_zero_without_metrics(tmp_path):
+    result = _classify(tmp_path, returncode=0)
+    assert result.state is TrialState.FAILED
+    assert result.error.startswith("no metrics")
+    assert "end_profile_step=5" in result.error
+
+
+def test_metrics_over_the_memory_budget_are_oom(tmp_path):
+    _metrics(tmp_path, throughput=50.0, peak_memory_bytes=3 * 2**30)
+    result = _classify(tmp_path, memory_budget_bytes=2 * 2**30)
+    assert result.state is TrialState.OOM
+    assert result.value is None
+    assert result.measured_memory_bytes == 3 * 2**30
+    assert "3072 MiB" in result.error and "2048 MiB" in result.error
+
+
+def test_metrics_within_the_budget_are_ok(tmp_path):
+    _metrics(tmp_path, throughput=50.0, peak_memory_bytes=2 * 2**30)
+    result = _classify(tmp_path, memory_budget_bytes=2 * 2**30)
+    assert result.state is TrialState.OK
+    assert result.measured_memory_bytes == 2 * 2**30
+
+
+@pytest.mark.parametrize(("metric", "key", "value"), [
+    ("throughput", "throughput", 123.5), ("latency", "latency", 0.25), ("FLOPS", "FLOPS_per_gpu", 3.5e12)])
+def test_ok_value_is_the_objective_metric(tmp_path, metric, key, value):
+    metrics = {"throughput": 123.5, "throughput_std": 1.5, "latency": 0.25, "FLOPS_per_gpu": 3.5e12,
+               "peak_memory_bytes": 1000}
+    _metrics(tmp_path, **metrics)
+    result = _classify(tmp_path, objective=Objective(metric))
+    assert Objective(metric).key == key
+    assert result.state is TrialState.OK
+    assert result.value == value
+    assert result.value_std == (1.5 if metric == "throughput" else None)
+    assert result.metrics == metrics
+    assert result.error is None
+
+
+def test_metrics_without_the_objective_key_fail(tmp_path):
+    _metrics(tmp_path, throughput=1.0)
+    result = _classify(tmp_path, objective=Objective("FLOPS"))
+    assert result.state is TrialState.FAILED
+    assert "FLOPS_per_gpu" in result.error
+
+
+# ----- Experiment names and records -----
+
+@pytest.mark.parametrize(("experiment", "name"), [
+    (Experiment(1, 8, 2), "z1_gas2_mbs8"),
+    (Experiment(0, 1), "z0_gas1_mbs1"),
+    (Experiment(2, 4).with_knobs({"overlap_comm": True}), "z2_ocT_gas1_mbs4"),
+    (Experiment(0, 16, 4).with_knobs({"reduce_bucket_size": 50_000_000, "contiguous_gradients": False}),
+     "z0_cgF_rbs5.0e07_gas4_mbs16"),
+    (Experiment(3, 2).with_knobs({"stage3_param_persistence_threshold": 0, "overlap_comm": False}),
+     "z3_ocF_ppt0_gas1_mbs2"),
+    (Experiment(3, 2).with_knobs({"stage3_param_persistence_threshold": 100_000}), "z3_ppt1.0e05_gas1_mbs2"),
+    (Experiment(1, 2).with_knobs({"allgather_bucket_size": 6_553_600}), "z1_abs6.6e06_gas1_mbs2"),
+    (Experiment(1, 2).with_knobs({"some_knob": 3}), "z1_some_knob3_gas1_mbs2"),
+])
+def test_experiment_names(experiment, name):
+    assert experiment.name == name
+
+
+def test_knob_order_does_not_change_the_experiment():
+    a = Experiment(0, 4).with_knobs({"reduce_bucket_size": 1_000_000, "contiguous_gradients": True})
+    b = Experiment(0, 4).with_knobs({"contiguous_gradients": True, "reduce_bucket_size": 1_000_000})
+    assert a == b and hash(a) == hash(b) and a.name == b.name
+
+
+def test_trial_result_json_round_trip():
+    experiment = Experiment(3, 8, 2).with_knobs({"overlap_comm": True, "stage3_param_persistence_threshold": 0})
+    result = TrialResult(experiment, TrialState.OK, value=12.5, value_std=0.5,
+                         metrics={"throughput": 12.5, "forward": {"mean_s": 0.01}},
+                         predicted_memory_bytes=10, measured_memory_bytes=12, wall_time_s=3.25, error=None)
+    data = json.loads(json.dumps(result.to_json()))
+    assert data["name"] == experiment.name and data["state"] == "ok"
+    back = TrialResult.from_json(data)
+    assert back == result
+    assert back.experiment == experiment and hash(back.experiment) == hash(experiment)
+    assert back.metrics == result.metrics
+    assert back.name == result.name
+
+
+@pytest.mark.parametrize("state", list(TrialState))
+def test_trial_result_json_round_trip_every_state(state):
+    result = TrialResult(Experiment(0, 1), state, error=None if state is TrialState.OK else "why")
+    back = TrialResult.from_json(json.loads(json.dumps(result.to_json())))
+    assert back == result and back.state is state
+
+
+# ----- summary and result files -----
+
+@pytest.fixture
+def plots(monkeypatch):
+    """Stub the plot (matplotlib is slow to import; the end-to-end test checks the PNG): record its calls."""
+    calls = []
+    monkeypatch.setattr(results_module, "plot_metric", lambda path, results, objective: calls.append(path) or True)
+    return calls
+
+
+def _ok(stage, micro, value, gas=1, **kwargs):
+    return TrialResult(Experiment(stage, micro, gas), TrialState.OK, value=value,
+                       metrics={"throughput": value, "latency": 1.0 / value}, **kwargs)
+
+
+RESULTS = [
+    _ok(0, 4, 10.0),
+    TrialResult(Experiment(0, 8), TrialState.OOM, error="out of memory on rank 0"),
+    _ok(1, 8, 20.0, gas=2),
+    _ok(1, 4, 15.0),
+    TrialResult(Experiment(2, 1), TrialState.FAILED, error="rank 0: ValueError: x"),
+    TrialResult(Experiment(3, 1), TrialState.PRUNED, error="cannot help: ..."),
+]
+
+
+def _rows(summary: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in summary.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and cells[0] and not set(cells[0]) <= set(":-") and cells[0] != "tuning_space":
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_summary_rows_per_stage_and_global():
+    summary = summary_text(RESULTS, THROUGHPUT, 3723.456)
+    rows = _rows(summary)
+    assert rows["z0"] == ["2", "10", "z0_gas1_mbs4"]
+    assert rows["z1"] == ["2", "20", "z1_gas2_mbs8"]
+    assert rows["z2"][0] == "1" and rows["z2"][2] == ""  # launched, nothing succeeded
+    assert rows["global"] == ["5", "20", "z1_gas2_mbs8"]
+    assert list(rows)[-1] == "global"
+    assert summary.rstrip().endswith("Tuning completed in 1:02:03.46. Total number of experiments: 5.")
+
+
+def test_summary_with_latency_picks_the_minimum():
+    rows = _rows(summary_text(RESULTS, Objective("latency"), 1.0))
+    assert rows["z1"][1:] == ["15", "z1_gas1_mbs4"]
+    assert rows["global"][1:] == ["10", "z0_gas1_mbs4"]
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(0.0, "0:00:00.00"), (5.5, "0:00:05.50"), (61.25, "0:01:01.25"),
+                                               (3600.0, "1:00:00.00"), (36000 + 59 * 60 + 1.5, "10:59:01.50")])
+def test_summary_duration_format(seconds, text):
+    assert f"Tuning completed in {text}. Total number of experiments: 0." in summary_text([], THROUGHPUT, seconds)
+
+
+@pytest.mark.xfail(reason="_format_duration formats seconds after divmod: 59.999 s prints '0:00:60.00' and "
+                          "3599.996 s prints '0:59:60.00' instead of carrying into the next minute/hour",
+                   strict=True)
+@pytest.mark.parametrize(("seconds", "text"), [(59.999, "0:01:00.00"), (3599.996, "1:00:00.00")])
+def test_summary_duration_rounds_into_the_next_minute(seconds, text):
+    assert f"Tuning completed in {text}." in summary_text([], THROUGHPUT, seconds)
+
+
+def test_summary_counts_launched_experiments_only():
+    pruned = [TrialResult(Experiment(s, 1), TrialState.PRUNED, error="memory model") for s in range(4)]
+    summary = summary_text(pruned, THROUGHPUT, 1.0)
+    assert summary.rstrip().endswith("Total number of experiments: 0.")
+    assert _rows(summary)["global"][0] == "0"
+
+
+NASTY_CMD = ["/usr/bin/python3", "-m", "autotuner", "--nproc_per_node", "2", "train.py",
+             "--run_name", "my run 1", "--note", "it's \"quoted\" $HOME `date` \\ back", "--empty", "",
+             "--multi", "line1\nline2", "--deepspeed", "/tmp/dir with space/ds_config_optimal.json"]
+
+
+def test_write_results_files(tmp_path, plots):
+    optimal = experiment_config(RESULTS[2].experiment, settings(), None)
+    summary = write_results(tmp_path, RESULTS, THROUGHPUT, 12.0, optimal, NASTY_CMD)
+    assert (tmp_path / "summary.txt").read_text() == summary
+    assert json.loads((tmp_path / "ds_config_optimal.json").read_text()) == optimal
+    assert shlex.split((tmp_path / "cmd_optimal.txt").read_text()) == NASTY_CMD
+    assert plots == [tmp_path / "metric_vs_micro_batch.png"]
+
+    import pandas as pd
+
+    table = pd.read_csv(tmp_path / "experiments.csv", keep_default_na=False)
+    assert len(table) == len(RESULTS)
+    assert list(table["name"]) == [r.name for r in RESULTS]
+    assert list(table["state"]) == [r.state.value for r in RESULTS]
+    assert list(table["zero_stage"]) == [r.experiment.zero_stage for r in RESULTS]
+    assert list(table["gradient_accumulation_steps"]) == [r.experiment.gradient_accumulation_steps for r in RESULTS]
+    assert table.loc[table["state"] == "pruned", "error"].tolist() == ["cannot help: ..."]
+
+
+def test_write_results_csv_knobs_column(tmp_path, plots):
+    knobbed = TrialResult(Experiment(0, 4).with_knobs({"contiguous_gradients": True, "reduce_bucket_size": 1000}),
+                          TrialState.OK, value=5.0, metrics={"throughput": 5.0})
+    write_results(tmp_path, [knobbed], THROUGHPUT, 1.0, None, None)
+    import pandas as pd
+
+    table = pd.read_csv(tmp_path / "experiments.csv")
+    assert table["knobs"].tolist() == ["contiguous_gradients=True;reduce_bucket_size=1000"]
+    assert table["name"].tolist() == ["z0_cgT_rbs1000_gas1_mbs4"]
+
+
+@pytest.mark.xfail(reason="result_rows builds its dict with the key 'throughput' twice (objective.metric, then "
+                          "metrics['throughput']): a throughput result whose metrics lack 'throughput' gets an "
+                          "empty throughput column in experiments.csv although value=7.5", strict=True)
+def test_write_results_csv_has_the_objective_value(tmp_path, plots):
+    result = TrialResult(Experiment(0, 4), TrialState.OK, value=7.5, metrics={})
+    write_results(tmp_path, [result], THROUGHPUT, 1.0, None, None)
+    import pandas as pd
+
+    assert pd.read_csv(tmp_path / "experiments.csv")["throughput"].tolist() == [7.5]
+
+
+def test_no_successful_result_writes_no_optimal_files(tmp_path, plots):
+    failed = [r for r in RESULTS if r.state is not TrialState.OK]
+    # A stale optimum from an earlier run must not survive a run that found none.
+    write_results(tmp_path, RESULTS, THROUGHPUT, 1.0, {"train_batch_size": 1}, ["python", "x.py"])
+    assert (tmp_path / "cmd_optimal.txt").exists() and (tmp_path / "ds_config_optimal.json").exists()
+    summary = write_results(tmp_path, failed, THROUGHPUT, 1.0, None, None)
+    assert not (tmp_path / "ds_config_optimal.json").exists()
+    assert not (tmp_path / "cmd_optimal.txt").exists()
+    assert (tmp_path / "summary.txt").read_text() == summary
+    assert "Total number of experiments: 2." in summary
+
+    import pandas as pd
+
+    assert len(pd.read_csv(tmp_path / "experiments.csv")) == len(failed)

@@ -1,0 +1,257 @@
+"""The memory model against hand-computed byte counts (arithmetic written out), and its
+derived promises: activations scale, the largest micro-batch fits, stages are monotonic."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autotuner.tuning.memory import (
+    MemoryEstimate,
+    ModelProfile,
+    StageSettings,
+    calibrate_baseline,
+    estimate,
+    max_micro_batch_size,
+    model_state_bytes,
+    usable_bytes,
+)
+
+P = 1_000_000  # parameters
+W = 2  # data-parallel ranks
+UNITS = 10  # FSDP2 shard units
+BLOCK = P // UNITS  # 100_000 parameters per unit
+ADAM = 8  # bytes per parameter: two fp32 moments
+
+PROFILE = ModelProfile(num_params=P, activation_bytes_per_sample=0, num_shard_units=UNITS)
+
+# (stage, precision) -> (parameters, gradients, optimizer_states, working_buffers), W = 2, block = 100_000.
+EXPECTED = {
+    # stage 0 (DDP): fp32 params + grads, DDP buckets 4P, autocast copy 2P under bf16/fp16, full Adam states.
+    (0, "fp32"): (4 * P, 4 * P, ADAM * P, 4 * P),
+    (0, "bf16"): (4 * P, 4 * P, ADAM * P, 4 * P + 2 * P),
+    (0, "fp16"): (4 * P, 4 * P, ADAM * P, 4 * P + 2 * P),
+    # stage 1: as stage 0, optimizer states sharded over W.
+    (1, "fp32"): (4 * P, 4 * P, ADAM * P // W, 4 * P),
+    (1, "bf16"): (4 * P, 4 * P, ADAM * P // W, 4 * P + 2 * P),
+    (1, "fp16"): (4 * P, 4 * P, ADAM * P // W, 4 * P + 2 * P),
+    # stage 2 (FSDP2): everything sharded; the whole compute copy + one block of fp32 grads in flight.
+    (2, "fp32"): (4 * P // W, 4 * P // W, ADAM * P // W, 4 * P + 4 * BLOCK),
+    (2, "bf16"): (4 * P // W, 4 * P // W, ADAM * P // W, 2 * P + 4 * BLOCK),
+    (2, "fp16"): (4 * P // W, 4 * P // W, ADAM * P // W, 2 * P + 4 * BLOCK),
+    # stage 3: two blocks (running + prefetched) of compute params and fp32 grads.
+    (3, "fp32"): (4 * P // W, 4 * P // W, ADAM * P // W, 2 * (4 + 4) * BLOCK),
+    (3, "bf16"): (4 * P // W, 4 * P // W, ADAM * P // W, 2 * (2 + 4) * BLOCK),
+    (3, "fp16"): (4 * P // W, 4 * P // W, ADAM * P // W, 2 * (2 + 4) * BLOCK),
+}
+
+
+def parts(estimate_: MemoryEstimate) -> tuple[int, int, int, int]:
+    return (estimate_.parameters, estimate_.gradients, estimate_.optimizer_states, estimate_.working_buffers)
+
+
+@pytest.mark.parametrize(("stage", "precision"), sorted(EXPECTED))
+def test_model_states_by_stage_and_precision(stage, precision):
+    got = model_state_bytes(PROFILE, StageSettings(stage, precision, world_size=W))
+    assert parts(got) == EXPECTED[(stage, precision)]
+    assert got.activations == 0
+    assert got.baseline == 0
+    assert got.total == sum(EXPECTED[(stage, precision)])
+
+
+def test_worked_totals():
+    # Written out once in full, so a reader can check the table above.
+    assert model_state_bytes(PROFILE, StageSettings(0, "fp32", W)).total == 4_000_000 * 3 + 8_000_000  # 20 MB
+    assert model_state_bytes(PROFILE, StageSettings(1, "bf16", W)).total == 4_000_000 * 2 + 4_000_000 + 6_000_000
+    assert model_state_bytes(PROFILE, StageSettings(2, "bf16", W)).total == (
+        2_000_000 + 2_000_000 + 4_000_000 + 2_000_000 + 400_000)
+    assert model_state_bytes(PROFILE, StageSettings(3, "fp32", W)).total == (
+        2_000_000 + 2_000_000 + 4_000_000 + 1_600_000)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_is_costed_differently_from_fp32(stage):
+    # DeepSpeed's autotuner costs bf16 as fp32; ours counts the 2-byte compute copies.
+    fp32 = model_state_bytes(PROFILE, StageSettings(stage, "fp32", W)).total
+    bf16 = model_state_bytes(PROFILE, StageSettings(stage, "bf16", W)).total
+    fp16 = model_state_bytes(PROFILE, StageSettings(stage, "fp16", W)).total
+    assert bf16 != fp32
+    assert bf16 == fp16
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [0, 1])
+def test_contiguous_gradients_drops_the_ddp_bucket_copy(stage, precision):
+    plain = model_state_bytes(PROFILE, StageSettings(stage, precision, W))
+    contiguous = model_state_bytes(PROFILE, StageSettings(stage, precision, W, contiguous_gradients=True))
+    assert plain.working_buffers - contiguous.working_buffers == 4 * P
+    autocast = 2 * P if precision == "bf16" else 0
+    assert contiguous.working_buffers == autocast
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_contiguous_gradients_does_not_apply_to_fsdp(stage):
+    plain = model_state_bytes(PROFILE, StageSettings(stage, "fp32", W))
+    contiguous = model_state_bytes(PROFILE, StageSettings(stage, "fp32", W, contiguous_gradients=True))
+    assert contiguous == plain
+
+
+def test_stage_0_ignores_world_size_and_stage_1_divides_only_the_optimizer():
+    for w in (1, 2, 4, 8):
+        z0 = model_state_bytes(PROFILE, StageSettings(0, "fp32", w))
+        z1 = model_state_bytes(PROFILE, StageSettings(1, "fp32", w))
+        assert parts(z0) == (4 * P, 4 * P, 8 * P, 4 * P)
+        assert parts(z1) == (4 * P, 4 * P, 8 * P // w, 4 * P)
+
+
+def test_world_size_below_one_counts_as_one():
+    z3 = model_state_bytes(PROFILE, StageSettings(3, "fp32", world_size=0))
+    assert (z3.parameters, z3.gradients, z3.optimizer_states) == (4 * P, 4 * P, 8 * P)
+
+
+def test_optimizer_state_bytes_per_param_is_used():
+    sgd = ModelProfile(P, 0, optimizer_state_bytes_per_param=4.0, num_shard_units=UNITS)  # momentum only
+    assert model_state_bytes(sgd, StageSettings(0, "fp32", W)).optimizer_states == 4 * P
+    assert model_state_bytes(sgd, StageSettings(1, "fp32", W)).optimizer_states == 4 * P // W
+    assert model_state_bytes(sgd, StageSettings(3, "fp32", W)).optimizer_states == 4 * P // W
+
+
+def test_unknown_shard_units_use_the_whole_model_as_one_block():
+    unknown = ModelProfile(P, 0, num_shard_units=0)
+    assert model_state_bytes(unknown, StageSettings(2, "fp32", W)).working_buffers == 4 * P + 4 * P
+    assert model_state_bytes(unknown, StageSettings(3, "fp32", W)).working_buffers == 2 * (4 + 4) * P
+    assert model_state_bytes(unknown, StageSettings(3, "bf16", W)).working_buffers == 2 * (2 + 4) * P
+
+
+def test_block_is_rounded_up():
+    odd = ModelProfile(1_000_001, 0, num_shard_units=10)
+    block = math.ceil(1_000_001 / 10)  # 100_001
+    assert block == 100_001
+    assert model_state_bytes(odd, StageSettings(3, "fp32", W)).working_buffers == 2 * (4 + 4) * block
+    assert model_state_bytes(odd, StageSettings(2, "bf16", W)).working_buffers == 2 * 1_000_001 + 4 * block
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_offload_optimizer_zeroes_optimizer_states_only(stage, precision):
+    kept = model_state_bytes(PROFILE, StageSettings(stage, precision, W))
+    offloaded = model_state_bytes(PROFILE, StageSettings(stage, precision, W, offload_optimizer=True))
+    assert offloaded.optimizer_states == 0
+    assert (offloaded.parameters, offloaded.gradients, offloaded.working_buffers) == (
+        kept.parameters, kept.gradients, kept.working_buffers)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offload_param_zeroes_sharded_parameters_and_gradients(stage):
+    kept = model_state_bytes(PROFILE, StageSettings(stage, "bf16", W))
+    offloaded = model_state_bytes(PROFILE, StageSettings(stage, "bf16", W, offload_param=True))
+    assert (offloaded.parameters, offloaded.gradients) == (0, 0)
+    # The compute copies still live on the device, and so do the optimizer states unless offloaded too.
+    assert offloaded.working_buffers == kept.working_buffers > 0
+    assert offloaded.optimizer_states == kept.optimizer_states == ADAM * P // W
+    both = model_state_bytes(PROFILE, StageSettings(stage, "bf16", W, offload_optimizer=True, offload_param=True))
+    assert both.total == kept.working_buffers
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_offload_param_does_not_apply_below_stage_2(stage):
+    kept = model_state_bytes(PROFILE, StageSettings(stage, "fp32", W))
+    assert model_state_bytes(PROFILE, StageSettings(stage, "fp32", W, offload_param=True)) == kept
+
+
+def test_baseline_is_carried():
+    profile = ModelProfile(P, 0, baseline_bytes=300_000_000, num_shard_units=UNITS)
+    states = model_state_bytes(profile, StageSettings(0, "fp32", W))
+    assert states.baseline == 300_000_000
+    assert states.total == 20 * P + 300_000_000
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_activations_scale_with_micro_batch(stage):
+    act = 3_000_000  # bytes per sample
+    profile = ModelProfile(P, act, baseline_bytes=1_000, num_shard_units=UNITS)
+    settings = StageSettings(stage, "bf16", W)
+    states = model_state_bytes(profile, settings).total
+    for micro in (1, 2, 7, 64):
+        got = estimate(profile, settings, micro)
+        assert got.activations == act * micro
+        assert got.total == states + act * micro
+        assert parts(got) == parts(model_state_bytes(profile, settings))
+
+
+def test_usable_bytes():
+    assert usable_bytes(1_000_000_000, 0.1) == 900_000_000
+    assert usable_bytes(1_000_000_000, 0.0) == 1_000_000_000
+
+
+@pytest.mark.parametrize("margin", [0.0, 0.1, 0.25])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_max_micro_batch_size_is_the_largest_that_fits(stage, precision, margin):
+    profile = ModelProfile(P, 1_234_567, baseline_bytes=5_000_000, num_shard_units=UNITS)
+    settings = StageSettings(stage, precision, W)
+    budget = 200_000_000
+    usable = int(budget * (1 - margin))
+    largest = max_micro_batch_size(profile, settings, budget, margin)
+    assert largest >= 1
+    assert estimate(profile, settings, largest).total <= usable
+    assert estimate(profile, settings, largest + 1).total > usable
+
+
+def test_max_micro_batch_size_worked_example():
+    # stage 0 fp32: 20 MB of states + 1 MB baseline; 10 MB activations per sample; budget 100 MB, margin 0.1.
+    profile = ModelProfile(P, 10_000_000, baseline_bytes=1_000_000, num_shard_units=UNITS)
+    # usable 90 MB - 21 MB = 69 MB of room -> 6 samples (60 MB); 7 would need 70 MB.
+    assert max_micro_batch_size(profile, StageSettings(0, "fp32", W), 100_000_000, 0.1) == 6
+
+
+def test_max_micro_batch_size_is_zero_when_states_alone_do_not_fit():
+    profile = ModelProfile(P, 1_000, num_shard_units=UNITS)
+    states = model_state_bytes(profile, StageSettings(0, "fp32", W)).total  # 20 MB
+    assert max_micro_batch_size(profile, StageSettings(0, "fp32", W), states, 0.1) == 0  # 18 MB usable
+    assert max_micro_batch_size(profile, StageSettings(0, "fp32", W), states // 2, 0.0) == 0
+    # Exactly full: no room for a single sample.
+    assert max_micro_batch_size(profile, StageSettings(0, "fp32", W), states, 0.0) == 0
+    # A higher stage that shards the states may fit where stage 0 does not.
+    assert max_micro_batch_size(profile, StageSettings(3, "fp32", W), states, 0.1) > 0
+
+
+def test_max_micro_batch_size_when_less_than_one_sample_fits():
+    profile = ModelProfile(P, 10 * P, num_shard_units=UNITS)
+    budget = 20 * P + 5 * P  # 5 MB of room, a sample needs 10 MB
+    assert max_micro_batch_size(profile, StageSettings(0, "fp32", W), budget, 0.0) == 0
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8, 64])
+def test_higher_stages_never_need_more(world_size, precision):
+    # Adam, many shard units, DDP buckets not contiguous (the default).
+    profile = ModelProfile(10 * P, 2_000_000, baseline_bytes=1_000_000, num_shard_units=48)
+    totals = [estimate(profile, StageSettings(stage, precision, world_size), 4).total for stage in range(4)]
+    assert totals == sorted(totals, reverse=True), totals
+    budget = 400_000_000
+    largest = [max_micro_batch_size(profile, StageSettings(stage, precision, world_size), budget) for stage in range(4)]
+    assert largest == sorted(largest), largest
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_calibrate_baseline_recovers_a_known_baseline(stage, precision):
+    baseline = 123_456_789
+    truth = ModelProfile(P, 2_500_000, baseline_bytes=baseline, num_shard_units=UNITS)
+    settings = StageSettings(stage, precision, W)
+    measured = estimate(truth, settings, 8).total
+    # The profile passed in may carry any (e.g. stale) baseline: it is not part of what is explained.
+    stale = ModelProfile(P, 2_500_000, baseline_bytes=999, num_shard_units=UNITS)
+    assert calibrate_baseline(stale, settings, 8, measured) == baseline
+    assert calibrate_baseline(truth, settings, 8, measured) == baseline
+
+
+def test_calibrate_baseline_is_never_negative():
+    profile = ModelProfile(P, 2_500_000, num_shard_units=UNITS)
+    settings = StageSettings(0, "fp32", W)
+    explained = estimate(profile, settings, 4).total
+    assert calibrate_baseline(profile, settings, 4, explained) == 0
+    assert calibrate_baseline(profile, settings, 4, explained - 1) == 0
+    assert calibrate_baseline(profile, settings, 4, 0) == 0

@@ -1,0 +1,439 @@
+"""The stage x micro-batch x gas search, run against a fake `evaluate` that simulates OOM
+above a threshold micro-batch per stage and returns a known value per experiment."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import pytest
+
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.search import (
+    DEFAULT_KNOBS,
+    SearchPolicy,
+    SearchSpace,
+    confirm_largest,
+    run_search,
+    spread_micro_batch_sizes,
+)
+from autotuner.tuning.space import Experiment, KNOB_TAGS
+
+THROUGHPUT = Objective("throughput")
+LATENCY = Objective("latency")
+
+
+def default_value(experiment: Experiment) -> float:
+    """Throughput grows with micro-batch (and a little with stage), ignoring knobs."""
+    return 100.0 * math.log2(1 + experiment.micro_batch_size) + experiment.zero_stage
+
+
+class FakeRun:
+    """An `evaluate` that records every experiment; OOM above `fits[stage]`, else OK with `value(e)`."""
+
+    def __init__(self, fits: dict[int, int], value: Callable[[Experiment], float] = default_value):
+        self.fits, self.value, self.calls = fits, value, []
+
+    def __call__(self, experiment: Experiment) -> TrialResult:
+        self.calls.append(experiment)
+        if experiment.micro_batch_size > self.fits.get(experiment.zero_stage, 0):
+            return TrialResult(experiment, TrialState.OOM, error="out of memory on rank 0")
+        return TrialResult(experiment, TrialState.OK, value=self.value(experiment))
+
+    def stages(self) -> list[int]:
+        return [e.zero_stage for e in self.calls]
+
+    def of_stage(self, stage: int) -> list[Experiment]:
+        return [e for e in self.calls if e.zero_stage == stage]
+
+
+class Prunes(list):
+    def __call__(self, stage: int, reason: str) -> None:
+        self.append((stage, reason))
+
+
+def space(stages=(0, 1, 2, 3), **kwargs) -> SearchSpace:
+    kwargs.setdefault("data_parallel_size", 1)
+    return SearchSpace(stages=stages, **kwargs)
+
+
+def policy(**kwargs) -> SearchPolicy:
+    kwargs.setdefault("objective", THROUGHPUT)
+    kwargs.setdefault("early_stopping", 50)
+    return SearchPolicy(**kwargs)
+
+
+# ----- spread_micro_batch_sizes -----
+
+def test_spread_is_geometric_from_the_largest():
+    assert spread_micro_batch_sizes(list(range(1, 17)), 16, 3) == [16, 8, 4]
+    assert spread_micro_batch_sizes(list(range(1, 65)), 64, 5) == [64, 32, 16, 8, 4]
+
+
+def test_spread_picks_nearest_valid_sizes_in_log_space():
+    divisors = [1, 2, 3, 4, 6, 12]
+    assert spread_micro_batch_sizes(divisors, 12, 3) == [12, 6, 3]
+    assert spread_micro_batch_sizes([1, 5], 5, 3) == [5, 1]  # duplicates collapse; fewer than asked
+
+
+def test_spread_stays_within_the_largest_and_valid_sizes():
+    valid = [2, 3, 5, 7, 11, 13, 17]
+    got = spread_micro_batch_sizes(valid, 11, 4)
+    assert got == sorted(got, reverse=True)
+    assert got[0] == 11
+    assert set(got) <= {m for m in valid if m <= 11}
+    assert len(got) == len(set(got))
+
+
+def test_spread_edge_cases():
+    assert spread_micro_batch_sizes([], 8, 3) == []
+    assert spread_micro_batch_sizes([16, 32], 8, 3) == []
+    assert spread_micro_batch_sizes([1, 2, 4], 4, 0) == []
+    assert spread_micro_batch_sizes([4], 4, 5) == [4]
+
+
+# ----- SearchSpace.gas -----
+
+def test_gas_without_a_target_is_one():
+    s = space(data_parallel_size=4)
+    assert [s.gas(m) for m in (1, 3, 64)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_gas_under_max_train_batch_size(dp):
+    cap = 64
+    s = space(data_parallel_size=dp, global_batch_size=cap, global_batch_exact=False)
+    for micro in range(1, 80):
+        if micro * dp > cap:
+            assert s.gas(micro) is None
+        else:
+            assert s.gas(micro) == cap // (micro * dp)
+            assert micro * s.gas(micro) * dp <= cap
+
+
+def test_gas_with_a_fixed_train_batch_size_needs_exact_division():
+    s = space(data_parallel_size=2, global_batch_size=24, global_batch_exact=True)
+    assert s.valid_micro_batch_sizes(100) == [1, 2, 3, 4, 6, 12]
+    for micro in s.valid_micro_batch_sizes(100):
+        assert micro * s.gas(micro) * 2 == 24
+    assert s.gas(5) is None
+    assert s.gas(24) is None  # 24 * 2 > 24
+
+
+def test_fixed_gas_with_fixed_train_batch_size():
+    s = space(data_parallel_size=2, global_batch_size=32, global_batch_exact=True,
+              fixed_gradient_accumulation_steps=4)
+    assert s.valid_micro_batch_sizes(64) == [4]
+    assert s.gas(4) == 4
+
+
+def test_fixed_gas_without_target():
+    s = space(data_parallel_size=2, fixed_gradient_accumulation_steps=3)
+    assert s.gas(5) == 3
+    assert s.experiment(1, 5) == Experiment(1, 5, 3)
+
+
+@pytest.mark.xfail(reason="SearchSpace.gas returns a user-fixed gas without checking max_train_batch_size: "
+                          "gas=4, cap 32, dp=1 -> gas(16) == 4, an experiment with train_batch_size 64 > 32",
+                   strict=True)
+def test_fixed_gas_respects_max_train_batch_size():
+    s = space(data_parallel_size=1, global_batch_size=32, global_batch_exact=False,
+              fixed_gradient_accumulation_steps=4)
+    assert s.gas(8) == 4
+    assert s.gas(16) is None
+    assert max(s.valid_micro_batch_sizes(64)) == 8
+
+
+def test_valid_micro_batch_sizes_respect_min_and_max():
+    s = space(min_micro_batch_size=3, max_micro_batch_size=6)
+    assert s.valid_micro_batch_sizes(100) == [3, 4, 5, 6]
+    assert s.valid_micro_batch_sizes(4) == [3, 4]
+    assert s.valid_micro_batch_sizes(2) == []
+
+
+# ----- confirm_largest -----
+
+@pytest.mark.parametrize("threshold", list(range(0, 18)))
+def test_confirm_largest_bisects_to_the_true_threshold(threshold):
+    s = space(stages=(1,))
+    run = FakeRun({1: threshold})
+    largest, results = confirm_largest(s, 1, 16, run)
+    assert largest == (min(threshold, 16) if threshold >= 1 else None)
+    assert run.calls[0] == Experiment(1, 16)  # the predicted largest first
+    assert [r.experiment for r in results] == run.calls
+    assert len(run.calls) <= 1 + math.ceil(math.log2(16))  # bisection, not a linear scan
+    assert len(set(run.calls)) == len(run.calls)
+
+
+def test_confirm_largest_bisection_order():
+    run = FakeRun({0: 5})
+    largest, _ = confirm_largest(space(stages=(0,)), 0, 16, run)
+    assert largest == 5
+    assert [e.micro_batch_size for e in run.calls] == [16, 8, 4, 6, 5]
+
+
+def test_confirm_largest_treats_failures_as_not_fitting():
+    def evaluate(experiment):
+        state = TrialState.OK if experiment.micro_batch_size <= 3 else TrialState.FAILED
+        return TrialResult(experiment, state, value=1.0 if state is TrialState.OK else None)
+
+    assert confirm_largest(space(stages=(0,)), 0, 10, evaluate)[0] == 3
+
+
+def test_confirm_largest_only_tries_valid_sizes():
+    s = space(stages=(0,), data_parallel_size=2, global_batch_size=24, global_batch_exact=True)
+    run = FakeRun({0: 5})
+    largest, _ = confirm_largest(s, 0, 11, run)
+    assert largest == 4
+    assert run.calls[0] == Experiment(0, 6, 2)  # 6 is the largest valid size <= 11
+    assert all(e.micro_batch_size in (1, 2, 3, 4, 6) for e in run.calls)
+
+
+def test_confirm_largest_with_nothing_valid_runs_nothing():
+    run = FakeRun({0: 100})
+    assert confirm_largest(space(stages=(0,), min_micro_batch_size=4), 0, 2, run) == (None, [])
+    assert run.calls == []
+
+
+# ----- run_search -----
+
+def test_stages_run_in_order():
+    run, prunes = FakeRun({0: 4, 1: 8, 2: 16, 3: 32}), Prunes()
+    run_search(space(stages=(3, 1, 0, 2)), policy(), {0: 4, 1: 8, 2: 16, 3: 32}, run, prunes)
+    assert prunes == []
+    stages = run.stages()
+    assert stages == sorted(stages)
+    assert sorted(set(stages)) == [0, 1, 2, 3]
+
+
+def test_results_are_the_evaluated_experiments():
+    run = FakeRun({0: 4, 1: 8, 2: 16, 3: 32})
+    results = run_search(space(), policy(), {0: 4, 1: 8, 2: 16, 3: 32}, run, Prunes())
+    assert [r.experiment for r in results] == run.calls
+    assert len(set(run.calls)) == len(run.calls)  # nothing is evaluated twice
+
+
+def test_stage_whose_prediction_is_below_the_minimum_is_pruned():
+    run, prunes = FakeRun({0: 100, 1: 100, 2: 100, 3: 100}), Prunes()
+    run_search(space(min_micro_batch_size=2), policy(), {0: 0, 1: 1, 2: 8, 3: 16}, run, prunes)
+    assert [stage for stage, _ in prunes] == [0, 1]
+    assert all("memory model" in reason and "2" in reason for _, reason in prunes)
+    assert {0, 1}.isdisjoint(run.stages())
+    assert set(run.stages()) == {2, 3}
+
+
+def test_stage_that_cannot_beat_a_lower_stage_is_pruned():
+    run, prunes = FakeRun({0: 16, 1: 16, 2: 16, 3: 32}), Prunes()
+    run_search(space(), policy(), {0: 16, 1: 16, 2: 8, 3: 32}, run, prunes)
+    assert [stage for stage, _ in prunes] == [1, 2]
+    assert all(reason.startswith("cannot help") for _, reason in prunes)
+    assert "(16)" in prunes[0][1] and "(8)" in prunes[1][1]
+    assert set(run.stages()) == {0, 3}
+
+
+def test_cannot_help_compares_with_the_confirmed_not_the_predicted_largest():
+    # Stage 0 was predicted 16 but only 6 fits; stage 1's prediction of 12 beats what stage 0 confirmed.
+    run, prunes = FakeRun({0: 6, 1: 12, 2: 12, 3: 12}), Prunes()
+    run_search(space(), policy(), {0: 16, 1: 12, 2: 12, 3: 10}, run, prunes)
+    assert 1 in run.stages()
+    assert [stage for stage, _ in prunes] == [2, 3]  # no larger than stage 1's confirmed 12
+
+
+def test_first_experiment_of_a_stage_is_its_predicted_largest():
+    predicted = {0: 5, 1: 9, 2: 20, 3: 2000}
+    run = FakeRun({0: 100, 1: 100, 2: 100, 3: 2000})
+    run_search(space(max_micro_batch_size=1024), policy(), predicted, run, Prunes())
+    firsts = {stage: run.of_stage(stage)[0] for stage in range(4)}
+    assert firsts == {0: Experiment(0, 5), 1: Experiment(1, 9), 2: Experiment(2, 20),
+                      3: Experiment(3, 1024)}  # capped at max_micro_batch_size
+
+
+def test_oom_bisects_down_to_the_true_threshold():
+    run = FakeRun({0: 5, 1: 11})
+    results = run_search(space(stages=(0, 1)), policy(), {0: 16, 1: 32}, run, Prunes())
+    for stage, threshold in ((0, 5), (1, 11)):
+        ok = [r.experiment.micro_batch_size for r in results
+              if r.experiment.zero_stage == stage and r.state is TrialState.OK]
+        assert max(ok) == threshold
+        ooms = [r.experiment.micro_batch_size for r in results
+                if r.experiment.zero_stage == stage and r.state is TrialState.OOM]
+        assert ooms and min(ooms) == threshold + 1
+
+
+def test_nothing_fits_in_a_stage():
+    run, prunes = FakeRun({0: 0, 1: 4}), Prunes()
+    results = run_search(space(stages=(0, 1)), policy(), {0: 8, 1: 8}, run, prunes)
+    assert prunes == []
+    assert all(r.state is TrialState.OOM for r in results if r.experiment.zero_stage == 0)
+    assert THROUGHPUT.best(results).experiment.zero_stage == 1
+
+
+def test_micro_batch_candidates_after_confirmation():
+    run = FakeRun({0: 16})
+    run_search(space(stages=(0,), num_micro_batch_sizes=3), policy(), {0: 16}, run, Prunes())
+    assert [e.micro_batch_size for e in run.calls] == [16, 8, 4]
+
+
+def test_gas_under_max_train_batch_size_in_the_search():
+    cap, dp = 64, 2
+    s = space(data_parallel_size=dp, global_batch_size=cap, global_batch_exact=False)
+    run = FakeRun({0: 8, 1: 16, 2: 32, 3: 32})
+    run_search(s, policy(), {0: 8, 1: 16, 2: 32, 3: 32}, run, Prunes())
+    assert run.calls
+    for e in run.calls:
+        assert e.gradient_accumulation_steps == cap // (e.micro_batch_size * dp)
+        assert e.train_batch_size(dp) <= cap
+    assert len({e.gradient_accumulation_steps for e in run.calls}) > 1
+    assert max(e.micro_batch_size for e in run.calls) <= cap // dp
+
+
+def test_fixed_train_batch_size_uses_only_exact_divisors():
+    total, dp = 48, 2
+    s = space(data_parallel_size=dp, global_batch_size=total, global_batch_exact=True)
+    run = FakeRun({0: 7, 1: 20, 2: 30, 3: 30})
+    run_search(s, policy(), {0: 10, 1: 20, 2: 30, 3: 40}, run, Prunes())
+    assert run.calls
+    for e in run.calls:
+        assert total % (e.micro_batch_size * dp) == 0
+        assert e.train_batch_size(dp) == total
+
+
+def test_fixed_micro_batch_sizes_are_exactly_what_is_evaluated():
+    s = space(stages=(0, 1, 2, 3), fixed_micro_batch_sizes=(2, 8))
+    run = FakeRun({0: 100, 1: 100, 2: 100, 3: 100})
+    prunes = Prunes()
+    run_search(s, policy(), {0: 100, 1: 100, 2: 100, 3: 100}, run, prunes)
+    assert prunes == []  # no "cannot help": the user asked for these sizes
+    assert sorted(run.calls) == sorted(Experiment(stage, m) for stage in range(4) for m in (2, 8))
+
+
+def test_fixed_micro_batch_size_is_not_bisected_on_oom():
+    s = space(stages=(0,), fixed_micro_batch_sizes=(8,))
+    run = FakeRun({0: 4})
+    results = run_search(s, policy(), {0: 16}, run, Prunes())
+    assert run.calls == [Experiment(0, 8)]
+    assert results[0].state is TrialState.OOM
+
+
+def test_fixed_stage_tuple_is_not_swept():
+    run = FakeRun({0: 100, 1: 100, 2: 100, 3: 100})
+    run_search(space(stages=(1,)), policy(), {0: 64, 1: 16, 2: 64, 3: 64}, run, Prunes())
+    assert set(run.stages()) == {1}
+    run = FakeRun({0: 100, 1: 100, 2: 100, 3: 100})
+    run_search(space(stages=(0, 3)), policy(), {0: 8, 1: 16, 2: 32, 3: 64}, run, Prunes())
+    assert set(run.stages()) == {0, 3}
+
+
+def test_fixed_stage_and_fixed_micro_batch_sizes():
+    s = space(stages=(2,), fixed_micro_batch_sizes=(4,))
+    run = FakeRun({2: 100})
+    run_search(s, policy(), {0: 100, 1: 100, 2: 100, 3: 100}, run, Prunes())
+    assert run.calls == [Experiment(2, 4)]
+
+
+def test_early_stopping_limits_evaluations():
+    def shrinking(experiment):  # the largest micro-batch is the best; every later try is worse
+        return float(experiment.micro_batch_size)
+
+    s = space(stages=(0,), num_micro_batch_sizes=8)
+    patient = FakeRun({0: 128}, shrinking)
+    run_search(s, policy(early_stopping=50), {0: 128}, patient, Prunes())
+    assert [e.micro_batch_size for e in patient.calls] == [128, 64, 32, 16, 8, 4, 2, 1]
+
+    impatient = FakeRun({0: 128}, shrinking)
+    run_search(s, policy(early_stopping=2), {0: 128}, impatient, Prunes())
+    assert len(impatient.calls) < len(patient.calls)
+    assert len(impatient.calls) <= 1 + 1 + 2  # the confirmation, then at most one improvement + 2 without
+
+
+@pytest.mark.xfail(reason="search_stage tells the confirmation results to the tuner but drive() starts with no "
+                          "incumbent, so the first candidate (micro 64, worse than the confirmed micro 128) counts "
+                          "as an improvement: early_stopping=2 evaluates 128, 64, 32, 16 instead of 128, 64, 32",
+                   strict=True)
+def test_early_stopping_counts_from_the_confirmed_result():
+    s = space(stages=(0,), num_micro_batch_sizes=8)
+    run = FakeRun({0: 128}, lambda e: float(e.micro_batch_size))
+    run_search(s, policy(early_stopping=2), {0: 128}, run, Prunes())
+    assert [e.micro_batch_size for e in run.calls] == [128, 64, 32]
+
+
+def test_num_trials_limits_evaluations_per_stage():
+    s = space(stages=(0,), num_micro_batch_sizes=8)
+    run = FakeRun({0: 128}, lambda e: float(e.micro_batch_size))
+    run_search(s, policy(num_trials=3), {0: 128}, run, Prunes())
+    assert len(run.calls) == 3
+
+
+def test_latency_objective_selects_the_minimum():
+    def latency(experiment):  # a smooth bowl: stage 1, micro 4 is fastest
+        return 1.0 + (math.log2(experiment.micro_batch_size) - 2) ** 2 + 0.5 * (experiment.zero_stage - 1) ** 2
+
+    run = FakeRun({0: 16, 1: 16, 2: 16, 3: 16}, latency)
+    s = space(stages=(0, 1), num_micro_batch_sizes=5)
+    results = run_search(s, policy(objective=LATENCY), {0: 8, 1: 16}, run, Prunes())
+    ok = [r for r in results if r.state is TrialState.OK]
+    best = LATENCY.best(results)
+    assert best.value == min(r.value for r in ok)
+    assert best.experiment == Experiment(1, 4)
+
+
+def test_full_mode_tunes_knobs_on_the_best_stages():
+    knob_values = {stage: dict(values) for stage, values in DEFAULT_KNOBS.items()}
+    s = space(knob_values=knob_values, num_micro_batch_sizes=2)
+    run = FakeRun({0: 4, 1: 8, 2: 16, 3: 32})
+    fast = run_search(s, policy(), {0: 4, 1: 8, 2: 16, 3: 32}, FakeRun({0: 4, 1: 8, 2: 16, 3: 32}), Prunes())
+    results = run_search(s, policy(fast=False), {0: 4, 1: 8, 2: 16, 3: 32}, run, Prunes())
+
+    assert [r.experiment for r in results[:len(fast)]] == [r.experiment for r in fast]  # fast part unchanged
+    tuned = [r.experiment for r in results[len(fast):]]
+    assert tuned and all(e.knobs for e in tuned)
+    # The default value grows with micro-batch and stage: stages 3 and 2 are the best two.
+    assert {e.zero_stage for e in tuned} == {2, 3}
+    for stage in (2, 3):
+        best_micro = sorted((r for r in fast if r.experiment.zero_stage == stage and r.state is TrialState.OK),
+                            key=lambda r: r.value, reverse=True)[:2]
+        micros = {r.experiment.micro_batch_size for r in best_micro}
+        expected = {Experiment(stage, m).with_knobs(dict(zip(sorted(knob_values[stage]), combo)))
+                    for m in micros for combo in _product(knob_values[stage])}
+        assert {e for e in tuned if e.zero_stage == stage} == expected
+    for e in tuned:
+        assert dict(e.knobs).keys() == knob_values[e.zero_stage].keys()
+        for knob in dict(e.knobs):
+            assert f"_{KNOB_TAGS[knob]}" in e.name
+    assert any("_oc" in e.name and "_ppt" in e.name for e in tuned if e.zero_stage == 3)
+
+
+def _product(values: dict[str, list]) -> list[tuple]:
+    import itertools
+
+    return list(itertools.product(*(values[name] for name in sorted(values))))
+
+
+def test_full_mode_on_ddp_stages_uses_bucket_knobs():
+    knob_values = {stage: dict(values) for stage, values in DEFAULT_KNOBS.items()}
+    s = space(stages=(0, 1), knob_values=knob_values)
+    run = FakeRun({0: 8, 1: 16})
+    run_search(s, policy(fast=False), {0: 8, 1: 16}, run, Prunes())
+    tuned = [e for e in run.calls if e.knobs]
+    assert {e.zero_stage for e in tuned} == {0, 1}
+    assert all("_rbs" in e.name and "_cg" in e.name for e in tuned)
+    assert any(e.name.startswith("z1_cgT_rbs5.0e07_gas1_mbs") for e in tuned)
+
+
+def test_full_mode_without_knob_values_adds_nothing():
+    run = FakeRun({0: 8, 1: 16})
+    fast_calls = FakeRun({0: 8, 1: 16})
+    run_search(space(stages=(0, 1)), policy(), {0: 8, 1: 16}, fast_calls, Prunes())
+    run_search(space(stages=(0, 1)), policy(fast=False), {0: 8, 1: 16}, run, Prunes())
+    assert run.calls == fast_calls.calls
+
+
+def test_full_mode_with_latency_tunes_the_fastest_stage():
+    knob_values = {stage: dict(values) for stage, values in DEFAULT_KNOBS.items()}
+    s = space(stages=(0, 1, 2), knob_values=knob_values)
+    latency = {0: 3.0, 1: 1.0, 2: 2.0}
+    run = FakeRun({0: 4, 1: 8, 2: 16}, lambda e: latency[e.zero_stage] + 0.01 * e.micro_batch_size)
+    results = run_search(s, policy(objective=LATENCY, fast=False), {0: 4, 1: 8, 2: 16}, run, Prunes())
+    tuned_stages = {r.experiment.zero_stage for r in results if r.experiment.knobs}
+    assert tuned_stages == {1, 2}
+    assert LATENCY.best(results).experiment.zero_stage == 1

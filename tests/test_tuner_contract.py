@@ -1,0 +1,286 @@
+"""One contract for every tuner in TUNERS (a new tuner is covered by registering it),
+plus ModelBasedTuner's own promise: it picks the best predicted untried experiment.
+
+Pure: tuners are driven with a fake `evaluate`; nothing is launched."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space import Experiment
+from autotuner.tuning.tuners import TUNERS, ModelBasedTuner, Tuner, drive, make_tuner
+
+TUNER_NAMES = sorted(TUNERS)
+THROUGHPUT = Objective("throughput")
+LATENCY = Objective("latency")
+
+
+def grid(stages=(0, 1, 2), micros=(1, 2, 4, 8)) -> list[Experiment]:
+    """12 experiments by default: stage x micro-batch."""
+    return [Experiment(s, m) for s, m in itertools.product(stages, micros)]
+
+
+def smooth_value(experiment: Experiment) -> float:
+    """A smooth surface with one optimum, at micro-batch 4 on stage 1."""
+    return 100.0 - 10.0 * (math.log2(experiment.micro_batch_size) - 2) ** 2 - 5.0 * (experiment.zero_stage - 1) ** 2
+
+
+def ok(experiment: Experiment, value: float) -> TrialResult:
+    return TrialResult(experiment, TrialState.OK, value=value)
+
+
+def evaluate_smooth(experiment: Experiment) -> TrialResult:
+    return ok(experiment, smooth_value(experiment))
+
+
+class Counting:
+    """An evaluate whose n-th call returns `first + step * n`: only the first call ever improves
+    (for step < 0 under throughput, step > 0 under latency), whatever order the tuner picks."""
+
+    def __init__(self, first: float, step: float):
+        self.first, self.step, self.calls = first, step, []
+
+    def __call__(self, experiment: Experiment) -> TrialResult:
+        value = self.first + self.step * len(self.calls)
+        self.calls.append(experiment)
+        return ok(experiment, value)
+
+
+def exhaust(tuner: Tuner, evaluate=evaluate_smooth) -> list[Experiment]:
+    """ask/tell until ask() returns None; the order asked."""
+    order = []
+    for _ in range(10 * len(tuner.space) + 10):  # a guard against a tuner that never stops
+        experiment = tuner.ask()
+        if experiment is None:
+            return order
+        order.append(experiment)
+        tuner.tell(evaluate(experiment))
+    pytest.fail(f"{type(tuner).__name__}.ask() never returned None")
+
+
+def test_registry_is_what_make_tuner_builds():
+    for name, cls in TUNERS.items():
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=3)
+        assert type(tuner) is cls and isinstance(tuner, Tuner)
+        assert tuner.seed == 3
+
+
+@pytest.mark.parametrize("name", TUNER_NAMES)
+class TestTunerContract:
+    def test_asks_each_experiment_exactly_once_then_none(self, name):
+        space = grid()
+        tuner = make_tuner(name, space, THROUGHPUT, seed=0)
+        order = exhaust(tuner)
+        assert len(order) == len(space)
+        assert sorted(order) == sorted(space)
+        assert tuner.ask() is None
+        assert tuner.ask() is None  # stays exhausted
+
+    def test_duplicates_in_space_are_removed(self, name):
+        space = grid()
+        doubled = space + list(reversed(space)) + [Experiment(0, 1), Experiment(0, 1, 1, ())]
+        tuner = make_tuner(name, doubled, THROUGHPUT, seed=0)
+        assert len(tuner.space) == len(space)
+        assert set(tuner.space) == set(space)
+        order = exhaust(tuner)
+        assert len(order) == len(set(order)) == len(space)
+
+    @pytest.mark.parametrize("seed", [0, 1, 1234])
+    def test_same_seed_same_order(self, name, seed):
+        first = exhaust(make_tuner(name, grid(), THROUGHPUT, seed=seed))
+        second = exhaust(make_tuner(name, grid(), THROUGHPUT, seed=seed))
+        assert first == second
+
+    def test_tell_outside_space_raises_value_error(self, name):
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        stranger = Experiment(3, 1024, 7)
+        with pytest.raises(ValueError, match=stranger.name):
+            tuner.tell(ok(stranger, 1.0))
+        # A knob variant of an experiment in the space is a different experiment.
+        with pytest.raises(ValueError):
+            tuner.tell(ok(Experiment(0, 1).with_knobs({"overlap_comm": True}), 1.0))
+        assert tuner.results == {}
+
+    def test_drive_stops_at_max_trials(self, name):
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        results = drive(tuner, evaluate_smooth, early_stopping=100, max_trials=5)
+        assert len(results) == 5
+        assert len(tuner.results) == 5
+        assert len({r.experiment for r in results}) == 5
+
+    def test_drive_with_zero_trials_runs_nothing(self, name):
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        assert drive(tuner, evaluate_smooth, early_stopping=5, max_trials=0) == []
+
+    @pytest.mark.parametrize("early_stopping", [1, 3, 6])
+    def test_drive_stops_after_early_stopping_results_without_improvement(self, name, early_stopping):
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        evaluate = Counting(first=100.0, step=-1.0)  # only the first result improves
+        results = drive(tuner, evaluate, early_stopping=early_stopping, max_trials=100)
+        assert len(results) == 1 + early_stopping
+
+    def test_drive_early_stopping_counts_for_latency_too(self, name):
+        tuner = make_tuner(name, grid(), LATENCY, seed=0)
+        evaluate = Counting(first=1.0, step=+0.5)  # larger latency: never an improvement after the first
+        results = drive(tuner, evaluate, early_stopping=3, max_trials=100)
+        assert len(results) == 4
+
+    def test_drive_early_stopping_counts_failures(self, name):
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        results = drive(tuner, lambda e: TrialResult(e, TrialState.OOM, error="oom"), early_stopping=4,
+                        max_trials=100)
+        assert len(results) == 4
+        assert tuner.best is None
+
+    def test_drive_stops_when_exhausted(self, name):
+        space = grid(stages=(0,), micros=(1, 2, 4, 8))
+        tuner = make_tuner(name, space, THROUGHPUT, seed=0)
+        results = drive(tuner, evaluate_smooth, early_stopping=100, max_trials=100)
+        assert sorted(r.experiment for r in results) == sorted(space)
+        assert tuner.ask() is None
+
+    def test_failures_never_become_best(self, name):
+        space = grid()
+        tuner = make_tuner(name, space, THROUGHPUT, seed=0)
+
+        def evaluate(experiment):
+            if experiment.micro_batch_size == 8:
+                return TrialResult(experiment, TrialState.OOM, error="out of memory")
+            if experiment.zero_stage == 2:
+                return TrialResult(experiment, TrialState.FAILED, error="boom")
+            return ok(experiment, float(experiment.micro_batch_size))
+
+        drive(tuner, evaluate, early_stopping=100, max_trials=100)
+        assert tuner.best is not None
+        assert tuner.best.state is TrialState.OK
+        assert tuner.best.value == 4.0
+        assert tuner.best.experiment.zero_stage in (0, 1)
+
+    def test_failed_state_with_a_value_is_still_not_best(self, name):
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        tuner.tell(TrialResult(Experiment(0, 8), TrialState.FAILED, value=1e9, error="boom"))
+        tuner.tell(TrialResult(Experiment(0, 4), TrialState.TIMEOUT, value=1e9, error="slow"))
+        assert tuner.best is None
+        tuner.tell(ok(Experiment(0, 1), 3.0))
+        assert tuner.best.experiment == Experiment(0, 1)
+
+    def test_all_failures_give_no_best(self, name):
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        drive(tuner, lambda e: TrialResult(e, TrialState.FAILED, error="boom"), early_stopping=100, max_trials=100)
+        assert len(tuner.results) == 12
+        assert tuner.best is None
+
+    def test_best_maximises_throughput(self, name):
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        drive(tuner, lambda e: ok(e, float(e.micro_batch_size * (e.zero_stage + 1))), early_stopping=100,
+              max_trials=100)
+        assert tuner.best.experiment == Experiment(2, 8)
+        assert tuner.best.value == 24.0
+
+    def test_best_minimises_latency(self, name):
+        tuner = make_tuner(name, grid(), LATENCY, seed=0)
+        drive(tuner, lambda e: ok(e, float(e.micro_batch_size * (e.zero_stage + 1))), early_stopping=100,
+              max_trials=100)
+        assert tuner.best.experiment == Experiment(0, 1)
+        assert tuner.best.value == 1.0
+
+    @pytest.mark.parametrize("seed", [0, 7])
+    def test_finds_the_optimum_of_a_smooth_space(self, name, seed):
+        space = grid()
+        optimum = max(space, key=smooth_value)
+        assert sorted(smooth_value(e) for e in space)[-2] < smooth_value(optimum)  # unique
+        tuner = make_tuner(name, space, THROUGHPUT, seed=seed)
+        drive(tuner, evaluate_smooth, early_stopping=len(space), max_trials=len(space))
+        assert tuner.best.experiment == optimum == Experiment(1, 4)
+
+    def test_finds_the_minimum_latency_of_a_smooth_space(self, name):
+        space = grid()
+        tuner = make_tuner(name, space, LATENCY, seed=0)
+        drive(tuner, lambda e: ok(e, 200.0 - smooth_value(e)), early_stopping=len(space), max_trials=len(space))
+        assert tuner.best.experiment == Experiment(1, 4)
+
+
+def test_random_tuner_seeds_change_the_order():
+    orders = {tuple(exhaust(make_tuner("random", grid(), THROUGHPUT, seed=seed))) for seed in range(5)}
+    assert len(orders) > 1
+
+
+# ----- ModelBasedTuner -----
+
+LADDER = [Experiment(0, 2**k) for k in range(9)]  # micro 1..256
+
+
+def linear_in_log_micro(experiment: Experiment) -> float:
+    return 10.0 + 5.0 * math.log2(experiment.micro_batch_size)
+
+
+def _told(objective: Objective, value, tried=(1, 2, 4), **kwargs) -> ModelBasedTuner:
+    tuner = ModelBasedTuner(LADDER, objective, seed=0, initial_trials=2, explore=0.0, **kwargs)
+    for micro in tried:
+        experiment = Experiment(0, micro)
+        tuner.tell(ok(experiment, value(experiment)))
+    return tuner
+
+
+def test_model_based_picks_highest_predicted_untried_experiment():
+    tuner = _told(THROUGHPUT, linear_in_log_micro)
+    untried = [e for e in LADDER if e not in tuner.results]
+    predicted = tuner.predict(untried)
+    choice = tuner.ask()
+    assert choice == untried[int(np.argmax(predicted))]
+    assert choice == Experiment(0, 256)
+    # The surface is fitted: predictions follow the linear law on untried points.
+    np.testing.assert_allclose(predicted, [linear_in_log_micro(e) for e in untried], rtol=0.05)
+
+
+def test_model_based_picks_lowest_predicted_for_latency():
+    tuner = _told(LATENCY, lambda e: 100.0 - linear_in_log_micro(e))
+    untried = [e for e in LADDER if e not in tuner.results]
+    choice = tuner.ask()
+    assert choice == untried[int(np.argmin(tuner.predict(untried)))]
+    assert choice == Experiment(0, 256)
+
+
+def test_model_based_follows_the_fit_not_the_space_order():
+    # Throughput falls with micro-batch: the best predicted untried point is the smallest one,
+    # though the space lists it first and the tuner's last tries were larger.
+    tuner = _told(THROUGHPUT, lambda e: 100.0 - linear_in_log_micro(e), tried=(2, 8, 32))
+    assert tuner.ask() == Experiment(0, 1)
+
+
+@pytest.mark.xfail(reason="ridge penalises the intercept on unscaled features (log2 micro up to 8, its square up "
+                          "to 64): told micro 64/128/256 of a surface exactly linear in log2 micro (falling), it "
+                          "predicts 23 for micro 1 (true 90) and asks micro 32 instead of micro 1", strict=True)
+def test_model_based_extrapolates_a_linear_surface():
+    tuner = _told(THROUGHPUT, lambda e: 100.0 - linear_in_log_micro(e), tried=(64, 128, 256))
+    assert tuner.ask() == Experiment(0, 1)
+
+
+def test_model_based_steers_away_from_failures():
+    tuner = ModelBasedTuner(LADDER, THROUGHPUT, seed=0, initial_trials=2, explore=0.0)
+    for micro in (1, 2, 4):
+        tuner.tell(ok(Experiment(0, micro), linear_in_log_micro(Experiment(0, micro))))
+    for micro in (128, 256):
+        tuner.tell(TrialResult(Experiment(0, micro), TrialState.OOM, error="oom"))
+    assert tuner.ask().micro_batch_size < 128
+
+
+def test_model_based_initial_trials_are_seeded_random():
+    def first_two(seed):
+        tuner = ModelBasedTuner(LADDER, THROUGHPUT, seed=seed, initial_trials=2, explore=0.0)
+        return exhaust(tuner, lambda e: ok(e, linear_in_log_micro(e)))[:2]
+
+    assert first_two(5) == first_two(5)
+
+
+@pytest.mark.xfail(reason="ModelBasedTuner(initial_trials=0).ask() on an empty history fits a model on zero "
+                          "results: np.abs(y).max() raises ValueError instead of picking an experiment",
+                   strict=True)
+def test_model_based_with_no_initial_trials_still_asks():
+    tuner = ModelBasedTuner(LADDER, THROUGHPUT, seed=0, initial_trials=0, explore=0.0)
+    assert tuner.ask() in LADDER
