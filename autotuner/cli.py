@@ -37,14 +37,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_config(script_args: tuple[str, ...]) -> None:
+def _check_config(script_args: tuple[str, ...], world_size: int) -> None:
     """Validate the script's config before starting anything, so a typo costs no launch."""
     from autotuner.config import load_config
+    from autotuner.config.batch import check_fixed_triad
     from autotuner.launch.script_args import config_path
 
     path = config_path(script_args)
-    if path is not None:
-        load_config(path)
+    if path is None:
+        return
+    config = load_config(path)
+    check_fixed_triad(config, world_size, path)
+    if config.autotuning.enabled:
+        print(f"launcher: note: {path} has autotuning.enabled but --autotuning was not given; training with the "
+              "config as written (add --autotuning tune|run to tune it)", file=sys.stderr)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -62,7 +68,7 @@ def _launch(args: argparse.Namespace) -> int:
         rdzv_id=args.rdzv_id,
     )
     plan = build_plan(options, sys.executable)
-    _check_config(options.script_args)
+    _check_config(options.script_args, plan.world_size)
     return run_plan(plan, quiet=not args.debug)
 
 

@@ -253,9 +253,6 @@ def test_model_based_follows_the_fit_not_the_space_order():
     assert tuner.ask() == Experiment(0, 1)
 
 
-@pytest.mark.xfail(reason="ridge penalises the intercept on unscaled features (log2 micro up to 8, its square up "
-                          "to 64): told micro 64/128/256 of a surface exactly linear in log2 micro (falling), it "
-                          "predicts 23 for micro 1 (true 90) and asks micro 32 instead of micro 1", strict=True)
 def test_model_based_extrapolates_a_linear_surface():
     tuner = _told(THROUGHPUT, lambda e: 100.0 - linear_in_log_micro(e), tried=(64, 128, 256))
     assert tuner.ask() == Experiment(0, 1)
@@ -278,9 +275,6 @@ def test_model_based_initial_trials_are_seeded_random():
     assert first_two(5) == first_two(5)
 
 
-@pytest.mark.xfail(reason="ModelBasedTuner(initial_trials=0).ask() on an empty history fits a model on zero "
-                          "results: np.abs(y).max() raises ValueError instead of picking an experiment",
-                   strict=True)
 def test_model_based_with_no_initial_trials_still_asks():
     tuner = ModelBasedTuner(LADDER, THROUGHPUT, seed=0, initial_trials=0, explore=0.0)
     assert tuner.ask() in LADDER

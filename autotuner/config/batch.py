@@ -72,3 +72,13 @@ def resolve_batch(config: DeepSpeedConfig, data_parallel_size: int) -> BatchSize
             "(a positive integer; \"auto\" is settled only by the autotuner or your script)"
         )
     return BatchSizes(total, micro, gas, dp)
+
+
+def check_fixed_triad(config: DeepSpeedConfig, world_size: int, source: str) -> None:
+    """When all three batch values are fixed integers, they must agree before anything launches."""
+    values = (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps)
+    if all(isinstance(v, int) for v in values):
+        try:
+            resolve_batch(config, world_size)
+        except ConfigError as err:
+            raise ConfigError(f"{source}: {err}") from None

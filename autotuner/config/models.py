@@ -24,6 +24,7 @@ def _no_bool(value: Any) -> Any:
 
 
 PositiveInt = Annotated[int, BeforeValidator(_no_bool), Field(gt=0)]
+NonNegativeInt = Annotated[int, BeforeValidator(_no_bool), Field(ge=0)]
 
 
 class _Section(BaseModel):
@@ -86,8 +87,8 @@ class ZeroConfig(_Section):
     )
     allgather_bucket_size: Union[PositiveInt, list[PositiveInt], None] = None
     contiguous_gradients: Union[bool, list[bool], None] = None
-    stage3_prefetch_bucket_size: Union[int, list[int], None] = Field(None, ge=0)
-    stage3_param_persistence_threshold: Union[int, list[int], None] = Field(None, ge=0)
+    stage3_prefetch_bucket_size: Union[NonNegativeInt, list[NonNegativeInt], None] = None
+    stage3_param_persistence_threshold: Union[NonNegativeInt, list[NonNegativeInt], None] = None
     offload_optimizer: OffloadConfig | None = None
     offload_param: OffloadConfig | None = None
 

@@ -28,16 +28,24 @@ def config_path(args: tuple[str, ...]) -> str | None:
 
 
 def set_flag(args: tuple[str, ...], flag: str, value: str) -> tuple[str, ...]:
-    """Set `flag` to `value` in both `--flag V` and `--flag=V` forms; append it when absent."""
-    found = find_flag(args, flag)
-    if found is None:
-        return (*args, flag, value)
-    index, old = found
-    if args[index].startswith(flag + "="):
-        return (*args[:index], f"{flag}={value}", *args[index + 1:])
-    if old is None:  # a bare flag: insert the value after it
-        return (*args[: index + 1], value, *args[index + 1:])
-    return (*args[: index + 1], value, *args[index + 2:])
+    """Set every occurrence of `flag` to `value`, in both `--flag V` and `--flag=V` forms
+    (argparse keeps the last one, so all must agree); append it when absent."""
+    out: list[str] = []
+    index, found = 0, False
+    while index < len(args):
+        arg = args[index]
+        if arg.startswith(flag + "="):
+            out.append(f"{flag}={value}")
+            found = True
+        elif arg == flag:
+            out += [flag, value]
+            found = True
+            has_value = index + 1 < len(args) and not args[index + 1].startswith("--")
+            index += 1 if has_value else 0
+        else:
+            out.append(arg)
+        index += 1
+    return tuple(out) if found else (*args, flag, value)
 
 
 def replace_config(args: tuple[str, ...], path: str) -> tuple[str, ...]:

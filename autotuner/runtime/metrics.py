@@ -7,32 +7,15 @@ engine can feed the tuner.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import resource
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from autotuner.atomic import write_json_atomic  # noqa: F401  (re-exported for the engine)
 from autotuner.runtime.timers import ProfileWindow, Summary
-
-
-def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
-    """Write JSON so a reader sees the old file or the whole new one, never a torn one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def is_out_of_memory(err: BaseException) -> bool:

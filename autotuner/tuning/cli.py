@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from autotuner.config import DeepSpeedConfig, load_config
+from autotuner.config.batch import check_fixed_triad
 from autotuner.config.keys import field_names, section_model
 from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan, run_plan
@@ -112,6 +113,7 @@ def autotune(args: argparse.Namespace) -> int:
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
     data_parallel_size = plan.world_size // tuning.mp_size
+    check_fixed_triad(config, data_parallel_size, source)
     if data_parallel_size < 1 or plan.world_size % tuning.mp_size:
         raise ConfigError(f"{source}: autotuning.mp_size: got {tuning.mp_size}; it must divide the world size "
                           f"({plan.world_size})")

@@ -17,7 +17,7 @@ from typing import Any
 from autotuner.errors import ConfigError
 from autotuner.launch.processes import run_to_completion
 from autotuner.launch.script_args import replace_config, set_flag
-from autotuner.runtime.metrics import write_json_atomic
+from autotuner.atomic import write_json_atomic
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 

@@ -8,13 +8,13 @@ from typing import Any
 
 from tabulate import tabulate
 
-from autotuner.runtime.metrics import write_json_atomic
+from autotuner.atomic import write_json_atomic
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 
 
 def _format_duration(seconds: float) -> str:
     """H:MM:SS.ss, as DeepSpeed prints it."""
-    minutes, secs = divmod(seconds, 60)
+    minutes, secs = divmod(round(seconds, 2), 60)
     hours, minutes = divmod(int(minutes), 60)
     return f"{hours}:{minutes:02d}:{secs:05.2f}"
 
@@ -50,8 +50,9 @@ def result_rows(results: list[TrialResult], objective: Objective) -> list[dict[s
             "micro_batch_size": r.experiment.micro_batch_size,
             "gradient_accumulation_steps": r.experiment.gradient_accumulation_steps,
             "knobs": ";".join(f"{k}={v}" for k, v in r.experiment.knobs),
-            objective.metric: r.value,
-            f"{objective.metric}_std": r.value_std,
+            "metric": objective.metric,
+            "metric_value": r.value,
+            "metric_std": r.value_std,
             "throughput": m.get("throughput"),
             "latency_s": m.get("latency"),
             "forward_ms": _ms(m.get("forward")),

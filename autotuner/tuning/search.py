@@ -46,7 +46,10 @@ class SearchSpace:
     def gas(self, micro_batch_size: int) -> int | None:
         if self.fixed_gradient_accumulation_steps is not None:
             gas = self.fixed_gradient_accumulation_steps
-            if self.global_batch_exact and micro_batch_size * gas * self.data_parallel_size != self.global_batch_size:
+            total = micro_batch_size * gas * self.data_parallel_size
+            if self.global_batch_size is not None and (
+                total > self.global_batch_size or (self.global_batch_exact and total != self.global_batch_size)
+            ):
                 return None
             return gas
         return gas_for(micro_batch_size, self.data_parallel_size, self.global_batch_size, self.global_batch_exact)

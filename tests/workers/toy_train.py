@@ -18,6 +18,10 @@ import autotuner
 from autotuner.config import fill_auto
 
 
+def rank_zero() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--micro_batch_size", type=int, default=None)
@@ -33,6 +37,11 @@ def main() -> None:
     parser.add_argument("--hang_at_step", type=int, default=0)
     parser.add_argument("--exit_at_step", type=int, default=0, help="exit 0 at this step, before any metrics")
     parser.add_argument("--fail_if_micro_batch_at_least", type=int, default=0)
+    parser.add_argument("--fault_min_micro", type=int, default=0,
+                        help="the injected faults above fire only when the micro-batch is at least this")
+    parser.add_argument("--hang_once_file", default=None,
+                        help="with --hang_at_step: hang only if this file does not exist yet (it is created)")
+    parser.add_argument("--pid_dir", default=None, help="each rank writes its pid here")
     parser.add_argument("--echo_args_to", default=None, help="rank 0 writes sys.argv here")
     parser.add_argument("--width", type=int, default=64)
     autotuner.add_config_arguments(parser)
@@ -51,16 +60,27 @@ def main() -> None:
     micro = engine.train_micro_batch_size_per_gpu()
     if args.fail_if_micro_batch_at_least and micro >= args.fail_if_micro_batch_at_least:
         raise ValueError(f"refusing micro-batch {micro}")
+    if args.pid_dir:
+        os.makedirs(args.pid_dir, exist_ok=True)
+        with open(os.path.join(args.pid_dir, f"{os.getpid()}.pid"), "w") as handle:
+            handle.write(str(os.getpid()))
+    faults = micro >= args.fault_min_micro
+    hang = faults and args.hang_at_step
+    if hang and args.hang_once_file:
+        if os.path.exists(args.hang_once_file):
+            hang = 0
+        elif rank_zero():
+            open(args.hang_once_file, "w").close()
     per_sample_s = args.ms_per_sample / 1e3 * (4 if args.slow_above and micro > args.slow_above else 1)
     rank = engine.global_rank
     for step in range(1, args.steps + 1):
-        if step == args.hang_at_step:
+        if hang and step == args.hang_at_step:
             time.sleep(3600)
-        if step == args.exit_at_step:
+        if faults and step == args.exit_at_step:
             sys.exit(0)
-        if step == args.fail_at_step and rank == args.fail_rank:
+        if faults and step == args.fail_at_step and rank == args.fail_rank:
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")
-        if step == args.fail_at_step and rank == args.kill_rank:
+        if faults and step == args.fail_at_step and rank == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         for _ in range(engine.gradient_accumulation_steps()):
             held = None

@@ -42,7 +42,8 @@ def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_
     """Ask/evaluate/tell until the space is exhausted, `max_trials` ran, or `early_stopping`
     experiments in a row brought no improvement."""
     results: list[TrialResult] = []
-    best: float | None = None
+    incumbent = tuner.best  # results told before driving (e.g. a confirmation run) count
+    best: float | None = incumbent.value if incumbent is not None else None
     without_improvement = 0
     while len(results) < max_trials:
         experiment = tuner.ask()

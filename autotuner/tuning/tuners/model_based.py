@@ -1,7 +1,8 @@
 """Model-based search: a cost model fitted on finished experiments picks the most promising untried one.
 
-The model is ridge regression on the experiments' numeric features and their squares
-(a smooth response surface: throughput rises with micro-batch and flattens). Failed
+The model is ridge regression on the experiments' numeric features, plus their squares
+once there are enough results (a smooth response surface: throughput rises with
+micro-batch and flattens). Failed
 experiments are scored as the worst outcome so the model learns to avoid their region.
 With probability `explore` an untried experiment is picked at random instead; the
 random source is seeded, so a run is reproducible.
@@ -30,7 +31,11 @@ class ModelBasedTuner(Tuner):
     def _vector(self, experiment: Experiment) -> np.ndarray:
         raw = experiment.features()
         base = np.array([raw.get(name, 0.0) for name in self._feature_names])
-        return np.concatenate([[1.0], base, base**2])
+        # Squares (curvature) only once there are enough results to fit them; with few points
+        # they would bend the extrapolation.
+        if len(self.results) >= 2 * len(base) + 2:
+            return np.concatenate([base, base**2])
+        return base
 
     def _scores(self) -> tuple[np.ndarray, np.ndarray]:
         finished = list(self.results.values())
@@ -44,15 +49,21 @@ class ModelBasedTuner(Tuner):
         return x, y
 
     def predict(self, candidates: list[Experiment]) -> np.ndarray:
-        """Predicted objective value of each candidate from the results so far."""
+        """Predicted objective value of each candidate from the results so far.
+
+        Features are centred on the finished experiments and scaled by their spread over the
+        space; the intercept is the mean score, so the ridge penalty shrinks slopes only."""
         x, y = self._scores()
-        scale = np.abs(y).max() or 1.0
-        gram = x.T @ x + self.ridge * np.eye(x.shape[1])
-        weights = np.linalg.solve(gram, x.T @ (y / scale))
-        return np.array([self._vector(c) @ weights for c in candidates]) * scale
+        scale = np.array([self._vector(e) for e in self.space]).std(axis=0)
+        scale[scale == 0] = 1.0
+        centre = x.mean(axis=0)  # with the mean score as intercept
+        xs = (x - centre) / scale
+        mean = y.mean()
+        weights = np.linalg.solve(xs.T @ xs + self.ridge * len(y) * np.eye(xs.shape[1]), xs.T @ (y - mean))
+        return np.array([((self._vector(c) - centre) / scale) @ weights for c in candidates]) + mean
 
     def _choose(self, untried: list[Experiment]) -> Experiment:
-        if len(self.results) < self.initial_trials or self._rng.random() < self.explore:
+        if not self.results or len(self.results) < self.initial_trials or self._rng.random() < self.explore:
             return self._rng.choice(untried)
         predicted = self.predict(untried)
         index = int(np.argmax(predicted) if self.objective.maximize else np.argmin(predicted))
