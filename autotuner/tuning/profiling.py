@@ -93,7 +93,9 @@ def _to_profile(infos: list[dict[str, Any]], settings: ExperimentSettings) -> Mo
         num_shard_units=first.get("num_shard_units", 0),
     )
     stage_settings = StageSettings(first["zero_stage"], first["precision"], settings.data_parallel_size)
-    baseline = calibrate_baseline(profile, stage_settings, first["micro_batch_size"], first["peak_memory_bytes"])
+    # The smaller of the two: the first launch may also have built the script's data cache.
+    baseline = min(calibrate_baseline(profile, stage_settings, info["micro_batch_size"], info["peak_memory_bytes"])
+                   for info in infos)
     return ModelProfile(profile.num_params, profile.activation_bytes_per_sample,
                         profile.optimizer_state_bytes_per_param, baseline, profile.num_shard_units)
 

@@ -43,6 +43,10 @@ def main() -> None:
                         help="with --hang_at_step: hang only if this file does not exist yet (it is created)")
     parser.add_argument("--pid_dir", default=None, help="each rank writes its pid here")
     parser.add_argument("--echo_args_to", default=None, help="rank 0 writes sys.argv here")
+    parser.add_argument("--note", default=None, help="any string; ignored (tests that arguments pass unmangled)")
+    parser.add_argument("--fault_at_micro", action="append", default=[], metavar="MICRO:FAULT",
+                        help="fire FAULT (fail, kill, exit or hang) only at this micro-batch (repeatable); "
+                             "when given, it replaces --fault_min_micro for every fault")
     parser.add_argument("--width", type=int, default=64)
     autotuner.add_config_arguments(parser)
     args = parser.parse_args()
@@ -64,8 +68,17 @@ def main() -> None:
         os.makedirs(args.pid_dir, exist_ok=True)
         with open(os.path.join(args.pid_dir, f"{os.getpid()}.pid"), "w") as handle:
             handle.write(str(os.getpid()))
-    faults = micro >= args.fault_min_micro
-    hang = faults and args.hang_at_step
+    planned: dict[str, set[int]] = {}
+    for item in args.fault_at_micro:
+        at, kind = item.split(":")
+        if kind not in ("fail", "kill", "exit", "hang"):
+            parser.error(f"--fault_at_micro: unknown fault {kind!r}")
+        planned.setdefault(kind, set()).add(int(at))
+
+    def fires(kind: str) -> bool:
+        return micro in planned.get(kind, ()) if planned else micro >= args.fault_min_micro
+
+    hang = fires("hang") and args.hang_at_step
     if hang and args.hang_once_file:
         if os.path.exists(args.hang_once_file):
             hang = 0
@@ -76,11 +89,11 @@ def main() -> None:
     for step in range(1, args.steps + 1):
         if hang and step == args.hang_at_step:
             time.sleep(3600)
-        if faults and step == args.exit_at_step:
+        if fires("exit") and step == args.exit_at_step:
             sys.exit(0)
-        if faults and step == args.fail_at_step and rank == args.fail_rank:
+        if fires("fail") and step == args.fail_at_step and rank == args.fail_rank:
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")
-        if faults and step == args.fail_at_step and rank == args.kill_rank:
+        if fires("kill") and step == args.fail_at_step and rank == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         for _ in range(engine.gradient_accumulation_steps()):
             held = None
