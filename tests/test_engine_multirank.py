@@ -86,3 +86,11 @@ def test_minimal_example_trains_under_each_stage(stage, tmp_path, no_orphans):
     assert len(losses) == 30
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5  # it learns
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step30"
+
+
+def test_bf16_trains_under_every_stage_close_to_fp32(tmp_path, no_orphans):
+    bf16 = run_check("bf16", tmp_path)["losses"]
+    fp32 = run_check("parity", tmp_path)["losses"]
+    for stage in STAGES:
+        assert bf16[stage] == pytest.approx(fp32[stage], rel=0.05), f"stage {stage}"
+        assert bf16[stage] != fp32[stage]  # it really ran in bf16

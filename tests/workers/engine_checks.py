@@ -53,8 +53,8 @@ def train_steps(engine, first_step: int, steps: int) -> list[float]:
     for step in range(first_step, first_step + steps):
         total = 0.0
         for micro in range(engine.gradient_accumulation_steps()):
-            x, y = batch(step, micro, micro_size)
-            loss = nn.functional.mse_loss(engine(x), y)
+            x, y = (t.to(engine.device) for t in batch(step, micro, micro_size))
+            loss = nn.functional.mse_loss(engine(x).float(), y)
             engine.backward(loss)
             engine.step()
             total += loss.item()
@@ -66,7 +66,7 @@ def full_parameters(engine) -> dict[str, list]:
     out = {}
     for name, param in engine.module.named_parameters():
         tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-        out[name.removeprefix("module.")] = tensor.detach().flatten().tolist()
+        out[name.removeprefix("module.")] = tensor.detach().cpu().flatten().tolist()
     return out
 
 
@@ -94,7 +94,7 @@ def check_gas() -> dict:
             settings = config(stage, micro, gas, optimizer="SGD")
             del settings["scheduler"]  # warm-up would start at lr 0 and hide any difference
             engine, *_ = autotuner.initialize(model=Net(), config=settings)
-            x, y = batch(0, 0, 4)
+            x, y = (t.to(engine.device) for t in batch(0, 0, 4))
             for index in range(gas):
                 part = slice(index * micro, (index + 1) * micro)
                 engine.backward(nn.functional.mse_loss(engine(x[part]), y[part]))
@@ -130,12 +130,23 @@ def check_checkpoint(directory: str) -> dict:
     return result
 
 
+def check_bf16() -> dict:
+    """bf16 under every stage trains (autocast for DDP, MixedPrecisionPolicy for FSDP2)."""
+    losses = {}
+    for stage in STAGES:
+        torch.manual_seed(0)
+        engine, *_ = autotuner.initialize(model=Net(), config=config(stage, bf16={"enabled": True}))
+        losses[stage] = train_steps(engine, 0, 5)
+    return {"losses": losses}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--check", choices=("parity", "gas", "checkpoint"), required=True)
+    parser.add_argument("--check", choices=("parity", "gas", "checkpoint", "bf16"), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    checks = {"parity": check_parity, "gas": check_gas, "checkpoint": lambda: check_checkpoint(args.out + ".ckpt")}
+    checks = {"parity": check_parity, "gas": check_gas, "checkpoint": lambda: check_checkpoint(args.out + ".ckpt"),
+              "bf16": check_bf16}
     result = checks[args.check]()
     result["world_size"] = dist.get_world_size()
     if dist.get_rank() == 0:
