@@ -15,14 +15,33 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _rank_counts(text: str) -> tuple[int, ...]:
+    """`2`, or a comma list `1,2,4` (only --bench accepts more than one; see _single_rank_count)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        if "," in text:
+            raise argparse.ArgumentTypeError(f"invalid list of ints: {text!r}; expected e.g. 1,2,4") from None
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+
+
+def _single_rank_count(counts: tuple[int, ...] | None) -> int | None:
+    if counts is not None and len(counts) > 1:
+        listed = ",".join(map(str, counts))
+        raise UsageError(f"--nproc_per_node: got the list {listed}; a list of world sizes is only allowed with "
+                         "--bench; give one number of ranks per node")
+    return counts[0] if counts else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="launcher",
         description="Start a training script on N ranks (torch elastic), or autotune its DeepSpeed-style config.",
         usage="launcher [options] script.py [script args ...] --deepspeed ds.json",
     )
-    parser.add_argument("--nproc_per_node", "--num_gpus", dest="nproc_per_node", type=int, default=None,
-                        help="ranks per node (default: all visible GPUs, or 1 on CPU)")
+    parser.add_argument("--nproc_per_node", "--num_gpus", dest="nproc_per_node", type=_rank_counts, default=None,
+                        help="ranks per node (default: all visible GPUs, or 1 on CPU); with --bench a comma list "
+                             "of world sizes, e.g. 1,2,4")
     parser.add_argument("--num_nodes", "--nnodes", dest="num_nodes", type=int, default=1, help="number of nodes")
     parser.add_argument("--node_rank", type=int, default=0, help="this node's rank, 0..num_nodes-1")
     parser.add_argument("--master_addr", default=None, help="address of node 0 (default: 127.0.0.1 on one node)")
@@ -31,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rdzv_id", default=None, help="job id shared by all nodes with --rdzv_endpoint")
     parser.add_argument("--autotuning", choices=("tune", "run"), default=None,
                         help="tune: search ZeRO stage x micro-batch x gas and write the optimum; run: tune, then train")
+    parser.add_argument("--bench", action="store_true",
+                        help="synthetic benchmark: samples/s and scaling efficiency at each --nproc_per_node size, "
+                             "fixed per-rank micro-batch (weak scaling); writes bench_results/bench.csv")
+    parser.add_argument("--bench_warmup", type=int, default=5, help="--bench: optimizer steps run before timing")
+    parser.add_argument("--bench_iters", type=int, default=20, help="--bench: optimizer steps timed per world size")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and torch elastic's logs")
     parser.add_argument("script", help="training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -72,6 +96,12 @@ def _launch(args: argparse.Namespace) -> int:
     return run_plan(plan, quiet=not args.debug)
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from autotuner.tuning.bench import bench
+
+    return bench(args)
+
+
 def _autotune(args: argparse.Namespace) -> int:
     from autotuner.tuning.cli import autotune
 
@@ -86,6 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         debug = args.debug
         logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(name)s: %(message)s")
+        if args.bench:
+            return _bench(args)
+        args.nproc_per_node = _single_rank_count(args.nproc_per_node)
         if args.autotuning:
             return _autotune(args)
         return _launch(args)

@@ -61,6 +61,7 @@ def build_metrics(
         "throughput_std": _throughput_spread(window.step_wall_s, train_batch_size),
         "latency": latency,
         "step_wall_s": dataclasses.asdict(wall),
+        "step_wall_s_values": [float(s) for s in window.step_wall_s],  # per profiled step, in order (--bench)
         "forward": dataclasses.asdict(Summary.of(window.forward_s)),
         "backward": dataclasses.asdict(Summary.of(window.backward_s)),
         "step": dataclasses.asdict(Summary.of(window.step_s)),

@@ -90,8 +90,16 @@ def launch_command(config: dict[str, Any], config_path: Path, settings: Experime
             *settings.launcher_args, settings.script, *args]
 
 
-def _last_exception_line(stderr_text: str) -> str | None:
-    """The message of the last Python exception in the log (for the record, not for detection)."""
+def _last_exception_line(stderr_text: str, rank: int | None = None) -> str | None:
+    """The message of the last Python exception in the log (for the record, not for detection).
+
+    torch prefixes a rank's traceback with "[rankN]:"; the failing rank's own line is preferred
+    over its peers' follow-on errors (e.g. gloo's "Connection closed by peer")."""
+    if rank is not None:
+        own = "\n".join(line for line in stderr_text.splitlines() if line.strip().startswith(f"[rank{rank}]:"))
+        found = _last_exception_line(own) if own else None
+        if found:
+            return found
     patterns = (
         re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b.*)$"),
         re.compile(r"^(?:\[rank\d+\]:\s*)?([\w./-]+: error: .*)$"),  # argparse in the user's script
@@ -122,7 +130,7 @@ def classify(experiment: Experiment, exp_dir: Path, returncode: int | None, time
     if returncode != 0:
         rank = _failed_rank(stderr_text)
         where = f"rank {rank}: " if rank is not None else ""
-        detail = _last_exception_line(stderr_text) or f"exit status {returncode}"
+        detail = _last_exception_line(stderr_text, rank) or f"exit status {returncode}"
         return TrialResult(state=TrialState.FAILED, error=f"{where}{detail}", **common)
     if not metrics_path.exists():
         return TrialResult(state=TrialState.FAILED, error="no metrics: the script exited 0 without reaching "
