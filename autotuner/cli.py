@@ -72,7 +72,7 @@ def _check_config(script_args: tuple[str, ...], world_size: int) -> None:
         return
     config = load_config(path)
     check_fixed_triad(config, world_size, path)
-    if config.autotuning.enabled:
+    if config.autotuning.enabled and config.autotuning.metric_path is None:  # with one, the tuner launched it
         print(f"launcher: note: {path} has autotuning.enabled but --autotuning was not given; training with the "
               "config as written (add --autotuning tune|run to tune it)", file=sys.stderr)
 

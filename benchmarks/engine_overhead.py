@@ -143,12 +143,11 @@ def run_block(step: Callable, batches: list, warmup: int, steps: int, offset: in
 
 
 def bench_stage(stage: int, base: nn.Module, batches: list, args: argparse.Namespace) -> dict:
-    steps = {
-        "plain": make_plain_step(copy.deepcopy(base), stage),
-        "engine": make_engine_step(copy.deepcopy(base), stage, args.batch),
-    }
+    steps = {"plain": make_plain_step(copy.deepcopy(base), stage)}
     if args.control:  # A/A check: a second plain copy in the engine's slot shows the noise floor
         steps["engine"] = make_plain_step(copy.deepcopy(base), stage)
+    else:
+        steps["engine"] = make_engine_step(copy.deepcopy(base), stage, args.batch)
     for name, step in steps.items():  # first steps: lazy init, DDP bucket rebuild, optimizer state
         run_block(step, batches, args.warmup, 0, 0)
     times: dict[str, list[float]] = {name: [] for name in steps}

@@ -54,6 +54,9 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     dotted = ".".join(parts) or "(top level)"
     if first["type"] == "value_error":
         allowed = first["msg"].removeprefix("Value error, ")
+    elif parts[:2] == ["autotuning", "arg_mappings"]:
+        # The mapped key's own name must not pick that key's hint: these values are flags.
+        allowed = 'expected a flag of the script, e.g. "--per_device_train_batch_size"'
     else:
         allowed = _ALLOWED.get(dotted) or _ALLOWED.get(parts[-1] if parts else "", first["msg"])
     value = first.get("input")

@@ -19,7 +19,7 @@ Auto = Literal["auto"]
 def _no_bool(value: Any) -> Any:
     # JSON true is not a count; pydantic's lax mode would read it as 1.
     if isinstance(value, bool):
-        raise ValueError(f"got {str(value).lower()}; expected a positive integer")
+        raise ValueError("a boolean is not a count; expected a positive integer")
     return value
 
 

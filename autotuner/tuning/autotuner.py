@@ -16,7 +16,7 @@ from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
 from autotuner.launch.script_args import replace_config
 from autotuner.tuning.experiment import RECORD_FILE, ExperimentSettings, experiment_config, mapped_script_args, run_experiment
-from autotuner.tuning.memory import ModelProfile, StageSettings, estimate, max_micro_batch_size
+from autotuner.tuning.memory import ModelProfile, StageSettings, estimate, max_micro_batch_size, usable_bytes
 from autotuner.tuning.profiling import profile_from_config, profile_model
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.results import write_results
@@ -143,11 +143,11 @@ class Autotuner:
             if result.state.finished:
                 self._journal[result.name] = result
 
-    def _stage_settings(self, stage: int) -> StageSettings:
+    def _stage_settings(self, stage: int, gradient_accumulation_steps: int = 1) -> StageSettings:
         offload_optimizer, offload_param = _offloads(self.config)
         zero = base_config(self.config)["zero_optimization"]
-        return StageSettings(stage, self.precision, self.settings.data_parallel_size,
-                             offload_optimizer, offload_param, bool(zero.get("contiguous_gradients")))
+        return StageSettings(stage, self.precision, self.settings.data_parallel_size, offload_optimizer,
+                             offload_param, bool(zero.get("contiguous_gradients")), gradient_accumulation_steps)
 
     def _measure_model(self) -> None:
         tuning = self.config.autotuning
@@ -180,11 +180,19 @@ class Autotuner:
         self.report(f"memory budget: {self.budget_bytes / 2**20:.0f} MiB per rank (safety margin {SAFETY_MARGIN:.0%})")
 
     def predicted_largest(self) -> dict[int, int]:
-        return {stage: max_micro_batch_size(self.profile, self._stage_settings(stage), self.budget_bytes, SAFETY_MARGIN)
-                for stage in self.space.stages}
+        """Per stage, the largest micro-batch whose experiment (with its own gas) fits the budget."""
+        usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
+        largest = {}
+        for stage in self.space.stages:
+            bound = max_micro_batch_size(self.profile, self._stage_settings(stage), self.budget_bytes, SAFETY_MARGIN)
+            fitting = [m for m in self.space.valid_micro_batch_sizes(bound)
+                       if self.predicted_memory(self.space.experiment(stage, m)) <= usable]
+            largest[stage] = max(fitting, default=0)
+        return largest
 
     def predicted_memory(self, experiment: Experiment) -> int:
-        return estimate(self.profile, self._stage_settings(experiment.zero_stage), experiment.micro_batch_size).total
+        settings = self._stage_settings(experiment.zero_stage, experiment.gradient_accumulation_steps)
+        return estimate(self.profile, settings, experiment.micro_batch_size).total
 
     # ----- the loop -----
     def _evaluate(self, experiment: Experiment) -> TrialResult:
@@ -197,7 +205,8 @@ class Autotuner:
             result = run_experiment(experiment, self.exps_dir / experiment.name, self.settings,
                                     self.predicted_memory(experiment))
             self._launched += 1
-            if self._launched == 1 and not self._profiled and result.state is TrialState.FAILED:
+            if (self._launched == 1 and not self._profiled and result.state is TrialState.FAILED
+                    and not any(r.state is TrialState.OK for r in self._results.values())):
                 # Without a profile run, a crash (not OOM) on the first launch is the script or its
                 # arguments, not the configuration: every other experiment would fail the same way.
                 raise TuningFailed(f"the first experiment {result.name} failed: {result.error}; "

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -45,14 +46,49 @@ def check_arg_mappings(config: DeepSpeedConfig, source: str) -> None:
     for key, flag in config.autotuning.arg_mappings.items():
         if not flag.startswith("-"):
             raise ConfigError(f"{source}: autotuning.arg_mappings.{key}: got {flag!r}; expected a flag like --{key}")
+    user = config.to_dict()
+    for key in config.autotuning.arg_mappings:
+        if key in ALWAYS_SET or _has_value(user, key):
+            continue
+        raise ConfigError(f"{source}: autotuning.arg_mappings: '{key}' has no value in the config, so there is "
+                          f"nothing to pass to the script; set {key} or map only tuned keys "
+                          f"({', '.join(sorted(ALWAYS_SET))})")
+
+
+# Keys every experiment's config sets, whatever the user wrote.
+ALWAYS_SET = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                        "zero_optimization.stage"})
+
+
+def _has_value(config: dict, dotted_key: str) -> bool:
+    value = config
+    for part in dotted_key.split("."):
+        if not isinstance(value, dict) or value.get(part) is None:
+            return False
+        value = value[part]
+    return True
 
 
 def check_results_dir(path: Path, key: str) -> None:
+    """The directory exists or can be made, and a file can be written in it. Probed for real:
+    os.access grants root everything, even under /proc. Directories made here are removed again."""
     if path.exists() and not path.is_dir():
         raise UsageError(f"autotuning.{key}: {path} exists and is not a directory")
-    probe = path if path.exists() else next((p for p in path.parents if p.exists()), Path("."))
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise UsageError(f"autotuning.{key}: {path} is not writable")
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UsageError(f"autotuning.{key}: {path} is not writable ({reason}); choose a directory you can "
+                         "write to") from None
+    finally:
+        for directory in made:  # deepest first
+            try:
+                directory.rmdir()
+            except OSError:
+                pass
 
 
 @contextmanager
@@ -113,10 +149,10 @@ def autotune(args: argparse.Namespace) -> int:
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
     data_parallel_size = plan.world_size // tuning.mp_size
-    check_fixed_triad(config, data_parallel_size, source)
     if data_parallel_size < 1 or plan.world_size % tuning.mp_size:
         raise ConfigError(f"{source}: autotuning.mp_size: got {tuning.mp_size}; it must divide the world size "
                           f"({plan.world_size})")
+    check_fixed_triad(config, data_parallel_size, source)
     settings = ExperimentSettings(
         script=args.script,
         script_args=script_args,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,10 +97,10 @@ def _last_exception_line(stderr_text: str, rank: int | None = None) -> str | Non
     torch prefixes a rank's traceback with "[rankN]:"; the failing rank's own line is preferred
     over its peers' follow-on errors (e.g. gloo's "Connection closed by peer")."""
     if rank is not None:
-        own = "\n".join(line for line in stderr_text.splitlines() if line.strip().startswith(f"[rank{rank}]:"))
-        found = _last_exception_line(own) if own else None
-        if found:
-            return found
+        # Only the failing rank's lines and unprefixed ones: a peer's follow-on error would mislead.
+        own = "\n".join(line for line in stderr_text.splitlines()
+                        if not re.match(r"\s*\[rank\d+\]:", line) or line.strip().startswith(f"[rank{rank}]:"))
+        return _last_exception_line(own)
     patterns = (
         re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b.*)$"),
         re.compile(r"^(?:\[rank\d+\]:\s*)?([\w./-]+: error: .*)$"),  # argparse in the user's script
@@ -107,6 +108,18 @@ def _last_exception_line(stderr_text: str, rank: int | None = None) -> str | Non
     found = [m.group(1).strip() for line in stderr_text.splitlines()
              for pattern in patterns if (m := pattern.match(line.strip()))]
     return found[-1][:500] if found else None
+
+
+def _exit_status(stderr_text: str, rank: int | None, returncode: int | None) -> str:
+    """The failing rank's own exit status as the launcher logged it, named when it is a signal."""
+    found = re.findall(rf"launcher: rank {rank} exited with status (\d+)", stderr_text) if rank is not None else []
+    status = int(found[-1]) if found else returncode
+    if status is not None and status > 128:
+        try:
+            return f"exit status {status} (killed by {signal.Signals(status - 128).name})"
+        except ValueError:
+            pass
+    return f"exit status {status}"
 
 
 def _failed_rank(stderr_text: str) -> int | None:
@@ -130,7 +143,7 @@ def classify(experiment: Experiment, exp_dir: Path, returncode: int | None, time
     if returncode != 0:
         rank = _failed_rank(stderr_text)
         where = f"rank {rank}: " if rank is not None else ""
-        detail = _last_exception_line(stderr_text, rank) or f"exit status {returncode}"
+        detail = _last_exception_line(stderr_text, rank) or _exit_status(stderr_text, rank, returncode)
         return TrialResult(state=TrialState.FAILED, error=f"{where}{detail}", **common)
     if not metrics_path.exists():
         return TrialResult(state=TrialState.FAILED, error="no metrics: the script exited 0 without reaching "

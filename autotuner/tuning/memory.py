@@ -7,7 +7,8 @@ It costs what our engine really holds (see autotuner/runtime/zero.py):
   stage 1 shards only the optimizer states (ZeroRedundancyOptimizer).
 - stage 2/3 (FSDP2): fp32 parameters, gradients and optimizer states sharded over the
   ranks; the unsharded compute copy (2 bytes in bf16/fp16, 4 in fp32) is held whole
-  from forward to backward in stage 2, and one or two blocks at a time in stage 3.
+  from forward to backward in stage 2, and one or two blocks at a time in stage 3;
+  with gradient accumulation, unsharded gradients are held between micro-steps.
 - offload moves optimizer states, and with `offload_param` the sharded parameters and
   gradients, to host memory.
 Activations come from the profile run. `baseline_bytes` is what the process holds
@@ -31,6 +32,7 @@ class ModelProfile:
     optimizer_state_bytes_per_param: float = 8.0  # Adam/AdamW: two fp32 moments
     baseline_bytes: int = 0
     num_shard_units: int = 0  # blocks FSDP2 shards separately (0: unknown)
+    sharded_baseline_bytes: int | None = None  # stage 2/3 process overhead, when measured apart (DTensor)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,7 @@ class StageSettings:
     offload_optimizer: bool = False
     offload_param: bool = False
     contiguous_gradients: bool = False
+    gradient_accumulation_steps: int = 1
 
 
 def model_state_bytes(profile: ModelProfile, settings: StageSettings) -> MemoryEstimate:
@@ -80,11 +83,17 @@ def model_state_bytes(profile: ModelProfile, settings: StageSettings) -> MemoryE
         else:
             # The running block and the prefetched one, params and gradients.
             buffers = 2 * (compute + BYTES_FP32) * _block(profile)
+        if settings.gradient_accumulation_steps > 1:
+            # Without gradient sync FSDP2 accumulates unsharded gradients, in the compute dtype.
+            buffers += compute * p
         if settings.offload_param:
             parameters = gradients = 0
     if settings.offload_optimizer:
         optimizer = 0
-    return MemoryEstimate(parameters, gradients, optimizer, buffers, 0, profile.baseline_bytes)
+    baseline = profile.baseline_bytes
+    if stage >= 2 and profile.sharded_baseline_bytes is not None:
+        baseline = profile.sharded_baseline_bytes
+    return MemoryEstimate(parameters, gradients, optimizer, buffers, 0, baseline)
 
 
 def _block(profile: ModelProfile) -> int:
@@ -119,7 +128,7 @@ def max_micro_batch_size(profile: ModelProfile, settings: StageSettings, budget_
 def calibrate_baseline(profile: ModelProfile, settings: StageSettings, micro_batch_size: int,
                        measured_peak_bytes: int) -> int:
     """Process overhead implied by a measured peak: what the model does not explain (never negative)."""
-    explained = estimate(ModelProfile(profile.num_params, profile.activation_bytes_per_sample,
-                                      profile.optimizer_state_bytes_per_param, 0, profile.num_shard_units),
-                         settings, micro_batch_size).total
+    bare = ModelProfile(profile.num_params, profile.activation_bytes_per_sample,
+                        profile.optimizer_state_bytes_per_param, 0, profile.num_shard_units, 0)
+    explained = estimate(bare, settings, micro_batch_size).total
     return max(0, measured_peak_bytes - explained)

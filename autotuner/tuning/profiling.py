@@ -9,7 +9,7 @@ between the two launches gives activation bytes per sample, free of the constant
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,8 +73,16 @@ def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentS
                 break
             infos.append(info)
         if len(infos) == len(PROFILE_MICRO_BATCH_SIZES):
-            return ProfileOutcome(_to_profile(infos, settings), infos[0].get("device_memory_bytes"),
-                                  None, tuple(infos))
+            profile = _to_profile(infos, settings)
+            sharded = [s for s in stages if s >= 2]
+            if stage < 2 and sharded:
+                # FSDP2's process overhead (DTensor and friends) differs from DDP's: measure it once.
+                report(f"profile: ZeRO {max(sharded)}, micro-batch 1 (sharded overhead) ...")
+                info, _ = _profile_once(max(sharded), 1, exps_dir, settings, reuse)
+                if info is not None:
+                    infos.append(info)
+                    profile = _with_sharded_baseline(profile, info, settings)
+            return ProfileOutcome(profile, infos[0].get("device_memory_bytes"), None, tuple(infos))
         if last_failure is not None and last_failure.state is not TrialState.OOM:
             break  # a crash will not go away at a higher stage
     return ProfileOutcome(None, None, last_failure)
@@ -98,6 +106,12 @@ def _to_profile(infos: list[dict[str, Any]], settings: ExperimentSettings) -> Mo
                    for info in infos)
     return ModelProfile(profile.num_params, profile.activation_bytes_per_sample,
                         profile.optimizer_state_bytes_per_param, baseline, profile.num_shard_units)
+
+
+def _with_sharded_baseline(profile: ModelProfile, info: dict[str, Any], settings: ExperimentSettings) -> ModelProfile:
+    stage_settings = StageSettings(info["zero_stage"], info["precision"], settings.data_parallel_size)
+    baseline = calibrate_baseline(profile, stage_settings, info["micro_batch_size"], info["peak_memory_bytes"])
+    return replace(profile, sharded_baseline_bytes=baseline)
 
 
 def profile_from_config(model_info: Any) -> ModelProfile:

@@ -1,0 +1,214 @@
+"""Tuning quality: our autotuner's pick against the exhaustive grid over the same space.
+
+    python benchmarks/tuning_quality.py [--workloads gpt2,mlp,convnet] [--tuners gridsearch,random,model_based]
+                                        [--modes fast,full] [--repeats 2]
+
+For each workload (2 CPU ranks, OMP_NUM_THREADS=1 per rank, a memory_per_rank_bytes budget that
+makes some stages infeasible):
+1. the grid: every stage x micro-batch (gas = max_train_batch_size / (micro x 2)), each measured
+   `--repeats` times in interleaved rounds (A B C .. A B C ..), scored by the median; a run over
+   the budget is OOM, as in tuning;
+2. the autotuner, once per tuner and mode, as a user runs it (`launcher --autotuning tune`);
+3. each pick is re-measured interleaved with the grid's best (A B A B), and quality is the
+   ratio of their medians.
+Results go to benchmarks/results/tuning_quality.csv and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from autotuner.config import load_config  # noqa: E402
+from autotuner.tuning.autotuner import base_config  # noqa: E402
+from autotuner.tuning.experiment import ExperimentSettings, run_experiment  # noqa: E402
+from autotuner.tuning.records import Objective, TrialState  # noqa: E402
+from autotuner.tuning.space import Experiment  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+MAPPINGS_HF = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+               "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+MAPPINGS_OURS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
+                 "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    script: str
+    args: tuple[str, ...]
+    arg_mappings: dict = field(hash=False)
+    micro_batch_sizes: tuple[int, ...]
+    max_train_batch_size: int
+    memory_per_rank_bytes: int
+
+    def config(self, **autotuning) -> dict:
+        return {
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto",
+            "steps_per_print": 1000,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+            "zero_optimization": {"stage": "all"},
+            "autotuning": {
+                "enabled": True,
+                "arg_mappings": self.arg_mappings,
+                "start_profile_step": 3,
+                "end_profile_step": 8,
+                "max_train_batch_size": self.max_train_batch_size,
+                "max_train_micro_batch_size_per_gpu": max(self.micro_batch_sizes),
+                "memory_per_rank_bytes": self.memory_per_rank_bytes,
+                "exp_timeout_s": 300,
+                **autotuning,
+            },
+        }
+
+
+WORKLOADS = {
+    "gpt2": Workload("gpt2", "examples/hf_gpt2/train.py",
+                     ("--model_size", "tiny", "--max_steps", "50", "--output_dir", str(ROOT / "output/bench_gpt2")),
+                     MAPPINGS_HF, (4, 8, 16, 32), 64, 1200 * 2**20),
+    "mlp": Workload("mlp", "examples/minimal/train.py", ("--steps", "50", "--width", "2048", "--depth", "6"),
+                    MAPPINGS_OURS, (8, 16, 32, 64), 256, 1000 * 2**20),
+    "convnet": Workload("convnet", "benchmarks/workloads/convnet.py", ("--steps", "50"),
+                        MAPPINGS_OURS, (8, 16, 32, 64), 128, 900 * 2**20),
+}
+
+
+def grid(workload: Workload) -> list[Experiment]:
+    out = []
+    for stage in (0, 1, 2, 3):
+        for micro in workload.micro_batch_sizes:
+            gas = workload.max_train_batch_size // (micro * 2)
+            if gas >= 1:
+                out.append(Experiment(stage, micro, gas))
+    return out
+
+
+def settings_for(workload: Workload) -> ExperimentSettings:
+    config = load_config(workload.config())
+    return ExperimentSettings(
+        script=str(ROOT / workload.script), script_args=(*workload.args, "--deepspeed", "unused.json"),
+        base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
+        objective=Objective("throughput"), timeout_s=300, start_profile_step=3, end_profile_step=8,
+        arg_mappings=workload.arg_mappings, memory_budget_bytes=workload.memory_per_rank_bytes,
+    )
+
+
+def measure_rounds(experiments: list[Experiment], settings: ExperimentSettings, rounds: int, work: Path) -> dict:
+    """Interleaved rounds; returns {experiment: [results]}."""
+    measured: dict[Experiment, list] = {e: [] for e in experiments}
+    for round_index in range(rounds):
+        for experiment in experiments:
+            result = run_experiment(experiment, work / f"{experiment.name}_r{round_index}", settings)
+            measured[experiment].append(result)
+    return measured
+
+
+def median_value(results: list) -> float | None:
+    values = [r.value for r in results if r.state is TrialState.OK]
+    return statistics.median(values) if len(values) == len(results) and values else None
+
+
+def spread(results: list) -> float:
+    values = [r.value for r in results if r.state is TrialState.OK]
+    return (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
+
+
+def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    config_path = work / "ds.json"
+    config_path.write_text(json.dumps(workload.config(tuner_type=tuner, fast=(mode == "fast"), overwrite=True)))
+    command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2",
+               str(ROOT / workload.script), *workload.args, "--deepspeed", str(config_path)]
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=work, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    wall = time.monotonic() - started
+    table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
+    launched = table[table.state != "pruned"]
+    ok = launched[launched.state == "ok"]
+    best = ok.loc[ok.metric_value.idxmax()] if len(ok) else None
+    predicted = dict(re.findall(r"z(\d)=(\d+)", done.stdout.split("largest micro-batch per stage:")[-1].split("\n")[0]))
+    profiles = len(list((work / "autotuning_exps").glob("profile_*")))
+    return {
+        "returncode": done.returncode, "wall_s": wall, "experiments": len(launched) + profiles,
+        "oom_or_failed": int((launched.state != "ok").sum()),
+        "chosen": None if best is None else Experiment(int(best.zero_stage), int(best.micro_batch_size),
+                                                       int(best.gradient_accumulation_steps)),
+        "predicted_max_micro": {int(k): int(v) for k, v in predicted.items()},
+    }
+
+
+def evaluate(workload: Workload, tuners: list[str], modes: list[str], repeats: int, work: Path) -> list[dict]:
+    settings = settings_for(workload)
+    space = grid(workload)
+    started = time.monotonic()
+    grid_runs = measure_rounds(space, settings, repeats, work / "grid")
+    grid_wall = time.monotonic() - started
+    scores = {e: median_value(r) for e, r in grid_runs.items()}
+    feasible = {e: s for e, s in scores.items() if s is not None}
+    best = max(feasible, key=feasible.get)
+    measured_max = {stage: max((e.micro_batch_size for e in feasible if e.zero_stage == stage), default=0)
+                    for stage in (0, 1, 2, 3)}
+    rows = []
+    for tuner in tuners:
+        for mode in modes:
+            run = run_autotuner(workload, tuner, mode, work / f"tune_{tuner}_{mode}")
+            chosen = run["chosen"]
+            ratio = best_spread = None
+            if chosen is not None:
+                pair = [chosen, best] if chosen != best else [best]
+                again = measure_rounds(pair, settings, repeats, work / f"remeasure_{tuner}_{mode}")
+                chosen_score, best_score = median_value(again[chosen]), median_value(again[best])
+                ratio = chosen_score / best_score if chosen_score and best_score else None
+                best_spread = spread(again[best]) / best_score if best_score else None
+            rows.append({
+                "workload": workload.name, "tuner": tuner, "mode": mode,
+                "chosen": chosen.name if chosen else None, "grid_best": best.name,
+                "grid_best_samples_per_s": round(feasible[best], 2),
+                "grid_best_spread_pct": round(100 * spread(grid_runs[best]) / feasible[best], 1),
+                "chosen_over_best": round(ratio, 3) if ratio else None,
+                "remeasure_best_spread_pct": round(100 * best_spread, 1) if best_spread is not None else None,
+                "experiments": run["experiments"], "grid_experiments": len(space),
+                "wall_s": round(run["wall_s"], 1), "grid_wall_s": round(grid_wall / repeats, 1),
+                "oom_or_failed": run["oom_or_failed"],
+                "predicted_max_micro": run["predicted_max_micro"], "measured_max_micro": measured_max,
+            })
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default="gpt2,mlp,convnet")
+    parser.add_argument("--tuners", default="gridsearch,random,model_based")
+    parser.add_argument("--modes", default="fast,full")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--work_dir", default="output/tuning_quality")
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    rows = []
+    for name in args.workloads.split(","):
+        rows += evaluate(WORKLOADS[name], args.tuners.split(","), args.modes.split(","), args.repeats,
+                         Path(args.work_dir).resolve() / name)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame(rows)
+    table.to_csv(RESULTS / "tuning_quality.csv", index=False)
+    print(table.drop(columns=["predicted_max_micro", "measured_max_micro"]).to_markdown(index=False))
+
+
+if __name__ == "__main__":
+    main()

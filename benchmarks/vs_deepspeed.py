@@ -1,0 +1,391 @@
+"""The real DeepSpeed autotuner against ours: same machine, workload and search space.
+
+    python benchmarks/vs_deepspeed.py [--max_micro 64] [--rounds 2] [--grid_micro 8,16,32,64]
+                                      [--start_step 3 --end_step 5] [--venv output/ds_venv]
+
+1. Setup: DeepSpeed lives in its own virtualenv (`--venv`, created here if missing:
+   torch==2.13.0, wheel, tabulate, then deepspeed==0.19.8 with DS_BUILD_OPS=0 DS_ACCELERATOR=cpu
+   --no-build-isolation). If that fails the benchmark stops with a message and exit status 0.
+   DeepSpeed is never a dependency of this project, and pdsh is never installed (its clean-up
+   would run `pkill -f` over ssh).
+2. Both autotuners tune benchmarks/workloads/dual_engine.py (the minimal example's residual MLP,
+   same synthetic data, Adam lr 1e-3) over the same space: ZeRO stages 0-3, micro-batch "auto"
+   up to --max_micro, gradient_accumulation_steps fixed at 1, fast mode, the same profile steps,
+   2 CPU ranks with OMP_NUM_THREADS=1 each, no memory cap (every stage fits on this machine).
+   DeepSpeed: `deepspeed --autotuning tune --num_gpus 2 dual_engine.py --engine deepspeed
+   --deepspeed --deepspeed_config ds.json` with DS_ACCELERATOR=cpu, LOCAL_SIZE=2, the venv's bin
+   first on PATH; its config adds `"torch_adam": true` (its fused Adam is GPU-only) and gives the
+   stages as [0, 1, 2, 3]. Ours: `python -m autotuner --autotuning tune --nproc_per_node 2 ...
+   --engine autotuner` with stage "all". Both run under a whole-run timeout, because DeepSpeed
+   has no per-experiment one (its #4100). DeepSpeed exits 0 even when every experiment failed,
+   so its result is read from autotuning_results/ (summary.txt, ds_config_optimal.json and each
+   experiment's own metrics.json / stderr.log), not from its exit status.
+3. The two picks (and the best of an optional small exhaustive grid, stages 0-3 x --grid_micro)
+   are re-measured by ONE neutral harness: the same workload under OUR engine (its metrics.json,
+   our timers: samples/s over the profile steps), interleaved A B [C] A B [C] for --rounds
+   rounds, scored by the median. The two tuners' own metrics use different timers (DeepSpeed's
+   covers fwd+bwd+step of the last step only), so only the re-measured numbers are compared.
+Results: benchmarks/results/vs_deepspeed.csv and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from autotuner.config import load_config  # noqa: E402
+from autotuner.tuning.autotuner import base_config  # noqa: E402
+from autotuner.tuning.experiment import ExperimentSettings  # noqa: E402
+from autotuner.tuning.records import Objective  # noqa: E402
+from autotuner.tuning.space import Experiment  # noqa: E402
+from tuning_quality import measure_rounds, median_value, spread  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results"
+SCRIPT = ROOT / "benchmarks" / "workloads" / "dual_engine.py"
+DS_VERSION = "0.19.8"
+TORCH_VERSION = "2.13.0"
+
+
+def log(message: str) -> None:
+    print(f"[vs_deepspeed {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ---------------------------------------------------------------- setup
+
+def ensure_venv(venv: Path) -> str | None:
+    """Create the DeepSpeed virtualenv if needed; None when ready, else why not."""
+    python, deepspeed = venv / "bin" / "python", venv / "bin" / "deepspeed"
+    if python.exists() and deepspeed.exists():
+        check = subprocess.run([str(python), "-c", "import deepspeed, tabulate; print(deepspeed.__version__)"],
+                               capture_output=True, text=True, env=ds_env(venv))
+        if check.returncode == 0:
+            log(f"using {venv} (deepspeed {check.stdout.strip().splitlines()[-1]})")
+            return None
+        log(f"{venv} exists but `import deepspeed` fails; reinstalling into it")
+    steps = [
+        ([sys.executable, "-m", "venv", str(venv)], {}),
+        ([str(venv / "bin" / "pip"), "install", f"torch=={TORCH_VERSION}", "wheel", "tabulate"], {}),
+        ([str(venv / "bin" / "pip"), "install", "--no-build-isolation", f"deepspeed=={DS_VERSION}"],
+         {"DS_BUILD_OPS": "0", "DS_ACCELERATOR": "cpu"}),
+    ]
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    install_log = venv.parent / "ds_venv_install.log"
+    with open(install_log, "a") as handle:
+        for command, extra in steps:
+            log("setup: " + shlex.join(command))
+            done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=dict(os.environ, **extra))
+            if done.returncode != 0:
+                return f"`{shlex.join(command)}` failed with status {done.returncode}; see {install_log}"
+    return None
+
+
+def ds_env(venv: Path, extensions: Path | None = None) -> dict:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = str(venv)
+    env["PYTHONPATH"] = str(ROOT)  # the workload imports examples/ and, under our engine, autotuner/
+    if extensions is not None:
+        env["TORCH_EXTENSIONS_DIR"] = str(extensions)
+    return env
+
+
+# ---------------------------------------------------------------- configs
+
+def user_config(engine: str, args, results: Path, exps: Path) -> dict:
+    optimizer = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.0}}
+    if engine == "deepspeed":
+        optimizer["params"]["torch_adam"] = True  # DeepSpeed's FusedAdam is GPU-only; ours ignores the key
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 1000,
+        "optimizer": optimizer,
+        "zero_optimization": {"stage": [0, 1, 2, 3] if engine == "deepspeed" else "all"},
+        "autotuning": {
+            "enabled": True,
+            "fast": True,
+            "overwrite": True,
+            "results_dir": str(results),
+            "exps_dir": str(exps),
+            "metric": "throughput",
+            "start_profile_step": args.start_step,
+            "end_profile_step": args.end_step,
+            "max_train_micro_batch_size_per_gpu": args.max_micro,
+            **({"exp_timeout_s": 300} if engine == "autotuner" else {}),
+        },
+    }
+
+
+def workload_args(engine: str, config_path: str, args) -> list[str]:
+    return [str(SCRIPT), "--engine", engine, "--width", str(args.width), "--depth", str(args.depth),
+            "--steps", "50", "--deepspeed", "--deepspeed_config", config_path]
+
+
+# ---------------------------------------------------------------- running a tuner
+
+def run_bounded(command: list[str], cwd: Path, env: dict, timeout_s: float, log_name: str) -> tuple[int | None, float]:
+    """Run in its own session; on timeout end that session's process group (ours, by id)."""
+    started = time.monotonic()
+    with open(cwd / f"{log_name}.stdout.log", "w") as out, open(cwd / f"{log_name}.stderr.log", "w") as err:
+        process = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
+        try:
+            code = process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log(f"{log_name}: over {timeout_s:.0f} s, ending its process group {process.pid}")
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            code = None
+    return code, time.monotonic() - started
+
+
+def parse_ds_name(name: str) -> Experiment | None:
+    found = re.match(r"z(\d)_gas(\d+)_tmbspg(\d+)$", name)
+    return Experiment(int(found[1]), int(found[3]), int(found[2])) if found else None
+
+
+def first_error_line(text: str) -> str | None:
+    for line in text.splitlines():
+        if re.search(r"(Error|Exception)\b", line) and "Warning" not in line:
+            return line.strip()[:300]
+    return None
+
+
+def run_deepspeed(args, work: Path, venv: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    results, exps = work / "autotuning_results", work / "autotuning_exps"
+    (work / "ds.json").write_text(json.dumps(user_config("deepspeed", args, results, exps), indent=2))
+    command = [str(venv / "bin" / "deepspeed"), "--autotuning", "tune", "--num_gpus", "2",
+               *workload_args("deepspeed", "ds.json", args)]
+    log("DeepSpeed: " + shlex.join(command))
+    env = ds_env(venv, ROOT / "output" / "torch_extensions")
+    code, wall = run_bounded(command, work, env, args.tuner_timeout_s, "deepspeed_tune")
+    stdout = (work / "deepspeed_tune.stdout.log").read_text(errors="replace")
+    stderr = (work / "deepspeed_tune.stderr.log").read_text(errors="replace")
+    experiments, problems = [], []
+    for exp_dir in sorted(p for p in results.glob("*") if p.is_dir()) if results.exists() else []:
+        metrics_file = exp_dir / ("model_info.json" if exp_dir.name == "profile_model_info" else "metrics.json")
+        err_file = exp_dir / "stderr.log"
+        err_text = err_file.read_text(errors="replace") if err_file.exists() else ""
+        value = None
+        if metrics_file.exists() and exp_dir.name != "profile_model_info":
+            value = json.loads(metrics_file.read_text()).get("throughput")
+        error = first_error_line(err_text)
+        experiments.append({"name": exp_dir.name, "throughput": value, "has_metrics": metrics_file.exists(),
+                            "stderr_error": error})
+        if error:
+            problems.append(f"{exp_dir.name}: {error}")
+    optimal_file = results / "ds_config_optimal.json"
+    chosen = None
+    best_name = None
+    summary = (results / "summary.txt").read_text() if (results / "summary.txt").exists() else ""
+    found = re.search(r"^\|\s*global\s*\|\s*\d+\s*\|\s*([\d.]+)\s*\|\s*(\S+)\s*\|", summary, re.M)
+    reported = float(found[1]) if found else None
+    if found:
+        best_name = found[2]
+    if optimal_file.exists():
+        optimal = json.loads(optimal_file.read_text())
+        chosen = Experiment(int(optimal["zero_optimization"]["stage"]), int(optimal["train_micro_batch_size_per_gpu"]),
+                            int(optimal.get("gradient_accumulation_steps", 1)))
+    elif best_name:
+        chosen = parse_ds_name(best_name)
+    # every DeepSpeed experiment the log says it launched, including the stale-metric refinement probes
+    logged = re.findall(r"(?:metric_val|throughput)[^\n]*", stdout)
+    no_metrics = [e["name"] for e in experiments if not e["has_metrics"]]
+    if no_metrics:
+        problems.append(f"no metrics file: {', '.join(no_metrics)}")
+    if code == 0 and chosen is None:
+        problems.append("exit status 0 but no optimal config was found")
+    for pattern in ("KeyError", "Traceback", "Tuner Error", "No optimal DeepSpeed configuration",
+                    "pdsh", "not found"):
+        hits = [line.strip() for line in (stdout + stderr).splitlines() if pattern in line]
+        if hits:
+            problems.append(f"log has {len(hits)} line(s) with '{pattern}', e.g. {hits[0][:200]}")
+    return {"tuner": "deepspeed", "command": shlex.join(command), "returncode": code, "wall_s": wall,
+            "experiments": len(experiments), "failed": sum(1 for e in experiments
+                                                          if not e["has_metrics"] or e["stderr_error"]),
+            "chosen": chosen, "reported_metric": reported, "per_experiment": experiments,
+            "problems": problems, "logged_lines": len(logged)}
+
+
+def run_ours(args, work: Path) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    results, exps = work / "autotuning_results", work / "autotuning_exps"
+    (work / "ds.json").write_text(json.dumps(user_config("autotuner", args, results, exps), indent=2))
+    command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2",
+               *workload_args("autotuner", "ds.json", args)]
+    log("ours: " + shlex.join(command))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    code, wall = run_bounded(command, work, env, args.tuner_timeout_s, "ours_tune")
+    problems, chosen, reported, launched_count, failed = [], None, None, 0, 0
+    csv_path = results / "experiments.csv"
+    per_experiment = []
+    if csv_path.exists():
+        table = pd.read_csv(csv_path)
+        launched = table[table.state != "pruned"]
+        ok = launched[launched.state == "ok"]
+        profiles = len(list(exps.glob("profile_*")))
+        launched_count, failed = len(launched) + profiles, int((launched.state != "ok").sum())
+        if len(ok):
+            best = ok.loc[ok.metric_value.idxmax()]
+            chosen = Experiment(int(best.zero_stage), int(best.micro_batch_size), int(best.gradient_accumulation_steps))
+            reported = float(best.metric_value)
+        per_experiment = launched[["name", "state", "metric_value"]].to_dict("records") if "name" in launched else []
+    else:
+        problems.append(f"no {csv_path}")
+    if code != 0:
+        problems.append(f"exit status {code}")
+    return {"tuner": "ours", "command": shlex.join(command), "returncode": code, "wall_s": wall,
+            "experiments": launched_count, "failed": failed, "chosen": chosen, "reported_metric": reported,
+            "per_experiment": per_experiment, "problems": problems}
+
+
+# ---------------------------------------------------------------- neutral re-measurement
+
+def neutral_settings(args) -> ExperimentSettings:
+    config = load_config({k: v for k, v in user_config("autotuner", args, Path("r"), Path("e")).items()
+                          if k != "autotuning"})
+    return ExperimentSettings(
+        script=str(SCRIPT), script_args=tuple(workload_args("autotuner", "unused.json", args)[1:]),
+        base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
+        objective=Objective("throughput"), timeout_s=300, start_profile_step=args.start_step,
+        end_profile_step=args.end_step,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--venv", default=str(ROOT / "output" / "ds_venv"))
+    parser.add_argument("--work_dir", default=str(ROOT / "output" / "vs_deepspeed"))
+    parser.add_argument("--max_micro", type=int, default=64)
+    parser.add_argument("--start_step", type=int, default=3)
+    parser.add_argument("--end_step", type=int, default=5)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--grid_micro", default="", help="comma list: also re-measure the best of stages 0-3 x these")
+    parser.add_argument("--tuner_timeout_s", type=float, default=1500)
+    parser.add_argument("--tuners", default="deepspeed,ours", help="which tuners to run (both for ratios)")
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"
+    venv, work = Path(args.venv).resolve(), Path(args.work_dir).resolve()
+    load = os.getloadavg()
+    log(f"load average at start {load[0]:.2f} on {os.cpu_count()} cores (other processes add noise)")
+
+    runs = {}
+    if "deepspeed" in args.tuners:
+        why = ensure_venv(venv)
+        if why:
+            log(f"SKIPPED DeepSpeed: setup failed: {why}")
+        else:
+            runs["deepspeed"] = run_deepspeed(args, work / "deepspeed", venv)
+            log(f"DeepSpeed done: {json.dumps({k: str(v) for k, v in runs['deepspeed'].items() if k != 'per_experiment'})}")
+    if "ours" in args.tuners:
+        runs["ours"] = run_ours(args, work / "ours")
+        log(f"ours done: {json.dumps({k: str(v) for k, v in runs['ours'].items() if k != 'per_experiment'})}")
+
+    settings = neutral_settings(args)
+    grid_best, grid_scores = None, {}
+    if args.grid_micro:
+        space = [Experiment(stage, int(m), 1) for stage in (0, 1, 2, 3) for m in args.grid_micro.split(",")]
+        log(f"grid: {len(space)} experiments x {args.rounds} rounds")
+        grid_runs = measure_rounds(space, settings, args.rounds, work / "grid")
+        grid_scores = {e: median_value(r) for e, r in grid_runs.items()}
+        feasible = {e: s for e, s in grid_scores.items() if s is not None}
+        grid_best = max(feasible, key=feasible.get) if feasible else None
+        log("grid medians: " + ", ".join(f"{e.name}={s}" for e, s in grid_scores.items()))
+
+    picks = [r["chosen"] for r in runs.values() if r["chosen"] is not None] + ([grid_best] if grid_best else [])
+    unique = list(dict.fromkeys(picks))
+    remeasured = {}
+    if unique:
+        log("re-measuring under our engine, interleaved: " + " ".join(e.name for e in unique))
+        again = measure_rounds(unique, settings, args.rounds, work / "remeasure")
+        remeasured = {e: (median_value(r), spread(r), [round(x.value, 1) if x.value else None for x in r])
+                      for e, r in again.items()}
+
+    rows = []
+    for name, run in runs.items():
+        chosen = run["chosen"]
+        score, half_range, values = remeasured.get(chosen, (None, None, None))
+        rows.append({
+            "tuner": name, "exit_status": run["returncode"], "wall_s": round(run["wall_s"], 1),
+            "experiments_launched": run["experiments"], "experiments_failed": run["failed"],
+            "chosen": chosen.name if chosen else None,
+            "stage": chosen.zero_stage if chosen else None, "micro": chosen.micro_batch_size if chosen else None,
+            "gas": chosen.gradient_accumulation_steps if chosen else None,
+            "own_metric": round(run["reported_metric"], 1) if run["reported_metric"] else None,
+            "remeasured_samples_per_s": round(score, 1) if score else None,
+            "remeasured_values": values, "remeasure_spread_pct": round(100 * half_range / score, 1) if score else None,
+        })
+    if grid_best is not None:
+        score, half_range, values = remeasured[grid_best]
+        rows.append({"tuner": "grid_best", "wall_s": None, "experiments_launched": len(grid_scores),
+                     "chosen": grid_best.name, "stage": grid_best.zero_stage, "micro": grid_best.micro_batch_size,
+                     "gas": 1, "own_metric": round(grid_scores[grid_best], 1),
+                     "remeasured_samples_per_s": round(score, 1) if score else None, "remeasured_values": values,
+                     "remeasure_spread_pct": round(100 * half_range / score, 1) if score else None})
+    by = {r["tuner"]: r for r in rows}
+    if "deepspeed" in by and "ours" in by:
+        ds, ours = by["deepspeed"], by["ours"]
+        wall_ratio = ours["wall_s"] / ds["wall_s"] if ds["wall_s"] else None
+        pick_ratio = (ours["remeasured_samples_per_s"] / ds["remeasured_samples_per_s"]
+                      if ours["remeasured_samples_per_s"] and ds["remeasured_samples_per_s"] else None)
+        for r in rows:
+            r["wall_ours_over_ds"] = round(wall_ratio, 3) if wall_ratio else None
+            r["pick_ours_over_ds"] = round(pick_ratio, 3) if pick_ratio else None
+    if grid_best is not None:
+        best_score = by["grid_best"]["remeasured_samples_per_s"]
+        for r in rows:
+            r["pick_over_grid_best"] = (round(r["remeasured_samples_per_s"] / best_score, 3)
+                                        if r.get("remeasured_samples_per_s") and best_score else None)
+    load_end = os.getloadavg()
+    for r in rows:
+        r["load_avg_start_end"] = f"{load[0]:.1f}/{load_end[0]:.1f}"
+        r["problems"] = "; ".join(runs[r["tuner"]]["problems"]) if r["tuner"] in runs else ""
+        r["command"] = runs[r["tuner"]]["command"] if r["tuner"] in runs else "grid: stages 0-3 x " + args.grid_micro
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame(rows)
+    table.to_csv(RESULTS / "vs_deepspeed.csv", index=False)
+    (work / "runs.json").write_text(json.dumps(runs, default=str, indent=1))
+    print(table.drop(columns=["command", "problems", "remeasured_values"]).to_markdown(index=False))
+    for name, run in runs.items():
+        for problem in run["problems"]:
+            print(f"- {name}: {problem}")
+    if "deepspeed" in by and "ours" in by:
+        ds, ours = by["deepspeed"], by["ours"]
+        print(f"\nwall time ours/DeepSpeed: {ds.get('wall_ours_over_ds')}; "
+              f"re-measured pick ours/DeepSpeed: {ds.get('pick_ours_over_ds')}")
+        losses = []
+        if ds.get("pick_ours_over_ds") and ds["pick_ours_over_ds"] < 1:
+            losses.append(f"our pick is {100 * (1 - ds['pick_ours_over_ds']):.1f}% slower than DeepSpeed's "
+                          f"when both are re-measured (spread ours {ours['remeasure_spread_pct']}%, "
+                          f"DeepSpeed {ds['remeasure_spread_pct']}%)")
+        if ds.get("wall_ours_over_ds") and ds["wall_ours_over_ds"] > 1:
+            losses.append(f"our tuning took {ds['wall_ours_over_ds']:.2f}x DeepSpeed's wall time")
+        if (ours["experiments_launched"] or 0) > (ds["experiments_launched"] or 0):
+            losses.append(f"we launched more experiments ({ours['experiments_launched']} vs "
+                          f"{ds['experiments_launched']})")
+        print("where we lose: " + ("; ".join(losses) if losses else "nowhere in this run"))
+
+
+if __name__ == "__main__":
+    main()

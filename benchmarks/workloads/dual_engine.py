@@ -1,0 +1,81 @@
+"""One workload, two engines: the same model, data, optimizer and loop under DeepSpeed or ours.
+
+    deepspeed --num_gpus 2 benchmarks/workloads/dual_engine.py --engine deepspeed --deepspeed --deepspeed_config ds.json
+    launcher --nproc_per_node 2 benchmarks/workloads/dual_engine.py --engine autotuner --deepspeed --deepspeed_config ds.json
+
+The model is the minimal example's residual MLP (examples/minimal/train.py), the data its fixed
+random teacher; only `initialize` differs. The micro-batch, gas and ZeRO stage come from the
+config (DeepSpeed's autotuner passes it base64-encoded after --deepspeed_config; ours a path).
+With an `autotuning` section enabled, both engines stop by themselves after end_profile_step
+and write their metrics.
+"""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/ from a checkout
+from examples.minimal.train import MLP, teacher_dataset  # noqa: E402
+
+
+def parse_args():
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--engine", choices=("deepspeed", "autotuner"), default="autotuner")
+    engine_name = pre.parse_known_args()[0].engine
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engine", choices=("deepspeed", "autotuner"), default="autotuner")
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps (autotuning stops earlier)")
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=16384)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))  # deepspeed's launcher
+    if engine_name == "deepspeed":
+        import deepspeed
+
+        parser = deepspeed.add_config_arguments(parser)
+    else:
+        import autotuner
+
+        autotuner.add_config_arguments(parser)
+    return parser.parse_args(), engine_name
+
+
+def main() -> None:
+    args, engine_name = parse_args()
+    torch.manual_seed(args.seed)
+    model = MLP(args.width, args.depth)
+    data = teacher_dataset(args.samples)
+    if engine_name == "deepspeed":
+        import deepspeed
+
+        engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                                    training_data=data)
+    else:
+        import autotuner
+
+        engine, _, loader, _ = autotuner.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                                    training_data=data)
+    epoch, loss = 0, None
+    while engine.global_steps < args.steps:
+        sampler = getattr(loader, "sampler", None) or getattr(loader, "data_sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(engine.device), y.to(engine.device)
+            loss = nn.functional.mse_loss(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
+            if engine.global_steps >= args.steps:
+                break
+        epoch += 1
+    if engine.global_rank == 0:
+        print(f"done ({engine_name}): {engine.global_steps} steps, last loss {loss.item():.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,388 @@
+"""Bad input is refused before anything is launched: one line naming the file, key or flag,
+exit status 2, no traceback (unless --debug). In-process through `autotuner.cli.main`."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from autotuner.cli import main
+from conftest import WORKERS, run_launcher
+
+TOY = WORKERS / "toy_train.py"
+MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
+            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+
+
+def config_dict(autotuning: dict | None = None, **top) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+        "zero_optimization": {"stage": 0},
+        **top,
+        "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
+                       "model_info": {"num_params": 1000}, **(autotuning or {})},
+    }
+
+
+def write(path: Path, content: dict | str) -> Path:
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    return path
+
+
+def tune_argv(config: Path | str, *script_args: str, script: Path | str = TOY, nproc: str = "2",
+              launcher: tuple[str, ...] = ()) -> list[str]:
+    return ["--autotuning", "tune", "--nproc_per_node", nproc, *launcher, str(script), "--pid_dir", "pids",
+            *script_args, "--deepspeed", str(config)]
+
+
+def assert_refused(tmp_path: Path, capsys, argv: list[str], *mentions: str) -> str:
+    """Exit 2, one line 'launcher: error: ...' naming what is wrong, no traceback, nothing launched."""
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("launcher: error: "), line
+    for mention in mentions:
+        assert mention in line, (mention, line)
+    assert "Traceback" not in out + err
+    assert not (tmp_path / "autotuning_exps").exists()  # no experiment, no profile
+    assert not (tmp_path / "pids").exists()  # no rank started
+    return line
+
+
+@pytest.fixture
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+# ----- the config file -----
+def test_malformed_json_names_file_line_and_column(in_tmp, capsys):
+    config = write(in_tmp / "ds.json", '{\n  "train_batch_size": 8,\n  "zero_optimization": }\n')
+    assert_refused(in_tmp, capsys, tune_argv(config), f"{config}:3:24:", "malformed")
+
+
+def test_malformed_hjson_names_file_line_and_column(in_tmp, capsys):
+    config = write(in_tmp / "ds.hjson", "{\n  # a comment\n  train_batch_size: 8,\n  zero_optimization: {stage: 1\n")
+    assert_refused(in_tmp, capsys, tune_argv(config), f"{config}:", "malformed")
+
+
+def test_hjson_with_comments_and_trailing_commas_is_accepted_up_to_the_next_check(in_tmp, capsys):
+    # Valid hjson gets past parsing; a later check (here, a typo) is what refuses it.
+    config = write(in_tmp / "ds.hjson", "{\n  // comment\n  train_micro_batch_size_per_gpu: 2,\n  zero_optimisation: {stage: 1,},\n}\n")
+    assert_refused(in_tmp, capsys, tune_argv(config), "unknown key 'zero_optimisation'", "did you mean 'zero_optimization'")
+
+
+@pytest.mark.parametrize("config, mentions", [
+    ({"train_micro_batch_size_per_gpus": 4}, ["unknown key 'train_micro_batch_size_per_gpus'",
+                                              "did you mean 'train_micro_batch_size_per_gpu'"]),
+    ({"zero_optimization": {"stage": 1, "overlap_com": True}}, ["unknown key 'zero_optimization.overlap_com'",
+                                                                "did you mean 'overlap_comm'"]),
+    ({"autotuning": {"enabled": True, "metirc": "latency"}}, ["unknown key 'autotuning.metirc'", "did you mean 'metric'"]),
+], ids=["top", "zero", "autotuning"])
+def test_unknown_key_is_named_with_a_suggestion(in_tmp, capsys, config, mentions):
+    cfg = write(in_tmp / "ds.json", config)
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), *mentions)
+
+
+@pytest.mark.parametrize("top, mentions", [
+    ({"train_micro_batch_size_per_gpu": "four"}, ["train_micro_batch_size_per_gpu", '"four"', "positive integer"]),
+    ({"gradient_clipping": "high"}, ["gradient_clipping", '"high"']),
+    ({"optimizer": {"type": "Adamax"}}, ["optimizer.type", '"Adamax"']),
+    ({"zero_optimization": {"stage": 1, "overlap_comm": "yes please"}}, ["zero_optimization.overlap_comm"]),
+    ({"autotuning": {"enabled": True, "exp_timeout_s": "soon"}}, ["autotuning.exp_timeout_s", '"soon"']),
+    ({"autotuning": {"enabled": True, "exp_timeout_s": -1}}, ["autotuning.exp_timeout_s", "got -1"]),
+    ({"autotuning": {"enabled": True, "tuner_type": "bayes"}}, ["autotuning.tuner_type", '"bayes"', "gridsearch"]),
+    ({"autotuning": {"enabled": True, "memory_per_rank_bytes": 0}}, ["autotuning.memory_per_rank_bytes", "got 0"]),
+    ({"autotuning": {"enabled": True, "model_info": {"num_params": 0}}}, ["autotuning.model_info.num_params"]),
+    ({"train_micro_batch_size_per_gpu": 2.5}, ["train_micro_batch_size_per_gpu", "got 2.5"]),
+    ({"autotuning": "yes"}, ["autotuning", '"yes"']),
+], ids=["micro-str", "clipping", "optimizer", "overlap", "timeout", "timeout-negative", "tuner", "budget-zero",
+        "num-params-zero", "micro-float", "section-str"])
+def test_wrong_type_names_key_and_value(in_tmp, capsys, top, mentions):
+    cfg = write(in_tmp / "ds.json", {**config_dict(), **top})
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), *mentions)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("train_micro_batch_size_per_gpu", -2), ("train_micro_batch_size_per_gpu", 0),
+    ("train_batch_size", -8), ("train_batch_size", 0),
+    ("gradient_accumulation_steps", -1), ("gradient_accumulation_steps", 0),
+])
+def test_negative_and_zero_batch_sizes(in_tmp, capsys, key, value):
+    cfg = write(in_tmp / "ds.json", config_dict(**{key: value}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), key, f"got {value}", "positive integer")
+
+
+def test_negative_micro_batch_in_a_list(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict(train_micro_batch_size_per_gpu=[2, -4]))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "train_micro_batch_size_per_gpu")
+
+
+def test_boolean_batch_size_is_refused_with_one_clear_message(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict(train_micro_batch_size_per_gpu=True))
+    line = assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "train_micro_batch_size_per_gpu", "got true")
+    assert line.count("got true") == 1, line
+
+
+def test_inconsistent_fixed_batch_triad(in_tmp, capsys):
+    # 10 != 4 x 1 x 2 ranks
+    cfg = write(in_tmp / "ds.json", config_dict(train_batch_size=10, train_micro_batch_size_per_gpu=4,
+                                                gradient_accumulation_steps=1))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "train_batch_size (10)",
+                   "train_micro_batch_size_per_gpu (4)", "gradient_accumulation_steps (1)", "= 8")
+
+
+def test_inconsistent_fixed_batch_triad_in_a_plain_launch(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict(train_batch_size=10, train_micro_batch_size_per_gpu=4,
+                                                gradient_accumulation_steps=1))
+    assert_refused(in_tmp, capsys, ["--nproc_per_node", "2", str(TOY), "--pid_dir", "pids", "--deepspeed", str(cfg)],
+                   str(cfg), "batch triad is inconsistent")
+
+
+@pytest.mark.parametrize("stage", [4, "two", -1, [0, 5], []], ids=["4", "two", "-1", "list-with-5", "empty-list"])
+def test_bad_zero_stage(in_tmp, capsys, stage):
+    cfg = write(in_tmp / "ds.json", config_dict(zero_optimization={"stage": stage}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "zero_optimization.stage")
+
+
+def test_arg_mappings_naming_an_unknown_config_key(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict({"arg_mappings": {"train_micro_batch": "--micro_batch_size"}}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "autotuning.arg_mappings", "'train_micro_batch'",
+                   "not a config key")
+
+
+def test_arg_mappings_naming_an_unknown_nested_key(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict({"arg_mappings": {"zero_optimization.stag": "--stage"}}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "'zero_optimization.stag'")
+
+
+def test_arg_mappings_value_that_is_not_a_flag(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict({"arg_mappings": {"train_micro_batch_size_per_gpu": "micro_batch_size"}}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "autotuning.arg_mappings.train_micro_batch_size_per_gpu",
+                   "'micro_batch_size'", "expected a flag")
+
+
+def test_arg_mappings_value_that_is_not_a_string(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict({"arg_mappings": {"train_micro_batch_size_per_gpu": 5}}))
+    line = assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg),
+                          "autotuning.arg_mappings.train_micro_batch_size_per_gpu", "got 5")
+    assert "positive integer" not in line and "flag" in line, line
+
+
+def test_arg_mappings_naming_a_config_key_left_unset(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict({"arg_mappings": {**MAPPINGS, "gradient_clipping": "--clip"}},
+                                                train_micro_batch_size_per_gpu=2))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), "gradient_clipping")
+
+
+def test_min_micro_batch_above_max(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict({"min_train_micro_batch_size_per_gpu": 8,
+                                                 "max_train_micro_batch_size_per_gpu": 4}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "min_train_micro_batch_size_per_gpu (8)",
+                   "max_train_micro_batch_size_per_gpu (4)")
+
+
+@pytest.mark.parametrize("start, end", [(4, 4), (5, 3)])
+def test_start_profile_step_not_below_end(in_tmp, capsys, start, end):
+    cfg = write(in_tmp / "ds.json", config_dict({"start_profile_step": start, "end_profile_step": end}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), f"start_profile_step ({start})",
+                   f"end_profile_step ({end})")
+
+
+def test_unknown_metric(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict({"metric": "accuracy"}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "autotuning.metric", '"accuracy"', "throughput")
+
+
+def test_mp_size_that_does_not_divide_the_world_size(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict({"mp_size": 3}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "autotuning.mp_size", "got 3")
+
+
+def test_mp_size_larger_than_the_world_with_a_fixed_triad(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict({"mp_size": 4}, train_batch_size=8, train_micro_batch_size_per_gpu=2,
+                                                gradient_accumulation_steps=2))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "autotuning.mp_size")
+
+
+def test_top_level_not_an_object(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", "[1, 2]")
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "top level must be an object")
+
+
+def test_config_path_is_a_directory(in_tmp, capsys):
+    (in_tmp / "ds.json").mkdir()
+    assert_refused(in_tmp, capsys, tune_argv(in_tmp / "ds.json"), str(in_tmp / "ds.json"), "is a directory")
+
+
+def test_config_that_is_not_utf8(in_tmp, capsys):
+    cfg = in_tmp / "ds.json"
+    cfg.write_bytes(b"\xff\xfe{}")
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "cannot read")
+
+
+# ----- files and flags -----
+@pytest.mark.parametrize("autotuning", [True, False], ids=["tune", "plain"])
+def test_missing_config_file(in_tmp, capsys, autotuning):
+    missing = in_tmp / "nope.json"
+    argv = tune_argv(missing) if autotuning else ["--nproc_per_node", "2", str(TOY), "--pid_dir", "pids",
+                                                  "--deepspeed", str(missing)]
+    assert_refused(in_tmp, capsys, argv, str(missing), "not found")
+
+
+@pytest.mark.parametrize("autotuning", [True, False], ids=["tune", "plain"])
+def test_missing_script(in_tmp, capsys, autotuning):
+    cfg = write(in_tmp / "ds.json", config_dict(train_micro_batch_size_per_gpu=2))
+    missing = in_tmp / "no_such_train.py"
+    argv = tune_argv(cfg, script=missing) if autotuning else ["--nproc_per_node", "2", str(missing), "--pid_dir",
+                                                              "pids", "--deepspeed", str(cfg)]
+    assert_refused(in_tmp, capsys, argv, str(missing), "script not found")
+
+
+@pytest.mark.parametrize("nproc, mention", [("0", "got 0"), ("-2", "got -2"), ("two", "invalid int value: 'two'")])
+def test_bad_nproc_per_node(in_tmp, capsys, nproc, mention):
+    cfg = write(in_tmp / "ds.json", config_dict())
+    assert_refused(in_tmp, capsys, tune_argv(cfg, nproc=nproc), "--nproc_per_node", mention)
+
+
+def test_bad_nproc_per_node_in_a_plain_launch(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict(train_micro_batch_size_per_gpu=2))
+    assert_refused(in_tmp, capsys, ["--nproc_per_node", "0", str(TOY), "--pid_dir", "pids", "--deepspeed", str(cfg)],
+                   "--nproc_per_node", "got 0")
+
+
+def test_autotuning_without_a_config_among_the_script_args(in_tmp, capsys):
+    assert_refused(in_tmp, capsys, ["--autotuning", "tune", "--nproc_per_node", "2", str(TOY), "--pid_dir", "pids"],
+                   "--autotuning", "--deepspeed")
+
+
+def test_autotuning_with_a_config_flag_but_no_path(in_tmp, capsys):
+    assert_refused(in_tmp, capsys, ["--autotuning", "tune", "--nproc_per_node", "2", str(TOY), "--pid_dir", "pids",
+                                    "--deepspeed"], "--deepspeed")
+
+
+def test_unknown_autotuning_mode(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict())
+    argv = tune_argv(cfg)
+    argv[1] = "tunes"
+    assert_refused(in_tmp, capsys, argv, "--autotuning", "'tunes'")
+
+
+def test_autotuning_on_several_nodes(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict())
+    assert_refused(in_tmp, capsys, tune_argv(cfg, launcher=("--num_nodes", "2", "--master_addr", "127.0.0.1")),
+                   "--num_nodes")
+
+
+# ----- results_dir -----
+@pytest.mark.parametrize("key", ["results_dir", "exps_dir"])
+def test_results_dir_that_is_a_file(in_tmp, capsys, key):
+    (in_tmp / "taken").write_text("")
+    cfg = write(in_tmp / "ds.json", config_dict({key: "taken"}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), f"autotuning.{key}", "taken", "not a directory")
+
+
+def test_results_dir_not_writable(in_tmp, capsys):
+    locked = in_tmp / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("running as root: a 0o500 directory is still writable")
+        cfg = write(in_tmp / "ds.json", config_dict({"results_dir": "locked/results"}))
+        assert_refused(in_tmp, capsys, tune_argv(cfg), "autotuning.results_dir", "locked/results", "not writable")
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.parametrize("key", ["results_dir", "exps_dir"])
+def test_results_dir_that_cannot_be_created(in_tmp, capsys, key):
+    cfg = write(in_tmp / "ds.json", config_dict({key: "/proc/autotuner_cannot_create_this"}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), f"autotuning.{key}", "/proc/autotuner_cannot_create_this")
+
+
+# ----- tracebacks only with --debug -----
+def test_debug_shows_the_traceback_as_well_as_the_line(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict(zero_optimization={"stage": 4}))
+    code = main(["--debug", *tune_argv(cfg)])
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert "Traceback" in err and "ConfigError" in err
+    assert err.strip().splitlines()[-1].startswith("launcher: error: ")
+    assert not (in_tmp / "autotuning_exps").exists()
+
+
+def test_debug_after_the_script_is_the_scripts(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict(zero_optimization={"stage": 4}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg, "--debug"), "zero_optimization.stage")
+
+
+# ----- atomic records (unit) -----
+def test_write_json_atomic_keeps_the_old_file_when_the_write_fails_midway(tmp_path, monkeypatch):
+    from autotuner import atomic
+
+    path = tmp_path / "exp.json"
+    atomic.write_json_atomic(path, {"state": "ok", "value": 1.0})
+    before = path.read_bytes()
+    real_dump = json.dump
+
+    def torn_dump(data, handle, **kwargs):
+        text = json.dumps(data, **kwargs)
+        handle.write(text[: len(text) // 2])
+        handle.flush()
+        raise OSError("disk full")
+
+    monkeypatch.setattr(atomic.json, "dump", torn_dump)
+    with pytest.raises(OSError, match="disk full"):
+        atomic.write_json_atomic(path, {"state": "failed", "error": "x" * 1000})
+    monkeypatch.setattr(atomic.json, "dump", real_dump)
+    assert path.read_bytes() == before
+    assert json.loads(path.read_text()) == {"state": "ok", "value": 1.0}
+    assert [p.name for p in tmp_path.iterdir()] == ["exp.json"]  # the temporary file is gone too
+
+
+def test_write_json_atomic_keeps_the_old_file_on_keyboard_interrupt(tmp_path, monkeypatch):
+    from autotuner import atomic
+
+    path = tmp_path / "exp.json"
+    atomic.write_json_atomic(path, [1, 2, 3])
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic.os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        atomic.write_json_atomic(path, [4, 5, 6])
+    assert json.loads(path.read_text()) == [1, 2, 3]
+    assert [p.name for p in tmp_path.iterdir()] == ["exp.json"]
+
+
+# ----- enabled vs --autotuning (real runs) -----
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_autotuning_flag_with_enabled_false_tunes_with_a_note(tmp_path, no_orphans):
+    cfg = write(tmp_path / "ds.json", config_dict({"enabled": False, "exp_timeout_s": 120},
+                                                  train_micro_batch_size_per_gpu=2))
+    result = run_launcher("--autotuning", "tune", "--nproc_per_node", "2", TOY, "--deepspeed", cfg, cwd=tmp_path,
+                          timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "autotuning.enabled is false; tuning anyway because --autotuning tune was given" in result.stdout
+    assert "Total number of experiments: 1." in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_enabled_without_the_autotuning_flag_trains_as_written_with_a_note(tmp_path, no_orphans):
+    cfg = write(tmp_path / "ds.json", config_dict(train_micro_batch_size_per_gpu=2))
+    result = run_launcher("--nproc_per_node", "2", TOY, "--steps", "6", "--deepspeed", cfg, cwd=tmp_path, timeout=280)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "done: 6 steps" in result.stdout  # trained to the end, not stopped after the profile steps
+    assert "has autotuning.enabled but --autotuning was not given" in result.stderr
+    assert not (tmp_path / "autotuning_exps").exists() and not (tmp_path / "autotuning_results").exists()

@@ -1,0 +1,62 @@
+"""examples/hf_gpt2 end to end: `launcher --autotuning tune` on the tiny preset, 2 CPU ranks,
+with the shipped ds_config.json, then the optimal command it wrote trains."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+
+import pandas as pd
+import pytest
+
+from autotuner.config import read_config_file
+from conftest import ROOT, launcher_env, run_launcher
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+EXAMPLE = ROOT / "examples" / "hf_gpt2"
+pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+
+
+def test_tune_the_gpt2_example_then_train_with_the_optimal_command(tmp_path, no_orphans):
+    # The shipped config, narrowed to keep the launches few: stages 0 and 3, a smaller global batch.
+    config = read_config_file(EXAMPLE / "ds_config.json")
+    config["zero_optimization"]["stage"] = [0, 3]
+    config["autotuning"].update(max_train_batch_size=16, max_train_micro_batch_size_per_gpu=8,
+                                num_tuning_micro_batch_sizes=2, start_profile_step=2, end_profile_step=4)
+    ds_path = tmp_path / "ds_config.json"
+    ds_path.write_text(json.dumps(config))
+    args = ("--model_size", "tiny", "--max_steps", "6", "--seq_len", "64", "--corpus_mb", "0.5",
+            "--output_dir", str(tmp_path / "out"))
+
+    tuned = run_launcher("--autotuning", "tune", "--nproc_per_node", "2", EXAMPLE / "train.py", *args,
+                         "--deepspeed", ds_path, cwd=tmp_path, timeout=540)
+    assert tuned.returncode == 0, tuned.stdout[-3000:] + tuned.stderr[-3000:]
+    results = tmp_path / "autotuning_results"
+    for name in ("summary.txt", "experiments.csv", "ds_config_optimal.json", "cmd_optimal.txt"):
+        assert (results / name).exists(), name
+    assert "Tuning completed in" in tuned.stdout
+
+    table = pd.read_csv(results / "experiments.csv")
+    ok = table[table.state == "ok"]
+    assert len(ok) >= 2, table.to_string()
+    # The measurements are real: positive throughput and a measured peak per experiment.
+    assert (ok.throughput > 0).all() and (ok.measured_memory_mib > 0).all()
+    best = ok.loc[ok.throughput.idxmax()]
+    optimal = read_config_file(results / "ds_config_optimal.json")
+    assert "autotuning" not in optimal
+    assert optimal["train_micro_batch_size_per_gpu"] == best.micro_batch_size
+    assert optimal["gradient_accumulation_steps"] == best.gradient_accumulation_steps
+    assert optimal["zero_optimization"]["stage"] == best.zero_stage
+
+    # The command the user is told to paste: run_clm-style flags carry the optimum.
+    command = shlex.split((results / "cmd_optimal.txt").read_text())
+    flag = command.index("--per_device_train_batch_size")
+    assert command[flag + 1] == str(best.micro_batch_size)
+    trained = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True,
+                             timeout=240)
+    assert trained.returncode == 0, trained.stdout[-2000:] + trained.stderr[-2000:]
+    assert f"ZeRO {best.zero_stage}, micro-batch {best.micro_batch_size}" in trained.stdout
+    assert "saved checkpoint to" in trained.stdout
+    assert (tmp_path / "out" / "checkpoints" / "global_step6").is_dir()

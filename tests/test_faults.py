@@ -1,0 +1,412 @@
+"""Faults during tuning: each is recorded, none is fatal, and no process is left behind.
+
+Launches are the cost here (~10 s each on 2 CPU cores), so one tuning run with a fixed
+micro-batch list carries several faults (one per micro-batch, via the toy's
+--fault_at_micro) and several tests read its records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+
+from autotuner.tuning.experiment import ExperimentSettings, classify
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space import Experiment
+from conftest import WORKERS, assert_no_children_left, launcher_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TOY = WORKERS / "toy_train.py"
+MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
+            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+EXPS, RESULTS = "autotuning_exps", "autotuning_results"
+MiB = 2**20
+# Spaces, both quotes, $, backslash, glob and shell operators: must reach the script as one argument.
+NOTE = """a b  "double" 'single' $HOME ${X} $(echo pwned) `id` \\ back * ; && | end"""
+
+
+# ----- helpers -----
+def write_config(path: Path, autotuning: dict | None = None, **top) -> Path:
+    config = {
+        "train_micro_batch_size_per_gpu": [2, 4],
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+        "zero_optimization": {"stage": 0},
+        **top,
+        "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
+                       "exp_timeout_s": 120, "model_info": {"num_params": 1000}, **(autotuning or {})},
+    }
+    path.write_text(json.dumps(config))
+    return path
+
+
+def tuner_command(config: Path, *script_args: str) -> list[str]:
+    return [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2", str(TOY),
+            *map(str, script_args), "--deepspeed", str(config)]
+
+
+def tune(tmp_path: Path, config: Path, *script_args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(tuner_command(config, *script_args), cwd=tmp_path, env=launcher_env(),
+                          capture_output=True, text=True, timeout=280)
+
+
+def start_tuner(tmp_path: Path, config: Path, *script_args: str, name: str = "tuner") -> subprocess.Popen:
+    """The tuner in the background, its output in files (a pipe nobody reads could block it)."""
+    return subprocess.Popen(tuner_command(config, *script_args), cwd=tmp_path, env=launcher_env(),
+                            stdout=open(tmp_path / f"{name}.out", "w"), stderr=open(tmp_path / f"{name}.err", "w"),
+                            stdin=subprocess.DEVNULL)
+
+
+def stop(tuner: subprocess.Popen) -> None:
+    """Clean-up after a failed assertion: SIGTERM (the tuner ends its experiment), then SIGKILL."""
+    if tuner.poll() is None:
+        tuner.send_signal(signal.SIGTERM)
+        try:
+            tuner.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            tuner.kill()
+            tuner.wait()
+
+
+def output(tmp_path: Path, name: str = "tuner") -> tuple[str, str]:
+    return (tmp_path / f"{name}.out").read_text(), (tmp_path / f"{name}.err").read_text()
+
+
+def record(tmp_path: Path, name: str) -> dict:
+    return json.loads((tmp_path / EXPS / name / "exp.json").read_text())
+
+
+def table(tmp_path: Path) -> pd.DataFrame:
+    return pd.read_csv(tmp_path / RESULTS / "experiments.csv")
+
+
+def pids_in(pid_dir: Path) -> list[int]:
+    return sorted(int(p.stem) for p in pid_dir.glob("*.pid")) if pid_dir.exists() else []
+
+
+def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the tuner exited ({proc.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+def assert_pids_dead(pid_dir: Path, expected: int | None = None, grace_s: float = 3.0) -> None:
+    """Every rank that wrote `<pid>.pid` has ended. Ranks run in sessions of their own, so an
+    orphaned one would not show up as our descendant: check the pids themselves."""
+    files = sorted(pid_dir.glob("*.pid"))
+    if expected is not None:
+        assert len(files) == expected, f"expected {expected} pid files, found {[f.name for f in files]}"
+
+    def alive() -> list[tuple[int, list[str]]]:
+        found = []
+        for file in files:
+            try:
+                proc = psutil.Process(int(file.stem))
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if proc.create_time() > file.stat().st_mtime + 1:
+                    continue  # the pid was reused by a process started after our rank wrote its file
+                found.append((proc.pid, proc.cmdline()))
+            except (psutil.NoSuchProcess, psutil.ZombieProcess):
+                continue
+        return found
+
+    deadline = time.monotonic() + grace_s
+    while (left := alive()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"ranks left running: {left}"
+
+
+def launchers_of(pid_dir: Path) -> list[psutil.Process]:
+    """The experiment launchers (torch elastic agents) whose ranks wrote pid files and still run."""
+    parents = {}
+    for file in pid_dir.glob("*.pid"):
+        try:
+            rank = psutil.Process(int(file.stem))
+            if rank.create_time() > file.stat().st_mtime + 1:
+                continue  # a reused pid
+            parent = rank.parent()
+        except psutil.NoSuchProcess:
+            continue
+        if parent is not None:
+            parents[parent.pid] = parent
+    return list(parents.values())
+
+
+def assert_processes_ended(processes: list[psutil.Process]) -> None:
+    left = [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [(p.pid, p.cmdline()) for p in left]
+
+
+def assert_no_tmp_files(*dirs: Path) -> None:
+    leftovers = [os.path.join(root, name) for d in dirs for root, _, names in os.walk(d)
+                 for name in names if name.endswith(".tmp")]
+    assert not leftovers, leftovers
+
+
+# ----- one run, many faults -----
+# micro-batch 2 succeeds; 3: rank 1 raises; 4: rank 1 is SIGKILLed; 5: exits 0 before any
+# metrics; 6: holds 4 x 64 MiB more than micro-batch 2, over the budget -> OOM.
+MIXED_BUDGET = 576 * MiB
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("mixed")
+    config = write_config(tmp_path / "ds.json", {"memory_per_rank_bytes": MIXED_BUDGET, "tuner_early_stopping": 50},
+                          train_micro_batch_size_per_gpu=[2, 3, 4, 5, 6])
+    result = tune(tmp_path, config, "--fail_rank", "1", "--kill_rank", "1", "--fail_at_step", "2",
+                  "--exit_at_step", "2", "--fault_at_micro", "3:fail", "--fault_at_micro", "4:kill",
+                  "--fault_at_micro", "5:exit", "--mem_per_sample_mb", "64", "--pid_dir", tmp_path / "pids",
+                  "--echo_args_to", tmp_path / "echo.txt", "--note", NOTE)
+    assert_no_children_left()
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return tmp_path, result
+
+
+def test_every_fault_is_recorded_and_tuning_goes_on(mixed):
+    tmp_path, result = mixed
+    rows = table(tmp_path)
+    assert list(rows.name) == [f"z0_gas1_mbs{m}" for m in (2, 3, 4, 5, 6)]
+    assert list(rows.state) == ["ok", "failed", "failed", "failed", "oom"]
+    summary = (tmp_path / RESULTS / "summary.txt").read_text()
+    assert summary in result.stdout and "Total number of experiments: 5." in summary
+    assert "z0_gas1_mbs2 is the optimal setup" in result.stdout
+    assert (tmp_path / RESULTS / "ds_config_optimal.json").exists()
+    assert_pids_dead(tmp_path / "pids", expected=10)  # 2 ranks x 5 experiments, all gone
+
+
+def test_a_rank_that_raises_is_recorded_as_failed_with_its_rank_and_exception(mixed):
+    tmp_path, _ = mixed
+    rec = record(tmp_path, "z0_gas1_mbs3")
+    assert rec["state"] == "failed"
+    assert rec["error"].startswith("rank 1: ")
+    # The failing rank's own line, not the follow-on gloo error of its peer (rank 0).
+    assert "RuntimeError: injected failure on rank 1" in rec["error"], rec["error"]
+
+
+def test_a_sigkilled_rank_is_recorded_as_failed_naming_the_rank(mixed):
+    tmp_path, _ = mixed
+    rec = record(tmp_path, "z0_gas1_mbs4")
+    assert rec["state"] == "failed"
+    assert rec["error"].startswith("rank 1: ")
+    assert "launcher: rank 1 exited with status 137" in (tmp_path / EXPS / "z0_gas1_mbs4" / "stderr.log").read_text()
+
+
+def test_exit_0_without_metrics_is_recorded_as_failed(mixed):
+    tmp_path, _ = mixed
+    rec = record(tmp_path, "z0_gas1_mbs5")
+    assert rec["state"] == "failed"
+    assert "no metrics" in rec["error"]
+
+
+def test_measured_peak_over_the_budget_is_recorded_as_oom(mixed):
+    tmp_path, _ = mixed
+    ok, oom = record(tmp_path, "z0_gas1_mbs2"), record(tmp_path, "z0_gas1_mbs6")
+    assert oom["state"] == "oom"
+    assert "budget" in oom["error"] and f"{MIXED_BUDGET // MiB} MiB" in oom["error"]
+    assert oom["measured_memory_bytes"] > MIXED_BUDGET >= ok["measured_memory_bytes"]
+    assert oom["measured_memory_bytes"] - ok["measured_memory_bytes"] > 200 * MiB  # 4 x 64 MiB more
+
+
+def test_records_are_written_without_leaving_temporary_files(mixed):
+    tmp_path, _ = mixed
+    assert_no_tmp_files(tmp_path / EXPS, tmp_path / RESULTS)
+    for name in ("z0_gas1_mbs2", "z0_gas1_mbs3", "z0_gas1_mbs4", "z0_gas1_mbs5", "z0_gas1_mbs6"):
+        assert TrialResult.from_json(record(tmp_path, name)).name == name
+
+
+def test_arguments_reach_every_experiment_unmangled_and_cmd_optimal_round_trips(mixed):
+    tmp_path, _ = mixed
+    lines = (tmp_path / "echo.txt").read_text().splitlines()
+    assert len(lines) == 5  # rank 0 of every experiment
+    for line in lines:
+        argv = line.split("\x1f")
+        assert argv[argv.index("--note") + 1] == NOTE, argv
+    for exp in sorted((tmp_path / EXPS).iterdir()):
+        command = shlex.split((exp / "cmd.txt").read_text())
+        assert command[command.index("--note") + 1] == NOTE
+    command = shlex.split((tmp_path / RESULTS / "cmd_optimal.txt").read_text())
+    assert command[command.index("--note") + 1] == NOTE
+    assert command[command.index("--micro_batch_size") + 1] == "2"
+    assert command[command.index("--deepspeed") + 1] == str((tmp_path / RESULTS / "ds_config_optimal.json").resolve())
+
+
+def test_experiment_logs_carry_no_misleading_autotuning_note(mixed):
+    tmp_path, _ = mixed
+    for log in (tmp_path / EXPS).glob("*/stderr.log"):
+        assert "--autotuning was not given" not in log.read_text(), log
+
+
+# ----- the verdict on a captured log (no launch): which rank and which error -----
+def _settings() -> ExperimentSettings:
+    return ExperimentSettings(script=str(TOY), script_args=(), base_config={}, nproc_per_node=2,
+                              data_parallel_size=2, objective=Objective(), timeout_s=60)
+
+
+GLOO = ("[rank0]: Traceback (most recent call last):\n"
+        "[rank0]:   File \"toy_train.py\", line 90, in main\n"
+        "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5909. "
+        "This is typically caused by a remote worker crashing.\n"
+        "launcher: rank 0 exited with status 143\n")
+
+
+@pytest.mark.parametrize("rank1, status, expected", [
+    ("[rank1]: Traceback (most recent call last):\n"
+     "[rank1]: RuntimeError: injected failure on rank 1 at step 2\n", 1, "RuntimeError: injected failure on rank 1"),
+    ("", 137, "exit status 137 (killed by SIGKILL)"),
+], ids=["raised", "sigkilled"])
+def test_the_error_is_the_failing_ranks_own(tmp_path, rank1, status, expected):
+    (tmp_path / "stderr.log").write_text(rank1 + GLOO + f"launcher: rank 1 exited with status {status}\n"
+                                         "launcher: rank 1 failed first\n")
+    result = classify(Experiment(0, 4, 1), tmp_path, status, False, 1.0, _settings(), None)
+    assert result.state is TrialState.FAILED
+    assert result.error.startswith("rank 1: ") and expected in result.error and "gloo" not in result.error
+
+
+# ----- hang -----
+def test_a_hung_experiment_times_out_its_tree_is_ended_and_tuning_goes_on(tmp_path, no_orphans):
+    # The hanging micro-batch first: the tuner must go on to the next one after the timeout. The limit
+    # is for every experiment, so it leaves the healthy one (~10 s here) room on a busy machine.
+    config = write_config(tmp_path / "ds.json", {"exp_timeout_s": 30}, train_micro_batch_size_per_gpu=[4, 2])
+    started = time.monotonic()
+    result = tune(tmp_path, config, "--hang_at_step", "2", "--fault_min_micro", "4", "--pid_dir", tmp_path / "pids")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert time.monotonic() - started < 120
+    hung = record(tmp_path, "z0_gas1_mbs4")
+    assert hung["state"] == "timeout" and "exp_timeout_s=30" in hung["error"]
+    assert 30 <= hung["wall_time_s"] < 30 + 15  # SIGTERM, then SIGKILL after a 10 s grace at most
+    assert record(tmp_path, "z0_gas1_mbs2")["state"] == "ok"
+    assert "Total number of experiments: 2." in result.stdout
+    assert_pids_dead(tmp_path / "pids", expected=4)  # the hung experiment's ranks did start, and are gone
+
+
+# ----- nothing succeeds -----
+def test_when_every_experiment_fails_results_are_still_written_and_the_exit_is_1(tmp_path, no_orphans):
+    # Every run's measured peak (~300 MiB on CPU) is over a 100 MiB budget: every experiment is OOM.
+    config = write_config(tmp_path / "ds.json", {"memory_per_rank_bytes": 100 * MiB})
+    result = tune(tmp_path, config, "--pid_dir", tmp_path / "pids")
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "no experiment succeeded" in result.stderr and "Traceback" not in result.stderr
+    rows = table(tmp_path)
+    assert list(rows.name) == ["z0_gas1_mbs2", "z0_gas1_mbs4"] and set(rows.state) == {"oom"}
+    summary = (tmp_path / RESULTS / "summary.txt").read_text()
+    assert "Total number of experiments: 2." in summary and summary in result.stdout
+    assert not (tmp_path / RESULTS / "ds_config_optimal.json").exists()
+    assert not (tmp_path / RESULTS / "cmd_optimal.txt").exists()
+    assert_pids_dead(tmp_path / "pids", expected=4)
+
+
+# ----- resume -----
+def write_record(tmp_path: Path, experiment: Experiment, state: TrialState, value: float | None) -> None:
+    from autotuner.atomic import write_json_atomic
+
+    write_json_atomic(tmp_path / EXPS / experiment.name / "exp.json",
+                      TrialResult(experiment, state, value=value).to_json())
+
+
+def test_a_failure_after_resuming_a_finished_ok_experiment_is_not_fatal(tmp_path, no_orphans):
+    config = write_config(tmp_path / "ds.json")
+    write_record(tmp_path, Experiment(0, 2, 1), TrialState.OK, 100.0)  # an earlier run's finished record
+    result = tune(tmp_path, config, "--fail_rank", "1", "--fault_min_micro", "4")
+    assert "z0_gas1_mbs2: ok (from an earlier run)" in result.stdout
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert record(tmp_path, "z0_gas1_mbs4")["state"] == "failed"
+    assert "Total number of experiments: 2." in result.stdout
+
+
+HANG_ONCE = ("--hang_at_step", "2", "--fault_min_micro", "4")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupt_ends_every_rank_keeps_finished_records_and_resume_reuses_them(tmp_path, sig, no_orphans):
+    config = write_config(tmp_path / "ds.json")
+    pids, hung = tmp_path / "pids", tmp_path / "hung"
+    args = (*HANG_ONCE, "--hang_once_file", hung, "--pid_dir", pids)
+    tuner = start_tuner(tmp_path, config, *args)
+    try:
+        # Experiment 1 (mbs 2) finishes and writes 2 pid files; experiment 2 (mbs 4) hangs after 2 more.
+        wait_for(lambda: hung.exists() and len(pids_in(pids)) >= 4, 120, "experiment 2's ranks", tuner)
+        launchers = launchers_of(pids)
+        assert launchers, "experiment 2's ranks should be running (hung) now"
+        os.kill(tuner.pid, sig)
+        returncode = tuner.wait(timeout=60)
+    finally:
+        stop(tuner)
+    out, err = output(tmp_path)
+    assert returncode == 128 + sig, out[-2000:] + err[-2000:]
+    assert "Resume with the same command" in err and "Traceback" not in err
+    first = tmp_path / EXPS / "z0_gas1_mbs2" / "exp.json"
+    assert record(tmp_path, "z0_gas1_mbs2")["state"] == "ok"
+    assert not (tmp_path / EXPS / "z0_gas1_mbs4" / "exp.json").exists()  # interrupted: no verdict recorded
+    assert_pids_dead(pids, expected=4)
+    assert_processes_ended(launchers)  # in a session of its own: not our descendant once the tuner is gone
+    assert_no_children_left()
+    kept_mtime = first.stat().st_mtime_ns
+
+    # Resume: the same command reuses experiment 1 and runs experiment 2 (no hang the second time).
+    result = tune(tmp_path, config, *args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "z0_gas1_mbs2: ok (from an earlier run)" in result.stdout
+    assert "z0_gas1_mbs4: ok" in result.stdout and "z0_gas1_mbs4: ok (from an earlier run)" not in result.stdout
+    assert first.stat().st_mtime_ns == kept_mtime
+    assert len(pids_in(pids)) == 6  # only experiment 2 was launched again
+    assert "Total number of experiments: 2." in result.stdout
+    assert list(table(tmp_path).state) == ["ok", "ok"]
+    assert_pids_dead(pids, expected=6)
+    assert_no_tmp_files(tmp_path / EXPS, tmp_path / RESULTS)
+
+
+def test_overwrite_true_relaunches_finished_experiments(tmp_path, no_orphans):
+    pids = tmp_path / "pids"
+    config = write_config(tmp_path / "ds.json", train_micro_batch_size_per_gpu=[2])
+    assert tune(tmp_path, config, "--pid_dir", pids).returncode == 0
+    first = tmp_path / EXPS / "z0_gas1_mbs2" / "exp.json"
+    before = first.stat().st_mtime_ns
+
+    config = write_config(tmp_path / "ds.json", {"overwrite": True}, train_micro_batch_size_per_gpu=[2])
+    result = tune(tmp_path, config, "--pid_dir", pids)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "from an earlier run" not in result.stdout
+    assert "z0_gas1_mbs2: ok" in result.stdout
+    assert first.stat().st_mtime_ns != before
+    assert_pids_dead(pids, expected=4)  # launched twice
+
+
+# ----- lock -----
+def test_a_second_tuner_on_the_same_results_dir_is_refused_while_the_first_runs(tmp_path, no_orphans):
+    pids = tmp_path / "pids"
+    config = write_config(tmp_path / "ds.json", train_micro_batch_size_per_gpu=[2])
+    tuner = start_tuner(tmp_path, config, "--hang_at_step", "2", "--pid_dir", pids)
+    try:
+        wait_for(lambda: len(pids_in(pids)) >= 2, 120, "the first tuner's ranks", tuner)
+        launchers = launchers_of(pids)
+        # Same results_dir, its own exps_dir and pid dir: so anything it launched would show.
+        second_config = write_config(tmp_path / "ds2.json", {"exps_dir": "exps_second"},
+                                     train_micro_batch_size_per_gpu=[2])
+        second = tune(tmp_path, second_config, "--pid_dir", tmp_path / "pids_second")
+        assert second.returncode == 2, second.stdout[-2000:] + second.stderr[-2000:]
+        assert "locked" in second.stderr and second.stderr.startswith("launcher: error:")
+        assert len(second.stderr.strip().splitlines()) == 1
+        assert not (tmp_path / "exps_second").exists() and not (tmp_path / "pids_second").exists()
+        assert tuner.poll() is None  # the first is untouched
+        os.kill(tuner.pid, signal.SIGTERM)
+        assert tuner.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        stop(tuner)
+    assert_pids_dead(pids, expected=2)
+    assert_processes_ended(launchers)
