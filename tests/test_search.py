@@ -219,20 +219,41 @@ def test_stage_whose_prediction_is_below_the_minimum_is_pruned():
     assert set(run.stages()) == {2, 3}
 
 
-def test_stage_that_cannot_beat_a_lower_stage_is_pruned():
-    run, prunes = FakeRun({0: 16, 1: 16, 2: 16, 3: 32}), Prunes()
+def slower_with_stage(experiment: Experiment) -> float:
+    """Throughput grows with micro-batch; each ZeRO stage costs 10% (the usual case)."""
+    return 100.0 * math.log2(1 + experiment.micro_batch_size) * (1 - 0.1 * experiment.zero_stage)
+
+
+def test_stage_that_cannot_beat_a_lower_stage_is_probed_once_and_pruned():
+    run, prunes = FakeRun({0: 16, 1: 16, 2: 16, 3: 32}, slower_with_stage), Prunes()
     run_search(space(), policy(), {0: 16, 1: 16, 2: 8, 3: 32}, run, prunes)
     assert [stage for stage, _ in prunes] == [1, 2]
     assert all(reason.startswith("cannot help") for _, reason in prunes)
     assert "(16)" in prunes[0][1] and "(8)" in prunes[1][1]
-    assert set(run.stages()) == {0, 3}
+    assert "z0_gas1_mbs16's micro-batch it measured" in prunes[0][1]
+    # One probe each, at the best micro-batch so far: nothing else of stages 1 and 2 runs.
+    assert run.of_stage(1) == [Experiment(1, 16)] and run.of_stage(2) == [Experiment(2, 16)]
+    assert Experiment(3, 32) in run.calls
+
+
+def test_a_probe_that_wins_opens_the_stage_to_the_search():
+    # ZeRO 1 fits no more than ZeRO 0 but is faster at the same size (a sharded optimizer step).
+    def faster_stage1(experiment: Experiment) -> float:
+        return slower_with_stage(experiment) * (1.5 if experiment.zero_stage == 1 else 1.0)
+
+    run, prunes = FakeRun({0: 16, 1: 16}, faster_stage1), Prunes()
+    results = run_search(space(stages=(0, 1)), policy(), {0: 16, 1: 16}, run, prunes)
+    assert prunes == []
+    assert len(run.of_stage(1)) > 1  # searched, not just probed
+    assert len(set(run.calls)) == len(run.calls)  # the probe is not launched twice
+    assert THROUGHPUT.best(results).experiment.zero_stage == 1
 
 
 def test_cannot_help_compares_with_the_confirmed_not_the_predicted_largest():
     # Stage 0 was predicted 16 but only 6 fits; stage 1's prediction of 12 beats what stage 0 confirmed.
-    run, prunes = FakeRun({0: 6, 1: 12, 2: 12, 3: 12}), Prunes()
+    run, prunes = FakeRun({0: 6, 1: 12, 2: 12, 3: 12}, slower_with_stage), Prunes()
     run_search(space(), policy(), {0: 16, 1: 12, 2: 12, 3: 10}, run, prunes)
-    assert 1 in run.stages()
+    assert len(run.of_stage(1)) > 1
     assert [stage for stage, _ in prunes] == [2, 3]  # no larger than stage 1's confirmed 12
 
 

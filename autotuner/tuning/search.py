@@ -2,7 +2,8 @@
 
 Experiments are measured through an injected `evaluate`, so this module launches nothing
 and can be tested with a fake. Order of work, per stage in 0..3:
-1. prune what the memory model says cannot fit, and stages that cannot beat a lower one;
+1. prune what the memory model says cannot fit; a stage that fits no larger micro-batch than
+   a lower one gets one probe at the best micro-batch so far, and is skipped unless it wins;
 2. confirm the predicted largest micro-batch, bisecting down on OOM;
 3. let the tuner pick among micro-batch candidates (each with its own gas);
 then, in full mode, tune knobs on the best stages.
@@ -161,21 +162,45 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict
                prune: Callable[[int, str], None]) -> list[TrialResult]:
     """The whole search. `predicted_largest[stage]` is the memory model's largest micro-batch
     (0: the model states alone do not fit); `prune(stage, reason)` records a stage not launched."""
-    results: list[TrialResult] = []
+    measured: dict[Experiment, TrialResult] = {}
+
+    def evaluate_once(experiment: Experiment) -> TrialResult:
+        if experiment not in measured:
+            measured[experiment] = evaluate(experiment)
+        return measured[experiment]
+
     largest_so_far = 0
     for stage in sorted(space.stages):
         predicted = min(predicted_largest.get(stage, space.max_micro_batch_size), space.max_micro_batch_size)
         if predicted < space.min_micro_batch_size:
             prune(stage, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
             continue
+        must_beat = largest_so_far  # a stage's smaller sizes are only worth trying if it fits more
         if not space.fixed_micro_batch_sizes and largest_so_far and predicted <= largest_so_far:
-            prune(stage, f"cannot help: its largest micro-batch ({predicted}) is no larger than a lower "
-                         f"stage's ({largest_so_far})")
-            continue
-        largest, stage_results = search_stage(space, policy, stage, predicted, evaluate, largest_so_far)
-        results += stage_results
+            reason = probe_stage(space, policy, stage, list(measured.values()), evaluate_once)
+            if reason is not None:
+                prune(stage, f"cannot help: its largest micro-batch ({predicted}) is no larger than a lower "
+                             f"stage's ({largest_so_far}){reason}")
+                continue
+            must_beat = 0  # faster at the same size: its other sizes may be too
+        largest, _ = search_stage(space, policy, stage, predicted, evaluate_once, must_beat)
         if largest is not None:
             largest_so_far = max(largest_so_far, largest)
     if not policy.fast:
-        results += search_knobs(space, policy, results, evaluate)
-    return results
+        search_knobs(space, policy, list(measured.values()), evaluate_once)
+    return list(measured.values())
+
+
+def probe_stage(space: SearchSpace, policy: SearchPolicy, stage: int, so_far: list[TrialResult],
+                evaluate: Evaluate) -> str | None:
+    """A stage that fits no larger micro-batch can still be faster at the same one (ZeRO-1's
+    sharded optimizer step on a wide model, say). Run the best experiment so far at this stage
+    once: None if it wins (search the stage), else the reason to skip the stage."""
+    best = policy.objective.best(so_far)
+    if best is None:
+        return ""
+    probe = evaluate(space.experiment(stage, best.experiment.micro_batch_size))
+    if probe.state is TrialState.OK and policy.objective.better(probe.value, best.value):
+        return None
+    measured = f"{probe.value:.4g}" if probe.value is not None else probe.state.value
+    return f"; at {best.name}'s micro-batch it measured {measured} against {best.value:.4g}"
