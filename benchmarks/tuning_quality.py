@@ -1,7 +1,7 @@
 """Tuning quality: our autotuner's pick against the exhaustive grid over the same space.
 
-    python benchmarks/tuning_quality.py [--workloads gpt2,mlp,convnet] [--tuners gridsearch,random,model_based]
-                                        [--modes fast,full] [--repeats 2]
+    python benchmarks/tuning_quality.py [--workloads gpt2,mlp,convnet] [--repeats 2]
+                                        [--runs gridsearch:fast,model_based:full,...]
 
 For each workload (2 CPU ranks, OMP_NUM_THREADS=1 per rank, a memory_per_rank_bytes budget that
 makes some stages infeasible):
@@ -152,7 +152,7 @@ def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path) -> dict
     }
 
 
-def evaluate(workload: Workload, tuners: list[str], modes: list[str], repeats: int, work: Path) -> list[dict]:
+def evaluate(workload: Workload, runs: list[tuple[str, str]], repeats: int, work: Path) -> list[dict]:
     settings = settings_for(workload)
     space = grid(workload)
     started = time.monotonic()
@@ -164,45 +164,45 @@ def evaluate(workload: Workload, tuners: list[str], modes: list[str], repeats: i
     measured_max = {stage: max((e.micro_batch_size for e in feasible if e.zero_stage == stage), default=0)
                     for stage in (0, 1, 2, 3)}
     rows = []
-    for tuner in tuners:
-        for mode in modes:
-            run = run_autotuner(workload, tuner, mode, work / f"tune_{tuner}_{mode}")
-            chosen = run["chosen"]
-            ratio = best_spread = None
-            if chosen is not None:
-                pair = [chosen, best] if chosen != best else [best]
-                again = measure_rounds(pair, settings, repeats, work / f"remeasure_{tuner}_{mode}")
-                chosen_score, best_score = median_value(again[chosen]), median_value(again[best])
-                ratio = chosen_score / best_score if chosen_score and best_score else None
-                best_spread = spread(again[best]) / best_score if best_score else None
-            rows.append({
-                "workload": workload.name, "tuner": tuner, "mode": mode,
-                "chosen": chosen.name if chosen else None, "grid_best": best.name,
-                "grid_best_samples_per_s": round(feasible[best], 2),
-                "grid_best_spread_pct": round(100 * spread(grid_runs[best]) / feasible[best], 1),
-                "chosen_over_best": round(ratio, 3) if ratio else None,
-                "remeasure_best_spread_pct": round(100 * best_spread, 1) if best_spread is not None else None,
-                "experiments": run["experiments"], "grid_experiments": len(space),
-                "wall_s": round(run["wall_s"], 1), "grid_wall_s": round(grid_wall / repeats, 1),
-                "oom_or_failed": run["oom_or_failed"],
-                "predicted_max_micro": run["predicted_max_micro"], "measured_max_micro": measured_max,
-            })
-            print(rows[-1], flush=True)
+    for tuner, mode in runs:
+        run = run_autotuner(workload, tuner, mode, work / f"tune_{tuner}_{mode}")
+        chosen = run["chosen"]
+        ratio = best_spread = None
+        if chosen is not None:
+            pair = [chosen, best] if chosen != best else [best]
+            again = measure_rounds(pair, settings, repeats, work / f"remeasure_{tuner}_{mode}")
+            chosen_score, best_score = median_value(again[chosen]), median_value(again[best])
+            ratio = chosen_score / best_score if chosen_score and best_score else None
+            best_spread = spread(again[best]) / best_score if best_score else None
+        rows.append({
+            "workload": workload.name, "tuner": tuner, "mode": mode,
+            "chosen": chosen.name if chosen else None, "grid_best": best.name,
+            "grid_best_samples_per_s": round(feasible[best], 2),
+            "grid_best_spread_pct": round(100 * spread(grid_runs[best]) / feasible[best], 1),
+            "chosen_over_best": round(ratio, 3) if ratio else None,
+            "remeasure_best_spread_pct": round(100 * best_spread, 1) if best_spread is not None else None,
+            "experiments": run["experiments"], "grid_experiments": len(space),
+            "wall_s": round(run["wall_s"], 1), "grid_wall_s": round(grid_wall / repeats, 1),
+            "oom_or_failed": run["oom_or_failed"],
+            "predicted_max_micro": run["predicted_max_micro"], "measured_max_micro": measured_max,
+        })
+        print(rows[-1], flush=True)
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="gpt2,mlp,convnet")
-    parser.add_argument("--tuners", default="gridsearch,random,model_based")
-    parser.add_argument("--modes", default="fast,full")
+    parser.add_argument("--runs", default="gridsearch:fast,random:fast,model_based:fast,gridsearch:full,"
+                        "random:full,model_based:full", help="tuner:mode pairs to run, comma-separated")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--work_dir", default="output/tuning_quality")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = []
     for name in args.workloads.split(","):
-        rows += evaluate(WORKLOADS[name], args.tuners.split(","), args.modes.split(","), args.repeats,
+        runs = [tuple(pair.split(":")) for pair in args.runs.split(",")]
+        rows += evaluate(WORKLOADS[name], runs, args.repeats,
                          Path(args.work_dir).resolve() / name)
     RESULTS.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame(rows)

@@ -219,7 +219,8 @@ class Autotuner:
         experiment = self.space.experiment(stage, self.space.min_micro_batch_size)
         self._pruned.append(TrialResult(experiment, TrialState.PRUNED, error=reason,
                                         predicted_memory_bytes=self.predicted_memory(experiment)))
-        self.report(f"ZeRO {stage}: pruned, not launched ({reason})")
+        searched = "not launched" if reason.startswith("memory model") else "not searched further"
+        self.report(f"ZeRO {stage}: pruned, {searched} ({reason})")
 
     def _progress(self, result: TrialResult, reused: bool) -> None:
         best = self.objective.best(list(self._results.values()))

@@ -161,7 +161,7 @@ def search_knobs(space: SearchSpace, policy: SearchPolicy, fast_results: list[Tr
 def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict[int, int], evaluate: Evaluate,
                prune: Callable[[int, str], None]) -> list[TrialResult]:
     """The whole search. `predicted_largest[stage]` is the memory model's largest micro-batch
-    (0: the model states alone do not fit); `prune(stage, reason)` records a stage not launched."""
+    (0: the model states alone do not fit); `prune(stage, reason)` records a stage not searched."""
     measured: dict[Experiment, TrialResult] = {}
 
     def evaluate_once(experiment: Experiment) -> TrialResult:
