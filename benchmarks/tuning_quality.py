@@ -20,8 +20,8 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from autotuner.config import load_config  # noqa: E402
+from autotuner.launch.processes import run_to_completion  # noqa: E402
 from autotuner.tuning.autotuner import base_config  # noqa: E402
 from autotuner.tuning.experiment import ExperimentSettings, run_experiment  # noqa: E402
 from autotuner.tuning.records import Objective, TrialState  # noqa: E402
@@ -81,7 +82,7 @@ WORKLOADS = {
                      ("--model_size", "tiny", "--max_steps", "50", "--output_dir", str(ROOT / "output/bench_gpt2")),
                      MAPPINGS_HF, (4, 8, 16, 32), 64, 1200 * 2**20),
     "mlp": Workload("mlp", "examples/minimal/train.py", ("--steps", "50", "--width", "2048", "--depth", "6"),
-                    MAPPINGS_OURS, (8, 16, 32, 64), 256, 1000 * 2**20),
+                    MAPPINGS_OURS, (8, 16, 32, 64), 128, 1000 * 2**20),
     "convnet": Workload("convnet", "benchmarks/workloads/convnet.py", ("--steps", "50"),
                         MAPPINGS_OURS, (8, 16, 32, 64), 128, 900 * 2**20),
 }
@@ -133,15 +134,16 @@ def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path) -> dict
     config_path.write_text(json.dumps(workload.config(tuner_type=tuner, fast=(mode == "fast"), overwrite=True)))
     command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2",
                str(ROOT / workload.script), *workload.args, "--deepspeed", str(config_path)]
-    started = time.monotonic()
-    done = subprocess.run(command, cwd=work, capture_output=True, text=True,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    wall = time.monotonic() - started
+    # A process group, ended with its experiments if this benchmark is stopped.
+    done = run_to_completion(command, stdout=work / "tuner.out", stderr=work / "tuner.err", timeout_s=3 * 3600,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(work))
+    wall = done.wall_time_s
+    stdout = (work / "tuner.out").read_text()
     table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
     launched = table[table.state != "pruned"]
     ok = launched[launched.state == "ok"]
     best = ok.loc[ok.metric_value.idxmax()] if len(ok) else None
-    predicted = dict(re.findall(r"z(\d)=(\d+)", done.stdout.split("largest micro-batch per stage:")[-1].split("\n")[0]))
+    predicted = dict(re.findall(r"z(\d)=(\d+)", stdout.split("largest micro-batch per stage:")[-1].split("\n")[0]))
     profiles = len(list((work / "autotuning_exps").glob("profile_*")))
     return {
         "returncode": done.returncode, "wall_s": wall, "experiments": len(launched) + profiles,
@@ -199,14 +201,16 @@ def main() -> None:
     parser.add_argument("--work_dir", default="output/tuning_quality")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # SIGTERM unwinds like Ctrl-C, so the running launch's process tree is ended on the way out.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     rows = []
     for name in args.workloads.split(","):
         runs = [tuple(pair.split(":")) for pair in args.runs.split(",")]
         rows += evaluate(WORKLOADS[name], runs, args.repeats,
                          Path(args.work_dir).resolve() / name)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    table = pd.DataFrame(rows)
-    table.to_csv(RESULTS / "tuning_quality.csv", index=False)
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        table = pd.DataFrame(rows)
+        table.to_csv(RESULTS / "tuning_quality.csv", index=False)  # after each workload: a long run keeps its rows
     print(table.drop(columns=["predicted_max_micro", "measured_max_micro"]).to_markdown(index=False))
 
 

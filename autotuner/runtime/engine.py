@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -245,9 +246,13 @@ class Engine(nn.Module):
             self._leave()
 
     def _leave(self) -> None:
+        # os._exit, not sys.exit: interpreter teardown can deadlock freeing DDP's Reducer (gloo's
+        # worker thread waits for the GIL the main thread holds while joining it), and a
+        # measurement run has nothing left to clean up once the barrier shows every rank is done.
         dist.barrier()
-        dist.destroy_process_group()
-        sys.exit(0)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     def _finish_profile(self) -> None:
         """Rank 0 writes the metrics file; every rank then leaves with status 0."""
