@@ -19,8 +19,9 @@ from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan, run_plan
 from autotuner.launch.script_args import config_path
 from autotuner.tuning.autotuner import Autotuner, TuningFailed, base_config
-from autotuner.tuning.experiment import ExperimentSettings
+from autotuner.tuning.experiment import ExperimentSettings, config_value
 from autotuner.tuning.records import Objective
+from autotuner.tuning.space import Experiment
 
 logger = logging.getLogger(__name__)
 
@@ -46,27 +47,18 @@ def check_arg_mappings(config: DeepSpeedConfig, source: str) -> None:
     for key, flag in config.autotuning.arg_mappings.items():
         if not flag.startswith("-"):
             raise ConfigError(f"{source}: autotuning.arg_mappings.{key}: got {flag!r}; expected a flag like --{key}")
-    user = config.to_dict()
+    # What a mapped flag receives comes from the experiment's config: the keys every experiment
+    # sets plus what the user gave. A key with no value there has nothing to pass.
+    sample = Experiment(0, 1, 1).apply(base_config(config), 1)
     for key in config.autotuning.arg_mappings:
-        if key in ALWAYS_SET or _has_value(user, key):
-            continue
-        raise ConfigError(f"{source}: autotuning.arg_mappings: '{key}' has no value in the config, so there is "
-                          f"nothing to pass to the script; set {key} or map only tuned keys "
-                          f"({', '.join(sorted(ALWAYS_SET))})")
-
-
-# Keys every experiment's config sets, whatever the user wrote.
-ALWAYS_SET = frozenset({"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                        "zero_optimization.stage"})
-
-
-def _has_value(config: dict, dotted_key: str) -> bool:
-    value = config
-    for part in dotted_key.split("."):
-        if not isinstance(value, dict) or value.get(part) is None:
-            return False
-        value = value[part]
-    return True
+        try:
+            value = config_value(sample, key)
+        except ConfigError:
+            value = None
+        if value is None:
+            raise ConfigError(f"{source}: autotuning.arg_mappings: '{key}' has no value in the config, so there "
+                              f"is nothing to pass to the script; set {key}, or map only keys the tuner sets "
+                              "(train_micro_batch_size_per_gpu, gradient_accumulation_steps, ...)")
 
 
 def check_results_dir(path: Path, key: str) -> None:
