@@ -76,6 +76,21 @@ def test_metrics_written_and_ranks_exit_at_end_profile_step(tmp_path, no_orphans
     assert metrics["peak_memory_bytes"] == max(metrics["peak_memory_bytes_per_rank"]) > 50 * 2**20
 
 
+@pytest.mark.parametrize("stage", ("0", "2"))
+def test_profile_run_counts_adam_states_once_replicated_or_sharded(stage, tmp_path, no_orphans):
+    info_path = tmp_path / "model_info.json"
+    config = read_config_file(CONFIGS / f"zero{stage}.json")
+    config["autotuning"] = {"enabled": True, "model_info_path": str(info_path), "model_info": {"profile": True}}
+    config_file = tmp_path / "ds.json"
+    config_file.write_text(json.dumps(config))
+    result = run_launcher("--nproc_per_node", "2", MINIMAL, "--deepspeed", config_file, "--steps", "50")
+    assert result.returncode == 0, result.stderr[-3000:]
+    info = json.loads(info_path.read_text())
+    assert info["zero_stage"] == int(stage) and info["world_size"] == 2
+    # Adam's two fp32 moments: 8 bytes per parameter for the whole model, on 1 rank or split over 2.
+    assert info["optimizer_state_bytes_per_param"] == pytest.approx(8.0, rel=0.01)
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_minimal_example_trains_under_each_stage(stage, tmp_path, no_orphans):
     losses_file = tmp_path / "losses.json"

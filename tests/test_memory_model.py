@@ -7,6 +7,9 @@ import math
 
 import pytest
 
+from autotuner.config import load_config
+from autotuner.tuning.autotuner import Autotuner, base_config
+from autotuner.tuning.experiment import ExperimentSettings
 from autotuner.tuning.memory import (
     MemoryEstimate,
     ModelProfile,
@@ -17,9 +20,12 @@ from autotuner.tuning.memory import (
     model_state_bytes,
     usable_bytes,
 )
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space import Experiment
 
 P = 1_000_000  # parameters
 W = 2  # data-parallel ranks
+MiB = 2**20
 UNITS = 10  # FSDP2 shard units
 BLOCK = P // UNITS  # 100_000 parameters per unit
 ADAM = 8  # bytes per parameter: two fp32 moments
@@ -255,3 +261,66 @@ def test_calibrate_baseline_is_never_negative():
     assert calibrate_baseline(profile, settings, 4, explained) == 0
     assert calibrate_baseline(profile, settings, 4, explained - 1) == 0
     assert calibrate_baseline(profile, settings, 4, 0) == 0
+
+
+# ----- the orchestrator's verdict before each launch, corrected by measured peaks -----
+def calibrating_tuner(tmp_path, budget_mib: int = 1000):
+    config = load_config({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "all"},
+                          "autotuning": {"enabled": True}})
+    settings = ExperimentSettings(script="train.py", script_args=(), base_config=base_config(config),
+                                  nproc_per_node=2, data_parallel_size=2, objective=Objective("throughput"),
+                                  timeout_s=30.0)
+    lines: list[str] = []
+    tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", report=lines.append)
+    tuner.profile = ModelProfile(25_000_000, 2**20, baseline_bytes=150 * MiB, num_shard_units=6)
+    tuner.budget_bytes = budget_mib * MiB
+    return tuner, lines
+
+
+def measured(tuner, experiment, peak_bytes, state=None):
+    return TrialResult(experiment, state or TrialState.OK, value=1.0 if state is None else None,
+                       predicted_memory_bytes=tuner.predicted_memory(experiment), measured_memory_bytes=peak_bytes)
+
+
+def test_fits_keeps_the_safety_margin_until_an_engine_has_been_measured(tmp_path):
+    tuner, _ = calibrating_tuner(tmp_path)
+    usable = usable_bytes(tuner.budget_bytes, 0.1)
+    for stage in (0, 1, 2, 3):
+        for micro in (1, 16, 64, 256):
+            experiment = Experiment(stage, micro)
+            assert tuner.fits(experiment) == (tuner.predicted_memory(experiment) <= usable)
+
+
+def test_a_measured_overrun_is_allowed_for_in_later_launches_of_that_engine_only(tmp_path):
+    tuner, lines = calibrating_tuner(tmp_path)
+    sizes = [m for m in range(1, 2000) if tuner.fits(Experiment(2, m))]
+    largest_before = max(sizes)
+    largest_ddp_before = max(m for m in range(1, 2000) if tuner.fits(Experiment(0, m)))
+    # An FSDP2 launch peaked 200 MiB over the model.
+    probe = Experiment(3, 8)
+    tuner._learn_memory(measured(tuner, probe, tuner.predicted_memory(probe) + 200 * MiB))
+    largest_after = max(m for m in range(1, 2000) if tuner.fits(Experiment(2, m)))
+    assert largest_after < largest_before
+    # 200 MiB over, against half the margin (50 MiB) given back: 150 MiB less room, 1 MiB per sample.
+    assert largest_before - largest_after == pytest.approx(150, abs=2)
+    assert max(m for m in range(1, 2000) if tuner.fits(Experiment(0, m))) == largest_ddp_before
+    assert lines == ["memory model: FSDP2 peaks measured up to 200 MiB over its estimate (z3_gas1_mbs8); "
+                     "later FSDP2 launches allow for that"]
+
+
+def test_a_smaller_overrun_or_an_underrun_does_not_loosen_the_correction(tmp_path):
+    tuner, lines = calibrating_tuner(tmp_path)
+    experiment = Experiment(0, 4)
+    tuner._learn_memory(measured(tuner, experiment, tuner.predicted_memory(experiment) + 100 * MiB))
+    tightest = [tuner.fits(Experiment(0, m)) for m in range(1, 2000)]
+    tuner._learn_memory(measured(tuner, experiment, tuner.predicted_memory(experiment) + 10 * MiB))
+    assert [tuner.fits(Experiment(0, m)) for m in range(1, 2000)] == tightest
+    assert len(lines) == 1
+
+
+def test_an_allocator_oom_without_a_measured_peak_counts_as_the_whole_budget(tmp_path):
+    from autotuner.tuning.records import TrialState
+    tuner, _ = calibrating_tuner(tmp_path)
+    oom = Experiment(1, 64)
+    tuner._learn_memory(measured(tuner, oom, None, TrialState.OOM))
+    assert not tuner.fits(oom)

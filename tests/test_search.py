@@ -286,6 +286,34 @@ def test_nothing_fits_in_a_stage():
     assert THROUGHPUT.best(results).experiment.zero_stage == 1
 
 
+def test_nothing_the_memory_model_refuses_is_launched():
+    # Gas grows as the micro-batch shrinks, so here the model refuses the middle sizes, not the largest.
+    refused = {Experiment(0, 8, 4), Experiment(0, 4, 8), Experiment(1, 16, 2)}
+    run, prunes = FakeRun({0: 32, 1: 32}, slower_with_stage), Prunes()
+    run_search(space(stages=(0, 1), data_parallel_size=2, global_batch_size=64), policy(), {0: 32, 1: 32}, run,
+               prunes, fits=lambda e: e not in refused)
+    assert not refused & set(run.calls)
+    # The third candidate is the nearest allowed size to a quarter of the largest, not 8.
+    assert run.of_stage(0) == [Experiment(0, 32, 1), Experiment(0, 16, 2), Experiment(0, 9, 3)]
+    # Stage 1's probe would be at stage 0's best micro-batch (32, launched) - the model allows it.
+    assert Experiment(1, 32, 1) in run.calls
+
+
+def test_a_probe_the_memory_model_refuses_prunes_the_stage_unlaunched():
+    run, prunes = FakeRun({0: 16, 1: 16}, slower_with_stage), Prunes()
+    run_search(space(stages=(0, 1)), policy(), {0: 16, 1: 16}, run, prunes,
+               fits=lambda e: e.zero_stage == 0)
+    assert run.of_stage(1) == []
+    assert prunes[0][0] == 1 and "memory model says z1_gas1_mbs16" in prunes[0][1]
+
+
+def test_a_stage_whose_every_size_is_refused_is_pruned_not_silently_skipped():
+    run, prunes = FakeRun({0: 16, 1: 32}), Prunes()
+    run_search(space(stages=(0, 1)), policy(), {0: 16, 1: 32}, run, prunes, fits=lambda e: e.zero_stage == 0)
+    assert run.of_stage(1) == []
+    assert prunes == [(1, "memory model, with the overhead measured so far: no micro-batch fits")]
+
+
 def test_micro_batch_candidates_after_confirmation():
     run = FakeRun({0: 16})
     run_search(space(stages=(0,), num_micro_batch_sizes=3), policy(), {0: 16}, run, Prunes())

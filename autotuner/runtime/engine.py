@@ -225,7 +225,9 @@ class Engine(nn.Module):
 
         With autotuning.model_info.profile set, every rank then leaves with status 0."""
         activation_per_rank = self._gather_max(self._activation_probe.bytes_saved)
-        optimizer_bytes = sum(self._gather_max(_state_bytes(self._local_optimizer)))
+        optimizer_per_rank = self._gather_max(_state_bytes(self._local_optimizer))
+        # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
+        optimizer_bytes = optimizer_per_rank[0] if self.zero_stage == 0 else sum(optimizer_per_rank)
         peak_per_rank = self._gather_max(peak_memory_bytes(self.ctx.device))
         if self.ctx.rank == 0:
             write_model_info(

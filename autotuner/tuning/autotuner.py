@@ -16,7 +16,8 @@ from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
 from autotuner.launch.script_args import replace_config
 from autotuner.tuning.experiment import RECORD_FILE, ExperimentSettings, experiment_config, mapped_script_args, run_experiment
-from autotuner.tuning.memory import ModelProfile, StageSettings, estimate, max_micro_batch_size, usable_bytes
+from autotuner.tuning.memory import (ModelProfile, StageSettings, engine_family, estimate, max_micro_batch_size,
+                                     usable_bytes)
 from autotuner.tuning.profiling import profile_from_config, profile_model
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.results import write_results
@@ -124,6 +125,9 @@ class Autotuner:
         self._profiled = False  # a profile launch has shown the script runs
         self.precision = "fp32"  # as the ranks settle it; from the profile when there is one
         self.budget_bytes: int | None = None
+        # Per engine: the most a launch's measured peak exceeded the model (allocator slack and
+        # other costs it does not see); it grows with steps, which a profile run is too short for.
+        self._unmodelled_bytes: dict[str, int] = {}
 
     # ----- set-up -----
     def _prepare_dirs(self) -> None:
@@ -194,6 +198,31 @@ class Autotuner:
         settings = self._stage_settings(experiment.zero_stage, experiment.gradient_accumulation_steps)
         return estimate(self.profile, settings, experiment.micro_batch_size).total
 
+    def fits(self, experiment: Experiment) -> bool:
+        """The memory model's verdict before a launch, corrected by what launches measured.
+        Uncorrected it keeps the whole safety margin; once an engine's launches have shown how
+        far off it is, half the margin is left for the noise in measured peaks."""
+        predicted = self.predicted_memory(experiment)
+        unmodelled = self._unmodelled_bytes.get(engine_family(experiment.zero_stage))
+        if unmodelled is None:
+            return predicted <= usable_bytes(self.budget_bytes, SAFETY_MARGIN)
+        return predicted + max(0, unmodelled) <= usable_bytes(self.budget_bytes, SAFETY_MARGIN / 2)
+
+    def _learn_memory(self, result: TrialResult) -> None:
+        measured = result.measured_memory_bytes
+        if measured is None and result.state is TrialState.OOM:
+            measured = self.budget_bytes  # the allocator failed: at least the whole budget
+        if measured is None or result.predicted_memory_bytes is None:
+            return
+        family = engine_family(result.experiment.zero_stage)
+        unmodelled = measured - result.predicted_memory_bytes
+        previous = self._unmodelled_bytes.get(family)
+        if previous is None or unmodelled > previous:
+            self._unmodelled_bytes[family] = unmodelled
+            if unmodelled > 0:
+                self.report(f"memory model: {family} peaks measured up to {unmodelled / 2**20:.0f} MiB over "
+                            f"its estimate ({result.name}); later {family} launches allow for that")
+
     # ----- the loop -----
     def _evaluate(self, experiment: Experiment) -> TrialResult:
         if experiment in self._results:
@@ -213,6 +242,7 @@ class Autotuner:
                                    f"see {self.exps_dir / result.name}/stderr.log")
         self._results[experiment] = result
         self._progress(result, reused is not None)
+        self._learn_memory(result)
         return result
 
     def _prune(self, stage: int, reason: str) -> None:
@@ -237,7 +267,7 @@ class Autotuner:
         largest = self.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " +
                     ", ".join(f"z{s}={m}" for s, m in sorted(largest.items())))
-        results = run_search(self.space, self.policy, largest, self._evaluate, self._prune)
+        results = run_search(self.space, self.policy, largest, self._evaluate, self._prune, self.fits)
         everything = list(dict.fromkeys(results)) + self._pruned
         best = self.objective.best(everything)
         optimal_path = optimal_args = optimal_cmd = config = None

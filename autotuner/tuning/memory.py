@@ -109,6 +109,11 @@ def estimate(profile: ModelProfile, settings: StageSettings, micro_batch_size: i
                           profile.activation_bytes_per_sample * micro_batch_size, states.baseline)
 
 
+def engine_family(stage: int) -> str:
+    """Stages 0-1 run under DDP, 2-3 under FSDP2: each engine has its own unmodelled overhead."""
+    return "DDP" if stage <= 1 else "FSDP2"
+
+
 def usable_bytes(budget_bytes: int, safety_margin: float) -> int:
     """The part of the budget we plan to fill; the rest absorbs fragmentation and estimate error."""
     return int(budget_bytes * (1.0 - safety_margin))

@@ -21,6 +21,11 @@ from autotuner.tuning.space import Experiment, gas_for
 from autotuner.tuning.tuners import drive, make_tuner
 
 Evaluate = Callable[[Experiment], TrialResult]
+Fits = Callable[[Experiment], bool]  # the memory model's verdict on one experiment, asked before each launch
+
+
+def _always_fits(experiment: Experiment) -> bool:
+    return True
 
 # Knob values tried in full mode, per stage; the user's scalar fixes a knob, a list replaces its values.
 DEFAULT_KNOBS: dict[int, dict[str, list[Any]]] = {
@@ -88,9 +93,16 @@ def spread_micro_batch_sizes(valid: list[int], largest: int, count: int) -> list
     return sorted(chosen, reverse=True)
 
 
-def confirm_largest(space: SearchSpace, stage: int, predicted: int, evaluate: Evaluate) -> tuple[int | None, list[TrialResult]]:
+def fitting_micro_batch_sizes(space: SearchSpace, stage: int, upper: int, fits: Fits) -> list[int]:
+    """Valid sizes up to `upper` whose experiment (with its own gas) the memory model lets run.
+    Not monotonic in the size: a smaller micro-batch has a larger gas, which can cost more."""
+    return [m for m in space.valid_micro_batch_sizes(upper) if fits(space.experiment(stage, m))]
+
+
+def confirm_largest(space: SearchSpace, stage: int, predicted: int, evaluate: Evaluate,
+                    fits: Fits = _always_fits) -> tuple[int | None, list[TrialResult]]:
     """Run the predicted largest micro-batch; on OOM or failure bisect down over valid sizes."""
-    valid = space.valid_micro_batch_sizes(predicted)
+    valid = fitting_micro_batch_sizes(space, stage, predicted, fits)
     if not valid:
         return None, []
     results = [evaluate(space.experiment(stage, valid[-1]))]
@@ -108,18 +120,20 @@ def confirm_largest(space: SearchSpace, stage: int, predicted: int, evaluate: Ev
 
 
 def search_stage(space: SearchSpace, policy: SearchPolicy, stage: int, predicted: int, evaluate: Evaluate,
-                 larger_than: int) -> tuple[int | None, list[TrialResult]]:
+                 larger_than: int, fits: Fits = _always_fits) -> tuple[int | None, list[TrialResult]]:
     """Measure one stage; returns (its largest working micro-batch, results)."""
     if space.fixed_micro_batch_sizes:
         candidates = [space.experiment(stage, m) for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
+        candidates = [c for c in candidates if fits(c)]
         tuner = make_tuner(policy.tuner_type, candidates, policy.objective, policy.seed)
         results = drive(tuner, evaluate, early_stopping=policy.early_stopping, max_trials=policy.num_trials)
         ok = [r.experiment.micro_batch_size for r in results if r.state is TrialState.OK]
         return (max(ok) if ok else None), results
-    largest, results = confirm_largest(space, stage, predicted, evaluate)
+    largest, results = confirm_largest(space, stage, predicted, evaluate, fits)
     if largest is None or largest <= larger_than:
         return largest, results  # nothing this stage can add over a lower one
-    sizes = spread_micro_batch_sizes(space.valid_micro_batch_sizes(largest), largest, space.num_micro_batch_sizes)
+    sizes = spread_micro_batch_sizes(fitting_micro_batch_sizes(space, stage, largest, fits), largest,
+                                     space.num_micro_batch_sizes)
     tuner = make_tuner(policy.tuner_type, [space.experiment(stage, m) for m in sizes], policy.objective, policy.seed)
     for result in results:
         if result.experiment in tuner.space:
@@ -138,7 +152,8 @@ def knob_space(space: SearchSpace, stage: int) -> list[dict[str, Any]]:
 
 
 def search_knobs(space: SearchSpace, policy: SearchPolicy, fast_results: list[TrialResult],
-                 evaluate: Evaluate, top_stages: int = 2, top_micro: int = 2) -> list[TrialResult]:
+                 evaluate: Evaluate, top_stages: int = 2, top_micro: int = 2,
+                 fits: Fits = _always_fits) -> list[TrialResult]:
     """Full mode: tune ZeRO knobs on the best stages, around their best micro-batch sizes."""
     objective = policy.objective
     by_stage: dict[int, list[TrialResult]] = {}
@@ -152,16 +167,19 @@ def search_knobs(space: SearchSpace, policy: SearchPolicy, fast_results: list[Tr
         if not knobs:
             continue
         best_first = sorted(by_stage[stage], key=lambda r: r.value, reverse=objective.maximize)[:top_micro]
-        candidates = [r.experiment.with_knobs(k) for r in best_first for k in knobs]
+        candidates = [c for c in (r.experiment.with_knobs(k) for r in best_first for k in knobs) if fits(c)]
+        if not candidates:
+            continue
         tuner = make_tuner(policy.tuner_type, candidates, objective, policy.seed)
         results += drive(tuner, evaluate, early_stopping=policy.early_stopping, max_trials=policy.num_trials)
     return results
 
 
 def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict[int, int], evaluate: Evaluate,
-               prune: Callable[[int, str], None]) -> list[TrialResult]:
+               prune: Callable[[int, str], None], fits: Fits = _always_fits) -> list[TrialResult]:
     """The whole search. `predicted_largest[stage]` is the memory model's largest micro-batch
-    (0: the model states alone do not fit); `prune(stage, reason)` records a stage not searched."""
+    (0: the model states alone do not fit); `prune(stage, reason)` records a stage not searched;
+    nothing is launched that `fits` refuses (it may learn from each launch's measured peak)."""
     measured: dict[Experiment, TrialResult] = {}
 
     def evaluate_once(experiment: Experiment) -> TrialResult:
@@ -177,29 +195,34 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict
             continue
         must_beat = largest_so_far  # a stage's smaller sizes are only worth trying if it fits more
         if not space.fixed_micro_batch_sizes and largest_so_far and predicted <= largest_so_far:
-            reason = probe_stage(space, policy, stage, list(measured.values()), evaluate_once)
+            reason = probe_stage(space, policy, stage, list(measured.values()), evaluate_once, fits)
             if reason is not None:
                 prune(stage, f"cannot help: its largest micro-batch ({predicted}) is no larger than a lower "
                              f"stage's ({largest_so_far}){reason}")
                 continue
             must_beat = 0  # faster at the same size: its other sizes may be too
-        largest, _ = search_stage(space, policy, stage, predicted, evaluate_once, must_beat)
+        largest, stage_results = search_stage(space, policy, stage, predicted, evaluate_once, must_beat, fits)
+        if not stage_results:
+            prune(stage, "memory model, with the overhead measured so far: no micro-batch fits")
         if largest is not None:
             largest_so_far = max(largest_so_far, largest)
     if not policy.fast:
-        search_knobs(space, policy, list(measured.values()), evaluate_once)
+        search_knobs(space, policy, list(measured.values()), evaluate_once, fits=fits)
     return list(measured.values())
 
 
 def probe_stage(space: SearchSpace, policy: SearchPolicy, stage: int, so_far: list[TrialResult],
-                evaluate: Evaluate) -> str | None:
+                evaluate: Evaluate, fits: Fits = _always_fits) -> str | None:
     """A stage that fits no larger micro-batch can still be faster at the same one (ZeRO-1's
     sharded optimizer step on a wide model, say). Run the best experiment so far at this stage
     once: None if it wins (search the stage), else the reason to skip the stage."""
     best = policy.objective.best(so_far)
     if best is None:
         return ""
-    probe = evaluate(space.experiment(stage, best.experiment.micro_batch_size))
+    probe_experiment = space.experiment(stage, best.experiment.micro_batch_size)
+    if not fits(probe_experiment):
+        return f"; the memory model says {probe_experiment.name}, its probe at {best.name}'s micro-batch, does not fit"
+    probe = evaluate(probe_experiment)
     if probe.state is TrialState.OK and policy.objective.better(probe.value, best.value):
         return None
     measured = f"{probe.value:.4g}" if probe.value is not None else probe.state.value
