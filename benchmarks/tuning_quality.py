@@ -80,7 +80,7 @@ class Workload:
 WORKLOADS = {
     "gpt2": Workload("gpt2", "examples/hf_gpt2/train.py",
                      ("--model_size", "tiny", "--max_steps", "50", "--output_dir", str(ROOT / "output/bench_gpt2")),
-                     MAPPINGS_HF, (4, 8, 16, 32), 64, 1200 * 2**20),
+                     MAPPINGS_HF, (4, 8, 16, 32), 64, 750 * 2**20),
     "mlp": Workload("mlp", "examples/minimal/train.py", ("--steps", "50", "--width", "2048", "--depth", "6"),
                     MAPPINGS_OURS, (8, 16, 32, 64), 128, 1000 * 2**20),
     "convnet": Workload("convnet", "benchmarks/workloads/convnet.py", ("--steps", "50"),
@@ -177,7 +177,8 @@ def evaluate(workload: Workload, runs: list[tuple[str, str]], repeats: int, work
             ratio = chosen_score / best_score if chosen_score and best_score else None
             best_spread = spread(again[best]) / best_score if best_score else None
         rows.append({
-            "workload": workload.name, "tuner": tuner, "mode": mode,
+            "date": time.strftime("%Y-%m-%d"), "workload": workload.name, "tuner": tuner, "mode": mode,
+            "budget_mib": workload.memory_per_rank_bytes // 2**20,
             "chosen": chosen.name if chosen else None, "grid_best": best.name,
             "grid_best_samples_per_s": round(feasible[best], 2),
             "grid_best_spread_pct": round(100 * spread(grid_runs[best]) / feasible[best], 1),
@@ -187,6 +188,7 @@ def evaluate(workload: Workload, runs: list[tuple[str, str]], repeats: int, work
             "wall_s": round(run["wall_s"], 1), "grid_wall_s": round(grid_wall / repeats, 1),
             "oom_or_failed": run["oom_or_failed"],
             "predicted_max_micro": run["predicted_max_micro"], "measured_max_micro": measured_max,
+            "omp_num_threads": os.environ["OMP_NUM_THREADS"], "load_avg_1m": round(os.getloadavg()[0], 2),
         })
         print(rows[-1], flush=True)
     return rows
@@ -208,10 +210,21 @@ def main() -> None:
         runs = [tuple(pair.split(":")) for pair in args.runs.split(",")]
         rows += evaluate(WORKLOADS[name], runs, args.repeats,
                          Path(args.work_dir).resolve() / name)
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        table = pd.DataFrame(rows)
-        table.to_csv(RESULTS / "tuning_quality.csv", index=False)  # after each workload: a long run keeps its rows
+        table = save(rows)  # after each workload: a long run keeps its rows
     print(table.drop(columns=["predicted_max_micro", "measured_max_micro"]).to_markdown(index=False))
+
+
+def save(rows: list[dict]) -> pd.DataFrame:
+    """Replace this run's (workload, tuner, mode) rows in the CSV and keep the others."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path, new = RESULTS / "tuning_quality.csv", pd.DataFrame(rows)
+    if path.exists():
+        old = pd.read_csv(path)
+        key = ["workload", "tuner", "mode"]
+        replaced = old.set_index(key).index.isin(new.set_index(key).index)
+        new = pd.concat([old[~replaced], new], ignore_index=True)
+    new.to_csv(path, index=False)
+    return new
 
 
 if __name__ == "__main__":

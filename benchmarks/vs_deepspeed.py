@@ -2,6 +2,7 @@
 
     python benchmarks/vs_deepspeed.py [--max_micro 64] [--rounds 2] [--grid_micro 8,16,32,64]
                                       [--start_step 3 --end_step 5] [--venv output/ds_venv]
+                                      [--width 1024 --depth 4] [--max_train_batch_size N]
 
 1. Setup: DeepSpeed lives in its own virtualenv (`--venv`, created here if missing:
    torch==2.13.0, wheel, tabulate, then deepspeed==0.19.8 with DS_BUILD_OPS=0 DS_ACCELERATOR=cpu
@@ -10,7 +11,8 @@
    would run `pkill -f` over ssh).
 2. Both autotuners tune benchmarks/workloads/dual_engine.py (the minimal example's residual MLP,
    same synthetic data, Adam lr 1e-3) over the same space: ZeRO stages 0-3, micro-batch "auto"
-   up to --max_micro, gradient_accumulation_steps fixed at 1, fast mode, the same profile steps,
+   up to --max_micro, gradient_accumulation_steps fixed at 1 (or, with --max_train_batch_size,
+   tuned by both as that global batch / (micro x 2)), fast mode, the same profile steps,
    2 CPU ranks with OMP_NUM_THREADS=1 each, no memory cap (every stage fits on this machine).
    DeepSpeed: `deepspeed --autotuning tune --num_gpus 2 dual_engine.py --engine deepspeed
    --deepspeed --deepspeed_config ds.json` with DS_ACCELERATOR=cpu, LOCAL_SIZE=2, the venv's bin
@@ -109,9 +111,15 @@ def user_config(engine: str, args, results: Path, exps: Path) -> dict:
     optimizer = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.0}}
     if engine == "deepspeed":
         optimizer["params"]["torch_adam"] = True  # DeepSpeed's FusedAdam is GPU-only; ours ignores the key
+    if not args.max_train_batch_size:
+        batch = {"gradient_accumulation_steps": 1}
+    elif engine == "deepspeed":
+        batch = {}  # DeepSpeed derives gas from max_train_batch_size itself
+    else:
+        batch = {"gradient_accumulation_steps": "auto"}
     return {
         "train_micro_batch_size_per_gpu": "auto",
-        "gradient_accumulation_steps": 1,
+        **batch,
         "steps_per_print": 1000,
         "optimizer": optimizer,
         "zero_optimization": {"stage": [0, 1, 2, 3] if engine == "deepspeed" else "all"},
@@ -125,6 +133,7 @@ def user_config(engine: str, args, results: Path, exps: Path) -> dict:
             "start_profile_step": args.start_step,
             "end_profile_step": args.end_step,
             "max_train_micro_batch_size_per_gpu": args.max_micro,
+            **({"max_train_batch_size": args.max_train_batch_size} if args.max_train_batch_size else {}),
             **({"exp_timeout_s": 300} if engine == "autotuner" else {}),
         },
     }
@@ -270,6 +279,23 @@ def neutral_settings(args) -> ExperimentSettings:
     )
 
 
+def grid_gas(micro: int, args) -> int:
+    return max(1, args.max_train_batch_size // (micro * 2)) if args.max_train_batch_size else 1
+
+
+def save(rows: list[dict]) -> pd.DataFrame:
+    """Replace this workload's rows in the CSV, keep other workloads'; return this run's rows."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path, new = RESULTS / "vs_deepspeed.csv", pd.DataFrame(rows)
+    if path.exists():
+        old = pd.read_csv(path)
+        if "workload" in old:
+            pd.concat([old[old.workload != rows[0]["workload"]], new], ignore_index=True).to_csv(path, index=False)
+            return new
+    new.to_csv(path, index=False)
+    return new
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--venv", default=str(ROOT / "output" / "ds_venv"))
@@ -279,6 +305,8 @@ def main() -> None:
     parser.add_argument("--end_step", type=int, default=5)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--max_train_batch_size", type=int, default=0,
+                        help="global batch cap: both tuners then tune gas (default: gas fixed at 1)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--grid_micro", default="", help="comma list: also re-measure the best of stages 0-3 x these")
     parser.add_argument("--tuner_timeout_s", type=float, default=1500)
@@ -304,7 +332,8 @@ def main() -> None:
     settings = neutral_settings(args)
     grid_best, grid_scores = None, {}
     if args.grid_micro:
-        space = [Experiment(stage, int(m), 1) for stage in (0, 1, 2, 3) for m in args.grid_micro.split(",")]
+        space = [Experiment(stage, int(m), grid_gas(int(m), args)) for stage in (0, 1, 2, 3)
+                 for m in args.grid_micro.split(",")]
         log(f"grid: {len(space)} experiments x {args.rounds} rounds")
         grid_runs = measure_rounds(space, settings, args.rounds, work / "grid")
         grid_scores = {e: median_value(r) for e, r in grid_runs.items()}
@@ -339,7 +368,7 @@ def main() -> None:
         score, half_range, values = remeasured[grid_best]
         rows.append({"tuner": "grid_best", "wall_s": None, "experiments_launched": len(grid_scores),
                      "chosen": grid_best.name, "stage": grid_best.zero_stage, "micro": grid_best.micro_batch_size,
-                     "gas": 1, "own_metric": round(grid_scores[grid_best], 1),
+                     "gas": grid_best.gradient_accumulation_steps, "own_metric": round(grid_scores[grid_best], 1),
                      "remeasured_samples_per_s": round(score, 1) if score else None, "remeasured_values": values,
                      "remeasure_spread_pct": round(100 * half_range / score, 1) if score else None})
     by = {r["tuner"]: r for r in rows}
@@ -362,9 +391,11 @@ def main() -> None:
         r["problems"] = "; ".join(runs[r["tuner"]]["problems"]) if r["tuner"] in runs else ""
         r["command"] = runs[r["tuner"]]["command"] if r["tuner"] in runs else "grid: stages 0-3 x " + args.grid_micro
 
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    table = pd.DataFrame(rows)
-    table.to_csv(RESULTS / "vs_deepspeed.csv", index=False)
+    workload = f"mlp w{args.width} d{args.depth}, " + (
+        f"global batch {args.max_train_batch_size}" if args.max_train_batch_size else "gas 1")
+    for r in rows:
+        r.update(date=time.strftime("%Y-%m-%d"), workload=workload)
+    table = save(rows)
     (work / "runs.json").write_text(json.dumps(runs, default=str, indent=1))
     print(table.drop(columns=["command", "problems", "remeasured_values"]).to_markdown(index=False))
     for name, run in runs.items():
