@@ -84,7 +84,7 @@ WORKLOADS = {
     "mlp": Workload("mlp", "examples/minimal/train.py", ("--steps", "50", "--width", "2048", "--depth", "6"),
                     MAPPINGS_OURS, (8, 16, 32, 64), 128, 1000 * 2**20),
     "convnet": Workload("convnet", "benchmarks/workloads/convnet.py", ("--steps", "50"),
-                        MAPPINGS_OURS, (8, 16, 32, 64), 128, 900 * 2**20),
+                        MAPPINGS_OURS, (8, 16, 32, 64), 128, 700 * 2**20),
 }
 
 
