@@ -479,3 +479,20 @@ def test_full_mode_with_latency_tunes_the_fastest_stage():
     tuned_stages = {r.experiment.zero_stage for r in results if r.experiment.knobs}
     assert tuned_stages == {1, 2}
     assert LATENCY.best(results).experiment.zero_stage == 1
+
+
+def test_fast_mode_launches_the_same_experiments_whichever_tuner():
+    # Fast mode has at most num_tuning_micro_batch_sizes candidates per stage, fewer than the early
+    # stopping patience, so every tuner measures all of them: only the order differs. (The tuners
+    # differ in full mode, and the tuning-quality benchmark runs them there.)
+    from autotuner.tuning.tuners import TUNERS
+
+    def launched(tuner_type: str) -> set[Experiment]:
+        run = FakeRun({0: 24, 1: 24, 2: 48, 3: 64}, slower_with_stage)
+        run_search(space(data_parallel_size=2, global_batch_size=128, max_micro_batch_size=64),
+                   policy(tuner_type=tuner_type, early_stopping=5), {0: 32, 1: 32, 2: 48, 3: 64}, run, Prunes())
+        return set(run.calls)
+
+    sets = {tuner_type: launched(tuner_type) for tuner_type in TUNERS}
+    assert len(sets["gridsearch"]) > 6
+    assert sets["random"] == sets["gridsearch"] == sets["model_based"]
