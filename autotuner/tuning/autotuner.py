@@ -200,10 +200,14 @@ class Autotuner:
 
     def fits(self, experiment: Experiment) -> bool:
         """The memory model's verdict before a launch, corrected by what launches measured.
-        Uncorrected it keeps the whole safety margin; once an engine's launches have shown how
-        far off it is, half the margin is left for the noise in measured peaks."""
+        Uncorrected it keeps the whole safety margin; once launches have shown how far off it
+        is, half the margin is left for the noise in measured peaks. An engine not measured yet
+        borrows the largest overrun of the other: allocator slack grows with what the process
+        frees and reallocates, which FSDP2's per-block gathers do more of, never less."""
         predicted = self.predicted_memory(experiment)
         unmodelled = self._unmodelled_bytes.get(engine_family(experiment.zero_stage))
+        if unmodelled is None and self._unmodelled_bytes:
+            unmodelled = max(self._unmodelled_bytes.values())
         if unmodelled is None:
             return predicted <= usable_bytes(self.budget_bytes, SAFETY_MARGIN)
         return predicted + max(0, unmodelled) <= usable_bytes(self.budget_bytes, SAFETY_MARGIN / 2)
