@@ -35,8 +35,8 @@ sys.path.insert(0, str(ROOT))
 from autotuner.config import load_config  # noqa: E402
 from autotuner.launch.processes import run_to_completion  # noqa: E402
 from autotuner.tuning.autotuner import base_config  # noqa: E402
-from autotuner.tuning.experiment import ExperimentSettings, run_experiment  # noqa: E402
-from autotuner.tuning.records import Objective, TrialState  # noqa: E402
+from autotuner.tuning.experiment import RECORD_FILE, ExperimentSettings, run_experiment  # noqa: E402
+from autotuner.tuning.records import Objective, TrialResult, TrialState  # noqa: E402
 from autotuner.tuning.space import Experiment  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -108,12 +108,19 @@ def settings_for(workload: Workload) -> ExperimentSettings:
     )
 
 
-def measure_rounds(experiments: list[Experiment], settings: ExperimentSettings, rounds: int, work: Path) -> dict:
-    """Interleaved rounds; returns {experiment: [results]}."""
+def measure_rounds(experiments: list[Experiment], settings: ExperimentSettings, rounds: int, work: Path,
+                   reuse: bool = False) -> dict:
+    """Interleaved rounds; returns {experiment: [results]}. With `reuse`, a run whose record is
+    already in `work` (an interrupted benchmark's) is read back, not launched again."""
     measured: dict[Experiment, list] = {e: [] for e in experiments}
     for round_index in range(rounds):
         for experiment in experiments:
-            result = run_experiment(experiment, work / f"{experiment.name}_r{round_index}", settings)
+            exp_dir = work / f"{experiment.name}_r{round_index}"
+            record = exp_dir / RECORD_FILE
+            if reuse and record.exists():
+                result = TrialResult.from_json(json.loads(record.read_text()))
+            else:
+                result = run_experiment(experiment, exp_dir, settings)
             measured[experiment].append(result)
     return measured
 
@@ -143,23 +150,25 @@ def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path) -> dict
     launched = table[table.state != "pruned"]
     ok = launched[launched.state == "ok"]
     best = ok.loc[ok.metric_value.idxmax()] if len(ok) else None
+    # The pick with its knobs (full mode), as the tuner recorded it.
+    chosen = None if best is None else TrialResult.from_json(json.loads(
+        (work / "autotuning_exps" / best["name"] / RECORD_FILE).read_text())).experiment
     predicted = dict(re.findall(r"z(\d)=(\d+)", stdout.split("largest micro-batch per stage:")[-1].split("\n")[0]))
     profiles = len(list((work / "autotuning_exps").glob("profile_*")))
     return {
         "returncode": done.returncode, "wall_s": wall, "experiments": len(launched) + profiles,
         "oom_or_failed": int((launched.state != "ok").sum()),
-        "chosen": None if best is None else Experiment(int(best.zero_stage), int(best.micro_batch_size),
-                                                       int(best.gradient_accumulation_steps)),
+        "chosen": chosen,
         "predicted_max_micro": {int(k): int(v) for k, v in predicted.items()},
     }
 
 
-def evaluate(workload: Workload, runs: list[tuple[str, str]], repeats: int, work: Path) -> list[dict]:
+def evaluate(workload: Workload, runs: list[tuple[str, str]], repeats: int, work: Path,
+             reuse_grid: bool) -> list[dict]:
     settings = settings_for(workload)
     space = grid(workload)
-    started = time.monotonic()
-    grid_runs = measure_rounds(space, settings, repeats, work / "grid")
-    grid_wall = time.monotonic() - started
+    grid_runs = measure_rounds(space, settings, repeats, work / "grid", reuse=reuse_grid)
+    grid_wall = sum(r.wall_time_s for results in grid_runs.values() for r in results)
     scores = {e: median_value(r) for e, r in grid_runs.items()}
     feasible = {e: s for e, s in scores.items() if s is not None}
     best = max(feasible, key=feasible.get)
@@ -201,6 +210,8 @@ def main() -> None:
                         "random:full,model_based:full", help="tuner:mode pairs to run, comma-separated")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--work_dir", default="output/tuning_quality")
+    parser.add_argument("--reuse_grid", action="store_true",
+                        help="read back grid runs an earlier (interrupted) run of this benchmark left in --work_dir")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     # SIGTERM unwinds like Ctrl-C, so the running launch's process tree is ended on the way out.
@@ -208,8 +219,7 @@ def main() -> None:
     rows = []
     for name in args.workloads.split(","):
         runs = [tuple(pair.split(":")) for pair in args.runs.split(",")]
-        rows += evaluate(WORKLOADS[name], runs, args.repeats,
-                         Path(args.work_dir).resolve() / name)
+        rows += evaluate(WORKLOADS[name], runs, args.repeats, Path(args.work_dir).resolve() / name, args.reuse_grid)
         table = save(rows)  # after each workload: a long run keeps its rows
     print(table.drop(columns=["predicted_max_micro", "measured_max_micro"]).to_markdown(index=False))
 
