@@ -220,22 +220,23 @@ def main() -> None:
     for name in args.workloads.split(","):
         runs = [tuple(pair.split(":")) for pair in args.runs.split(",")]
         rows += evaluate(WORKLOADS[name], runs, args.repeats, Path(args.work_dir).resolve() / name, args.reuse_grid)
-        table = save(rows)  # after each workload: a long run keeps its rows
+        # after each workload: a long run keeps its rows
+        table = merge_csv(RESULTS / "tuning_quality.csv", rows, ["workload", "tuner", "mode"])
     print(table.drop(columns=["predicted_max_micro", "measured_max_micro"]).to_markdown(index=False))
 
 
-def save(rows: list[dict]) -> pd.DataFrame:
-    """Replace this run's (workload, tuner, mode) rows in the CSV and keep the others."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path, new = RESULTS / "tuning_quality.csv", pd.DataFrame(rows)
+def merge_csv(path: Path, rows: list[dict], key: list[str]) -> pd.DataFrame:
+    """Write `rows` into the CSV at `path`, replacing rows with the same `key` values and keeping
+    the rest (a later run of one workload leaves the others' results); returns the whole table."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame(rows)
     if path.exists():
         old = pd.read_csv(path)
-        key = ["workload", "tuner", "mode"]
-        replaced = old.set_index(key).index.isin(new.set_index(key).index)
-        new = pd.concat([old[~replaced], new], ignore_index=True)
-    new.to_csv(path, index=False)
-    return new
-
+        if set(key) <= set(old.columns):
+            replaced = old.set_index(key).index.isin(table.set_index(key).index)
+            table = pd.concat([old[~replaced], table], ignore_index=True)
+    table.to_csv(path, index=False)
+    return table
 
 if __name__ == "__main__":
     main()

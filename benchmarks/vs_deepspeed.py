@@ -54,7 +54,7 @@ from autotuner.tuning.autotuner import base_config  # noqa: E402
 from autotuner.tuning.experiment import ExperimentSettings  # noqa: E402
 from autotuner.tuning.records import Objective  # noqa: E402
 from autotuner.tuning.space import Experiment  # noqa: E402
-from tuning_quality import measure_rounds, median_value, spread  # noqa: E402
+from tuning_quality import measure_rounds, median_value, merge_csv, spread  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 SCRIPT = ROOT / "benchmarks" / "workloads" / "dual_engine.py"
@@ -283,19 +283,6 @@ def grid_gas(micro: int, args) -> int:
     return max(1, args.max_train_batch_size // (micro * 2)) if args.max_train_batch_size else 1
 
 
-def save(rows: list[dict]) -> pd.DataFrame:
-    """Replace this workload's rows in the CSV, keep other workloads'; return this run's rows."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path, new = RESULTS / "vs_deepspeed.csv", pd.DataFrame(rows)
-    if path.exists():
-        old = pd.read_csv(path)
-        if "workload" in old:
-            pd.concat([old[old.workload != rows[0]["workload"]], new], ignore_index=True).to_csv(path, index=False)
-            return new
-    new.to_csv(path, index=False)
-    return new
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--venv", default=str(ROOT / "output" / "ds_venv"))
@@ -395,7 +382,8 @@ def main() -> None:
         f"global batch {args.max_train_batch_size}" if args.max_train_batch_size else "gas 1")
     for r in rows:
         r.update(date=time.strftime("%Y-%m-%d"), workload=workload)
-    table = save(rows)
+    merge_csv(RESULTS / "vs_deepspeed.csv", rows, ["workload", "tuner"])
+    table = pd.DataFrame(rows)
     (work / "runs.json").write_text(json.dumps(runs, default=str, indent=1))
     print(table.drop(columns=["command", "problems", "remeasured_values"]).to_markdown(index=False))
     for name, run in runs.items():
