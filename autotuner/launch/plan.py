@@ -47,8 +47,8 @@ class LaunchPlan:
         return self.nproc_per_node * self.num_nodes
 
 
-def default_nproc_per_node() -> int:
-    """All visible GPUs, or one process on CPU."""
+def visible_gpus() -> int:
+    """CUDA devices this process may use (0 on a CPU-only machine); makes no CUDA context."""
     try:
         import torch
 
@@ -56,7 +56,12 @@ def default_nproc_per_node() -> int:
             return torch.cuda.device_count()
     except ImportError:
         pass
-    return 1
+    return 0
+
+
+def default_nproc_per_node() -> int:
+    """All visible GPUs, or one process on CPU."""
+    return visible_gpus() or 1
 
 
 def thread_env(nproc_per_node: int, environ: dict[str, str]) -> dict[str, str]:
@@ -75,6 +80,11 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
     nproc = options.nproc_per_node if options.nproc_per_node is not None else default_nproc_per_node()
     if nproc < 1:
         raise UsageError(f"--nproc_per_node: got {nproc}; expected a positive number of ranks per node")
+    gpus = visible_gpus()
+    if gpus and nproc > gpus:
+        # NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected").
+        raise UsageError(f"--nproc_per_node: got {nproc}, but only {gpus} GPU(s) are visible; nccl needs one GPU "
+                         f"per rank, so use at most {gpus}")
     if options.num_nodes < 1:
         raise UsageError(f"--num_nodes: got {options.num_nodes}; expected a positive number of nodes")
     if not 0 <= options.node_rank < options.num_nodes:

@@ -17,7 +17,8 @@ from torch.nn.parallel import DistributedDataParallel
 from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.runtime.distributed import DistributedContext
-from autotuner.runtime.metrics import build_metrics, is_out_of_memory, peak_memory_bytes, write_json_atomic
+from autotuner.runtime.metrics import (build_metrics, is_out_of_memory, peak_memory_bytes, peak_reserved_bytes,
+                                       write_json_atomic)
 from autotuner.runtime.profile import ActivationProbe, FlopProbe, device_memory_bytes, write_model_info
 from autotuner.runtime.zero import shard_units
 from autotuner.runtime.timers import ProfileWindow, Stopwatch, Summary
@@ -73,6 +74,8 @@ class Engine(nn.Module):
         self._flop_probe = FlopProbe() if count_flops else None
         want_model_info = tuning.enabled and tuning.model_info_path is not None
         self._activation_probe = ActivationProbe(self._parameters_for_probe()) if want_model_info else None
+        if tuning.metric_path:
+            _mark_uncaught_oom(f"{tuning.metric_path}.oom-rank{ctx.rank}", ctx.rank)
 
     # ----- DeepSpeed-compatible accessors -----
     @property
@@ -194,7 +197,7 @@ class Engine(nn.Module):
         except (torch.OutOfMemoryError, RuntimeError) as err:
             path = self.config.autotuning.metric_path
             if path and is_out_of_memory(err):
-                write_json_atomic(f"{path}.oom-rank{self.ctx.rank}", {"rank": self.ctx.rank, "error": str(err)[:500]})
+                _write_oom_marker(f"{path}.oom-rank{self.ctx.rank}", self.ctx.rank, err)
             raise
 
     def _report_progress(self, wall_s: float) -> None:
@@ -229,6 +232,8 @@ class Engine(nn.Module):
         # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
         optimizer_bytes = optimizer_per_rank[0] if self.zero_stage == 0 else sum(optimizer_per_rank)
         peak_per_rank = self._gather_max(peak_memory_bytes(self.ctx.device))
+        reserved = peak_reserved_bytes(self.ctx.device)
+        reserved_per_rank = self._gather_max(reserved) if reserved is not None else None
         if self.ctx.rank == 0:
             write_model_info(
                 self.config.autotuning.model_info_path,
@@ -237,6 +242,7 @@ class Engine(nn.Module):
                 optimizer_state_bytes=optimizer_bytes,
                 micro_batch_size=self.batch.micro_batch_size,
                 peak_memory_bytes_per_rank=peak_per_rank,
+                peak_reserved_bytes_per_rank=reserved_per_rank,
                 num_shard_units=len(shard_units(self.module, 0)),
                 device_memory_bytes=device_memory_bytes(self.ctx.device),
                 zero_stage=self.zero_stage,
@@ -259,6 +265,8 @@ class Engine(nn.Module):
     def _finish_profile(self) -> None:
         """Rank 0 writes the metrics file; every rank then leaves with status 0."""
         per_rank = self._gather_max(peak_memory_bytes(self.ctx.device))
+        reserved = peak_reserved_bytes(self.ctx.device)
+        reserved_per_rank = self._gather_max(reserved) if reserved is not None else None
         flops = self._flop_probe.total if self._flop_probe is not None else None
         if self.ctx.rank == 0:
             metrics = build_metrics(
@@ -271,6 +279,7 @@ class Engine(nn.Module):
                 precision=self.precision,
                 peak_memory=max(per_rank),
                 peak_memory_per_rank=per_rank,
+                peak_reserved_per_rank=reserved_per_rank,
                 flops_per_step=flops * self.batch.gradient_accumulation_steps if flops else None,
                 device_type=self.ctx.device.type,
             )
@@ -325,6 +334,23 @@ class Engine(nn.Module):
         if self._grad_scaler is not None and state.get("grad_scaler"):
             self._grad_scaler.load_state_dict(state["grad_scaler"])
         return str(Path(load_dir) / resolved), state.get("client_state", {})
+
+
+def _write_oom_marker(path: str, rank: int, err: BaseException) -> None:
+    write_json_atomic(path, {"rank": rank, "error": str(err)[:500]})
+
+
+def _mark_uncaught_oom(path: str, rank: int) -> None:
+    """An out-of-memory error raised outside the engine's calls (the script moving a batch to the
+    GPU, say) still leaves the marker, so the tuner records OOM rather than a crash."""
+    previous = sys.excepthook
+
+    def hook(kind, err, traceback):
+        if is_out_of_memory(err) and not os.path.exists(path):
+            _write_oom_marker(path, rank, err)
+        previous(kind, err, traceback)
+
+    sys.excepthook = hook
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:

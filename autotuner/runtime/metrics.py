@@ -29,6 +29,18 @@ def peak_memory_bytes(device: torch.device) -> int:
     """This rank's peak: the CUDA allocator's on GPU, the resident-set high-water mark on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    return _resident_high_water_mark()
+
+
+def peak_reserved_bytes(device: torch.device) -> int | None:
+    """The CUDA caching allocator's peak reservation (what the device really gave up); None on CPU,
+    where the resident set already is what the process holds."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_reserved(device))
+    return None
+
+
+def _resident_high_water_mark() -> int:
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -50,6 +62,7 @@ def build_metrics(
     precision: str,
     peak_memory: int,
     peak_memory_per_rank: list[int],
+    peak_reserved_per_rank: list[int] | None = None,
     flops_per_step: float | None,
     device_type: str,
 ) -> dict[str, Any]:
@@ -67,6 +80,7 @@ def build_metrics(
         "step": dataclasses.asdict(Summary.of(window.step_s)),
         "peak_memory_bytes": peak_memory,
         "peak_memory_bytes_per_rank": peak_memory_per_rank,
+        "peak_reserved_bytes": max(peak_reserved_per_rank) if peak_reserved_per_rank else None,
         "world_size": world_size,
         "train_batch_size": train_batch_size,
         "micro_batch_size": micro_batch_size,

@@ -93,10 +93,15 @@ def count_parameters(module: nn.Module) -> tuple[int, int]:
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
-    """Total memory of this rank's GPU; None on CPU (the tuner uses host RAM there)."""
+    """What this rank's caching allocator can hold at most: the GPU's free memory plus what the
+    allocator already reserved, read with cudaMemGetInfo once the CUDA context, NCCL and cuBLAS
+    have taken theirs (so not the card's total, which no allocation can reach). The budget is
+    compared with allocator peaks, so memory outside the allocator must not count in it.
+    None on CPU (the tuner uses host RAM there)."""
     if device.type != "cuda":
         return None
-    return int(torch.cuda.get_device_properties(device).total_memory)
+    free, _total = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device))
 
 
 def write_model_info(
@@ -107,6 +112,7 @@ def write_model_info(
     optimizer_state_bytes: int,
     micro_batch_size: int,
     peak_memory_bytes_per_rank: list[int],
+    peak_reserved_bytes_per_rank: list[int] | None,
     num_shard_units: int,
     device_memory_bytes: int | None,
     zero_stage: int,
@@ -123,6 +129,7 @@ def write_model_info(
         "micro_batch_size": micro_batch_size,
         "peak_memory_bytes_per_rank": peak_memory_bytes_per_rank,
         "peak_memory_bytes": max(peak_memory_bytes_per_rank),
+        "peak_reserved_bytes": max(peak_reserved_bytes_per_rank) if peak_reserved_bytes_per_rank else None,
         "num_shard_units": num_shard_units,
         "device_memory_bytes": device_memory_bytes,
         "zero_stage": zero_stage,

@@ -6,7 +6,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -95,6 +95,12 @@ def search_space(config: DeepSpeedConfig, data_parallel_size: int) -> SearchSpac
     )
 
 
+def _offload_sections(config: DeepSpeedConfig) -> tuple[bool, bool]:
+    """Whether the user wrote each offload section at all (any device): then it is not tuned."""
+    zero = config.zero_optimization
+    return zero.offload_optimizer is not None, zero.offload_param is not None
+
+
 def _offloads(config: DeepSpeedConfig) -> tuple[bool, bool]:
     zero = config.zero_optimization
     return (bool(zero.offload_optimizer and zero.offload_optimizer.device == "cpu"),
@@ -125,6 +131,7 @@ class Autotuner:
         self._profiled = False  # a profile launch has shown the script runs
         self.precision = "fp32"  # as the ranks settle it; from the profile when there is one
         self.budget_bytes: int | None = None
+        self._device_type = "cpu"  # where the ranks run, from the profile (or torch, without one)
         # Per engine: the most a launch's measured peak exceeded the model (allocator slack and
         # other costs it does not see); it grows with steps, which a profile run is too short for.
         self._unmodelled_bytes: dict[str, int] = {}
@@ -147,8 +154,11 @@ class Autotuner:
             if result.state.finished:
                 self._journal[result.name] = result
 
-    def _stage_settings(self, stage: int, gradient_accumulation_steps: int = 1) -> StageSettings:
+    def _stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
+                        knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
         offload_optimizer, offload_param = _offloads(self.config)
+        by_knob = Experiment(stage, 1, 1, knobs).offloaded()
+        offload_optimizer, offload_param = offload_optimizer or by_knob[0], offload_param or by_knob[1]
         zero = base_config(self.config)["zero_optimization"]
         return StageSettings(stage, self.precision, self.settings.data_parallel_size, offload_optimizer,
                              offload_param, bool(zero.get("contiguous_gradients")), gradient_accumulation_steps)
@@ -158,7 +168,8 @@ class Autotuner:
         if tuning.model_info is not None and tuning.model_info.num_params:
             self.profile = profile_from_config(tuning.model_info)
             self.precision = self.config.with_device_precision(_cuda_bf16()).precision
-            device_memory = None
+            device_memory = _visible_gpu_memory()
+            self._device_type = "cuda" if device_memory else "cpu"
             self.report(f"model_info given: {self.profile.num_params:,} parameters; no profile run")
         else:
             outcome = profile_model(self.space.stages, self.exps_dir, self.settings,
@@ -172,6 +183,7 @@ class Autotuner:
             self.precision = outcome.runs[0]["precision"]
             self._profiled = True
             device_memory = outcome.device_memory_bytes
+            self._device_type = "cuda" if device_memory else "cpu"
             self.report(f"profile: {self.profile.num_params:,} parameters, "
                         f"{self.profile.activation_bytes_per_sample / 2**20:.2f} MiB activations per sample, "
                         f"baseline {self.profile.baseline_bytes / 2**20:.0f} MiB per rank")
@@ -195,8 +207,22 @@ class Autotuner:
         return largest
 
     def predicted_memory(self, experiment: Experiment) -> int:
-        settings = self._stage_settings(experiment.zero_stage, experiment.gradient_accumulation_steps)
+        settings = self._stage_settings(experiment.zero_stage, experiment.gradient_accumulation_steps,
+                                        experiment.knobs)
         return estimate(self.profile, settings, experiment.micro_batch_size).total
+
+    def offload_fallback(self, stage: int) -> tuple[dict[str, Any], int] | None:
+        """For a ZeRO 2/3 stage that fits nothing on the GPU: CPU offload and the largest micro-batch
+        it allows. Not offered when the user configured offload (their choice stands) or off CUDA
+        (torch's CPUOffloadPolicy needs a GPU). DeepSpeed offloads parameters only at stage 3."""
+        if stage < 2 or self._device_type != "cuda" or any(_offload_sections(self.config)):
+            return None
+        knobs = {"offload_optimizer": "cpu"} if stage == 2 else {"offload_optimizer": "cpu", "offload_param": "cpu"}
+        usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
+        space = replace(self.space, stage_knobs=tuple(sorted(knobs.items())))
+        fitting = [m for m in space.valid_micro_batch_sizes(self.space.max_micro_batch_size)
+                   if self.predicted_memory(space.experiment(stage, m)) <= usable]
+        return (knobs, max(fitting)) if fitting else None
 
     def fits(self, experiment: Experiment) -> bool:
         """The memory model's verdict before a launch, corrected by what launches measured.
@@ -271,7 +297,8 @@ class Autotuner:
         largest = self.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " +
                     ", ".join(f"z{s}={m}" for s, m in sorted(largest.items())))
-        results = run_search(self.space, self.policy, largest, self._evaluate, self._prune, self.fits)
+        results = run_search(self.space, self.policy, largest, self._evaluate, self._prune, self.fits,
+                             self.offload_fallback, self.report)
         everything = list(dict.fromkeys(results)) + self._pruned
         best = self.objective.best(everything)
         optimal_path = optimal_args = optimal_cmd = config = None
@@ -283,6 +310,19 @@ class Autotuner:
         summary = write_results(self.results_dir, everything, self.objective, time.monotonic() - self._started,
                                 config, list(optimal_cmd) if optimal_cmd else None)
         return TuningOutcome(tuple(everything), best, summary, optimal_path, optimal_args, optimal_cmd)
+
+
+def _visible_gpu_memory() -> int | None:
+    """The first visible GPU's total memory, or None without one. Reads the device's properties
+    only: no CUDA context is made in the tuner, whose memory the ranks need."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except ImportError:
+        pass
+    return None
 
 
 def _cuda_bf16() -> bool:

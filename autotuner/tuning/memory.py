@@ -9,8 +9,9 @@ It costs what our engine really holds (see autotuner/runtime/zero.py):
   ranks; the unsharded compute copy (2 bytes in bf16/fp16, 4 in fp32) is held whole
   from forward to backward in stage 2, and one or two blocks at a time in stage 3;
   with gradient accumulation, unsharded gradients are held between micro-steps.
-- offload moves optimizer states, and with `offload_param` the sharded parameters and
-  gradients, to host memory.
+- offload (stage 2/3): FSDP2's CPUOffloadPolicy keeps the sharded fp32 parameters and
+  gradients on the host and steps the optimizer there, so either `offload_optimizer` or
+  `offload_param` leaves only the compute copies and activations on the device.
 Activations come from the profile run. `baseline_bytes` is what the process holds
 before the model (CUDA context, or on CPU the interpreter and libraries).
 """
@@ -86,8 +87,8 @@ def model_state_bytes(profile: ModelProfile, settings: StageSettings) -> MemoryE
         if settings.gradient_accumulation_steps > 1:
             # Without gradient sync FSDP2 accumulates unsharded gradients, in the compute dtype.
             buffers += compute * p
-        if settings.offload_param:
-            parameters = gradients = 0
+        if settings.offload_param or settings.offload_optimizer:
+            parameters = gradients = optimizer = 0
     if settings.offload_optimizer:
         optimizer = 0
     baseline = profile.baseline_bytes

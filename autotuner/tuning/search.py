@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from autotuner.tuning.records import Objective, TrialResult, TrialState
@@ -48,6 +48,7 @@ class SearchSpace:
     global_batch_exact: bool = False  # True when train_batch_size is fixed
     num_micro_batch_sizes: int = 3
     knob_values: dict[int, dict[str, list[Any]]] = field(default_factory=dict, hash=False)
+    stage_knobs: tuple[tuple[str, Any], ...] = ()  # set on every experiment (offload, when it is needed)
 
     def gas(self, micro_batch_size: int) -> int | None:
         if self.fixed_gradient_accumulation_steps is not None:
@@ -66,7 +67,7 @@ class SearchSpace:
         return [m for m in range(self.min_micro_batch_size, upper + 1) if self.gas(m) is not None]
 
     def experiment(self, stage: int, micro_batch_size: int) -> Experiment:
-        return Experiment(stage, micro_batch_size, self.gas(micro_batch_size) or 1)
+        return Experiment(stage, micro_batch_size, self.gas(micro_batch_size) or 1, self.stage_knobs)
 
 
 @dataclass(frozen=True)
@@ -175,11 +176,23 @@ def search_knobs(space: SearchSpace, policy: SearchPolicy, fast_results: list[Tr
     return results
 
 
+# What the memory model offers for a stage that fits nothing as configured: the knobs that make
+# it fit (CPU offload) and the largest micro-batch with them, or None.
+OffloadFallback = Callable[[int], "tuple[dict[str, Any], int] | None"]
+
+
+def _no_fallback(stage: int) -> None:
+    return None
+
+
 def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict[int, int], evaluate: Evaluate,
-               prune: Callable[[int, str], None], fits: Fits = _always_fits) -> list[TrialResult]:
+               prune: Callable[[int, str], None], fits: Fits = _always_fits,
+               offload_fallback: OffloadFallback = _no_fallback,
+               report: Callable[[str], None] = lambda line: None) -> list[TrialResult]:
     """The whole search. `predicted_largest[stage]` is the memory model's largest micro-batch
     (0: the model states alone do not fit); `prune(stage, reason)` records a stage not searched;
-    nothing is launched that `fits` refuses (it may learn from each launch's measured peak)."""
+    nothing is launched that `fits` refuses (it may learn from each launch's measured peak).
+    A stage that fits nothing is searched with `offload_fallback`'s knobs when it offers some."""
     measured: dict[Experiment, TrialResult] = {}
 
     def evaluate_once(experiment: Experiment) -> TrialResult:
@@ -190,18 +203,27 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict
     largest_so_far = 0
     for stage in sorted(space.stages):
         predicted = min(predicted_largest.get(stage, space.max_micro_batch_size), space.max_micro_batch_size)
+        stage_space = space
         if predicted < space.min_micro_batch_size:
-            prune(stage, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
-            continue
+            fallback = offload_fallback(stage)
+            if fallback is None or min(fallback[1], space.max_micro_batch_size) < space.min_micro_batch_size:
+                prune(stage, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
+                continue
+            knobs, largest_offloaded = fallback
+            stage_space = replace(space, stage_knobs=tuple(sorted(knobs.items())))
+            predicted = min(largest_offloaded, space.max_micro_batch_size)
+            report(f"ZeRO {stage}: fits no micro-batch on the device; searched with "
+                   + ", ".join(f"{k}.device={v}" for k, v in sorted(knobs.items()))
+                   + f" (largest micro-batch {predicted})")
         must_beat = largest_so_far  # a stage's smaller sizes are only worth trying if it fits more
         if not space.fixed_micro_batch_sizes and largest_so_far and predicted <= largest_so_far:
-            reason = probe_stage(space, policy, stage, list(measured.values()), evaluate_once, fits)
+            reason = probe_stage(stage_space, policy, stage, list(measured.values()), evaluate_once, fits)
             if reason is not None:
                 prune(stage, f"cannot help: its largest micro-batch ({predicted}) is no larger than a lower "
                              f"stage's ({largest_so_far}){reason}")
                 continue
             must_beat = 0  # faster at the same size: its other sizes may be too
-        largest, stage_results = search_stage(space, policy, stage, predicted, evaluate_once, must_beat, fits)
+        largest, stage_results = search_stage(stage_space, policy, stage, predicted, evaluate_once, must_beat, fits)
         if not stage_results:
             prune(stage, "memory model, with the overhead measured so far: no micro-batch fits")
         if largest is not None:

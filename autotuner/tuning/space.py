@@ -14,7 +14,12 @@ KNOB_TAGS = {
     "contiguous_gradients": "cg",
     "stage3_prefetch_bucket_size": "pbs",
     "stage3_param_persistence_threshold": "ppt",
+    "offload_optimizer": "oo",
+    "offload_param": "op",
 }
+
+# Knobs that name a section's device: the value is the device ("cpu"), set as {"device": value}.
+OFFLOAD_KNOBS = ("offload_optimizer", "offload_param")
 
 
 def _format_knob(value: Any) -> str:
@@ -43,8 +48,15 @@ class Experiment:
         return self.micro_batch_size * self.gradient_accumulation_steps * data_parallel_size
 
     def with_knobs(self, knobs: dict[str, Any]) -> "Experiment":
+        """This experiment with `knobs` added (a knob it already has takes the new value)."""
+        merged = {**dict(self.knobs), **knobs}
         return Experiment(self.zero_stage, self.micro_batch_size, self.gradient_accumulation_steps,
-                          tuple(sorted(knobs.items())))
+                          tuple(sorted(merged.items())))
+
+    def offloaded(self) -> tuple[bool, bool]:
+        """(offload_optimizer, offload_param) to the CPU, as this experiment's knobs set them."""
+        knobs = dict(self.knobs)
+        return knobs.get("offload_optimizer") == "cpu", knobs.get("offload_param") == "cpu"
 
     def features(self) -> dict[str, float]:
         """Numeric description for cost models."""
@@ -56,6 +68,9 @@ class Experiment:
             "log2_gradient_accumulation_steps": math.log2(self.gradient_accumulation_steps),
         }
         for key, value in self.knobs:
+            if key in OFFLOAD_KNOBS:
+                out[key] = float(value == "cpu")
+                continue
             number = float(value)
             out[key] = math.log2(number) if number > 1 else number
         return out
@@ -65,7 +80,8 @@ class Experiment:
         config = copy.deepcopy(base_config)
         zero = dict(config.get("zero_optimization") or {})
         zero["stage"] = self.zero_stage
-        zero.update(dict(self.knobs))
+        for key, value in self.knobs:
+            zero[key] = {**(zero.get(key) or {}), "device": value} if key in OFFLOAD_KNOBS else value
         config["zero_optimization"] = zero
         config["train_micro_batch_size_per_gpu"] = self.micro_batch_size
         config["gradient_accumulation_steps"] = self.gradient_accumulation_steps

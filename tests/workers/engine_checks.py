@@ -140,13 +140,33 @@ def check_bf16() -> dict:
     return {"losses": losses}
 
 
+def check_offload() -> dict:
+    """ZeRO 2/3 with CPU offload (FSDP2 CPUOffloadPolicy) give the losses of the same stage without it.
+    DeepSpeed offloads parameters only at stage 3, so stage 2 offloads the optimizer alone."""
+    losses, devices = {}, {}
+    for stage in (2, 3):
+        for offload in (False, True):
+            torch.manual_seed(0)
+            settings = config(stage)
+            if offload:
+                settings["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+                if stage == 3:
+                    settings["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
+            engine, *_ = autotuner.initialize(model=Net(), config=settings)
+            key = f"{stage}{'_offload' if offload else ''}"
+            losses[key] = train_steps(engine, 0, 5)
+            param = next(engine.module.parameters())
+            devices[key] = (param.to_local() if hasattr(param, "to_local") else param).device.type
+    return {"losses": losses, "parameter_devices": devices}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--check", choices=("parity", "gas", "checkpoint", "bf16"), required=True)
+    parser.add_argument("--check", choices=("parity", "gas", "checkpoint", "bf16", "offload"), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     checks = {"parity": check_parity, "gas": check_gas, "checkpoint": lambda: check_checkpoint(args.out + ".ckpt"),
-              "bf16": check_bf16}
+              "bf16": check_bf16, "offload": check_offload}
     result = checks[args.check]()
     result["world_size"] = dist.get_world_size()
     if dist.get_rank() == 0:

@@ -98,8 +98,9 @@ def main() -> None:
         for _ in range(engine.gradient_accumulation_steps()):
             held = None
             if args.mem_per_sample_mb:
-                held = torch.ones(int(micro * args.mem_per_sample_mb * 2**20 / 4))  # resident: written
-            x, y = torch.randn(micro, 16), torch.randn(micro, 1)
+                # Resident (written); on a GPU this is where a real CUDA out-of-memory error comes from.
+                held = torch.ones(int(micro * args.mem_per_sample_mb * 2**20 / 4), device=engine.device)
+            x, y = torch.randn(micro, 16, device=engine.device), torch.randn(micro, 1, device=engine.device)
             loss = nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             time.sleep(per_sample_s * micro)
