@@ -38,7 +38,8 @@ torch.cuda.synchronize(); print(20 * 2 * 8192**3 / (time.perf_counter() - start)
 
 def matmul_flops() -> float:
     """bf16 8192^3 matrix products per second, in a child so this process never holds a CUDA context."""
-    return float(subprocess.run([sys.executable, "-c", MATMUL], capture_output=True, text=True, check=True).stdout)
+    child = subprocess.run([sys.executable, "-c", MATMUL], capture_output=True, text=True)
+    return float(child.stdout) if child.returncode == 0 else float("nan")  # no GPU: no MFU
 
 
 def main() -> None:
