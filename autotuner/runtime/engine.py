@@ -74,6 +74,11 @@ class Engine(nn.Module):
         self._flop_probe = FlopProbe() if count_flops else None
         want_model_info = tuning.enabled and tuning.model_info_path is not None
         self._activation_probe = ActivationProbe(self._parameters_for_probe()) if want_model_info else None
+        # On CUDA the profile reads the allocator's peaks of step 2 apart for forward+backward and for
+        # the optimizer step: the steady state, with optimizer states allocated. The CPU's resident
+        # set cannot be split by phase, so there the profile stays at step 1.
+        self._phase_peaks = PhasePeaks() if want_model_info and ctx.device.type == "cuda" else None
+        self._model_info_step = 2 if self._phase_peaks is not None else 1
         if tuning.metric_path:
             _mark_uncaught_oom(f"{tuning.metric_path}.oom-rank{ctx.rank}", ctx.rank)
 
@@ -158,10 +163,17 @@ class Engine(nn.Module):
         self.micro_steps += 1
         if not boundary:
             return
+        measure_phases = self._phase_peaks is not None and self.global_steps + 1 == self._model_info_step
+        if measure_phases:
+            self._phase_peaks.end_forward_backward(self.ctx.device)
         self._step_watch.start()
         with self._oom_guard():
             self._optimizer_step()
         step_s = self._step_watch.stop()
+        if measure_phases:
+            self._phase_peaks.end_optimizer_step(self.ctx.device)
+        elif self._phase_peaks is not None and self.global_steps + 2 == self._model_info_step:
+            self._phase_peaks.start(self.ctx.device)
         now = self._step_watch.now()
         wall = now - (self._last_boundary_end or now)
         self._last_boundary_end = now
@@ -169,7 +181,7 @@ class Engine(nn.Module):
         self.global_samples += self.batch.train_batch_size
         self._window.record_step(self.global_steps, step_s, wall)
         self._report_progress(wall)
-        if self._activation_probe is not None and self.global_steps == 1:
+        if self._activation_probe is not None and self.global_steps == self._model_info_step:
             self._write_model_info()
         if self._exit_after_window and self.global_steps == self._window.end_step:
             self._finish_profile()
@@ -224,16 +236,24 @@ class Engine(nn.Module):
         return [int(t.item()) for t in gathered]
 
     def _write_model_info(self) -> None:
-        """After step 1: parameters, activation bytes, optimizer-state bytes and peak memory.
+        """After step 1 (CPU) or 2 (CUDA): parameters, activation bytes, optimizer-state bytes and
+        peak memory, and on CUDA the peaks of forward+backward and of the optimizer step apart.
 
         With autotuning.model_info.profile set, every rank then leaves with status 0."""
         activation_per_rank = self._gather_max(self._activation_probe.bytes_saved)
         optimizer_per_rank = self._gather_max(_state_bytes(self._local_optimizer))
         # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
         optimizer_bytes = optimizer_per_rank[0] if self.zero_stage == 0 else sum(optimizer_per_rank)
-        peak_per_rank = self._gather_max(peak_memory_bytes(self.ctx.device))
+        peak = peak_memory_bytes(self.ctx.device)
+        if self._phase_peaks is not None:
+            peak = max(peak, self._phase_peaks.before_bytes, self._phase_peaks.forward_backward_bytes)
+        peak_per_rank = self._gather_max(peak)
         reserved = peak_reserved_bytes(self.ctx.device)
         reserved_per_rank = self._gather_max(reserved) if reserved is not None else None
+        phases = None
+        if self._phase_peaks is not None:
+            phases = (max(self._gather_max(self._phase_peaks.forward_backward_bytes)),
+                      max(self._gather_max(self._phase_peaks.optimizer_step_bytes)))
         if self.ctx.rank == 0:
             write_model_info(
                 self.config.autotuning.model_info_path,
@@ -243,6 +263,7 @@ class Engine(nn.Module):
                 micro_batch_size=self.batch.micro_batch_size,
                 peak_memory_bytes_per_rank=peak_per_rank,
                 peak_reserved_bytes_per_rank=reserved_per_rank,
+                phase_peak_bytes=phases,
                 num_shard_units=len(shard_units(self.module, 0)),
                 device_memory_bytes=device_memory_bytes(self.ctx.device),
                 zero_stage=self.zero_stage,
@@ -334,6 +355,27 @@ class Engine(nn.Module):
         if self._grad_scaler is not None and state.get("grad_scaler"):
             self._grad_scaler.load_state_dict(state["grad_scaler"])
         return str(Path(load_dir) / resolved), state.get("client_state", {})
+
+
+class PhasePeaks:
+    """The CUDA allocator's peak in one step's forward+backward and, apart, in its optimizer step.
+    The overall peak since the start is kept: resetting the counters must not hide it."""
+
+    def __init__(self) -> None:
+        self.forward_backward_bytes = 0
+        self.optimizer_step_bytes = 0
+        self.before_bytes = 0
+
+    def start(self, device: torch.device) -> None:
+        self.before_bytes = int(torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def end_forward_backward(self, device: torch.device) -> None:
+        self.forward_backward_bytes = int(torch.cuda.max_memory_allocated(device))
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def end_optimizer_step(self, device: torch.device) -> None:
+        self.optimizer_step_bytes = int(torch.cuda.max_memory_allocated(device))
 
 
 def _write_oom_marker(path: str, rank: int, err: BaseException) -> None:

@@ -113,6 +113,7 @@ def write_model_info(
     micro_batch_size: int,
     peak_memory_bytes_per_rank: list[int],
     peak_reserved_bytes_per_rank: list[int] | None,
+    phase_peak_bytes: tuple[int, int] | None,
     num_shard_units: int,
     device_memory_bytes: int | None,
     zero_stage: int,
@@ -130,6 +131,10 @@ def write_model_info(
         "peak_memory_bytes_per_rank": peak_memory_bytes_per_rank,
         "peak_memory_bytes": max(peak_memory_bytes_per_rank),
         "peak_reserved_bytes": max(peak_reserved_bytes_per_rank) if peak_reserved_bytes_per_rank else None,
+        # CUDA only, in the steady state (step 2), the largest over ranks: allocator peaks of
+        # forward+backward and of the optimizer step, which the memory model fits apart.
+        "forward_backward_peak_bytes": phase_peak_bytes[0] if phase_peak_bytes else None,
+        "optimizer_step_peak_bytes": phase_peak_bytes[1] if phase_peak_bytes else None,
         "num_shard_units": num_shard_units,
         "device_memory_bytes": device_memory_bytes,
         "zero_stage": zero_stage,

@@ -187,6 +187,10 @@ class Autotuner:
             self.report(f"profile: {self.profile.num_params:,} parameters, "
                         f"{self.profile.activation_bytes_per_sample / 2**20:.2f} MiB activations per sample, "
                         f"baseline {self.profile.baseline_bytes / 2**20:.0f} MiB per rank")
+            for fit in self.profile.peak_fits:
+                self.report(f"profile: {engine_family(fit.zero_stage)} measured peaks: forward+backward "
+                            f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.1f} MiB per sample, "
+                            f"optimizer step {fit.optimizer_step_bytes / 2**20:.0f} MiB")
         if tuning.memory_per_rank_bytes:
             self.budget_bytes = tuning.memory_per_rank_bytes
         elif device_memory:
@@ -201,6 +205,8 @@ class Autotuner:
         largest = {}
         for stage in self.space.stages:
             bound = max_micro_batch_size(self.profile, self._stage_settings(stage), self.budget_bytes, SAFETY_MARGIN)
+            if self.profile.peak_fit(stage) is not None:
+                bound = self.space.max_micro_batch_size  # measured peaks, not the analytic sum, decide
             fitting = [m for m in self.space.valid_micro_batch_sizes(bound)
                        if self.predicted_memory(self.space.experiment(stage, m)) <= usable]
             largest[stage] = max(fitting, default=0)

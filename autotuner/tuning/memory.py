@@ -18,10 +18,24 @@ before the model (CUDA context, or on CPU the interpreter and libraries).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 BYTES_FP32 = 4
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class PeakFit:
+    """Allocator peaks measured for one engine (DDP or FSDP2) at two micro-batch sizes, in the
+    steady state (CUDA): forward+backward = fixed + per_sample x micro-batch, and the optimizer
+    step's own peak, which does not grow with the micro-batch. The peak is the larger of the two."""
+
+    zero_stage: int  # the stage the profile launches ran; other stages of the engine differ by the analytic model
+    precision: str
+    fixed_bytes: int
+    per_sample_bytes: int
+    optimizer_step_bytes: int
+    gradient_accumulation_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -34,6 +48,11 @@ class ModelProfile:
     baseline_bytes: int = 0
     num_shard_units: int = 0  # blocks FSDP2 shards separately (0: unknown)
     sharded_baseline_bytes: int | None = None  # stage 2/3 process overhead, when measured apart (DTensor)
+    peak_fits: tuple[PeakFit, ...] = ()  # measured on CUDA; they replace the analytic sum for their engine
+
+    def peak_fit(self, stage: int) -> PeakFit | None:
+        family = engine_family(stage)
+        return next((f for f in self.peak_fits if engine_family(f.zero_stage) == family), None)
 
 
 @dataclass(frozen=True)
@@ -106,8 +125,38 @@ def _block(profile: ModelProfile) -> int:
 
 def estimate(profile: ModelProfile, settings: StageSettings, micro_batch_size: int) -> MemoryEstimate:
     states = model_state_bytes(profile, settings)
+    fit = profile.peak_fit(settings.zero_stage)
+    if fit is not None and fit.precision == settings.precision:
+        return _fitted_estimate(profile, fit, settings, states, micro_batch_size)
     return MemoryEstimate(states.parameters, states.gradients, states.optimizer_states, states.working_buffers,
                           profile.activation_bytes_per_sample * micro_batch_size, states.baseline)
+
+
+def _fitted_estimate(profile: ModelProfile, fit: PeakFit, settings: StageSettings, states: MemoryEstimate,
+                     micro_batch_size: int) -> MemoryEstimate:
+    """The measured peaks of the profiled stage, moved to `settings` by what the analytic model says
+    differs (optimizer sharding, offload, FSDP2's unsharded copies, gas buffers). Activations and
+    everything the analytic sum gets wrong (gradients freed while activations live, optimizer
+    temporaries, allocator rounding) come from the measurement. The baseline field carries the
+    remainder, so the parts still add up to the total; it may be negative."""
+    profiled = model_state_bytes(profile, replace(settings, zero_stage=fit.zero_stage,
+                                                  gradient_accumulation_steps=fit.gradient_accumulation_steps,
+                                                  offload_optimizer=False, offload_param=False))
+    persistent = lambda e: e.parameters + e.gradients + e.optimizer_states  # noqa: E731
+    moved_persistent = persistent(states) - persistent(profiled)
+    moved_buffers = states.working_buffers - profiled.working_buffers
+    forward_backward = fit.fixed_bytes + fit.per_sample_bytes * micro_batch_size + moved_persistent + moved_buffers
+    if settings.zero_stage <= 1 and settings.gradient_accumulation_steps > 1:
+        # set_to_none frees DDP's gradients at each step; with accumulation they live through the next forward.
+        forward_backward += BYTES_FP32 * profile.num_params
+    step = fit.optimizer_step_bytes + moved_persistent
+    if settings.zero_stage <= 1:
+        step += moved_buffers  # DDP's buckets live through the step; FSDP2 has resharded by then
+    total = max(forward_backward, step)
+    activations = fit.per_sample_bytes * micro_batch_size
+    explained = persistent(states) + states.working_buffers + activations
+    return MemoryEstimate(states.parameters, states.gradients, states.optimizer_states, states.working_buffers,
+                          activations, total - explained)
 
 
 def engine_family(stage: int) -> str:

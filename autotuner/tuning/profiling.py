@@ -4,6 +4,11 @@ Each writes model_info.json after its first optimizer step: parameter count, byt
 autograd saved for backward, optimizer-state bytes and peak memory. The difference
 between the two launches gives activation bytes per sample, free of the constant parts
 (autocast weight copies, buffers); the first launch's peak calibrates the process baseline.
+
+On CUDA the allocator's peaks are exact, so they are fitted instead (after step 2, with the
+optimizer states allocated): per engine, forward+backward = fixed + per-sample x micro-batch
+from the two sizes, and the optimizer step's peak. FSDP2 then gets its own two launches too,
+since it saves other activations than DDP under autocast (bf16 layer norms, for one).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.tuning.experiment import METRICS_FILE, ExperimentSettings, classify, launch, prepare
-from autotuner.tuning.memory import ModelProfile, StageSettings, calibrate_baseline
+from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, calibrate_baseline
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 
@@ -75,17 +80,44 @@ def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentS
         if len(infos) == len(PROFILE_MICRO_BATCH_SIZES):
             profile = _to_profile(infos, settings)
             sharded = [s for s in stages if s >= 2]
+            fits = [fit] if (fit := peak_fit(infos)) is not None else []
             if stage < 2 and sharded:
-                # FSDP2's process overhead (DTensor and friends) differs from DDP's: measure it once.
-                report(f"profile: ZeRO {max(sharded)}, micro-batch 1 (sharded overhead) ...")
-                info, _ = _profile_once(max(sharded), 1, exps_dir, settings, reuse)
-                if info is not None:
-                    infos.append(info)
-                    profile = _with_sharded_baseline(profile, info, settings)
+                # FSDP2's process overhead (DTensor and friends) differs from DDP's: measure it once,
+                # and on CUDA at both sizes, to fit its peaks too.
+                sizes = PROFILE_MICRO_BATCH_SIZES if fits else PROFILE_MICRO_BATCH_SIZES[:1]
+                sharded_infos = []
+                for micro in sizes:
+                    report(f"profile: ZeRO {max(sharded)}, micro-batch {micro} (sharded engine) ...")
+                    info, _ = _profile_once(max(sharded), micro, exps_dir, settings, reuse)
+                    if info is None:
+                        break
+                    sharded_infos.append(info)
+                if sharded_infos:
+                    infos.extend(sharded_infos)
+                    profile = _with_sharded_baseline(profile, sharded_infos[0], settings)
+                if len(sharded_infos) == len(sizes) and (fit := peak_fit(sharded_infos)) is not None:
+                    fits.append(fit)
+            profile = replace(profile, peak_fits=tuple(fits))
             return ProfileOutcome(profile, infos[0].get("device_memory_bytes"), None, tuple(infos))
         if last_failure is not None and last_failure.state is not TrialState.OOM:
             break  # a crash will not go away at a higher stage
     return ProfileOutcome(None, None, last_failure)
+
+
+def peak_fit(infos: list[dict[str, Any]]) -> PeakFit | None:
+    """Forward+backward peak = fixed + per-sample x micro-batch through two profile launches of one
+    engine, and the optimizer step's peak; None where the peaks were not measured apart (CPU)."""
+    if len(infos) < 2 or any(info.get("forward_backward_peak_bytes") is None for info in infos[:2]):
+        return None
+    first, second = sorted(infos[:2], key=lambda info: info["micro_batch_size"])
+    span = second["micro_batch_size"] - first["micro_batch_size"]
+    if span <= 0:
+        return None
+    per_sample = max(0, (second["forward_backward_peak_bytes"] - first["forward_backward_peak_bytes"]) // span)
+    fixed = first["forward_backward_peak_bytes"] - per_sample * first["micro_batch_size"]
+    return PeakFit(zero_stage=first["zero_stage"], precision=first["precision"], fixed_bytes=int(fixed),
+                   per_sample_bytes=int(per_sample),
+                   optimizer_step_bytes=max(int(info["optimizer_step_peak_bytes"]) for info in infos[:2]))
 
 
 def _to_profile(infos: list[dict[str, Any]], settings: ExperimentSettings) -> ModelProfile:

@@ -1,0 +1,148 @@
+"""The memory model fitted to allocator peaks measured on CUDA, and CPU offload as a search fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotuner.config import load_config
+from autotuner.tuning.autotuner import Autotuner, base_config
+from autotuner.tuning.experiment import ExperimentSettings
+from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, estimate, model_state_bytes
+from autotuner.tuning.profiling import peak_fit
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.search import SearchPolicy, SearchSpace, run_search
+from autotuner.tuning.space import Experiment
+
+MiB = 2**20
+P = 100_000_000
+
+
+def info(micro: int, forward_backward_mib: float, step_mib: float, stage: int = 0) -> dict:
+    return {"micro_batch_size": micro, "zero_stage": stage, "precision": "bf16",
+            "forward_backward_peak_bytes": int(forward_backward_mib * MiB),
+            "optimizer_step_peak_bytes": int(step_mib * MiB)}
+
+
+def test_peak_fit_is_a_line_through_the_two_forward_backward_peaks_and_the_larger_step_peak():
+    fit = peak_fit([info(2, 3000, 2500), info(1, 2000, 2600)])
+    assert fit == PeakFit(0, "bf16", 1000 * MiB, 1000 * MiB, 2600 * MiB)
+
+
+def test_peak_fit_needs_phase_peaks_from_both_launches():
+    cpu = {"micro_batch_size": 1, "zero_stage": 0, "precision": "fp32", "forward_backward_peak_bytes": None}
+    assert peak_fit([cpu, {**cpu, "micro_batch_size": 2}]) is None
+    assert peak_fit([info(1, 2000, 2600)]) is None
+
+
+def test_peak_fit_never_has_a_negative_slope():
+    assert peak_fit([info(1, 2000, 100), info(2, 1990, 100)]).per_sample_bytes == 0
+
+
+def fitted(stage: int = 0, fixed_mib: int = 1000, per_sample_mib: int = 500, step_mib: int = 1800) -> ModelProfile:
+    fit = PeakFit(stage, "bf16", fixed_mib * MiB, per_sample_mib * MiB, step_mib * MiB)
+    return ModelProfile(P, 400 * MiB, peak_fits=(fit,), num_shard_units=10)
+
+
+@pytest.mark.parametrize("micro", [1, 2, 3, 8])
+def test_at_the_profiled_stage_the_estimate_is_the_larger_of_the_two_measured_branches(micro):
+    total = estimate(fitted(), StageSettings(0, "bf16", 1), micro).total
+    assert total == max(1000 * MiB + 500 * MiB * micro, 1800 * MiB)
+
+
+def test_parts_still_add_up_to_the_fitted_total():
+    parts = estimate(fitted(), StageSettings(0, "bf16", 1), 4)
+    assert parts.activations == 4 * 500 * MiB
+    assert parts.total == 3000 * MiB
+
+
+def test_other_stages_of_the_engine_move_by_the_analytic_difference():
+    profile = fitted()
+    z0, z1 = (model_state_bytes(profile, StageSettings(s, "bf16", 4)) for s in (0, 1))
+    sharded_optimizer = z0.optimizer_states - z1.optimizer_states
+    assert sharded_optimizer > 0
+    for micro in (1, 8):
+        assert (estimate(profile, StageSettings(0, "bf16", 4), micro).total
+                - estimate(profile, StageSettings(1, "bf16", 4), micro).total) == sharded_optimizer
+
+
+def test_ddp_gradient_accumulation_keeps_gradients_through_the_next_forward():
+    profile = fitted(step_mib=0)
+    one, two = (estimate(profile, StageSettings(0, "bf16", 1, gradient_accumulation_steps=g), 4).total for g in (1, 2))
+    assert two - one == 4 * P
+
+
+def test_fsdp2_stage_2_holds_its_unsharded_copy_in_forward_backward_only():
+    profile = fitted(stage=3, step_mib=100_000)  # a step peak above everything: stage 2 adds nothing to it
+    z2, z3 = (estimate(profile, StageSettings(s, "bf16", 1), 4).total for s in (2, 3))
+    assert z2 == z3
+    profile = fitted(stage=3, step_mib=0)
+    z2, z3 = (estimate(profile, StageSettings(s, "bf16", 1), 4).total for s in (2, 3))
+    buffers = [model_state_bytes(profile, StageSettings(s, "bf16", 1)).working_buffers for s in (2, 3)]
+    assert z2 - z3 == buffers[0] - buffers[1] > 0
+
+
+def test_offload_removes_the_sharded_states_from_a_fitted_estimate():
+    profile = fitted(stage=3)
+    kept = estimate(profile, StageSettings(3, "bf16", 1), 2).total
+    offloaded = estimate(profile, StageSettings(3, "bf16", 1, offload_optimizer=True, offload_param=True), 2).total
+    assert kept - offloaded == 16 * P  # fp32 parameters and gradients, two Adam moments
+
+
+def test_a_fit_of_another_precision_or_engine_is_not_used():
+    profile = fitted(stage=0)
+    analytic = ModelProfile(P, 400 * MiB, num_shard_units=10)
+    assert estimate(profile, StageSettings(0, "fp32", 1), 4) == estimate(analytic, StageSettings(0, "fp32", 1), 4)
+    assert estimate(profile, StageSettings(3, "bf16", 1), 4) == estimate(analytic, StageSettings(3, "bf16", 1), 4)
+
+
+# ----- offload as the way to fit -----
+def offload_tuner(tmp_path, device_type: str, zero: dict | None = None):
+    config = load_config({"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True},
+                          "zero_optimization": {"stage": "all", **(zero or {})},
+                          "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 16}})
+    settings = ExperimentSettings(script="train.py", script_args=(), base_config=base_config(config),
+                                  nproc_per_node=1, data_parallel_size=1, objective=Objective("throughput"),
+                                  timeout_s=30.0)
+    tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", report=lambda line: None)
+    tuner.profile = ModelProfile(P, 100 * MiB, num_shard_units=10)
+    tuner.precision = "bf16"
+    tuner.budget_bytes = 1200 * MiB  # 100 M parameters need 1.6 GB of fp32 states and Adam moments alone
+    tuner._device_type = device_type
+    return tuner
+
+
+def test_a_stage_that_fits_nothing_on_a_gpu_is_offered_offload(tmp_path):
+    tuner = offload_tuner(tmp_path, "cuda")
+    assert tuner.predicted_largest() == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert tuner.offload_fallback(0) is None and tuner.offload_fallback(1) is None
+    knobs, largest = tuner.offload_fallback(3)
+    assert knobs == {"offload_optimizer": "cpu", "offload_param": "cpu"} and largest >= 1
+    assert tuner.fits(Experiment(3, largest, 1).with_knobs(knobs))
+    assert tuner.offload_fallback(2)[0] == {"offload_optimizer": "cpu"}  # DeepSpeed offloads params at stage 3 only
+
+
+def test_no_offload_is_offered_off_cuda_or_over_the_users_own_offload_section(tmp_path):
+    assert offload_tuner(tmp_path, "cpu").offload_fallback(3) is None
+    user = offload_tuner(tmp_path, "cuda", {"offload_optimizer": {"device": "none"}})
+    assert user.offload_fallback(3) is None
+
+
+def test_the_search_launches_only_offloaded_experiments_when_nothing_else_fits(tmp_path):
+    tuner = offload_tuner(tmp_path, "cuda")
+    launched, lines = [], []
+
+    def evaluate(experiment):
+        launched.append(experiment)
+        return TrialResult(experiment, TrialState.OK, value=float(experiment.micro_batch_size))
+
+    run_search(tuner.space, SearchPolicy(Objective("throughput")), tuner.predicted_largest(), evaluate,
+               lambda stage, reason: lines.append(f"pruned {stage}"), tuner.fits, tuner.offload_fallback,
+               lines.append)
+    assert launched and all(dict(e.knobs).get("offload_optimizer") == "cpu" for e in launched)
+    assert {e.zero_stage for e in launched} <= {2, 3}
+    assert "pruned 0" in lines and "pruned 1" in lines
+    assert any(line.startswith("ZeRO 2: fits no micro-batch on the device; searched with offload_optimizer.device=cpu")
+               for line in lines)
+    config = launched[0].apply({"zero_optimization": {"offload_optimizer": {"pin_memory": True}}}, 1)
+    assert config["zero_optimization"]["offload_optimizer"] == {"pin_memory": True, "device": "cpu"}
+    assert "_oocpu" in launched[0].name
