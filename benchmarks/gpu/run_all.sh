@@ -21,7 +21,7 @@ for part in $parts; do
       { nvidia-smi; python3 -c "import torch, transformers, sys; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name(0)); print('transformers', transformers.__version__)"; } 2>&1 | tee "$OUT/env.txt" ;;
     nccl2)
       # Can two nccl ranks share one GPU? (The launcher refuses more ranks than GPUs.)
-      timeout 90 python3 - <<'PY' 2>&1 | tail -5 | tee -a "$OUT/env.txt"
+      timeout 90 python3 - <<'PY' 2>&1 | grep -E "rank|Error|error|NCCL|Duplicate" | tail -12 | tee -a "$OUT/env.txt"
 import os, torch, torch.distributed as dist, torch.multiprocessing as mp
 def rank_main(rank):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29611")
@@ -43,7 +43,7 @@ PY
         timeout 500 python3 benchmarks/gpu/memory_error.py --preset $preset --micro 1 4 8 --csv "$OUT/gpu_memory_model_$preset.csv" > "output/mem_$preset.log" 2>&1 &
       done
       wait
-      tail -n 30 output/mem_*.log > "$OUT/memory_logs.txt"
+      tail -n 80 output/mem_*.log > "$OUT/memory_logs.txt"
       cat "$OUT"/gpu_memory_model_*.csv ;;
     seed)
       timeout 560 python3 benchmarks/gpu/seed_table.py --preset ${SEED_PRESET:-gpt2-large} --out_dir "$OUT" 2>&1 | tee "$OUT/seed.log" | tail -30 ;;
