@@ -142,19 +142,22 @@ def _fitted_estimate(profile: ModelProfile, fit: PeakFit, settings: StageSetting
     profiled = model_state_bytes(profile, replace(settings, zero_stage=fit.zero_stage,
                                                   gradient_accumulation_steps=fit.gradient_accumulation_steps,
                                                   offload_optimizer=False, offload_param=False))
-    persistent = lambda e: e.parameters + e.gradients + e.optimizer_states  # noqa: E731
-    moved_persistent = persistent(states) - persistent(profiled)
+    # Gradients are freed at every step (set_to_none) and grow in backward as activations are
+    # freed, so the forward+backward peak holds none of them: they move the step's peak only.
+    weights = lambda e: e.parameters + e.optimizer_states  # noqa: E731
+    moved_weights = weights(states) - weights(profiled)
+    moved_gradients = states.gradients - profiled.gradients
     moved_buffers = states.working_buffers - profiled.working_buffers
-    forward_backward = fit.fixed_bytes + fit.per_sample_bytes * micro_batch_size + moved_persistent + moved_buffers
+    forward_backward = fit.fixed_bytes + fit.per_sample_bytes * micro_batch_size + moved_weights + moved_buffers
     if settings.zero_stage <= 1 and settings.gradient_accumulation_steps > 1:
         # set_to_none frees DDP's gradients at each step; with accumulation they live through the next forward.
         forward_backward += BYTES_FP32 * profile.num_params
-    step = fit.optimizer_step_bytes + moved_persistent
+    step = fit.optimizer_step_bytes + moved_weights + moved_gradients
     if settings.zero_stage <= 1:
         step += moved_buffers  # DDP's buckets live through the step; FSDP2 has resharded by then
     total = max(forward_backward, step)
     activations = fit.per_sample_bytes * micro_batch_size
-    explained = persistent(states) + states.working_buffers + activations
+    explained = weights(states) + states.gradients + states.working_buffers + activations
     return MemoryEstimate(states.parameters, states.gradients, states.optimizer_states, states.working_buffers,
                           activations, total - explained)
 
