@@ -21,18 +21,7 @@ for part in $parts; do
       { nvidia-smi; python3 -c "import torch, transformers, sys; print(sys.version); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), torch.cuda.get_device_name(0)); print('transformers', transformers.__version__)"; } 2>&1 | tee "$OUT/env.txt" ;;
     nccl2)
       # Can two nccl ranks share one GPU? (The launcher refuses more ranks than GPUs.)
-      timeout 90 python3 - <<'PY' 2>&1 | grep -E "rank|Error|error|NCCL|Duplicate" | tail -12 | tee -a "$OUT/env.txt"
-import os, torch, torch.distributed as dist, torch.multiprocessing as mp
-def rank_main(rank):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29611")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=rank, world_size=2)
-    t = torch.ones(1, device="cuda"); dist.all_reduce(t); torch.cuda.synchronize()
-    print(f"rank {rank}: all_reduce on a shared GPU gave {t.item()}", flush=True)
-    dist.destroy_process_group()
-if __name__ == "__main__":
-    mp.spawn(rank_main, nprocs=2)
-PY
+      timeout 90 python3 benchmarks/gpu/nccl_shared_gpu.py 2>&1 | grep -E "rank|Error|NCCL|Duplicate" | tail -12 | tee -a "$OUT/env.txt"
       echo "nccl2 exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt" ;;
     tests)
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -s tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 ;;
