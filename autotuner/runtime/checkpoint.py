@@ -35,7 +35,12 @@ ENGINE_STATE_FILE = "engine_state.json"
 
 
 class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner unpickles non-tensor items with weights_only=False; we refuse that."""
+    """DCP's default planner unpickles non-tensor items with weights_only=False; we refuse that.
+    It loads what the checkpoint has: the caller has checked that only optimizer states of
+    parameters that never had a gradient are missing."""
+
+    def __init__(self) -> None:
+        super().__init__(allow_partial_load=True)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         loaded = torch.load(value, weights_only=True)
@@ -97,8 +102,34 @@ def load(
     if optimizer is not None:
         _ensure_optimizer_state(model, optimizer)
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
+    stateless = _parameters_saved_without_state(path, state)
     dcp.load(state, checkpoint_id=str(path), planner=_WeightsOnlyLoadPlanner())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM_OPTIONS)
+        # Parameters that never had a gradient had no optimizer state when saved (Adam makes it at
+        # their first step); the template made one for them, which must not survive the load.
+        by_name = dict(model.named_parameters())
+        for name in stateless:
+            param = by_name.get(name)
+            if param is not None:
+                optimizer.state.pop(param, None)
     return json.loads((path / ENGINE_STATE_FILE).read_text())
+
+
+def _parameters_saved_without_state(path: Path, state: dict[str, Any]) -> set[str]:
+    """Names of parameters whose optimizer state the checkpoint lacks. Any other missing key (a
+    model weight, a hyperparameter) means the checkpoint does not fit this model: refused."""
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    missing = {f"{section}.{key}" for section, part in state.items() for key in part} - saved
+    stateless, other = set(), []
+    prefix = "optim.state."
+    for key in sorted(missing):
+        if key.startswith(prefix):
+            stateless.add(key[len(prefix):].rsplit(".", 1)[0])
+        else:
+            other.append(key)
+    if other:
+        raise AutotunerError(f"{path}: the checkpoint does not match this model and optimizer; missing "
+                             f"{', '.join(other[:3])}{' ...' if len(other) > 3 else ''}")
+    return stateless

@@ -20,7 +20,7 @@ from autotuner.runtime.distributed import DistributedContext
 from autotuner.runtime.metrics import (build_metrics, is_out_of_memory, peak_memory_bytes, peak_reserved_bytes,
                                        write_json_atomic)
 from autotuner.runtime.profile import ActivationProbe, FlopProbe, device_memory_bytes, write_model_info
-from autotuner.runtime.zero import shard_units
+from autotuner.runtime.zero import average_gradients, shard_units, wrap_ddp
 from autotuner.runtime.timers import ProfileWindow, Stopwatch, Summary
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,10 @@ class Engine(nn.Module):
         self._local_optimizer = local_optimizer  # what DCP checkpoints: this rank's (partition of the) optimizer
         self._grad_scaler = grad_scaler
         self._fsdp = self.zero_stage >= 2
+        # Gradient reduction must not depend on how forward was called: DDP reduces only after its
+        # own forward, and stalls on parameters that get no gradient. Counted per accumulation window.
+        self._engine_forwards = 0
+        self._find_unused_parameters = False
         self._autocast = self.precision in _AUTOCAST_DTYPES and not self._fsdp
         tuning = config.autotuning
         self._window = ProfileWindow(tuning.start_profile_step, tuning.end_profile_step)
@@ -123,6 +127,7 @@ class Engine(nn.Module):
             self.module.require_backward_grad_sync = sync
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._engine_forwards += 1
         if self._last_boundary_end is None:
             self._last_boundary_end = self._forward_watch.now()
         self._set_gradient_sync(self.is_gradient_accumulation_boundary())
@@ -166,9 +171,12 @@ class Engine(nn.Module):
         measure_phases = self._phase_peaks is not None and self.global_steps + 1 == self._model_info_step
         if measure_phases:
             self._phase_peaks.end_forward_backward(self.ctx.device)
+        rewrap = self._reduce_what_ddp_missed()
         self._step_watch.start()
         with self._oom_guard():
             self._optimizer_step()
+        if rewrap:
+            self._rewrap_for_unused_parameters()
         step_s = self._step_watch.stop()
         if measure_phases:
             self._phase_peaks.end_optimizer_step(self.ctx.device)
@@ -185,6 +193,34 @@ class Engine(nn.Module):
             self._write_model_info()
         if self._exit_after_window and self.global_steps == self._window.end_step:
             self._finish_profile()
+
+    def _reduce_what_ddp_missed(self) -> bool:
+        """ZeRO 0/1 at the accumulation boundary. DDP leaves gradients unreduced when forward ran
+        on the raw module (a GAN calling netD(x)), and leaves its buckets unfinished when a
+        parameter got no gradient (an unused pooler), which it then raises about at the next
+        forward. One small all-reduce per step finds either case on any rank; we then average
+        the gradients ourselves. Returns whether DDP must track unused parameters from now on."""
+        forwards, self._engine_forwards = self._engine_forwards, 0
+        if self._fsdp or not isinstance(self.module, DistributedDataParallel) or self.ctx.world_size == 1:
+            return False
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        missing = not self._find_unused_parameters and any(p.grad is None for p in trainable)
+        flags = torch.tensor([float(forwards == 0), float(missing)], device=self.ctx.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        raw_forward, unused = (bool(v) for v in flags.tolist())
+        if raw_forward or unused:
+            average_gradients(trainable, self.ctx.world_size)
+        return unused
+
+    def _rewrap_for_unused_parameters(self) -> None:
+        """Wrap the model again with find_unused_parameters=True, between steps (no gradient in
+        flight); the parameters, and so the optimizer, stay the same objects."""
+        if self.ctx.rank == 0:
+            logger.warning("some parameters got no gradient this step; DDP now tracks unused parameters "
+                           "(find_unused_parameters=True), as DeepSpeed tolerates them")
+        self._find_unused_parameters = True
+        self.module = wrap_ddp(self.module.module, self.config.zero_optimization, self.ctx,
+                               find_unused_parameters=True)
 
     def _optimizer_step(self) -> None:
         if self._grad_scaler is not None:

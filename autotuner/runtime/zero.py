@@ -94,6 +94,12 @@ def wrap_model(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, c
     model = model.to(ctx.device)
     if stage >= 2:
         return _fsdp2(model, stage, zero, precision, ctx)
+    return wrap_ddp(model, zero, ctx)
+
+
+def wrap_ddp(model: nn.Module, zero: ZeroConfig, ctx: DistributedContext,
+             find_unused_parameters: bool = False) -> DistributedDataParallel:
+    """DDP with the ZeRO knobs that map onto it. Collective: every rank must call it together."""
     kwargs: dict[str, Any] = {}
     cap = ddp_bucket_cap_mb(zero)
     if cap is not None:
@@ -101,7 +107,29 @@ def wrap_model(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, c
     if zero.contiguous_gradients is not None:
         kwargs["gradient_as_bucket_view"] = zero.contiguous_gradients
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, **kwargs)
+    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters,
+                                   **kwargs)
+
+
+def average_gradients(parameters: list[nn.Parameter], world_size: int) -> None:
+    """Average gradients over the ranks ourselves, for a step whose backward DDP did not reduce (or
+    reduced only in part). A parameter with a gradient on some rank gets zeros elsewhere, as
+    DDP's find_unused_parameters does; one with a gradient nowhere keeps None, so the optimizer
+    skips it. Averaging what DDP already averaged leaves it as it is: every rank holds the same."""
+    import torch.distributed as dist
+
+    if not parameters:
+        return
+    device = parameters[0].device
+    has_grad = torch.tensor([float(p.grad is not None) for p in parameters], device=device)
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
+    for param, anywhere in zip(parameters, has_grad.tolist()):
+        if not anywhere:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad)
+        param.grad.div_(world_size)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -4,6 +4,7 @@
 """
 
 import argparse
+import os
 import json
 
 import torch
@@ -29,9 +30,18 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def batch(step: int, micro: int, size: int):
-    """Deterministic data for (optimizer step, micro-step) on this rank."""
-    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
+class NetWithUnused(Net):
+    """A pooler that forward never uses, like a Hugging Face encoder's: it never gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.pooler = nn.Linear(24, 24)
+
+
+def batch(step: int, micro: int, size: int, rank: int | None = None):
+    """Deterministic data for (optimizer step, micro-step) on this rank (or the one given)."""
+    rank = dist.get_rank() if rank is None else rank
+    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
     return torch.randn(size, 8, generator=generator), torch.randn(size, 1, generator=generator)
 
 
@@ -106,17 +116,17 @@ def check_gas() -> dict:
     return result
 
 
-def check_checkpoint(directory: str) -> dict:
+def check_checkpoint(directory: str, model_cls=Net) -> dict:
     """Train 3 steps, save, train 2 more: a fresh engine that loads must give the same losses."""
     result = {}
     for stage in STAGES:
         torch.manual_seed(0)
-        engine, *_ = autotuner.initialize(model=Net(), config=config(stage))
+        engine, *_ = autotuner.initialize(model=model_cls(), config=config(stage))
         train_steps(engine, 0, 3)
         engine.save_checkpoint(f"{directory}/z{stage}", client_state={"note": "three steps"})
         continued = train_steps(engine, 3, 2)
         torch.manual_seed(99)  # a different initialisation, overwritten by the load
-        fresh, *_ = autotuner.initialize(model=Net(), config=config(stage))
+        fresh, *_ = autotuner.initialize(model=model_cls(), config=config(stage))
         path, client_state = fresh.load_checkpoint(f"{directory}/z{stage}")
         resumed = train_steps(fresh, 3, 2)
         result[stage] = {
@@ -160,13 +170,69 @@ def check_offload() -> dict:
     return {"losses": losses, "parameter_devices": devices}
 
 
+def sgd_config(stage: int) -> dict:
+    settings = config(stage, optimizer="SGD")
+    del settings["scheduler"]
+    return settings
+
+
+def reference_parameters(model_cls, steps: int) -> dict[str, list]:
+    """Plain torch SGD in one process on every rank's data at once: the mean over the concatenated
+    batch is the average of the ranks' means, which is what data-parallel training must compute."""
+    torch.manual_seed(0)
+    model = model_cls()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        parts = [batch(step, 0, 4, rank) for rank in range(int(os.environ.get("WORLD_SIZE", 1)))]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {name: p.detach().flatten().tolist() for name, p in model.named_parameters()}
+
+
+def train_with(forward_through: str, model_cls, stage: int, steps: int = 3) -> dict:
+    """Train through the engine's forward, or (as a GAN script does) the raw module's."""
+    torch.manual_seed(0)
+    model = model_cls()
+    engine, *_ = autotuner.initialize(model=model, config=sgd_config(stage))
+    for step in range(steps):
+        x, y = (t.to(engine.device) for t in batch(step, 0, 4))
+        output = engine(x) if forward_through == "engine" else model(x)
+        engine.backward(nn.functional.mse_loss(output, y))
+        engine.step()
+    params = full_parameters(engine)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, params)
+    return {"params": params, "ranks_agree": all(g == gathered[0] for g in gathered)}
+
+
+def check_raw_forward() -> dict:
+    """Gradients are reduced whether forward went through the engine or the raw module."""
+    result = {"reference": reference_parameters(Net, 3)}
+    for stage in STAGES:
+        result[stage] = {mode: train_with(mode, Net, stage) for mode in ("engine", "raw")}
+    return result
+
+
+def check_unused() -> dict:
+    """A parameter that never gets a gradient: training goes on and the others train as usual."""
+    result = {"reference": reference_parameters(NetWithUnused, 3)}
+    for stage in STAGES:
+        result[stage] = {"engine": train_with("engine", NetWithUnused, stage)}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--check", choices=("parity", "gas", "checkpoint", "bf16", "offload"), required=True)
+    parser.add_argument("--check", choices=("parity", "gas", "checkpoint", "bf16", "offload", "raw_forward",
+                                                  "unused", "checkpoint_unused"), required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     checks = {"parity": check_parity, "gas": check_gas, "checkpoint": lambda: check_checkpoint(args.out + ".ckpt"),
-              "bf16": check_bf16, "offload": check_offload}
+              "bf16": check_bf16, "offload": check_offload, "raw_forward": check_raw_forward,
+              "unused": check_unused,
+              "checkpoint_unused": lambda: check_checkpoint(args.out + ".ckpt", NetWithUnused)}
     result = checks[args.check]()
     result["world_size"] = dist.get_world_size()
     if dist.get_rank() == 0:
