@@ -35,6 +35,19 @@ def run_launcher(*args: str, timeout: float = 180, cwd: Path | None = None) -> s
     )
 
 
+def run_engine_check(check: str, tmp_path: Path, nproc_per_node: int = 2) -> dict:
+    """Run one check of tests/workers/engine_checks.py under the launcher; its JSON result."""
+    import json
+
+    out = tmp_path / f"{check}.json"
+    result = run_launcher("--nproc_per_node", str(nproc_per_node), WORKERS / "engine_checks.py", "--check", check,
+                          "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert data["world_size"] == nproc_per_node
+    return data
+
+
 def assert_no_children_left() -> None:
     """Every process this test started (and theirs) has ended."""
     alive = [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

@@ -2,21 +2,12 @@
 `netD(x)`), and parameters that never get a gradient (an unused pooler). 2 gloo ranks, different
 data on each, against plain torch SGD on both ranks' data in one process."""
 
-import json
-
 import pytest
 
-from conftest import WORKERS, run_launcher
+from conftest import run_engine_check as run_check
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 STAGES = ("0", "1", "2", "3")
-
-
-def run_check(check: str, tmp_path) -> dict:
-    out = tmp_path / f"{check}.json"
-    result = run_launcher("--nproc_per_node", "2", WORKERS / "engine_checks.py", "--check", check, "--out", out)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(out.read_text())
 
 
 def assert_parameters_equal(trained: dict, reference: dict, where: str) -> None:

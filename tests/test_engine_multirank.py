@@ -6,19 +6,14 @@ import pytest
 
 from autotuner.config import read_config_file
 
-from conftest import CONFIGS, MINIMAL, WORKERS, run_launcher
+from conftest import CONFIGS, MINIMAL, WORKERS, run_engine_check, run_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 STAGES = ("0", "1", "2", "3")
 
 
 def run_check(check: str, tmp_path) -> dict:
-    out = tmp_path / f"{check}.json"
-    result = run_launcher("--nproc_per_node", "2", WORKERS / "engine_checks.py", "--check", check, "--out", out)
-    assert result.returncode == 0, result.stderr[-3000:]
-    data = json.loads(out.read_text())
-    assert data["world_size"] == 2
-    return data
+    return run_engine_check(check, tmp_path, 2)
 
 
 def test_every_stage_gives_stage0_losses(tmp_path, no_orphans):

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import CONFIGS, MINIMAL, WORKERS, run_launcher
+from conftest import CONFIGS, MINIMAL, WORKERS, run_engine_check, run_launcher
 from autotuner.config import read_config_file
 
 pytestmark = [
@@ -23,10 +23,7 @@ BF16_RTOL = 5e-2
 
 
 def run_check(check: str, tmp_path) -> dict:
-    out = tmp_path / f"{check}.json"
-    result = run_launcher("--nproc_per_node", "1", WORKERS / "engine_checks.py", "--check", check, "--out", out)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(out.read_text())
+    return run_engine_check(check, tmp_path, 1)
 
 
 def test_every_stage_gives_stage0_losses_on_cuda(tmp_path):
