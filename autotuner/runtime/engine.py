@@ -20,6 +20,7 @@ from autotuner.runtime.distributed import DistributedContext
 from autotuner.runtime.metrics import (build_metrics, is_out_of_memory, peak_memory_bytes, peak_reserved_bytes,
                                        write_json_atomic)
 from autotuner.runtime.profile import ActivationProbe, FlopProbe, device_memory_bytes, write_model_info
+from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, optimizer_state_bytes, write_oom_marker
 from autotuner.runtime.zero import average_gradients, shard_units, wrap_ddp
 from autotuner.runtime.timers import ProfileWindow, Stopwatch, Summary
 
@@ -84,7 +85,7 @@ class Engine(nn.Module):
         self._phase_peaks = PhasePeaks() if want_model_info and ctx.device.type == "cuda" else None
         self._model_info_step = 2 if self._phase_peaks is not None else 1
         if tuning.metric_path:
-            _mark_uncaught_oom(f"{tuning.metric_path}.oom-rank{ctx.rank}", ctx.rank)
+            mark_uncaught_oom(f"{tuning.metric_path}.oom-rank{ctx.rank}", ctx.rank)
 
     # ----- DeepSpeed-compatible accessors -----
     @property
@@ -245,7 +246,7 @@ class Engine(nn.Module):
         except (torch.OutOfMemoryError, RuntimeError) as err:
             path = self.config.autotuning.metric_path
             if path and is_out_of_memory(err):
-                _write_oom_marker(f"{path}.oom-rank{self.ctx.rank}", self.ctx.rank, err)
+                write_oom_marker(f"{path}.oom-rank{self.ctx.rank}", self.ctx.rank, err)
             raise
 
     def _report_progress(self, wall_s: float) -> None:
@@ -277,7 +278,7 @@ class Engine(nn.Module):
 
         With autotuning.model_info.profile set, every rank then leaves with status 0."""
         activation_per_rank = self._gather_max(self._activation_probe.bytes_saved)
-        optimizer_per_rank = self._gather_max(_state_bytes(self._local_optimizer))
+        optimizer_per_rank = self._gather_max(optimizer_state_bytes(self._local_optimizer))
         # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
         optimizer_bytes = optimizer_per_rank[0] if self.zero_stage == 0 else sum(optimizer_per_rank)
         peak = peak_memory_bytes(self.ctx.device)
@@ -391,55 +392,6 @@ class Engine(nn.Module):
         if self._grad_scaler is not None and state.get("grad_scaler"):
             self._grad_scaler.load_state_dict(state["grad_scaler"])
         return str(Path(load_dir) / resolved), state.get("client_state", {})
-
-
-class PhasePeaks:
-    """The CUDA allocator's peak in one step's forward+backward and, apart, in its optimizer step.
-    The overall peak since the start is kept: resetting the counters must not hide it."""
-
-    def __init__(self) -> None:
-        self.forward_backward_bytes = 0
-        self.optimizer_step_bytes = 0
-        self.before_bytes = 0
-
-    def start(self, device: torch.device) -> None:
-        self.before_bytes = int(torch.cuda.max_memory_allocated(device))
-        torch.cuda.reset_peak_memory_stats(device)
-
-    def end_forward_backward(self, device: torch.device) -> None:
-        self.forward_backward_bytes = int(torch.cuda.max_memory_allocated(device))
-        torch.cuda.reset_peak_memory_stats(device)
-
-    def end_optimizer_step(self, device: torch.device) -> None:
-        self.optimizer_step_bytes = int(torch.cuda.max_memory_allocated(device))
-
-
-def _write_oom_marker(path: str, rank: int, err: BaseException) -> None:
-    write_json_atomic(path, {"rank": rank, "error": str(err)[:500]})
-
-
-def _mark_uncaught_oom(path: str, rank: int) -> None:
-    """An out-of-memory error raised outside the engine's calls (the script moving a batch to the
-    GPU, say) still leaves the marker, so the tuner records OOM rather than a crash."""
-    previous = sys.excepthook
-
-    def hook(kind, err, traceback):
-        if is_out_of_memory(err) and not os.path.exists(path):
-            _write_oom_marker(path, rank, err)
-        previous(kind, err, traceback)
-
-    sys.excepthook = hook
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's optimizer state tensors (their local shards under FSDP2)."""
-    total = 0
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                local = value.to_local() if hasattr(value, "to_local") else value
-                total += local.numel() * local.element_size()
-    return total
 
 
 def _plain_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
