@@ -133,3 +133,16 @@ def _parameters_saved_without_state(path: Path, state: dict[str, Any]) -> set[st
         raise AutotunerError(f"{path}: the checkpoint does not match this model and optimizer; missing "
                              f"{', '.join(other[:3])}{' ...' if len(other) > 3 else ''}")
     return stateless
+
+
+def plain_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's JSON-safe hyperparameters (lr, betas, ...), without the parameters."""
+    plain = {}
+    for key, value in group.items():
+        if key == "params":
+            continue
+        if isinstance(value, (int, float, bool, str, type(None))):
+            plain[key] = value
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value):
+            plain[key] = list(value) if isinstance(value, list) else value
+    return plain

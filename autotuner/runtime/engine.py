@@ -351,6 +351,8 @@ class Engine(nn.Module):
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
         """Save with torch.distributed.checkpoint; ZeRO-2/3 checkpoints are sharded. Collective."""
+        from autotuner.runtime import checkpoint  # DCP imports DTensor: ~1 s, paid only when used
+
         tag = tag or f"global_step{self.global_steps}"
         state = {
             "global_steps": self.global_steps,
@@ -359,12 +361,10 @@ class Engine(nn.Module):
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "grad_scaler": self._grad_scaler.state_dict() if self._grad_scaler is not None else None,
             "client_state": client_state or {},
-            "param_groups": [_plain_hyperparameters(group) for group in self.optimizer.param_groups],
+            "param_groups": [checkpoint.plain_hyperparameters(group) for group in self.optimizer.param_groups],
             "zero_stage": self.zero_stage,
             "world_size": self.ctx.world_size,
         }
-        from autotuner.runtime import checkpoint  # DCP imports DTensor: ~1 s, paid only when used
-
         return checkpoint.save(save_dir, tag, self._checkpoint_model(), self._local_optimizer, state)
 
     def load_checkpoint(
@@ -392,16 +392,3 @@ class Engine(nn.Module):
         if self._grad_scaler is not None and state.get("grad_scaler"):
             self._grad_scaler.load_state_dict(state["grad_scaler"])
         return str(Path(load_dir) / resolved), state.get("client_state", {})
-
-
-def _plain_hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    """A param group's JSON-safe hyperparameters (lr, betas, ...), without the parameters."""
-    plain = {}
-    for key, value in group.items():
-        if key == "params":
-            continue
-        if isinstance(value, (int, float, bool, str, type(None))):
-            plain[key] = value
-        elif isinstance(value, (tuple, list)) and all(isinstance(v, (int, float)) for v in value):
-            plain[key] = list(value) if isinstance(value, list) else value
-    return plain
