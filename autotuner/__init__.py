@@ -2,6 +2,10 @@
 
 __version__ = "0.1.0"
 
+from autotuner.rank_setup import setup_rank as _setup_rank
+
+_setup_rank()  # in ranks: one line per error of ours rather than a traceback per rank; warnings once
+
 
 def __getattr__(name: str):
     # Lazy, so `launcher` and config checks start without importing torch.

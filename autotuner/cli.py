@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import traceback
 
-from autotuner.errors import AutotunerError, UsageError
+from autotuner.errors import AutotunerError, ConfigError, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,6 +73,13 @@ def _check_config(script_args: tuple[str, ...], world_size: int) -> None:
         return
     config = load_config(path)
     check_fixed_triad(config, world_size, path)
+    stage = config.zero_optimization.stage
+    if not isinstance(stage, int):
+        raise ConfigError(f"{path}: zero_optimization.stage: got {json.dumps(stage)}; a list or \"all\" is only for "
+                          "--autotuning tune|run; give 0, 1, 2 or 3 to train")
+    from autotuner.runtime.optim import check_optimizer_and_scheduler
+
+    check_optimizer_and_scheduler(config, path)
     if config.autotuning.enabled and config.autotuning.metric_path is None:  # with one, the tuner launched it
         print(f"launcher: note: {path} has autotuning.enabled but --autotuning was not given; training with the "
               "config as written (add --autotuning tune|run to tune it)", file=sys.stderr)
@@ -79,6 +87,7 @@ def _check_config(script_args: tuple[str, ...], world_size: int) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     from autotuner.launch import LaunchOptions, build_plan, run_plan
+    from autotuner.launch.plan import config_checked
 
     options = LaunchOptions(
         script=args.script,
@@ -93,7 +102,7 @@ def _launch(args: argparse.Namespace) -> int:
     )
     plan = build_plan(options, sys.executable)
     _check_config(options.script_args, plan.world_size)
-    return run_plan(plan, quiet=not args.debug)
+    return run_plan(config_checked(plan), quiet=not args.debug)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping, Union
 
@@ -35,10 +37,24 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         data = hjson.loads(text)
     except hjson.HjsonDecodeError as err:
         raise ConfigError(f"{path}:{err.lineno}:{err.colno}: malformed JSON/hjson: {err.msg}") from err
+    except OverflowError:  # hjson turns 1e400 into inf, then fails converting it to int
+        raise ConfigError(_overflow_message(path, text)) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be an object {{...}}, got {type(data).__name__}")
     # hjson returns OrderedDicts; a round trip through json gives plain types.
     return json.loads(json.dumps(data))
+
+
+_NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _overflow_message(path: Path, text: str) -> str:
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        for match in _NUMBER.finditer(line):
+            if math.isinf(float(match.group())):
+                return (f"{path}:{lineno}:{match.start() + 1}: the number {match.group()} is too large "
+                        "(beyond a 64-bit float, about 1.8e308); give a finite value")
+    return f"{path}: a number is too large (beyond a 64-bit float, about 1.8e308); give finite values"
 
 
 def _describe(value: Any) -> str:

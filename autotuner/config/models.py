@@ -7,11 +7,14 @@ run, and the engine refuses anything still unsettled.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Union
 
 from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, field_validator, model_validator
+
+logger = logging.getLogger("autotuner.config")
 
 Auto = Literal["auto"]
 
@@ -151,6 +154,23 @@ class AutotuningConfig(_Section):
     memory_per_rank_bytes: PositiveInt | None = Field(
         None, description="overrides the detected per-rank device memory budget"
     )
+
+    @field_validator("arg_mappings", mode="before")
+    @classmethod
+    def _strip_arg_mappings(cls, value: Any) -> Any:
+        # DeepSpeed's published example maps "gradient_accumulation_steps " (trailing space), and
+        # DeepSpeed accepts it; so do we, saying so.
+        if not isinstance(value, dict):
+            return value
+        stripped = {}
+        for key, flag in value.items():
+            clean_key = key.strip() if isinstance(key, str) else key
+            clean_flag = flag.strip() if isinstance(flag, str) else flag
+            if (clean_key, clean_flag) != (key, flag):
+                logger.warning("autotuning.arg_mappings: %r: %r has spaces around it; read as %r: %r",
+                               key, flag, clean_key, clean_flag)
+            stripped[clean_key] = clean_flag
+        return stripped
 
     @field_validator("metric", mode="before")
     @classmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from autotuner.errors import UsageError
@@ -109,6 +109,13 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
     # One node: rendezvous on loopback; port 0 lets the OS pick a free one.
     port = options.master_port or 0
     return LaunchPlan(command, nproc, 1, "c10d", f"{local_addr}:{port}", {}, run_id, local_addr=local_addr, env=env)
+
+
+def config_checked(plan: LaunchPlan) -> LaunchPlan:
+    """The launcher has printed the config's warnings: the ranks need not repeat them."""
+    from autotuner.rank_setup import CONFIG_CHECKED_ENV
+
+    return replace(plan, env={**plan.env, CONFIG_CHECKED_ENV: "1"})
 
 
 def _local_address(options: LaunchOptions) -> str | None:

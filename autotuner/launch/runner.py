@@ -14,6 +14,7 @@ import sys
 import tempfile
 
 from autotuner.launch.plan import LaunchPlan
+from autotuner.rank_setup import ERROR_DIR_ENV, read_rank_error
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,12 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
                 logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.update(plan.env)
     log_dir = tempfile.mkdtemp(prefix="autotuner-elastic-")
+    error_dir = os.path.join(log_dir, "rank_errors")
+    if quiet:
+        os.makedirs(error_dir)
+        os.environ[ERROR_DIR_ENV] = error_dir
+    else:
+        os.environ.pop(ERROR_DIR_ENV, None)
     config = LaunchConfig(
         min_nodes=plan.num_nodes,
         max_nodes=plan.num_nodes,
@@ -57,10 +64,14 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
         elastic_launch(config, program)(*args)
         return 0
     except ChildFailedError as failed:
+        first_rank, first = failed.get_first_failure()
+        ours = read_rank_error(error_dir, first_rank) if quiet else None
+        if ours is not None:
+            print(f"launcher: error: rank {ours.rank}: {ours.message}", file=sys.stderr)
+            return ours.exit_code
         for rank, failure in sorted(failed.failures.items()):
             print(f"launcher: rank {rank} exited with status {exit_status(failure.exitcode)}", file=sys.stderr)
         # The first rank to fail is the cause; the others were usually stopped by the agent (SIGTERM).
-        first_rank, first = failed.get_first_failure()
         print(f"launcher: rank {first_rank} failed first", file=sys.stderr)
         return exit_status(first.exitcode) or 1
     except SignalException as interrupted:
@@ -70,4 +81,5 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
         print("launcher: interrupted; all ranks ended", file=sys.stderr)
         return 128 + signal.SIGINT
     finally:
+        os.environ.pop(ERROR_DIR_ENV, None)
         shutil.rmtree(log_dir, ignore_errors=True)

@@ -38,6 +38,17 @@ def _die_with_parent() -> None:
         pass
 
 
+_warned: set[str] = set()
+
+
+def warn_once(message: str) -> None:
+    """A warning printed once per job: by global rank 0 only, and once per message."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    if rank == 0 and message not in _warned:
+        _warned.add(message)
+        print(f"autotuner: warning: {message}", file=sys.stderr, flush=True)
+
+
 def select_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())

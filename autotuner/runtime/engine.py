@@ -46,7 +46,7 @@ class Engine(nn.Module):
         training_dataloader: Any = None,
     ):
         super().__init__()
-        self.module = module
+        self.wrapped = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.config = config
@@ -89,6 +89,11 @@ class Engine(nn.Module):
 
     # ----- DeepSpeed-compatible accessors -----
     @property
+    def module(self) -> nn.Module:
+        """The user's model, as in DeepSpeed: not the DDP wrapper (FSDP2 shards it in place)."""
+        return self.wrapped.module if isinstance(self.wrapped, DistributedDataParallel) else self.wrapped
+
+    @property
     def global_rank(self) -> int:
         return self.ctx.rank
 
@@ -123,9 +128,9 @@ class Engine(nn.Module):
     def _set_gradient_sync(self, sync: bool) -> None:
         # Must be set before forward: DDP decides at forward time whether backward all-reduces.
         if self._fsdp:
-            self.module.set_requires_gradient_sync(sync)
-        elif isinstance(self.module, DistributedDataParallel):
-            self.module.require_backward_grad_sync = sync
+            self.wrapped.set_requires_gradient_sync(sync)
+        elif isinstance(self.wrapped, DistributedDataParallel):
+            self.wrapped.require_backward_grad_sync = sync
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._engine_forwards += 1
@@ -143,7 +148,7 @@ class Engine(nn.Module):
         )
         self._forward_watch.start()
         with autocast, self._oom_guard():
-            output = self.module(*inputs, **kwargs)
+            output = self.wrapped(*inputs, **kwargs)
         self._pending_forward_s = self._forward_watch.stop()
         if self._activation_probe is not None and self.micro_steps == 0:
             self._activation_probe.stop()
@@ -202,9 +207,9 @@ class Engine(nn.Module):
         forward. One small all-reduce per step finds either case on any rank; we then average
         the gradients ourselves. Returns whether DDP must track unused parameters from now on."""
         forwards, self._engine_forwards = self._engine_forwards, 0
-        if self._fsdp or not isinstance(self.module, DistributedDataParallel) or self.ctx.world_size == 1:
+        if self._fsdp or not isinstance(self.wrapped, DistributedDataParallel) or self.ctx.world_size == 1:
             return False
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        trainable = [p for p in self.wrapped.parameters() if p.requires_grad]
         missing = not self._find_unused_parameters and any(p.grad is None for p in trainable)
         flags = torch.tensor([float(forwards == 0), float(missing)], device=self.ctx.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -220,14 +225,14 @@ class Engine(nn.Module):
             logger.warning("some parameters got no gradient this step; DDP now tracks unused parameters "
                            "(find_unused_parameters=True), as DeepSpeed tolerates them")
         self._find_unused_parameters = True
-        self.module = wrap_ddp(self.module.module, self.config.zero_optimization, self.ctx,
+        self.wrapped = wrap_ddp(self.wrapped.module, self.config.zero_optimization, self.ctx,
                                find_unused_parameters=True)
 
     def _optimizer_step(self) -> None:
         if self._grad_scaler is not None:
             self._grad_scaler.unscale_(self.optimizer)
         if self.config.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.gradient_clipping)
+            torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), self.config.gradient_clipping)
         if self._grad_scaler is not None:
             self._grad_scaler.step(self.optimizer)
             self._grad_scaler.update()
@@ -264,7 +269,7 @@ class Engine(nn.Module):
 
     # ----- autotuning hooks -----
     def _parameters_for_probe(self) -> list[torch.Tensor]:
-        return list(self.module.parameters())
+        return list(self.wrapped.parameters())
 
     def _gather_max(self, value: int) -> list[int]:
         tensor = torch.tensor([value], dtype=torch.int64, device=self.ctx.device)
@@ -294,14 +299,14 @@ class Engine(nn.Module):
         if self.ctx.rank == 0:
             write_model_info(
                 self.config.autotuning.model_info_path,
-                zero_stage_module=self.module,
+                zero_stage_module=self.wrapped,
                 activation_bytes_per_rank=activation_per_rank,
                 optimizer_state_bytes=optimizer_bytes,
                 micro_batch_size=self.batch.micro_batch_size,
                 peak_memory_bytes_per_rank=peak_per_rank,
                 peak_reserved_bytes_per_rank=reserved_per_rank,
                 phase_peak_bytes=phases,
-                num_shard_units=len(shard_units(self.module, 0)),
+                num_shard_units=len(shard_units(self.wrapped, 0)),
                 device_memory_bytes=device_memory_bytes(self.ctx.device),
                 zero_stage=self.zero_stage,
                 precision=self.precision,
@@ -347,7 +352,7 @@ class Engine(nn.Module):
 
     # ----- checkpoints -----
     def _checkpoint_model(self) -> nn.Module:
-        return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
+        return self.module
 
     def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
         """Save with torch.distributed.checkpoint; ZeRO-2/3 checkpoints are sharded. Collective."""

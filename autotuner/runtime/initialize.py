@@ -16,7 +16,7 @@ from autotuner.errors import ConfigError
 from autotuner.runtime.distributed import init_distributed
 from autotuner.runtime.engine import Engine
 from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
-from autotuner.runtime.zero import unwrap, wrap_model, zero_redundancy
+from autotuner.runtime.zero import settle_offload, unwrap, wrap_model, zero_redundancy
 
 OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Optimizer], None]
 
@@ -151,6 +151,7 @@ def initialize(
         )
     ctx = init_distributed()
     cfg = cfg.with_device_precision(ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
+    cfg = cfg.model_copy(update={"zero_optimization": settle_offload(cfg.zero_optimization, stage, ctx.device)})
     batch = resolve_batch(cfg, ctx.world_size)
     id_to_name = {id(p): name for name, p in model.named_parameters()}
     if isinstance(optimizer, torch.optim.Optimizer):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 from typing import Any, Callable, Iterable
@@ -9,7 +10,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from autotuner.config.models import OptimizerConfig, SchedulerConfig
+from autotuner.config.models import DeepSpeedConfig, OptimizerConfig, SchedulerConfig
 from autotuner.errors import ConfigError
 
 # DeepSpeed-only optimizer params: they choose its fused kernels, which we do not use.
@@ -34,10 +35,9 @@ def optimizer_kwargs(config: OptimizerConfig) -> dict[str, Any]:
         if key in _DEEPSPEED_ONLY_OPTIMIZER_PARAMS:
             continue
         if key not in allowed:
-            raise ConfigError(
-                f"optimizer.params.{key}: not a parameter of torch.optim.{cls.__name__}; "
-                f"allowed: {', '.join(sorted(allowed))}"
-            )
+            close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
+            hint = f"did you mean '{close[0]}'?" if close else f"allowed: {', '.join(sorted(allowed))}"
+            raise ConfigError(f"optimizer.params.{key}: not a parameter of torch.optim.{cls.__name__}; {hint}")
         kwargs[key] = tuple(value) if key == "betas" else value
     return kwargs
 
@@ -141,3 +141,20 @@ class DeepSpeedStyleLR(LRScheduler):
 
 def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer) -> LRScheduler:
     return DeepSpeedStyleLR(optimizer, lr_function(config))
+
+
+def check_optimizer_and_scheduler(config: DeepSpeedConfig, source: str) -> None:
+    """Build the configured optimizer and schedule on one dummy parameter, as every rank would,
+    so a misspelt or impossible param is refused before anything is launched."""
+    try:
+        if config.optimizer is not None:
+            optimizer = build_optimizer(config.optimizer, [torch.zeros(1, requires_grad=True)])
+        else:
+            optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+        if config.scheduler is not None:
+            build_scheduler(config.scheduler, optimizer)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    except (TypeError, ValueError) as err:
+        section = "scheduler" if config.optimizer is None else "optimizer/scheduler"
+        raise ConfigError(f"{source}: {section}.params: refused: {err}") from None

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autotuner.config.models import ZeroConfig
 from autotuner.errors import UnsupportedError
-from autotuner.runtime.distributed import DistributedContext
+from autotuner.runtime.distributed import DistributedContext, warn_once
 
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -25,23 +25,35 @@ def ddp_bucket_cap_mb(zero: ZeroConfig) -> float | None:
     return zero.reduce_bucket_size * 4 / 2**20
 
 
+def _offloaded(zero: ZeroConfig) -> list[str]:
+    return [name for name in ("offload_optimizer", "offload_param")
+            if getattr(zero, name) is not None and getattr(zero, name).device != "none"]
+
+
+def settle_offload(zero: ZeroConfig, stage: int, device: torch.device) -> ZeroConfig:
+    """CPU offload as this device allows it. On a CPU-only machine everything already lives in host
+    memory, so the sections are dropped with a warning (DeepSpeed trains such configs). On CUDA
+    offload is FSDP2's CPUOffloadPolicy, which exists only at stages 2 and 3."""
+    offload = _offloaded(zero)
+    if not offload:
+        return zero
+    if device.type != "cuda":
+        warn_once(f"zero_optimization.{offload[0]}.device \"cpu\": this machine has no GPU, so parameters and "
+                  "optimizer state already live in host memory; training without offload")
+        return zero.model_copy(update={"offload_optimizer": None, "offload_param": None})
+    if stage < 2:
+        raise UnsupportedError(
+            f"zero_optimization.{offload[0]}: CPU offload needs ZeRO stage 2 or 3 here (torch's FSDP2 "
+            f"CPUOffloadPolicy; stage {stage} keeps optimizer state on the GPU); use stage 2, which also "
+            "partitions gradients, with the same offload section"
+        )
+    return zero
+
+
 def check_supported(stage: int, zero: ZeroConfig, precision: str, device: torch.device) -> None:
     """Refuse, before any wrapping, what cannot work on this device or stage."""
-    offload = [
-        name
-        for name, section in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param))
-        if section is not None and section.device != "none"
-    ]
-    if offload and device.type != "cuda":
-        raise UnsupportedError(
-            f"zero_optimization.{offload[0]}.device: \"cpu\" offload needs a CUDA device (torch's FSDP2 "
-            "CPUOffloadPolicy refuses a CPU-only machine); set it to \"none\" here"
-        )
-    if offload and stage < 2:
-        raise UnsupportedError(
-            f"zero_optimization.{offload[0]}: offload needs ZeRO stage 2 or 3 (FSDP2 CPUOffloadPolicy); "
-            f"stage is {stage}"
-        )
+    if _offloaded(zero) and (device.type != "cuda" or stage < 2):
+        raise UnsupportedError("zero_optimization: offload must be settled with settle_offload() first")
     if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise UnsupportedError("bf16.enabled: this GPU does not support bf16; use fp16 or fp32")
 

@@ -15,7 +15,8 @@ import psutil
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
 from autotuner.launch.script_args import replace_config
-from autotuner.tuning.experiment import RECORD_FILE, ExperimentSettings, experiment_config, mapped_script_args, run_experiment
+from autotuner.tuning.experiment import (RECORD_FILE, ExperimentSettings, experiment_config, mapped_script_args,
+                                         run_experiment, with_user_keys)
 from autotuner.tuning.memory import (ModelProfile, StageSettings, engine_family, estimate, max_micro_batch_size,
                                      usable_bytes)
 from autotuner.tuning.profiling import profile_from_config, profile_model
@@ -156,7 +157,8 @@ class Autotuner:
 
     def _stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
                         knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
-        offload_optimizer, offload_param = _offloads(self.config)
+        # Ranks on a CPU-only machine drop offload (everything is host memory already).
+        offload_optimizer, offload_param = _offloads(self.config) if self._device_type == "cuda" else (False, False)
         by_knob = Experiment(stage, 1, 1, knobs).offloaded()
         offload_optimizer, offload_param = offload_optimizer or by_knob[0], offload_param or by_knob[1]
         zero = base_config(self.config)["zero_optimization"]
@@ -290,7 +292,7 @@ class Autotuner:
 
     def _progress(self, result: TrialResult, reused: bool) -> None:
         best = self.objective.best(list(self._results.values()))
-        value = f"{result.value:.4g} {self.objective.metric}" if result.value is not None else result.error
+        value = f"{result.value:.4g} {self.objective.unit}" if result.value is not None else result.error
         best_text = f"{best.name} {best.value:.4g}" if best else "none yet"
         elapsed = time.strftime("%H:%M:%S", time.gmtime(time.monotonic() - self._started))
         tag = " (from an earlier run)" if reused else ""
@@ -309,7 +311,8 @@ class Autotuner:
         best = self.objective.best(everything)
         optimal_path = optimal_args = optimal_cmd = config = None
         if best is not None:
-            config = experiment_config(best.experiment, self.settings, None)
+            config = with_user_keys(self.settings.user_config,
+                                    experiment_config(best.experiment, self.settings, None))
             optimal_path = (self.results_dir / "ds_config_optimal.json").resolve()
             optimal_args = optimal_script_args(self.settings, config, optimal_path)
             optimal_cmd = optimal_command(self.settings, optimal_args)

@@ -13,12 +13,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from autotuner.config import DeepSpeedConfig, load_config
+from autotuner.config.loader import read_config_file
 from autotuner.config.batch import check_fixed_triad
 from autotuner.config.keys import field_names, section_model
 from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan, run_plan
+from autotuner.launch.plan import config_checked
 from autotuner.launch.script_args import config_path
-from autotuner.tuning.autotuner import Autotuner, TuningFailed, base_config
+from autotuner.runtime.optim import check_optimizer_and_scheduler
+from autotuner.tuning.autotuner import Autotuner, TuningFailed, base_config, search_space
 from autotuner.tuning.experiment import ExperimentSettings, config_value
 from autotuner.tuning.records import Objective
 from autotuner.tuning.space import Experiment
@@ -59,6 +62,24 @@ def check_arg_mappings(config: DeepSpeedConfig, source: str) -> None:
             raise ConfigError(f"{source}: autotuning.arg_mappings: '{key}' has no value in the config, so there "
                               f"is nothing to pass to the script; set {key}, or map only keys the tuner sets "
                               "(train_micro_batch_size_per_gpu, gradient_accumulation_steps, ...)")
+
+
+def check_some_batch_is_valid(config: DeepSpeedConfig, data_parallel_size: int, source: str) -> None:
+    """At least one micro-batch size must give a valid global batch, or every launch is wasted."""
+    space = search_space(config, data_parallel_size)
+    candidates = space.fixed_micro_batch_sizes or range(space.min_micro_batch_size, space.max_micro_batch_size + 1)
+    if any(space.gas(micro) is not None for micro in candidates):
+        return
+    smallest = min(candidates) * data_parallel_size * (space.fixed_gradient_accumulation_steps or 1)
+    if space.global_batch_exact:
+        key = f"train_batch_size ({space.global_batch_size})"
+        allowed = (f"it must equal micro-batch x gradient_accumulation_steps x {data_parallel_size} data-parallel "
+                   f"ranks for some micro-batch size tried ({min(candidates)}..{max(candidates)})")
+    else:
+        key = f"autotuning.max_train_batch_size ({space.global_batch_size})"
+        allowed = (f"with {data_parallel_size} data-parallel ranks the smallest global batch is {smallest}; "
+                   f"raise it to at least {smallest} or use fewer ranks")
+    raise ConfigError(f"{source}: {key}: no micro-batch size gives a valid global batch: {allowed}")
 
 
 def check_results_dir(path: Path, key: str) -> None:
@@ -145,6 +166,8 @@ def autotune(args: argparse.Namespace) -> int:
         raise ConfigError(f"{source}: autotuning.mp_size: got {tuning.mp_size}; it must divide the world size "
                           f"({plan.world_size})")
     check_fixed_triad(config, data_parallel_size, source)
+    check_some_batch_is_valid(config, data_parallel_size, source)
+    check_optimizer_and_scheduler(config, source)
     settings = ExperimentSettings(
         script=args.script,
         script_args=script_args,
@@ -157,6 +180,7 @@ def autotune(args: argparse.Namespace) -> int:
         end_profile_step=tuning.end_profile_step,
         arg_mappings=dict(tuning.arg_mappings),
         memory_budget_bytes=tuning.memory_per_rank_bytes,
+        user_config=read_config_file(source),
     )
     with exclusive_lock(results_dir), signals_as_exceptions():
         try:
@@ -176,4 +200,4 @@ def autotune(args: argparse.Namespace) -> int:
     _say("training with the optimal config ...")
     optimal = LaunchOptions(script=args.script, script_args=outcome.optimal_script_args,
                             nproc_per_node=plan.nproc_per_node)
-    return run_plan(build_plan(optimal, sys.executable), quiet=not args.debug)
+    return run_plan(config_checked(build_plan(optimal, sys.executable)), quiet=not args.debug)

@@ -6,6 +6,7 @@ OOM markers), never from searching stderr for "error".
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import shlex
@@ -42,6 +43,7 @@ class ExperimentSettings:
     arg_mappings: dict[str, str] = field(default_factory=dict, hash=False)
     launcher_args: tuple[str, ...] = ()
     memory_budget_bytes: int | None = None  # per rank; above it a CPU run counts as OOM
+    user_config: dict[str, Any] = field(default_factory=dict, hash=False)  # the file as the user wrote it
     python: str = sys.executable
 
 
@@ -81,6 +83,18 @@ def experiment_config(experiment: Experiment, settings: ExperimentSettings,
     if autotuning is not None:
         config["autotuning"] = autotuning
     return config
+
+
+def with_user_keys(user_config: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]:
+    """The tuned config laid over the user's file, so keys we accept but do not act on (DeepSpeed's
+    own) stay and DeepSpeed can train with the result. The autotuning section is left out."""
+    merged = {key: copy.deepcopy(value) for key, value in user_config.items() if key != "autotuning"}
+    for key, value in tuned.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **copy.deepcopy(value)}
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
 
 
 def launch_command(config: dict[str, Any], config_path: Path, settings: ExperimentSettings) -> list[str]:

@@ -36,6 +36,10 @@ class Objective:
         return METRIC_KEYS[self.metric]
 
     @property
+    def unit(self) -> str:
+        return {"throughput": "samples/s", "latency": "s per step", "FLOPS": "FLOP/s per rank"}[self.metric]
+
+    @property
     def maximize(self) -> bool:
         return self.metric != "latency"
 

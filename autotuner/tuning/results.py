@@ -29,7 +29,8 @@ def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: 
         rows.append([f"z{stage}", len(in_space), _value(best), best.name if best else None])
     best = objective.best(launched)
     rows.append(["global", len(launched), _value(best), best.name if best else None])
-    table = tabulate(rows, headers=["tuning_space", "num_experiments", "best_metric_val", "best_exp_name"],
+    table = tabulate(rows, headers=["tuning_space", "num_experiments", f"best_metric_val ({objective.unit})",
+                                       "best_exp_name"],
                      tablefmt="pipe")
     footer = f"Tuning completed in {_format_duration(wall_time_s)}. Total number of experiments: {len(launched)}."
     return f"{table}\n{footer}\n"
@@ -52,8 +53,9 @@ def result_rows(results: list[TrialResult], objective: Objective) -> list[dict[s
             "knobs": ";".join(f"{k}={v}" for k, v in r.experiment.knobs),
             "metric": objective.metric,
             "metric_value": r.value,
+            "metric_unit": objective.unit,
             "metric_std": r.value_std,
-            "throughput": m.get("throughput"),
+            "throughput_samples_s": m.get("throughput"),
             "latency_s": m.get("latency"),
             "forward_ms": _ms(m.get("forward")),
             "backward_ms": _ms(m.get("backward")),
