@@ -16,12 +16,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
+from autotuner.runtime.accessors import DeepSpeedAccessors
 from autotuner.runtime.distributed import DistributedContext
 from autotuner.runtime.metrics import (build_metrics, is_out_of_memory, peak_memory_bytes, peak_reserved_bytes,
                                        write_json_atomic)
 from autotuner.runtime.profile import ActivationProbe, FlopProbe, device_memory_bytes, write_model_info
 from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, optimizer_state_bytes, write_oom_marker
-from autotuner.runtime.zero import average_gradients, shard_units, wrap_ddp
+from autotuner.runtime.zero import average_gradients, gradient_norm, shard_units, wrap_ddp
 from autotuner.runtime.timers import ProfileWindow, Stopwatch, Summary
 
 logger = logging.getLogger(__name__)
@@ -29,7 +30,7 @@ logger = logging.getLogger(__name__)
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine(nn.Module):
+class Engine(DeepSpeedAccessors, nn.Module):
     """Returned by `autotuner.initialize`. Call it for forward, then `backward(loss)` and `step()`
     on every micro-batch; the optimizer steps only at the gradient-accumulation boundary."""
 
@@ -58,6 +59,9 @@ class Engine(nn.Module):
         self.global_steps = 0
         self.micro_steps = 0
         self.global_samples = 0
+        self.skipped_steps = 0
+        self._global_grad_norm: torch.Tensor | None = None  # a tensor: reading it would sync the GPU each step
+        self._step_applied = True
         self._local_optimizer = local_optimizer  # what DCP checkpoints: this rank's (partition of the) optimizer
         self._grad_scaler = grad_scaler
         self._fsdp = self.zero_stage >= 2
@@ -86,43 +90,6 @@ class Engine(nn.Module):
         self._model_info_step = 2 if self._phase_peaks is not None else 1
         if tuning.metric_path:
             mark_uncaught_oom(f"{tuning.metric_path}.oom-rank{ctx.rank}", ctx.rank)
-
-    # ----- DeepSpeed-compatible accessors -----
-    @property
-    def module(self) -> nn.Module:
-        """The user's model, as in DeepSpeed: not the DDP wrapper (FSDP2 shards it in place)."""
-        return self.wrapped.module if isinstance(self.wrapped, DistributedDataParallel) else self.wrapped
-
-    @property
-    def global_rank(self) -> int:
-        return self.ctx.rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.ctx.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.ctx.world_size
-
-    @property
-    def device(self) -> torch.device:
-        return self.ctx.device
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.batch.micro_batch_size
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.batch.gradient_accumulation_steps
-
-    def train_batch_size(self) -> int:
-        return self.batch.train_batch_size
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
 
     # ----- training -----
     def _set_gradient_sync(self, sync: bool) -> None:
@@ -231,16 +198,20 @@ class Engine(nn.Module):
     def _optimizer_step(self) -> None:
         if self._grad_scaler is not None:
             self._grad_scaler.unscale_(self.optimizer)
-        if self.config.gradient_clipping > 0:
-            torch.nn.utils.clip_grad_norm_(self.wrapped.parameters(), self.config.gradient_clipping)
+        self._global_grad_norm = gradient_norm(list(self.wrapped.parameters()), self.config.gradient_clipping)
         if self._grad_scaler is not None:
+            scale = self._grad_scaler.get_scale()
             self._grad_scaler.step(self.optimizer)
             self._grad_scaler.update()
+            # The scaler skips the step and lowers the scale when gradients overflowed.
+            self._step_applied = self._grad_scaler.get_scale() >= scale
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        if not self._step_applied:
+            self.skipped_steps += 1
+        elif self.lr_scheduler is not None:
+            self.lr_scheduler.step()  # DeepSpeed does not advance the schedule on a skipped step
 
     @contextlib.contextmanager
     def _oom_guard(self):

@@ -155,3 +155,15 @@ def zero_redundancy(
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return ZeroRedundancyOptimizer(list(param_groups), optimizer_class=optimizer_cls, **defaults)
+
+
+def gradient_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor | None:
+    """The 2-norm of all gradients (clipped to `max_norm` when it is > 0), as a tensor. Under FSDP2
+    the local shards' norms are combined across ranks (a collective every rank calls)."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return None
+    if max_norm > 0:
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    norm = torch.nn.utils.get_total_norm(grads)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

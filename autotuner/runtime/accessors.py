@@ -1,0 +1,113 @@
+"""The DeepSpeed engine's read-only members that training scripts call, for our Engine.
+
+Names and return values follow DeepSpeed's engine, so a script that logs or branches on them
+runs unchanged. The Engine sets the attributes these read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+class DeepSpeedAccessors:
+    # Set by Engine.__init__ and its step.
+    wrapped: nn.Module
+    ctx: Any
+    batch: Any
+    config: Any
+    optimizer: torch.optim.Optimizer
+    zero_stage: int
+    precision: str
+    micro_steps: int
+    skipped_steps: int
+    _grad_scaler: Any
+    _global_grad_norm: torch.Tensor | None
+    _step_applied: bool
+
+    @property
+    def module(self) -> nn.Module:
+        """The user's model, as in DeepSpeed: not the DDP wrapper (FSDP2 shards it in place)."""
+        return self.wrapped.module if isinstance(self.wrapped, DistributedDataParallel) else self.wrapped
+
+    @property
+    def global_rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def local_rank(self) -> int:
+        return self.ctx.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.ctx.world_size  # no model parallelism: every rank is a data-parallel rank
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.ctx.device
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        """Adam's betas, or SGD's momentum, per param group (DeepSpeed's get_mom)."""
+        return [group.get("betas", group.get("momentum")) for group in self.optimizer.param_groups]
+
+    def fp16_enabled(self) -> bool:
+        return self.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.precision == "bf16"
+
+    def amp_enabled(self) -> bool:
+        return False  # DeepSpeed's "amp" (NVIDIA apex) section is not supported
+
+    def zero_optimization(self) -> bool:
+        return self.zero_stage > 0
+
+    def zero_optimization_stage(self) -> int:
+        return self.zero_stage
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        return self.config.wall_clock_breakdown
+
+    def loss_scale(self) -> float:
+        """The fp16 loss scale now; 1.0 without fp16 (DeepSpeed's value for bf16/fp32)."""
+        return float(self._grad_scaler.get_scale()) if self._grad_scaler is not None else 1.0
+
+    def get_global_grad_norm(self) -> float | None:
+        """Norm of all gradients at the last optimizer step, before clipping; None before the first."""
+        return None if self._global_grad_norm is None else float(self._global_grad_norm)
+
+    def was_step_applied(self) -> bool:
+        """False when the last optimizer step was skipped (fp16 gradient overflow)."""
+        return self._step_applied
