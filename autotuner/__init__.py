@@ -1,19 +1,45 @@
-"""autotuner: DeepSpeed-style training API and ZeRO / micro-batch / gas autotuner on native PyTorch."""
+"""autotuner: DeepSpeed-style training API and ZeRO / micro-batch / gas autotuner on native PyTorch.
+
+`import autotuner as deepspeed` gives a training script the parts of DeepSpeed's API it uses:
+initialize, init_distributed, add_config_arguments, get_accelerator, and the comm, utils,
+accelerator, runtime.utils and ops.adam modules. Features we do not carry (zero.Init, moe,
+pipe, init_inference) fail with one line saying what to do instead.
+"""
 
 __version__ = "0.1.0"
+
+import importlib
 
 from autotuner.rank_setup import setup_rank as _setup_rank
 
 _setup_rank()  # in ranks: one line per error of ours rather than a traceback per rank; warnings once
 
+_RUNTIME = ("initialize", "add_config_arguments", "Engine")
+_SUBMODULES = ("accelerator", "comm", "ops", "runtime", "utils", "zero", "moe", "pipe")
+_REFUSED = {"PipelineModule": "pipe", "init_inference": "init_inference"}
+
 
 def __getattr__(name: str):
     # Lazy, so `launcher` and config checks start without importing torch.
-    if name in ("initialize", "add_config_arguments", "Engine"):
+    if name in _RUNTIME:
         from autotuner import runtime
 
         return getattr(runtime, name)
+    if name == "init_distributed":
+        from autotuner.runtime.comm import init_distributed
+
+        return init_distributed
+    if name == "get_accelerator":
+        from autotuner.runtime.accelerator import get_accelerator
+
+        return get_accelerator
+    if name in _SUBMODULES:
+        return importlib.import_module(f"autotuner.{name}")
+    if name in _REFUSED:
+        from autotuner.unsupported import refuse
+
+        raise refuse(_REFUSED[name])
     raise AttributeError(f"module 'autotuner' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "__version__", "add_config_arguments", "initialize"]
+__all__ = ["Engine", "__version__", "add_config_arguments", "get_accelerator", "init_distributed", "initialize"]

@@ -49,6 +49,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master_port", type=int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--rdzv_endpoint", default=None, help="HOST:PORT for torch's c10d elastic rendezvous")
     parser.add_argument("--rdzv_id", default=None, help="job id shared by all nodes with --rdzv_endpoint")
+    ds = parser.add_argument_group("the deepspeed launcher's flags")
+    ds.add_argument("-H", "--hostfile", default=None,
+                    help="DeepSpeed-style hostfile ('host slots=N' lines); only this host may be listed for now")
+    ds.add_argument("-i", "--include", default=None,
+                    help="devices to use, e.g. localhost:0,1 (sets CUDA_VISIBLE_DEVICES; slot ids count the "
+                         "GPUs this launcher sees)")
+    ds.add_argument("-e", "--exclude", default=None, help="devices to leave out, e.g. localhost:1")
+    ds.add_argument("--no_local_rank", action="store_true",
+                    help="do not pass --local_rank=N to the script (it is passed by default, as DeepSpeed does)")
+    ds.add_argument("--bind_cores_to_rank", action="store_true",
+                    help="pin each rank to its own share of this process's cores (OMP_NUM_THREADS set to match)")
+    ds.add_argument("--bind_core_list", default=None, help="with --bind_cores_to_rank: the cores to share, e.g. 0,2-5")
+    ds.add_argument("--enable_each_rank_log", default=None, metavar="DIR",
+                    help="each rank's stdout and stderr go to DIR/<time>_rank<N>.log")
+    ds.add_argument("--launcher", default="pdsh",
+                    help="multi-node backend name; on one node the ranks start locally whichever is named")
+    ds.add_argument("--launcher_args", default="", help=argparse.SUPPRESS)
+    ds.add_argument("--force_multi", action="store_true", help="refused: pdsh/MPI starts are not supported")
     parser.add_argument("--autotuning", choices=("tune", "run"), default=None,
                         help="tune: search ZeRO stage x micro-batch x gas and write the optimum; run: tune, then train")
     parser.add_argument("--bench", action="store_true",
@@ -89,19 +107,8 @@ def _launch(args: argparse.Namespace) -> int:
     from autotuner.launch import LaunchOptions, build_plan, run_plan
     from autotuner.launch.plan import config_checked
 
-    options = LaunchOptions(
-        script=args.script,
-        script_args=tuple(args.script_args),
-        nproc_per_node=args.nproc_per_node,
-        num_nodes=args.num_nodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id,
-    )
-    plan = build_plan(options, sys.executable)
-    _check_config(options.script_args, plan.world_size)
+    plan = build_plan(LaunchOptions.from_args(args), sys.executable)
+    _check_config(tuple(args.script_args), plan.world_size)
     return run_plan(config_checked(plan), quiet=not args.debug)
 
 

@@ -271,7 +271,7 @@ SLEEPER = """
 import os, sys, time
 from pathlib import Path
 rank = os.environ["RANK"]
-pid_file = Path(sys.argv[1]) / f"rank{rank}.pid"
+pid_file = Path(sys.argv[-1]) / f"rank{rank}.pid"  # after the launcher's --local_rank=N
 pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
 pid_file.with_suffix(".tmp").rename(pid_file)
 print(f"ready {rank}", flush=True)

@@ -6,8 +6,10 @@ import os
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from autotuner.errors import UsageError
+from autotuner.launch.resources import cores_for_ranks, is_this_host, parse_core_list, parse_hostfile, select_slots
 
 DEFAULT_MASTER_PORT = 29500
 LOOPBACK = "127.0.0.1"
@@ -26,6 +28,51 @@ class LaunchOptions:
     master_port: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+    # The `deepspeed` launcher's flags.
+    hostfile: str | None = None
+    include: str | None = None
+    exclude: str | None = None
+    no_local_rank: bool = False
+    bind_cores_to_rank: bool = False
+    bind_core_list: str | None = None
+    each_rank_log_dir: str | None = None
+    launcher: str = "pdsh"
+    force_multi: bool = False
+
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> "LaunchOptions":
+        """From the launcher's parsed command line; `overrides` replace fields."""
+        fields = dict(
+            script=args.script, script_args=tuple(args.script_args), nproc_per_node=args.nproc_per_node,
+            num_nodes=args.num_nodes, node_rank=args.node_rank, master_addr=args.master_addr,
+            master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+            hostfile=args.hostfile, include=args.include, exclude=args.exclude, no_local_rank=args.no_local_rank,
+            bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list,
+            each_rank_log_dir=args.enable_each_rank_log, launcher=args.launcher, force_multi=args.force_multi,
+        )
+        return cls(**{**fields, **overrides})
+
+    def passthrough_flags(self) -> tuple[str, ...]:
+        """The flags that pick devices and shape each rank, for the tuner's launches and the optimal
+        command (with --include/--exclude/--hostfile the rank count comes from them)."""
+        flags: list[str] = []
+        for flag, value in (("--hostfile", self.hostfile), ("--include", self.include), ("--exclude", self.exclude),
+                            ("--bind_core_list", self.bind_core_list)):
+            if value is not None:
+                flags += [flag, value]
+        if self.no_local_rank:
+            flags.append("--no_local_rank")
+        if self.bind_cores_to_rank:
+            flags.append("--bind_cores_to_rank")
+        return tuple(flags)
+
+
+def picks_ranks_itself(flags: tuple[str, ...]) -> bool:
+    """Whether these launcher flags set the rank count, so --nproc_per_node must not be added."""
+    return any(flag in flags for flag in ("--hostfile", "--include", "--exclude"))
+
+
+LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
 
 
 @dataclass(frozen=True)
@@ -41,6 +88,8 @@ class LaunchPlan:
     run_id: str = ""
     local_addr: str = LOOPBACK
     env: dict = field(default_factory=dict, hash=False)  # set in the launcher before ranks start
+    notes: tuple[str, ...] = ()  # what the launcher prints before starting (a missing hostfile, say)
+    each_rank_log_dir: str | None = None  # made by the runner before the ranks start
 
     @property
     def world_size(self) -> int:
@@ -72,16 +121,102 @@ def thread_env(nproc_per_node: int, environ: dict[str, str]) -> dict[str, str]:
     return {"OMP_NUM_THREADS": str(max(1, cores // nproc_per_node))}
 
 
+def _pool(options: LaunchOptions, environ: dict[str, str], gpus: int) -> tuple[dict[str, int] | None, list[str]]:
+    """This node's slots when a hostfile or --include/--exclude asks for them, else None."""
+    notes: list[str] = []
+    if options.hostfile is not None:
+        if not Path(options.hostfile).is_file():
+            notes.append(f"--hostfile {options.hostfile}: not found; training with this node's resources only "
+                         "(as DeepSpeed does)")
+        else:
+            pool = parse_hostfile(options.hostfile)
+            others = [host for host in pool if not is_this_host(host)]
+            if others:
+                raise UsageError(f"--hostfile {options.hostfile}: lists other hosts ({', '.join(others)}); starting "
+                                 "ranks on several nodes from a hostfile is not supported yet: start one launcher per "
+                                 "node with --num_nodes, --node_rank and --master_addr")
+            return pool, notes
+    if options.include or options.exclude:
+        return {"localhost": gpus if gpus else _cpu_slots(environ)}, notes
+    return None, notes
+
+
+def _cpu_slots(environ: dict[str, str]) -> int:
+    # DeepSpeed's CPU accelerator: LOCAL_SIZE, else one slot per NUMA node with cores.
+    if int(environ.get("LOCAL_SIZE", 0) or 0) > 0:
+        return int(environ["LOCAL_SIZE"])
+    nodes = {p.read_text().strip() for p in Path("/sys/devices/system/node").glob("node*/cpulist")}
+    return max(1, len({cpus for cpus in nodes if cpus}))
+
+
+def _selected_devices(options: LaunchOptions, environ: dict[str, str], gpus: int) -> tuple[int | None, dict, list]:
+    """(ranks per node, env, notes) from --hostfile/--include/--exclude; (None, {}, notes) without them."""
+    if (options.include or options.exclude) and (options.nproc_per_node is not None or options.num_nodes != 1):
+        raise UsageError("--include/--exclude choose the devices themselves: drop --num_gpus/--nproc_per_node "
+                         "and --num_nodes (DeepSpeed refuses the mix too)")
+    pool, notes = _pool(options, environ, gpus)
+    if pool is None:
+        return None, {}, notes
+    slots = select_slots(pool, options.include, options.exclude, check_include_range=bool(gpus))
+    if not slots:
+        raise UsageError("--exclude: every slot is excluded; nothing is left to run on")
+    (host, ids), = slots.items()
+    if options.nproc_per_node is not None:
+        return options.nproc_per_node, {}, notes
+    env: dict[str, str] = {}
+    if gpus and (options.include or options.exclude):
+        # Slot ids count the GPUs this launcher sees: through CUDA_VISIBLE_DEVICES when it is set.
+        visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(visible[i] if visible else str(i) for i in ids)
+    return len(ids), env, notes
+
+
+def _rank_command(options: LaunchOptions, python: str, nproc: int, environ: dict[str, str]) -> tuple[tuple, dict]:
+    """The program each rank runs, and env for it: the deepspeed launcher's `--local_rank=N` after the
+    script (torch elastic fills ${local_rank} per rank), behind the core-binding/log entry if asked."""
+    local_rank = () if options.no_local_rank else ("--local_rank=${local_rank}",)
+    command: tuple[str, ...] = (python, "-u", options.script, *local_rank, *options.script_args)
+    env: dict[str, str] = {}
+    entry: list[str] = []
+    if options.bind_cores_to_rank or options.bind_core_list:
+        if not options.bind_cores_to_rank:
+            raise UsageError("--bind_core_list: needs --bind_cores_to_rank")
+        allowed = sorted(os.sched_getaffinity(0))
+        cores = parse_core_list(options.bind_core_list) if options.bind_core_list else allowed
+        outside = sorted(set(cores) - set(allowed))
+        if outside:
+            raise UsageError(f"--bind_core_list: cores {outside} are not available to this process "
+                             f"(it may use {allowed})")
+        groups = cores_for_ranks(cores, nproc)
+        entry += ["--core_groups", ";".join(",".join(map(str, group)) for group in groups)]
+        env["OMP_NUM_THREADS"] = str(len(groups[0]))
+    if options.each_rank_log_dir is not None:
+        if Path(options.each_rank_log_dir).is_file():
+            raise UsageError(f"--enable_each_rank_log: {options.each_rank_log_dir} is a file; give a directory")
+        entry += ["--log_dir", str(Path(options.each_rank_log_dir).resolve())]
+    if entry:
+        command = (python, "-m", "autotuner.launch.rank_entry", *entry, "--", *command)
+    return command, env
+
+
 def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | None = None) -> LaunchPlan:
     """Check the options and turn them into a plan (static rendezvous for multi-node, c10d otherwise)."""
     environ = dict(os.environ) if environ is None else environ
     if not Path(options.script).is_file():
         raise UsageError(f"training script not found: {options.script}")
-    nproc = options.nproc_per_node if options.nproc_per_node is not None else default_nproc_per_node()
+    if options.launcher.lower() not in LAUNCHERS:
+        raise UsageError(f"--launcher: got {options.launcher!r}; expected one of {', '.join(LAUNCHERS)} (on one node "
+                         "the ranks start locally whichever is named, as with DeepSpeed)")
+    if options.force_multi:
+        raise UsageError("--force_multi: starting ranks through pdsh/MPI is not supported; on one node drop it, on "
+                         "several start one launcher per node with --num_nodes, --node_rank and --master_addr")
+    gpus = visible_gpus()
+    selected, device_env, notes = _selected_devices(options, environ, gpus)
+    nproc = selected if selected is not None else (
+        options.nproc_per_node if options.nproc_per_node is not None else default_nproc_per_node())
     if nproc < 1:
         raise UsageError(f"--nproc_per_node: got {nproc}; expected a positive number of ranks per node")
-    gpus = visible_gpus()
-    if gpus and nproc > gpus:
+    if gpus and nproc > gpus and not device_env:
         # NCCL refuses two ranks of one communicator on the same GPU ("Duplicate GPU detected").
         raise UsageError(f"--nproc_per_node: got {nproc}, but only {gpus} GPU(s) are visible; nccl needs one GPU "
                          f"per rank, so use at most {gpus}")
@@ -91,24 +226,28 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
         raise UsageError(f"--node_rank: got {options.node_rank}; expected 0..{options.num_nodes - 1}")
     if options.master_port is not None and not 0 < options.master_port < 65536:
         raise UsageError(f"--master_port: got {options.master_port}; expected 1..65535")
-    command = (python, "-u", options.script, *options.script_args)
-    env = thread_env(nproc, environ)
+    command, rank_env = _rank_command(options, python, nproc, environ)
+    env = {**thread_env(nproc, environ), **device_env, **rank_env,
+           # What DeepSpeed's launch.py sets besides torch elastic's variables.
+           "LOCAL_SIZE": str(nproc), "CROSS_RANK": str(options.node_rank), "CROSS_SIZE": str(options.num_nodes)}
     run_id = options.rdzv_id or uuid.uuid4().hex[:12]
     local_addr = options.master_addr or LOOPBACK
+    extra = dict(notes=tuple(notes), each_rank_log_dir=options.each_rank_log_dir)
 
     if options.rdzv_endpoint:
         # Elastic (c10d) rendezvous across nodes: every node passes the same endpoint and id.
         return LaunchPlan(command, nproc, options.num_nodes, "c10d", options.rdzv_endpoint, {}, run_id,
-                          local_addr=_local_address(options), env=env)
+                          local_addr=_local_address(options), env=env, **extra)
     if options.num_nodes > 1:
         if not options.master_addr:
             raise UsageError("--num_nodes > 1 needs --master_addr (the address of node 0), or --rdzv_endpoint")
         port = options.master_port or DEFAULT_MASTER_PORT
         return LaunchPlan(command, nproc, options.num_nodes, "static", f"{options.master_addr}:{port}",
-                          {"rank": options.node_rank}, run_id, local_addr=_local_address(options), env=env)
+                          {"rank": options.node_rank}, run_id, local_addr=_local_address(options), env=env, **extra)
     # One node: rendezvous on loopback; port 0 lets the OS pick a free one.
     port = options.master_port or 0
-    return LaunchPlan(command, nproc, 1, "c10d", f"{local_addr}:{port}", {}, run_id, local_addr=local_addr, env=env)
+    return LaunchPlan(command, nproc, 1, "c10d", f"{local_addr}:{port}", {}, run_id, local_addr=local_addr, env=env,
+                      **extra)
 
 
 def config_checked(plan: LaunchPlan) -> LaunchPlan:

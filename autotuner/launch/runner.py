@@ -13,6 +13,7 @@ import signal
 import sys
 import tempfile
 
+from autotuner.errors import UsageError
 from autotuner.launch.plan import LaunchPlan
 from autotuner.rank_setup import ERROR_DIR_ENV, read_rank_error
 
@@ -37,6 +38,14 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
         for name in list(logging.root.manager.loggerDict):
             if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
                 logging.getLogger(name).setLevel(logging.CRITICAL)
+    for note in plan.notes:
+        print(f"launcher: note: {note}", file=sys.stderr)
+    if plan.each_rank_log_dir is not None:
+        try:
+            os.makedirs(plan.each_rank_log_dir, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"--enable_each_rank_log: cannot create {plan.each_rank_log_dir} "
+                             f"({err.strerror}); give a writable directory") from None
     os.environ.update(plan.env)
     log_dir = tempfile.mkdtemp(prefix="autotuner-elastic-")
     error_dir = os.path.join(log_dir, "rank_errors")

@@ -27,6 +27,7 @@ class DeepSpeedAccessors:
     _grad_scaler: Any
     _global_grad_norm: torch.Tensor | None
     _step_applied: bool
+    _client_optimizer: bool
 
     @property
     def module(self) -> nn.Module:
@@ -101,13 +102,21 @@ class DeepSpeedAccessors:
         return self.config.wall_clock_breakdown
 
     def loss_scale(self) -> float:
-        """The fp16 loss scale now; 1.0 without fp16 (DeepSpeed's value for bf16/fp32)."""
-        return float(self._grad_scaler.get_scale()) if self._grad_scaler is not None else 1.0
+        """The config's static fp16.loss_scale, 0 meaning dynamic, as DeepSpeed's loss_scale() returns."""
+        return self.config.fp16.loss_scale
+
+    def dynamic_loss_scale(self) -> bool:
+        return self.config.fp16.loss_scale == 0
+
+    def optimizer_name(self) -> str | None:
+        return self.config.optimizer.type if self.config.optimizer is not None and not self._client_optimizer \
+            else type(self.optimizer).__name__
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of all gradients at the last optimizer step, before clipping; None before the first."""
         return None if self._global_grad_norm is None else float(self._global_grad_norm)
 
     def was_step_applied(self) -> bool:
-        """False when the last optimizer step was skipped (fp16 gradient overflow)."""
+        """True right after a micro-step that stepped the optimizer: False between accumulation
+        boundaries and when fp16 overflow skipped the step (DeepSpeed's semantics)."""
         return self._step_applied

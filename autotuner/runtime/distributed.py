@@ -55,23 +55,30 @@ def select_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(timeout_s: float = 1800.0) -> DistributedContext:
+def init_distributed(timeout_s: float = 1800.0, *, default_port: int = 29500, backend: str | None = None,
+                     init_method: str | None = None, rank: int = -1, world_size: int = -1) -> DistributedContext:
     """Join (or reuse) the default process group: nccl on CUDA, gloo on CPU.
 
-    Without launcher variables it forms a world of one, so a plain `python train.py` works.
+    Without launcher variables (and no init_method) it forms a world of one, so a plain
+    `python train.py` works. `default_port` stands in for a missing MASTER_PORT.
     """
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched and "TORCHELASTIC_RUN_ID" in os.environ:
         _die_with_parent()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = select_device(local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         timeout = datetime.timedelta(seconds=timeout_s)
-        if launched:
-            kwargs = {"device_id": device} if device.type == "cuda" else {}
+        kwargs = {"device_id": device} if device.type == "cuda" and backend == "nccl" else {}
+        if init_method is not None or rank >= 0:
+            dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=timeout, **kwargs)
+        elif launched:
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(default_port))
             dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -45,6 +45,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         local_optimizer: torch.optim.Optimizer,
         grad_scaler: Any = None,
         training_dataloader: Any = None,
+        client_optimizer: bool = False,
     ):
         super().__init__()
         self.wrapped = module
@@ -61,7 +62,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._global_grad_norm: torch.Tensor | None = None  # a tensor: reading it would sync the GPU each step
-        self._step_applied = True
+        self._step_applied = False
+        self._client_optimizer = client_optimizer
         self._local_optimizer = local_optimizer  # what DCP checkpoints: this rank's (partition of the) optimizer
         self._grad_scaler = grad_scaler
         self._fsdp = self.zero_stage >= 2
@@ -139,6 +141,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         """Call on every micro-batch. At the boundary: clip, optimizer step, zero grad, scheduler step."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
+        self._step_applied = False
         if not boundary:
             return
         measure_phases = self._phase_peaks is not None and self.global_steps + 1 == self._model_info_step
@@ -199,6 +202,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         if self._grad_scaler is not None:
             self._grad_scaler.unscale_(self.optimizer)
         self._global_grad_norm = gradient_norm(list(self.wrapped.parameters()), self.config.gradient_clipping)
+        self._step_applied = True
         if self._grad_scaler is not None:
             scale = self._grad_scaler.get_scale()
             self._grad_scaler.step(self.optimizer)

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable, Iterable, Union
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from autotuner.config.batch import resolve_batch
 from autotuner.config.loader import ConfigSource, load_config
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.errors import ConfigError
-from autotuner.runtime.distributed import init_distributed
+from autotuner.errors import ConfigError, UnsupportedError
+from autotuner.runtime.distributed import init_distributed, warn_once
 from autotuner.runtime.engine import Engine
 from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.zero import settle_offload, unwrap, wrap_model, zero_redundancy
@@ -23,17 +25,47 @@ OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Opt
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add `--deepspeed PATH` (alias `--deepspeed_config PATH`). A bare `--deepspeed` is accepted
-    for DeepSpeed's `--deepspeed --deepspeed_config PATH` form."""
+    for DeepSpeed's `--deepspeed --deepspeed_config PATH` form; `--deepscale[_config]` are
+    DeepSpeed's deprecated spellings. Like DeepSpeed, no `--local_rank`: scripts declare it."""
     group = parser.add_argument_group("autotuner", "DeepSpeed-style configuration")
     group.add_argument("--deepspeed", dest="deepspeed", nargs="?", const=None, default=None, metavar="PATH",
                        help="DeepSpeed-compatible JSON/hjson config")
     group.add_argument("--deepspeed_config", dest="deepspeed_config", default=None, metavar="PATH",
                        help="alias of --deepspeed PATH")
+    group.add_argument("--deepscale", action="store_true", default=False, help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, help=argparse.SUPPRESS)
     return parser
 
 
+def _settle_local_rank(args: Any, local_rank: int) -> None:
+    """DeepSpeed overwrites args.local_rank with the launcher's LOCAL_RANK, refusing a mismatch."""
+    given = getattr(args, "local_rank", None)
+    if args is None or given is None or "LOCAL_RANK" not in os.environ:
+        return
+    if not isinstance(given, int):
+        raise ConfigError(f"args.local_rank: got {given!r}; declare it with type=int")
+    if given >= 0 and given != local_rank:
+        raise ConfigError(f"args.local_rank={given} but LOCAL_RANK={local_rank} in the environment; "
+                          "let the launcher pass --local_rank")
+    args.local_rank = local_rank
+
+
+def _check_mpu(mpu: Any, mesh_param: Any) -> None:
+    """Only pure data parallelism can be honoured: an mpu with one model-parallel rank."""
+    if mesh_param is not None:
+        raise UnsupportedError("initialize(mesh_param=...): data/sequence-parallel meshes are not supported; "
+                               "every rank is data parallel here, so leave it out")
+    if mpu is None:
+        return
+    size = getattr(mpu, "get_model_parallel_world_size", lambda: None)()
+    if size != 1:
+        raise UnsupportedError(f"initialize(mpu=...): model parallelism (model-parallel world size {size}) is not "
+                               "supported; autotuner trains data parallel only, so pass mpu=None")
+
+
 def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
-    paths = [getattr(args, name, None) for name in ("deepspeed", "deepspeed_config")] if args is not None else []
+    names = ("deepspeed", "deepspeed_config", "deepscale_config")
+    paths = [getattr(args, name, None) for name in names] if args is not None else []
     paths = [p for p in paths if isinstance(p, str)]
     if config is not None and paths:
         raise ConfigError(f"config given twice: initialize(config=...) and --deepspeed {paths[0]}; pass one")
@@ -63,10 +95,12 @@ def _remap_groups(params: Iterable, id_to_name: dict[int, str], new_by_name: dic
 def _build_optimizer(
     client: OptimizerArg, config: DeepSpeedConfig, groups: list[dict], stage: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
-    """(optimizer the user steps, optimizer whose state this rank holds)."""
+    """(optimizer the user steps, optimizer whose state this rank holds). A client optimizer wins
+    over the config's 'optimizer' section, as in DeepSpeed, which is then not used."""
+    if client is not None and config.optimizer is not None:
+        warn_once(f"optimizer: using the optimizer passed to initialize() ({_optimizer_label(client)}); the "
+                  f"config's 'optimizer' section ({config.optimizer.type}) is not used, as in DeepSpeed")
     if isinstance(client, torch.optim.Optimizer):
-        if config.optimizer is not None:
-            raise ConfigError("optimizer given twice: initialize(optimizer=...) and the config's 'optimizer'; pass one")
         if stage == 1:
             zero = zero_redundancy(groups, type(client), dict(client.defaults))
             return zero, zero.optim
@@ -75,8 +109,6 @@ def _build_optimizer(
             group["params"] = new["params"]
         return client, client
     if callable(client):
-        if config.optimizer is not None:
-            raise ConfigError("optimizer given twice: initialize(optimizer=...) and the config's 'optimizer'; pass one")
         built = client(groups)
         if stage == 1:
             zero = zero_redundancy(groups, type(built), dict(built.defaults))
@@ -91,11 +123,17 @@ def _build_optimizer(
     return built, built
 
 
+def _optimizer_label(client: Any) -> str:
+    return type(client).__name__ if isinstance(client, torch.optim.Optimizer) else "a callable"
+
+
 def _build_scheduler(client: Any, config: DeepSpeedConfig, optimizer: torch.optim.Optimizer, stage: int):
+    """A client scheduler (or callable optimizer -> scheduler) wins over the config's, as in DeepSpeed."""
     if client is None:
         return build_scheduler(config.scheduler, optimizer) if config.scheduler is not None else None
     if config.scheduler is not None:
-        raise ConfigError("scheduler given twice: initialize(lr_scheduler=...) and the config's 'scheduler'; pass one")
+        warn_once(f"scheduler: using the lr_scheduler passed to initialize(); the config's 'scheduler' section "
+                  f"({config.scheduler.type}) is not used, as in DeepSpeed")
     if callable(client) and not hasattr(client, "step"):
         return client(optimizer)
     if stage == 1 and getattr(client, "optimizer", None) is not optimizer:
@@ -132,16 +170,26 @@ def initialize(
     model: nn.Module | None = None,
     optimizer: OptimizerArg = None,
     model_parameters: Iterable | None = None,
-    lr_scheduler: Any = None,
-    config: ConfigSource | None = None,
     training_data: Dataset | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
     collate_fn: Callable | None = None,
+    config: ConfigSource | None = None,
+    mesh_param: Any = None,
     config_params: ConfigSource | None = None,
 ) -> tuple[Engine, torch.optim.Optimizer, DataLoader | None, Any]:
     """Wrap `model` for the configured ZeRO stage; returns (engine, optimizer, dataloader, lr_scheduler)
-    as deepspeed.initialize does. Every unsupported combination fails here, before training."""
+    as deepspeed.initialize does, with its parameters in DeepSpeed 0.19's positional order.
+    `distributed_port` is used only without a launcher's MASTER_PORT. Every unsupported
+    combination fails here, before training."""
     if model is None:
         raise ConfigError("initialize: model is required")
+    _check_mpu(mpu, mesh_param)
+    if dist_init_required is False and not dist.is_initialized():
+        raise ConfigError("initialize(dist_init_required=False): the process group is not initialised; call "
+                          "init_distributed() first or leave dist_init_required unset")
     cfg = _config_from(args, config if config is not None else config_params)
     stage = cfg.zero_optimization.stage
     if not isinstance(stage, int):
@@ -149,7 +197,8 @@ def initialize(
             f"zero_optimization.stage: got {stage!r}; a list or \"all\" is only for the autotuner "
             "(launcher --autotuning tune|run); give 0, 1, 2 or 3 to train"
         )
-    ctx = init_distributed()
+    ctx = init_distributed(default_port=distributed_port)
+    _settle_local_rank(args, ctx.local_rank)
     cfg = cfg.with_device_precision(ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
     cfg = cfg.model_copy(update={"zero_optimization": settle_offload(cfg.zero_optimization, stage, ctx.device)})
     batch = resolve_batch(cfg, ctx.world_size)
@@ -164,11 +213,15 @@ def initialize(
     scheduler = _build_scheduler(lr_scheduler, cfg, opt, stage)
     loader = None
     if training_data is not None:
+        if not isinstance(training_data, Dataset):
+            raise ConfigError(f"initialize(training_data=...): got {type(training_data).__name__}; "
+                              "training data must be a torch Dataset")
         loader = _dataloader(training_data, collate_fn, batch.micro_batch_size, ctx.rank, ctx.world_size)
     engine = Engine(
         wrapped, opt, scheduler, cfg, batch, ctx,
         local_optimizer=local_opt,
         grad_scaler=_grad_scaler(cfg, ctx.device, stage),
         training_dataloader=loader,
+        client_optimizer=optimizer is not None,
     )
     return engine, opt, loader, scheduler

@@ -16,7 +16,7 @@ from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
 from autotuner.launch.script_args import replace_config
 from autotuner.tuning.experiment import (RECORD_FILE, ExperimentSettings, experiment_config, mapped_script_args,
-                                         run_experiment, with_user_keys)
+                                         rank_count_flags, run_experiment, with_user_keys)
 from autotuner.tuning.memory import (ModelProfile, StageSettings, engine_family, estimate, max_micro_batch_size,
                                      usable_bytes)
 from autotuner.tuning.profiling import profile_from_config, profile_model
@@ -352,4 +352,4 @@ def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tupl
     """The command that trains with the optimum: our launcher, the user's script, its arguments."""
     launcher = shutil.which("launcher")
     prefix = [launcher] if launcher else [sys.executable, "-m", "autotuner"]
-    return (*prefix, "--nproc_per_node", str(settings.nproc_per_node), *settings.launcher_args, settings.script, *args)
+    return (*prefix, *rank_count_flags(settings), *settings.launcher_args, settings.script, *args)

@@ -10,6 +10,7 @@ import signal
 import sys
 import tempfile
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from autotuner.config import DeepSpeedConfig, load_config
@@ -18,7 +19,7 @@ from autotuner.config.batch import check_fixed_triad
 from autotuner.config.keys import field_names, section_model
 from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan, run_plan
-from autotuner.launch.plan import config_checked
+from autotuner.launch.plan import config_checked, picks_ranks_itself
 from autotuner.launch.script_args import config_path
 from autotuner.runtime.optim import check_optimizer_and_scheduler
 from autotuner.tuning.autotuner import Autotuner, TuningFailed, base_config, search_space
@@ -152,10 +153,10 @@ def autotune(args: argparse.Namespace) -> int:
         # The flag states the intent; DeepSpeed would silently do nothing here.
         _say(f"{source}: autotuning.enabled is false; tuning anyway because --autotuning {args.autotuning} was given")
     check_arg_mappings(config, source)
-    options = LaunchOptions(script=args.script, script_args=script_args, nproc_per_node=args.nproc_per_node,
-                            num_nodes=args.num_nodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                            master_port=args.master_port)
+    options = LaunchOptions.from_args(args, rdzv_endpoint=None, rdzv_id=None)
     plan = build_plan(options, sys.executable)  # validates the launch options before anything starts
+    for note in plan.notes:
+        _say(f"note: {note}")
     if plan.num_nodes > 1:
         raise UsageError("--autotuning runs on one node for now; drop --num_nodes or tune on a single node")
     results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
@@ -181,6 +182,7 @@ def autotune(args: argparse.Namespace) -> int:
         arg_mappings=dict(tuning.arg_mappings),
         memory_budget_bytes=tuning.memory_per_rank_bytes,
         user_config=read_config_file(source),
+        launcher_args=options.passthrough_flags(),
     )
     with exclusive_lock(results_dir), signals_as_exceptions():
         try:
@@ -198,6 +200,6 @@ def autotune(args: argparse.Namespace) -> int:
     if args.autotuning == "tune":
         return 0
     _say("training with the optimal config ...")
-    optimal = LaunchOptions(script=args.script, script_args=outcome.optimal_script_args,
-                            nproc_per_node=plan.nproc_per_node)
+    optimal = replace(options, script_args=outcome.optimal_script_args,
+                      nproc_per_node=None if picks_ranks_itself(options.passthrough_flags()) else plan.nproc_per_node)
     return run_plan(config_checked(build_plan(optimal, sys.executable)), quiet=not args.debug)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import ConfigError
+from autotuner.launch.plan import picks_ranks_itself
 from autotuner.launch.processes import run_to_completion
 from autotuner.launch.script_args import replace_config, set_flag
 from autotuner.atomic import write_json_atomic
@@ -101,8 +102,13 @@ def launch_command(config: dict[str, Any], config_path: Path, settings: Experime
     """`python -m autotuner [launcher args] script [mapped args] --deepspeed <experiment config>`."""
     args = mapped_script_args(settings.script_args, settings.arg_mappings, config)
     args = replace_config(args, str(config_path))
-    return [settings.python, "-m", "autotuner", "--nproc_per_node", str(settings.nproc_per_node),
-            *settings.launcher_args, settings.script, *args]
+    return [settings.python, "-m", "autotuner", *rank_count_flags(settings), *settings.launcher_args,
+            settings.script, *args]
+
+
+def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
+    """--nproc_per_node N, unless the user's --include/--exclude/--hostfile already set the count."""
+    return () if picks_ranks_itself(settings.launcher_args) else ("--nproc_per_node", str(settings.nproc_per_node))
 
 
 def _last_exception_line(stderr_text: str, rank: int | None = None) -> str | None:

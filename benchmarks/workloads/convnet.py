@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--channels", type=int, default=64)
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
     autotuner.add_config_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(0)

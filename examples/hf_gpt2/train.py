@@ -50,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--corpus_mb", type=float, default=8.0, help="MB of standard-library text to train on")
     parser.add_argument("--tokenizer_vocab", type=int, default=4096, help="BPE vocabulary trained on the corpus")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
     autotuner.add_config_arguments(parser)
     return parser.parse_args()
 

@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--save_dir", default=None, help="save a checkpoint here at the end")
     parser.add_argument("--losses_out", default=None, help="rank 0 writes the loss of each step here (JSON)")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
     autotuner.add_config_arguments(parser)
     args = parser.parse_args()
 

@@ -228,6 +228,7 @@ def main() -> None:
     parser.add_argument("--check", choices=("parity", "gas", "checkpoint", "bf16", "offload", "raw_forward",
                                                   "unused", "checkpoint_unused"), required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     checks = {"parity": check_parity, "gas": check_gas, "checkpoint": lambda: check_checkpoint(args.out + ".ckpt"),
               "bf16": check_bf16, "offload": check_offload, "raw_forward": check_raw_forward,

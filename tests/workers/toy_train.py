@@ -48,6 +48,7 @@ def main() -> None:
                         help="fire FAULT (fail, kill, exit or hang) only at this micro-batch (repeatable); "
                              "when given, it replaces --fault_min_micro for every fault")
     parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
     autotuner.add_config_arguments(parser)
     args = parser.parse_args()
 

@@ -1,0 +1,40 @@
+"""What a rank runs first when the launcher binds cores or logs per rank, then replaces itself
+with the user's script (exec keeps the pid, so process-tree clean-up is unchanged).
+
+    python -m autotuner.launch.rank_entry [--core_groups "0,1;2,3"] [--log_dir DIR] -- python -u train.py ...
+
+The core mask and the redirected stdout/stderr survive the exec, so the script's interpreter and
+every thread it starts run on the rank's cores, like DeepSpeed's `numactl -C` prefix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="autotuner.launch.rank_entry")
+    parser.add_argument("--core_groups", default=None, help="cores per local rank, e.g. '0,1;2,3'")
+    parser.add_argument("--log_dir", default=None, help="stdout and stderr go to DIR/<time>_rank<N>.log")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.core_groups:
+        group = args.core_groups.split(";")[int(os.environ.get("LOCAL_RANK", 0))]
+        os.sched_setaffinity(0, {int(core) for core in group.split(",")})
+    if args.log_dir:
+        rank = os.environ.get("RANK", "0")
+        path = os.path.join(args.log_dir, f"{time.strftime('%Y%m%d%H%M%S')}_rank{rank}.log")
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+    sys.stdout.flush()
+    os.execv(command[0], command)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,1 @@
+"""`autotuner.ops`: DeepSpeed's optimizer classes, as the torch optimizers they compute."""

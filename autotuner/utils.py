@@ -1,0 +1,57 @@
+"""`autotuner.utils`: what scripts take from `deepspeed.utils` (RepeatingLoader, logger, log_dist)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Iterable, Iterator
+
+__all__ = ["RepeatingLoader", "log_dist", "logger"]
+
+
+def _script_logger() -> logging.Logger:
+    # DeepSpeed's logger: its own stdout handler, not propagated, WARNING by default (since 0.17.6).
+    log = logging.getLogger("autotuner.script")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
+                                               "%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.WARNING)
+        log.propagate = False
+    return log
+
+
+logger = _script_logger()
+
+
+def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
+    """Log on the listed ranks ([-1]: all). As in DeepSpeed, with a process group and no ranks
+    nothing is logged; without a process group every process logs as rank -1."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        rank = -1
+    else:
+        rank = dist.get_rank()
+        if not ranks or (-1 not in ranks and rank not in ranks):
+            return
+    logger.log(level, f"[Rank {rank}] {message}")
+
+
+class RepeatingLoader:
+    """Wrap an iterable so it restarts when exhausted (an endless stream of batches)."""
+
+    def __init__(self, loader: Iterable) -> None:
+        self.loader = loader
+        self.data_iter = iter(loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
