@@ -31,6 +31,7 @@ _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Engine(DeepSpeedAccessors, nn.Module):
+    created_in_process = 0  # a GAN makes two; the profile then sees only one of them
     """Returned by `autotuner.initialize`. Call it for forward, then `backward(loss)` and `step()`
     on every micro-batch; the optimizer steps only at the gradient-accumulation boundary."""
 
@@ -48,6 +49,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         client_optimizer: bool = False,
     ):
         super().__init__()
+        Engine.created_in_process += 1
         self.wrapped = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -286,6 +288,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
                 zero_stage=self.zero_stage,
                 precision=self.precision,
                 world_size=self.ctx.world_size,
+                engines_in_process=Engine.created_in_process,
             )
         model_info = self.config.autotuning.model_info
         if model_info is not None and model_info.profile:

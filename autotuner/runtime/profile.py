@@ -119,6 +119,7 @@ def write_model_info(
     zero_stage: int,
     precision: str,
     world_size: int,
+    engines_in_process: int = 1,
 ) -> None:
     total, trainable = count_parameters(zero_stage_module)
     info: dict[str, Any] = {
@@ -140,5 +141,6 @@ def write_model_info(
         "zero_stage": zero_stage,
         "precision": precision,
         "world_size": world_size,
+        "engines_in_process": engines_in_process,
     }
     write_json_atomic(path, info)

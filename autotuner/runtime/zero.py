@@ -152,9 +152,15 @@ def zero_redundancy(
     param_groups: Iterable[dict[str, Any]], optimizer_cls: type[torch.optim.Optimizer], defaults: dict[str, Any]
 ) -> torch.optim.Optimizer:
     """ZeRO-1: optimizer state sharded across ranks by torch's ZeroRedundancyOptimizer."""
+    import inspect
+
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(list(param_groups), optimizer_class=optimizer_cls, **defaults)
+    # A client optimizer's `defaults` may hold entries its constructor does not take (torch's AdamW
+    # records decoupled_weight_decay=True); only constructor arguments are passed on.
+    accepted = set(inspect.signature(optimizer_cls.__init__).parameters)
+    kwargs = {key: value for key, value in defaults.items() if key in accepted}
+    return ZeroRedundancyOptimizer(list(param_groups), optimizer_class=optimizer_cls, **kwargs)
 
 
 def gradient_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor | None:

@@ -78,6 +78,8 @@ def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentS
                 break
             infos.append(info)
         if len(infos) == len(PROFILE_MICRO_BATCH_SIZES):
+            for warning in blind_spots(infos):
+                report(f"warning: {warning}")
             profile = _to_profile(infos, settings)
             sharded = [s for s in stages if s >= 2]
             fits = [fit] if (fit := peak_fit(infos)) is not None else []
@@ -102,6 +104,21 @@ def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentS
         if last_failure is not None and last_failure.state is not TrialState.OOM:
             break  # a crash will not go away at a higher stage
     return ProfileOutcome(None, None, last_failure)
+
+
+def blind_spots(infos: list[dict[str, Any]]) -> list[str]:
+    """What the profile could not see, so the memory model is blind there."""
+    how = ("give autotuning.model_info (num_params and activation_bytes_per_sample) in the config so the "
+           "model need not be measured")
+    warnings = []
+    if all(info.get("activation_bytes", 0) == 0 for info in infos):
+        warnings.append("the profile saw no activations: the script's forward did not go through the engine "
+                        "(engine(x)), so the memory model cannot see activation memory; call the engine, or " + how)
+    engines = max(info.get("engines_in_process", 1) for info in infos)
+    if engines > 1:
+        warnings.append(f"the script made {engines} engines (a GAN's two networks, say); the profile measures only "
+                        "one of them, so the memory model under-counts; " + how)
+    return warnings
 
 
 def peak_fit(infos: list[dict[str, Any]]) -> PeakFit | None:

@@ -1,0 +1,392 @@
+"""The DeepSpeed API surface and launcher flags real scripts use (issue 12, sections 2-5).
+
+The multi-rank tests run tests/workers/ds_style_train.py, written the way DeepSpeedExamples'
+scripts are, under the launcher with 2 ranks at every ZeRO stage; the rest are in-process.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import autotuner
+from autotuner.cli import main
+from autotuner.errors import ConfigError, UnsupportedError, UsageError
+from autotuner.launch import LaunchOptions, build_plan
+from autotuner.launch.resources import cores_for_ranks, parse_core_list, parse_hostfile, select_slots
+from conftest import WORKERS, run_launcher
+
+DS_STYLE = WORKERS / "ds_style_train.py"
+TOY = WORKERS / "toy_train.py"
+CLIENT_WINS = "using the optimizer passed to initialize()"
+
+
+def ds_config(tmp_path: Path, stage: int, **extra) -> Path:
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "Adam", "params": {"lr": 0.5}},  # not used: the script passes FusedAdam
+              "zero_optimization": {"stage": stage}, "wandb": {"enabled": False}, **extra}
+    path = tmp_path / f"ds_stage{stage}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def write_script(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+ECHO = """
+import json, os, sys
+from pathlib import Path
+out = Path(os.environ["ECHO_DIR"]) / f"rank{os.environ['RANK']}.json"
+out.write_text(json.dumps({"argv": sys.argv[1:], "cores": sorted(os.sched_getaffinity(0)),
+                           "omp": os.environ.get("OMP_NUM_THREADS"), "local_size": os.environ.get("LOCAL_SIZE"),
+                           "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+print(f"hello from rank {os.environ['RANK']}", flush=True)
+"""
+
+
+def run_echo(tmp_path: Path, *flags: str) -> tuple[object, list[dict]]:
+    script = write_script(tmp_path, "echo.py", ECHO)
+    echo_dir = tmp_path / "echo"
+    echo_dir.mkdir(exist_ok=True)
+    os.environ["ECHO_DIR"] = str(echo_dir)
+    try:
+        result = run_launcher(*flags, script, "user_arg", timeout=120)
+    finally:
+        del os.environ["ECHO_DIR"]
+    ranks = [json.loads(p.read_text()) for p in sorted(echo_dir.glob("rank*.json"))]
+    return result, ranks
+
+
+# ----- a DeepSpeedExamples-style script, import changed only, at every stage -----
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_deepspeed_style_script_trains_alike_at_every_stage(tmp_path, no_orphans):
+    seen = {}
+    for stage in (0, 1, 2, 3):
+        out = tmp_path / f"seen{stage}.json"
+        # Stage 0 declares --local_rank after add_config_arguments, the others before: both must parse.
+        order = ("--local_rank_after",) if stage == 0 else ()
+        result = run_launcher("--nproc_per_node", "2", DS_STYLE, *order, "--steps", "6", "--out", out,
+                              "--deepspeed", ds_config(tmp_path, stage), timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stderr.count(CLIENT_WINS) == 1, result.stderr  # once per job, not per rank
+        assert result.stderr.count("accepted but not used") == 1, result.stderr
+        seen[stage] = json.loads(out.read_text())
+    for stage, run in seen.items():
+        assert run["stage"] == stage and run["world_size"] == 2
+        assert run["local_rank_arg"] == run["local_rank_env"] == run["comm_local_rank"] == 0
+        assert run["scheduler"] == "StepLR" and run["loader_batch"] == 8  # positional training_data, lr_scheduler
+        assert run["module_is_model"] and not run["fp16"] and not run["bf16"]
+        assert run["step_applied"] == [True] * 6 and len(run["grad_norms"]) == 6
+        assert run["lr"] == [pytest.approx(1e-2 * 0.5 ** 3)]  # FusedAdam's lr, StepLR halving every 2 steps
+        assert run["device_name"] == "cpu" and run["device_count"] == 2 and run["is_available"]
+        assert run["max_memory_allocated"] >= run["memory_allocated"] > 0
+        # Same data, same client optimizer: every stage trains the same numbers.
+        assert run["losses"] == pytest.approx(seen[0]["losses"], rel=1e-5)
+        assert run["grad_norms"] == pytest.approx(seen[0]["grad_norms"], rel=1e-5)
+    assert seen[0]["losses"][-1] < seen[0]["losses"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_deepspeed_style_script_tunes_and_the_optimal_config_keeps_the_users_keys(tmp_path, no_orphans):
+    config = ds_config(tmp_path, 0, zero_optimization={"stage": [0, 3]}, train_micro_batch_size_per_gpu=[4, 8],
+                       gradient_accumulation_steps=None,
+                       autotuning={"enabled": True, "fast": True, "start_profile_step": 2, "end_profile_step": 4,
+                                   "model_info": {"num_params": 600}, "results_dir": str(tmp_path / "results"),
+                                   "exps_dir": str(tmp_path / "exps")})
+    raw = json.loads(config.read_text())
+    del raw["gradient_accumulation_steps"]
+    config.write_text(json.dumps(raw))
+    result = run_launcher("--autotuning", "tune", "--nproc_per_node", "2", DS_STYLE, "--steps", "6",
+                          "--deepspeed", config, timeout=500, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "best_metric_val (samples/s)" in result.stdout
+    optimal = json.loads((tmp_path / "results" / "ds_config_optimal.json").read_text())
+    assert optimal["wandb"] == {"enabled": False}  # a DeepSpeed key we accept but do not act on stays
+    assert optimal["optimizer"] == raw["optimizer"] and "autotuning" not in optimal
+    assert optimal["zero_optimization"]["stage"] in (0, 3)
+    assert optimal["train_micro_batch_size_per_gpu"] in (4, 8)
+
+
+# ----- the launcher's --local_rank and the deepspeed launcher's flags -----
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_local_rank_is_passed_after_the_script_unless_no_local_rank(tmp_path, no_orphans):
+    result, ranks = run_echo(tmp_path, "--nproc_per_node", "2")
+    assert result.returncode == 0, result.stderr
+    assert [r["argv"] for r in ranks] == [["--local_rank=0", "user_arg"], ["--local_rank=1", "user_arg"]]
+    assert {r["local_size"] for r in ranks} == {"2"}
+    result, ranks = run_echo(tmp_path, "--nproc_per_node", "2", "--no_local_rank")
+    assert result.returncode == 0, result.stderr
+    assert [r["argv"] for r in ranks] == [["user_arg"], ["user_arg"]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to give each rank its own")
+def test_bind_cores_to_rank_pins_each_rank_and_each_rank_log(tmp_path, no_orphans):
+    logs = tmp_path / "rank_logs"
+    result, ranks = run_echo(tmp_path, "--nproc_per_node", "2", "--bind_cores_to_rank", "--enable_each_rank_log", logs)
+    assert result.returncode == 0, result.stderr
+    allowed = sorted(os.sched_getaffinity(0))
+    share = len(allowed) // 2
+    assert [r["cores"] for r in ranks] == [allowed[:share], allowed[share:2 * share]]
+    assert {r["omp"] for r in ranks} == {str(share)}
+    files = sorted(logs.glob("*_rank*.log"))
+    assert [f.name.rsplit("_", 1)[1] for f in files] == ["rank0.log", "rank1.log"]
+    assert "hello from rank 1" in files[1].read_text() and "hello from rank" not in result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_include_and_a_hostfile_naming_this_host_pick_the_rank_count(tmp_path, no_orphans):
+    result, ranks = run_echo(tmp_path, "--include", "localhost:0,1")
+    assert result.returncode == 0, result.stderr
+    assert len(ranks) == 2
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# one node\nlocalhost slots=2\n")
+    for stale in (tmp_path / "echo").glob("*"):
+        stale.unlink()
+    result, ranks = run_echo(tmp_path, "--hostfile", hostfile)
+    assert result.returncode == 0, result.stderr
+    assert len(ranks) == 2
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (("--include", "localhost:0", "--nproc_per_node", "2"), "--include/--exclude choose the devices themselves"),
+    (("--include", "localhost:0", "--exclude", "localhost:1"), "mutually exclusive"),
+    (("--include", "nohost:0"), "host 'nohost' is not in the resource pool"),
+    (("--force_multi",), "--force_multi"),
+    (("--launcher", "slurmx"), "--launcher: got 'slurmx'"),
+    (("--bind_core_list", "0"), "--bind_core_list: needs --bind_cores_to_rank"),
+    (("--bind_cores_to_rank", "--bind_core_list", "3-1"), "--bind_core_list: got '3-1'"),
+    (("--bind_cores_to_rank", "--nproc_per_node", "64"), "each rank needs at least one"),
+])
+def test_launcher_flag_misuse_is_one_line(tmp_path, capsys, flags, fragment):
+    script = write_script(tmp_path, "echo.py", ECHO)
+    code = main([*flags, str(script)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and fragment in err, err
+
+
+def test_hostfile_with_other_hosts_or_bad_lines_is_refused(tmp_path, capsys):
+    script = write_script(tmp_path, "echo.py", ECHO)
+    for text, fragment in (("localhost slots=2\nworker-1 slots=2\n", "lists other hosts (worker-1)"),
+                           ("localhost slot=2\n", "bad entry"), ("localhost slots=1\nlocalhost slots=1\n", "twice"),
+                           ("# nothing\n", "no 'host slots=N' entries")):
+        hostfile = tmp_path / "hostfile"
+        hostfile.write_text(text)
+        assert main(["--hostfile", str(hostfile), str(script)]) == 2
+        err = capsys.readouterr().err
+        assert fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_resource_filters_follow_deepspeed():
+    pool = {"worker-0": 4, "worker-1": 2}
+    assert select_slots(pool, "worker-0:0,2@worker-1", None) == {"worker-0": [0, 2], "worker-1": [0, 1]}
+    assert select_slots(pool, None, "worker-0:1@worker-1") == {"worker-0": [0, 2, 3]}
+    with pytest.raises(UsageError, match="no slot 5"):
+        select_slots(pool, "worker-0:5", None)
+    assert select_slots({"localhost": 1}, "localhost:0,1", None, check_include_range=False) == {"localhost": [0, 1]}
+    assert parse_core_list("0,2-4,7") == [0, 2, 3, 4, 7]
+    assert cores_for_ranks([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3]]  # the remainder stays unused, as in DeepSpeed
+
+
+def test_plan_passes_local_rank_macro_and_deepspeed_env(tmp_path):
+    script = write_script(tmp_path, "echo.py", ECHO)
+    plan = build_plan(LaunchOptions(script=str(script), script_args=("a",), nproc_per_node=2), "python", {})
+    assert plan.command == ("python", "-u", str(script), "--local_rank=${local_rank}", "a")
+    assert plan.env["LOCAL_SIZE"] == "2" and plan.env["CROSS_SIZE"] == "1" and plan.env["CROSS_RANK"] == "0"
+    plan = build_plan(LaunchOptions(script=str(script), script_args=("a",), no_local_rank=True), "python", {})
+    assert plan.command == ("python", "-u", str(script), "a")
+
+
+# ----- rank-side errors and refused features: one line from the launcher -----
+ZERO_INIT = """
+import autotuner as deepspeed
+with deepspeed.zero.Init():
+    pass
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_unsupported_feature_in_the_ranks_is_one_launcher_line(tmp_path, no_orphans):
+    script = write_script(tmp_path, "zero_init.py", ZERO_INIT)
+    result = run_launcher("--nproc_per_node", "2", "--no_local_rank", script, timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("launcher: error: rank ") and "deepspeed.zero.Init is not supported" in lines[0]
+    debug = run_launcher("--debug", "--nproc_per_node", "2", "--no_local_rank", script, timeout=120)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_moe_and_pipe_imports_and_pipeline_module_are_refused():
+    for module in ("autotuner.moe", "autotuner.pipe"):
+        with pytest.raises(UnsupportedError, match="is not supported by autotuner"):
+            __import__(module)
+    with pytest.raises(UnsupportedError, match="pipeline parallelism"):
+        autotuner.PipelineModule  # noqa: B018
+    with pytest.raises(UnsupportedError, match="GatheredParameters"):
+        autotuner.zero.GatheredParameters  # noqa: B018
+
+
+# ----- the Python API, in-process -----
+def test_initialize_has_deepspeeds_positional_order():
+    names = list(inspect.signature(autotuner.initialize).parameters)
+    assert names == ["args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
+                     "distributed_port", "mpu", "dist_init_required", "collate_fn", "config", "mesh_param",
+                     "config_params"]
+    init = inspect.signature(autotuner.init_distributed).parameters
+    assert list(init)[:3] == ["dist_backend", "auto_mpi_discovery", "distributed_port"]
+    assert init["distributed_port"].default == 29500
+
+
+class _ModelParallel:
+    def get_model_parallel_world_size(self):
+        return 2
+
+
+def test_initialize_refuses_model_parallelism_and_a_missing_group(monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with pytest.raises(UnsupportedError, match="model-parallel world size 2"):
+        autotuner.initialize(model=model, mpu=_ModelParallel(), config=config)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(ConfigError, match="dist_init_required=False"):
+        autotuner.initialize(model=model, dist_init_required=False, config=config)
+
+
+def test_comm_before_init_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    with pytest.raises(UsageError, match="process group is not initialised"):
+        autotuner.comm.get_rank()
+
+
+def test_cpu_accelerator_answers_like_deepspeeds(monkeypatch):
+    from autotuner.runtime.accelerator import CpuAccelerator
+
+    monkeypatch.setenv("LOCAL_SIZE", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    cpu = CpuAccelerator()
+    assert (cpu.device_name(), cpu.device_name(2), cpu.device(), cpu.current_device()) == ("cpu", "cpu", None, 1)
+    assert cpu.device_count() == 3 and cpu.is_available() and cpu.communication_backend_name() == "gloo"
+    assert cpu.max_memory_allocated() >= cpu.memory_allocated() > 0
+    cpu.manual_seed(3)
+    first = torch.rand(1)
+    cpu.manual_seed(3)
+    assert torch.equal(first, torch.rand(1))
+
+
+def test_accelerator_choice_follows_ds_accelerator(monkeypatch):
+    from autotuner.runtime import accelerator
+
+    monkeypatch.setattr(accelerator, "_ACCELERATOR", None)
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    with pytest.raises(ConfigError, match="DS_ACCELERATOR: got 'xpu'"):
+        accelerator.get_accelerator()
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert accelerator.get_accelerator().device_name() == "cpu"
+
+
+def test_repeating_loader_restarts_and_log_dist_follows_deepspeed(capsys, monkeypatch):
+    from autotuner.utils import RepeatingLoader, log_dist
+
+    stream = RepeatingLoader([1, 2])
+    assert [next(stream) for _ in range(5)] == [1, 2, 1, 2, 1]
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    log_dist("no group yet", level=logging.WARNING)
+    assert "[Rank -1] no group yet" in capsys.readouterr().out
+
+
+def test_fused_adam_is_torchs_adamw_and_refuses_no_bias_correction():
+    from autotuner.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert isinstance(FusedAdam(params, lr=0.1), torch.optim.AdamW)
+    assert type(DeepSpeedCPUAdam(params, adamw_mode=False)) is torch.optim.Adam
+    with pytest.raises(UnsupportedError, match="bias_correction=False"):
+        FusedAdam(params, bias_correction=False)
+
+
+# ----- configs DeepSpeed accepts, and bad input found before launching -----
+def test_arg_mappings_keys_with_spaces_are_stripped(caplog):
+    from autotuner.config import load_config
+
+    config = load_config({"autotuning": {"arg_mappings": {"gradient_accumulation_steps ": " --gas"}}})
+    assert config.autotuning.arg_mappings == {"gradient_accumulation_steps": "--gas"}
+    assert "spaces around it" in caplog.text
+
+
+def test_a_number_beyond_float_is_one_line(tmp_path):
+    from autotuner.config import load_config
+
+    path = tmp_path / "big.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 2,\n "gradient_clipping": 1e400}')
+    with pytest.raises(ConfigError, match=r"big.json:2:23: the number 1e400 is too large"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("params, fragment", [
+    ({"lrr": 0.1}, "optimizer.params.lrr: not a parameter of torch.optim.AdamW; did you mean 'lr'?"),
+    ({"lr": -1}, "Invalid learning rate: -1"),
+])
+def test_optimizer_params_are_checked_before_launch(tmp_path, capsys, monkeypatch, params, fragment):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2,
+                                  "optimizer": {"type": "Adam", "params": {**params, "torch_adam": True}}}))
+    for argv in (["--nproc_per_node", "2", str(TOY), "--pid_dir", "pids", "--deepspeed", str(config)],
+                 ["--autotuning", "tune", "--nproc_per_node", "2", str(TOY), "--pid_dir", "pids", "--deepspeed",
+                  str(config)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("launcher: error: ") and fragment in err[-1], err
+        assert not (tmp_path / "pids").exists()
+
+
+def test_max_train_batch_size_below_the_ranks_is_refused_before_launch(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+                                  "autotuning": {"enabled": True, "max_train_batch_size": 1}}))
+    assert main(["--autotuning", "tune", "--nproc_per_node", "2", str(TOY), "--deepspeed", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "max_train_batch_size (1): no micro-batch size gives a valid global batch" in err
+    assert "smallest global batch is 2" in err and not (tmp_path / "autotuning_exps").exists()
+
+
+def test_cpu_offload_on_a_cpu_machine_is_dropped_with_a_warning(capsys):
+    from autotuner.config.models import ZeroConfig
+    from autotuner.runtime.zero import settle_offload
+
+    zero = ZeroConfig(stage=1, offload_optimizer={"device": "cpu"})
+    settled = settle_offload(zero, 1, torch.device("cpu"))
+    assert settled.offload_optimizer is None
+    assert "this machine has no GPU" in capsys.readouterr().err
+    with pytest.raises(UnsupportedError, match="use stage 2"):
+        settle_offload(zero, 1, torch.device("cuda", 0))
+
+
+def test_blind_memory_model_is_reported():
+    from autotuner.tuning.profiling import blind_spots
+
+    infos = [{"activation_bytes": 0, "engines_in_process": 2}] * 2
+    warnings = blind_spots(infos)
+    assert len(warnings) == 2 and "saw no activations" in warnings[0] and "2 engines" in warnings[1]
+    assert all("autotuning.model_info" in w for w in warnings)
+    assert blind_spots([{"activation_bytes": 10, "engines_in_process": 1}] * 2) == []
