@@ -54,7 +54,7 @@ def test_tune_writes_every_output_and_picks_the_best(tmp_path, no_orphans):
     # Gas is really tuned under max_train_batch_size: 64 = micro x gas x 2 ranks.
     assert set(ok.gradient_accumulation_steps) == {64 // (2 * m) for m in ok.micro_batch_size}
     assert ok.gradient_accumulation_steps.nunique() > 1
-    best = ok.loc[ok.throughput.idxmax()]
+    best = ok.loc[ok.throughput_samples_s.idxmax()]
     assert f"| global         |                 {len(table[table.state != 'pruned'])} |" in summary
     assert best["name"] in summary.splitlines()[-2]  # the global row names the best
     assert (ok.predicted_memory_mib > 0).all() and (ok.measured_memory_mib > 0).all()

@@ -42,8 +42,8 @@ def test_tune_the_gpt2_example_then_train_with_the_optimal_command(tmp_path, no_
     ok = table[table.state == "ok"]
     assert len(ok) >= 2, table.to_string()
     # The measurements are real: positive throughput and a measured peak per experiment.
-    assert (ok.throughput > 0).all() and (ok.measured_memory_mib > 0).all()
-    best = ok.loc[ok.throughput.idxmax()]
+    assert (ok.throughput_samples_s > 0).all() and (ok.measured_memory_mib > 0).all()
+    best = ok.loc[ok.throughput_samples_s.idxmax()]
     optimal = read_config_file(results / "ds_config_optimal.json")
     assert "autotuning" not in optimal
     assert optimal["train_micro_batch_size_per_gpu"] == best.micro_batch_size

@@ -113,3 +113,66 @@ def test_a_real_cuda_oom_is_recorded_and_the_search_backs_off(tmp_path, no_orpha
     ok = table[table.state == "ok"]
     assert len(ok) and ok.micro_batch_size.max() < 32
     assert ok.micro_batch_size.max() >= 16  # 16 x total/24 fits: the bisection found at least that
+
+
+# ----- issue 12: a DeepSpeedExamples-style script and the deepspeed launcher's flags, on CUDA -----
+DS_STYLE = WORKERS / "ds_style_train.py"
+
+
+def ds_style_config(tmp_path, stage: int, **extra):
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": stage}, **extra}
+    path = tmp_path / f"ds_{stage}_{len(extra)}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_deepspeed_style_script_on_cuda_at_every_stage(tmp_path):
+    seen = {}
+    for stage in (0, 1, 2, 3):
+        out = tmp_path / f"seen{stage}.json"
+        result = run_launcher("--nproc_per_node", "1", DS_STYLE, "--steps", "6", "--out", out,
+                              "--deepspeed", ds_style_config(tmp_path, stage))
+        assert result.returncode == 0, result.stderr[-3000:]
+        seen[stage] = json.loads(out.read_text())
+    for stage, run in seen.items():
+        assert run["device_name"] == "cuda" and run["device_count"] == torch.cuda.device_count()
+        assert run["stage"] == stage and run["local_rank_arg"] == 0 and run["module_is_model"]
+        assert run["max_memory_allocated"] >= run["memory_allocated"] > 0
+        assert run["losses"] == pytest.approx(seen[0]["losses"], abs=1e-5), f"stage {stage}"
+    print("ds-style losses on CUDA:", [round(v, 4) for v in seen[0]["losses"]])
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_fp16_overflow_skips_the_step_and_the_schedule_on_cuda(tmp_path, stage):
+    """A loss scale of 2**24 overflows fp16 gradients at first: those steps are skipped
+    (was_step_applied False), the scale backs off, later steps apply, the schedule counts only those."""
+    out = tmp_path / "seen.json"
+    config = ds_style_config(tmp_path, stage, fp16={"enabled": True, "initial_scale_power": 24})
+    result = run_launcher("--nproc_per_node", "1", DS_STYLE, "--steps", "20", "--out", out, "--deepspeed", config)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = json.loads(out.read_text())
+    applied = run["step_applied"]
+    assert run["fp16"] and applied[0] is False and any(applied), applied
+    assert len(run["losses"]) == sum(applied)
+    assert run["lr"] == [pytest.approx(1e-2 * 0.5 ** (sum(applied) // 2))]
+    print(f"stage {stage}: {applied.count(False)} of {len(applied)} fp16 steps skipped for overflow")
+
+
+def test_stage1_offload_on_cuda_is_refused_in_one_line(tmp_path):
+    config = ds_style_config(tmp_path, 1, zero_optimization={"stage": 1, "offload_optimizer": {"device": "cpu"}})
+    result = run_launcher("--nproc_per_node", "1", DS_STYLE, "--steps", "2", "--deepspeed", config)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "use stage 2" in lines[0], result.stderr
+
+
+def test_include_and_exclude_pick_the_gpus(tmp_path):
+    script = tmp_path / "visible.py"
+    script.write_text("import os, torch\nprint('visible', os.environ.get('CUDA_VISIBLE_DEVICES'), "
+                      "torch.cuda.device_count(), flush=True)\n")
+    result = run_launcher("--include", "localhost:0", "--no_local_rank", script)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "visible 0 1" in result.stdout
+    result = run_launcher("--exclude", "localhost:" + ",".join(map(str, range(torch.cuda.device_count()))), script)
+    assert result.returncode == 2 and "every slot is excluded" in result.stderr

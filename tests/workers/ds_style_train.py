@@ -62,7 +62,8 @@ def main() -> None:
     for step, (x, y) in enumerate(RepeatingLoader(loader)):
         if step >= args.steps * engine.gradient_accumulation_steps():
             break
-        loss = nn.functional.mse_loss(engine(x.to(device)), y.to(device))
+        # As DeepSpeed scripts do under fp16: the loss in fp32 from a half-precision output.
+        loss = nn.functional.mse_loss(engine(x.to(device)).float(), y.to(device))
         engine.backward(loss)
         engine.step()
         accelerator.synchronize()
