@@ -390,3 +390,12 @@ def test_blind_memory_model_is_reported():
     assert len(warnings) == 2 and "saw no activations" in warnings[0] and "2 engines" in warnings[1]
     assert all("autotuning.model_info" in w for w in warnings)
     assert blind_spots([{"activation_bytes": 10, "engines_in_process": 1}] * 2) == []
+
+
+def test_launcher_names_are_accepted_on_one_node_and_a_missing_hostfile_is_a_note(tmp_path):
+    script = write_script(tmp_path, "echo.py", ECHO)
+    for name in ("pdsh", "OpenMPI", "slurm"):
+        plan = build_plan(LaunchOptions(script=str(script), launcher=name, nproc_per_node=1), "python", {})
+        assert plan.nproc_per_node == 1 and plan.num_nodes == 1
+    plan = build_plan(LaunchOptions(script=str(script), hostfile=str(tmp_path / "absent")), "python", {})
+    assert plan.notes and "not found; training with this node's resources only" in plan.notes[0]
