@@ -1,23 +1,25 @@
 """What `import autotuner` sets up in a rank our launcher started: our errors reach the user as
 one line from the launcher, not a traceback from every rank, and warnings print once per job.
 
-The launcher names a directory in AUTOTUNER_ERROR_DIR. A rank whose uncaught exception is one of
-ours (a config error found by `initialize()`, say) records it there and exits with the error's
-status without a traceback; the launcher prints the first failing rank's line. Under `--debug`
-the variable is not set, so tracebacks print as usual. No torch import: this runs at
-`import autotuner` in every rank.
+The launcher names a directory in AUTOTUNER_ERROR_DIR. A rank's uncaught exception is recorded
+there (a RankError), so the launcher and the tuner know which rank failed and why without reading
+logs. One of our own (a config error found by `initialize()`, say) then exits with the error's
+status without a traceback, and the launcher prints the first failing rank's line; under `--debug`
+tracebacks print as usual. No torch import: this runs at `import autotuner` in every rank.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
+import signal
 import sys
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
-ERROR_DIR_ENV = "AUTOTUNER_ERROR_DIR"
+from autotuner.boundary import ERROR_DIR_ENV, RankError, rank_errors, write_record
+
+QUIET_ERRORS_ENV = "AUTOTUNER_QUIET_ERRORS"  # our errors exit as one line (unset under --debug)
 CONFIG_CHECKED_ENV = "AUTOTUNER_CONFIG_CHECKED"
 
 
@@ -33,59 +35,45 @@ def quiet_repeated_warnings() -> None:
         logging.getLogger("autotuner.config").setLevel(logging.ERROR)
 
 
-@dataclass(frozen=True)
-class RankError:
-    rank: int
-    kind: str
-    message: str
-    exit_code: int
-
-    def to_json(self) -> dict:
-        return {"rank": self.rank, "kind": self.kind, "message": self.message, "exit_code": self.exit_code}
-
-    @classmethod
-    def from_json(cls, data: dict) -> "RankError":
-        return cls(int(data["rank"]), str(data["kind"]), str(data["message"]), int(data["exit_code"]))
-
-
 def install_rank_excepthook() -> None:
-    """In a rank started by our launcher: record our own errors and exit without a traceback."""
+    """In a rank started by our launcher: record any uncaught exception for the launcher (its class,
+    its message and the exit status), so the failing rank and its error never have to be read out of
+    logs. One of our own errors then exits with its status and, unless --debug, no traceback."""
     directory = os.environ.get(ERROR_DIR_ENV)
     if not directory or getattr(sys.excepthook, "autotuner_rank_errors", False):
         return
     previous = sys.excepthook
+    quiet = os.environ.get(QUIET_ERRORS_ENV) == "1"
 
     def hook(kind, err, traceback):
-        from autotuner.atomic import write_json_atomic
         from autotuner.errors import AutotunerError
 
-        if not isinstance(err, AutotunerError):
+        ours = isinstance(err, AutotunerError)
+        exit_code = err.exit_code if ours else 1
+        if isinstance(err, KeyboardInterrupt):
+            exit_code = 128 + signal.SIGINT
+        rank = int(os.environ.get("RANK", 0))
+        message = str(err).strip().splitlines()
+        record = RankError(rank, kind.__name__, message[-1][:500] if message else "", exit_code, time.time(), ours)
+        try:
+            write_record(Path(directory) / f"rank{rank}.json", record)
+        except OSError:
             previous(kind, err, traceback)
             return
-        rank = int(os.environ.get("RANK", 0))
-        record = RankError(rank, type(err).__name__, str(err), err.exit_code)
-        try:
-            write_json_atomic(Path(directory) / f"rank{rank}.json", record.to_json())
-        except OSError:
+        if not (ours and quiet):
             previous(kind, err, traceback)
             return
         sys.stdout.flush()
         sys.stderr.flush()
         # Straight out: an interpreter teardown could wait on process-group threads.
-        os._exit(err.exit_code)
+        os._exit(exit_code)
 
     hook.autotuner_rank_errors = True  # type: ignore[attr-defined]
     sys.excepthook = hook
 
 
 def read_rank_error(directory: str | os.PathLike, rank: int | None) -> RankError | None:
-    """The error `rank` recorded, else the lowest rank's, else None."""
-    files = sorted(Path(directory).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    if rank is not None:
-        files = sorted(files, key=lambda p: p.stem != f"rank{rank}")
-    for path in files:
-        try:
-            return RankError.from_json(json.loads(path.read_text()))
-        except (OSError, ValueError, KeyError):
-            continue
-    return None
+    """The error `rank` recorded, else the earliest one, else None."""
+    errors = rank_errors(directory)
+    own = [error for error in errors if error.rank == rank]
+    return (own or errors or [None])[0]

@@ -154,6 +154,10 @@ class AutotuningConfig(_Section):
     memory_per_rank_bytes: PositiveInt | None = Field(
         None, description="overrides the detected per-rank device memory budget"
     )
+    warm_start: bool = Field(True, description="fork experiment ranks from a forkserver that preloaded torch and the "
+                             "script's imports; false starts every experiment's interpreters cold")
+    warm_preload: list[str] = Field(default_factory=list, description="more modules for the forkserver to import, "
+                                    "as 'module' or 'module:attribute'")
 
     @field_validator("arg_mappings", mode="before")
     @classmethod

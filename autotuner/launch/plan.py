@@ -38,6 +38,9 @@ class LaunchOptions:
     each_rank_log_dir: str | None = None
     launcher: str = "pdsh"
     force_multi: bool = False
+    # A tuner's launch: ranks run through autotuner.launch.run_script, which records their failures,
+    # and the launcher writes its LaunchReport here.
+    report_file: str | None = None
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> "LaunchOptions":
@@ -49,6 +52,7 @@ class LaunchOptions:
             hostfile=args.hostfile, include=args.include, exclude=args.exclude, no_local_rank=args.no_local_rank,
             bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list,
             each_rank_log_dir=args.enable_each_rank_log, launcher=args.launcher, force_multi=args.force_multi,
+            report_file=args.report_file,
         )
         return cls(**{**fields, **overrides})
 
@@ -90,6 +94,7 @@ class LaunchPlan:
     env: dict = field(default_factory=dict, hash=False)  # set in the launcher before ranks start
     notes: tuple[str, ...] = ()  # what the launcher prints before starting (a missing hostfile, say)
     each_rank_log_dir: str | None = None  # made by the runner before the ranks start
+    report_file: str | None = None  # where the runner writes its LaunchReport (a tuner's launch)
 
     @property
     def world_size(self) -> int:
@@ -175,7 +180,8 @@ def _rank_command(options: LaunchOptions, python: str, nproc: int, environ: dict
     """The program each rank runs, and env for it: the deepspeed launcher's `--local_rank=N` after the
     script (torch elastic fills ${local_rank} per rank), behind the core-binding/log entry if asked."""
     local_rank = () if options.no_local_rank else ("--local_rank=${local_rank}",)
-    command: tuple[str, ...] = (python, "-u", options.script, *local_rank, *options.script_args)
+    runner = ("-m", "autotuner.launch.run_script") if options.report_file else ()
+    command: tuple[str, ...] = (python, "-u", *runner, options.script, *local_rank, *options.script_args)
     env: dict[str, str] = {}
     entry: list[str] = []
     if options.bind_cores_to_rank or options.bind_core_list:
@@ -232,7 +238,7 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
            "LOCAL_SIZE": str(nproc), "CROSS_RANK": str(options.node_rank), "CROSS_SIZE": str(options.num_nodes)}
     run_id = options.rdzv_id or uuid.uuid4().hex[:12]
     local_addr = options.master_addr or LOOPBACK
-    extra = dict(notes=tuple(notes), each_rank_log_dir=options.each_rank_log_dir)
+    extra = dict(notes=tuple(notes), each_rank_log_dir=options.each_rank_log_dir, report_file=options.report_file)
 
     if options.rdzv_endpoint:
         # Elastic (c10d) rendezvous across nodes: every node passes the same endpoint and id.
@@ -260,3 +266,21 @@ def config_checked(plan: LaunchPlan) -> LaunchPlan:
 def _local_address(options: LaunchOptions) -> str | None:
     # On node 0 the master address is ours; elsewhere let torch find this host's name.
     return options.master_addr if options.node_rank == 0 and options.master_addr else None
+
+
+def rank_launch(plan: LaunchPlan, local_rank: int, master_addr: str, master_port: int,
+                environ: dict[str, str]) -> tuple[tuple[str, ...], dict[str, str]]:
+    """(cmd, env) of one local rank of a one-node plan, as torch elastic's local agent would start it
+    with its own store at master_addr:master_port: ${local_rank} filled in, the launcher's
+    environment, then elastic's per-rank variables. The warm runner starts ranks from these."""
+    if plan.num_nodes != 1:
+        raise ValueError("rank_launch builds one node's ranks")
+    command = tuple(arg.replace("${local_rank}", str(local_rank)) for arg in plan.command)
+    env = {**environ, **plan.env,
+           "LOCAL_RANK": str(local_rank), "RANK": str(local_rank), "GROUP_RANK": "0", "ROLE_RANK": str(local_rank),
+           "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(plan.nproc_per_node), "WORLD_SIZE": str(plan.world_size),
+           "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(plan.world_size), "MASTER_ADDR": master_addr,
+           "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+           "TORCHELASTIC_RUN_ID": plan.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+           "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+    return command, env

@@ -15,13 +15,16 @@ import sys
 import time
 
 
-def main(argv: list[str]) -> None:
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="autotuner.launch.rank_entry")
     parser.add_argument("--core_groups", default=None, help="cores per local rank, e.g. '0,1;2,3'")
     parser.add_argument("--log_dir", default=None, help="stdout and stderr go to DIR/<time>_rank<N>.log")
     parser.add_argument("command", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return parser.parse_args(argv)
+
+
+def apply(args: argparse.Namespace) -> None:
+    """Bind this process to its local rank's cores and send its output to its log, as asked."""
     if args.core_groups:
         group = args.core_groups.split(";")[int(os.environ.get("LOCAL_RANK", 0))]
         os.sched_setaffinity(0, {int(core) for core in group.split(",")})
@@ -32,6 +35,12 @@ def main(argv: list[str]) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
+
+
+def main(argv: list[str]) -> None:
+    args = parse(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    apply(args)
     sys.stdout.flush()
     os.execv(command[0], command)
 

@@ -15,7 +15,8 @@ import tempfile
 
 from autotuner.errors import UsageError
 from autotuner.launch.plan import LaunchPlan
-from autotuner.rank_setup import ERROR_DIR_ENV, read_rank_error
+from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, rank_errors, write_record
+from autotuner.rank_setup import QUIET_ERRORS_ENV, read_rank_error
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,12 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
     os.environ.update(plan.env)
     log_dir = tempfile.mkdtemp(prefix="autotuner-elastic-")
     error_dir = os.path.join(log_dir, "rank_errors")
+    os.makedirs(error_dir)
+    os.environ[ERROR_DIR_ENV] = error_dir  # every rank's uncaught exception is recorded there
     if quiet:
-        os.makedirs(error_dir)
-        os.environ[ERROR_DIR_ENV] = error_dir
+        os.environ[QUIET_ERRORS_ENV] = "1"
     else:
-        os.environ.pop(ERROR_DIR_ENV, None)
+        os.environ.pop(QUIET_ERRORS_ENV, None)
     config = LaunchConfig(
         min_nodes=plan.num_nodes,
         max_nodes=plan.num_nodes,
@@ -69,26 +71,48 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
     )
     program, *args = plan.command
+    report = LaunchReport(exit_code=1)
     try:
         elastic_launch(config, program)(*args)
-        return 0
+        report = LaunchReport(exit_code=0)
     except ChildFailedError as failed:
         first_rank, first = failed.get_first_failure()
-        ours = read_rank_error(error_dir, first_rank) if quiet else None
-        if ours is not None:
+        report = failure_report(error_dir, first_rank, {rank: exit_status(f.exitcode)
+                                                        for rank, f in failed.failures.items()})
+        ours = read_rank_error(error_dir, report.failed_rank)
+        if quiet and ours is not None and ours.ours and ours.rank == report.failed_rank:
             print(f"launcher: error: rank {ours.rank}: {ours.message}", file=sys.stderr)
-            return ours.exit_code
-        for rank, failure in sorted(failed.failures.items()):
-            print(f"launcher: rank {rank} exited with status {exit_status(failure.exitcode)}", file=sys.stderr)
-        # The first rank to fail is the cause; the others were usually stopped by the agent (SIGTERM).
-        print(f"launcher: rank {first_rank} failed first", file=sys.stderr)
-        return exit_status(first.exitcode) or 1
+        else:
+            for rank, failure in sorted(failed.failures.items()):
+                print(f"launcher: rank {rank} exited with status {exit_status(failure.exitcode)}", file=sys.stderr)
+            print(f"launcher: rank {report.failed_rank} failed first", file=sys.stderr)
     except SignalException as interrupted:
         print(f"launcher: stopped by {signal.Signals(interrupted.sigval).name}; all ranks ended", file=sys.stderr)
-        return 128 + int(interrupted.sigval)
+        report = LaunchReport(exit_code=128 + int(interrupted.sigval))
     except KeyboardInterrupt:
         print("launcher: interrupted; all ranks ended", file=sys.stderr)
-        return 128 + signal.SIGINT
+        report = LaunchReport(exit_code=128 + signal.SIGINT)
     finally:
         os.environ.pop(ERROR_DIR_ENV, None)
+        os.environ.pop(QUIET_ERRORS_ENV, None)
+        if plan.report_file:
+            write_record(plan.report_file, report)
         shutil.rmtree(log_dir, ignore_errors=True)
+    return report.exit_code
+
+
+def failure_report(error_dir: str, first_failed: int, statuses: dict[int, int]) -> LaunchReport:
+    """The rank that failed first and why, from the ranks' own records. The first rank seen to fail
+    is the cause, with its recorded exception when it raised one. When that rank was only stopped
+    (SIGTERM, as the launcher stops peers), the earliest rank that raised is the cause instead.
+    A rank that raised after a peer died (gloo's "Connection closed by peer") is never preferred
+    to that peer."""
+    records = {error.rank: error for error in reversed(rank_errors(error_dir)) if error.rank in statuses}
+    cause = records.get(first_failed)
+    if cause is None and records and statuses.get(first_failed) == 128 + signal.SIGTERM:
+        cause = min(records.values(), key=lambda error: error.time)
+    if cause is None:
+        status = statuses.get(first_failed, 1)
+        return LaunchReport(status or 1, first_failed, status, None)
+    status = statuses[cause.rank]
+    return LaunchReport(cause.exit_code if cause.ours else (status or 1), cause.rank, status, cause.line)

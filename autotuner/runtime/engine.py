@@ -18,8 +18,8 @@ from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.runtime.accessors import DeepSpeedAccessors
 from autotuner.runtime.distributed import DistributedContext
-from autotuner.runtime.metrics import (build_metrics, is_out_of_memory, peak_memory_bytes, peak_reserved_bytes,
-                                       write_json_atomic)
+from autotuner.boundary import MeasurementRequest, request_from_env, write_record
+from autotuner.runtime.metrics import build_measurement, is_out_of_memory, peak_memory_bytes, peak_reserved_bytes
 from autotuner.runtime.profile import ActivationProbe, FlopProbe, device_memory_bytes, write_model_info
 from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, optimizer_state_bytes, write_oom_marker
 from autotuner.runtime.zero import average_gradients, gradient_norm, shard_units, wrap_ddp
@@ -28,6 +28,20 @@ from autotuner.runtime.timers import ProfileWindow, Stopwatch, Summary
 logger = logging.getLogger(__name__)
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def measurement_request(config: DeepSpeedConfig) -> MeasurementRequest | None:
+    """What this launch must measure: the tuner's request (a file the launcher named), else
+    DeepSpeed's own keys in the user's autotuning section (metric_path, model_info_path)."""
+    request = request_from_env()
+    if request is not None:
+        return request
+    tuning = config.autotuning
+    if not tuning.enabled or (tuning.metric_path is None and tuning.model_info_path is None):
+        return None
+    return MeasurementRequest(tuning.start_profile_step, tuning.end_profile_step, tuning.metric_path,
+                              tuning.model_info_path, bool(tuning.model_info and tuning.model_info.profile),
+                              tuning.metric_path)
 
 
 class Engine(DeepSpeedAccessors, nn.Module):
@@ -74,26 +88,29 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._engine_forwards = 0
         self._find_unused_parameters = False
         self._autocast = self.precision in _AUTOCAST_DTYPES and not self._fsdp
-        tuning = config.autotuning
-        self._window = ProfileWindow(tuning.start_profile_step, tuning.end_profile_step)
-        self._exit_after_window = tuning.enabled and tuning.metric_path is not None
+        request = measurement_request(config)
+        self._request = request
+        self._window = ProfileWindow(request.start_profile_step, request.end_profile_step) if request else \
+            ProfileWindow(config.autotuning.start_profile_step, config.autotuning.end_profile_step)
+        self._exit_after_window = request is not None and request.metrics_path is not None
         self._forward_watch = Stopwatch(ctx.device)
         self._backward_watch = Stopwatch(ctx.device)
         self._step_watch = Stopwatch(ctx.device)
         self._pending_forward_s = 0.0
         self._last_boundary_end: float | None = None
         # FLOPs are counted on the first micro-step, which lies before the profile window.
-        count_flops = self._exit_after_window and tuning.start_profile_step > 1
+        count_flops = self._exit_after_window and self._window.start_step > 1
         self._flop_probe = FlopProbe() if count_flops else None
-        want_model_info = tuning.enabled and tuning.model_info_path is not None
+        want_model_info = request is not None and request.model_info_path is not None
         self._activation_probe = ActivationProbe(self._parameters_for_probe()) if want_model_info else None
         # On CUDA the profile reads the allocator's peaks of step 2 apart for forward+backward and for
         # the optimizer step: the steady state, with optimizer states allocated. The CPU's resident
         # set cannot be split by phase, so there the profile stays at step 1.
         self._phase_peaks = PhasePeaks() if want_model_info and ctx.device.type == "cuda" else None
         self._model_info_step = 2 if self._phase_peaks is not None else 1
-        if tuning.metric_path:
-            mark_uncaught_oom(f"{tuning.metric_path}.oom-rank{ctx.rank}", ctx.rank)
+        self._oom_marker = request.oom_marker(ctx.rank) if request is not None else None
+        if self._oom_marker:
+            mark_uncaught_oom(self._oom_marker, ctx.rank)
 
     # ----- training -----
     def _set_gradient_sync(self, sync: bool) -> None:
@@ -226,9 +243,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         try:
             yield
         except (torch.OutOfMemoryError, RuntimeError) as err:
-            path = self.config.autotuning.metric_path
-            if path and is_out_of_memory(err):
-                write_oom_marker(f"{path}.oom-rank{self.ctx.rank}", self.ctx.rank, err)
+            if self._oom_marker and is_out_of_memory(err):
+                write_oom_marker(self._oom_marker, self.ctx.rank, err)
             raise
 
     def _report_progress(self, wall_s: float) -> None:
@@ -258,7 +274,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         """After step 1 (CPU) or 2 (CUDA): parameters, activation bytes, optimizer-state bytes and
         peak memory, and on CUDA the peaks of forward+backward and of the optimizer step apart.
 
-        With autotuning.model_info.profile set, every rank then leaves with status 0."""
+        When the request says so, every rank then leaves with status 0."""
         activation_per_rank = self._gather_max(self._activation_probe.bytes_saved)
         optimizer_per_rank = self._gather_max(optimizer_state_bytes(self._local_optimizer))
         # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
@@ -275,7 +291,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
                       max(self._gather_max(self._phase_peaks.optimizer_step_bytes)))
         if self.ctx.rank == 0:
             write_model_info(
-                self.config.autotuning.model_info_path,
+                self._request.model_info_path,
                 zero_stage_module=self.wrapped,
                 activation_bytes_per_rank=activation_per_rank,
                 optimizer_state_bytes=optimizer_bytes,
@@ -290,8 +306,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
                 world_size=self.ctx.world_size,
                 engines_in_process=Engine.created_in_process,
             )
-        model_info = self.config.autotuning.model_info
-        if model_info is not None and model_info.profile:
+        if self._request.exit_after_model_info:
             self._leave()
 
     def _leave(self) -> None:
@@ -310,7 +325,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         reserved_per_rank = self._gather_max(reserved) if reserved is not None else None
         flops = self._flop_probe.total if self._flop_probe is not None else None
         if self.ctx.rank == 0:
-            metrics = build_metrics(
+            measurement = build_measurement(
                 self._window,
                 train_batch_size=self.batch.train_batch_size,
                 world_size=self.ctx.world_size,
@@ -324,8 +339,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
                 flops_per_step=flops * self.batch.gradient_accumulation_steps if flops else None,
                 device_type=self.ctx.device.type,
             )
-            write_json_atomic(self.config.autotuning.metric_path, metrics)
-            print(f"autotuner: profile steps done; metrics written to {self.config.autotuning.metric_path}", flush=True)
+            write_record(self._request.metrics_path, measurement)
+            print(f"autotuner: profile steps done; metrics written to {self._request.metrics_path}", flush=True)
         self._leave()
 
     # ----- checkpoints -----

@@ -1,21 +1,16 @@
-"""The metrics file an experiment leaves for the tuner, and peak-memory measurement.
-
-Key names `throughput`, `latency` and `FLOPS_per_gpu` match DeepSpeed's, so either
-engine can feed the tuner.
-"""
+"""The measurement an experiment leaves for the tuner, and peak-memory measurement."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import resource
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from autotuner.atomic import write_json_atomic  # noqa: F401  (re-exported for the engine)
-from autotuner.runtime.timers import ProfileWindow, Summary
+from autotuner.boundary import Measurement, Summary
+from autotuner.runtime.timers import ProfileWindow
 
 
 def is_out_of_memory(err: BaseException) -> bool:
@@ -51,7 +46,7 @@ def _resident_high_water_mark() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def build_metrics(
+def build_measurement(
     window: ProfileWindow,
     *,
     train_batch_size: int,
@@ -65,35 +60,33 @@ def build_metrics(
     peak_reserved_per_rank: list[int] | None = None,
     flops_per_step: float | None,
     device_type: str,
-) -> dict[str, Any]:
-    """Metrics over the profile window. Throughput uses end-to-end step time (data loading included)."""
+) -> Measurement:
+    """The profile window's measurement. Throughput uses end-to-end step time (data loading included)."""
     wall = Summary.of(window.step_wall_s)
     latency = wall.mean_s
-    metrics: dict[str, Any] = {
-        "throughput": train_batch_size / latency if latency > 0 else 0.0,
-        "throughput_std": _throughput_spread(window.step_wall_s, train_batch_size),
-        "latency": latency,
-        "step_wall_s": dataclasses.asdict(wall),
-        "step_wall_s_values": [float(s) for s in window.step_wall_s],  # per profiled step, in order (--bench)
-        "forward": dataclasses.asdict(Summary.of(window.forward_s)),
-        "backward": dataclasses.asdict(Summary.of(window.backward_s)),
-        "step": dataclasses.asdict(Summary.of(window.step_s)),
-        "peak_memory_bytes": peak_memory,
-        "peak_memory_bytes_per_rank": peak_memory_per_rank,
-        "peak_reserved_bytes": max(peak_reserved_per_rank) if peak_reserved_per_rank else None,
-        "world_size": world_size,
-        "train_batch_size": train_batch_size,
-        "micro_batch_size": micro_batch_size,
-        "gradient_accumulation_steps": gradient_accumulation_steps,
-        "zero_stage": zero_stage,
-        "precision": precision,
-        "device_type": device_type,
-        "start_profile_step": window.start_step,
-        "end_profile_step": window.end_step,
-    }
-    if flops_per_step and latency > 0:
-        metrics["FLOPS_per_gpu"] = flops_per_step / latency
-    return metrics
+    return Measurement(
+        throughput=train_batch_size / latency if latency > 0 else 0.0,
+        throughput_std=_throughput_spread(window.step_wall_s, train_batch_size),
+        latency=latency,
+        step_wall_s=wall,
+        step_wall_s_values=tuple(float(s) for s in window.step_wall_s),
+        forward=Summary.of(window.forward_s),
+        backward=Summary.of(window.backward_s),
+        step=Summary.of(window.step_s),
+        peak_memory_bytes=peak_memory,
+        peak_memory_bytes_per_rank=tuple(peak_memory_per_rank),
+        peak_reserved_bytes=max(peak_reserved_per_rank) if peak_reserved_per_rank else None,
+        world_size=world_size,
+        train_batch_size=train_batch_size,
+        micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        zero_stage=zero_stage,
+        precision=precision,
+        device_type=device_type,
+        start_profile_step=window.start_step,
+        end_profile_step=window.end_step,
+        FLOPS_per_gpu=flops_per_step / latency if flops_per_step and latency > 0 else None,
+    )
 
 
 def _throughput_spread(step_wall_s: list[float], train_batch_size: int) -> float:

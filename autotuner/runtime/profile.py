@@ -8,12 +8,11 @@ GPU and does not depend on allocator noise.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn as nn
 
-from autotuner.runtime.metrics import write_json_atomic
+from autotuner.boundary import ModelInfo, write_record
 
 
 class FlopProbe:
@@ -122,25 +121,25 @@ def write_model_info(
     engines_in_process: int = 1,
 ) -> None:
     total, trainable = count_parameters(zero_stage_module)
-    info: dict[str, Any] = {
-        "num_params": total,
-        "trainable_num_params": trainable,
-        "activation_bytes_per_rank": activation_bytes_per_rank,
-        "activation_bytes": max(activation_bytes_per_rank),
-        "optimizer_state_bytes_per_param": optimizer_state_bytes / max(1, trainable),
-        "micro_batch_size": micro_batch_size,
-        "peak_memory_bytes_per_rank": peak_memory_bytes_per_rank,
-        "peak_memory_bytes": max(peak_memory_bytes_per_rank),
-        "peak_reserved_bytes": max(peak_reserved_bytes_per_rank) if peak_reserved_bytes_per_rank else None,
+    info = ModelInfo(
+        num_params=total,
+        trainable_num_params=trainable,
+        activation_bytes_per_rank=tuple(activation_bytes_per_rank),
+        activation_bytes=max(activation_bytes_per_rank),
+        optimizer_state_bytes_per_param=optimizer_state_bytes / max(1, trainable),
+        micro_batch_size=micro_batch_size,
+        peak_memory_bytes_per_rank=tuple(peak_memory_bytes_per_rank),
+        peak_memory_bytes=max(peak_memory_bytes_per_rank),
+        peak_reserved_bytes=max(peak_reserved_bytes_per_rank) if peak_reserved_bytes_per_rank else None,
         # CUDA only, in the steady state (step 2), the largest over ranks: allocator peaks of
         # forward+backward and of the optimizer step, which the memory model fits apart.
-        "forward_backward_peak_bytes": phase_peak_bytes[0] if phase_peak_bytes else None,
-        "optimizer_step_peak_bytes": phase_peak_bytes[1] if phase_peak_bytes else None,
-        "num_shard_units": num_shard_units,
-        "device_memory_bytes": device_memory_bytes,
-        "zero_stage": zero_stage,
-        "precision": precision,
-        "world_size": world_size,
-        "engines_in_process": engines_in_process,
-    }
-    write_json_atomic(path, info)
+        forward_backward_peak_bytes=phase_peak_bytes[0] if phase_peak_bytes else None,
+        optimizer_step_peak_bytes=phase_peak_bytes[1] if phase_peak_bytes else None,
+        num_shard_units=num_shard_units,
+        device_memory_bytes=device_memory_bytes,
+        zero_stage=zero_stage,
+        precision=precision,
+        world_size=world_size,
+        engines_in_process=engines_in_process,
+    )
+    write_record(path, info)

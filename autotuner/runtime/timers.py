@@ -2,30 +2,12 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-
-@dataclass(frozen=True)
-class Summary:
-    """Statistics of a list of durations, in seconds."""
-
-    mean_s: float
-    std_s: float
-    median_s: float
-    min_s: float
-    max_s: float
-    count: int
-
-    @classmethod
-    def of(cls, values: list[float]) -> "Summary":
-        if not values:
-            return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0)
-        std = statistics.stdev(values) if len(values) > 1 else 0.0
-        return cls(statistics.fmean(values), std, statistics.median(values), min(values), max(values), len(values))
+from autotuner.boundary import Summary  # noqa: F401  (re-exported)
 
 
 class Stopwatch:

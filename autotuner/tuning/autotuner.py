@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
@@ -15,13 +14,15 @@ import psutil
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
 from autotuner.launch.script_args import replace_config
-from autotuner.tuning.experiment import (RECORD_FILE, ExperimentSettings, experiment_config, mapped_script_args,
-                                         rank_count_flags, run_experiment, with_user_keys)
+from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_config, mapped_script_args,
+                                         rank_count_flags, with_user_keys)
+from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.memory import (ModelProfile, StageSettings, engine_family, estimate, max_micro_batch_size,
                                      usable_bytes)
-from autotuner.tuning.profiling import profile_from_config, profile_model
+from autotuner.tuning.profiling import profile_directory_name, profile_from_config, profile_model
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.results import write_results
+from autotuner.tuning.runners import Runner
 from autotuner.tuning.search import DEFAULT_KNOBS, SearchPolicy, SearchSpace, run_search
 from autotuner.tuning.space import Experiment
 
@@ -112,9 +113,11 @@ class Autotuner:
     """Runs one tuning job. `report` receives progress lines."""
 
     def __init__(self, config: DeepSpeedConfig, settings: ExperimentSettings, results_dir: Path, exps_dir: Path,
-                 report: Callable[[str], None] = print):
+                 runner: Runner, fingerprint: Fingerprint, report: Callable[[str], None] = print):
         self.config = config
         self.settings = settings
+        self.runner = runner
+        self.fingerprint = fingerprint
         self.results_dir = results_dir
         self.exps_dir = exps_dir
         self.report = report
@@ -125,7 +128,7 @@ class Autotuner:
         self.space = search_space(config, settings.data_parallel_size)
         self._results: dict[Experiment, TrialResult] = {}
         self._pruned: list[TrialResult] = []
-        self._journal: dict[str, TrialResult] = {}
+        self._journal: dict[str, TrialResult] = {}  # finished records of this same run, by directory name
         self._launched = 0
         self._started = time.monotonic()
         self.profile: ModelProfile | None = None
@@ -147,13 +150,25 @@ class Autotuner:
                             shutil.rmtree(child) if child.is_dir() else child.unlink()
         self.exps_dir.mkdir(parents=True, exist_ok=True)
         self.results_dir.mkdir(parents=True, exist_ok=True)
-        for record in self.exps_dir.glob(f"*/{RECORD_FILE}"):
-            try:
-                result = TrialResult.from_json(json.loads(record.read_text()))
-            except (ValueError, KeyError, TypeError):
-                continue  # a record from an older format, or damaged: run that experiment again
-            if result.state.finished:
-                self._journal[result.name] = result
+        journal = load_journal(self.exps_dir, self.fingerprint)
+        if journal.notice:
+            self.report(journal.notice)
+        self._journal = dict(journal.reusable)
+
+    def _launch(self, trial: Trial) -> TrialResult:
+        """Run one trial through the runner and journal its result (with this run's fingerprint)."""
+        result = self.runner.run(trial)
+        if result.state.finished:
+            write_entry(trial.directory, result, self.fingerprint)
+        return result
+
+    def _profile_launch(self, stage: int, micro_batch_size: int) -> TrialResult:
+        name = profile_directory_name(stage, micro_batch_size)
+        reused = self._journal.get(name)
+        if reused is not None and reused.model_info is not None:
+            return reused
+        return self._launch(Trial(Experiment(stage, micro_batch_size, 1), self.exps_dir / name, self.settings,
+                                  profile=True))
 
     def _stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
                         knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
@@ -174,15 +189,15 @@ class Autotuner:
             self._device_type = "cuda" if device_memory else "cpu"
             self.report(f"model_info given: {self.profile.num_params:,} parameters; no profile run")
         else:
-            outcome = profile_model(self.space.stages, self.exps_dir, self.settings,
-                                    reuse=not tuning.overwrite, report=self.report)
+            outcome = profile_model(self.space.stages, self.settings, self._profile_launch, report=self.report)
             if outcome.profile is None:
                 failure = outcome.failure
-                where = self.exps_dir / f"profile_z{failure.experiment.zero_stage}_mbs{failure.experiment.micro_batch_size}"
+                where = self.exps_dir / profile_directory_name(failure.experiment.zero_stage,
+                                                               failure.experiment.micro_batch_size)
                 raise TuningFailed(f"the model did not run in the profile launch ({failure.state.value}): "
                                    f"{failure.error}; see {where}/stderr.log")
             self.profile = outcome.profile
-            self.precision = outcome.runs[0]["precision"]
+            self.precision = outcome.runs[0].precision
             self._profiled = True
             device_memory = outcome.device_memory_bytes
             self._device_type = "cuda" if device_memory else "cpu"
@@ -269,8 +284,8 @@ class Autotuner:
         if reused is not None:
             result = reused
         else:
-            result = run_experiment(experiment, self.exps_dir / experiment.name, self.settings,
-                                    self.predicted_memory(experiment))
+            result = self._launch(Trial(experiment, self.exps_dir / experiment.name, self.settings,
+                                        predicted_memory_bytes=self.predicted_memory(experiment)))
             self._launched += 1
             if (self._launched == 1 and not self._profiled and result.state is TrialState.FAILED
                     and not any(r.state is TrialState.OK for r in self._results.values())):
@@ -311,8 +326,7 @@ class Autotuner:
         best = self.objective.best(everything)
         optimal_path = optimal_args = optimal_cmd = config = None
         if best is not None:
-            config = with_user_keys(self.settings.user_config,
-                                    experiment_config(best.experiment, self.settings, None))
+            config = with_user_keys(self.settings.user_config, experiment_config(best.experiment, self.settings))
             optimal_path = (self.results_dir / "ds_config_optimal.json").resolve()
             optimal_args = optimal_script_args(self.settings, config, optimal_path)
             optimal_cmd = optimal_command(self.settings, optimal_args)

@@ -25,7 +25,10 @@ from autotuner.launch.plan import default_nproc_per_node
 from autotuner.launch.script_args import config_path
 from autotuner.tuning.autotuner import base_config
 from autotuner.tuning.cli import Interrupted, check_arg_mappings, signals_as_exceptions
-from autotuner.tuning.experiment import ExperimentSettings, classify, launch, measurement_section, prepare
+from autotuner.config.models import AutotuningConfig
+from autotuner.tuning.experiment import ExperimentSettings, Trial
+from autotuner.tuning.runners import Runner
+from autotuner.tuning.warm import make_runner
 from autotuner.tuning.records import Objective, TrialState
 from autotuner.tuning.space import Experiment
 
@@ -119,6 +122,7 @@ class BenchSetup:
     warmup: int
     iters: int
     settings: ExperimentSettings  # for world size 1; `for_world_size` adapts it
+    tuning: AutotuningConfig  # how to launch (warm_start, warm_preload)
 
 
 def _fixed_int(value, key: str, source: str, why: str) -> int:
@@ -178,30 +182,28 @@ def setup(args: argparse.Namespace) -> BenchSetup:
     if isinstance(config.train_batch_size, int):
         _say(f"note: {source} sets train_batch_size {config.train_batch_size}; --bench uses micro-batch x gas x "
              "world size instead (weak scaling)")
-    return BenchSetup(Experiment(stage, micro, gas), world_sizes, args.bench_warmup, args.bench_iters, settings)
+    return BenchSetup(Experiment(stage, micro, gas), world_sizes, args.bench_warmup, args.bench_iters, settings,
+                      config.autotuning)
 
 
 def for_world_size(settings: ExperimentSettings, world_size: int) -> ExperimentSettings:
     return replace(settings, nproc_per_node=world_size, data_parallel_size=world_size)
 
 
-def run_world_size(bench_setup: BenchSetup, world_size: int, results_dir: Path) -> BenchResult:
-    """Launch the script on `world_size` ranks and turn its metrics into samples/s statistics."""
+def run_world_size(bench_setup: BenchSetup, world_size: int, results_dir: Path, runner: Runner) -> BenchResult:
+    """Launch the script on `world_size` ranks and turn its measurement into samples/s statistics."""
     settings = for_world_size(bench_setup.settings, world_size)
     exp_dir = results_dir / f"world_size_{world_size}"
-    command = prepare(bench_setup.experiment, exp_dir, settings, measurement_section(settings, exp_dir))
-    outcome = launch(command, exp_dir, settings.timeout_s)
-    trial = classify(bench_setup.experiment, exp_dir, outcome.returncode, outcome.timed_out, outcome.wall_time_s,
-                     settings, None)
+    result = runner.run(Trial(bench_setup.experiment, exp_dir, settings))
     where = f" (see {exp_dir}/stderr.log)"
-    if trial.state is not TrialState.OK:
-        return BenchResult(world_size, error=f"{trial.error}{where}")
-    values = trial.metrics.get("step_wall_s_values")
-    if not values:
+    if result.state is not TrialState.OK:
+        return BenchResult(world_size, error=f"{result.error}{where}")
+    values = list(result.measurement.step_wall_s_values)
+    if not values or not result.measurement.train_batch_size:
         return BenchResult(world_size, error="metrics.json has no step_wall_s_values (per-step times); is the "
                            f"script using this package's engine?{where}")
     try:
-        stats = ThroughputStats.of(int(trial.metrics["train_batch_size"]), values)
+        stats = ThroughputStats.of(int(result.measurement.train_batch_size), values)
     except ValueError as err:
         return BenchResult(world_size, error=f"{err}{where}")
     return BenchResult(world_size, stats=stats)
@@ -219,10 +221,10 @@ def bench(args: argparse.Namespace) -> int:
          f"ZeRO stage {experiment.zero_stage}; {bench_setup.warmup} warm-up + {bench_setup.iters} timed steps at "
          f"{','.join(map(str, bench_setup.world_sizes))} rank(s); runs in {RESULTS_DIR}/")
     results: list[BenchResult] = []
-    with signals_as_exceptions():
+    with signals_as_exceptions(), make_runner(bench_setup.tuning, bench_setup.settings, _say) as runner:
         try:
             for size in bench_setup.world_sizes:
-                result = run_world_size(bench_setup, size, RESULTS_DIR)
+                result = run_world_size(bench_setup, size, RESULTS_DIR, runner)
                 results.append(result)
                 if result.stats is None:
                     print(f"launcher: error: bench on {size} rank(s) failed: {result.error}", file=sys.stderr,

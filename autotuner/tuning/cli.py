@@ -24,6 +24,8 @@ from autotuner.launch.script_args import config_path
 from autotuner.runtime.optim import check_optimizer_and_scheduler
 from autotuner.tuning.autotuner import Autotuner, TuningFailed, base_config, search_space
 from autotuner.tuning.experiment import ExperimentSettings, config_value
+from autotuner.tuning.journal import fingerprint_of, this_device, torch_version
+from autotuner.tuning.warm import make_runner
 from autotuner.tuning.records import Objective
 from autotuner.tuning.space import Experiment
 
@@ -184,9 +186,14 @@ def autotune(args: argparse.Namespace) -> int:
         user_config=read_config_file(source),
         launcher_args=options.passthrough_flags(),
     )
-    with exclusive_lock(results_dir), signals_as_exceptions():
+    fingerprint = fingerprint_of(script=args.script, script_args=script_args,
+                                 mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
+                                 nproc_per_node=plan.nproc_per_node, num_nodes=plan.num_nodes,
+                                 launcher_args=settings.launcher_args, torch_version=torch_version(),
+                                 device=this_device())
+    with exclusive_lock(results_dir), signals_as_exceptions(), make_runner(tuning, settings, _say) as runner:
         try:
-            outcome = Autotuner(config, settings, results_dir, exps_dir, report=_say).tune()
+            outcome = Autotuner(config, settings, results_dir, exps_dir, runner, fingerprint, report=_say).tune()
         except Interrupted as stop:
             print(f"autotuner: stopped by {signal.Signals(stop.signum).name}; running experiment ended, finished "
                   f"records kept in {exps_dir}. Resume with the same command.", file=sys.stderr)

@@ -1,31 +1,36 @@
-"""Running one experiment: its directory, config, command, launch, and the verdict.
+"""One launch of the tuner's, as data: its settings, config, measurement request, the (cmd, env)
+that starts it, and the verdict from what it left behind.
 
-The verdict comes from the exit status and the files the ranks leave (metrics.json,
-OOM markers), never from searching stderr for "error".
+The verdict comes from the exit status and the files the launch leaves (the launcher's report,
+metrics.json or model_info.json, OOM markers), never from reading its logs.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import re
-import shlex
+import shutil
 import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import ConfigError
-from autotuner.launch.plan import picks_ranks_itself
-from autotuner.launch.processes import run_to_completion
-from autotuner.launch.script_args import replace_config, set_flag
 from autotuner.atomic import write_json_atomic
+from autotuner.boundary import (REQUEST_ENV, LaunchReport, Measurement, MeasurementRequest, ModelInfo, RecordError,
+                                read_record, write_record)
+from autotuner.errors import ConfigError
+from autotuner.launch.plan import LaunchOptions, picks_ranks_itself
+from autotuner.launch.script_args import replace_config, set_flag
+from autotuner.tuning.journal import RECORD_FILE
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 
 METRICS_FILE = "metrics.json"
-RECORD_FILE = "exp.json"
+MODEL_INFO_FILE = "model_info.json"
+CONFIG_FILE = "ds_config.json"
+REQUEST_FILE = "request.json"
+LAUNCH_REPORT_FILE = "launch_report.json"
+RANK_ERRORS_DIR = "rank_errors"
 
 
 @dataclass(frozen=True)
@@ -65,24 +70,11 @@ def mapped_script_args(script_args: tuple[str, ...], arg_mappings: dict[str, str
     return args
 
 
-def measurement_section(settings: ExperimentSettings, exp_dir: Path) -> dict[str, Any]:
-    """The autotuning section of an experiment: measure the profile steps, write metrics, exit."""
-    return {
-        "enabled": True,
-        "start_profile_step": settings.start_profile_step,
-        "end_profile_step": settings.end_profile_step,
-        "metric_path": str(exp_dir / METRICS_FILE),
-    }
-
-
-def experiment_config(experiment: Experiment, settings: ExperimentSettings,
-                      autotuning: dict[str, Any] | None) -> dict[str, Any]:
-    """The config a rank sees: the user's, with this experiment's values. Without an
-    autotuning section the result is a plain training config (the optimum)."""
+def experiment_config(experiment: Experiment, settings: ExperimentSettings) -> dict[str, Any]:
+    """The config a rank sees: the user's, with this experiment's values, without the autotuning
+    section (what to measure travels in the request file). Also the optimum's training config."""
     config = experiment.apply(settings.base_config, settings.data_parallel_size)
     config.pop("autotuning", None)
-    if autotuning is not None:
-        config["autotuning"] = autotuning
     return config
 
 
@@ -98,12 +90,35 @@ def with_user_keys(user_config: dict[str, Any], tuned: dict[str, Any]) -> dict[s
     return merged
 
 
-def launch_command(config: dict[str, Any], config_path: Path, settings: ExperimentSettings) -> list[str]:
-    """`python -m autotuner [launcher args] script [mapped args] --deepspeed <experiment config>`."""
-    args = mapped_script_args(settings.script_args, settings.arg_mappings, config)
-    args = replace_config(args, str(config_path))
-    return [settings.python, "-m", "autotuner", *rank_count_flags(settings), *settings.launcher_args,
-            settings.script, *args]
+@dataclass(frozen=True)
+class Trial:
+    """One launch the tuner asks a runner for: an experiment (or a profile of one) in its directory.
+    `profile`: record the model's profile after its first optimizer step and exit, instead of
+    timing the profile window."""
+
+    experiment: Experiment
+    directory: Path
+    settings: ExperimentSettings
+    profile: bool = False
+    predicted_memory_bytes: int | None = None
+
+    @property
+    def request_path(self) -> Path:
+        return self.directory / REQUEST_FILE
+
+    @property
+    def report_path(self) -> Path:
+        return self.directory / LAUNCH_REPORT_FILE
+
+    def request(self) -> MeasurementRequest:
+        settings = self.settings
+        if self.profile:
+            return MeasurementRequest(settings.start_profile_step, settings.end_profile_step,
+                                      model_info_path=str(self.directory / MODEL_INFO_FILE), exit_after_model_info=True,
+                                      oom_marker_prefix=str(self.directory / METRICS_FILE))
+        return MeasurementRequest(settings.start_profile_step, settings.end_profile_step,
+                                  metrics_path=str(self.directory / METRICS_FILE),
+                                  oom_marker_prefix=str(self.directory / METRICS_FILE))
 
 
 def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
@@ -111,105 +126,123 @@ def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
     return () if picks_ranks_itself(settings.launcher_args) else ("--nproc_per_node", str(settings.nproc_per_node))
 
 
-def _last_exception_line(stderr_text: str, rank: int | None = None) -> str | None:
-    """The message of the last Python exception in the log (for the record, not for detection).
-
-    torch prefixes a rank's traceback with "[rankN]:"; the failing rank's own line is preferred
-    over its peers' follow-on errors (e.g. gloo's "Connection closed by peer")."""
-    if rank is not None:
-        # Only the failing rank's lines and unprefixed ones: a peer's follow-on error would mislead.
-        own = "\n".join(line for line in stderr_text.splitlines()
-                        if not re.match(r"\s*\[rank\d+\]:", line) or line.strip().startswith(f"[rank{rank}]:"))
-        return _last_exception_line(own)
-    patterns = (
-        re.compile(r"^(?:\[rank\d+\]:\s*)?((?:[\w.]+\.)?\w*(?:Error|Exception|Interrupt)\b.*)$"),
-        re.compile(r"^(?:\[rank\d+\]:\s*)?([\w./-]+: error: .*)$"),  # argparse in the user's script
-    )
-    found = [m.group(1).strip() for line in stderr_text.splitlines()
-             for pattern in patterns if (m := pattern.match(line.strip()))]
-    return found[-1][:500] if found else None
+def trial_script_args(trial: Trial) -> tuple[str, ...]:
+    """The user's arguments with the experiment's mapped values and its own config file."""
+    config = experiment_config(trial.experiment, trial.settings)
+    args = mapped_script_args(trial.settings.script_args, trial.settings.arg_mappings, config)
+    return replace_config(args, str(trial.directory / CONFIG_FILE))
 
 
-def _exit_status(stderr_text: str, rank: int | None, returncode: int | None) -> str:
-    """The failing rank's own exit status as the launcher logged it, named when it is a signal."""
-    found = re.findall(rf"launcher: rank {rank} exited with status (\d+)", stderr_text) if rank is not None else []
-    status = int(found[-1]) if found else returncode
+def launch_options(trial: Trial) -> LaunchOptions:
+    """The launcher's options for a trial: what `launcher [flags] script args` would be given."""
+    settings = trial.settings
+    flags = settings.launcher_args
+
+    def value(flag: str) -> str | None:
+        return flags[flags.index(flag) + 1] if flag in flags else None
+
+    return LaunchOptions(script=settings.script, script_args=trial_script_args(trial),
+                         nproc_per_node=None if picks_ranks_itself(flags) else settings.nproc_per_node,
+                         hostfile=value("--hostfile"), include=value("--include"), exclude=value("--exclude"),
+                         no_local_rank="--no_local_rank" in flags, bind_cores_to_rank="--bind_cores_to_rank" in flags,
+                         bind_core_list=value("--bind_core_list"), master_port=_int(value("--master_port")),
+                         report_file=str(trial.report_path))
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text is not None else None
+
+
+def trial_environment(trial: Trial, environ: dict[str, str]) -> dict[str, str]:
+    """The environment every launch of a trial starts from: the request file is named, output unbuffered."""
+    return {**environ, REQUEST_ENV: str(trial.request_path), "PYTHONUNBUFFERED": "1"}
+
+
+def cold_launch(trial: Trial, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """(cmd, env) of a cold launch: `python -m autotuner --report_file F [launcher flags] script args`,
+    a fresh launcher process that starts fresh rank interpreters through torch elastic."""
+    settings = trial.settings
+    command = [settings.python, "-m", "autotuner", "--report_file", str(trial.report_path),
+               *rank_count_flags(settings), *settings.launcher_args, settings.script, *trial_script_args(trial)]
+    return command, trial_environment(trial, environ)
+
+
+def prepare(trial: Trial) -> None:
+    """Write the trial's config and measurement request; remove anything an earlier launch left, so a
+    stale metrics file or report can never be read as this launch's."""
+    directory = trial.directory
+    directory.mkdir(parents=True, exist_ok=True)
+    stale = [directory / name for name in (METRICS_FILE, MODEL_INFO_FILE, LAUNCH_REPORT_FILE, RECORD_FILE)]
+    for path in [*stale, *directory.glob(f"{METRICS_FILE}.oom-rank*")]:
+        path.unlink(missing_ok=True)
+    shutil.rmtree(directory / RANK_ERRORS_DIR, ignore_errors=True)
+    write_json_atomic(directory / CONFIG_FILE, experiment_config(trial.experiment, trial.settings))
+    write_record(trial.request_path, trial.request())
+
+
+def judge(trial: Trial, returncode: int | None, timed_out: bool, wall_time_s: float) -> TrialResult:
+    """Turn what a launch left behind into a TrialResult: the time limit, OOM markers, the launcher's
+    report, then the measurement or model info. Logs are never read."""
+    directory, settings = trial.directory, trial.settings
+    common = dict(experiment=trial.experiment, predicted_memory_bytes=trial.predicted_memory_bytes,
+                  wall_time_s=wall_time_s)
+    if timed_out:
+        return TrialResult(state=TrialState.TIMEOUT, error=f"exceeded exp_timeout_s={settings.timeout_s:g}s; "
+                           "the whole process tree was killed", **common)
+    oom_markers = sorted(directory.glob(f"{METRICS_FILE}.oom-rank*"))
+    if oom_markers:
+        ranks = ", ".join(p.name.rsplit("rank", 1)[1] for p in oom_markers)
+        return TrialResult(state=TrialState.OOM, error=f"out of memory on rank {ranks}", **common)
+    try:
+        report = read_record(trial.report_path, LaunchReport)
+    except RecordError:
+        report = None
+    if returncode != 0 or (report is not None and report.exit_code != 0):
+        return TrialResult(state=TrialState.FAILED, error=failure_text(report, returncode), **common)
+    if trial.profile:
+        info = _read(directory / MODEL_INFO_FILE, ModelInfo)
+        if info is None:
+            return TrialResult(state=TrialState.FAILED, error="no model_info.json: the script exited before its "
+                               "first optimizer step finished (does it train through the engine?)", **common)
+        return TrialResult(state=TrialState.OK, model_info=info, measured_memory_bytes=info.peak_memory_bytes,
+                           **common)
+    measurement = _read(directory / METRICS_FILE, Measurement)
+    if measurement is None:
+        return TrialResult(state=TrialState.FAILED, error="no metrics: the script exited 0 without reaching "
+                           f"end_profile_step={settings.end_profile_step} (does it train that many steps?)", **common)
+    measured = measurement.peak_memory_bytes
+    common["measured_memory_bytes"] = measured
+    if settings.memory_budget_bytes and measured and measured > settings.memory_budget_bytes:
+        return TrialResult(state=TrialState.OOM, measurement=measurement, error=f"peak {measured / 2**20:.0f} MiB "
+                           f"over the per-rank budget of {settings.memory_budget_bytes / 2**20:.0f} MiB", **common)
+    value = measurement.value(settings.objective.key)
+    if value is None:
+        return TrialResult(state=TrialState.FAILED, measurement=measurement,
+                           error=f"metrics.json has no '{settings.objective.key}'", **common)
+    spread = measurement.throughput_std if settings.objective.metric == "throughput" else None
+    return TrialResult(state=TrialState.OK, value=float(value), value_std=spread, measurement=measurement, **common)
+
+
+def _read(path: Path, kind):
+    try:
+        return read_record(path, kind)
+    except RecordError:
+        return None
+
+
+def failure_text(report: LaunchReport | None, returncode: int | None) -> str:
+    """`rank N: <its exception line>`, or `rank N: exit status S (killed by SIG...)` when it raised none."""
+    if report is None or report.failed_rank is None:
+        status = report.exit_code if report is not None else returncode
+        return describe_status(status)
+    detail = report.exception or describe_status(report.rank_exit_status)
+    return f"rank {report.failed_rank}: {detail}"
+
+
+def describe_status(status: int | None) -> str:
     if status is not None and status > 128:
         try:
             return f"exit status {status} (killed by {signal.Signals(status - 128).name})"
         except ValueError:
             pass
     return f"exit status {status}"
-
-
-def _failed_rank(stderr_text: str) -> int | None:
-    found = re.findall(r"launcher: rank (\d+) failed first", stderr_text)
-    return int(found[-1]) if found else None
-
-
-def classify(experiment: Experiment, exp_dir: Path, returncode: int | None, timed_out: bool, wall_time_s: float,
-             settings: ExperimentSettings, predicted_memory: int | None) -> TrialResult:
-    """Turn what the run left behind into a TrialResult."""
-    metrics_path = exp_dir / METRICS_FILE
-    oom_markers = sorted(exp_dir.glob(f"{METRICS_FILE}.oom-rank*"))
-    stderr_text = (exp_dir / "stderr.log").read_text(errors="replace") if (exp_dir / "stderr.log").exists() else ""
-    common = dict(experiment=experiment, predicted_memory_bytes=predicted_memory, wall_time_s=wall_time_s)
-    if timed_out:
-        return TrialResult(state=TrialState.TIMEOUT, error=f"exceeded exp_timeout_s={settings.timeout_s:g}s; "
-                           "the whole process tree was killed", **common)
-    if oom_markers:
-        ranks = ", ".join(p.name.rsplit("rank", 1)[1] for p in oom_markers)
-        return TrialResult(state=TrialState.OOM, error=f"out of memory on rank {ranks}", **common)
-    if returncode != 0:
-        rank = _failed_rank(stderr_text)
-        where = f"rank {rank}: " if rank is not None else ""
-        detail = _last_exception_line(stderr_text, rank) or _exit_status(stderr_text, rank, returncode)
-        return TrialResult(state=TrialState.FAILED, error=f"{where}{detail}", **common)
-    if not metrics_path.exists():
-        return TrialResult(state=TrialState.FAILED, error="no metrics: the script exited 0 without reaching "
-                           f"end_profile_step={settings.end_profile_step} (does it train that many steps?)", **common)
-    import json
-
-    metrics = json.loads(metrics_path.read_text())
-    measured = metrics.get("peak_memory_bytes")
-    common["measured_memory_bytes"] = measured
-    if settings.memory_budget_bytes and measured and measured > settings.memory_budget_bytes:
-        return TrialResult(state=TrialState.OOM, metrics=metrics, error=f"peak {measured / 2**20:.0f} MiB over the "
-                           f"per-rank budget of {settings.memory_budget_bytes / 2**20:.0f} MiB", **common)
-    value = metrics.get(settings.objective.key)
-    if value is None:
-        return TrialResult(state=TrialState.FAILED, metrics=metrics,
-                           error=f"metrics.json has no '{settings.objective.key}'", **common)
-    spread = metrics.get("throughput_std") if settings.objective.metric == "throughput" else None
-    return TrialResult(state=TrialState.OK, value=float(value), value_std=spread, metrics=metrics, **common)
-
-
-def prepare(experiment: Experiment, exp_dir: Path, settings: ExperimentSettings,
-            autotuning: dict[str, Any]) -> list[str]:
-    """Write ds_config.json and cmd.txt, remove any earlier run's metrics; return the command."""
-    exp_dir.mkdir(parents=True, exist_ok=True)
-    for stale in [exp_dir / METRICS_FILE, *exp_dir.glob(f"{METRICS_FILE}.oom-rank*"), exp_dir / RECORD_FILE]:
-        stale.unlink(missing_ok=True)  # a stale metrics file must never be read as this run's
-    config_path = exp_dir / "ds_config.json"
-    config = experiment_config(experiment, settings, autotuning)
-    write_json_atomic(config_path, config)
-    command = launch_command(config, config_path, settings)
-    (exp_dir / "cmd.txt").write_text(shlex.join(command) + "\n")
-    return command
-
-
-def launch(command: list[str], exp_dir: Path, timeout_s: float):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return run_to_completion(command, stdout=exp_dir / "stdout.log", stderr=exp_dir / "stderr.log",
-                             timeout_s=timeout_s, env=env)
-
-
-def run_experiment(experiment: Experiment, exp_dir: Path, settings: ExperimentSettings,
-                   predicted_memory: int | None = None) -> TrialResult:
-    """Launch the experiment's ranks and record the result in exp_dir/exp.json."""
-    command = prepare(experiment, exp_dir, settings, measurement_section(settings, exp_dir))
-    outcome = launch(command, exp_dir, settings.timeout_s)
-    result = classify(experiment, exp_dir, outcome.returncode, outcome.timed_out, outcome.wall_time_s,
-                      settings, predicted_memory)
-    write_json_atomic(exp_dir / RECORD_FILE, result.to_json())
-    return result

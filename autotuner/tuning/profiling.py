@@ -13,18 +13,18 @@ since it saves other activations than DDP under autocast (bf16 layer norms, for 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from autotuner.tuning.experiment import METRICS_FILE, ExperimentSettings, classify, launch, prepare
+from autotuner.boundary import ModelInfo
+from autotuner.tuning.experiment import ExperimentSettings
 from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, calibrate_baseline
 from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.space import Experiment
 
 PROFILE_MICRO_BATCH_SIZES = (1, 2)
-MODEL_INFO_FILE = "model_info.json"
+
+# Runs one profile launch (stage, micro-batch) and returns its result, with model_info when it ran.
+ProfileLaunch = Callable[[int, int], TrialResult]
 
 
 @dataclass(frozen=True)
@@ -32,51 +32,26 @@ class ProfileOutcome:
     profile: ModelProfile | None
     device_memory_bytes: int | None
     failure: TrialResult | None  # the launch that failed, when profile is None
-    runs: tuple[dict[str, Any], ...] = ()
+    runs: tuple[ModelInfo, ...] = ()
 
 
-def _profile_section(exp_dir: Path) -> dict[str, Any]:
-    return {
-        "enabled": True,
-        "model_info_path": str(exp_dir / MODEL_INFO_FILE),
-        "metric_path": str(exp_dir / METRICS_FILE),  # where an OOM marker would go
-        "model_info": {"profile": True},
-    }
+def profile_directory_name(stage: int, micro_batch_size: int) -> str:
+    return f"profile_z{stage}_mbs{micro_batch_size}"
 
 
-def _profile_once(stage: int, micro_batch_size: int, exps_dir: Path, settings: ExperimentSettings,
-                  reuse: bool) -> tuple[dict[str, Any] | None, TrialResult | None]:
-    experiment = Experiment(stage, micro_batch_size, 1)
-    exp_dir = exps_dir / f"profile_z{stage}_mbs{micro_batch_size}"
-    info_path = exp_dir / MODEL_INFO_FILE
-    if reuse and info_path.exists():
-        return json.loads(info_path.read_text()), None
-    info_path.unlink(missing_ok=True)
-    command = prepare(experiment, exp_dir, settings, _profile_section(exp_dir))
-    outcome = launch(command, exp_dir, settings.timeout_s)
-    if outcome.returncode == 0 and info_path.exists():
-        return json.loads(info_path.read_text()), None
-    failure = classify(experiment, exp_dir, outcome.returncode, outcome.timed_out, outcome.wall_time_s,
-                       settings, None)
-    if failure.state is TrialState.OK:  # exited 0 but wrote no model info
-        failure = TrialResult(experiment, TrialState.FAILED, error="no model_info.json: the script "
-                              "exited before its first optimizer step finished", wall_time_s=outcome.wall_time_s)
-    return None, failure
-
-
-def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentSettings,
-                  reuse: bool, report=print) -> ProfileOutcome:
+def profile_model(stages: tuple[int, ...], settings: ExperimentSettings, launch: ProfileLaunch,
+                  report=print) -> ProfileOutcome:
     """Profile at the lowest stage that runs; a higher stage is tried only after an OOM."""
     last_failure = None
     for stage in sorted(stages):
-        infos = []
+        infos: list[ModelInfo] = []
         for micro in PROFILE_MICRO_BATCH_SIZES:
             report(f"profile: ZeRO {stage}, micro-batch {micro} ...")
-            info, failure = _profile_once(stage, micro, exps_dir, settings, reuse)
-            if info is None:
-                last_failure = failure
+            result = launch(stage, micro)
+            if result.model_info is None:
+                last_failure = result
                 break
-            infos.append(info)
+            infos.append(result.model_info)
         if len(infos) == len(PROFILE_MICRO_BATCH_SIZES):
             for warning in blind_spots(infos):
                 report(f"warning: {warning}")
@@ -90,7 +65,7 @@ def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentS
                 sharded_infos = []
                 for micro in sizes:
                     report(f"profile: ZeRO {max(sharded)}, micro-batch {micro} (sharded engine) ...")
-                    info, _ = _profile_once(max(sharded), micro, exps_dir, settings, reuse)
+                    info = launch(max(sharded), micro).model_info
                     if info is None:
                         break
                     sharded_infos.append(info)
@@ -100,66 +75,66 @@ def profile_model(stages: tuple[int, ...], exps_dir: Path, settings: ExperimentS
                 if len(sharded_infos) == len(sizes) and (fit := peak_fit(sharded_infos)) is not None:
                     fits.append(fit)
             profile = replace(profile, peak_fits=tuple(fits))
-            return ProfileOutcome(profile, infos[0].get("device_memory_bytes"), None, tuple(infos))
+            return ProfileOutcome(profile, infos[0].device_memory_bytes, None, tuple(infos))
         if last_failure is not None and last_failure.state is not TrialState.OOM:
             break  # a crash will not go away at a higher stage
     return ProfileOutcome(None, None, last_failure)
 
 
-def blind_spots(infos: list[dict[str, Any]]) -> list[str]:
+def blind_spots(infos: list[ModelInfo]) -> list[str]:
     """What the profile could not see, so the memory model is blind there."""
     how = ("give autotuning.model_info (num_params and activation_bytes_per_sample) in the config so the "
            "model need not be measured")
     warnings = []
-    if all(info.get("activation_bytes", 0) == 0 for info in infos):
+    if all(info.activation_bytes == 0 for info in infos):
         warnings.append("the profile saw no activations: the script's forward did not go through the engine "
                         "(engine(x)), so the memory model cannot see activation memory; call the engine, or " + how)
-    engines = max(info.get("engines_in_process", 1) for info in infos)
+    engines = max(info.engines_in_process for info in infos)
     if engines > 1:
         warnings.append(f"the script made {engines} engines (a GAN's two networks, say); the profile measures only "
                         "one of them, so the memory model under-counts; " + how)
     return warnings
 
 
-def peak_fit(infos: list[dict[str, Any]]) -> PeakFit | None:
+def peak_fit(infos: list[ModelInfo]) -> PeakFit | None:
     """Forward+backward peak = fixed + per-sample x micro-batch through two profile launches of one
     engine, and the optimizer step's peak; None where the peaks were not measured apart (CPU)."""
-    if len(infos) < 2 or any(info.get("forward_backward_peak_bytes") is None for info in infos[:2]):
+    if len(infos) < 2 or any(info.forward_backward_peak_bytes is None for info in infos[:2]):
         return None
-    first, second = sorted(infos[:2], key=lambda info: info["micro_batch_size"])
-    span = second["micro_batch_size"] - first["micro_batch_size"]
+    first, second = sorted(infos[:2], key=lambda info: info.micro_batch_size)
+    span = second.micro_batch_size - first.micro_batch_size
     if span <= 0:
         return None
-    per_sample = max(0, (second["forward_backward_peak_bytes"] - first["forward_backward_peak_bytes"]) // span)
-    fixed = first["forward_backward_peak_bytes"] - per_sample * first["micro_batch_size"]
-    return PeakFit(zero_stage=first["zero_stage"], precision=first["precision"], fixed_bytes=int(fixed),
+    per_sample = max(0, (second.forward_backward_peak_bytes - first.forward_backward_peak_bytes) // span)
+    fixed = first.forward_backward_peak_bytes - per_sample * first.micro_batch_size
+    return PeakFit(zero_stage=first.zero_stage, precision=first.precision, fixed_bytes=int(fixed),
                    per_sample_bytes=int(per_sample),
-                   optimizer_step_bytes=max(int(info["optimizer_step_peak_bytes"]) for info in infos[:2]))
+                   optimizer_step_bytes=max(int(info.optimizer_step_peak_bytes or 0) for info in infos[:2]))
 
 
-def _to_profile(infos: list[dict[str, Any]], settings: ExperimentSettings) -> ModelProfile:
+def _to_profile(infos: list[ModelInfo], settings: ExperimentSettings) -> ModelProfile:
     first, second = infos
-    per_sample = (second["activation_bytes"] - first["activation_bytes"]) / max(
-        1, second["micro_batch_size"] - first["micro_batch_size"])
+    per_sample = (second.activation_bytes - first.activation_bytes) / max(
+        1, second.micro_batch_size - first.micro_batch_size)
     if per_sample <= 0:
-        per_sample = first["activation_bytes"] / first["micro_batch_size"]
+        per_sample = first.activation_bytes / first.micro_batch_size
     profile = ModelProfile(
-        num_params=first["num_params"],
+        num_params=first.num_params,
         activation_bytes_per_sample=int(per_sample),
-        optimizer_state_bytes_per_param=first["optimizer_state_bytes_per_param"],
-        num_shard_units=first.get("num_shard_units", 0),
+        optimizer_state_bytes_per_param=first.optimizer_state_bytes_per_param,
+        num_shard_units=first.num_shard_units,
     )
-    stage_settings = StageSettings(first["zero_stage"], first["precision"], settings.data_parallel_size)
+    stage_settings = StageSettings(first.zero_stage, first.precision, settings.data_parallel_size)
     # The smaller of the two: the first launch may also have built the script's data cache.
-    baseline = min(calibrate_baseline(profile, stage_settings, info["micro_batch_size"], info["peak_memory_bytes"])
+    baseline = min(calibrate_baseline(profile, stage_settings, info.micro_batch_size, info.peak_memory_bytes)
                    for info in infos)
     return ModelProfile(profile.num_params, profile.activation_bytes_per_sample,
                         profile.optimizer_state_bytes_per_param, baseline, profile.num_shard_units)
 
 
-def _with_sharded_baseline(profile: ModelProfile, info: dict[str, Any], settings: ExperimentSettings) -> ModelProfile:
-    stage_settings = StageSettings(info["zero_stage"], info["precision"], settings.data_parallel_size)
-    baseline = calibrate_baseline(profile, stage_settings, info["micro_batch_size"], info["peak_memory_bytes"])
+def _with_sharded_baseline(profile: ModelProfile, info: ModelInfo, settings: ExperimentSettings) -> ModelProfile:
+    stage_settings = StageSettings(info.zero_stage, info.precision, settings.data_parallel_size)
+    baseline = calibrate_baseline(profile, stage_settings, info.micro_batch_size, info.peak_memory_bytes)
     return replace(profile, sharded_baseline_bytes=baseline)
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from autotuner.boundary import Measurement, ModelInfo
 from autotuner.tuning.space import Experiment
 
 
@@ -57,28 +58,41 @@ class Objective:
 
 @dataclass(frozen=True)
 class TrialResult:
-    """What one experiment gave. `value` is the objective's metric; None unless state is OK."""
+    """What one launch gave. `value` is the objective's metric; None unless state is OK.
+    `measurement` is what the ranks measured, `model_info` what a profile launch recorded."""
 
     experiment: Experiment
     state: TrialState
     value: float | None = None
     value_std: float | None = None
-    metrics: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    measurement: Measurement | None = field(default=None, compare=False)
     predicted_memory_bytes: int | None = None
     measured_memory_bytes: int | None = None
     wall_time_s: float = 0.0
     error: str | None = None
+    model_info: ModelInfo | None = field(default=None, compare=False)
 
     @property
     def name(self) -> str:
         return self.experiment.name
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["state"] = self.state.value
-        data["name"] = self.name
-        data["experiment"]["knobs"] = [list(kv) for kv in self.experiment.knobs]
-        return data
+        return {
+            "name": self.name,
+            "experiment": {"zero_stage": self.experiment.zero_stage,
+                           "micro_batch_size": self.experiment.micro_batch_size,
+                           "gradient_accumulation_steps": self.experiment.gradient_accumulation_steps,
+                           "knobs": [list(kv) for kv in self.experiment.knobs]},
+            "state": self.state.value,
+            "value": self.value,
+            "value_std": self.value_std,
+            "metrics": self.measurement.to_json() if self.measurement is not None else None,
+            "model_info": self.model_info.to_json() if self.model_info is not None else None,
+            "predicted_memory_bytes": self.predicted_memory_bytes,
+            "measured_memory_bytes": self.measured_memory_bytes,
+            "wall_time_s": self.wall_time_s,
+            "error": self.error,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "TrialResult":
@@ -90,9 +104,10 @@ class TrialResult:
             state=TrialState(data["state"]),
             value=data.get("value"),
             value_std=data.get("value_std"),
-            metrics=data.get("metrics") or {},
+            measurement=Measurement.from_json(data["metrics"]) if data.get("metrics") else None,
             predicted_memory_bytes=data.get("predicted_memory_bytes"),
             measured_memory_bytes=data.get("measured_memory_bytes"),
             wall_time_s=data.get("wall_time_s", 0.0),
             error=data.get("error"),
+            model_info=ModelInfo.from_json(data["model_info"]) if data.get("model_info") else None,
         )

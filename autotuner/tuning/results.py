@@ -9,6 +9,7 @@ from typing import Any
 from tabulate import tabulate
 
 from autotuner.atomic import write_json_atomic
+from autotuner.boundary import Summary
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 
 
@@ -43,7 +44,7 @@ def _value(result: TrialResult | None) -> float | None:
 def result_rows(results: list[TrialResult], objective: Objective) -> list[dict[str, Any]]:
     rows = []
     for r in results:
-        m = r.metrics
+        m = r.measurement
         rows.append({
             "name": r.name,
             "state": r.state.value,
@@ -55,11 +56,11 @@ def result_rows(results: list[TrialResult], objective: Objective) -> list[dict[s
             "metric_value": r.value,
             "metric_unit": objective.unit,
             "metric_std": r.value_std,
-            "throughput_samples_s": m.get("throughput"),
-            "latency_s": m.get("latency"),
-            "forward_ms": _ms(m.get("forward")),
-            "backward_ms": _ms(m.get("backward")),
-            "step_ms": _ms(m.get("step")),
+            "throughput_samples_s": m.throughput if m else None,
+            "latency_s": m.latency if m else None,
+            "forward_ms": _ms(m.forward if m else None),
+            "backward_ms": _ms(m.backward if m else None),
+            "step_ms": _ms(m.step if m else None),
             "predicted_memory_mib": _mib(r.predicted_memory_bytes),
             "measured_memory_mib": _mib(r.measured_memory_bytes),
             "memory_error_pct": _error_pct(r.predicted_memory_bytes, r.measured_memory_bytes),
@@ -69,8 +70,8 @@ def result_rows(results: list[TrialResult], objective: Objective) -> list[dict[s
     return rows
 
 
-def _ms(timer: dict | None) -> float | None:
-    return round(timer["mean_s"] * 1e3, 3) if timer else None
+def _ms(timer: Summary | None) -> float | None:
+    return round(timer.mean_s * 1e3, 3) if timer else None
 
 
 def _mib(value: int | None) -> float | None:

@@ -1,0 +1,278 @@
+"""The records that cross the process boundary between the tuner and the ranks.
+
+Down: a `MeasurementRequest`, in a file named by AUTOTUNER_MEASUREMENT_REQUEST. Up: a
+`Measurement` (the profile window's timings and peaks), `ModelInfo` (the profile), one
+`RankError` per rank that raised, and the launcher's `LaunchReport` (which rank failed first,
+its exit status and exception line). Every record is frozen and versioned; a reader refuses a
+version it does not know rather than guess. No torch import: the tuner and `import autotuner`
+in every rank read these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from autotuner.atomic import write_json_atomic
+
+VERSION = 1
+REQUEST_ENV = "AUTOTUNER_MEASUREMENT_REQUEST"  # the MeasurementRequest file for this launch
+LAUNCH_REPORT_ENV = "AUTOTUNER_LAUNCH_REPORT"  # where the launcher writes its LaunchReport
+ERROR_DIR_ENV = "AUTOTUNER_ERROR_DIR"  # where each rank records its uncaught exception
+
+Record = TypeVar("Record")
+
+
+PLAIN_KINDS = ("argparse", "SystemExit")  # RankError kinds whose message is the whole line
+
+
+class RecordError(ValueError):
+    """A record file that is missing fields, damaged, or from another version."""
+
+
+def _check_version(data: dict[str, Any], kind: str) -> None:
+    version = data.get("version", VERSION)
+    if version != VERSION:
+        raise RecordError(f"{kind} record version {version}; this autotuner reads version {VERSION}")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Statistics of a list of durations, in seconds."""
+
+    mean_s: float
+    std_s: float
+    median_s: float
+    min_s: float
+    max_s: float
+    count: int
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Summary":
+        if not values:
+            return cls(0.0, 0.0, 0.0, 0.0, 0.0, 0)
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        return cls(statistics.fmean(values), std, statistics.median(values), min(values), max(values), len(values))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> "Summary | None":
+        return None if data is None else cls(**{f.name: data.get(f.name, 0) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class MeasurementRequest:
+    """What the tuner asks of one launch. Steps count optimizer steps from 1.
+
+    `metrics_path`: time steps start..end, write a Measurement there, and exit 0.
+    `model_info_path`: after the first step (the second on CUDA) write ModelInfo there; with
+    `exit_after_model_info` every rank then exits 0. OOM markers go beside `oom_marker_prefix`."""
+
+    start_profile_step: int
+    end_profile_step: int
+    metrics_path: str | None = None
+    model_info_path: str | None = None
+    exit_after_model_info: bool = False
+    oom_marker_prefix: str | None = None
+    version: int = VERSION
+
+    def oom_marker(self, rank: int) -> str | None:
+        return f"{self.oom_marker_prefix}.oom-rank{rank}" if self.oom_marker_prefix else None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "MeasurementRequest":
+        _check_version(data, "measurement request")
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a launch measured over its profile window. Key names `throughput`, `latency` and
+    `FLOPS_per_gpu` are DeepSpeed's, so a DeepSpeed metrics file reads as one too (the rest
+    then stays empty). Throughput is samples/s from end-to-end step time, data loading included."""
+
+    throughput: float
+    latency: float  # s per optimizer step
+    throughput_std: float | None = None
+    step_wall_s: Summary | None = None
+    step_wall_s_values: tuple[float, ...] = ()  # per profiled step, in order (--bench)
+    forward: Summary | None = None
+    backward: Summary | None = None
+    step: Summary | None = None
+    peak_memory_bytes: int | None = None
+    peak_memory_bytes_per_rank: tuple[int, ...] = ()
+    peak_reserved_bytes: int | None = None
+    world_size: int | None = None
+    train_batch_size: int | None = None
+    micro_batch_size: int | None = None
+    gradient_accumulation_steps: int | None = None
+    zero_stage: int | None = None
+    precision: str | None = None
+    device_type: str | None = None
+    start_profile_step: int | None = None
+    end_profile_step: int | None = None
+    FLOPS_per_gpu: float | None = None
+    version: int = VERSION
+
+    def value(self, key: str) -> float | None:
+        """The objective's metric by its DeepSpeed name."""
+        return getattr(self, key, None)
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data["step_wall_s_values"] = list(self.step_wall_s_values)
+        data["peak_memory_bytes_per_rank"] = list(self.peak_memory_bytes_per_rank)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "Measurement":
+        _check_version(data, "measurement")
+        if not isinstance(data.get("throughput"), (int, float)) or not isinstance(data.get("latency"), (int, float)):
+            raise RecordError("measurement record without numeric 'throughput' and 'latency'")
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        for key in ("step_wall_s", "forward", "backward", "step"):
+            values[key] = Summary.from_json(values.get(key))
+        values["step_wall_s_values"] = tuple(float(v) for v in values.get("step_wall_s_values") or ())
+        values["peak_memory_bytes_per_rank"] = tuple(int(v) for v in values.get("peak_memory_bytes_per_rank") or ())
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The profile one launch took after its first optimizer step (its second on CUDA).
+
+    Peaks are per rank, in bytes. `forward_backward_peak_bytes` and `optimizer_step_peak_bytes`
+    are the CUDA allocator's peaks of each phase in the steady state; None on CPU, whose resident
+    set cannot be split by phase."""
+
+    num_params: int
+    trainable_num_params: int
+    activation_bytes: int  # saved for backward, the largest over ranks
+    optimizer_state_bytes_per_param: float
+    micro_batch_size: int
+    peak_memory_bytes: int
+    zero_stage: int
+    precision: str
+    world_size: int
+    activation_bytes_per_rank: tuple[int, ...] = ()
+    peak_memory_bytes_per_rank: tuple[int, ...] = ()
+    peak_reserved_bytes: int | None = None
+    forward_backward_peak_bytes: int | None = None
+    optimizer_step_peak_bytes: int | None = None
+    num_shard_units: int = 0
+    device_memory_bytes: int | None = None
+    engines_in_process: int = 1
+    version: int = VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        for key in ("activation_bytes_per_rank", "peak_memory_bytes_per_rank"):
+            data[key] = list(data[key])
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "ModelInfo":
+        _check_version(data, "model info")
+        try:
+            values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+            for key in ("activation_bytes_per_rank", "peak_memory_bytes_per_rank"):
+                values[key] = tuple(values.get(key) or ())
+            return cls(**values)
+        except TypeError as err:
+            raise RecordError(f"model info record: {err}") from None
+
+
+@dataclass(frozen=True)
+class RankError:
+    """A rank's uncaught exception: its class name, its message line and the exit status it left
+    with. `time` orders ranks that raised (the first is the cause; later ones are often follow-on
+    errors such as gloo's "Connection closed by peer")."""
+
+    rank: int
+    kind: str
+    message: str
+    exit_code: int
+    time: float = 0.0
+    ours: bool = False  # an AutotunerError: the launcher prints it as one line
+    version: int = VERSION
+
+    @property
+    def line(self) -> str:
+        """What the rank printed last: `Kind: message` for an exception, the message itself for an
+        argparse usage error or a non-zero sys.exit."""
+        if self.kind in PLAIN_KINDS:
+            return self.message
+        return f"{self.kind}: {self.message}" if self.message else self.kind
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RankError":
+        _check_version(data, "rank error")
+        return cls(int(data["rank"]), str(data["kind"]), str(data["message"]), int(data["exit_code"]),
+                   float(data.get("time", 0.0)), bool(data.get("ours", False)))
+
+
+@dataclass(frozen=True)
+class LaunchReport:
+    """How a launch ended, as the launcher saw it. `exit_code` is the job's (0 when every rank
+    succeeded); for a failure, the rank that failed first, its own exit status (128 + N when
+    signal N killed it) and its exception line when it raised one."""
+
+    exit_code: int
+    failed_rank: int | None = None
+    rank_exit_status: int | None = None
+    exception: str | None = None
+    version: int = VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "LaunchReport":
+        _check_version(data, "launch report")
+        return cls(int(data["exit_code"]), data.get("failed_rank"), data.get("rank_exit_status"),
+                   data.get("exception"))
+
+
+def write_record(path: str | os.PathLike, record: Any) -> None:
+    write_json_atomic(path, record.to_json())
+
+
+def read_record(path: str | os.PathLike, kind: type[Record]) -> Record | None:
+    """The record in `path`, or None when there is no file. A damaged file raises RecordError."""
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    try:
+        return kind.from_json(json.loads(text))  # type: ignore[attr-defined]
+    except (ValueError, KeyError, TypeError) as err:
+        raise RecordError(f"{path}: {err}") from None
+
+
+def rank_errors(directory: str | os.PathLike) -> list[RankError]:
+    """Every rank's recorded error, the earliest first."""
+    found = []
+    for path in Path(directory).glob("rank*.json"):
+        try:
+            found.append(RankError.from_json(json.loads(path.read_text())))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(found, key=lambda error: (error.time, error.rank))
+
+
+def request_from_env(environ: dict[str, str] | None = None) -> MeasurementRequest | None:
+    """The request the launcher named for this process, if any."""
+    path = (os.environ if environ is None else environ).get(REQUEST_ENV)
+    return read_record(path, MeasurementRequest) if path else None
+

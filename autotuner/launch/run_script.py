@@ -1,0 +1,102 @@
+"""What each rank of a tuner's launch runs: the user's script, as `python script.py ARGS` would,
+with its failure recorded for the launcher.
+
+    python -u -m autotuner.launch.run_script train.py --local_rank=0 ARGS
+
+The script runs through runpy with `__name__ == "__main__"`, its own `sys.argv` and its
+directory first on `sys.path`. An uncaught exception, an argparse usage error or a non-zero
+`sys.exit` is written as a RankError into AUTOTUNER_ERROR_DIR, so the tuner learns which rank
+failed and why without reading logs; scripts need not import autotuner for that (DeepSpeed
+scripts do not). The warm runner calls `run` in a process forked from its forkserver; the cold
+path runs this module in a fresh interpreter. Both leave with the same exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+from autotuner.boundary import ERROR_DIR_ENV, RankError, write_record
+from autotuner.rank_setup import QUIET_ERRORS_ENV, setup_rank
+
+
+def _record(kind: str, message: str, exit_code: int, ours: bool = False) -> None:
+    directory = os.environ.get(ERROR_DIR_ENV)
+    if not directory:
+        return
+    rank = int(os.environ.get("RANK", 0))
+    path = Path(directory) / f"rank{rank}.json"
+    if path.exists():
+        return  # the first error is the cause; what follows is unwinding
+    try:
+        write_record(path, RankError(rank, kind, message[:500], exit_code, time.time(), ours))
+    except OSError:
+        pass
+
+
+def _record_usage_errors() -> None:
+    """argparse prints its message and exits 2; keep the message (the rank's real error)."""
+    original = argparse.ArgumentParser.error
+    if getattr(original, "autotuner_recorded", False):
+        return
+
+    def error(parser: argparse.ArgumentParser, message: str):
+        _record("argparse", f"{parser.prog}: error: {message}", 2)
+        return original(parser, message)
+
+    error.autotuner_recorded = True  # type: ignore[attr-defined]
+    argparse.ArgumentParser.error = error  # type: ignore[method-assign]
+
+
+def _exit_status(code: object) -> int:
+    """What the interpreter returns for `sys.exit(code)`."""
+    if code is None:
+        return 0
+    if isinstance(code, bool):
+        return int(code)
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def run(argv: list[str]) -> int:
+    """Run `argv[0]` with arguments `argv[1:]` as __main__; return the process's exit status."""
+    script, *args = argv
+    sys.argv = [script, *args]
+    sys.path[0:0] = [str(Path(script).resolve().parent)]
+    setup_rank()
+    _record_usage_errors()
+    try:
+        runpy.run_path(script, run_name="__main__")
+        return 0
+    except SystemExit as stop:
+        status = _exit_status(stop.code)
+        if status:
+            _record("SystemExit", f"exit status {status}", status)
+        return status
+    except KeyboardInterrupt:
+        _record("KeyboardInterrupt", "", 128 + signal.SIGINT)
+        raise
+    except BaseException as err:  # noqa: BLE001 - recorded, then reported as Python would
+        from autotuner.errors import AutotunerError
+
+        ours = isinstance(err, AutotunerError)
+        status = err.exit_code if ours else 1
+        lines = str(err).strip().splitlines()
+        _record(type(err).__name__, lines[-1] if lines else "", status, ours)
+        if not (ours and os.environ.get(QUIET_ERRORS_ENV) == "1"):
+            sys.excepthook(type(err), err, err.__traceback__)
+        return status
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))

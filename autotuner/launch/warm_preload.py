@@ -1,0 +1,57 @@
+"""Imported once by the tuner's forkserver (multiprocessing's preload): torch, our rank-side
+modules, and what the user's script imports, so that every warm rank forked later starts with
+them loaded.
+
+The modules come from AUTOTUNER_WARM_PRELOAD (a JSON list of "module" or "module:attribute";
+an attribute is fetched too, since libraries such as transformers load lazily on attribute
+access). Each failure is caught and listed in the AUTOTUNER_WARM_PRELOAD_REPORT file, with
+whether CUDA was initialised: ranks forked from a process that initialised CUDA cannot use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+
+PRELOAD_ENV = "AUTOTUNER_WARM_PRELOAD"
+REPORT_ENV = "AUTOTUNER_WARM_PRELOAD_REPORT"
+ALWAYS = ("torch", "torch.distributed", "torch.distributed.fsdp", "autotuner", "autotuner.runtime.engine",
+          "autotuner.runtime.initialize", "autotuner.launch.run_script", "autotuner.launch.warm_rank")
+
+
+def _load(name: str) -> None:
+    module_name, _, attribute = name.partition(":")
+    module = importlib.import_module(module_name)
+    if attribute:
+        getattr(module, attribute)
+
+
+def preload(names: list[str]) -> dict:
+    started = time.monotonic()
+    failed = {}
+    loaded = []
+    for name in [*ALWAYS, *names]:
+        try:
+            _load(name)
+            loaded.append(name)
+        except BaseException as err:  # noqa: BLE001 - a preload failure must not kill the forkserver
+            failed[name] = f"{type(err).__name__}: {err}"[:300]
+    import torch
+
+    return {"loaded": loaded, "failed": failed, "cuda_initialized": bool(torch.cuda.is_initialized()),
+            "seconds": round(time.monotonic() - started, 3), "pid": os.getpid()}
+
+
+def _run() -> None:
+    names = json.loads(os.environ.get(PRELOAD_ENV, "[]"))
+    report = preload(names)
+    path = os.environ.get(REPORT_ENV)
+    if path:
+        from autotuner.atomic import write_json_atomic
+
+        write_json_atomic(path, report)
+
+
+_run()

@@ -1,0 +1,46 @@
+"""Runners: the one way the tuner launches anything. A runner takes a Trial and returns a
+TrialResult; the profile, the search and `--bench` all go through one.
+
+`ColdRunner` starts a fresh launcher process per trial (torch elastic, fresh rank interpreters).
+`WarmRunner` (tuning/warm.py) forks ranks from a forkserver that has already imported torch and
+the script's libraries. Both prepare the trial's files the same way and judge the outcome from
+the same files, so figures and verdicts do not depend on the path.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from typing import Protocol
+
+from autotuner.launch.processes import run_to_completion
+from autotuner.tuning.experiment import Trial, cold_launch, judge, prepare
+from autotuner.tuning.records import TrialResult
+
+
+class Runner(Protocol):
+    name: str
+
+    def run(self, trial: Trial) -> TrialResult:
+        """Launch the trial's ranks, wait (at most the trial's timeout), end every process it started,
+        and return the verdict. Never raises for a failed launch: failures are results."""
+
+    def close(self) -> None:
+        """Release what the runner holds (a forkserver, say)."""
+
+
+class ColdRunner:
+    """Each trial is `python -m autotuner --report_file F ... script args` in a new session."""
+
+    name = "cold"
+
+    def run(self, trial: Trial) -> TrialResult:
+        prepare(trial)
+        command, env = cold_launch(trial, dict(os.environ))
+        (trial.directory / "cmd.txt").write_text(shlex.join(command) + "\n")
+        outcome = run_to_completion(command, stdout=trial.directory / "stdout.log",
+                                    stderr=trial.directory / "stderr.log", timeout_s=trial.settings.timeout_s, env=env)
+        return judge(trial, outcome.returncode, outcome.timed_out, outcome.wall_time_s)
+
+    def close(self) -> None:
+        pass

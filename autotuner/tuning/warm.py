@@ -1,0 +1,279 @@
+"""Warm launches: ranks forked from a forkserver that imported torch and the script's libraries
+once, so an experiment costs its steps, not interpreter start-up.
+
+The forkserver is multiprocessing's, started by torch.multiprocessing.start_processes with the
+"forkserver" method; `set_forkserver_preload` names `autotuner.launch.warm_preload`, which
+imports torch and the modules the script imports at top level (read from its source) plus
+`autotuning.warm_preload`. The forkserver never touches a device, so every rank is a fresh process
+that initialises CUDA itself. Each trial gets its own TCPStore, hosted here as torch elastic's
+agent hosts one; ranks get exactly the (cmd, env) a cold launch would (`launch.plan.rank_launch`).
+
+Fallback to cold launches, logged: when `autotuning.warm_start` is false; when the forkserver or
+its preload fails or initialised CUDA; when a warm launch fails and the same trial launched cold
+does not (checked for the first failure of a run and for every death by a signal).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+import psutil
+
+from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, read_record, write_record
+from autotuner.launch.plan import build_plan, rank_launch
+from autotuner.launch.processes import GRACE_S
+from autotuner.launch.runner import exit_status, failure_report
+from autotuner.launch.warm_preload import PRELOAD_ENV, REPORT_ENV
+from autotuner.launch.warm_rank import UNSAFE_FORK_EXIT, WarmRankSpec
+from autotuner.launch.warm_rank import main as warm_rank_main
+from autotuner.rank_setup import QUIET_ERRORS_ENV
+from autotuner.tuning.experiment import RANK_ERRORS_DIR, Trial, judge, launch_options, prepare, trial_environment
+from autotuner.tuning.records import TrialResult, TrialState
+from autotuner.tuning.runners import ColdRunner, Runner
+
+POLL_S = 0.05
+
+
+class WarmStartBroken(Exception):
+    """The warm path cannot serve this run; the runner switches to cold launches."""
+
+
+def script_imports(script: str) -> list[str]:
+    """Modules the script imports at top level (try blocks included), as "module" or
+    "module:name", leaving out relative imports and modules that live beside the script (the
+    user's own, which may do work at import)."""
+    try:
+        tree = ast.parse(Path(script).read_text(), filename=script)
+    except (OSError, SyntaxError, ValueError):
+        return []
+    script_dir = Path(script).resolve().parent
+    found: list[str] = []
+
+    def visit(statements) -> None:
+        for node in statements:
+            if isinstance(node, ast.Import):
+                found.extend(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.extend(f"{node.module}:{alias.name}" for alias in node.names if alias.name != "*")
+                found.append(node.module)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    visit(tree.body)
+    return [name for name in dict.fromkeys(found) if _installed(name.split(":")[0].split(".")[0], script_dir)]
+
+
+def _installed(top_level: str, script_dir: Path) -> bool:
+    if top_level == "__future__":
+        return False
+    try:
+        spec = importlib.util.find_spec(top_level)
+    except (ImportError, ValueError):
+        return False
+    if spec is None:
+        return False
+    origin = spec.origin or (list(spec.submodule_search_locations or [""])[0])
+    return not origin or script_dir not in Path(origin).resolve().parents
+
+
+def _end_session(pid: int, grace_s: float) -> None:
+    """End a rank and everything it started: its session's group, then any descendant that left it."""
+    try:
+        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        tree = []
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for process in tree:
+            try:
+                process.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        _, tree = psutil.wait_procs(tree, timeout=wait)
+        if not tree:
+            return
+
+
+class WarmRunner:
+    """Forks each trial's ranks from a preloaded forkserver; falls back to `ColdRunner`."""
+
+    name = "warm"
+
+    def __init__(self, script: str, extra_modules: tuple[str, ...] = (), report: Callable[[str], None] = print):
+        self._report = report
+        self._cold = ColdRunner()
+        self._cold_only = False
+        self._failure_confirmed = False  # a warm failure has been seen to fail cold too
+        self._preload = [*script_imports(script), *extra_modules]
+        self._preload_report = Path(tempfile.mkdtemp(prefix="autotuner-warm-")) / "preload.json"
+        self._started = False
+        self._preload_checked = False
+
+    # ----- the forkserver -----
+    def _start(self) -> None:
+        if self._started:
+            return
+        os.environ[PRELOAD_ENV] = json.dumps(self._preload)
+        os.environ[REPORT_ENV] = str(self._preload_report)
+        try:
+            # The forkserver takes this process's environment when it starts, and keeps it.
+            multiprocessing.set_forkserver_preload(["__main__", "autotuner.launch.warm_preload"])
+            from multiprocessing import forkserver
+
+            forkserver.ensure_running()
+        except Exception as err:  # noqa: BLE001
+            raise WarmStartBroken(f"the forkserver did not start ({type(err).__name__}: {err})") from None
+        finally:
+            os.environ.pop(PRELOAD_ENV, None)
+            os.environ.pop(REPORT_ENV, None)
+        self._started = True
+
+    def _check_preload(self) -> None:
+        try:
+            preload = json.loads(self._preload_report.read_text())
+        except (OSError, ValueError):
+            return
+        if preload.get("cuda_initialized"):
+            raise WarmStartBroken("importing the script's modules initialised CUDA in the forkserver")
+        for name, error in preload.get("failed", {}).items():
+            self._report(f"warm start: could not preload {name} ({error}); ranks import it themselves")
+        self._report(f"warm start: forkserver preloaded {len(preload.get('loaded', []))} modules in "
+                     f"{preload.get('seconds', 0):.1f} s")
+        self._preload_report.unlink(missing_ok=True)
+
+    # ----- one trial -----
+    def run(self, trial: Trial) -> TrialResult:
+        if self._cold_only:
+            return self._cold.run(trial)
+        try:
+            result, report = self._run_warm(trial)
+        except WarmStartBroken as broken:
+            self._fall_back(f"{broken}")
+            return self._cold.run(trial)
+        died_by_signal = report is not None and report.exception is None and (report.rank_exit_status or 0) > 128
+        unsafe = report is not None and report.rank_exit_status == UNSAFE_FORK_EXIT
+        if result.state is TrialState.FAILED and (unsafe or died_by_signal or not self._failure_confirmed):
+            cold = self._cold.run(trial)
+            if cold.state is not TrialState.FAILED:
+                self._fall_back(f"{trial.experiment.name} failed warm ({result.error}) but not cold")
+            else:
+                self._failure_confirmed = True
+            return cold
+        return result
+
+    def _fall_back(self, why: str) -> None:
+        self._report(f"warm start off: {why}; every launch from now on starts cold")
+        self._cold_only = True
+
+    def _run_warm(self, trial: Trial) -> tuple[TrialResult, LaunchReport | None]:
+        import torch.multiprocessing as torch_mp
+        from torch.distributed import TCPStore
+
+        prepare(trial)
+        environ = {**trial_environment(trial, dict(os.environ)), QUIET_ERRORS_ENV: "1",
+                   ERROR_DIR_ENV: str(trial.directory / RANK_ERRORS_DIR)}
+        environ.pop(PRELOAD_ENV, None)
+        (trial.directory / RANK_ERRORS_DIR).mkdir(exist_ok=True)
+        options = launch_options(trial)
+        plan = build_plan(options, sys.executable, environ)
+        for note in plan.notes:
+            print(f"launcher: note: {note}", file=sys.stderr)
+        stdout, stderr = trial.directory / "stdout.log", trial.directory / "stderr.log"
+        stdout.write_bytes(b"")
+        stderr.write_bytes(b"")
+        self._start()
+        # Hosted here, as elastic's agent hosts its store; the ranks connect as clients.
+        store = TCPStore("127.0.0.1", options.master_port or 0, None, True, wait_for_workers=False)
+        specs = []
+        for local_rank in range(plan.nproc_per_node):
+            command, env = rank_launch(plan, local_rank, "127.0.0.1", store.port, environ)
+            specs.append(WarmRankSpec(command, env, os.getcwd(), str(stdout), str(stderr)))
+        (trial.directory / "cmd.txt").write_text(
+            "# warm launch: each rank forked from the tuner's forkserver runs\n" +
+            "".join(shlex.join(spec.command) + "\n" for spec in specs))
+        started = time.monotonic()
+        try:
+            context = torch_mp.start_processes(warm_rank_main, args=(tuple(specs),), nprocs=len(specs), join=False,
+                                               start_method="forkserver")
+        except Exception as err:  # noqa: BLE001 - the forkserver is gone or refused
+            del store
+            raise WarmStartBroken(f"ranks could not be forked ({type(err).__name__}: {err})") from None
+        if not self._preload_checked:
+            self._preload_checked = True
+            self._check_preload()
+        try:
+            timed_out, statuses, first_failed = self._wait(context, trial.settings.timeout_s, started)
+        finally:
+            for pid in context.pids():
+                _end_session(pid, GRACE_S)
+            del store
+        wall = time.monotonic() - started
+        if timed_out:
+            return judge(trial, None, True, wall), None
+        if first_failed is None:
+            report = LaunchReport(exit_code=0)
+        else:
+            report = failure_report(str(trial.directory / RANK_ERRORS_DIR), first_failed, statuses)
+        write_record(trial.report_path, report)
+        return judge(trial, report.exit_code, False, wall), report
+
+    def _wait(self, context, timeout_s: float, started: float) -> tuple[bool, dict[int, int], int | None]:
+        """Until every rank has exited, one has failed (then the rest are ended, as elastic's agent
+        does), or the time limit. Returns (timed out, exit status per rank, first failed rank)."""
+        processes = context.processes
+        first_failed = None
+        while True:
+            for index, process in enumerate(processes):
+                if process.exitcode not in (None, 0) and first_failed is None:
+                    first_failed = index
+            if first_failed is not None or all(p.exitcode is not None for p in processes):
+                break
+            if time.monotonic() - started > timeout_s:
+                return True, {}, None
+            multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=POLL_S)
+        if first_failed is not None:
+            for process in processes:
+                if process.exitcode is None:
+                    _end_session(process.pid, GRACE_S)
+        for process in processes:
+            process.join(timeout=GRACE_S)
+        statuses = {index: exit_status(p.exitcode if p.exitcode is not None else -signal.SIGKILL)
+                    for index, p in enumerate(processes)}
+        return False, {rank: status for rank, status in statuses.items() if status != 0}, first_failed
+
+    def close(self) -> None:
+        self._preload_report.unlink(missing_ok=True)
+        try:
+            self._preload_report.parent.rmdir()
+        except OSError:
+            pass
+
+
+@contextmanager
+def make_runner(tuning, settings, report: Callable[[str], None]) -> Iterator[Runner]:
+    """The runner a tuning run uses: warm unless `autotuning.warm_start` is false."""
+    if not tuning.warm_start:
+        report("warm start off (autotuning.warm_start: false): each experiment starts cold")
+        runner: Runner = ColdRunner()
+    else:
+        runner = WarmRunner(settings.script, tuple(tuning.warm_preload), report)
+    try:
+        yield runner
+    finally:
+        runner.close()
