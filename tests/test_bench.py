@@ -86,16 +86,20 @@ def test_failed_sizes_are_not_a_baseline_and_keep_their_error_in_the_csv(tmp_pat
     assert rows[2]["ci95"] == "20.000" and rows[2]["iterations"] == "6"
 
 
-def test_metrics_carry_per_step_times():
-    from autotuner.runtime.metrics import build_metrics
+def test_measurement_carries_per_step_times_and_round_trips():
+    from autotuner.boundary import Measurement
+    from autotuner.runtime.metrics import build_measurement
     from autotuner.runtime.timers import ProfileWindow
 
     window = ProfileWindow(2, 4, step_wall_s=[0.1, 0.2, 0.3])
-    metrics = build_metrics(window, train_batch_size=8, world_size=2, micro_batch_size=4,
-                            gradient_accumulation_steps=1, zero_stage=0, precision="fp32", peak_memory=1,
-                            peak_memory_per_rank=[1, 1], flops_per_step=None, device_type="cpu")
-    assert metrics["step_wall_s_values"] == [0.1, 0.2, 0.3]
-    assert metrics["step_wall_s"]["count"] == 3  # the summary stays
+    measurement = build_measurement(window, train_batch_size=8, world_size=2, micro_batch_size=4,
+                                    gradient_accumulation_steps=1, zero_stage=0, precision="fp32", peak_memory=1,
+                                    peak_memory_per_rank=[1, 1], flops_per_step=None, device_type="cpu")
+    data = json.loads(json.dumps(measurement.to_json()))
+    assert data["step_wall_s_values"] == [0.1, 0.2, 0.3]
+    assert data["step_wall_s"]["count"] == 3  # the summary stays
+    assert data["version"] == 1
+    assert Measurement.from_json(data) == measurement
 
 
 # ----- command-line errors: exit 2, one line, nothing launched -----

@@ -385,11 +385,13 @@ def test_cpu_offload_on_a_cpu_machine_is_dropped_with_a_warning(capsys):
 def test_blind_memory_model_is_reported():
     from autotuner.tuning.profiling import blind_spots
 
-    infos = [{"activation_bytes": 0, "engines_in_process": 2}] * 2
+    from fakes import model_info
+
+    infos = [model_info(activation_bytes=0, engines_in_process=2)] * 2
     warnings = blind_spots(infos)
     assert len(warnings) == 2 and "saw no activations" in warnings[0] and "2 engines" in warnings[1]
     assert all("autotuning.model_info" in w for w in warnings)
-    assert blind_spots([{"activation_bytes": 10, "engines_in_process": 1}] * 2) == []
+    assert blind_spots([model_info(activation_bytes=10)] * 2) == []
 
 
 def test_launcher_names_are_accepted_on_one_node_and_a_missing_hostfile_is_a_note(tmp_path):

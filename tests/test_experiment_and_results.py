@@ -13,12 +13,15 @@ import pytest
 from autotuner.config import load_config
 from autotuner.errors import ConfigError
 from autotuner.tuning.autotuner import base_config, knob_values, search_space
+from autotuner.boundary import LaunchReport, Measurement, RankError, write_record
+from autotuner.launch.runner import failure_report
 from autotuner.tuning.experiment import (
     ExperimentSettings,
-    classify,
+    Trial,
+    cold_launch,
     config_value,
     experiment_config,
-    launch_command,
+    judge,
     mapped_script_args,
 )
 from autotuner.tuning.records import Objective, TrialResult, TrialState
@@ -96,43 +99,48 @@ def test_mapped_args_rewrite_every_occurrence_of_a_flag():
     assert "4" not in got
 
 
-# ----- experiment_config / launch_command -----
+# ----- experiment_config / the launch as (cmd, env) -----
 
-def test_experiment_config_sets_the_experiment():
+def test_experiment_config_sets_the_experiment_and_drops_the_autotuning_section():
     base = {"steps_per_print": 7, "zero_optimization": {"overlap_comm": False, "stage": 0},
             "autotuning": {"enabled": True, "arg_mappings": {}}}
     s = settings(base_config=base, data_parallel_size=4)
     experiment = Experiment(2, 8, 3).with_knobs({"overlap_comm": True})
-    section = {"enabled": True, "metric_path": "/tmp/m.json"}
-    config = experiment_config(experiment, s, section)
+    config = experiment_config(experiment, s)
     assert config["zero_optimization"] == {"stage": 2, "overlap_comm": True}
     assert config["train_micro_batch_size_per_gpu"] == 8
     assert config["gradient_accumulation_steps"] == 3
     assert config["train_batch_size"] == 8 * 3 * 4
     assert config["steps_per_print"] == 7
-    assert config["autotuning"] == section
+    assert "autotuning" not in config  # what to measure travels in the request file
     # The base config is not modified.
     assert base["zero_optimization"] == {"overlap_comm": False, "stage": 0}
     assert "train_batch_size" not in base
 
 
-def test_experiment_config_without_autotuning_is_the_optimal_config():
-    base = {"autotuning": {"enabled": True, "fast": False}, "zero_optimization": {}}
-    config = experiment_config(Experiment(1, 4), settings(base_config=base), None)
-    assert "autotuning" not in config
-    assert config["zero_optimization"] == {"stage": 1}
-    assert config["train_batch_size"] == 4 * 1 * 2
-
-
-def test_launch_command_is_pure_and_points_at_the_experiment_config(tmp_path):
+def test_cold_launch_is_pure_and_names_the_request_and_report(tmp_path):
     s = settings(script_args=("--deepspeed=ds.json", "--bs", "1"), arg_mappings={"train_micro_batch_size_per_gpu": "--bs"},
                  launcher_args=("--master_port", "29600"))
-    config = experiment_config(Experiment(0, 16), s, None)
+    trial = Trial(Experiment(0, 16), tmp_path / "exp", s)
+    command, env = cold_launch(trial, {"PATH": "/bin"})
     path = tmp_path / "exp" / "ds_config.json"
-    assert launch_command(config, path, s) == [
-        "/usr/bin/python3", "-m", "autotuner", "--nproc_per_node", "2", "--master_port", "29600", "train.py",
-        f"--deepspeed={path}", "--bs", "16"]
-    assert not path.exists()
+    assert command == [
+        "/usr/bin/python3", "-m", "autotuner", "--report_file", str(tmp_path / "exp" / "launch_report.json"),
+        "--nproc_per_node", "2", "--master_port", "29600", "train.py", f"--deepspeed={path}", "--bs", "16"]
+    assert env == {"PATH": "/bin", "AUTOTUNER_MEASUREMENT_REQUEST": str(tmp_path / "exp" / "request.json"),
+                   "PYTHONUNBUFFERED": "1"}
+    assert not (tmp_path / "exp").exists()
+
+
+def test_the_request_of_a_measurement_and_of_a_profile(tmp_path):
+    s = settings(start_profile_step=3, end_profile_step=7)
+    measure = Trial(Experiment(0, 4), tmp_path, s).request()
+    assert (measure.start_profile_step, measure.end_profile_step) == (3, 7)
+    assert measure.metrics_path == str(tmp_path / "metrics.json") and measure.model_info_path is None
+    profile = Trial(Experiment(0, 1), tmp_path, s, profile=True).request()
+    assert profile.metrics_path is None and profile.exit_after_model_info
+    assert profile.model_info_path == str(tmp_path / "model_info.json")
+    assert profile.oom_marker(1) == str(tmp_path / "metrics.json.oom-rank1")
 
 
 # ----- base_config / knob_values / search_space -----
@@ -229,16 +237,21 @@ def test_search_space_auto_gas_is_searched():
     assert space.global_batch_size is None and space.global_batch_exact is False
 
 
-# ----- classify -----
+# ----- the verdict (judge) -----
 
 EXP = Experiment(1, 8, 2)
 
 
-def _classify(exp_dir: Path, returncode=0, timed_out=False, **kwargs) -> TrialResult:
-    return classify(EXP, exp_dir, returncode, timed_out, 12.5, settings(**kwargs), 1234)
+def _classify(exp_dir: Path, returncode=0, timed_out=False, report: LaunchReport | None = None,
+              **kwargs) -> TrialResult:
+    if report is not None:
+        write_record(exp_dir / "launch_report.json", report)
+    trial = Trial(EXP, exp_dir, settings(**kwargs), predicted_memory_bytes=1234)
+    return judge(trial, returncode, timed_out, 12.5)
 
 
 def _metrics(exp_dir: Path, **values) -> None:
+    values.setdefault("latency", 0.5)
     (exp_dir / "metrics.json").write_text(json.dumps(values))
 
 
@@ -267,41 +280,57 @@ def test_oom_markers_of_several_ranks(tmp_path):
     assert result.error == "out of memory on rank 0, 1"
 
 
-TRACEBACK = """\
-[rank1]: Traceback (most recent call last):
-[rank1]:   File "train.py", line 12, in <module>
-[rank1]:     raise ValueError("learning rate must be positive")
-[rank1]: ValueError: learning rate must be positive
-some noise line about an error in passing
-launcher: rank 1 exited with status 1
-launcher: rank 0 exited with status 143
-launcher: rank 1 failed first
-"""
+def _rank_error(directory: Path, rank: int, kind: str, message: str, when: float, exit_code: int = 1) -> None:
+    write_record(directory / f"rank{rank}.json", RankError(rank, kind, message, exit_code, when))
 
 
-def test_failure_names_rank_and_last_exception(tmp_path):
-    (tmp_path / "stderr.log").write_text(TRACEBACK)
-    result = _classify(tmp_path, returncode=1)
+def test_failure_names_rank_and_its_exception_from_the_report(tmp_path):
+    report = LaunchReport(1, failed_rank=1, rank_exit_status=1, exception="ValueError: learning rate must be positive")
+    (tmp_path / "stderr.log").write_text("RuntimeError: a misleading line in the log\n")  # never read
+    result = _classify(tmp_path, returncode=1, report=report)
     assert result.state is TrialState.FAILED
     assert result.error == "rank 1: ValueError: learning rate must be positive"
     assert result.value is None
 
 
-def test_failure_with_a_qualified_exception_name(tmp_path):
-    (tmp_path / "stderr.log").write_text(
-        "Traceback (most recent call last):\n  File \"t.py\", line 1\n"
-        "KeyError: 'a'\n\nDuring handling of the above exception, another exception occurred:\n\n"
-        "torch.distributed.DistBackendError: NCCL failure\nlauncher: rank 3 failed first\n")
-    assert _classify(tmp_path, returncode=1).error == "rank 3: torch.distributed.DistBackendError: NCCL failure"
+def test_the_report_decides_even_when_the_launcher_exit_status_is_0(tmp_path):
+    _metrics(tmp_path, throughput=3.0)
+    result = _classify(tmp_path, returncode=0, report=LaunchReport(1, 0, 137))
+    assert result.state is TrialState.FAILED and result.error == "rank 0: exit status 137 (killed by SIGKILL)"
+
+
+def test_failure_report_prefers_the_first_failed_ranks_own_exception(tmp_path):
+    _rank_error(tmp_path, 1, "ValueError", "learning rate must be positive", when=10.0)
+    _rank_error(tmp_path, 0, "RuntimeError", "Connection closed by peer", when=11.0)
+    report = failure_report(str(tmp_path), 1, {0: 1, 1: 1})
+    assert (report.failed_rank, report.exception) == (1, "ValueError: learning rate must be positive")
+
+
+def test_failure_report_blames_a_sigkilled_rank_not_the_peer_that_raised_after_it(tmp_path):
+    _rank_error(tmp_path, 0, "RuntimeError", "[gloo] Connection closed by peer", when=11.0)
+    report = failure_report(str(tmp_path), 1, {0: 1, 1: 137})
+    assert (report.failed_rank, report.rank_exit_status, report.exception) == (1, 137, None)
+
+
+def test_failure_report_looks_past_a_rank_the_launcher_stopped(tmp_path):
+    _rank_error(tmp_path, 1, "KeyError", "'a'", when=10.0)
+    report = failure_report(str(tmp_path), 0, {0: 143, 1: 1})
+    assert (report.failed_rank, report.exception, report.exit_code) == (1, "KeyError: 'a'", 1)
+
+
+def test_failure_report_keeps_our_own_errors_exit_code(tmp_path):
+    write_record(tmp_path / "rank0.json", RankError(0, "ConfigError", "ds.json: bad", 2, 1.0, ours=True))
+    assert failure_report(str(tmp_path), 0, {0: 2}).exit_code == 2
 
 
 def test_failure_from_argparse_in_the_script(tmp_path):
-    (tmp_path / "stderr.log").write_text("usage: train.py [-h]\ntrain.py: error: unrecognized arguments: --foo\n"
-                                         "launcher: rank 0 failed first\n")
-    assert _classify(tmp_path, returncode=2).error == "rank 0: train.py: error: unrecognized arguments: --foo"
+    _rank_error(tmp_path, 0, "argparse", "train.py: error: unrecognized arguments: --foo", when=1.0, exit_code=2)
+    report = failure_report(str(tmp_path), 0, {0: 2})
+    assert _classify(tmp_path, returncode=2, report=report).error == \
+        "rank 0: train.py: error: unrecognized arguments: --foo"
 
 
-def test_failure_without_traceback_or_log(tmp_path):
+def test_failure_without_report(tmp_path):
     result = _classify(tmp_path, returncode=3)
     assert result.state is TrialState.FAILED
     assert result.error == "exit status 3"
@@ -341,7 +370,7 @@ def test_ok_value_is_the_objective_metric(tmp_path, metric, key, value):
     assert result.state is TrialState.OK
     assert result.value == value
     assert result.value_std == (1.5 if metric == "throughput" else None)
-    assert result.metrics == metrics
+    assert result.measurement == Measurement.from_json(metrics)
     assert result.error is None
 
 
@@ -379,14 +408,15 @@ def test_knob_order_does_not_change_the_experiment():
 def test_trial_result_json_round_trip():
     experiment = Experiment(3, 8, 2).with_knobs({"overlap_comm": True, "stage3_param_persistence_threshold": 0})
     result = TrialResult(experiment, TrialState.OK, value=12.5, value_std=0.5,
-                         metrics={"throughput": 12.5, "forward": {"mean_s": 0.01}},
+                         measurement=Measurement.from_json({"throughput": 12.5, "latency": 0.1,
+                                                            "forward": {"mean_s": 0.01}}),
                          predicted_memory_bytes=10, measured_memory_bytes=12, wall_time_s=3.25, error=None)
     data = json.loads(json.dumps(result.to_json()))
     assert data["name"] == experiment.name and data["state"] == "ok"
     back = TrialResult.from_json(data)
     assert back == result
     assert back.experiment == experiment and hash(back.experiment) == hash(experiment)
-    assert back.metrics == result.metrics
+    assert back.measurement == result.measurement
     assert back.name == result.name
 
 
@@ -409,7 +439,7 @@ def plots(monkeypatch):
 
 def _ok(stage, micro, value, gas=1, **kwargs):
     return TrialResult(Experiment(stage, micro, gas), TrialState.OK, value=value,
-                       metrics={"throughput": value, "latency": 1.0 / value}, **kwargs)
+                       measurement=Measurement(throughput=value, latency=1.0 / value), **kwargs)
 
 
 RESULTS = [
@@ -472,7 +502,7 @@ NASTY_CMD = ["/usr/bin/python3", "-m", "autotuner", "--nproc_per_node", "2", "tr
 
 
 def test_write_results_files(tmp_path, plots):
-    optimal = experiment_config(RESULTS[2].experiment, settings(), None)
+    optimal = experiment_config(RESULTS[2].experiment, settings())
     summary = write_results(tmp_path, RESULTS, THROUGHPUT, 12.0, optimal, NASTY_CMD)
     assert (tmp_path / "summary.txt").read_text() == summary
     assert json.loads((tmp_path / "ds_config_optimal.json").read_text()) == optimal
@@ -492,7 +522,7 @@ def test_write_results_files(tmp_path, plots):
 
 def test_write_results_csv_knobs_column(tmp_path, plots):
     knobbed = TrialResult(Experiment(0, 4).with_knobs({"contiguous_gradients": True, "reduce_bucket_size": 1000}),
-                          TrialState.OK, value=5.0, metrics={"throughput": 5.0})
+                          TrialState.OK, value=5.0)
     write_results(tmp_path, [knobbed], THROUGHPUT, 1.0, None, None)
     import pandas as pd
 
@@ -502,7 +532,7 @@ def test_write_results_csv_knobs_column(tmp_path, plots):
 
 
 def test_write_results_csv_has_the_objective_value(tmp_path, plots):
-    result = TrialResult(Experiment(0, 4), TrialState.OK, value=7.5, metrics={})
+    result = TrialResult(Experiment(0, 4), TrialState.OK, value=7.5)
     write_results(tmp_path, [result], THROUGHPUT, 1.0, None, None)
     import pandas as pd
 

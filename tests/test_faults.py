@@ -20,8 +20,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from autotuner.tuning.experiment import ExperimentSettings, classify
-from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 from conftest import WORKERS, assert_no_children_left, launcher_env
 
@@ -250,32 +249,6 @@ def test_experiment_logs_carry_no_misleading_autotuning_note(mixed):
     tmp_path, _ = mixed
     for log in (tmp_path / EXPS).glob("*/stderr.log"):
         assert "--autotuning was not given" not in log.read_text(), log
-
-
-# ----- the verdict on a captured log (no launch): which rank and which error -----
-def _settings() -> ExperimentSettings:
-    return ExperimentSettings(script=str(TOY), script_args=(), base_config={}, nproc_per_node=2,
-                              data_parallel_size=2, objective=Objective(), timeout_s=60)
-
-
-GLOO = ("[rank0]: Traceback (most recent call last):\n"
-        "[rank0]:   File \"toy_train.py\", line 90, in main\n"
-        "[rank0]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:5909. "
-        "This is typically caused by a remote worker crashing.\n"
-        "launcher: rank 0 exited with status 143\n")
-
-
-@pytest.mark.parametrize("rank1, status, expected", [
-    ("[rank1]: Traceback (most recent call last):\n"
-     "[rank1]: RuntimeError: injected failure on rank 1 at step 2\n", 1, "RuntimeError: injected failure on rank 1"),
-    ("", 137, "exit status 137 (killed by SIGKILL)"),
-], ids=["raised", "sigkilled"])
-def test_the_error_is_the_failing_ranks_own(tmp_path, rank1, status, expected):
-    (tmp_path / "stderr.log").write_text(rank1 + GLOO + f"launcher: rank 1 exited with status {status}\n"
-                                         "launcher: rank 1 failed first\n")
-    result = classify(Experiment(0, 4, 1), tmp_path, status, False, 1.0, _settings(), None)
-    assert result.state is TrialState.FAILED
-    assert result.error.startswith("rank 1: ") and expected in result.error and "gloo" not in result.error
 
 
 # ----- hang -----

@@ -12,15 +12,15 @@ from autotuner.tuning.profiling import peak_fit
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.search import SearchPolicy, SearchSpace, run_search
 from autotuner.tuning.space import Experiment
+from fakes import FakeRunner, fingerprint, model_info, never_called
 
 MiB = 2**20
 P = 100_000_000
 
 
-def info(micro: int, forward_backward_mib: float, step_mib: float, stage: int = 0) -> dict:
-    return {"micro_batch_size": micro, "zero_stage": stage, "precision": "bf16",
-            "forward_backward_peak_bytes": int(forward_backward_mib * MiB),
-            "optimizer_step_peak_bytes": int(step_mib * MiB)}
+def info(micro: int, forward_backward_mib: float, step_mib: float, stage: int = 0):
+    return model_info(micro, stage, "bf16", forward_backward_peak_bytes=int(forward_backward_mib * MiB),
+                      optimizer_step_peak_bytes=int(step_mib * MiB))
 
 
 def test_peak_fit_is_a_line_through_the_two_forward_backward_peaks_and_the_larger_step_peak():
@@ -29,8 +29,7 @@ def test_peak_fit_is_a_line_through_the_two_forward_backward_peaks_and_the_large
 
 
 def test_peak_fit_needs_phase_peaks_from_both_launches():
-    cpu = {"micro_batch_size": 1, "zero_stage": 0, "precision": "fp32", "forward_backward_peak_bytes": None}
-    assert peak_fit([cpu, {**cpu, "micro_batch_size": 2}]) is None
+    assert peak_fit([model_info(1), model_info(2)]) is None
     assert peak_fit([info(1, 2000, 2600)]) is None
 
 
@@ -104,7 +103,8 @@ def offload_tuner(tmp_path, device_type: str, zero: dict | None = None):
     settings = ExperimentSettings(script="train.py", script_args=(), base_config=base_config(config),
                                   nproc_per_node=1, data_parallel_size=1, objective=Objective("throughput"),
                                   timeout_s=30.0)
-    tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", report=lambda line: None)
+    tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", FakeRunner(never_called),
+                      fingerprint(), report=lambda line: None)
     tuner.profile = ModelProfile(P, 100 * MiB, num_shard_units=10)
     tuner.precision = "bf16"
     tuner.budget_bytes = 1200 * MiB  # 100 M parameters need 1.6 GB of fp32 states and Adam moments alone

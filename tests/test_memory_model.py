@@ -22,6 +22,7 @@ from autotuner.tuning.memory import (
 )
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
+from fakes import FakeRunner, fingerprint, never_called
 
 P = 1_000_000  # parameters
 W = 2  # data-parallel ranks
@@ -273,7 +274,8 @@ def calibrating_tuner(tmp_path, budget_mib: int = 1000):
                                   nproc_per_node=2, data_parallel_size=2, objective=Objective("throughput"),
                                   timeout_s=30.0)
     lines: list[str] = []
-    tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", report=lines.append)
+    tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", FakeRunner(never_called),
+                      fingerprint(), report=lines.append)
     tuner.profile = ModelProfile(25_000_000, 2**20, baseline_bytes=150 * MiB, num_shard_units=6)
     tuner.budget_bytes = budget_mib * MiB
     return tuner, lines

@@ -1,0 +1,56 @@
+"""Fakes for the tuner's unit tests: a runner that launches nothing, records and their defaults."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from autotuner.boundary import Measurement, ModelInfo
+from autotuner.tuning.experiment import Trial
+from autotuner.tuning.journal import Fingerprint
+from autotuner.tuning.records import TrialResult, TrialState
+
+
+def model_info(micro_batch_size: int = 1, zero_stage: int = 0, precision: str = "fp32", **values) -> ModelInfo:
+    defaults = dict(num_params=1000, trainable_num_params=1000, activation_bytes=1000,
+                    optimizer_state_bytes_per_param=8.0, peak_memory_bytes=100 * 2**20, world_size=2)
+    return ModelInfo(micro_batch_size=micro_batch_size, zero_stage=zero_stage, precision=precision,
+                     **{**defaults, **values})
+
+
+def fingerprint(**changes) -> Fingerprint:
+    values = dict(script="/work/train.py", script_sha256="a" * 64, script_args=("--width", "256"),
+                  config_sha256="b" * 64, nproc_per_node=2, num_nodes=1, launcher_args=(), torch_version="2.13.0",
+                  device="cpu test")
+    return Fingerprint(**{**values, **changes})
+
+
+class FakeRunner:
+    """Answers each trial with `answer(trial)`; remembers what it was asked. Launches nothing."""
+
+    name = "fake"
+
+    def __init__(self, answer: Callable[[Trial], TrialResult]):
+        self.answer = answer
+        self.trials: list[Trial] = []
+
+    def run(self, trial: Trial) -> TrialResult:
+        self.trials.append(trial)
+        return self.answer(trial)
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def names(self) -> list[str]:
+        return [trial.directory.name for trial in self.trials]
+
+
+def ok(trial: Trial, throughput: float, peak_bytes: int | None = None) -> TrialResult:
+    measurement = Measurement(throughput=throughput, latency=1.0 / throughput, peak_memory_bytes=peak_bytes)
+    return TrialResult(trial.experiment, TrialState.OK, value=throughput, measurement=measurement,
+                       predicted_memory_bytes=trial.predicted_memory_bytes, measured_memory_bytes=peak_bytes,
+                       wall_time_s=1.0)
+
+
+def never_called(trial: Trial) -> TrialResult:
+    raise AssertionError(f"the runner was asked for {trial.directory.name}")
