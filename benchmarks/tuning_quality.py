@@ -35,7 +35,10 @@ sys.path.insert(0, str(ROOT))
 from autotuner.config import load_config  # noqa: E402
 from autotuner.launch.processes import run_to_completion  # noqa: E402
 from autotuner.tuning.autotuner import base_config  # noqa: E402
-from autotuner.tuning.experiment import RECORD_FILE, ExperimentSettings, run_experiment  # noqa: E402
+from autotuner.atomic import write_json_atomic  # noqa: E402
+from autotuner.tuning.experiment import ExperimentSettings, Trial  # noqa: E402
+from autotuner.tuning.journal import RECORD_FILE  # noqa: E402
+from autotuner.tuning.runners import ColdRunner  # noqa: E402
 from autotuner.tuning.records import Objective, TrialResult, TrialState  # noqa: E402
 from autotuner.tuning.space import Experiment  # noqa: E402
 
@@ -120,7 +123,8 @@ def measure_rounds(experiments: list[Experiment], settings: ExperimentSettings, 
             if reuse and record.exists():
                 result = TrialResult.from_json(json.loads(record.read_text()))
             else:
-                result = run_experiment(experiment, exp_dir, settings)
+                result = ColdRunner().run(Trial(experiment, exp_dir, settings))
+                write_json_atomic(record, result.to_json())
             measured[experiment].append(result)
     return measured
 
@@ -152,7 +156,7 @@ def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path) -> dict
     best = ok.loc[ok.metric_value.idxmax()] if len(ok) else None
     # The pick with its knobs (full mode), as the tuner recorded it.
     chosen = None if best is None else TrialResult.from_json(json.loads(
-        (work / "autotuning_exps" / best["name"] / RECORD_FILE).read_text())).experiment
+        (work / "autotuning_exps" / best["name"] / RECORD_FILE).read_text())["result"]).experiment
     predicted = dict(re.findall(r"z(\d)=(\d+)", stdout.split("largest micro-batch per stage:")[-1].split("\n")[0]))
     profiles = len(list((work / "autotuning_exps").glob("profile_*")))
     return {

@@ -62,7 +62,7 @@ def test_tune_writes_every_output_and_picks_the_best(tmp_path, no_orphans):
     exp_dir = tmp_path / "autotuning_exps" / best["name"]
     for name in ("ds_config.json", "cmd.txt", "stdout.log", "stderr.log", "metrics.json", "exp.json"):
         assert (exp_dir / name).exists(), name
-    record = json.loads((exp_dir / "exp.json").read_text())
+    record = json.loads((exp_dir / "exp.json").read_text())["result"]
     assert record["state"] == "ok" and record["value"] == pytest.approx(best["throughput_samples_s"])
 
     optimal = read_config_file(results / "ds_config_optimal.json")

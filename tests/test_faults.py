@@ -82,7 +82,7 @@ def output(tmp_path: Path, name: str = "tuner") -> tuple[str, str]:
 
 
 def record(tmp_path: Path, name: str) -> dict:
-    return json.loads((tmp_path / EXPS / name / "exp.json").read_text())
+    return json.loads((tmp_path / EXPS / name / "exp.json").read_text())["result"]
 
 
 def table(tmp_path: Path) -> pd.DataFrame:
@@ -285,17 +285,27 @@ def test_when_every_experiment_fails_results_are_still_written_and_the_exit_is_1
 
 
 # ----- resume -----
-def write_record(tmp_path: Path, experiment: Experiment, state: TrialState, value: float | None) -> None:
-    from autotuner.atomic import write_json_atomic
+def write_record(tmp_path: Path, config: Path, script_args: tuple[str, ...], experiment: Experiment,
+                 state: TrialState, value: float | None) -> None:
+    """A finished record of an earlier run of the same command (its fingerprint is this run's)."""
+    from autotuner.config import load_config
+    from autotuner.tuning.autotuner import base_config
+    from autotuner.tuning.journal import fingerprint_of, this_device, torch_version, write_entry
 
-    write_json_atomic(tmp_path / EXPS / experiment.name / "exp.json",
-                      TrialResult(experiment, state, value=value).to_json())
+    fingerprint = fingerprint_of(script=str(TOY), script_args=(*script_args, "--deepspeed", str(config)),
+                                 mapped_flags=tuple(MAPPINGS.values()), base_config=base_config(load_config(str(config))),
+                                 nproc_per_node=2, num_nodes=1, launcher_args=(), torch_version=torch_version(),
+                                 device=this_device())
+    directory = tmp_path / EXPS / experiment.name
+    directory.mkdir(parents=True, exist_ok=True)
+    write_entry(directory, TrialResult(experiment, state, value=value), fingerprint)
 
 
 def test_a_failure_after_resuming_a_finished_ok_experiment_is_not_fatal(tmp_path, no_orphans):
     config = write_config(tmp_path / "ds.json")
-    write_record(tmp_path, Experiment(0, 2, 1), TrialState.OK, 100.0)  # an earlier run's finished record
-    result = tune(tmp_path, config, "--fail_rank", "1", "--fault_min_micro", "4")
+    args = ("--fail_rank", "1", "--fault_min_micro", "4")
+    write_record(tmp_path, config, args, Experiment(0, 2, 1), TrialState.OK, 100.0)  # an earlier run's record
+    result = tune(tmp_path, config, *args)
     assert "z0_gas1_mbs2: ok (from an earlier run)" in result.stdout
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert record(tmp_path, "z0_gas1_mbs4")["state"] == "failed"

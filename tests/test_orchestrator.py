@@ -1,0 +1,190 @@
+"""The orchestrator's rules with a fake runner and no processes: profile, resume (fingerprinted),
+the first-failure rule, memory calibration and the progress lines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from autotuner.config import load_config
+from autotuner.tuning.autotuner import Autotuner, TuningFailed, base_config
+from autotuner.tuning.experiment import ExperimentSettings, Trial
+from autotuner.tuning.journal import fingerprint_of, load_journal, unmapped_args, write_entry
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space import Experiment
+from fakes import FakeRunner, fingerprint, model_info, never_called, ok
+
+MiB = 2**20
+
+
+def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, print_to: list | None = None,
+          print_fingerprint=None, **top) -> Autotuner:
+    config = load_config({"train_micro_batch_size_per_gpu": [2, 4], "zero_optimization": {"stage": 0}, **top,
+                          "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30, **(autotuning or {})}})
+    settings = ExperimentSettings(script="train.py", script_args=("--deepspeed", "ds.json"), base_config=base_config(config),
+                                  nproc_per_node=2, data_parallel_size=2, objective=Objective("throughput"),
+                                  timeout_s=30.0)
+    lines = print_to if print_to is not None else []
+    return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner,
+                     print_fingerprint or fingerprint(), report=lines.append)
+
+
+def profiled(answer):
+    """Profile trials get a model info; experiments get `answer(trial)`."""
+    def run(trial: Trial) -> TrialResult:
+        if trial.profile:
+            info = model_info(trial.experiment.micro_batch_size, trial.experiment.zero_stage,
+                              activation_bytes=trial.experiment.micro_batch_size * MiB)
+            return TrialResult(trial.experiment, TrialState.OK, model_info=info)
+        return answer(trial)
+    return run
+
+
+def by_micro(values: dict[int, float]):
+    return profiled(lambda trial: ok(trial, values[trial.experiment.micro_batch_size], 200 * MiB))
+
+
+def test_the_profile_and_the_search_go_through_the_runner_and_are_journaled(tmp_path):
+    runner = FakeRunner(by_micro({2: 10.0, 4: 20.0}))
+    outcome = tuner(tmp_path, runner).tune()
+    assert runner.names == ["profile_z0_mbs1", "profile_z0_mbs2", "z0_gas1_mbs2", "z0_gas1_mbs4"]
+    assert [t.profile for t in runner.trials] == [True, True, False, False]
+    assert outcome.best.name == "z0_gas1_mbs4" and outcome.best.value == 20.0
+    for name in runner.names:
+        entry = json.loads((tmp_path / "exps" / name / "exp.json").read_text())
+        assert entry["version"] == 2 and entry["fingerprint"]["script_args"] == ["--width", "256"]
+
+
+def test_a_resumed_run_of_the_same_workload_launches_nothing(tmp_path):
+    tuner(tmp_path, FakeRunner(by_micro({2: 10.0, 4: 20.0}))).tune()
+    lines: list[str] = []
+    outcome = tuner(tmp_path, FakeRunner(never_called), print_to=lines).tune()
+    assert outcome.best.name == "z0_gas1_mbs4"
+    assert sum("(from an earlier run)" in line for line in lines) == 2
+    assert not any("different run" in line for line in lines)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"script_args": ("--width", "1024")}, "script arguments changed"),
+    ({"config_sha256": "c" * 64}, "config changed"),
+    ({"script_sha256": "d" * 64}, "script changed"),
+    ({"device": "cuda NVIDIA H100 x1"}, "device changed"),
+])
+def test_records_of_a_different_run_are_set_aside_and_the_run_tunes_afresh(tmp_path, change, reason):
+    tuner(tmp_path, FakeRunner(by_micro({2: 10.0, 4: 20.0}))).tune()
+    lines: list[str] = []
+    runner = FakeRunner(by_micro({2: 30.0, 4: 5.0}))
+    outcome = tuner(tmp_path, runner, print_to=lines, print_fingerprint=fingerprint(**change)).tune()
+    assert len(runner.trials) == 4  # the profile too: nothing reused
+    assert outcome.best.name == "z0_gas1_mbs2" and outcome.best.value == 30.0
+    notice = [line for line in lines if "different run" in line]
+    assert len(notice) == 1 and notice[0].startswith(f"4 earlier records are from a different run ({reason}): "
+                                                     "not reused; kept in ")
+    kept = list((tmp_path / "exps" / "earlier").glob("*/z0_gas1_mbs4/exp.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["result"]["value"] == 20.0
+
+
+def test_an_older_format_record_is_set_aside_not_reused(tmp_path):
+    old = tmp_path / "exps" / "z0_gas1_mbs4"
+    old.mkdir(parents=True)
+    (old / "exp.json").write_text(json.dumps(TrialResult(Experiment(0, 4), TrialState.OK, value=99.0).to_json()))
+    journal = load_journal(tmp_path / "exps", fingerprint())
+    assert journal.reusable == {} and journal.set_aside == 1 and "unknown format" in journal.notice
+    assert not old.exists()
+
+
+def test_the_first_launch_failing_without_a_profile_stops_the_run(tmp_path):
+    failed = lambda trial: TrialResult(trial.experiment, TrialState.FAILED, error="rank 0: ValueError: bad flag")
+    runner = FakeRunner(failed)
+    with pytest.raises(TuningFailed, match="the first experiment z0_gas1_mbs2 failed: rank 0: ValueError"):
+        tuner(tmp_path, runner, {"model_info": {"num_params": 1000}}).tune()
+    assert len(runner.trials) == 1
+
+
+def test_a_first_oom_without_a_profile_is_not_fatal(tmp_path):
+    def answer(trial):
+        if trial.experiment.micro_batch_size == 2:
+            return TrialResult(trial.experiment, TrialState.OOM, error="out of memory on rank 0")
+        return ok(trial, 10.0, 100 * MiB)
+    outcome = tuner(tmp_path, FakeRunner(answer), {"model_info": {"num_params": 1000}}).tune()
+    assert outcome.best.name == "z0_gas1_mbs4"
+
+
+def test_a_profile_that_fails_names_its_directory(tmp_path):
+    failed = lambda trial: TrialResult(trial.experiment, TrialState.FAILED, error="rank 1: KeyError: 'x'")
+    with pytest.raises(TuningFailed, match=r"profile launch \(failed\): rank 1: KeyError: 'x'; see .*profile_z0_mbs1"):
+        tuner(tmp_path, FakeRunner(failed)).tune()
+
+
+def test_measured_peaks_over_the_estimate_calibrate_later_launches(tmp_path):
+    lines: list[str] = []
+    runner = FakeRunner(profiled(lambda trial: ok(trial, 10.0, trial.predicted_memory_bytes + 64 * MiB)))
+    tuner(tmp_path, runner, print_to=lines).tune()
+    assert any(line.startswith("memory model: DDP peaks measured up to 64 MiB over its estimate") for line in lines)
+    first = runner.trials[2]
+    assert first.predicted_memory_bytes > 0
+
+
+def test_progress_lines_name_the_result_and_the_best_so_far(tmp_path):
+    lines: list[str] = []
+    tuner(tmp_path, FakeRunner(by_micro({2: 10.0, 4: 20.0})), print_to=lines).tune()
+    progress = [line for line in lines if line.startswith("[")]
+    assert progress[0].startswith("[1] z0_gas1_mbs2: ok: 10 samples/s | best z0_gas1_mbs2 10 | elapsed ")
+    assert progress[1].startswith("[2] z0_gas1_mbs4: ok: 20 samples/s | best z0_gas1_mbs4 20 | elapsed ")
+
+
+def test_failed_launches_are_journaled_and_not_relaunched_on_resume(tmp_path):
+    def answer(trial):
+        if trial.experiment.micro_batch_size == 2:
+            return TrialResult(trial.experiment, TrialState.FAILED, error="rank 0: exit status 137 (killed by SIGKILL)")
+        return ok(trial, 20.0, 100 * MiB)
+    tuner(tmp_path, FakeRunner(profiled(answer))).tune()
+    outcome = tuner(tmp_path, FakeRunner(never_called)).tune()
+    assert {r.name: r.state for r in outcome.results} == {"z0_gas1_mbs4": TrialState.OK,
+                                                           "z0_gas1_mbs2": TrialState.FAILED}
+
+
+# ----- the fingerprint itself -----
+
+def _fingerprint(script: Path, args: tuple[str, ...], config: dict, **changes):
+    values = dict(script=str(script), script_args=args, mapped_flags=("--micro_batch_size",), base_config=config,
+                  nproc_per_node=2, num_nodes=1, launcher_args=(), torch_version="2.13.0", device="cpu")
+    return fingerprint_of(**{**values, **changes})
+
+
+def test_the_fingerprint_ignores_mapped_flags_the_config_path_and_the_autotuning_section(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    a = _fingerprint(script, ("--micro_batch_size", "4", "--width", "256", "--deepspeed", "a.json"),
+                     {"steps_per_print": 1, "autotuning": {"fast": True}})
+    b = _fingerprint(script, ("--width", "256", "--micro_batch_size=8", "--deepspeed=b.json"),
+                     {"steps_per_print": 1, "autotuning": {"fast": False}})
+    assert a == b and a.script_args == ("--width", "256")
+
+
+def test_the_fingerprint_sees_each_change_the_issue_names(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    base = _fingerprint(script, ("--width", "256"), {"steps_per_print": 1})
+    assert base.differences(_fingerprint(script, ("--width", "1024"), {"steps_per_print": 1})) == \
+        ["script arguments changed"]
+    assert base.differences(_fingerprint(script, ("--width", "256"), {"steps_per_print": 2})) == ["config changed"]
+    assert base.differences(_fingerprint(script, ("--width", "256"), {"steps_per_print": 1}, nproc_per_node=4)) == \
+        ["ranks per node changed"]
+    assert base.differences(_fingerprint(script, ("--width", "256"), {"steps_per_print": 1},
+                                         torch_version="2.14.0")) == ["torch version changed"]
+    script.write_text("print('changed')\n")
+    assert base.differences(_fingerprint(script, ("--width", "256"), {"steps_per_print": 1})) == ["script changed"]
+
+
+def test_unmapped_args_removes_both_forms_and_keeps_the_rest():
+    assert unmapped_args(("--a", "1", "--b=2", "--c", "--d", "x"), ("--a", "--b", "--c")) == ("--d", "x")
+
+
+def test_only_finished_results_of_the_same_run_are_reusable(tmp_path):
+    directory = tmp_path / "exps" / "z0_gas1_mbs2"
+    directory.mkdir(parents=True)
+    write_entry(directory, TrialResult(Experiment(0, 2), TrialState.PRUNED, error="x"), fingerprint())
+    assert load_journal(tmp_path / "exps", fingerprint()).reusable == {}
