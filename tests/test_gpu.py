@@ -176,3 +176,81 @@ def test_include_and_exclude_pick_the_gpus(tmp_path):
     assert "visible 0 1" in result.stdout
     result = run_launcher("--exclude", "localhost:" + ",".join(map(str, range(torch.cuda.device_count()))), script)
     assert result.returncode == 2 and "every slot is excluded" in result.stderr
+
+
+# ----- issue 13: warm launches on CUDA -----
+
+def _cuda_processes() -> set[int]:
+    import subprocess
+
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True,
+                         text=True, timeout=60).stdout
+    return {int(line) for line in out.split() if line.strip().isdigit()}
+
+
+def test_warm_ranks_initialise_cuda_themselves_and_the_forkserver_never_does(tmp_path):
+    from multiprocessing import forkserver
+
+    from autotuner.config import load_config
+    from autotuner.tuning.autotuner import base_config
+    from autotuner.tuning.experiment import ExperimentSettings, Trial
+    from autotuner.tuning.records import Objective, TrialState
+    from autotuner.tuning.space import Experiment
+    from autotuner.tuning.warm import WarmRunner
+
+    config = load_config({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {}}})
+    settings = ExperimentSettings(script=str(MINIMAL), script_args=("--deepspeed", "unused.json"),
+                                  base_config=base_config(config), nproc_per_node=1, data_parallel_size=1,
+                                  objective=Objective("throughput"), timeout_s=300,
+                                  arg_mappings={"train_micro_batch_size_per_gpu": "--micro_batch_size"})
+    lines = []
+    runner = WarmRunner(str(MINIMAL), report=lines.append)
+    try:
+        for stage in (0, 3):
+            result = runner.run(Trial(Experiment(stage, 8), tmp_path / f"z{stage}", settings))
+            assert result.state is TrialState.OK, (result.error, lines)
+            assert result.measurement.device_type == "cuda" and result.measurement.peak_memory_bytes > 0
+            assert "warm launch" in (tmp_path / f"z{stage}" / "cmd.txt").read_text()
+        server = forkserver._forkserver._forkserver_pid
+        assert server is not None and server not in _cuda_processes()
+        assert not any("warm start off" in line for line in lines), lines
+        print("\n".join(lines))
+    finally:
+        runner.close()
+
+
+def test_warm_and_cold_tuning_on_cuda_agree(tmp_path):
+    picks = {}
+    for warm in (True, False):
+        work = tmp_path / ("warm" if warm else "cold")
+        work.mkdir()
+        config = read_config_file(str(CONFIGS / "autotune_minimal.json"))
+        config["autotuning"].update(warm_start=warm, max_train_micro_batch_size_per_gpu=32)
+        (work / "ds.json").write_text(json.dumps(config))
+        result = run_launcher("--autotuning", "tune", "--nproc_per_node", "1", MINIMAL, "--deepspeed",
+                              work / "ds.json", cwd=work, timeout=500)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert ("warm start off" in result.stdout) is (not warm)
+        table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
+        picks[warm] = table
+        print(f"warm={warm}:\n{table[['name', 'state', 'metric_value', 'wall_time_s']].to_string()}")
+    assert set(picks[True].name) == set(picks[False].name)
+
+
+def test_a_preload_that_initialises_cuda_falls_back_to_cold_launches(tmp_path):
+    config = read_config_file(str(CONFIGS / "autotune_minimal.json"))
+    config["autotuning"].update(warm_preload=["cuda_at_import"], max_train_micro_batch_size_per_gpu=16,
+                                model_info={"num_params": 1000})
+    config["zero_optimization"] = {"stage": 0}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    import os
+
+    env_path = os.environ.get("PYTHONPATH", "")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(WORKERS), env_path]))
+    try:
+        result = run_launcher("--autotuning", "tune", "--nproc_per_node", "1", MINIMAL, "--deepspeed",
+                              tmp_path / "ds.json", cwd=tmp_path, timeout=400)
+    finally:
+        os.environ["PYTHONPATH"] = env_path
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "warm start off: importing the script's modules initialised CUDA in the forkserver" in result.stdout

@@ -9,8 +9,8 @@ that initialises CUDA itself. Each trial gets its own TCPStore, hosted here as t
 agent hosts one; ranks get exactly the (cmd, env) a cold launch would (`launch.plan.rank_launch`).
 
 Fallback to cold launches, logged: when `autotuning.warm_start` is false; when the forkserver or
-its preload fails or initialised CUDA; when a warm launch fails and the same trial launched cold
-does not (checked for the first failure of a run and for every death by a signal).
+its preload fails or initialised CUDA; when a warm rank crashes (a crash signal, not an exception)
+and the same trial launched cold does not.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.runners import ColdRunner, Runner
 
 POLL_S = 0.05
+PRELOAD_TIMEOUT_S = 600.0
 
 
 class WarmStartBroken(Exception):
@@ -110,6 +111,20 @@ def _end_session(pid: int, grace_s: float) -> None:
             return
 
 
+# A forked process that inherited state it should not have (threads, locks, a device) dies by one of
+# these, where a fresh interpreter would not; SIGKILL and SIGTERM come from outside (the OOM killer).
+CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
+
+
+def _warm_specific(report: LaunchReport) -> bool:
+    """A failure the warm path may have caused, so the trial is launched cold too: a rank found the
+    forkserver had touched CUDA, or crashed with a signal of its own without raising."""
+    status = report.rank_exit_status
+    if status == UNSAFE_FORK_EXIT:
+        return True
+    return report.exception is None and status is not None and status - 128 in CRASH_SIGNALS
+
+
 class WarmRunner:
     """Forks each trial's ranks from a preloaded forkserver; falls back to `ColdRunner`."""
 
@@ -119,11 +134,9 @@ class WarmRunner:
         self._report = report
         self._cold = ColdRunner()
         self._cold_only = False
-        self._failure_confirmed = False  # a warm failure has been seen to fail cold too
         self._preload = [*script_imports(script), *extra_modules]
         self._preload_report = Path(tempfile.mkdtemp(prefix="autotuner-warm-")) / "preload.json"
         self._started = False
-        self._preload_checked = False
 
     # ----- the forkserver -----
     def _start(self) -> None:
@@ -143,12 +156,29 @@ class WarmRunner:
             os.environ.pop(PRELOAD_ENV, None)
             os.environ.pop(REPORT_ENV, None)
         self._started = True
+        self._await_preload(forkserver._forkserver._forkserver_pid)  # noqa: SLF001 - its pid, to watch it
+        self._check_preload()
+
+    def _await_preload(self, server_pid: int | None) -> None:
+        """The forkserver preloads before it serves: wait for its report, so a preload that touched
+        CUDA is known before any rank is forked."""
+        deadline = time.monotonic() + PRELOAD_TIMEOUT_S
+        while not self._preload_report.exists():
+            try:
+                alive = server_pid is not None and psutil.Process(server_pid).status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                alive = False
+            if not alive:
+                raise WarmStartBroken("the forkserver exited while preloading")
+            if time.monotonic() > deadline:
+                raise WarmStartBroken(f"preloading took over {PRELOAD_TIMEOUT_S:.0f} s")
+            time.sleep(POLL_S)
 
     def _check_preload(self) -> None:
         try:
             preload = json.loads(self._preload_report.read_text())
         except (OSError, ValueError):
-            return
+            raise WarmStartBroken("the forkserver's preload report is unreadable") from None
         if preload.get("cuda_initialized"):
             raise WarmStartBroken("importing the script's modules initialised CUDA in the forkserver")
         for name, error in preload.get("failed", {}).items():
@@ -166,20 +196,28 @@ class WarmRunner:
         except WarmStartBroken as broken:
             self._fall_back(f"{broken}")
             return self._cold.run(trial)
-        died_by_signal = report is not None and report.exception is None and (report.rank_exit_status or 0) > 128
-        unsafe = report is not None and report.rank_exit_status == UNSAFE_FORK_EXIT
-        if result.state is TrialState.FAILED and (unsafe or died_by_signal or not self._failure_confirmed):
+        if result.state is TrialState.FAILED and report is not None and _warm_specific(report):
             cold = self._cold.run(trial)
             if cold.state is not TrialState.FAILED:
                 self._fall_back(f"{trial.experiment.name} failed warm ({result.error}) but not cold")
-            else:
-                self._failure_confirmed = True
             return cold
         return result
 
     def _fall_back(self, why: str) -> None:
         self._report(f"warm start off: {why}; every launch from now on starts cold")
         self._cold_only = True
+        self._stop_forkserver()  # it may hold a CUDA context the cold ranks need
+
+    def _stop_forkserver(self) -> None:
+        if not self._started:
+            return
+        from multiprocessing import forkserver
+
+        server = forkserver._forkserver  # noqa: SLF001
+        stop = getattr(server, "_stop", None)  # closes its pipe and reaps it (Python 3.8+)
+        if stop is not None:
+            stop()
+        self._started = False
 
     def _run_warm(self, trial: Trial) -> tuple[TrialResult, LaunchReport | None]:
         import torch.multiprocessing as torch_mp
@@ -214,9 +252,6 @@ class WarmRunner:
         except Exception as err:  # noqa: BLE001 - the forkserver is gone or refused
             del store
             raise WarmStartBroken(f"ranks could not be forked ({type(err).__name__}: {err})") from None
-        if not self._preload_checked:
-            self._preload_checked = True
-            self._check_preload()
         try:
             timed_out, statuses, first_failed = self._wait(context, trial.settings.timeout_s, started)
         finally:
@@ -258,6 +293,7 @@ class WarmRunner:
         return False, {rank: status for rank, status in statuses.items() if status != 0}, first_failed
 
     def close(self) -> None:
+        self._stop_forkserver()
         self._preload_report.unlink(missing_ok=True)
         try:
             self._preload_report.parent.rmdir()

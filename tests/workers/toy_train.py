@@ -6,6 +6,7 @@ so the throughput curve, and so the true optimum, is known in advance.
 """
 
 import argparse
+import multiprocessing
 import os
 import signal
 import sys
@@ -48,6 +49,8 @@ def main() -> None:
                         help="fire FAULT (fail, kill, exit or hang) only at this micro-batch (repeatable); "
                              "when given, it replaces --fault_min_micro for every fault")
     parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--segfault_if_forked", action="store_true",
+                        help="rank 1 dies of SIGSEGV at step 2 when it was forked by multiprocessing (a warm launch)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
     autotuner.add_config_arguments(parser)
     args = parser.parse_args()
@@ -94,6 +97,8 @@ def main() -> None:
             sys.exit(0)
         if fires("fail") and step == args.fail_at_step and rank == args.fail_rank:
             raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+        if args.segfault_if_forked and step == 2 and rank == 1 and multiprocessing.parent_process() is not None:
+            os.kill(os.getpid(), signal.SIGSEGV)
         if fires("kill") and step == args.fail_at_step and rank == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
         for _ in range(engine.gradient_accumulation_steps()):

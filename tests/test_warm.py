@@ -1,0 +1,145 @@
+"""Warm launches on 2 CPU ranks: the same verdicts and figures as cold ones, and a logged fall back
+to cold when the warm path cannot serve (issue 13). The fault suite (test_faults.py) runs on the
+warm path too, since warm is the default."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from autotuner.launch.plan import LaunchOptions, build_plan, rank_launch
+from autotuner.launch.warm_rank import script_argv
+from autotuner.tuning.warm import script_imports
+from conftest import ROOT, WORKERS, launcher_env
+
+TOY = WORKERS / "toy_train.py"
+MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
+            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+
+
+def write_config(path: Path, **autotuning) -> Path:
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": [2, 4],
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+        "zero_optimization": {"stage": 0},
+        "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
+                       "exp_timeout_s": 120, "model_info": {"num_params": 1000}, **autotuning},
+    }))
+    return path
+
+
+def tune(tmp_path: Path, config: Path, *script_args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2", str(TOY),
+               *script_args, "--deepspeed", str(config)]
+    return subprocess.run(command, cwd=tmp_path, env=env or launcher_env(), capture_output=True, text=True,
+                          timeout=280)
+
+
+def table(tmp_path: Path) -> pd.DataFrame:
+    return pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+
+
+# ----- pure pieces -----
+
+def test_script_imports_are_read_from_the_source_without_the_scripts_own_modules(tmp_path):
+    (tmp_path / "helper.py").write_text("X = 1\n")
+    script = tmp_path / "train.py"
+    script.write_text("from __future__ import annotations\nimport os, json\nimport torch.nn as nn\n"
+                      "from torch.utils.data import DataLoader\nfrom . import sibling\nimport helper\n"
+                      "try:\n    import pandas\nexcept ImportError:\n    pandas = None\n"
+                      "def main():\n    import tabulate\n")
+    assert script_imports(str(script)) == ["os", "json", "torch.nn", "torch.utils.data:DataLoader",
+                                           "torch.utils.data", "pandas"]
+
+
+def test_a_warm_rank_gets_the_cold_ranks_command_and_elastics_variables(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    plan = build_plan(LaunchOptions(script=str(script), script_args=("--deepspeed", "ds.json"), nproc_per_node=2,
+                                    report_file=str(tmp_path / "r.json")), "/usr/bin/python3", {})
+    command, env = rank_launch(plan, 1, "127.0.0.1", 4321, {"PATH": "/bin"})
+    assert command == ("/usr/bin/python3", "-u", "-m", "autotuner.launch.run_script", str(script), "--local_rank=1",
+                       "--deepspeed", "ds.json")
+    assert script_argv(command) == ([], [str(script), "--local_rank=1", "--deepspeed", "ds.json"])
+    assert {k: env[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "PATH")} == {
+        "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "4321", "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
+        "PATH": "/bin"}
+    assert env["LOCAL_SIZE"] == "2" and env["OMP_NUM_THREADS"]
+
+
+def test_a_rank_entry_prefix_is_split_from_the_script(tmp_path):
+    command = ("py", "-m", "autotuner.launch.rank_entry", "--core_groups", "0;1", "--", "py", "-u", "-m",
+               "autotuner.launch.run_script", "t.py", "--a")
+    assert script_argv(command) == (["--core_groups", "0;1"], ["t.py", "--a"])
+
+
+# ----- real launches -----
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_warm_and_cold_give_the_same_verdicts_and_figures(tmp_path, no_orphans):
+    """Both paths, one after the other on the same experiments: the same states, and throughputs
+    within noise (a fixed per-sample sleep dominates the step, so the figure is known)."""
+    results = {}
+    for warm in (True, False):
+        work = tmp_path / ("warm" if warm else "cold")
+        work.mkdir()
+        config = write_config(work / "ds.json", warm_start=warm)
+        result = tune(work, config, "--ms_per_sample", "5", "--fault_at_micro", "4:fail", "--fail_rank", "1")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert ("warm start off (autotuning.warm_start: false)" in result.stdout) is (not warm)
+        assert ("warm launch" in (work / "autotuning_exps" / "z0_gas1_mbs2" / "cmd.txt").read_text()) is warm
+        results[warm] = table(work).set_index("name")
+    warm, cold = results[True], results[False]
+    assert list(warm.state) == list(cold.state) == ["ok", "failed"]
+    assert warm.loc["z0_gas1_mbs4", "error"] == cold.loc["z0_gas1_mbs4", "error"] == \
+        "rank 1: RuntimeError: injected failure on rank 1 at step 2"
+    # 2 ranks x 2 samples x 5 ms of sleep per step: about 400 samples/s either way.
+    assert warm.loc["z0_gas1_mbs2", "metric_value"] == pytest.approx(cold.loc["z0_gas1_mbs2", "metric_value"],
+                                                                     rel=0.25)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_that_crashes_only_when_warm_falls_back_to_cold_with_a_log_line(tmp_path, no_orphans):
+    result = tune(tmp_path, write_config(tmp_path / "ds.json"), "--segfault_if_forked")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ("warm start off: z0_gas1_mbs2 failed warm (rank 1: exit status 139 (killed by SIGSEGV)) but not cold; "
+            "every launch from now on starts cold") in result.stdout
+    assert list(table(tmp_path).state) == ["ok", "ok"]
+    assert "warm launch" not in (tmp_path / "autotuning_exps" / "z0_gas1_mbs4" / "cmd.txt").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_preload_that_raises_is_reported_and_warm_launches_go_on(tmp_path, no_orphans):
+    env = launcher_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKERS / "preload_faults"), env["PYTHONPATH"]])
+    config = write_config(tmp_path / "ds.json", warm_preload=["raises_at_import"])
+    result = tune(tmp_path, config, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ("warm start: could not preload raises_at_import (ImportError: this module refuses to be imported); "
+            "ranks import it themselves") in result.stdout
+    assert "warm start off" not in result.stdout
+    assert list(table(tmp_path).state) == ["ok", "ok"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_forkserver_that_dies_while_preloading_falls_back_to_cold(tmp_path, no_orphans):
+    env = launcher_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(WORKERS / "preload_faults"), env["PYTHONPATH"]])
+    config = write_config(tmp_path / "ds.json", warm_preload=["exits_at_import"])
+    result = tune(tmp_path, config, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "warm start off: the forkserver exited while preloading; every launch from now on starts cold" \
+        in result.stdout
+    assert list(table(tmp_path).state) == ["ok", "ok"]
