@@ -79,13 +79,10 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
         first_rank, first = failed.get_first_failure()
         report = failure_report(error_dir, first_rank, {rank: exit_status(f.exitcode)
                                                         for rank, f in failed.failures.items()})
-        ours = read_rank_error(error_dir, report.failed_rank)
-        if quiet and ours is not None and ours.ours and ours.rank == report.failed_rank:
-            print(f"launcher: error: rank {ours.rank}: {ours.message}", file=sys.stderr)
-        else:
-            for rank, failure in sorted(failed.failures.items()):
-                print(f"launcher: rank {rank} exited with status {exit_status(failure.exitcode)}", file=sys.stderr)
-            print(f"launcher: rank {report.failed_rank} failed first", file=sys.stderr)
+
+        statuses = {rank: exit_status(f.exitcode) for rank, f in failed.failures.items()}
+        for line in failure_lines(error_dir, report, statuses, quiet):
+            print(line, file=sys.stderr)
     except SignalException as interrupted:
         print(f"launcher: stopped by {signal.Signals(interrupted.sigval).name}; all ranks ended", file=sys.stderr)
         report = LaunchReport(exit_code=128 + int(interrupted.sigval))
@@ -99,6 +96,16 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
             write_record(plan.report_file, report)
         shutil.rmtree(log_dir, ignore_errors=True)
     return report.exit_code
+
+
+def failure_lines(error_dir: str, report: LaunchReport, statuses: dict[int, int], quiet: bool) -> list[str]:
+    """What the launcher prints about a failed launch: our own error as one line, else each failed
+    rank's status and which failed first."""
+    ours = read_rank_error(error_dir, report.failed_rank)
+    if quiet and ours is not None and ours.ours and ours.rank == report.failed_rank:
+        return [f"launcher: error: rank {ours.rank}: {ours.message}"]
+    return [*(f"launcher: rank {rank} exited with status {status}" for rank, status in sorted(statuses.items())),
+            f"launcher: rank {report.failed_rank} failed first"]
 
 
 def failure_report(error_dir: str, first_failed: int, statuses: dict[int, int]) -> LaunchReport:

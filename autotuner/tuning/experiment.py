@@ -8,6 +8,7 @@ metrics.json or model_info.json, OOM markers), never from reading its logs.
 from __future__ import annotations
 
 import copy
+import shlex
 import shutil
 import signal
 import sys
@@ -31,6 +32,7 @@ CONFIG_FILE = "ds_config.json"
 REQUEST_FILE = "request.json"
 LAUNCH_REPORT_FILE = "launch_report.json"
 RANK_ERRORS_DIR = "rank_errors"
+WARM_RANKS_FILE = "warm_ranks.txt"  # what each rank of a warm launch ran
 
 
 @dataclass(frozen=True)
@@ -167,17 +169,25 @@ def cold_launch(trial: Trial, environ: dict[str, str]) -> tuple[list[str], dict[
     return command, trial_environment(trial, environ)
 
 
+def reproduce_line(trial: Trial) -> str:
+    """cmd.txt: the trial's cold launch as one shell line (with the request variable), to rerun by hand."""
+    command, _ = cold_launch(trial, {})
+    return shlex.join(["env", f"{REQUEST_ENV}={trial.request_path}", *command]) + "\n"
+
+
 def prepare(trial: Trial) -> None:
     """Write the trial's config and measurement request; remove anything an earlier launch left, so a
     stale metrics file or report can never be read as this launch's."""
     directory = trial.directory
     directory.mkdir(parents=True, exist_ok=True)
-    stale = [directory / name for name in (METRICS_FILE, MODEL_INFO_FILE, LAUNCH_REPORT_FILE, RECORD_FILE)]
+    stale = [directory / name for name in (METRICS_FILE, MODEL_INFO_FILE, LAUNCH_REPORT_FILE, RECORD_FILE,
+                                           WARM_RANKS_FILE)]
     for path in [*stale, *directory.glob(f"{METRICS_FILE}.oom-rank*")]:
         path.unlink(missing_ok=True)
     shutil.rmtree(directory / RANK_ERRORS_DIR, ignore_errors=True)
     write_json_atomic(directory / CONFIG_FILE, experiment_config(trial.experiment, trial.settings))
     write_record(trial.request_path, trial.request())
+    (directory / "cmd.txt").write_text(reproduce_line(trial))
 
 
 def judge(trial: Trial, returncode: int | None, timed_out: bool, wall_time_s: float) -> TrialResult:

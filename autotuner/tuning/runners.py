@@ -10,7 +10,6 @@ the same files, so figures and verdicts do not depend on the path.
 from __future__ import annotations
 
 import os
-import shlex
 from typing import Protocol
 
 from autotuner.launch.processes import run_to_completion
@@ -37,7 +36,6 @@ class ColdRunner:
     def run(self, trial: Trial) -> TrialResult:
         prepare(trial)
         command, env = cold_launch(trial, dict(os.environ))
-        (trial.directory / "cmd.txt").write_text(shlex.join(command) + "\n")
         outcome = run_to_completion(command, stdout=trial.directory / "stdout.log",
                                     stderr=trial.directory / "stderr.log", timeout_s=trial.settings.timeout_s, env=env)
         return judge(trial, outcome.returncode, outcome.timed_out, outcome.wall_time_s)

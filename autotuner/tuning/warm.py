@@ -35,12 +35,13 @@ import psutil
 from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, read_record, write_record
 from autotuner.launch.plan import build_plan, rank_launch
 from autotuner.launch.processes import GRACE_S
-from autotuner.launch.runner import exit_status, failure_report
+from autotuner.launch.runner import exit_status, failure_lines, failure_report
 from autotuner.launch.warm_preload import PRELOAD_ENV, REPORT_ENV
 from autotuner.launch.warm_rank import UNSAFE_FORK_EXIT, WarmRankSpec
 from autotuner.launch.warm_rank import main as warm_rank_main
 from autotuner.rank_setup import QUIET_ERRORS_ENV
-from autotuner.tuning.experiment import RANK_ERRORS_DIR, Trial, judge, launch_options, prepare, trial_environment
+from autotuner.tuning.experiment import (RANK_ERRORS_DIR, WARM_RANKS_FILE, Trial, judge, launch_options, prepare,
+                                         trial_environment)
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.runners import ColdRunner, Runner
 
@@ -242,9 +243,7 @@ class WarmRunner:
         for local_rank in range(plan.nproc_per_node):
             command, env = rank_launch(plan, local_rank, "127.0.0.1", store.port, environ)
             specs.append(WarmRankSpec(command, env, os.getcwd(), str(stdout), str(stderr)))
-        (trial.directory / "cmd.txt").write_text(
-            "# warm launch: each rank forked from the tuner's forkserver runs\n" +
-            "".join(shlex.join(spec.command) + "\n" for spec in specs))
+        (trial.directory / WARM_RANKS_FILE).write_text("".join(shlex.join(spec.command) + "\n" for spec in specs))
         started = time.monotonic()
         try:
             context = torch_mp.start_processes(warm_rank_main, args=(tuple(specs),), nprocs=len(specs), join=False,
@@ -264,7 +263,10 @@ class WarmRunner:
         if first_failed is None:
             report = LaunchReport(exit_code=0)
         else:
-            report = failure_report(str(trial.directory / RANK_ERRORS_DIR), first_failed, statuses)
+            error_dir = str(trial.directory / RANK_ERRORS_DIR)
+            report = failure_report(error_dir, first_failed, statuses)
+            with open(stderr, "a") as log:  # as the cold launcher prints them
+                log.writelines(line + "\n" for line in failure_lines(error_dir, report, statuses, quiet=True))
         write_record(trial.report_path, report)
         return judge(trial, report.exit_code, False, wall), report
 
