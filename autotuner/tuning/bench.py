@@ -1,9 +1,9 @@
 """`launcher --bench`: the Bluefog/Horovod synthetic benchmark over several world sizes.
 
 Weak scaling: every world size keeps the config's per-rank micro-batch and gradient
-accumulation, so train_batch_size = micro × gas × N grows with N. Each size is one launch
-through the experiment machinery (its own directory under bench_results/, an autotuning
-section that times steps W+1..W+N and exits). Per timed step i, samples/s is
+accumulation, so train_batch_size = micro × gas × N grows with N. Each size is one trial
+through the tuner's runner (warm unless autotuning.warm_start is false), in its own directory
+under bench_results/, whose measurement request times steps W+1..W+N and exits. Per timed step i, samples/s is
 train_batch_size / step_wall_s[i]; a size reports the mean over steps and 1.96 × the
 population std, as Bluefog's `pytorch_benchmark.py` does (a spread, not a standard error).
 """

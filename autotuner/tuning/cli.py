@@ -18,8 +18,8 @@ from autotuner.config.loader import read_config_file
 from autotuner.config.batch import check_fixed_triad
 from autotuner.config.keys import field_names, section_model
 from autotuner.errors import ConfigError, UsageError
-from autotuner.launch import LaunchOptions, build_plan, run_plan
-from autotuner.launch.plan import config_checked, picks_ranks_itself
+from autotuner.launch import LaunchOptions, build_plan
+from autotuner.launch.plan import picks_ranks_itself
 from autotuner.launch.script_args import config_path
 from autotuner.runtime.optim import check_optimizer_and_scheduler
 from autotuner.tuning.autotuner import Autotuner, TuningFailed, base_config, search_space
@@ -191,22 +191,23 @@ def autotune(args: argparse.Namespace) -> int:
                                  nproc_per_node=plan.nproc_per_node, num_nodes=plan.num_nodes,
                                  launcher_args=settings.launcher_args, torch_version=torch_version(),
                                  device=this_device())
-    with exclusive_lock(results_dir), signals_as_exceptions(), make_runner(tuning, settings, _say) as runner:
-        try:
-            outcome = Autotuner(config, settings, results_dir, exps_dir, runner, fingerprint, report=_say).tune()
-        except Interrupted as stop:
-            print(f"autotuner: stopped by {signal.Signals(stop.signum).name}; running experiment ended, finished "
-                  f"records kept in {exps_dir}. Resume with the same command.", file=sys.stderr)
-            return 128 + stop.signum
-    print(outcome.summary, end="")
-    if outcome.best is None:
-        raise TuningFailed(f"no experiment succeeded ({len(outcome.results)} recorded); see {results_dir}/experiments.csv "
-                           f"and each experiment's stderr.log under {exps_dir}")
-    _say(f"{outcome.best.name} is the optimal setup; config: {outcome.optimal_config_path}")
-    _say(f"train with it: {(results_dir / 'cmd_optimal.txt').read_text().strip()}")
-    if args.autotuning == "tune":
-        return 0
-    _say("training with the optimal config ...")
-    optimal = replace(options, script_args=outcome.optimal_script_args,
-                      nproc_per_node=None if picks_ranks_itself(options.passthrough_flags()) else plan.nproc_per_node)
-    return run_plan(config_checked(build_plan(optimal, sys.executable)), quiet=not args.debug)
+    with make_runner(tuning, settings, _say) as runner:
+        with exclusive_lock(results_dir), signals_as_exceptions():
+            try:
+                outcome = Autotuner(config, settings, results_dir, exps_dir, runner, fingerprint, report=_say).tune()
+            except Interrupted as stop:
+                print(f"autotuner: stopped by {signal.Signals(stop.signum).name}; running experiment ended, finished "
+                      f"records kept in {exps_dir}. Resume with the same command.", file=sys.stderr)
+                return 128 + stop.signum
+        print(outcome.summary, end="")
+        if outcome.best is None:
+            raise TuningFailed(f"no experiment succeeded ({len(outcome.results)} recorded); see "
+                               f"{results_dir}/experiments.csv and each experiment's stderr.log under {exps_dir}")
+        _say(f"{outcome.best.name} is the optimal setup; config: {outcome.optimal_config_path}")
+        _say(f"train with it: {(results_dir / 'cmd_optimal.txt').read_text().strip()}")
+        if args.autotuning == "tune":
+            return 0
+        _say("training with the optimal config ...")
+        optimal = replace(options, script_args=outcome.optimal_script_args,
+                          nproc_per_node=None if picks_ranks_itself(options.passthrough_flags()) else plan.nproc_per_node)
+        return runner.train(optimal, quiet=not args.debug)

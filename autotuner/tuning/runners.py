@@ -10,8 +10,11 @@ the same files, so figures and verdicts do not depend on the path.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Protocol
 
+from autotuner.launch.plan import LaunchOptions, build_plan, config_checked
+from autotuner.launch.runner import run_plan
 from autotuner.launch.processes import run_to_completion
 from autotuner.tuning.experiment import Trial, cold_launch, judge, prepare
 from autotuner.tuning.records import TrialResult
@@ -23,6 +26,10 @@ class Runner(Protocol):
     def run(self, trial: Trial) -> TrialResult:
         """Launch the trial's ranks, wait (at most the trial's timeout), end every process it started,
         and return the verdict. Never raises for a failed launch: failures are results."""
+
+    def train(self, options: LaunchOptions, quiet: bool) -> int:
+        """Train with the optimum (`--autotuning run`): the user's job, to its end, output to the
+        terminal. Returns the job's exit status."""
 
     def close(self) -> None:
         """Release what the runner holds (a forkserver, say)."""
@@ -39,6 +46,10 @@ class ColdRunner:
         outcome = run_to_completion(command, stdout=trial.directory / "stdout.log",
                                     stderr=trial.directory / "stderr.log", timeout_s=trial.settings.timeout_s, env=env)
         return judge(trial, outcome.returncode, outcome.timed_out, outcome.wall_time_s)
+
+    def train(self, options: LaunchOptions, quiet: bool) -> int:
+        """The plain launcher's path: torch elastic in this process, as `launcher script ...` would."""
+        return run_plan(config_checked(build_plan(options, sys.executable)), quiet=quiet)
 
     def close(self) -> None:
         pass

@@ -294,6 +294,12 @@ class WarmRunner:
                     for index, p in enumerate(processes)}
         return False, {rank: status for rank, status in statuses.items() if status != 0}, first_failed
 
+    def train(self, options, quiet: bool) -> int:
+        """The user's job to its end starts cold: seconds saved are nothing there, and it gets torch
+        elastic's full agent. The forkserver is stopped first, so it holds no memory meanwhile."""
+        self._stop_forkserver()
+        return self._cold.train(options, quiet)
+
     def close(self) -> None:
         self._stop_forkserver()
         self._preload_report.unlink(missing_ok=True)
