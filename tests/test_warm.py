@@ -47,15 +47,15 @@ def table(tmp_path: Path) -> pd.DataFrame:
 
 # ----- pure pieces -----
 
-def test_script_imports_are_read_from_the_source_without_the_scripts_own_modules(tmp_path):
-    (tmp_path / "helper.py").write_text("X = 1\n")
+def test_script_imports_are_read_from_the_source_and_its_own_modules_which_are_not_preloaded(tmp_path):
+    (tmp_path / "helper.py").write_text("def load():\n    import psutil\n")
     script = tmp_path / "train.py"
     script.write_text("from __future__ import annotations\nimport os, json\nimport torch.nn as nn\n"
                       "from torch.utils.data import DataLoader\nfrom . import sibling\nimport helper\n"
                       "try:\n    import pandas\nexcept ImportError:\n    pandas = None\n"
-                      "def main():\n    import tabulate\n")
-    assert script_imports(str(script)) == ["os", "json", "torch.nn", "torch.utils.data:DataLoader",
-                                           "torch.utils.data", "pandas"]
+                      "def main():\n    import tabulate\n    import not_installed_anywhere\n")
+    assert sorted(script_imports(str(script))) == sorted([
+        "os", "json", "torch.nn", "torch.utils.data", "torch.utils.data:DataLoader", "pandas", "tabulate", "psutil"])
 
 
 def test_a_warm_rank_gets_the_cold_ranks_command_and_elastics_variables(tmp_path):

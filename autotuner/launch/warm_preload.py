@@ -17,8 +17,10 @@ import time
 
 PRELOAD_ENV = "AUTOTUNER_WARM_PRELOAD"
 REPORT_ENV = "AUTOTUNER_WARM_PRELOAD_REPORT"
-ALWAYS = ("torch", "torch.distributed", "torch.distributed.fsdp", "autotuner", "autotuner.runtime.engine",
-          "autotuner.runtime.initialize", "autotuner.launch.run_script", "autotuner.launch.warm_rank")
+# Ours, and what our engine imports lazily in every measured launch (the FLOP counter pulls in dynamo).
+ALWAYS = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.utils.flop_counter", "torch._dynamo",
+          "autotuner", "autotuner.runtime.engine", "autotuner.runtime.initialize", "autotuner.launch.run_script",
+          "autotuner.launch.warm_rank")
 
 
 def _load(name: str) -> None:

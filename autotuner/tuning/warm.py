@@ -54,28 +54,34 @@ class WarmStartBroken(Exception):
 
 
 def script_imports(script: str) -> list[str]:
-    """Modules the script imports at top level (try blocks included), as "module" or
-    "module:name", leaving out relative imports and modules that live beside the script (the
-    user's own, which may do work at import)."""
-    try:
-        tree = ast.parse(Path(script).read_text(), filename=script)
-    except (OSError, SyntaxError, ValueError):
-        return []
+    """Modules the script imports, as "module" or "module:name": at any depth (a library imported
+    inside main() is imported by every launch all the same), and those of the script's own modules
+    beside it, which are read but never preloaded themselves (they may do work at import)."""
     script_dir = Path(script).resolve().parent
     found: list[str] = []
-
-    def visit(statements) -> None:
-        for node in statements:
+    pending, seen = [Path(script).resolve()], set()
+    while pending:
+        path = pending.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            names: list[str] = []
             if isinstance(node, ast.Import):
-                found.extend(alias.name for alias in node.names)
+                names = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                found.extend(f"{node.module}:{alias.name}" for alias in node.names if alias.name != "*")
-                found.append(node.module)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-
-    visit(tree.body)
-    return [name for name in dict.fromkeys(found) if _installed(name.split(":")[0].split(".")[0], script_dir)]
+                names = [node.module, *(f"{node.module}:{alias.name}" for alias in node.names if alias.name != "*")]
+            for name in names:
+                local = script_dir / (name.split(":")[0].split(".")[0] + ".py")
+                if local.is_file():
+                    pending.append(local)
+                elif name not in found:
+                    found.append(name)
+    return [name for name in found if _installed(name.split(":")[0].split(".")[0], script_dir)]
 
 
 def _installed(top_level: str, script_dir: Path) -> bool:
