@@ -16,7 +16,7 @@ import pytest
 from autotuner.launch.plan import LaunchOptions, build_plan, rank_launch
 from autotuner.launch.warm_rank import script_argv
 from autotuner.tuning.warm import script_imports
-from conftest import ROOT, WORKERS, launcher_env
+from conftest import WORKERS, launcher_env
 
 TOY = WORKERS / "toy_train.py"
 MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
@@ -120,11 +120,15 @@ def test_a_rank_that_crashes_only_when_warm_falls_back_to_cold_with_a_log_line(t
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_preload_that_raises_is_reported_and_warm_launches_go_on(tmp_path, no_orphans):
+def tune_preloading(tmp_path: Path, module: str) -> subprocess.CompletedProcess:
+    """Tune with one of tests/workers/preload_faults/ in autotuning.warm_preload."""
     env = launcher_env()
     env["PYTHONPATH"] = os.pathsep.join([str(WORKERS / "preload_faults"), env["PYTHONPATH"]])
-    config = write_config(tmp_path / "ds.json", warm_preload=["raises_at_import"])
-    result = tune(tmp_path, config, env=env)
+    return tune(tmp_path, write_config(tmp_path / "ds.json", warm_preload=[module]), env=env)
+
+
+def test_a_preload_that_raises_is_reported_and_warm_launches_go_on(tmp_path, no_orphans):
+    result = tune_preloading(tmp_path, "raises_at_import")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert ("warm start: could not preload raises_at_import (ImportError: this module refuses to be imported); "
             "ranks import it themselves") in result.stdout
@@ -135,10 +139,7 @@ def test_a_preload_that_raises_is_reported_and_warm_launches_go_on(tmp_path, no_
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_forkserver_that_dies_while_preloading_falls_back_to_cold(tmp_path, no_orphans):
-    env = launcher_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKERS / "preload_faults"), env["PYTHONPATH"]])
-    config = write_config(tmp_path / "ds.json", warm_preload=["exits_at_import"])
-    result = tune(tmp_path, config, env=env)
+    result = tune_preloading(tmp_path, "exits_at_import")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "warm start off: the forkserver exited while preloading; every launch from now on starts cold" \
         in result.stdout

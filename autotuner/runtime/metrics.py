@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import resource
-from pathlib import Path
 
 import torch
 

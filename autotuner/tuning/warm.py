@@ -32,7 +32,7 @@ from typing import Callable, Iterator
 
 import psutil
 
-from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, read_record, write_record
+from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, write_record
 from autotuner.launch.plan import build_plan, rank_launch
 from autotuner.launch.processes import GRACE_S
 from autotuner.launch.runner import exit_status, failure_lines, failure_report
