@@ -393,3 +393,19 @@ def test_a_second_tuner_on_the_same_results_dir_is_refused_while_the_first_runs(
         stop(tuner)
     assert_pids_dead(pids, expected=2)
     assert_processes_ended(launchers)
+
+
+def test_resuming_with_a_changed_argument_sets_the_earlier_records_aside_and_tunes_afresh(tmp_path, no_orphans):
+    """Real launches: the same command with --width 128 instead of 64 must not reuse any record."""
+    config = write_config(tmp_path / "ds.json")
+    first = tune(tmp_path, config, "--width", "64")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    second = tune(tmp_path, config, "--width", "128")
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "2 earlier records are from a different run (script arguments changed): not reused" in second.stdout
+    assert "(from an earlier run)" not in second.stdout
+    kept = list((tmp_path / EXPS / "earlier").glob("*/z0_gas1_mbs2/exp.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["fingerprint"]["script_args"] == ["--width", "64"]
+    assert record(tmp_path, "z0_gas1_mbs2")["state"] == "ok"  # measured again, for --width 128
+    third = tune(tmp_path, config, "--width", "128")
+    assert third.stdout.count("(from an earlier run)") == 2 and "different run" not in third.stdout
