@@ -24,6 +24,7 @@ VERSION = 1
 REQUEST_ENV = "AUTOTUNER_MEASUREMENT_REQUEST"  # the MeasurementRequest file for this launch
 LAUNCH_REPORT_ENV = "AUTOTUNER_LAUNCH_REPORT"  # where the launcher writes its LaunchReport
 ERROR_DIR_ENV = "AUTOTUNER_ERROR_DIR"  # where each rank records its uncaught exception
+ONLINE_ENV = "AUTOTUNER_ONLINE"  # "1": tune communication knobs online (launcher --autotuning online)
 
 Record = TypeVar("Record")
 

@@ -68,8 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--launcher_args", default="", help=argparse.SUPPRESS)
     ds.add_argument("--force_multi", action="store_true", help="refused: pdsh/MPI starts are not supported")
     parser.add_argument("--report_file", default=None, help=argparse.SUPPRESS)  # the tuner's launches: see LaunchReport
-    parser.add_argument("--autotuning", choices=("tune", "run"), default=None,
-                        help="tune: search ZeRO stage x micro-batch x gas and write the optimum; run: tune, then train")
+    parser.add_argument("--autotuning", choices=("tune", "run", "online"), default=None,
+                        help="tune: search ZeRO stage x micro-batch x gas and write the optimum; run: tune, then "
+                             "train; online: train the config as written, tuning its communication knobs as it goes")
     parser.add_argument("--bench", action="store_true",
                         help="synthetic benchmark: samples/s and scaling efficiency at each --nproc_per_node size, "
                              "fixed per-rank micro-batch (weak scaling); writes bench_results/bench.csv")
@@ -81,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_config(script_args: tuple[str, ...], world_size: int) -> None:
+def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = False) -> None:
     """Validate the script's config before starting anything, so a typo costs no launch."""
     from autotuner.config import load_config
     from autotuner.config.batch import check_fixed_triad
@@ -89,6 +90,8 @@ def _check_config(script_args: tuple[str, ...], world_size: int) -> None:
 
     path = config_path(script_args)
     if path is None:
+        if online:
+            raise UsageError("--autotuning online needs the script's config: add --deepspeed ds.json after the script")
         return
     config = load_config(path)
     check_fixed_triad(config, world_size, path)
@@ -99,17 +102,41 @@ def _check_config(script_args: tuple[str, ...], world_size: int) -> None:
     from autotuner.runtime.optim import check_optimizer_and_scheduler
 
     check_optimizer_and_scheduler(config, path)
+    _check_online(config, path, online)
+    if online or config.autotuning.online.enabled:
+        return
     if config.autotuning.enabled and config.autotuning.metric_path is None:  # with one, the tuner launched it
         print(f"launcher: note: {path} has autotuning.enabled but --autotuning was not given; training with the "
               "config as written (add --autotuning tune|run to tune it)", file=sys.stderr)
 
 
+def _check_online(config, path: str, online: bool) -> None:
+    """Online tuning's needs, before launch: optuna installed, fixed knobs that exist."""
+    from autotuner.runtime.online.knobs import user_fixed
+
+    try:
+        user_fixed(config.zero_optimization, config.autotuning.online)
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    if online or config.autotuning.online.enabled:
+        from autotuner.bayes import require_optuna
+
+        how = "--autotuning online" if online else f"{path}: autotuning.online.enabled"
+        require_optuna(how)
+
+
 def _launch(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from autotuner.boundary import ONLINE_ENV
     from autotuner.launch import LaunchOptions, build_plan, run_plan
     from autotuner.launch.plan import config_checked
 
     plan = build_plan(LaunchOptions.from_args(args), sys.executable)
-    _check_config(tuple(args.script_args), plan.world_size)
+    online = args.autotuning == "online"
+    _check_config(tuple(args.script_args), plan.world_size, online)
+    if online:
+        plan = dataclasses.replace(plan, env={**plan.env, ONLINE_ENV: "1"})
     return run_plan(config_checked(plan), quiet=not args.debug)
 
 
@@ -136,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.bench:
             return _bench(args)
         args.nproc_per_node = _single_rank_count(args.nproc_per_node)
-        if args.autotuning:
+        if args.autotuning in ("tune", "run"):
             return _autotune(args)
         return _launch(args)
     except AutotunerError as err:

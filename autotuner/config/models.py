@@ -123,7 +123,31 @@ class ModelInfo(_Section):
 
 
 MetricName = Literal["throughput", "latency", "FLOPS"]
-TunerType = Literal["gridsearch", "random", "model_based"]
+TunerType = Literal["gridsearch", "random", "model_based", "bayes"]
+
+
+class OnlineConfig(_Section):
+    """`autotuning.online`: tune communication knobs inside the training job, at optimizer-step
+    boundaries (Horovod's and Bagua's online autotuning). `launcher --autotuning online` turns it on."""
+
+    enabled: bool = Field(False, description="tune while this job trains (as launcher --autotuning online)")
+    warmup_samples: NonNegativeInt = Field(3, description="samples measured and discarded first (Horovod's "
+                                           "--autotune-warmup-samples)")
+    steps_per_sample: PositiveInt = Field(10, description="optimizer steps per sample window (Horovod's "
+                                          "--autotune-steps-per-sample)")
+    max_samples: PositiveInt = Field(20, description="scored samples before the final re-measurement (Horovod's "
+                                     "--autotune-bayes-opt-max-samples)")
+    sampling_confidence_time: NonNegativeFloat = Field(
+        5.0, description="seconds a sample window lasts at least; windows are extended to it (Bagua's "
+                         "--autotune_sampling_confidence_time)")
+    remeasure_top: PositiveInt = Field(3, description="best points re-measured, interleaved, before the final pick")
+    remeasure_rounds: PositiveInt = Field(3, description="windows per re-measured point; the pick is by median")
+    sampler: Literal["gp", "tpe"] = Field("gp", description="optuna's GPSampler or TPESampler")
+    seed: int = Field(0, description="the sampler's seed")
+    log_file: str | None = Field(None, description="CSV log (default: <results_dir>/online_log.csv)")
+    best_knobs_file: str | None = Field(None, description="the pick (default: <results_dir>/best_knobs.json)")
+    knobs: Union[dict[str, Union[bool, int, float]], str] = Field(
+        default_factory=dict, description="knobs fixed by the user, not tuned; or the path of a best_knobs.json")
 
 
 class AutotuningConfig(_Section):
@@ -158,6 +182,7 @@ class AutotuningConfig(_Section):
                              "script's imports; false starts every experiment's interpreters cold")
     warm_preload: list[str] = Field(default_factory=list, description="more modules for the forkserver to import, "
                                     "as 'module' or 'module:attribute'")
+    online: OnlineConfig = Field(default_factory=OnlineConfig)
 
     @field_validator("arg_mappings", mode="before")
     @classmethod

@@ -22,6 +22,8 @@ from autotuner.boundary import MeasurementRequest, request_from_env, write_recor
 from autotuner.runtime.metrics import build_measurement, is_out_of_memory, peak_memory_bytes, peak_reserved_bytes
 from autotuner.runtime.profile import ActivationProbe, FlopProbe, device_memory_bytes, write_model_info
 from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, optimizer_state_bytes, write_oom_marker
+from autotuner.runtime.online import start_online
+from autotuner.runtime.online.apply import apply_fsdp_prefetch, fsdp_prefetch_depths, fsdp_units, read_applied, rewrap_ddp
 from autotuner.runtime.zero import average_gradients, gradient_norm, shard_units, wrap_ddp
 from autotuner.runtime.timers import ProfileWindow, Stopwatch, Summary
 
@@ -111,12 +113,22 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._oom_marker = request.oom_marker(ctx.rank) if request is not None else None
         if self._oom_marker:
             mark_uncaught_oom(self._oom_marker, ctx.rank)
+        self._ddp_knobs: dict[str, Any] = {}  # online-tuned DDP knobs, kept when DDP is wrapped again
+        self._reshard_after_backward = True  # FSDP2, between accumulation micro-steps
+        self._reshard_after_backward_set = True
+        self._online = start_online(self, len(fsdp_units(self.wrapped)) if self._fsdp else 0)
 
     # ----- training -----
     def _set_gradient_sync(self, sync: bool) -> None:
         # Must be set before forward: DDP decides at forward time whether backward all-reduces.
         if self._fsdp:
             self.wrapped.set_requires_gradient_sync(sync)
+            # The last micro-step always reshards: the optimizer updates the shards, and
+            # unsharded copies kept past it would be stale at the next forward.
+            reshard = sync or self._reshard_after_backward
+            if reshard != self._reshard_after_backward_set:
+                self.wrapped.set_reshard_after_backward(reshard)
+                self._reshard_after_backward_set = reshard
         elif isinstance(self.wrapped, DistributedDataParallel):
             self.wrapped.require_backward_grad_sync = sync
 
@@ -184,6 +196,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self.global_samples += self.batch.train_batch_size
         self._window.record_step(self.global_steps, step_s, wall)
         self._report_progress(wall)
+        if self._online is not None:
+            self._online.after_step(self.global_steps, now)
         if self._activation_probe is not None and self.global_steps == self._model_info_step:
             self._write_model_info()
         if self._exit_after_window and self.global_steps == self._window.end_step:
@@ -215,7 +229,31 @@ class Engine(DeepSpeedAccessors, nn.Module):
                            "(find_unused_parameters=True), as DeepSpeed tolerates them")
         self._find_unused_parameters = True
         self.wrapped = wrap_ddp(self.wrapped.module, self.config.zero_optimization, self.ctx,
-                               find_unused_parameters=True)
+                               find_unused_parameters=True, knobs=self._ddp_knobs)
+
+    # ----- communication knobs (online tuning; between steps only) -----
+    def apply_knobs(self, knobs: dict[str, Any]) -> None:
+        """Set communication knobs. DDP's are fixed at construction, so DDP is wrapped again around
+        the same parameters; FSDP2's prefetch lists and resharding are set in place."""
+        if self._fsdp:
+            forward, backward = fsdp_prefetch_depths(self.wrapped)
+            apply_fsdp_prefetch(self.wrapped, int(knobs.get("forward_prefetch", forward)),
+                                int(knobs.get("backward_prefetch", backward)))
+            self._reshard_after_backward = bool(knobs.get("reshard_after_backward", self._reshard_after_backward))
+            return
+        wanted = {k: knobs[k] for k in ("bucket_cap_mb", "gradient_as_bucket_view") if k in knobs}
+        if not isinstance(self.wrapped, DistributedDataParallel) or not wanted:
+            return
+        if {k: self.applied_knobs()[k] for k in wanted} == wanted:
+            return
+        self._ddp_knobs = wanted
+        self.wrapped = rewrap_ddp(self.wrapped, lambda module: wrap_ddp(
+            module, self.config.zero_optimization, self.ctx, find_unused_parameters=self._find_unused_parameters,
+            knobs=self._ddp_knobs))
+
+    def applied_knobs(self) -> dict[str, Any]:
+        """The knobs in effect, read from the wrapper."""
+        return read_applied(self.wrapped, self._reshard_after_backward)
 
     def _optimizer_step(self) -> None:
         if self._grad_scaler is not None:

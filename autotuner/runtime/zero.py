@@ -110,14 +110,18 @@ def wrap_model(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, c
 
 
 def wrap_ddp(model: nn.Module, zero: ZeroConfig, ctx: DistributedContext,
-             find_unused_parameters: bool = False) -> DistributedDataParallel:
-    """DDP with the ZeRO knobs that map onto it. Collective: every rank must call it together."""
+             find_unused_parameters: bool = False, knobs: dict[str, Any] | None = None) -> DistributedDataParallel:
+    """DDP with the ZeRO knobs that map onto it; `knobs` (bucket_cap_mb, gradient_as_bucket_view,
+    from online tuning) take precedence. Collective: every rank must call it together."""
     kwargs: dict[str, Any] = {}
     cap = ddp_bucket_cap_mb(zero)
     if cap is not None:
         kwargs["bucket_cap_mb"] = cap
     if zero.contiguous_gradients is not None:
         kwargs["gradient_as_bucket_view"] = zero.contiguous_gradients
+    for name in ("bucket_cap_mb", "gradient_as_bucket_view"):
+        if knobs and name in knobs:
+            kwargs[name] = knobs[name]
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters,
                                    **kwargs)
