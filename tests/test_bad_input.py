@@ -98,7 +98,7 @@ def test_unknown_key_is_named_with_a_suggestion(in_tmp, capsys, config, mentions
     ({"zero_optimization": {"stage": 1, "overlap_comm": "yes please"}}, ["zero_optimization.overlap_comm"]),
     ({"autotuning": {"enabled": True, "exp_timeout_s": "soon"}}, ["autotuning.exp_timeout_s", '"soon"']),
     ({"autotuning": {"enabled": True, "exp_timeout_s": -1}}, ["autotuning.exp_timeout_s", "got -1"]),
-    ({"autotuning": {"enabled": True, "tuner_type": "bayes"}}, ["autotuning.tuner_type", '"bayes"', "gridsearch"]),
+    ({"autotuning": {"enabled": True, "tuner_type": "bohb"}}, ["autotuning.tuner_type", '"bohb"', "gridsearch", "bayes"]),
     ({"autotuning": {"enabled": True, "memory_per_rank_bytes": 0}}, ["autotuning.memory_per_rank_bytes", "got 0"]),
     ({"autotuning": {"enabled": True, "model_info": {"num_params": 0}}}, ["autotuning.model_info.num_params"]),
     ({"train_micro_batch_size_per_gpu": 2.5}, ["train_micro_batch_size_per_gpu", "got 2.5"]),

@@ -15,7 +15,13 @@ from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.tuners import TUNERS, ModelBasedTuner, Tuner, drive, make_tuner
 
-TUNER_NAMES = sorted(TUNERS)
+try:
+    import optuna  # noqa: F401  (the bayes tuner's optional extra)
+    HAVE_OPTUNA = True
+except ImportError:
+    HAVE_OPTUNA = False
+needs_optuna = pytest.mark.skipif(not HAVE_OPTUNA, reason="optuna not installed (pip install 'autotuner[bayes]')")
+TUNER_NAMES = [pytest.param(name, marks=needs_optuna) if name == "bayes" else name for name in sorted(TUNERS)]
 THROUGHPUT = Objective("throughput")
 LATENCY = Objective("latency")
 
@@ -278,3 +284,25 @@ def test_model_based_initial_trials_are_seeded_random():
 def test_model_based_with_no_initial_trials_still_asks():
     tuner = ModelBasedTuner(LADDER, THROUGHPUT, seed=0, initial_trials=0, explore=0.0)
     assert tuner.ask() in LADDER
+
+
+# ----- BayesTuner -----
+
+def _wide_space() -> list[Experiment]:
+    return [Experiment(s, m) for s, m in itertools.product((0, 1, 2, 3), (1, 2, 4, 8, 16, 32, 64, 128))]
+
+
+def _peaked(experiment: Experiment) -> float:
+    """One optimum, at stage 2 and micro-batch 16, in a 32-point space."""
+    return 100.0 - 10.0 * (math.log2(experiment.micro_batch_size) - 4) ** 2 - 5.0 * (experiment.zero_stage - 2) ** 2
+
+
+@needs_optuna
+@pytest.mark.parametrize("seed", range(6))
+def test_bayes_reaches_the_optimum_within_half_the_space(seed):
+    space = _wide_space()
+    optimum = max(space, key=_peaked)
+    tuner = make_tuner("bayes", space, THROUGHPUT, seed=seed)
+    order = exhaust(tuner, lambda e: ok(e, _peaked(e)))
+    assert order.index(optimum) < len(space) // 2
+

@@ -155,6 +155,10 @@ def autotune(args: argparse.Namespace) -> int:
         # The flag states the intent; DeepSpeed would silently do nothing here.
         _say(f"{source}: autotuning.enabled is false; tuning anyway because --autotuning {args.autotuning} was given")
     check_arg_mappings(config, source)
+    if tuning.tuner_type == "bayes":
+        from autotuner.bayes import require_optuna
+
+        require_optuna(f"{source}: autotuning.tuner_type \"bayes\"")
     options = LaunchOptions.from_args(args, rdzv_endpoint=None, rdzv_id=None)
     plan = build_plan(options, sys.executable)  # validates the launch options before anything starts
     for note in plan.notes:
