@@ -1,6 +1,6 @@
 """Online tuning against default knobs, on a communication-heavy CPU workload under DDP.
 
-    python benchmarks/online_tuning.py [--rounds 5] [--tune_steps 400] [--steps 80]
+    python benchmarks/online_tuning.py [--rounds 5] [--tune_steps 800] [--steps 80]
 
 1. One `launcher --autotuning online` run of benchmarks/workloads/wide_mlp.py (64 layers of
    256x256, micro-batch 4, ZeRO 0, 2 CPU ranks) tunes bucket_cap_mb and gradient_as_bucket_view
@@ -33,7 +33,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 WORKLOAD = ROOT / "benchmarks" / "workloads" / "wide_mlp.py"
 BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0}}
-ONLINE = {"warmup_samples": 2, "steps_per_sample": 5, "max_samples": 12, "sampling_confidence_time": 1.0,
+ONLINE = {"warmup_samples": 2, "steps_per_sample": 5, "max_samples": 12, "sampling_confidence_time": 0.5,
           "remeasure_top": 3, "remeasure_rounds": 3}
 
 
@@ -59,14 +59,17 @@ def measure(workdir: Path, knobs: dict, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tune_steps", type=int, default=400)
+    parser.add_argument("--tune_steps", type=int, default=800)
     parser.add_argument("--steps", type=int, default=80)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="online-bench-"))
     try:
         tuning = launch(workdir, {**BASE, "autotuning": {"online": ONLINE}}, "--steps", str(args.tune_steps),
                         online=True)
-        print(next(line for line in tuning.stdout.splitlines() if "online tuning done" in line))
+        done = [line for line in tuning.stdout.splitlines() if "online tuning done" in line]
+        if not done:
+            sys.exit(f"tuning did not finish in {args.tune_steps} steps; raise --tune_steps:\n{tuning.stdout[-2000:]}")
+        print(done[0])
         best = json.loads((workdir / "autotuning_results" / "best_knobs.json").read_text())
         shutil.copy(workdir / "autotuning_results" / "online_log.csv", RESULTS / "online_tuning_log.csv")
         arms = {"default": {}, "tuned": best["knobs"], "default again (A/A)": {}}
