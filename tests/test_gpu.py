@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import CONFIGS, MINIMAL, WORKERS, run_engine_check, run_launcher
+from conftest import CONFIGS, MINIMAL, ROOT, WORKERS, run_engine_check, run_launcher
 from autotuner.config import read_config_file
 
 pytestmark = [
@@ -17,6 +17,8 @@ pytestmark = [
     pytest.mark.timeout(600),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+
+ROOT_WORKLOADS = ROOT / "benchmarks" / "workloads"
 
 # bf16 keeps 8 bits of mantissa: over 5 steps of this small net the loss stays within 5% of fp32.
 BF16_RTOL = 5e-2
@@ -254,3 +256,25 @@ def test_a_preload_that_initialises_cuda_falls_back_to_cold_launches(tmp_path):
         os.environ["PYTHONPATH"] = env_path
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "warm start off: importing the script's modules initialised CUDA in the forkserver" in result.stdout
+
+
+@pytest.mark.parametrize("stage, knobs", [
+    (0, {"bucket_cap_mb": 4, "gradient_as_bucket_view": True}),
+    (2, {"forward_prefetch": 2, "backward_prefetch": 2, "reshard_after_backward": False}),
+], ids=["ddp", "fsdp2"])
+def test_fixed_communication_knobs_apply_on_cuda(tmp_path, stage, knobs):
+    """Knobs fed back from an online run (autotuning.online.knobs) are in effect on CUDA, read back
+    from the wrapper: DDP is wrapped again with its device, FSDP2's prefetch lists are set."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                                  "optimizer": {"type": "SGD", "params": {"lr": 1e-3}},
+                                  "zero_optimization": {"stage": stage},
+                                  "autotuning": {"online": {"knobs": knobs}}}))
+    out = tmp_path / "timings.json"
+    result = run_launcher("--nproc_per_node", "1", ROOT_WORKLOADS / "wide_mlp.py", "--steps", "12", "--skip", "2",
+                          "--layers", "8", "--timings_out", out, "--deepspeed", config, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    figure = json.loads(out.read_text())
+    print(f"stage {stage}: {figure}")
+    assert {name: figure["knobs"][name] for name in knobs} == knobs
+    assert figure["samples_per_s"] > 0

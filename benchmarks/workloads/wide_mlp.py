@@ -40,8 +40,8 @@ def main() -> None:
     engine, *_ = autotuner.initialize(model=WideMLP(args.width, args.layers), config=args.deepspeed)
     micro = engine.train_micro_batch_size_per_gpu()
     generator = torch.Generator().manual_seed(engine.global_rank)
-    batches = [(torch.randn(micro, args.width, generator=generator), torch.randn(micro, 1, generator=generator))
-               for _ in range(16)]
+    batches = [(torch.randn(micro, args.width, generator=generator).to(engine.device),
+                torch.randn(micro, 1, generator=generator).to(engine.device)) for _ in range(16)]
     started = None
     for step in range(args.steps):
         if step == args.skip:
