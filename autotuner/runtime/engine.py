@@ -228,8 +228,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
             logger.warning("some parameters got no gradient this step; DDP now tracks unused parameters "
                            "(find_unused_parameters=True), as DeepSpeed tolerates them")
         self._find_unused_parameters = True
-        self.wrapped = wrap_ddp(self.wrapped.module, self.config.zero_optimization, self.ctx,
-                               find_unused_parameters=True, knobs=self._ddp_knobs)
+        self.wrapped = rewrap_ddp(self.wrapped, lambda module: wrap_ddp(
+            module, self.config.zero_optimization, self.ctx, find_unused_parameters=True, knobs=self._ddp_knobs))
 
     # ----- communication knobs (online tuning; between steps only) -----
     def apply_knobs(self, knobs: dict[str, Any]) -> None:
