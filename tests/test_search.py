@@ -496,3 +496,46 @@ def test_fast_mode_launches_the_same_experiments_whichever_tuner():
     sets = {tuner_type: launched(tuner_type) for tuner_type in TUNERS}
     assert len(sets["gridsearch"]) > 6
     assert sets["random"] == sets["gridsearch"] == sets["model_based"]
+
+
+# ----- edge extension -----
+
+def peaked_at(optimum: int) -> Callable[[Experiment], float]:
+    return lambda e: 100.0 - (math.log2(e.micro_batch_size) - math.log2(optimum)) ** 2
+
+
+@pytest.mark.parametrize("optimum, expected", [
+    (4, [64, 32, 16, 8, 4, 2]),  # beyond the quarter until a size stops improving
+    (1, [64, 32, 16, 8, 4, 2, 1]),  # down to the smallest valid size
+    (32, [64, 32, 16]),  # inside the candidates: nothing beyond is tried
+], ids=["below-the-candidates", "at-the-minimum", "inside"])
+def test_the_search_looks_past_its_smallest_candidate(optimum, expected):
+    run = FakeRun({0: 64}, peaked_at(optimum))
+    results = run_search(space(stages=(0,)), policy(), {0: 64}, run, Prunes())
+    assert [e.micro_batch_size for e in run.calls] == expected
+    assert THROUGHPUT.best(results).experiment.micro_batch_size == optimum
+
+
+def test_edge_extension_stops_where_the_memory_model_says_no():
+    run = FakeRun({0: 64}, peaked_at(1))
+    fits = lambda e: e.micro_batch_size >= 8  # noqa: E731 (e.g. a larger gas costs more below 8)
+    run_search(space(stages=(0,)), policy(), {0: 64}, run, Prunes(), fits=fits)
+    assert [e.micro_batch_size for e in run.calls] == [64, 32, 16, 8]
+
+
+def test_edge_extension_keeps_to_valid_sizes_and_the_trial_budget():
+    # Global batch 96 on 1 rank: only divisors of 96 are valid micro-batches (gas = 96 / micro).
+    s = space(stages=(0,), global_batch_size=96, global_batch_exact=True)
+    run = FakeRun({0: 96}, peaked_at(1))
+    run_search(s, policy(), {0: 96}, run, Prunes())
+    assert all(96 % e.micro_batch_size == 0 for e in run.calls)
+    assert [e.micro_batch_size for e in run.calls][3:] == [12, 6, 3, 2, 1]
+    limited = FakeRun({0: 96}, peaked_at(1))
+    run_search(s, policy(num_trials=5), {0: 96}, limited, Prunes())
+    assert len(limited.calls) == 5
+
+
+def test_one_measured_size_is_not_extended():
+    run = FakeRun({0: 64}, peaked_at(1))
+    run_search(space(stages=(0,), num_micro_batch_sizes=1), policy(), {0: 64}, run, Prunes())
+    assert [e.micro_batch_size for e in run.calls] == [64]

@@ -141,7 +141,51 @@ def search_stage(space: SearchSpace, policy: SearchPolicy, stage: int, predicted
             tuner.tell(result)
     budget = max(0, policy.num_trials - len(results))
     results += drive(tuner, evaluate, early_stopping=policy.early_stopping, max_trials=budget)
+    results += extend_edges(space, policy, stage, largest, results, evaluate, fits,
+                            budget=max(0, policy.num_trials - len(results)))
     return largest, results
+
+
+def next_size_beyond(space: SearchSpace, stage: int, edge: int, downward: bool, ceiling: int,
+                     fits: Fits) -> int | None:
+    """The valid size nearest to half (downward) or double `edge` beyond it, up to `ceiling`,
+    that the memory model lets run, or None."""
+    target = edge / 2 if downward else edge * 2
+    beyond = [m for m in space.valid_micro_batch_sizes(ceiling)
+              if (m < edge if downward else m > edge) and fits(space.experiment(stage, m))]
+    if not beyond:
+        return None
+    return min(beyond, key=lambda m: (abs(math.log(m) - math.log(target)), m))
+
+
+def extend_edges(space: SearchSpace, policy: SearchPolicy, stage: int, largest: int, results: list[TrialResult],
+                 evaluate: Evaluate, fits: Fits, budget: int) -> list[TrialResult]:
+    """While the stage's best is the smallest (or largest) size it tried, try the next size
+    beyond it: the candidates (largest, ~half, ~quarter) need not bracket the optimum (on a CPU
+    smaller is often faster per sample). Upward never passes the stage's confirmed largest size,
+    the memory limit. Stops at the first size that does not improve."""
+    extra: list[TrialResult] = []
+    while len(extra) < budget:
+        done = [r for r in results + extra if r.experiment.zero_stage == stage]
+        ok = [r for r in done if r.state is TrialState.OK]
+        best = policy.objective.best(ok)
+        if best is None:
+            return extra
+        tried = {r.experiment.micro_batch_size for r in done}
+        if len({r.experiment.micro_batch_size for r in ok}) < 2:
+            return extra  # one size measured shows no trend (num_tuning_micro_batch_sizes 1, say)
+        size = best.experiment.micro_batch_size
+        downward = size == min(tried)
+        if not downward and size != max(tried):
+            return extra
+        following = next_size_beyond(space, stage, size, downward, largest, fits)
+        if following is None or following in tried:
+            return extra
+        result = evaluate(space.experiment(stage, following))
+        extra.append(result)
+        if result.state is not TrialState.OK or not policy.objective.better(result.value, best.value):
+            return extra
+    return extra
 
 
 def knob_space(space: SearchSpace, stage: int) -> list[dict[str, Any]]:
