@@ -1,0 +1,117 @@
+"""What a measurement launch does inside the engine: the tuner's request, the profile's model
+info after step 1 (CPU) or 2 (CUDA), the metrics after the profile window, and the exit."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from autotuner.boundary import MeasurementRequest, request_from_env, write_record
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.runtime.memory_probes import optimizer_state_bytes
+from autotuner.runtime.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
+from autotuner.runtime.profile import device_memory_bytes, write_model_info
+from autotuner.runtime.zero import shard_units
+
+
+def measurement_request(config: DeepSpeedConfig) -> MeasurementRequest | None:
+    """What this launch must measure: the tuner's request (a file the launcher named), else
+    DeepSpeed's own keys in the user's autotuning section (metric_path, model_info_path)."""
+    request = request_from_env()
+    if request is not None:
+        return request
+    tuning = config.autotuning
+    if not tuning.enabled or (tuning.metric_path is None and tuning.model_info_path is None):
+        return None
+    return MeasurementRequest(tuning.start_profile_step, tuning.end_profile_step, tuning.metric_path,
+                              tuning.model_info_path, bool(tuning.model_info and tuning.model_info.profile),
+                              tuning.metric_path)
+
+
+class MeasurementHooks:
+    """Mixed into Engine: reads its ctx, batch, window, probes and request."""
+
+    def _parameters_for_probe(self) -> list[torch.Tensor]:
+        return list(self.wrapped.parameters())
+
+    def _gather_max(self, value: int) -> list[int]:
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.ctx.device)
+        gathered = [torch.zeros_like(tensor) for _ in range(self.ctx.world_size)]
+        dist.all_gather(gathered, tensor)
+        return [int(t.item()) for t in gathered]
+
+    def _write_model_info(self) -> None:
+        """After step 1 (CPU) or 2 (CUDA): parameters, activation bytes, optimizer-state bytes and
+        peak memory, and on CUDA the peaks of forward+backward and of the optimizer step apart.
+
+        When the request says so, every rank then leaves with status 0."""
+        activation_per_rank = self._gather_max(self._activation_probe.bytes_saved)
+        optimizer_per_rank = self._gather_max(optimizer_state_bytes(self._local_optimizer))
+        # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
+        optimizer_bytes = optimizer_per_rank[0] if self.zero_stage == 0 else sum(optimizer_per_rank)
+        peak = peak_memory_bytes(self.ctx.device)
+        if self._phase_peaks is not None:
+            peak = max(peak, self._phase_peaks.before_bytes, self._phase_peaks.forward_backward_bytes)
+        peak_per_rank = self._gather_max(peak)
+        reserved = peak_reserved_bytes(self.ctx.device)
+        reserved_per_rank = self._gather_max(reserved) if reserved is not None else None
+        phases = None
+        if self._phase_peaks is not None:
+            phases = (max(self._gather_max(self._phase_peaks.forward_backward_bytes)),
+                      max(self._gather_max(self._phase_peaks.optimizer_step_bytes)))
+        if self.ctx.rank == 0:
+            write_model_info(
+                self._request.model_info_path,
+                zero_stage_module=self.wrapped,
+                activation_bytes_per_rank=activation_per_rank,
+                optimizer_state_bytes=optimizer_bytes,
+                micro_batch_size=self.batch.micro_batch_size,
+                peak_memory_bytes_per_rank=peak_per_rank,
+                peak_reserved_bytes_per_rank=reserved_per_rank,
+                phase_peak_bytes=phases,
+                num_shard_units=len(shard_units(self.wrapped, 0)),
+                device_memory_bytes=device_memory_bytes(self.ctx.device),
+                zero_stage=self.zero_stage,
+                precision=self.precision,
+                world_size=self.ctx.world_size,
+                engines_in_process=self.created_in_process,
+            )
+        if self._request.exit_after_model_info:
+            self._leave()
+
+    def _leave(self) -> None:
+        # os._exit, not sys.exit: interpreter teardown can deadlock freeing DDP's Reducer (gloo's
+        # worker thread waits for the GIL the main thread holds while joining it), and a
+        # measurement run has nothing left to clean up once the barrier shows every rank is done.
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def _finish_profile(self) -> None:
+        """Rank 0 writes the metrics file; every rank then leaves with status 0."""
+        per_rank = self._gather_max(peak_memory_bytes(self.ctx.device))
+        reserved = peak_reserved_bytes(self.ctx.device)
+        reserved_per_rank = self._gather_max(reserved) if reserved is not None else None
+        flops = self._flop_probe.total if self._flop_probe is not None else None
+        if self.ctx.rank == 0:
+            measurement = build_measurement(
+                self._window,
+                train_batch_size=self.batch.train_batch_size,
+                world_size=self.ctx.world_size,
+                micro_batch_size=self.batch.micro_batch_size,
+                gradient_accumulation_steps=self.batch.gradient_accumulation_steps,
+                zero_stage=self.zero_stage,
+                precision=self.precision,
+                peak_memory=max(per_rank),
+                peak_memory_per_rank=per_rank,
+                peak_reserved_per_rank=reserved_per_rank,
+                flops_per_step=flops * self.batch.gradient_accumulation_steps if flops else None,
+                device_type=self.ctx.device.type,
+            )
+            write_record(self._request.metrics_path, measurement)
+            print(f"autotuner: profile steps done; metrics written to {self._request.metrics_path}", flush=True)
+        self._leave()
