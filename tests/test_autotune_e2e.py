@@ -133,3 +133,19 @@ def test_rejected_mapped_flag_stops_tuning_with_the_scripts_error(tmp_path, no_o
     assert "unrecognized arguments: --no_such_flag" in result.stderr
     assert len(list((tmp_path / "autotuning_exps").iterdir())) == 1  # reported once; nothing more launched
     assert "Traceback" not in result.stderr
+
+
+def test_full_mode_with_the_bayes_tuner(tmp_path, no_orphans):
+    pytest.importorskip("optuna", reason="tuner_type bayes needs pip install 'autotuner[bayes]'")
+    config = write_config(tmp_path / "ds.json", {"fast": False, "tuner_type": "bayes", "tuner_num_trials": 3,
+                                                 "max_train_micro_batch_size_per_gpu": 8},
+                          zero_optimization={"stage": 0, "reduce_bucket_size": [1_000_000, 50_000_000],
+                                             "contiguous_gradients": [False, True]})
+    result = tune(tmp_path, config, "--ms_per_sample", "1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = experiments(tmp_path)
+    knob_runs = table[table.name.str.contains("_rbs")]
+    # The knob stage: at most tuner_num_trials launches, each a distinct point of the 2 x 2 x 2 grid.
+    assert 1 <= len(knob_runs) <= 3 and knob_runs.name.is_unique
+    assert (knob_runs.state == "ok").all()
+    assert (tmp_path / "autotuning_results" / "ds_config_optimal.json").exists()

@@ -493,9 +493,14 @@ def test_fast_mode_launches_the_same_experiments_whichever_tuner():
                    policy(tuner_type=tuner_type, early_stopping=5), {0: 32, 1: 32, 2: 48, 3: 64}, run, Prunes())
         return set(run.calls)
 
-    sets = {tuner_type: launched(tuner_type) for tuner_type in TUNERS}
+    try:
+        import optuna  # noqa: F401
+        names = list(TUNERS)
+    except ImportError:  # the bayes tuner's extra is not installed
+        names = [name for name in TUNERS if name != "bayes"]
+    sets = {tuner_type: launched(tuner_type) for tuner_type in names}
     assert len(sets["gridsearch"]) > 6
-    assert sets["random"] == sets["gridsearch"] == sets["model_based"]
+    assert all(launched_set == sets["gridsearch"] for launched_set in sets.values())
 
 
 # ----- edge extension -----
