@@ -138,7 +138,8 @@ def test_the_request_of_a_measurement_and_of_a_profile(tmp_path):
     assert (measure.start_profile_step, measure.end_profile_step) == (3, 7)
     assert measure.metrics_path == str(tmp_path / "metrics.json") and measure.model_info_path is None
     profile = Trial(Experiment(0, 1), tmp_path, s, profile=True).request()
-    assert profile.metrics_path is None and profile.exit_after_model_info
+    # A profile launch is an experiment that also records the model: it times the window too.
+    assert profile.metrics_path == str(tmp_path / "metrics.json") and not profile.exit_after_model_info
     assert profile.model_info_path == str(tmp_path / "model_info.json")
     assert profile.oom_marker(1) == str(tmp_path / "metrics.json.oom-rank1")
 

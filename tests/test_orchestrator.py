@@ -3,6 +3,7 @@ the first-failure rule, memory calibration and the progress lines."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -32,13 +33,15 @@ def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, pr
 
 
 def profiled(answer):
-    """Profile trials get a model info; experiments get `answer(trial)`."""
+    """Every trial gets `answer(trial)`; a profile trial (an experiment that also measures the
+    model) gets a model info too."""
     def run(trial: Trial) -> TrialResult:
-        if trial.profile:
+        result = answer(trial)
+        if trial.profile and result.state is TrialState.OK:
             info = model_info(trial.experiment.micro_batch_size, trial.experiment.zero_stage,
                               activation_bytes=trial.experiment.micro_batch_size * MiB)
-            return TrialResult(trial.experiment, TrialState.OK, model_info=info)
-        return answer(trial)
+            return dataclasses.replace(result, model_info=info)
+        return result
     return run
 
 
@@ -49,8 +52,10 @@ def by_micro(values: dict[int, float]):
 def test_the_profile_and_the_search_go_through_the_runner_and_are_journaled(tmp_path):
     runner = FakeRunner(by_micro({2: 10.0, 4: 20.0}))
     outcome = tuner(tmp_path, runner).tune()
-    assert runner.names == ["profile_z0_mbs1", "profile_z0_mbs2", "z0_gas1_mbs2", "z0_gas1_mbs4"]
-    assert [t.profile for t in runner.trials] == [True, True, False, False]
+    # The profile launch is the smallest size's experiment (the second profile size, about half
+    # the largest that fits, is no larger here), and counts as its measurement.
+    assert runner.names == ["z0_gas1_mbs2", "z0_gas1_mbs4"]
+    assert [t.profile for t in runner.trials] == [True, False]
     assert outcome.best.name == "z0_gas1_mbs4" and outcome.best.value == 20.0
     for name in runner.names:
         entry = json.loads((tmp_path / "exps" / name / "exp.json").read_text())
@@ -77,10 +82,10 @@ def test_records_of_a_different_run_are_set_aside_and_the_run_tunes_afresh(tmp_p
     lines: list[str] = []
     runner = FakeRunner(by_micro({2: 30.0, 4: 5.0}))
     outcome = tuner(tmp_path, runner, print_to=lines, print_fingerprint=fingerprint(**change)).tune()
-    assert len(runner.trials) == 4  # the profile too: nothing reused
+    assert len(runner.trials) == 2  # the profile too: nothing reused
     assert outcome.best.name == "z0_gas1_mbs2" and outcome.best.value == 30.0
     notice = [line for line in lines if "different run" in line]
-    assert len(notice) == 1 and notice[0].startswith(f"4 earlier records are from a different run ({reason}): "
+    assert len(notice) == 1 and notice[0].startswith(f"2 earlier records are from a different run ({reason}): "
                                                      "not reused; kept in ")
     kept = list((tmp_path / "exps" / "earlier").glob("*/z0_gas1_mbs4/exp.json"))
     assert len(kept) == 1 and json.loads(kept[0].read_text())["result"]["value"] == 20.0
@@ -114,17 +119,23 @@ def test_a_first_oom_without_a_profile_is_not_fatal(tmp_path):
 
 def test_a_profile_that_fails_names_its_directory(tmp_path):
     failed = lambda trial: TrialResult(trial.experiment, TrialState.FAILED, error="rank 1: KeyError: 'x'")
-    with pytest.raises(TuningFailed, match=r"profile launch \(failed\): rank 1: KeyError: 'x'; see .*profile_z0_mbs1"):
+    with pytest.raises(TuningFailed, match=r"profile launch \(failed\): rank 1: KeyError: 'x'; see .*z0_gas1_mbs2"):
         tuner(tmp_path, FakeRunner(failed)).tune()
 
 
-def test_measured_peaks_over_the_estimate_calibrate_later_launches(tmp_path):
+def test_the_memory_model_is_refitted_on_measured_peaks_and_predicts_later_launches(tmp_path):
+    """Peaks grow 8 MiB per sample where autograd saw 1 MiB: the two profile launches (sizes far
+    apart) fit the line, and every later launch is predicted from it."""
     lines: list[str] = []
-    runner = FakeRunner(profiled(lambda trial: ok(trial, 10.0, trial.predicted_memory_bytes + 64 * MiB)))
-    tuner(tmp_path, runner, print_to=lines).tune()
-    assert any(line.startswith("memory model: DDP peaks measured up to 64 MiB over its estimate") for line in lines)
-    first = runner.trials[2]
-    assert first.predicted_memory_bytes > 0
+    measured = lambda micro: 500 * MiB + 8 * MiB * micro  # noqa: E731
+    runner = FakeRunner(profiled(lambda trial: ok(trial, 10.0, measured(trial.experiment.micro_batch_size))))
+    tuner(tmp_path, runner, print_to=lines, train_micro_batch_size_per_gpu=[1, 2, 4, 8]).tune()
+    assert [t.profile for t in runner.trials[:2]] == [True, True]
+    assert [t.experiment.micro_batch_size for t in runner.trials[:2]] == [1, 4]  # about half of 8
+    later = runner.trials[2:]
+    assert later and all(t.predicted_memory_bytes == measured(t.experiment.micro_batch_size) for t in later)
+    assert any(line.startswith("memory model: DDP fitted on 2 measured peak(s)") and "(fitted)" in line
+               for line in lines)
 
 
 def test_progress_lines_name_the_result_and_the_best_so_far(tmp_path):
@@ -137,13 +148,13 @@ def test_progress_lines_name_the_result_and_the_best_so_far(tmp_path):
 
 def test_failed_launches_are_journaled_and_not_relaunched_on_resume(tmp_path):
     def answer(trial):
-        if trial.experiment.micro_batch_size == 2:
+        if trial.experiment.micro_batch_size == 4:
             return TrialResult(trial.experiment, TrialState.FAILED, error="rank 0: exit status 137 (killed by SIGKILL)")
         return ok(trial, 20.0, 100 * MiB)
     tuner(tmp_path, FakeRunner(profiled(answer))).tune()
     outcome = tuner(tmp_path, FakeRunner(never_called)).tune()
-    assert {r.name: r.state for r in outcome.results} == {"z0_gas1_mbs4": TrialState.OK,
-                                                           "z0_gas1_mbs2": TrialState.FAILED}
+    assert {r.name: r.state for r in outcome.results} == {"z0_gas1_mbs2": TrialState.OK,
+                                                           "z0_gas1_mbs4": TrialState.FAILED}
 
 
 # ----- the fingerprint itself -----

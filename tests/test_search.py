@@ -10,6 +10,7 @@ import pytest
 
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.search import (
+    BISECTION_TOLERANCE,
     DEFAULT_KNOBS,
     SearchPolicy,
     SearchSpace,
@@ -151,22 +152,55 @@ def test_valid_micro_batch_sizes_respect_min_and_max():
 # ----- confirm_largest -----
 
 @pytest.mark.parametrize("threshold", list(range(0, 18)))
-def test_confirm_largest_bisects_to_the_true_threshold(threshold):
+def test_confirm_largest_bisects_to_within_ten_percent_of_the_true_threshold(threshold):
     s = space(stages=(1,))
     run = FakeRun({1: threshold})
     largest, results = confirm_largest(s, 1, 16, run)
-    assert largest == (min(threshold, 16) if threshold >= 1 else None)
+    if threshold < 1:
+        assert largest is None
+    else:
+        assert min(threshold, 16) / (1 + BISECTION_TOLERANCE) <= largest <= min(threshold, 16)
+        # A size that failed, just above the one chosen (or the chosen one is the largest valid).
+        failed = [e.micro_batch_size for e in run.calls if e.micro_batch_size > largest]
+        assert largest == 16 or min(failed) <= max(largest + 1, largest * (1 + BISECTION_TOLERANCE))
     assert run.calls[0] == Experiment(1, 16)  # the predicted largest first
     assert [r.experiment for r in results] == run.calls
-    assert len(run.calls) <= 1 + math.ceil(math.log2(16))  # bisection, not a linear scan
+    # Geometric bisection: log2 of the bracket's log-width over the tolerance (plus one for
+    # rounding to integer sizes), not a scan.
+    assert len(run.calls) <= 2 + math.ceil(math.log2(math.log(16) / math.log(1 + BISECTION_TOLERANCE)))
     assert len(set(run.calls)) == len(run.calls)
 
 
-def test_confirm_largest_bisection_order():
+def test_confirm_largest_bisects_geometrically():
     run = FakeRun({0: 5})
     largest, _ = confirm_largest(space(stages=(0,)), 0, 16, run)
     assert largest == 5
-    assert [e.micro_batch_size for e in run.calls] == [16, 8, 4, 6, 5]
+    assert [e.micro_batch_size for e in run.calls] == [16, 4, 8, 6, 5]
+
+
+def test_confirm_largest_stops_once_the_bracket_is_within_ten_percent():
+    run = FakeRun({0: 470})
+    largest, _ = confirm_largest(space(stages=(0,), max_micro_batch_size=1024), 0, 1024, run)
+    assert 470 / 1.1 <= largest <= 470
+    assert len(run.calls) <= 8  # an integer bisection over 1..1024 takes 11
+
+
+def test_confirm_largest_tries_the_refitted_models_largest_after_an_oom():
+    """A memory model refitted on the OOM moves its largest fitting size down: that size is tried
+    next, not the geometric middle of the whole range."""
+    limit = {"fits_up_to": 64}
+    run = FakeRun({0: 45})
+
+    def evaluate(experiment):
+        result = run(experiment)
+        if result.state is not TrialState.OK:
+            limit["fits_up_to"] = 47  # the refit after the OOM
+        return result
+
+    largest, _ = confirm_largest(space(stages=(0,), max_micro_batch_size=64), 0, 64, evaluate,
+                                 fits=lambda e: e.micro_batch_size <= limit["fits_up_to"])
+    assert [e.micro_batch_size for e in run.calls][:2] == [64, 47]
+    assert 45 / 1.1 <= largest <= 45
 
 
 def test_confirm_largest_treats_failures_as_not_fitting():

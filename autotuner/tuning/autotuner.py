@@ -19,11 +19,12 @@ from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_c
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.memory import (ModelProfile, StageSettings, engine_family, estimate, max_micro_batch_size,
                                      usable_bytes)
-from autotuner.tuning.profiling import profile_directory_name, profile_from_config, profile_model
+from autotuner.tuning.memory_fit import PeakObservation, ResidualFit, fit_residuals
+from autotuner.tuning.profiling import profile_from_config, profile_model
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.results import write_results
 from autotuner.tuning.runners import Runner
-from autotuner.tuning.search import DEFAULT_KNOBS, SearchPolicy, SearchSpace, run_search
+from autotuner.tuning.search import DEFAULT_KNOBS, SearchPolicy, SearchSpace, ladder_sizes, run_search
 from autotuner.tuning.space import Experiment
 
 SAFETY_MARGIN = 0.1
@@ -136,9 +137,10 @@ class Autotuner:
         self.precision = "fp32"  # as the ranks settle it; from the profile when there is one
         self.budget_bytes: int | None = None
         self._device_type = "cpu"  # where the ranks run, from the profile (or torch, without one)
-        # Per engine: the most a launch's measured peak exceeded the model (allocator slack and
-        # other costs it does not see); it grows with steps, which a profile run is too short for.
-        self._unmodelled_bytes: dict[str, int] = {}
+        # Every launch's peak against the analytic model, and per engine the line fitted to what
+        # the analytic model misses (memory_fit.py); refitted after each launch.
+        self._peak_results: list[TrialResult] = []  # launches with a peak (or an OOM), in order
+        self._residual_fits: dict[str, ResidualFit] = {}
 
     # ----- set-up -----
     def _prepare_dirs(self) -> None:
@@ -163,12 +165,43 @@ class Autotuner:
         return result
 
     def _profile_launch(self, stage: int, micro_batch_size: int) -> TrialResult:
-        name = profile_directory_name(stage, micro_batch_size)
-        reused = self._journal.get(name)
+        """A profile launch is the experiment at that stage and size (with its own gas), which also
+        records the model; it counts as that experiment's measurement."""
+        experiment = self.space.experiment(stage, micro_batch_size)
+        reused = self._journal.get(experiment.name)
         if reused is not None and reused.model_info is not None:
-            return reused
-        return self._launch(Trial(Experiment(stage, micro_batch_size, 1), self.exps_dir / name, self.settings,
-                                  profile=True))
+            result = reused
+        else:
+            result = self._launch(Trial(experiment, self.exps_dir / experiment.name, self.settings, profile=True))
+            self._launched += 1
+        self._results[experiment] = result
+        self._progress(result, reused is result)
+        self._learn_memory(result)
+        return result
+
+    def _profile_sizes(self) -> tuple[int, Callable[[ModelProfile, int], int | None]]:
+        """The first profile size (the smallest valid one) and how the second is chosen: about
+        half the largest size the first launch predicts to fit, on the candidate ladder."""
+        space = self.space
+        pool = sorted(m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None) or \
+            space.valid_micro_batch_sizes(space.max_micro_batch_size)
+        if not pool:
+            return space.min_micro_batch_size, lambda profile, stage: None
+
+        def second(profile: ModelProfile, stage: int) -> int | None:
+            first_info = next(r.model_info for r in self._results.values() if r.model_info is not None)
+            self._settle_budget(first_info.device_memory_bytes)
+            self.profile = profile
+            self._refit_memory()
+            fitting = [m for m in pool if self.fits(space.experiment(stage, m))]
+            self.profile = None
+            if not fitting:
+                return None
+            target = max(fitting) / 2
+            below = [m for m in ladder_sizes(fitting) if m <= target] or [min(fitting)]
+            return max(below)
+
+        return pool[0], second
 
     def _stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
                         knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
@@ -189,14 +222,18 @@ class Autotuner:
             self._device_type = "cuda" if device_memory else "cpu"
             self.report(f"model_info given: {self.profile.num_params:,} parameters; no profile run")
         else:
-            outcome = profile_model(self.space.stages, self.settings, self._profile_launch, report=self.report)
+            first_size, second_size = self._profile_sizes()
+            outcome = profile_model(self.space.stages, self.settings, self._profile_launch, first_size, second_size,
+                                    report=self.report)
             if outcome.profile is None:
                 failure = outcome.failure
-                where = self.exps_dir / profile_directory_name(failure.experiment.zero_stage,
-                                                               failure.experiment.micro_batch_size)
+                where = self.exps_dir / failure.experiment.name
                 raise TuningFailed(f"the model did not run in the profile launch ({failure.state.value}): "
                                    f"{failure.error}; see {where}/stderr.log")
             self.profile = outcome.profile
+            self._refit_memory()
+            for family in sorted(self._residual_fits):
+                self._report_memory_fit(family)
             self.precision = outcome.runs[0].precision
             self._profiled = True
             device_memory = outcome.device_memory_bytes
@@ -208,31 +245,46 @@ class Autotuner:
                 self.report(f"profile: {engine_family(fit.zero_stage)} measured peaks: forward+backward "
                             f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.1f} MiB per sample, "
                             f"optimizer step {fit.optimizer_step_bytes / 2**20:.0f} MiB")
+        self._settle_budget(device_memory)
+        self.report(f"memory budget: {self.budget_bytes / 2**20:.0f} MiB per rank (safety margin {SAFETY_MARGIN:.0%})")
+
+    def _settle_budget(self, device_memory: int | None) -> None:
+        tuning = self.config.autotuning
+        self._device_type = "cuda" if device_memory else "cpu"
         if tuning.memory_per_rank_bytes:
             self.budget_bytes = tuning.memory_per_rank_bytes
         elif device_memory:
             self.budget_bytes = device_memory
         else:
             self.budget_bytes = psutil.virtual_memory().total // self.settings.nproc_per_node
-        self.report(f"memory budget: {self.budget_bytes / 2**20:.0f} MiB per rank (safety margin {SAFETY_MARGIN:.0%})")
 
     def predicted_largest(self) -> dict[int, int]:
-        """Per stage, the largest micro-batch whose experiment (with its own gas) fits the budget."""
-        usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
+        """Per stage, the largest micro-batch whose experiment (with its own gas) the fitted model
+        lets run."""
         largest = {}
         for stage in self.space.stages:
-            bound = max_micro_batch_size(self.profile, self._stage_settings(stage), self.budget_bytes, SAFETY_MARGIN)
-            if self.profile.peak_fit(stage) is not None:
-                bound = self.space.max_micro_batch_size  # measured peaks, not the analytic sum, decide
-            fitting = [m for m in self.space.valid_micro_batch_sizes(bound)
-                       if self.predicted_memory(self.space.experiment(stage, m)) <= usable]
+            fitting = [m for m in self.space.valid_micro_batch_sizes(self.space.max_micro_batch_size)
+                       if self.fits(self.space.experiment(stage, m))]
             largest[stage] = max(fitting, default=0)
         return largest
 
-    def predicted_memory(self, experiment: Experiment) -> int:
+    def analytic_memory(self, experiment: Experiment) -> int:
+        """The analytic model's bytes per rank for `experiment`, before any fitted correction."""
         settings = self._stage_settings(experiment.zero_stage, experiment.gradient_accumulation_steps,
                                         experiment.knobs)
         return estimate(self.profile, settings, experiment.micro_batch_size).total
+
+    def _residual_fit(self, stage: int) -> ResidualFit | None:
+        """The engine's own fit, else the other engine's (an engine not measured yet borrows it:
+        allocator slack and under-counted activations are alike in both)."""
+        family = engine_family(stage)
+        return self._residual_fits.get(family) or next(iter(self._residual_fits.values()), None)
+
+    def predicted_memory(self, experiment: Experiment) -> int:
+        """Bytes per rank: the analytic model plus the residual line fitted to measured peaks."""
+        fit = self._residual_fit(experiment.zero_stage)
+        correction = fit.bytes_at(experiment.micro_batch_size) if fit is not None else 0
+        return self.analytic_memory(experiment) + correction
 
     def offload_fallback(self, stage: int) -> tuple[dict[str, Any], int] | None:
         """For a ZeRO 2/3 stage that fits nothing on the GPU: CPU offload and the largest micro-batch
@@ -248,33 +300,46 @@ class Autotuner:
         return (knobs, max(fitting)) if fitting else None
 
     def fits(self, experiment: Experiment) -> bool:
-        """The memory model's verdict before a launch, corrected by what launches measured.
-        Uncorrected it keeps the whole safety margin; once launches have shown how far off it
-        is, half the margin is left for the noise in measured peaks. An engine not measured yet
-        borrows the largest overrun of the other: allocator slack grows with what the process
-        frees and reallocates, which FSDP2's per-block gathers do more of, never less."""
-        predicted = self.predicted_memory(experiment)
-        unmodelled = self._unmodelled_bytes.get(engine_family(experiment.zero_stage))
-        if unmodelled is None and self._unmodelled_bytes:
-            unmodelled = max(self._unmodelled_bytes.values())
-        if unmodelled is None:
-            return predicted <= usable_bytes(self.budget_bytes, SAFETY_MARGIN)
-        return predicted + max(0, unmodelled) <= usable_bytes(self.budget_bytes, SAFETY_MARGIN / 2)
+        """The memory model's verdict before a launch. Until peaks of the experiment's own engine
+        were measured it keeps the whole safety margin; once its fit rests on them, half the
+        margin is left for the noise in measured peaks."""
+        fit = self._residual_fits.get(engine_family(experiment.zero_stage))
+        margin = SAFETY_MARGIN / 2 if fit is not None and fit.measured_points else SAFETY_MARGIN
+        return self.predicted_memory(experiment) <= usable_bytes(self.budget_bytes, margin)
 
     def _learn_memory(self, result: TrialResult) -> None:
-        measured = result.measured_memory_bytes
-        if measured is None and result.state is TrialState.OOM:
-            measured = self.budget_bytes  # the allocator failed: at least the whole budget
-        if measured is None or result.predicted_memory_bytes is None:
+        """Keep the launch's peak (an OOM without one is a lower bound: the whole budget) and refit."""
+        if result.measured_memory_bytes is None and result.state is not TrialState.OOM:
             return
-        family = engine_family(result.experiment.zero_stage)
-        unmodelled = measured - result.predicted_memory_bytes
-        previous = self._unmodelled_bytes.get(family)
-        if previous is None or unmodelled > previous:
-            self._unmodelled_bytes[family] = unmodelled
-            if unmodelled > 0:
-                self.report(f"memory model: {family} peaks measured up to {unmodelled / 2**20:.0f} MiB over "
-                            f"its estimate ({result.name}); later {family} launches allow for that")
+        self._peak_results.append(result)
+        if self.profile is None:
+            return  # the profile launches are fitted once the profile exists
+        self._refit_memory()
+        self._report_memory_fit(engine_family(result.experiment.zero_stage))
+
+    def _report_memory_fit(self, family: str) -> None:
+        fit = self._residual_fits.get(family)
+        if fit is not None:
+            self.report(f"memory model: {family} fitted on {fit.measured_points} measured peak(s): analytic + "
+                        f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.2f} MiB per sample "
+                        f"({fit.slope_source})")
+
+    def _peak_observations(self) -> list[PeakObservation]:
+        """The measured peaks against the analytic model as it stands now (the profile refines it)."""
+        observations = []
+        for result in self._peak_results:
+            measured, lower_bound = result.measured_memory_bytes, False
+            if measured is None:
+                measured, lower_bound = self.budget_bytes, True
+            experiment = result.experiment
+            observations.append(PeakObservation(engine_family(experiment.zero_stage), experiment.micro_batch_size,
+                                                self.analytic_memory(experiment), measured, lower_bound))
+        return observations
+
+    def _refit_memory(self) -> None:
+        # The total per-sample cost never goes negative: the analytic activations bound the slope.
+        floor = -float(self.profile.activation_bytes_per_sample)
+        self._residual_fits = fit_residuals(self._peak_observations(), {"DDP": floor, "FSDP2": floor})
 
     # ----- the loop -----
     def _evaluate(self, experiment: Experiment) -> TrialResult:

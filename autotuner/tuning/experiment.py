@@ -94,9 +94,9 @@ def with_user_keys(user_config: dict[str, Any], tuned: dict[str, Any]) -> dict[s
 
 @dataclass(frozen=True)
 class Trial:
-    """One launch the tuner asks a runner for: an experiment (or a profile of one) in its directory.
-    `profile`: record the model's profile after its first optimizer step and exit, instead of
-    timing the profile window."""
+    """One launch the tuner asks a runner for: an experiment in its directory. `profile`: also
+    record the model's profile (ModelInfo) after its first optimizer step; the launch still times
+    the profile window, so a profile launch is an experiment like any other."""
 
     experiment: Experiment
     directory: Path
@@ -114,12 +114,9 @@ class Trial:
 
     def request(self) -> MeasurementRequest:
         settings = self.settings
-        if self.profile:
-            return MeasurementRequest(settings.start_profile_step, settings.end_profile_step,
-                                      model_info_path=str(self.directory / MODEL_INFO_FILE), exit_after_model_info=True,
-                                      oom_marker_prefix=str(self.directory / METRICS_FILE))
+        model_info = str(self.directory / MODEL_INFO_FILE) if self.profile else None
         return MeasurementRequest(settings.start_profile_step, settings.end_profile_step,
-                                  metrics_path=str(self.directory / METRICS_FILE),
+                                  metrics_path=str(self.directory / METRICS_FILE), model_info_path=model_info,
                                   oom_marker_prefix=str(self.directory / METRICS_FILE))
 
 
@@ -214,8 +211,7 @@ def judge(trial: Trial, returncode: int | None, timed_out: bool, wall_time_s: fl
         if info is None:
             return TrialResult(state=TrialState.FAILED, error="no model_info.json: the script exited before its "
                                "first optimizer step finished (does it train through the engine?)", **common)
-        return TrialResult(state=TrialState.OK, model_info=info, measured_memory_bytes=info.peak_memory_bytes,
-                           **common)
+        common["model_info"] = info
     measurement = _read(directory / METRICS_FILE, Measurement)
     if measurement is None:
         return TrialResult(state=TrialState.FAILED, error="no metrics: the script exited 0 without reaching "

@@ -1,14 +1,16 @@
-"""The profile run: two short launches (micro-batch 1 and 2) that measure the model.
+"""The profile launches: the first experiments, which also measure the model.
 
-Each writes model_info.json after its first optimizer step: parameter count, bytes that
-autograd saved for backward, optimizer-state bytes and peak memory. The difference
-between the two launches gives activation bytes per sample, free of the constant parts
-(autocast weight copies, buffers); the first launch's peak calibrates the process baseline.
+Each writes model_info.json after its first optimizer step (parameter count, bytes autograd
+saved for backward, optimizer-state bytes, peak memory) and then times the profile window like
+any experiment, so its throughput and steady-state peak count as a measured candidate.
 
-On CUDA the allocator's peaks are exact, so they are fitted instead (after step 2, with the
-optimizer states allocated): per engine, forward+backward = fixed + per-sample x micro-batch
-from the two sizes, and the optimizer step's peak. FSDP2 then gets its own two launches too,
-since it saves other activations than DDP under autocast (bf16 layer norms, for one).
+Sizes are far apart, so the memory model's per-sample line is fitted on a real span: the
+smallest micro-batch first (if it does not fit, nothing does), then the size the orchestrator
+chooses from what the first showed (about half the largest predicted to fit). The sharded
+engine (FSDP2) gets one launch at that size too: its process overhead differs from DDP's.
+
+On CUDA the allocator's phase peaks of two launches per engine are also fitted (PeakFit):
+forward+backward = fixed + per-sample x micro-batch, and the optimizer step's peak.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from autotuner.tuning.experiment import ExperimentSettings
 from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, calibrate_baseline
 from autotuner.tuning.records import TrialResult, TrialState
 
-PROFILE_MICRO_BATCH_SIZES = (1, 2)
-
 # Runs one profile launch (stage, micro-batch) and returns its result, with model_info when it ran.
 ProfileLaunch = Callable[[int, int], TrialResult]
+# The second profile size, from the profile the first launch gave (None: no second size).
+SecondSize = Callable[[ModelProfile, int], "int | None"]
 
 
 @dataclass(frozen=True)
@@ -33,52 +35,61 @@ class ProfileOutcome:
     device_memory_bytes: int | None
     failure: TrialResult | None  # the launch that failed, when profile is None
     runs: tuple[ModelInfo, ...] = ()
-
-
-def profile_directory_name(stage: int, micro_batch_size: int) -> str:
-    return f"profile_z{stage}_mbs{micro_batch_size}"
+    launches: tuple[TrialResult, ...] = ()  # every profile launch, in order: they are experiments too
 
 
 def profile_model(stages: tuple[int, ...], settings: ExperimentSettings, launch: ProfileLaunch,
-                  report=print) -> ProfileOutcome:
+                  first_size: int, second_size: SecondSize, report=print) -> ProfileOutcome:
     """Profile at the lowest stage that runs; a higher stage is tried only after an OOM."""
     last_failure = None
+    launches: list[TrialResult] = []
+
+    def run(stage: int, micro: int, what: str = "") -> ModelInfo | None:
+        nonlocal last_failure
+        report(f"profile: ZeRO {stage}, micro-batch {micro}{what} ...")
+        result = launch(stage, micro)
+        launches.append(result)
+        if result.model_info is None or result.state is not TrialState.OK:
+            last_failure = result
+            return None
+        return result.model_info
+
     for stage in sorted(stages):
-        infos: list[ModelInfo] = []
-        for micro in PROFILE_MICRO_BATCH_SIZES:
-            report(f"profile: ZeRO {stage}, micro-batch {micro} ...")
-            result = launch(stage, micro)
-            if result.model_info is None:
-                last_failure = result
-                break
-            infos.append(result.model_info)
-        if len(infos) == len(PROFILE_MICRO_BATCH_SIZES):
-            for warning in blind_spots(infos):
-                report(f"warning: {warning}")
+        first = run(stage, first_size)
+        if first is None:
+            if last_failure.state is not TrialState.OOM:
+                break  # a crash will not go away at a higher stage
+            continue
+        infos = [first]
+        profile = _to_profile(infos, settings)
+        sizes = [first_size]
+        second = second_size(profile, stage)
+        if second is not None and second > first_size and (info := run(stage, second)) is not None:
+            infos.append(info)
+            sizes.append(second)
             profile = _to_profile(infos, settings)
-            sharded = [s for s in stages if s >= 2]
-            fits = [fit] if (fit := peak_fit(infos)) is not None else []
-            if stage < 2 and sharded:
-                # FSDP2's process overhead (DTensor and friends) differs from DDP's: measure it once,
-                # and on CUDA at both sizes, to fit its peaks too.
-                sizes = PROFILE_MICRO_BATCH_SIZES if fits else PROFILE_MICRO_BATCH_SIZES[:1]
-                sharded_infos = []
-                for micro in sizes:
-                    report(f"profile: ZeRO {max(sharded)}, micro-batch {micro} (sharded engine) ...")
-                    info = launch(max(sharded), micro).model_info
-                    if info is None:
-                        break
-                    sharded_infos.append(info)
-                if sharded_infos:
-                    infos.extend(sharded_infos)
-                    profile = _with_sharded_baseline(profile, sharded_infos[0], settings)
-                if len(sharded_infos) == len(sizes) and (fit := peak_fit(sharded_infos)) is not None:
-                    fits.append(fit)
-            profile = replace(profile, peak_fits=tuple(fits))
-            return ProfileOutcome(profile, infos[0].device_memory_bytes, None, tuple(infos))
-        if last_failure is not None and last_failure.state is not TrialState.OOM:
-            break  # a crash will not go away at a higher stage
-    return ProfileOutcome(None, None, last_failure)
+        for warning in blind_spots(infos):
+            report(f"warning: {warning}")
+        fits = [fit] if (fit := peak_fit(infos)) is not None else []
+        sharded = [s for s in stages if s >= 2]
+        if stage < 2 and sharded:
+            # FSDP2's process overhead (DTensor and friends) differs from DDP's: measure it once at
+            # the larger size, and on CUDA at both sizes, to fit its allocator peaks too.
+            sharded_sizes = sizes if fits else sizes[-1:]
+            sharded_infos = []
+            for micro in sharded_sizes:
+                info = run(max(sharded), micro, " (sharded engine)")
+                if info is None:
+                    break
+                sharded_infos.append(info)
+            if sharded_infos:
+                infos.extend(sharded_infos)
+                profile = _with_sharded_baseline(profile, sharded_infos[0], settings)
+            if len(sharded_infos) == len(sharded_sizes) and (fit := peak_fit(sharded_infos)) is not None:
+                fits.append(fit)
+        profile = replace(profile, peak_fits=tuple(fits))
+        return ProfileOutcome(profile, infos[0].device_memory_bytes, None, tuple(infos), tuple(launches))
+    return ProfileOutcome(None, None, last_failure, (), tuple(launches))
 
 
 def blind_spots(infos: list[ModelInfo]) -> list[str]:
@@ -113,7 +124,7 @@ def peak_fit(infos: list[ModelInfo]) -> PeakFit | None:
 
 
 def _to_profile(infos: list[ModelInfo], settings: ExperimentSettings) -> ModelProfile:
-    first, second = infos
+    first, second = infos[0], infos[-1]
     per_sample = (second.activation_bytes - first.activation_bytes) / max(
         1, second.micro_batch_size - first.micro_batch_size)
     if per_sample <= 0:

@@ -100,24 +100,54 @@ def fitting_micro_batch_sizes(space: SearchSpace, stage: int, upper: int, fits: 
     return [m for m in space.valid_micro_batch_sizes(upper) if fits(space.experiment(stage, m))]
 
 
+def ladder_sizes(valid: list[int]) -> list[int]:
+    """The geometric candidate sizes among `valid`: the one nearest each power of two in its range,
+    and its largest (the memory limit), ascending."""
+    if not valid:
+        return []
+    low, high = min(valid), max(valid)
+    chosen = {high}
+    power = 1
+    while power <= 2 * high:
+        if power >= low / 2:
+            chosen.add(min(valid, key=lambda m: (abs(math.log(m) - math.log(power)), m)))
+        power *= 2
+    return sorted(chosen)
+
+
+BISECTION_TOLERANCE = 0.1  # stop once the largest running and smallest failing sizes are this close
+
+
 def confirm_largest(space: SearchSpace, stage: int, predicted: int, evaluate: Evaluate,
                     fits: Fits = _always_fits) -> tuple[int | None, list[TrialResult]]:
-    """Run the predicted largest micro-batch; on OOM or failure bisect down over valid sizes."""
-    valid = fitting_micro_batch_sizes(space, stage, predicted, fits)
-    if not valid:
-        return None, []
-    results = [evaluate(space.experiment(stage, valid[-1]))]
-    if results[-1].state is TrialState.OK:
-        return valid[-1], results
-    low, high = -1, len(valid) - 1  # indices: valid[low] fits (virtual at -1), valid[high] does not
-    while high - low > 1:
-        middle = (low + high) // 2
-        results.append(evaluate(space.experiment(stage, valid[middle])))
-        if results[-1].state is TrialState.OK:
-            low = middle
+    """Run the predicted largest micro-batch; on OOM or failure bisect down geometrically over the
+    sizes the memory model (refitted by `evaluate` after each launch) still lets run, until the
+    bracket between a size that ran and one that failed is within BISECTION_TOLERANCE."""
+    results: list[TrialResult] = []
+    runs: int | None = None  # the largest size that ran
+    fails: int | None = None  # the smallest size that failed
+    while True:
+        fitting = fitting_micro_batch_sizes(space, stage, predicted, fits)
+        candidates = [m for m in fitting if (runs is None or m > runs) and (fails is None or m < fails)]
+        if not candidates:
+            break
+        if runs is not None and fails is not None and fails <= runs * (1 + BISECTION_TOLERANCE):
+            break
+        if fails is None or max(fitting) < fails:
+            # The model's largest: first as predicted, then as refitted on the failure (when the
+            # refit no longer lets the failed size run).
+            size = candidates[-1]
         else:
-            high = middle
-    return (valid[low] if low >= 0 else None), results
+            middle = math.sqrt((runs or candidates[0]) * fails)
+            size = min(candidates, key=lambda m: (abs(math.log(m) - math.log(middle)), m))
+        results.append(evaluate(space.experiment(stage, size)))
+        if results[-1].state is TrialState.OK:
+            runs = size
+            if fails is None:
+                break
+        else:
+            fails = size
+    return runs, results
 
 
 def search_stage(space: SearchSpace, policy: SearchPolicy, stage: int, predicted: int, evaluate: Evaluate,

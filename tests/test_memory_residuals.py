@@ -1,0 +1,62 @@
+"""The residual line fitted to measured peaks (autotuner/tuning/memory_fit.py). Pure."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotuner.tuning.memory_fit import PeakObservation, fit_residuals, model_error
+
+MiB = 2**20
+
+
+def seen(micro, residual_mib, family="DDP", modelled_mib=500, lower_bound=False):
+    modelled = modelled_mib * MiB
+    return PeakObservation(family, micro, modelled, modelled + int(residual_mib * MiB), lower_bound)
+
+
+def test_two_sizes_recover_fixed_and_per_sample_bytes():
+    fit = fit_residuals([seen(1, 13), seen(32, 13 + 31 * 6)])["DDP"]
+    assert fit.fixed_bytes == pytest.approx(7 * MiB)
+    assert fit.per_sample_bytes == pytest.approx(6 * MiB)
+    assert (fit.measured_points, fit.slope_source) == (2, "fitted")
+    assert fit.bytes_at(64) == pytest.approx(7 * MiB + 64 * 6 * MiB, abs=1)
+
+
+def test_noisy_points_are_fitted_by_least_squares():
+    fit = fit_residuals([seen(1, 10), seen(1, 12), seen(9, 50), seen(9, 52)])["DDP"]
+    assert fit.per_sample_bytes == pytest.approx(5 * MiB)
+    assert fit.fixed_bytes == pytest.approx(6 * MiB)
+
+
+def test_one_size_is_a_constant_unless_the_other_engine_has_a_slope():
+    alone = fit_residuals([seen(8, 40, "FSDP2")])["FSDP2"]
+    assert (alone.fixed_bytes, alone.per_sample_bytes, alone.slope_source) == (40 * MiB, 0.0, "none")
+    fits = fit_residuals([seen(8, 40, "FSDP2"), seen(1, 0), seen(11, 20)])
+    assert fits["FSDP2"].per_sample_bytes == pytest.approx(2 * MiB)
+    assert fits["FSDP2"].slope_source == "borrowed from DDP"
+    assert fits["FSDP2"].bytes_at(8) == pytest.approx(40 * MiB, abs=1)  # still through its own point
+
+
+def test_the_slope_floor_keeps_the_total_per_sample_cost_non_negative():
+    fit = fit_residuals([seen(1, 0), seen(11, -100)], {"DDP": -4.0 * MiB})["DDP"]
+    assert fit.per_sample_bytes == -4.0 * MiB
+
+
+def test_an_oom_pivots_the_line_on_the_largest_size_that_ran_below_it():
+    # Ran at 4 and 16 (residual 10 MiB flat); OOM at 32 with the budget 300 MiB over the analytic model.
+    fit = fit_residuals([seen(4, 10), seen(16, 10), seen(32, 300, lower_bound=True)])["DDP"]
+    assert fit.bytes_at(16) == pytest.approx(10 * MiB, abs=1)
+    assert fit.bytes_at(32) == pytest.approx(300 * MiB, abs=1)
+    assert fit.slope_source == "raised by OOM"
+
+
+def test_an_oom_already_predicted_changes_nothing_and_without_runs_raises_the_whole_line():
+    fits = fit_residuals([seen(4, 10), seen(16, 10), seen(32, 5, lower_bound=True)])
+    assert fits["DDP"].slope_source == "fitted"
+    only = fit_residuals([seen(32, 300, lower_bound=True)])["DDP"]
+    assert only.bytes_at(32) == pytest.approx(300 * MiB, abs=1) and only.measured_points == 0
+
+
+def test_model_error_is_the_largest_relative_miss():
+    assert model_error([110, 95], [100, 100]) == pytest.approx(0.10)
+    assert model_error([None], [100]) is None
