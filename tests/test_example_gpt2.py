@@ -40,10 +40,12 @@ def test_tune_the_gpt2_example_then_train_with_the_optimal_command(tmp_path, no_
 
     table = pd.read_csv(results / "experiments.csv")
     ok = table[table.state == "ok"]
-    assert len(ok) >= 2, table.to_string()
+    assert len(ok[ok.phase != "remeasure"]) >= 2, table.to_string()
     # The measurements are real: positive throughput and a measured peak per experiment.
     assert (ok.throughput_samples_s > 0).all() and (ok.measured_memory_mib > 0).all()
-    best = ok.loc[ok.throughput_samples_s.idxmax()]
+    # The pick is the marked row: the best single run, or the best median once re-measured.
+    best = table[table.chosen].iloc[0]
+    assert table.chosen.sum() == 1
     optimal = read_config_file(results / "ds_config_optimal.json")
     assert "autotuning" not in optimal
     assert optimal["train_micro_batch_size_per_gpu"] == best.micro_batch_size

@@ -434,7 +434,7 @@ def test_trial_result_json_round_trip_every_state(state):
 def plots(monkeypatch):
     """Stub the plot (matplotlib is slow to import; the end-to-end test checks the PNG): record its calls."""
     calls = []
-    monkeypatch.setattr(results_module, "plot_metric", lambda path, results, objective: calls.append(path) or True)
+    monkeypatch.setattr(results_module, "plot_metric", lambda path, results, objective, curves=(): calls.append(path) or True)
     return calls
 
 

@@ -86,7 +86,8 @@ def record(tmp_path: Path, name: str) -> dict:
 
 
 def table(tmp_path: Path) -> pd.DataFrame:
-    return pd.read_csv(tmp_path / RESULTS / "experiments.csv")
+    table = pd.read_csv(tmp_path / RESULTS / "experiments.csv")
+    return table[table.phase != "remeasure"].reset_index(drop=True)  # one row per experiment
 
 
 def pids_in(pid_dir: Path) -> list[int]:

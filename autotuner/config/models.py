@@ -123,7 +123,7 @@ class ModelInfo(_Section):
 
 
 MetricName = Literal["throughput", "latency", "FLOPS"]
-TunerType = Literal["gridsearch", "random", "model_based", "bayes"]
+TunerType = Literal["gridsearch", "random", "model_based", "bayes", "predictive"]
 
 
 class OnlineConfig(_Section):
@@ -183,6 +183,10 @@ class AutotuningConfig(_Section):
     warm_preload: list[str] = Field(default_factory=list, description="more modules for the forkserver to import, "
                                     "as 'module' or 'module:attribute'")
     online: OnlineConfig = Field(default_factory=OnlineConfig)
+    remeasure_top: PositiveInt = Field(3, description="the final pick re-measures up to this many candidates within "
+                                       "the measured spread of the best, interleaved, and takes the best median")
+    remeasure_rounds: NonNegativeInt = Field(1, description="launches per candidate in the final re-measurement "
+                                             "(0: pick the best single measurement)")
 
     @field_validator("arg_mappings", mode="before")
     @classmethod

@@ -17,12 +17,15 @@ from autotuner.launch.script_args import replace_config
 from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_config, mapped_script_args,
                                          rank_count_flags, with_user_keys)
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
-from autotuner.tuning.memory import (ModelProfile, StageSettings, engine_family, estimate, max_micro_batch_size,
-                                     usable_bytes)
+from autotuner.tuning.comm_fit import fit_collectives
+from autotuner.tuning.cost_model import CostContext
+from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile, StageSettings, engine_family, estimate, usable_bytes
 from autotuner.tuning.memory_fit import PeakObservation, ResidualFit, fit_residuals
+from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive_search
 from autotuner.tuning.profiling import profile_from_config, profile_model
 from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.results import write_results
+from autotuner.tuning.final_pick import Contender, contenders, describe, interleaved_order, pick
+from autotuner.tuning.results import Explanation, PredictedPoint, write_results
 from autotuner.tuning.runners import Runner
 from autotuner.tuning.search import DEFAULT_KNOBS, SearchPolicy, SearchSpace, ladder_sizes, run_search
 from autotuner.tuning.space import Experiment
@@ -139,6 +142,8 @@ class Autotuner:
         self._device_type = "cpu"  # where the ranks run, from the profile (or torch, without one)
         # Every launch's peak against the analytic model, and per engine the line fitted to what
         # the analytic model misses (memory_fit.py); refitted after each launch.
+        self._profile_names: set[str] = set()
+        self.predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
         self._peak_results: list[TrialResult] = []  # launches with a peak (or an OOM), in order
         self._residual_fits: dict[str, ResidualFit] = {}
 
@@ -175,6 +180,7 @@ class Autotuner:
             result = self._launch(Trial(experiment, self.exps_dir / experiment.name, self.settings, profile=True))
             self._launched += 1
         self._results[experiment] = result
+        self._profile_names.add(experiment.name)
         self._progress(result, reused is result)
         self._learn_memory(result)
         return result
@@ -279,6 +285,18 @@ class Autotuner:
         allocator slack and under-counted activations are alike in both)."""
         family = engine_family(stage)
         return self._residual_fits.get(family) or next(iter(self._residual_fits.values()), None)
+
+    def cost_context(self) -> CostContext:
+        """What the throughput model knows before timing a step: the model's size and the links the
+        profile launches timed on the job's process group."""
+        timings = [t for r in self._results.values() if r.model_info is not None
+                   for t in r.model_info.collective_timings]
+        links = tuple(fit_collectives(timings).values())
+        if not links and self.settings.data_parallel_size > 1:
+            self.report("predictive: no collective timings in the profile; communication is learned from "
+                        "launches only")
+        return CostContext(self.profile.num_params if self.profile else 0, self.settings.data_parallel_size,
+                           COMPUTE_BYTES.get(self.precision, 4), links)
 
     def predicted_memory(self, experiment: Experiment) -> int:
         """Bytes per rank: the analytic model plus the residual line fitted to measured peaks."""
@@ -385,19 +403,75 @@ class Autotuner:
         largest = self.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " +
                     ", ".join(f"z{s}={m}" for s, m in sorted(largest.items())))
-        results = run_search(self.space, self.policy, largest, self._evaluate, self._prune, self.fits,
-                             self.offload_fallback, self.report)
-        everything = list(dict.fromkeys(results)) + self._pruned
-        best = self.objective.best(everything)
+        if self.policy.tuner_type == "predictive":
+            outcome = run_predictive_search(self.space, self.policy, largest, self._evaluate, self._prune,
+                                            self.cost_context(), list(self._results.values()), self.fits,
+                                            self.offload_fallback, self.report)
+            self.predictions = outcome
+        else:
+            run_search(self.space, self.policy, largest, self._evaluate, self._prune, self.fits,
+                       self.offload_fallback, self.report)
+        # Every launch, the profile launches included (they are experiments too).
+        everything = list(self._results.values()) + self._pruned
+        best, remeasurements, pick_lines = self._final_pick(list(self._results.values()))
         optimal_path = optimal_args = optimal_cmd = config = None
         if best is not None:
             config = with_user_keys(self.settings.user_config, experiment_config(best.experiment, self.settings))
             optimal_path = (self.results_dir / "ds_config_optimal.json").resolve()
             optimal_args = optimal_script_args(self.settings, config, optimal_path)
             optimal_cmd = optimal_command(self.settings, optimal_args)
+        explanation = Explanation(frozenset(self._profile_names), tuple(remeasurements), tuple(pick_lines),
+                                  *self._predicted_points(), chosen=best)
         summary = write_results(self.results_dir, everything, self.objective, time.monotonic() - self._started,
-                                config, list(optimal_cmd) if optimal_cmd else None)
+                                config, list(optimal_cmd) if optimal_cmd else None, explanation)
         return TuningOutcome(tuple(everything), best, summary, optimal_path, optimal_args, optimal_cmd)
+
+
+    # ----- the final pick -----
+    def _final_pick(self, results: list[TrialResult]) -> tuple[TrialResult | None, list, list[str]]:
+        """Re-measure the contenders within the spread of the best, interleaved; the best median
+        wins. Returns (the pick, with its median as value; the re-measurements; summary lines)."""
+        tuning = self.config.autotuning
+        top = contenders(results, self.objective, tuning.remeasure_top)
+        if len(top) < 2 or tuning.remeasure_rounds == 0:
+            return self.objective.best(results), [], []
+        self.report(f"final pick: {', '.join(r.name for r in top)} are within the measured spread of each other; "
+                    f"re-measuring them interleaved ({tuning.remeasure_rounds} round(s))")
+        values = {r.experiment: [r.value] for r in top}
+        failed = {r.experiment: 0 for r in top}
+        remeasurements = []
+        for round_index, experiment in interleaved_order([r.experiment for r in top], tuning.remeasure_rounds):
+            directory = self.exps_dir / f"{experiment.name}_remeasure{round_index + 1}"
+            result = self._journal.get(directory.name)
+            if result is None:
+                result = self._launch(Trial(experiment, directory, self.settings,
+                                            predicted_memory_bytes=self.predicted_memory(experiment)))
+                self._launched += 1
+            remeasurements.append((round_index + 1, result))
+            if result.state is TrialState.OK and result.value is not None:
+                values[experiment].append(result.value)
+            else:
+                failed[experiment] += 1
+            value = f"{result.value:.4g} {self.objective.unit}" if result.value is not None else result.error
+            self.report(f"[re-measure {round_index + 1}] {experiment.name}: {result.state.value}: {value}")
+        final = pick([Contender(e, tuple(values[e]), failed[e]) for e in values], self.objective)
+        lines = describe(final, self.objective)
+        for line in lines:
+            self.report(line)
+        original = next(r for r in top if r.experiment == final.chosen.experiment)
+        return replace(original, value=final.chosen.median), remeasurements, lines
+
+    def _predicted_points(self) -> tuple[tuple[PredictedPoint, ...], tuple[PredictedPoint, ...]]:
+        if self.predictions is None:
+            return (), ()
+
+        def point(candidate) -> PredictedPoint:
+            e, p = candidate.experiment, candidate.prediction
+            return PredictedPoint(e.name, e.zero_stage, e.micro_batch_size, p.value, p.low, p.high,
+                                  candidate.launched, candidate.ruled_out_by)
+
+        return (tuple(point(c) for c in self.predictions.at_launch),
+                tuple(point(c) for c in self.predictions.final))
 
 
 def _visible_gpu_memory() -> int | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,33 @@ from autotuner.boundary import Summary
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 
 
+@dataclass(frozen=True)
+class PredictedPoint:
+    """A throughput-model prediction for one experiment (objective's units)."""
+
+    name: str
+    zero_stage: int
+    micro_batch_size: int
+    value: float
+    low: float
+    high: float
+    launched: bool = True
+    ruled_out_by: str = ""
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """Why the pick is what it is: which launches were profile launches, the final re-measurements
+    and their verdict, the predictions each launch was made on, and the model's final curves."""
+
+    profile_names: frozenset[str] = frozenset()
+    remeasurements: tuple[tuple[int, TrialResult], ...] = ()  # (round, result)
+    final_pick_lines: tuple[str, ...] = ()
+    at_launch: tuple[PredictedPoint, ...] = ()
+    curves: tuple[PredictedPoint, ...] = ()
+    chosen: TrialResult | None = None  # the pick (its value: the median when re-measured); else the best
+
+
 def _format_duration(seconds: float) -> str:
     """H:MM:SS.ss, as DeepSpeed prints it."""
     minutes, secs = divmod(round(seconds, 2), 60)
@@ -20,7 +48,8 @@ def _format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:05.2f}"
 
 
-def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: float) -> str:
+def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: float,
+                 explanation: Explanation = Explanation()) -> str:
     """One row per tuning space (z0..z3) and a global row, as DeepSpeed prints."""
     launched = [r for r in results if r.state is not TrialState.PRUNED]
     rows = []
@@ -28,25 +57,61 @@ def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: 
         in_space = [r for r in launched if r.experiment.zero_stage == stage]
         best = objective.best(in_space)
         rows.append([f"z{stage}", len(in_space), _value(best), best.name if best else None])
-    best = objective.best(launched)
+    best = explanation.chosen or objective.best(launched)
     rows.append(["global", len(launched), _value(best), best.name if best else None])
     table = tabulate(rows, headers=["tuning_space", "num_experiments", f"best_metric_val ({objective.unit})",
                                        "best_exp_name"],
                      tablefmt="pipe")
+    launches = len(launched) + len(explanation.remeasurements)
     footer = f"Tuning completed in {_format_duration(wall_time_s)}. Total number of experiments: {len(launched)}."
-    return f"{table}\n{footer}\n"
+    if explanation.remeasurements or explanation.profile_names:
+        footer += (f" Launches: {launches} ({len(explanation.profile_names)} of them profile launches, "
+                   f"{len(explanation.remeasurements)} re-measurements).")
+    lines = [footer, *memory_lines(launched), *prediction_lines(explanation), *explanation.final_pick_lines]
+    return f"{table}\n" + "\n".join(lines) + "\n"
+
+
+def memory_lines(results: list[TrialResult]) -> list[str]:
+    """The memory model's error over the launches it predicted (before each ran)."""
+    pairs = [(r.predicted_memory_bytes, r.measured_memory_bytes) for r in results
+             if r.predicted_memory_bytes and r.measured_memory_bytes]
+    if not pairs:
+        return []
+    errors = [100.0 * (p - m) / m for p, m in pairs]
+    return [f"Memory model, predicted before each launch: error {min(errors):+.1f}% to {max(errors):+.1f}% over "
+            f"{len(pairs)} launches (experiments.csv: predicted_memory_mib, measured_memory_mib)."]
+
+
+def prediction_lines(explanation: Explanation) -> list[str]:
+    if not explanation.curves:
+        return []
+    by_prediction = [p.name for p in explanation.curves if p.ruled_out_by == "prediction"]
+    by_memory = [p.name for p in explanation.curves if p.ruled_out_by == "memory model"]
+    line = (f"Throughput model: {len(explanation.curves)} candidates; prediction ruled out {len(by_prediction)} "
+            f"without launching them")
+    if by_memory:
+        line += f", the refitted memory model {len(by_memory)}"
+    return [line + ("" if not by_prediction else f" ({', '.join(by_prediction)})") + "."]
 
 
 def _value(result: TrialResult | None) -> float | None:
     return round(result.value, 4) if result is not None and result.value is not None else None
 
 
-def result_rows(results: list[TrialResult], objective: Objective) -> list[dict[str, Any]]:
+def result_rows(results: list[TrialResult], objective: Objective,
+                explanation: Explanation = Explanation()) -> list[dict[str, Any]]:
+    predicted = {p.name: p for p in explanation.at_launch}
+    runs = [(r, "profile" if r.name in explanation.profile_names else "search", 0) for r in results]
+    runs += [(r, "remeasure", round_index) for round_index, r in explanation.remeasurements]
     rows = []
-    for r in results:
+    for r, phase, round_index in runs:
         m = r.measurement
+        prediction = predicted.get(r.name) if phase == "search" else None
         rows.append({
             "name": r.name,
+            "chosen": phase != "remeasure" and explanation.chosen is not None and r.name == explanation.chosen.name,
+            "phase": phase,
+            "run": round_index,
             "state": r.state.value,
             "zero_stage": r.experiment.zero_stage,
             "micro_batch_size": r.experiment.micro_batch_size,
@@ -56,6 +121,9 @@ def result_rows(results: list[TrialResult], objective: Objective) -> list[dict[s
             "metric_value": r.value,
             "metric_unit": objective.unit,
             "metric_std": r.value_std,
+            "predicted_metric": _round(prediction.value) if prediction else None,
+            "predicted_metric_low": _round(prediction.low) if prediction else None,
+            "predicted_metric_high": _round(prediction.high) if prediction else None,
             "throughput_samples_s": m.throughput if m else None,
             "latency_s": m.latency if m else None,
             "forward_ms": _ms(m.forward if m else None),
@@ -68,6 +136,10 @@ def result_rows(results: list[TrialResult], objective: Objective) -> list[dict[s
             "error": r.error,
         })
     return rows
+
+
+def _round(value: float) -> float:
+    return float(f"{value:.5g}")
 
 
 def _ms(timer: Summary | None) -> float | None:
@@ -90,26 +162,29 @@ def optimal_command(command: list[str]) -> str:
 
 
 def write_results(results_dir: Path, results: list[TrialResult], objective: Objective, wall_time_s: float,
-                  optimal_config: dict[str, Any] | None, optimal_cmd: list[str] | None) -> str:
+                  optimal_config: dict[str, Any] | None, optimal_cmd: list[str] | None,
+                  explanation: Explanation = Explanation()) -> str:
     """Write every output file; returns the summary text."""
     import pandas as pd
 
     results_dir.mkdir(parents=True, exist_ok=True)
-    summary = summary_text(results, objective, wall_time_s)
+    summary = summary_text(results, objective, wall_time_s, explanation)
     (results_dir / "summary.txt").write_text(summary)
-    pd.DataFrame(result_rows(results, objective)).to_csv(results_dir / "experiments.csv", index=False)
+    pd.DataFrame(result_rows(results, objective, explanation)).to_csv(results_dir / "experiments.csv", index=False)
     if optimal_config is not None and optimal_cmd is not None:
         write_json_atomic(results_dir / "ds_config_optimal.json", optimal_config)
         (results_dir / "cmd_optimal.txt").write_text(optimal_command(optimal_cmd) + "\n")
     else:
         for stale in ("ds_config_optimal.json", "cmd_optimal.txt"):
             (results_dir / stale).unlink(missing_ok=True)
-    plot_metric(results_dir / "metric_vs_micro_batch.png", results, objective)
+    plot_metric(results_dir / "metric_vs_micro_batch.png", results, objective, explanation.curves)
     return summary
 
 
-def plot_metric(path: Path, results: list[TrialResult], objective: Objective) -> bool:
-    """The metric against micro-batch size per stage, if matplotlib is installed."""
+def plot_metric(path: Path, results: list[TrialResult], objective: Objective,
+                curves: tuple[PredictedPoint, ...] = ()) -> bool:
+    """The metric against micro-batch size per stage, if matplotlib is installed: measured points,
+    and the throughput model's predicted curve with its plausible band (tuner_type predictive)."""
     try:
         import matplotlib
 
@@ -121,9 +196,19 @@ def plot_metric(path: Path, results: list[TrialResult], objective: Objective) ->
     if not ok:
         return False
     figure, axes = plt.subplots(figsize=(6, 4))
-    for stage in sorted({r.experiment.zero_stage for r in ok}):
+    for index, stage in enumerate(sorted({r.experiment.zero_stage for r in ok} | {c.zero_stage for c in curves})):
+        colour = f"C{index}"
         points = sorted((r.experiment.micro_batch_size, r.value) for r in ok if r.experiment.zero_stage == stage)
-        axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=f"ZeRO {stage}")
+        if points:
+            axes.plot([p[0] for p in points], [p[1] for p in points], marker="o", linestyle="none", color=colour,
+                      label=f"ZeRO {stage} measured")
+        curve = sorted((c.micro_batch_size, c.value, c.low, c.high) for c in curves if c.zero_stage == stage)
+        if curve:
+            sizes = [c[0] for c in curve]
+            axes.plot(sizes, [c[1] for c in curve], color=colour, linestyle="--", label=f"ZeRO {stage} predicted")
+            axes.fill_between(sizes, [c[2] for c in curve], [c[3] for c in curve], color=colour, alpha=0.15)
+        elif points:
+            axes.plot([p[0] for p in points], [p[1] for p in points], color=colour)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("micro-batch size per rank")
     axes.set_ylabel({"throughput": "samples/s", "latency": "s per step", "FLOPS": "FLOP/s per rank"}[objective.metric])

@@ -32,22 +32,28 @@ class Tuner(ABC):
             raise ValueError(f"{result.name} is not in this tuner's space")
         self.results[result.experiment] = result
 
+    def could_improve(self, experiment: Experiment) -> bool:
+        """Whether `experiment` could beat the best result so far. Tuners without a model of the
+        objective cannot rule anything out."""
+        return True
+
     @property
     def best(self) -> TrialResult | None:
         return self.objective.best(list(self.results.values()))
 
 
 def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_stopping: int,
-          max_trials: int) -> list[TrialResult]:
+          max_trials: int, trust_predictions: bool = False) -> list[TrialResult]:
     """Ask/evaluate/tell until the space is exhausted, `max_trials` ran, or `early_stopping`
-    experiments in a row brought no improvement."""
+    experiments in a row brought no improvement; with `trust_predictions`, also when the tuner
+    says the experiment it asks for could not beat the best so far."""
     results: list[TrialResult] = []
     incumbent = tuner.best  # results told before driving (e.g. a confirmation run) count
     best: float | None = incumbent.value if incumbent is not None else None
     without_improvement = 0
     while len(results) < max_trials:
         experiment = tuner.ask()
-        if experiment is None:
+        if experiment is None or (trust_predictions and not tuner.could_improve(experiment)):
             break
         result = evaluate(experiment)
         tuner.tell(result)

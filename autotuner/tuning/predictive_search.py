@@ -1,0 +1,110 @@
+"""The search under tuner_type "predictive": one model over every stage, launching only what could win.
+
+Candidates are every stage at the geometric sizes (ladder_sizes) the memory model lets run.
+The results already measured (the profile launches) are told first; then the tuner asks for
+the candidate with the most optimistic predicted bound, and the search stops when even that
+bound cannot beat the best measured. The memory model is refitted after every launch (the
+orchestrator's `fits`), so a candidate it no longer lets run is dropped before it is asked.
+Nothing is launched here: `evaluate` does that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from autotuner.tuning.cost_model import CostContext
+from autotuner.tuning.records import TrialResult, TrialState
+from autotuner.tuning.search import (Evaluate, Fits, OffloadFallback, SearchPolicy, SearchSpace, _always_fits,
+                                     _no_fallback, fitting_micro_batch_sizes, ladder_sizes, search_knobs)
+from autotuner.tuning.space import Experiment
+from autotuner.tuning.tuners import drive
+from autotuner.tuning.tuners.predictive import Prediction, PredictiveTuner
+
+
+@dataclass(frozen=True)
+class PredictedCandidate:
+    """One candidate as the model saw it: at its launch (launched) or at the end of the search."""
+
+    experiment: Experiment
+    prediction: Prediction
+    launched: bool
+    ruled_out_by: str = ""  # "prediction" or "memory model" when never launched
+
+
+@dataclass(frozen=True)
+class PredictiveOutcome:
+    results: tuple[TrialResult, ...]
+    at_launch: tuple[PredictedCandidate, ...]  # the prediction each launch was made on
+    final: tuple[PredictedCandidate, ...]  # every candidate, predicted from all results
+
+
+def candidate_space(space: SearchSpace, predicted_largest: dict[int, int], fits: Fits,
+                    prune: Callable[[int, str], None], offload_fallback: OffloadFallback,
+                    report: Callable[[str], None]) -> list[Experiment]:
+    """Every stage at its ladder sizes (or the user's fixed sizes) that the memory model lets run."""
+    candidates: list[Experiment] = []
+    for stage in sorted(space.stages):
+        stage_space = space
+        predicted = min(predicted_largest.get(stage, space.max_micro_batch_size), space.max_micro_batch_size)
+        if predicted < space.min_micro_batch_size:
+            fallback = offload_fallback(stage)
+            if fallback is None or min(fallback[1], space.max_micro_batch_size) < space.min_micro_batch_size:
+                prune(stage, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
+                continue
+            knobs, predicted = fallback
+            stage_space = replace(space, stage_knobs=tuple(sorted(knobs.items())))
+            report(f"ZeRO {stage}: fits no micro-batch on the device; searched with "
+                   + ", ".join(f"{k}.device={v}" for k, v in sorted(knobs.items())))
+        if space.fixed_micro_batch_sizes:
+            sizes = [m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
+        else:
+            sizes = ladder_sizes(fitting_micro_batch_sizes(stage_space, stage, predicted, fits))
+        stage_candidates = [stage_space.experiment(stage, m) for m in sizes]
+        stage_candidates = [c for c in stage_candidates if fits(c)]
+        if not stage_candidates:
+            prune(stage, "memory model, with the peaks measured so far: no micro-batch fits")
+        candidates += stage_candidates
+    return candidates
+
+
+def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict[int, int],
+                          evaluate: Evaluate, prune: Callable[[int, str], None], context: CostContext,
+                          known: list[TrialResult], fits: Fits = _always_fits,
+                          offload_fallback: OffloadFallback = _no_fallback,
+                          report: Callable[[str], None] = lambda line: None) -> PredictiveOutcome:
+    candidates = candidate_space(space, predicted_largest, fits, prune, offload_fallback, report)
+    tuner = PredictiveTuner(candidates, policy.objective, policy.seed, context)
+    for result in known:
+        if result.experiment in tuner.results or result.experiment not in tuner.space:
+            continue
+        tuner.tell(result)
+    results: list[TrialResult] = []
+    at_launch: list[PredictedCandidate] = []
+    memory_ruled_out: set[Experiment] = set()
+    while len(results) < policy.num_trials:
+        for candidate in tuner.space:
+            if candidate not in tuner.results and candidate not in memory_ruled_out and not fits(candidate):
+                memory_ruled_out.add(candidate)  # the refitted model no longer lets it run
+                tuner.tell(TrialResult(candidate, TrialState.PRUNED, error="memory model, refitted"))
+        experiment = tuner.ask()
+        # The model is trusted to stop the search only once one of its predictions was checked by a
+        # launch: fitted on the profile alone, it has never been tested.
+        if experiment is None or (results and not tuner.could_improve(experiment)):
+            break
+        at_launch.append(PredictedCandidate(experiment, tuner.predict(experiment), launched=True))
+        result = evaluate(experiment)
+        tuner.tell(result)
+        results.append(result)
+    final = []
+    for candidate in tuner.space:
+        launched = candidate in tuner.results and tuner.results[candidate].state is not TrialState.PRUNED
+        reason = "" if launched else ("memory model" if candidate in memory_ruled_out else "prediction")
+        final.append(PredictedCandidate(candidate, tuner.predict(candidate), launched, reason))
+    by_prediction = sum(1 for c in final if c.ruled_out_by == "prediction")
+    report(f"predictive: {len(results)} launched after the profile; of {len(final)} candidates, prediction "
+           f"ruled out {by_prediction} and the refitted memory model {len(memory_ruled_out)}")
+    if not policy.fast:
+        everything = [r for r in tuner.results.values() if r.state is not TrialState.PRUNED]
+        results += search_knobs(space, policy, everything, evaluate, fits=fits)
+    return PredictiveOutcome(tuple(results), tuple(at_launch), tuple(final))

@@ -1,0 +1,100 @@
+"""tuner_type "predictive": launch only what a fitted throughput model says could beat the best.
+
+The step-time model (cost_model.py) is refitted on every result. Each untried candidate gets a
+predicted objective value with a plausible range; `ask` returns the candidate with the most
+optimistic bound, and `could_improve` says whether that bound beats the best measured so far.
+The search stops when it does not (drive(..., trust_predictions=True)); asked further, the
+tuner still orders the rest, so it meets the same contract as every tuner.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+from autotuner.tuning.cost_model import CostContext, Observation, StepTimeModel
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space import Experiment
+from autotuner.tuning.tuners.base import Tuner
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """The objective's predicted value for one experiment, and its plausible range (same units)."""
+
+    value: float
+    low: float
+    high: float
+
+
+class PredictiveTuner(Tuner):
+    def __init__(self, space: Sequence[Experiment], objective: Objective, seed: int = 0,
+                 context: CostContext | None = None):
+        super().__init__(space, objective, seed)
+        self.context = context or CostContext()
+        self._largest = max((e.micro_batch_size for e in self.space), default=1)
+        self._model: tuple[int, StepTimeModel] | None = None
+
+    # ----- the objective <-> step time -----
+    def _samples_per_step(self, experiment: Experiment) -> int:
+        return experiment.train_batch_size(max(1, self.context.world_size))
+
+    def _step_time(self, result: TrialResult) -> float | None:
+        if result.state is not TrialState.OK or result.value is None or result.value <= 0:
+            return None
+        measurement = result.measurement
+        if measurement is not None and measurement.latency and measurement.latency > 0:
+            return float(measurement.latency)
+        if self.objective.metric == "latency":
+            return float(result.value)
+        return self._samples_per_step(result.experiment) / float(result.value)
+
+    def _flops_per_sample(self) -> float:
+        ratios = [r.value * t / self._samples_per_step(r.experiment) for r in self.results.values()
+                  if (t := self._step_time(r)) is not None]
+        return statistics.median(ratios) if ratios else 1.0
+
+    def _value(self, experiment: Experiment, step_time_s: float) -> float:
+        if self.objective.metric == "latency":
+            return step_time_s
+        samples_per_s = self._samples_per_step(experiment) / step_time_s
+        return samples_per_s * self._flops_per_sample() if self.objective.metric == "FLOPS" else samples_per_s
+
+    # ----- the model -----
+    def model(self) -> StepTimeModel:
+        if self._model is None or self._model[0] != len(self.results):
+            observations = []
+            for result in self.results.values():
+                step_time = self._step_time(result)
+                if step_time is None:
+                    continue
+                noise = (result.value_std / result.value) if result.value_std and result.value else 0.0
+                observations.append(Observation(result.experiment, step_time, noise))
+            self._model = (len(self.results), StepTimeModel(observations, self.context, self._largest))
+        return self._model[1]
+
+    def predict(self, experiment: Experiment) -> Prediction:
+        step = self.model().predict(experiment)
+        fastest, slowest = step.bounds()
+        at_fastest, at_slowest = self._value(experiment, fastest), self._value(experiment, slowest)
+        return Prediction(self._value(experiment, step.mean_s), min(at_fastest, at_slowest),
+                          max(at_fastest, at_slowest))
+
+    def _optimistic(self, experiment: Experiment) -> float:
+        prediction = self.predict(experiment)
+        return prediction.high if self.objective.maximize else prediction.low
+
+    def _choose(self, untried: list[Experiment]) -> Experiment:
+        if not any(self._step_time(r) is not None for r in self.results.values()):
+            # Nothing measured yet: the lowest stage at its largest size (a model needs a point).
+            return min(untried, key=lambda e: (e.zero_stage, -e.micro_batch_size, e.knobs))
+        scored = [(self._optimistic(e), index) for index, e in enumerate(untried)]
+        best = max(scored) if self.objective.maximize else min(scored, key=lambda s: (s[0], -s[1]))
+        return untried[best[1]]
+
+    def could_improve(self, experiment: Experiment) -> bool:
+        incumbent = self.best
+        if incumbent is None:
+            return True
+        return self.objective.better(self._optimistic(experiment), incumbent.value)

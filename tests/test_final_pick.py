@@ -1,0 +1,119 @@
+"""The noise-aware final pick (autotuner/tuning/final_pick.py), and the orchestrator re-measuring
+contenders interleaved with a fake runner. No processes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pandas as pd
+
+from autotuner.config import load_config
+from autotuner.tuning.autotuner import Autotuner, base_config
+from autotuner.tuning.experiment import ExperimentSettings, Trial
+from autotuner.tuning.final_pick import Contender, contenders, interleaved_order, pick
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space import Experiment
+from fakes import FakeRunner, fingerprint, model_info, never_called, ok
+
+THROUGHPUT = Objective("throughput")
+MiB = 2**20
+
+
+def result(micro, value, std=None, stage=0):
+    return TrialResult(Experiment(stage, micro), TrialState.OK, value=value, value_std=std)
+
+
+def test_contenders_are_the_best_and_those_within_its_spread():
+    results = [result(1, 100.0), result(2, 98.0), result(4, 90.0), result(8, 97.5, std=0.5),
+               TrialResult(Experiment(0, 16), TrialState.OOM, error="oom")]
+    chosen = contenders(results, THROUGHPUT, top=3)
+    assert [r.experiment.micro_batch_size for r in chosen] == [1, 2, 8]  # 90 is 10% off: not a contender
+    assert [r.experiment.micro_batch_size for r in contenders(results, THROUGHPUT, top=2)] == [1, 2]
+    assert contenders([result(1, 100.0), result(2, 80.0)], THROUGHPUT, top=3) == [result(1, 100.0)]
+
+
+def test_a_wide_step_spread_widens_the_band():
+    assert len(contenders([result(1, 100.0, std=10.0), result(2, 88.0)], THROUGHPUT, top=3)) == 2
+
+
+def test_rounds_are_rotated_so_no_candidate_always_goes_first():
+    a, b, c = Experiment(0, 1), Experiment(0, 2), Experiment(0, 4)
+    assert interleaved_order([a, b, c], 2) == [(0, a), (0, b), (0, c), (1, b), (1, c), (1, a)]
+
+
+def test_the_best_median_wins_over_a_lucky_single_run_and_close_medians_are_ties():
+    lucky = Contender(Experiment(0, 1), (110.0, 95.0, 96.0))
+    steady = Contender(Experiment(0, 2), (104.0, 103.0, 103.5))
+    close = Contender(Experiment(0, 4), (101.0, 103.0, 102.0))
+    final = pick([lucky, steady, close], THROUGHPUT)
+    assert final.chosen is steady
+    assert final.ties == (close.experiment, lucky.experiment)  # ranges overlap the chosen one's
+
+
+def test_a_contender_that_failed_a_remeasurement_cannot_win():
+    flaky = Contender(Experiment(0, 1), (120.0, 121.0), failed_runs=1)
+    steady = Contender(Experiment(0, 2), (100.0, 101.0))
+    assert pick([flaky, steady], THROUGHPUT).chosen is steady
+
+
+# ----- the orchestrator -----
+
+def tuner(tmp_path, runner, **autotuning):
+    config = load_config({"train_micro_batch_size_per_gpu": [2, 4, 8], "zero_optimization": {"stage": 0},
+                          "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30, **autotuning}})
+    settings = ExperimentSettings(script="train.py", script_args=("--deepspeed", "ds.json"),
+                                  base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
+                                  objective=THROUGHPUT, timeout_s=30.0)
+    lines: list[str] = []
+    return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
+                     report=lines.append), lines
+
+
+def noisy_runner(values):
+    """Each experiment answers its values in turn: the first is the search's, then re-measurements."""
+    calls: dict[str, int] = {}
+
+    def answer(trial: Trial) -> TrialResult:
+        name = trial.experiment.name
+        calls[name] = calls.get(name, 0) + 1
+        measured = ok(trial, values[trial.experiment.micro_batch_size][calls[name] - 1], 200 * MiB)
+        if trial.profile:
+            info = model_info(trial.experiment.micro_batch_size, 0, activation_bytes=MiB)
+            measured = dataclasses.replace(measured, model_info=info)
+        return measured
+    return FakeRunner(answer)
+
+
+def test_contenders_are_remeasured_interleaved_and_the_best_median_is_the_pick(tmp_path):
+    # mbs 8's first run is lucky (110); re-measured it is 95, while mbs 4 holds 104.
+    runner = noisy_runner({2: [50.0], 4: [104.0, 104.0, 103.0], 8: [110.0, 95.0, 96.0]})
+    autotuner, lines = tuner(tmp_path, runner, remeasure_rounds=2)
+    outcome = autotuner.tune()
+    assert runner.names[3:] == ["z0_gas1_mbs8_remeasure1", "z0_gas1_mbs4_remeasure1",
+                                "z0_gas1_mbs4_remeasure2", "z0_gas1_mbs8_remeasure2"]
+    assert outcome.best.name == "z0_gas1_mbs4" and outcome.best.value == 104.0
+    summary = (tmp_path / "results" / "summary.txt").read_text()
+    assert "| global" in summary and "z0_gas1_mbs4" in summary.split("| global")[1].split("\n")[0]
+    assert "z0_gas1_mbs4: 104 (103-104; runs 104, 104, 103) chosen" in summary
+    assert "z0_gas1_mbs8: 96 (95-110; runs 110, 95, 96) within noise of z0_gas1_mbs4" in summary
+    table = pd.read_csv(tmp_path / "results" / "experiments.csv")
+    assert list(table[table.chosen].name) == ["z0_gas1_mbs4"]
+    assert sorted(table[table.phase == "remeasure"].run) == [1, 1, 2, 2]
+    assert list(table[table.phase == "profile"].name) == ["z0_gas1_mbs2", "z0_gas1_mbs4"]
+    # A resumed run reads the re-measurements back rather than launching them again.
+    again, _ = tuner(tmp_path, FakeRunner(never_called), remeasure_rounds=2)
+    assert again.tune().best.name == "z0_gas1_mbs4"
+
+
+def test_a_clear_winner_is_not_remeasured(tmp_path):
+    runner = noisy_runner({2: [50.0], 4: [70.0], 8: [110.0]})
+    autotuner, _ = tuner(tmp_path, runner)
+    assert autotuner.tune().best.name == "z0_gas1_mbs8"
+    assert not any("remeasure" in name for name in runner.names)
+
+
+def test_remeasure_rounds_0_keeps_the_best_single_measurement(tmp_path):
+    runner = noisy_runner({2: [50.0], 4: [104.0], 8: [105.0]})
+    autotuner, _ = tuner(tmp_path, runner, remeasure_rounds=0)
+    assert autotuner.tune().best.name == "z0_gas1_mbs8"
+    assert len(runner.names) == 3

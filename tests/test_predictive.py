@@ -1,0 +1,141 @@
+"""tuner_type "predictive" on synthetic timings with a known optimum: the step-time model, its
+bounds and the stop rule. Pure: no launches."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from autotuner.boundary import Measurement
+from autotuner.tuning.comm_fit import LinkFit
+from autotuner.tuning.cost_model import CostContext, Observation, StepTimeModel
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space import Experiment
+from autotuner.tuning.tuners import PredictiveTuner, drive, make_tuner
+
+THROUGHPUT = Objective("throughput")
+WORLD = 2
+GLOBAL_BATCH = 128
+CONTEXT = CostContext(num_params=10_000_000, world_size=WORLD, compute_bytes=4,
+                      links=(LinkFit("all_reduce", 1e-3, 2e9), LinkFit("all_gather", 1e-3, 4e9),
+                             LinkFit("reduce_scatter", 1e-3, 4e9)))
+TRUE_OFFSET_S = {0: 0.010, 1: -0.004, 2: 0.015, 3: 0.030}  # what the costing misses, per stage
+
+
+def candidates(stages=(0, 1, 2, 3), sizes=(1, 2, 4, 8, 16, 32, 64)) -> list[Experiment]:
+    return [Experiment(s, m, GLOBAL_BATCH // (m * WORLD)) for s, m in itertools.product(stages, sizes)]
+
+
+def true_step_s(e: Experiment, curvature: float = 2e-5) -> float:
+    """A knee at sqrt(2e-3 / curvature) samples: 10 by default."""
+    compute = 2e-3 + 1e-3 * e.micro_batch_size + curvature * e.micro_batch_size**2
+    return (e.gradient_accumulation_steps * compute + CONTEXT.communication_s(e.zero_stage, e.gradient_accumulation_steps)
+            + TRUE_OFFSET_S[e.zero_stage])
+
+
+def measured(e: Experiment, noise: float = 0.0, **kwargs) -> TrialResult:
+    step = true_step_s(e, **kwargs) * (1 + noise)
+    samples = e.train_batch_size(WORLD)
+    return TrialResult(e, TrialState.OK, value=samples / step,
+                       measurement=Measurement(throughput=samples / step, latency=step))
+
+
+def true_best(space, **kwargs) -> Experiment:
+    return min(space, key=lambda e: true_step_s(e, **kwargs) / e.train_batch_size(WORLD))
+
+
+def seeded(space, noise=None) -> PredictiveTuner:
+    """The three profile launches every run starts with: ZeRO 0 at 1 and 16, ZeRO 3 at 16."""
+    tuner = PredictiveTuner(space, THROUGHPUT, context=CONTEXT)
+    for e in (space[0], space[4], space[3 * 7 + 4]):
+        tuner.tell(measured(e, noise(e) if noise else 0.0))
+    return tuner
+
+
+def test_the_communication_costed_per_stage_follows_the_bytes_each_moves():
+    gradients = 4 * CONTEXT.num_params
+    assert CONTEXT.communication_s(0, 4) == pytest.approx(1e-3 + gradients / 2e9)
+    assert CONTEXT.communication_s(1, 4) == pytest.approx(CONTEXT.communication_s(0, 4) + 1e-3 + gradients / 4e9)
+    assert CONTEXT.communication_s(3, 4) == pytest.approx(8 * (1e-3 + gradients / 4e9) + 1e-3 + gradients / 4e9)
+    assert CostContext(num_params=10, world_size=1, links=CONTEXT.links).communication_s(3, 4) == 0.0
+    no_reduce_scatter = CostContext(num_params=10_000_000, world_size=2, links=CONTEXT.links[:2])
+    assert no_reduce_scatter.link("reduce_scatter") == CONTEXT.links[0]  # gloo: costed as an all-reduce
+
+
+def test_the_model_recovers_exact_timings_and_is_unsure_only_where_it_extrapolates():
+    space = candidates(stages=(0,))
+    observations = [Observation(e, true_step_s(e)) for e in space if e.micro_batch_size in (1, 4, 16, 64)]
+    model = StepTimeModel(observations, CONTEXT, 64)
+    for e in space:
+        assert model.predict(e).mean_s == pytest.approx(true_step_s(e), rel=0.03)
+    narrow = StepTimeModel(observations[:2], CONTEXT, 64)  # sizes 1 and 4 only
+    near, far = narrow.predict(space[1]), narrow.predict(space[-1])
+    assert far.std_s / far.mean_s > 3 * near.std_s / near.mean_s
+
+
+@pytest.mark.parametrize("curvature", [0.0, 2e-5, 2e-4])
+def test_the_stop_rule_finds_the_true_optimum_with_a_fraction_of_the_launches(curvature):
+    space = candidates()
+    tuner = PredictiveTuner(space, THROUGHPUT, context=CONTEXT)
+    for e in (space[0], space[4], space[3 * 7 + 4]):
+        tuner.tell(measured(e, curvature=curvature))
+    launched = drive(tuner, lambda e: measured(e, curvature=curvature), early_stopping=100, max_trials=100,
+                     trust_predictions=True)
+    assert tuner.best.experiment == true_best(space, curvature=curvature)
+    assert 3 + len(launched) <= 0.4 * len(space)
+    # Everything left untried was ruled out by the model, and truly was worse.
+    untried = [e for e in space if e not in tuner.results]
+    assert untried and not any(tuner.could_improve(e) for e in untried)
+    best_value = tuner.best.value
+    assert all(measured(e, curvature=curvature).value < best_value for e in untried)
+
+
+def test_with_noisy_measurements_the_pick_is_within_the_noise_of_the_optimum():
+    rng = random.Random(0)
+    noise = {e: rng.uniform(-0.03, 0.03) for e in candidates()}
+    space = candidates()
+    tuner = seeded(space, noise=lambda e: noise[e])
+    drive(tuner, lambda e: measured(e, noise[e]), early_stopping=100, max_trials=100, trust_predictions=True)
+    optimum = true_best(space)
+    picked = tuner.best.experiment
+    ratio = (true_step_s(optimum) / optimum.train_batch_size(WORLD)) / (true_step_s(picked) / picked.train_batch_size(WORLD))
+    assert ratio >= 0.94  # within twice the noise
+    assert len(tuner.results) < len(space) // 2
+
+
+def test_a_zero1_win_is_found_from_its_offset_prior():
+    """ZeRO 1's measured step is faster than ZeRO 0's (the sharded optimizer step): the tuner must
+    try ZeRO 1, whose unmeasured offset is uncertain, and find it."""
+    space = candidates(stages=(0, 1))
+    tuner = PredictiveTuner(space, THROUGHPUT, context=CONTEXT)
+    for e in (space[0], space[4]):
+        tuner.tell(measured(e))
+    drive(tuner, measured, early_stopping=100, max_trials=100, trust_predictions=True)
+    assert tuner.best.experiment == true_best(space)
+    assert tuner.best.experiment.zero_stage == 1
+
+
+def test_could_improve_compares_the_optimistic_bound_with_the_best_measured():
+    space = candidates(stages=(0,))
+    tuner = PredictiveTuner(space, THROUGHPUT, context=CONTEXT)
+    assert tuner.could_improve(space[0])  # nothing measured: anything could
+    for e in space[:6]:
+        tuner.tell(measured(e))
+    prediction = tuner.predict(space[6])
+    assert prediction.low <= prediction.value <= prediction.high
+    assert tuner.could_improve(space[6]) == (prediction.high > tuner.best.value)
+
+
+def test_failures_are_not_fitted_and_latency_is_minimised():
+    space = candidates(stages=(0,))
+    tuner = make_tuner("predictive", space, Objective("latency"), cost_context=CONTEXT)
+    tuner.tell(TrialResult(space[6], TrialState.OOM, error="out of memory"))
+    for e in space[:3]:
+        step = true_step_s(e)
+        tuner.tell(TrialResult(e, TrialState.OK, value=step, measurement=Measurement(throughput=1.0, latency=step)))
+    assert tuner.best.experiment == min(space[:3], key=true_step_s)
+    prediction = tuner.predict(space[3])
+    assert prediction.value == pytest.approx(true_step_s(space[3]), rel=0.1)
+    assert tuner.ask() not in tuner.results
