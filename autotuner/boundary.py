@@ -1,17 +1,18 @@
 """The records that cross the process boundary between the tuner and the ranks.
 
 Down: a `MeasurementRequest`, in a file named by AUTOTUNER_MEASUREMENT_REQUEST. Up: a
-`Measurement` (the profile window's timings and peaks), `ModelInfo` (the profile), one
-`RankError` per rank that raised, and the launcher's `LaunchReport` (which rank failed first,
-its exit status and exception line). Every record is frozen and versioned; a reader refuses a
-version it does not know rather than guess. No torch import: the tuner and `import autotuner`
-in every rank read these.
+`Measurement` (the profile window's timings and peaks), `ModelInfo` (the profile, with the
+`CollectiveTiming`s of the job's process group), one `RankError` per rank that raised, and the
+launcher's `LaunchReport` (which rank failed first, its exit status and exception line). Every
+record is frozen and versioned; a reader refuses a version it does not know rather than guess.
+No torch import: the tuner and `import autotuner` in every rank read these.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 from dataclasses import dataclass
@@ -146,6 +147,41 @@ class Measurement:
         return cls(**values)
 
 
+COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+@dataclass(frozen=True)
+class CollectiveTiming:
+    """One collective timed on the job's own process group in a profile launch.
+
+    `bytes` is the full, unsharded tensor: all_reduce's input, reduce_scatter's input,
+    all_gather's output (so the three ops of one size move comparable data). `seconds` is the
+    median over repeats of the slowest rank's wall time for one call."""
+
+    op: str
+    bytes: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        # Refused here, so a damaged file fails when read and a fit never sees such a point.
+        if self.op not in COLLECTIVE_OPS:
+            raise RecordError(f"collective timing: unknown op {self.op!r}; known: {', '.join(COLLECTIVE_OPS)}")
+        if self.bytes <= 0:
+            raise RecordError(f"collective timing of {self.op}: bytes must be > 0, not {self.bytes}")
+        if not math.isfinite(self.seconds) or self.seconds <= 0:
+            raise RecordError(f"collective timing of {self.op}: seconds must be finite and > 0, not {self.seconds}")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "CollectiveTiming":
+        missing = [key for key in ("op", "bytes", "seconds") if key not in data]
+        if missing:
+            raise RecordError(f"collective timing without {', '.join(repr(key) for key in missing)}")
+        return cls(str(data["op"]), int(data["bytes"]), float(data["seconds"]))
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """The profile one launch took after its first optimizer step (its second on CUDA).
@@ -171,12 +207,17 @@ class ModelInfo:
     num_shard_units: int = 0
     device_memory_bytes: int | None = None
     engines_in_process: int = 1
+    backend: str | None = None  # the process group's: "gloo", "nccl"
+    # Taken after the profile window when the launch times one (so the window never measures
+    # the probe); empty with one rank, or in a file from before the probe.
+    collective_timings: tuple[CollectiveTiming, ...] = ()
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         for key in ("activation_bytes_per_rank", "peak_memory_bytes_per_rank"):
             data[key] = list(data[key])
+        data["collective_timings"] = [timing.to_json() for timing in self.collective_timings]
         return data
 
     @classmethod
@@ -186,8 +227,10 @@ class ModelInfo:
             values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
             for key in ("activation_bytes_per_rank", "peak_memory_bytes_per_rank"):
                 values[key] = tuple(values.get(key) or ())
+            values["collective_timings"] = tuple(
+                CollectiveTiming.from_json(item) for item in values.get("collective_timings") or ())
             return cls(**values)
-        except TypeError as err:
+        except (TypeError, KeyError, ValueError) as err:
             raise RecordError(f"model info record: {err}") from None
 
 

@@ -3,14 +3,16 @@ info after step 1 (CPU) or 2 (CUDA), the metrics after the profile window, and t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from autotuner.boundary import MeasurementRequest, request_from_env, write_record
+from autotuner.boundary import CollectiveTiming, MeasurementRequest, ModelInfo, request_from_env, write_record
 from autotuner.config.models import DeepSpeedConfig
+from autotuner.runtime.comm_probe import probe_collectives
 from autotuner.runtime.memory_probes import optimizer_state_bytes
 from autotuner.runtime.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
 from autotuner.runtime.profile import device_memory_bytes, write_model_info
@@ -34,6 +36,9 @@ def measurement_request(config: DeepSpeedConfig) -> MeasurementRequest | None:
 class MeasurementHooks:
     """Mixed into Engine: reads its ctx, batch, window, probes and request."""
 
+    _probe_after_window = False  # every rank: time the collectives once the window is measured
+    _model_info: ModelInfo | None = None  # rank 0: what it wrote, for the probe's timings to join
+
     def _parameters_for_probe(self) -> list[torch.Tensor]:
         return list(self.wrapped.parameters())
 
@@ -46,6 +51,7 @@ class MeasurementHooks:
     def _write_model_info(self) -> None:
         """After step 1 (CPU) or 2 (CUDA): parameters, activation bytes, optimizer-state bytes and
         peak memory, and on CUDA the peaks of forward+backward and of the optimizer step apart.
+        A profile launch also times the collectives on the job's process group (comm_probe.py).
 
         When the request says so, every rank then leaves with status 0."""
         activation_per_rank = self._gather_max(self._activation_probe.bytes_saved)
@@ -62,8 +68,16 @@ class MeasurementHooks:
         if self._phase_peaks is not None:
             phases = (max(self._gather_max(self._phase_peaks.forward_backward_bytes)),
                       max(self._gather_max(self._phase_peaks.optimizer_step_bytes)))
+        # The probe must not be in anything this launch measures: its buffers, and what gloo's
+        # reduce-scatter and all-gather leave resident (measured: the window's CPU peak went from
+        # 324 to 410-490 MiB per rank), would sit in the window's peak, and its half second in a
+        # step's time. So it runs here, after the peaks
+        # above, only when the ranks leave next; a launch that goes on to time its window runs it
+        # once the window's figures are taken (_finish_profile), and a run that just trains, never.
+        timings = self._probe() if self._request.exit_after_model_info else ()
+        self._probe_after_window = not self._request.exit_after_model_info and self._exit_after_window
         if self.ctx.rank == 0:
-            write_model_info(
+            self._model_info = write_model_info(
                 self._request.model_info_path,
                 zero_stage_module=self.wrapped,
                 activation_bytes_per_rank=activation_per_rank,
@@ -78,9 +92,15 @@ class MeasurementHooks:
                 precision=self.precision,
                 world_size=self.ctx.world_size,
                 engines_in_process=self.created_in_process,
+                backend=self.ctx.backend,
+                collective_timings=timings,
             )
         if self._request.exit_after_model_info:
             self._leave()
+
+    def _probe(self) -> tuple[CollectiveTiming, ...]:
+        # The default group: the one DDP, ZeRO-1 and FSDP2 run on.
+        return probe_collectives(self.ctx.device)
 
     def _leave(self) -> None:
         # os._exit, not sys.exit: interpreter teardown can deadlock freeing DDP's Reducer (gloo's
@@ -114,4 +134,14 @@ class MeasurementHooks:
             )
             write_record(self._request.metrics_path, measurement)
             print(f"autotuner: profile steps done; metrics written to {self._request.metrics_path}", flush=True)
+        if self._probe_after_window:
+            self._add_collective_timings()
         self._leave()
+
+    def _add_collective_timings(self) -> None:
+        """Once the window's figures are taken: time the collectives, and rank 0 adds them to
+        the model info it wrote after the first step."""
+        timings = self._probe()
+        if self.ctx.rank == 0 and self._model_info is not None:
+            self._model_info = dataclasses.replace(self._model_info, collective_timings=timings)
+            write_record(self._request.model_info_path, self._model_info)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from autotuner.boundary import ModelInfo, write_record
+from autotuner.boundary import CollectiveTiming, ModelInfo, write_record
 
 
 class FlopProbe:
@@ -119,7 +119,9 @@ def write_model_info(
     precision: str,
     world_size: int,
     engines_in_process: int = 1,
-) -> None:
+    backend: str | None = None,
+    collective_timings: tuple[CollectiveTiming, ...] = (),
+) -> ModelInfo:
     total, trainable = count_parameters(zero_stage_module)
     info = ModelInfo(
         num_params=total,
@@ -141,5 +143,8 @@ def write_model_info(
         precision=precision,
         world_size=world_size,
         engines_in_process=engines_in_process,
+        backend=backend,
+        collective_timings=tuple(collective_timings),
     )
     write_record(path, info)
+    return info
