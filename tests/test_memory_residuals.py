@@ -60,3 +60,9 @@ def test_an_oom_already_predicted_changes_nothing_and_without_runs_raises_the_wh
 def test_model_error_is_the_largest_relative_miss():
     assert model_error([110, 95], [100, 100]) == pytest.approx(0.10)
     assert model_error([None], [100]) is None
+
+
+def test_without_known_per_sample_bytes_a_lone_peak_is_taken_as_per_sample():
+    fit = fit_residuals([seen(32, 320)], per_sample_when_alone=True)["DDP"]
+    assert fit.per_sample_bytes == pytest.approx(10 * MiB) and fit.slope_source == "through the origin"
+    assert fit.bytes_at(16) == pytest.approx(160 * MiB, abs=1)

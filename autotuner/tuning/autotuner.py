@@ -357,7 +357,9 @@ class Autotuner:
     def _refit_memory(self) -> None:
         # The total per-sample cost never goes negative: the analytic activations bound the slope.
         floor = -float(self.profile.activation_bytes_per_sample)
-        self._residual_fits = fit_residuals(self._peak_observations(), {"DDP": floor, "FSDP2": floor})
+        # Without a profile's per-sample bytes (model_info given), a lone peak's excess is per-sample.
+        self._residual_fits = fit_residuals(self._peak_observations(), {"DDP": floor, "FSDP2": floor},
+                                            per_sample_when_alone=self.profile.activation_bytes_per_sample == 0)
 
     # ----- the loop -----
     def _evaluate(self, experiment: Experiment) -> TrialResult:

@@ -56,13 +56,15 @@ def _line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
     return float(intercept), float(slope)
 
 
-def fit_residuals(observations: list[PeakObservation], min_slope: dict[str, float] | None = None
-                  ) -> dict[str, ResidualFit]:
+def fit_residuals(observations: list[PeakObservation], min_slope: dict[str, float] | None = None,
+                  per_sample_when_alone: bool = False) -> dict[str, ResidualFit]:
     """One ResidualFit per family that has observations.
 
     A family measured at one size only borrows the other family's per-sample slope (activations
-    per sample hardly depend on the engine), else it is a constant. `min_slope[family]` keeps the
-    total per-sample cost from going negative (the analytic model's own per-sample bytes, negated).
+    per sample hardly depend on the engine), else it is a constant; with `per_sample_when_alone`
+    (the analytic model knows no per-sample bytes at all) its excess is taken as per-sample
+    instead, a line through the origin. `min_slope[family]` keeps the total per-sample cost from
+    going negative (the analytic model's own per-sample bytes, negated).
     """
     min_slope = min_slope or {}
     lines: dict[str, tuple[float, float] | None] = {}
@@ -79,9 +81,13 @@ def fit_residuals(observations: list[PeakObservation], min_slope: dict[str, floa
             slope = line[1]
         else:
             donors = [lines[f][1] for f in sorted(lines) if f != family and lines[f] is not None]
+            own_points = points[family]
             if donors:
                 slope, source = max(donors), "borrowed from " + next(f for f in sorted(lines) if f != family
                                                                      and lines[f] is not None)
+            elif per_sample_when_alone and own_points and own_points[0][1] > 0:
+                size, residual = own_points[0]
+                slope, source = residual / size, "through the origin"
             else:
                 slope, source = 0.0, "none"
         slope = max(slope, min_slope.get(family, -np.inf))
