@@ -151,16 +151,15 @@ def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path) -> dict
     wall = done.wall_time_s
     stdout = (work / "tuner.out").read_text()
     table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
+    # Every launch counts: profile launches are experiments (phase "profile"), re-measurements too.
     launched = table[table.state != "pruned"]
-    ok = launched[launched.state == "ok"]
-    best = ok.loc[ok.metric_value.idxmax()] if len(ok) else None
+    chosen_rows = table[table.chosen]
     # The pick with its knobs (full mode), as the tuner recorded it.
-    chosen = None if best is None else TrialResult.from_json(json.loads(
-        (work / "autotuning_exps" / best["name"] / RECORD_FILE).read_text())["result"]).experiment
+    chosen = None if chosen_rows.empty else TrialResult.from_json(json.loads(
+        (work / "autotuning_exps" / chosen_rows.iloc[0]["name"] / RECORD_FILE).read_text())["result"]).experiment
     predicted = dict(re.findall(r"z(\d)=(\d+)", stdout.split("largest micro-batch per stage:")[-1].split("\n")[0]))
-    profiles = len(list((work / "autotuning_exps").glob("profile_*")))
     return {
-        "returncode": done.returncode, "wall_s": wall, "experiments": len(launched) + profiles,
+        "returncode": done.returncode, "wall_s": wall, "experiments": len(launched),
         "oom_or_failed": int((launched.state != "ok").sum()),
         "chosen": chosen,
         "predicted_max_micro": {int(k): int(v) for k, v in predicted.items()},
