@@ -88,6 +88,12 @@ WORKLOADS = {
                     MAPPINGS_OURS, (8, 16, 32, 64), 128, 1000 * 2**20),
     "convnet": Workload("convnet", "benchmarks/workloads/convnet.py", ("--steps", "50"),
                         MAPPINGS_OURS, (8, 16, 32, 64), 128, 700 * 2**20),
+    # best micro-batch 32, not the largest that fits (64); every stage x micro fits (peak 805 MiB)
+    "knee": Workload("knee", "benchmarks/workloads/knee.py", ("--steps", "50"),
+                     MAPPINGS_OURS, (8, 16, 32, 64), 128, 900 * 2**20),
+    # ZeRO 1 beats ZeRO 0 (AdamW's CPU step dominates); every stage x micro fits (peak 758 MiB)
+    "zero1_wins": Workload("zero1_wins", "benchmarks/workloads/zero1_wins.py", ("--steps", "50"),
+                           MAPPINGS_OURS, (8, 16, 32, 64), 128, 900 * 2**20),
 }
 
 
