@@ -10,13 +10,14 @@ Nothing is launched here: `evaluate` does that.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 from autotuner.tuning.cost_model import CostContext
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.search import (Evaluate, Fits, OffloadFallback, SearchPolicy, SearchSpace, _always_fits,
-                                     _no_fallback, fitting_micro_batch_sizes, ladder_sizes, search_knobs)
+                                     _no_fallback, fitting_micro_batch_sizes, ladder_sizes, search_knobs,
+                                     stage_space_for)
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.tuners import drive
 from autotuner.tuning.tuners.predictive import Prediction, PredictiveTuner
@@ -45,17 +46,10 @@ def candidate_space(space: SearchSpace, predicted_largest: dict[int, int], fits:
     """Every stage at its ladder sizes (or the user's fixed sizes) that the memory model lets run."""
     candidates: list[Experiment] = []
     for stage in sorted(space.stages):
-        stage_space = space
-        predicted = min(predicted_largest.get(stage, space.max_micro_batch_size), space.max_micro_batch_size)
-        if predicted < space.min_micro_batch_size:
-            fallback = offload_fallback(stage)
-            if fallback is None or min(fallback[1], space.max_micro_batch_size) < space.min_micro_batch_size:
-                prune(stage, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
-                continue
-            knobs, predicted = fallback
-            stage_space = replace(space, stage_knobs=tuple(sorted(knobs.items())))
-            report(f"ZeRO {stage}: fits no micro-batch on the device; searched with "
-                   + ", ".join(f"{k}.device={v}" for k, v in sorted(knobs.items())))
+        settled = stage_space_for(space, stage, predicted_largest, prune, offload_fallback, report)
+        if settled is None:
+            continue
+        stage_space, predicted = settled
         if space.fixed_micro_batch_sizes:
             sizes = [m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
         else:

@@ -259,6 +259,26 @@ def _no_fallback(stage: int) -> None:
     return None
 
 
+def stage_space_for(space: SearchSpace, stage: int, predicted_largest: dict[int, int],
+                    prune: Callable[[int, str], None], offload_fallback: OffloadFallback,
+                    report: Callable[[str], None]) -> tuple[SearchSpace, int] | None:
+    """The space a stage is searched in and its largest micro-batch: as configured, or with CPU
+    offload when it fits nothing on the device and the fallback offers it; None (pruned) else."""
+    predicted = min(predicted_largest.get(stage, space.max_micro_batch_size), space.max_micro_batch_size)
+    if predicted >= space.min_micro_batch_size:
+        return space, predicted
+    fallback = offload_fallback(stage)
+    if fallback is None or min(fallback[1], space.max_micro_batch_size) < space.min_micro_batch_size:
+        prune(stage, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
+        return None
+    knobs, largest_offloaded = fallback
+    predicted = min(largest_offloaded, space.max_micro_batch_size)
+    report(f"ZeRO {stage}: fits no micro-batch on the device; searched with "
+           + ", ".join(f"{k}.device={v}" for k, v in sorted(knobs.items()))
+           + f" (largest micro-batch {predicted})")
+    return replace(space, stage_knobs=tuple(sorted(knobs.items()))), predicted
+
+
 def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict[int, int], evaluate: Evaluate,
                prune: Callable[[int, str], None], fits: Fits = _always_fits,
                offload_fallback: OffloadFallback = _no_fallback,
@@ -276,19 +296,10 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict
 
     largest_so_far = 0
     for stage in sorted(space.stages):
-        predicted = min(predicted_largest.get(stage, space.max_micro_batch_size), space.max_micro_batch_size)
-        stage_space = space
-        if predicted < space.min_micro_batch_size:
-            fallback = offload_fallback(stage)
-            if fallback is None or min(fallback[1], space.max_micro_batch_size) < space.min_micro_batch_size:
-                prune(stage, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
-                continue
-            knobs, largest_offloaded = fallback
-            stage_space = replace(space, stage_knobs=tuple(sorted(knobs.items())))
-            predicted = min(largest_offloaded, space.max_micro_batch_size)
-            report(f"ZeRO {stage}: fits no micro-batch on the device; searched with "
-                   + ", ".join(f"{k}.device={v}" for k, v in sorted(knobs.items()))
-                   + f" (largest micro-batch {predicted})")
+        settled = stage_space_for(space, stage, predicted_largest, prune, offload_fallback, report)
+        if settled is None:
+            continue
+        stage_space, predicted = settled
         must_beat = largest_so_far  # a stage's smaller sizes are only worth trying if it fits more
         if not space.fixed_micro_batch_sizes and largest_so_far and predicted <= largest_so_far:
             reason = probe_stage(stage_space, policy, stage, list(measured.values()), evaluate_once, fits)
