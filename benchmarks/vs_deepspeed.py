@@ -234,13 +234,15 @@ def run_deepspeed(args, work: Path, venv: Path) -> dict:
             "problems": problems, "logged_lines": len(logged)}
 
 
-def run_ours(args, work: Path) -> dict:
+def run_ours(args, work: Path, tuner_type: str) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     results, exps = work / "autotuning_results", work / "autotuning_exps"
-    (work / "ds.json").write_text(json.dumps(user_config("autotuner", args, results, exps), indent=2))
+    config = user_config("autotuner", args, results, exps)
+    config["autotuning"]["tuner_type"] = tuner_type
+    (work / "ds.json").write_text(json.dumps(config, indent=2))
     command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2",
                *workload_args("autotuner", "ds.json", args)]
-    log("ours: " + shlex.join(command))
+    log(f"ours ({tuner_type}): " + shlex.join(command))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     code, wall = run_bounded(command, work, env, args.tuner_timeout_s, "ours_tune")
     problems, chosen, reported, launched_count, failed = [], None, None, 0, 0
@@ -248,22 +250,32 @@ def run_ours(args, work: Path) -> dict:
     per_experiment = []
     if csv_path.exists():
         table = pd.read_csv(csv_path)
+        # Every launch counts: profile launches (phase "profile") and final-pick re-measurements too.
         launched = table[table.state != "pruned"]
-        ok = launched[launched.state == "ok"]
-        profiles = len(list(exps.glob("profile_*")))
-        launched_count, failed = len(launched) + profiles, int((launched.state != "ok").sum())
-        if len(ok):
-            best = ok.loc[ok.metric_value.idxmax()]
+        launched_count, failed = len(launched), int((launched.state != "ok").sum())
+        picked = table[table.chosen]
+        if len(picked):
+            best = picked.iloc[0]
             chosen = Experiment(int(best.zero_stage), int(best.micro_batch_size), int(best.gradient_accumulation_steps))
             reported = float(best.metric_value)
-        per_experiment = launched[["name", "state", "metric_value"]].to_dict("records") if "name" in launched else []
+        per_experiment = launched[["name", "phase", "state", "metric_value"]].to_dict("records")
     else:
         problems.append(f"no {csv_path}")
     if code != 0:
         problems.append(f"exit status {code}")
-    return {"tuner": "ours", "command": shlex.join(command), "returncode": code, "wall_s": wall,
+    return {"tuner": f"ours_{tuner_type}", "command": shlex.join(command), "returncode": code, "wall_s": wall,
             "experiments": launched_count, "failed": failed, "chosen": chosen, "reported_metric": reported,
             "per_experiment": per_experiment, "problems": problems}
+
+
+def relative_command(command: str) -> str:
+    """A results row's command as run from the repository root on any machine: this checkout's
+    path and the interpreters' absolute paths are dropped."""
+    words = shlex.split(command)
+    if words and words[0] == sys.executable:
+        words[0] = "python"
+    words = [w.replace(str(ROOT) + os.sep, "") for w in words]
+    return shlex.join(words)
 
 
 # ---------------------------------------------------------------- neutral re-measurement
@@ -298,6 +310,8 @@ def main() -> None:
     parser.add_argument("--grid_micro", default="", help="comma list: also re-measure the best of stages 0-3 x these")
     parser.add_argument("--tuner_timeout_s", type=float, default=1500)
     parser.add_argument("--tuners", default="deepspeed,ours", help="which tuners to run (both for ratios)")
+    parser.add_argument("--our_tuner_types", default="gridsearch,predictive",
+                        help="our autotuner's tuner_type(s), each run as its own tuner (ours_<type>)")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     venv, work = Path(args.venv).resolve(), Path(args.work_dir).resolve()
@@ -313,8 +327,10 @@ def main() -> None:
             runs["deepspeed"] = run_deepspeed(args, work / "deepspeed", venv)
             log(f"DeepSpeed done: {json.dumps({k: str(v) for k, v in runs['deepspeed'].items() if k != 'per_experiment'})}")
     if "ours" in args.tuners:
-        runs["ours"] = run_ours(args, work / "ours")
-        log(f"ours done: {json.dumps({k: str(v) for k, v in runs['ours'].items() if k != 'per_experiment'})}")
+        for tuner_type in args.our_tuner_types.split(","):
+            run = run_ours(args, work / f"ours_{tuner_type}", tuner_type)
+            runs[run["tuner"]] = run
+            log(f"{run['tuner']} done: {json.dumps({k: str(v) for k, v in run.items() if k != 'per_experiment'})}")
 
     settings = neutral_settings(args)
     grid_best, grid_scores = None, {}
@@ -359,14 +375,17 @@ def main() -> None:
                      "remeasured_samples_per_s": round(score, 1) if score else None, "remeasured_values": values,
                      "remeasure_spread_pct": round(100 * half_range / score, 1) if score else None})
     by = {r["tuner"]: r for r in rows}
-    if "deepspeed" in by and "ours" in by:
-        ds, ours = by["deepspeed"], by["ours"]
-        wall_ratio = ours["wall_s"] / ds["wall_s"] if ds["wall_s"] else None
-        pick_ratio = (ours["remeasured_samples_per_s"] / ds["remeasured_samples_per_s"]
-                      if ours["remeasured_samples_per_s"] and ds["remeasured_samples_per_s"] else None)
-        for r in rows:
-            r["wall_ours_over_ds"] = round(wall_ratio, 3) if wall_ratio else None
-            r["pick_ours_over_ds"] = round(pick_ratio, 3) if pick_ratio else None
+    ours_names = [name for name in by if name.startswith("ours_")]
+    ds = by.get("deepspeed")
+    for r in rows:
+        # Each of our tuners against DeepSpeed's, on that row; empty on the others.
+        r["wall_ours_over_ds"] = r["pick_ours_over_ds"] = None
+        if ds is None or r["tuner"] not in ours_names:
+            continue
+        if ds["wall_s"]:
+            r["wall_ours_over_ds"] = round(r["wall_s"] / ds["wall_s"], 3)
+        if r["remeasured_samples_per_s"] and ds["remeasured_samples_per_s"]:
+            r["pick_ours_over_ds"] = round(r["remeasured_samples_per_s"] / ds["remeasured_samples_per_s"], 3)
     if grid_best is not None:
         best_score = by["grid_best"]["remeasured_samples_per_s"]
         for r in rows:
@@ -376,7 +395,8 @@ def main() -> None:
     for r in rows:
         r["load_avg_start_end"] = f"{load[0]:.1f}/{load_end[0]:.1f}"
         r["problems"] = "; ".join(runs[r["tuner"]]["problems"]) if r["tuner"] in runs else ""
-        r["command"] = runs[r["tuner"]]["command"] if r["tuner"] in runs else "grid: stages 0-3 x " + args.grid_micro
+        r["command"] = (relative_command(runs[r["tuner"]]["command"]) if r["tuner"] in runs
+                        else "grid: stages 0-3 x " + args.grid_micro)
 
     workload = f"mlp w{args.width} d{args.depth}, " + (
         f"global batch {args.max_train_batch_size}" if args.max_train_batch_size else "gas 1")
@@ -389,22 +409,21 @@ def main() -> None:
     for name, run in runs.items():
         for problem in run["problems"]:
             print(f"- {name}: {problem}")
-    if "deepspeed" in by and "ours" in by:
-        ds, ours = by["deepspeed"], by["ours"]
-        print(f"\nwall time ours/DeepSpeed: {ds.get('wall_ours_over_ds')}; "
-              f"re-measured pick ours/DeepSpeed: {ds.get('pick_ours_over_ds')}")
+    for name in ours_names if ds is not None else []:
+        ours = by[name]
+        print(f"\n{name}: wall time over DeepSpeed's {ours['wall_ours_over_ds']}; "
+              f"re-measured pick over DeepSpeed's {ours['pick_ours_over_ds']}")
         losses = []
-        if ds.get("pick_ours_over_ds") and ds["pick_ours_over_ds"] < 1:
-            losses.append(f"our pick is {100 * (1 - ds['pick_ours_over_ds']):.1f}% slower than DeepSpeed's "
-                          f"when both are re-measured (spread ours {ours['remeasure_spread_pct']}%, "
+        if ours["pick_ours_over_ds"] and ours["pick_ours_over_ds"] < 1:
+            losses.append(f"its pick is {100 * (1 - ours['pick_ours_over_ds']):.1f}% slower than DeepSpeed's "
+                          f"when both are re-measured (spread {ours['remeasure_spread_pct']}%, "
                           f"DeepSpeed {ds['remeasure_spread_pct']}%)")
-        if ds.get("wall_ours_over_ds") and ds["wall_ours_over_ds"] > 1:
-            losses.append(f"our tuning took {ds['wall_ours_over_ds']:.2f}x DeepSpeed's wall time")
+        if ours["wall_ours_over_ds"] and ours["wall_ours_over_ds"] > 1:
+            losses.append(f"its tuning took {ours['wall_ours_over_ds']:.2f}x DeepSpeed's wall time")
         if (ours["experiments_launched"] or 0) > (ds["experiments_launched"] or 0):
-            losses.append(f"we launched more experiments ({ours['experiments_launched']} vs "
+            losses.append(f"it launched more experiments ({ours['experiments_launched']} vs "
                           f"{ds['experiments_launched']})")
-        print("where we lose: " + ("; ".join(losses) if losses else "nowhere in this run"))
-
+        print("where it loses: " + ("; ".join(losses) if losses else "nowhere in this run"))
 
 if __name__ == "__main__":
     main()

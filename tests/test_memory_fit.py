@@ -10,7 +10,7 @@ from autotuner.tuning.experiment import ExperimentSettings
 from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, estimate, model_state_bytes
 from autotuner.tuning.profiling import peak_fit
 from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search import SearchPolicy, SearchSpace, run_search
+from autotuner.tuning.search import SearchPolicy, run_search
 from autotuner.tuning.space import Experiment
 from fakes import FakeRunner, fingerprint, model_info, never_called
 
@@ -105,27 +105,28 @@ def offload_tuner(tmp_path, device_type: str, zero: dict | None = None):
                                   timeout_s=30.0)
     tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", FakeRunner(never_called),
                       fingerprint(), report=lambda line: None)
-    tuner.profile = ModelProfile(P, 100 * MiB, num_shard_units=10)
-    tuner.precision = "bf16"
-    tuner.budget_bytes = 1200 * MiB  # 100 M parameters need 1.6 GB of fp32 states and Adam moments alone
-    tuner._device_type = device_type
+    tuner.memory.profile = ModelProfile(P, 100 * MiB, num_shard_units=10)
+    tuner.memory.precision = "bf16"
+    tuner.memory.budget_bytes = 1200 * MiB  # 100 M parameters need 1.6 GB of fp32 states and Adam moments alone
+    tuner.memory.device_type = device_type
     return tuner
 
 
 def test_a_stage_that_fits_nothing_on_a_gpu_is_offered_offload(tmp_path):
     tuner = offload_tuner(tmp_path, "cuda")
-    assert tuner.predicted_largest() == {0: 0, 1: 0, 2: 0, 3: 0}
-    assert tuner.offload_fallback(0) is None and tuner.offload_fallback(1) is None
-    knobs, largest = tuner.offload_fallback(3)
+    assert tuner.memory.predicted_largest() == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert tuner.memory.offload_fallback(0) is None and tuner.memory.offload_fallback(1) is None
+    knobs, largest = tuner.memory.offload_fallback(3)
     assert knobs == {"offload_optimizer": "cpu", "offload_param": "cpu"} and largest >= 1
-    assert tuner.fits(Experiment(3, largest, 1).with_knobs(knobs))
-    assert tuner.offload_fallback(2)[0] == {"offload_optimizer": "cpu"}  # DeepSpeed offloads params at stage 3 only
+    assert tuner.memory.fits(Experiment(3, largest, 1).with_knobs(knobs))
+    # DeepSpeed offloads parameters at stage 3 only
+    assert tuner.memory.offload_fallback(2)[0] == {"offload_optimizer": "cpu"}
 
 
 def test_no_offload_is_offered_off_cuda_or_over_the_users_own_offload_section(tmp_path):
-    assert offload_tuner(tmp_path, "cpu").offload_fallback(3) is None
+    assert offload_tuner(tmp_path, "cpu").memory.offload_fallback(3) is None
     user = offload_tuner(tmp_path, "cuda", {"offload_optimizer": {"device": "none"}})
-    assert user.offload_fallback(3) is None
+    assert user.memory.offload_fallback(3) is None
 
 
 def test_the_search_launches_only_offloaded_experiments_when_nothing_else_fits(tmp_path):
@@ -136,8 +137,8 @@ def test_the_search_launches_only_offloaded_experiments_when_nothing_else_fits(t
         launched.append(experiment)
         return TrialResult(experiment, TrialState.OK, value=float(experiment.micro_batch_size))
 
-    run_search(tuner.space, SearchPolicy(Objective("throughput")), tuner.predicted_largest(), evaluate,
-               lambda stage, reason: lines.append(f"pruned {stage}"), tuner.fits, tuner.offload_fallback,
+    run_search(tuner.space, SearchPolicy(Objective("throughput")), tuner.memory.predicted_largest(), evaluate,
+               lambda stage, reason: lines.append(f"pruned {stage}"), tuner.memory.fits, tuner.memory.offload_fallback,
                lines.append)
     assert launched and all(dict(e.knobs).get("offload_optimizer") == "cpu" for e in launched)
     assert {e.zero_stage for e in launched} <= {2, 3}

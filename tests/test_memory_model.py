@@ -276,57 +276,60 @@ def calibrating_tuner(tmp_path, budget_mib: int = 1000):
     lines: list[str] = []
     tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", FakeRunner(never_called),
                       fingerprint(), report=lines.append)
-    tuner.profile = ModelProfile(25_000_000, 2**20, baseline_bytes=150 * MiB, num_shard_units=6)
-    tuner.budget_bytes = budget_mib * MiB
+    tuner.memory.profile = ModelProfile(25_000_000, 2**20, baseline_bytes=150 * MiB, num_shard_units=6)
+    tuner.memory.budget_bytes = budget_mib * MiB
     return tuner, lines
 
 
 def measured(tuner, experiment, peak_bytes, state=None):
     return TrialResult(experiment, state or TrialState.OK, value=1.0 if state is None else None,
-                       predicted_memory_bytes=tuner.predicted_memory(experiment), measured_memory_bytes=peak_bytes)
+                       predicted_memory_bytes=tuner.memory.predicted_memory(experiment),
+                       measured_memory_bytes=peak_bytes)
 
 
 def test_fits_keeps_the_safety_margin_until_an_engine_has_been_measured(tmp_path):
     tuner, _ = calibrating_tuner(tmp_path)
-    usable = usable_bytes(tuner.budget_bytes, 0.1)
+    usable = usable_bytes(tuner.memory.budget_bytes, 0.1)
     for stage in (0, 1, 2, 3):
         for micro in (1, 16, 64, 256):
             experiment = Experiment(stage, micro)
-            assert tuner.fits(experiment) == (tuner.predicted_memory(experiment) <= usable)
+            assert tuner.memory.fits(experiment) == (tuner.memory.predicted_memory(experiment) <= usable)
 
 
 def test_a_measured_overrun_is_allowed_for_in_later_launches_of_that_engine(tmp_path):
     tuner, lines = calibrating_tuner(tmp_path)
-    sizes = [m for m in range(1, 2000) if tuner.fits(Experiment(2, m))]
-    largest_before = max(sizes)
-    largest_ddp_before = max(m for m in range(1, 2000) if tuner.fits(Experiment(0, m)))
+
+    def largest(stage):
+        return max(m for m in range(1, 2000) if tuner.memory.fits(Experiment(stage, m)))
+
+    largest_before, largest_ddp_before = largest(2), largest(0)
     # An FSDP2 launch peaked 200 MiB over the model.
     probe = Experiment(3, 8)
-    tuner._learn_memory(measured(tuner, probe, tuner.predicted_memory(probe) + 200 * MiB))
-    largest_after = max(m for m in range(1, 2000) if tuner.fits(Experiment(2, m)))
+    tuner.memory.learn(measured(tuner, probe, tuner.memory.predicted_memory(probe) + 200 * MiB))
+    largest_after = largest(2)
     # 200 MiB over, against half the margin (50 MiB) given back: 150 MiB less room, 1 MiB per sample.
     assert largest_before - largest_after == pytest.approx(150, abs=2)
     # DDP, not measured yet, borrows FSDP2's fit and keeps the whole margin; once measured, it has its own.
-    assert max(m for m in range(1, 2000) if tuner.fits(Experiment(0, m))) == pytest.approx(largest_ddp_before - 200,
-                                                                                           abs=1)
+    assert largest(0) == pytest.approx(largest_ddp_before - 200, abs=1)
     ddp = Experiment(0, 8)
-    tuner._learn_memory(measured(tuner, ddp, tuner.analytic_memory(ddp) + 50 * MiB))
-    assert max(m for m in range(1, 2000) if tuner.fits(Experiment(0, m))) == pytest.approx(largest_ddp_before, abs=1)
-    assert largest_before - max(m for m in range(1, 2000) if tuner.fits(Experiment(2, m))) == pytest.approx(150, abs=2)
+    tuner.memory.learn(measured(tuner, ddp, tuner.memory.analytic_memory(ddp) + 50 * MiB))
+    assert largest(0) == pytest.approx(largest_ddp_before, abs=1)
+    assert largest_before - largest(2) == pytest.approx(150, abs=2)
     assert lines[0] == ("memory model: FSDP2 fitted on 1 measured peak(s): analytic + 200 MiB + 0.00 MiB per sample "
                         "(none)")
 
 
 def test_peaks_at_two_sizes_fit_the_per_sample_growth_the_analytic_model_misses(tmp_path):
     tuner, lines = calibrating_tuner(tmp_path)
-    truth = lambda e: tuner.analytic_memory(e) + 30 * MiB + 3 * MiB * e.micro_batch_size  # noqa: E731
+    truth = lambda e: tuner.memory.analytic_memory(e) + 30 * MiB + 3 * MiB * e.micro_batch_size  # noqa: E731
     for micro in (2, 32):
-        tuner._learn_memory(measured(tuner, Experiment(0, micro), truth(Experiment(0, micro))))
+        tuner.memory.learn(measured(tuner, Experiment(0, micro), truth(Experiment(0, micro))))
     for micro in (1, 8, 64, 200):
-        assert tuner.predicted_memory(Experiment(0, micro)) == pytest.approx(truth(Experiment(0, micro)), abs=2)
+        assert tuner.memory.predicted_memory(Experiment(0, micro)) == pytest.approx(truth(Experiment(0, micro)), abs=2)
     # FSDP2, measured once, keeps its own offset but borrows DDP's per-sample growth.
-    tuner._learn_memory(measured(tuner, Experiment(3, 16), tuner.analytic_memory(Experiment(3, 16)) + 100 * MiB))
-    fsdp = lambda m: tuner.predicted_memory(Experiment(3, m)) - tuner.analytic_memory(Experiment(3, m))  # noqa: E731
+    tuner.memory.learn(measured(tuner, Experiment(3, 16), tuner.memory.analytic_memory(Experiment(3, 16)) + 100 * MiB))
+    memory = tuner.memory
+    fsdp = lambda m: memory.predicted_memory(Experiment(3, m)) - memory.analytic_memory(Experiment(3, m))  # noqa: E731
     assert fsdp(16) == pytest.approx(100 * MiB, abs=2)
     assert fsdp(48) - fsdp(16) == pytest.approx(32 * 3 * MiB, abs=2)
     assert "(borrowed from DDP)" in lines[-1]
@@ -336,14 +339,14 @@ def test_an_oom_raises_the_fitted_line_to_the_budget_there(tmp_path):
     tuner, lines = calibrating_tuner(tmp_path)
     for micro in (2, 16):
         e = Experiment(0, micro)
-        tuner._learn_memory(measured(tuner, e, tuner.analytic_memory(e) + 10 * MiB))
+        tuner.memory.learn(measured(tuner, e, tuner.memory.analytic_memory(e) + 10 * MiB))
     oom = Experiment(0, 100)
-    assert tuner.fits(Experiment(0, 90))
-    tuner._learn_memory(measured(tuner, oom, None, TrialState.OOM))
-    assert tuner.predicted_memory(oom) >= tuner.budget_bytes
-    assert not tuner.fits(Experiment(0, 90))  # the line pivots on 16, so sizes just below rise too
+    assert tuner.memory.fits(Experiment(0, 90))
+    tuner.memory.learn(measured(tuner, oom, None, TrialState.OOM))
+    assert tuner.memory.predicted_memory(oom) >= tuner.memory.budget_bytes
+    assert not tuner.memory.fits(Experiment(0, 90))  # the line pivots on 16, so sizes just below rise too
     e = Experiment(0, 16)
-    assert tuner.predicted_memory(e) == pytest.approx(tuner.analytic_memory(e) + 10 * MiB, abs=2)
+    assert tuner.memory.predicted_memory(e) == pytest.approx(tuner.memory.analytic_memory(e) + 10 * MiB, abs=2)
     assert "(raised by OOM)" in lines[-1]
 
 
@@ -351,5 +354,5 @@ def test_an_allocator_oom_without_a_measured_peak_counts_as_the_whole_budget(tmp
     from autotuner.tuning.records import TrialState
     tuner, _ = calibrating_tuner(tmp_path)
     oom = Experiment(1, 64)
-    tuner._learn_memory(measured(tuner, oom, None, TrialState.OOM))
-    assert not tuner.fits(oom)
+    tuner.memory.learn(measured(tuner, oom, None, TrialState.OOM))
+    assert not tuner.memory.fits(oom)

@@ -9,8 +9,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-import psutil
-
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
 from autotuner.launch.script_args import replace_config
@@ -19,18 +17,16 @@ from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_c
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.comm_fit import fit_collectives
 from autotuner.tuning.cost_model import CostContext
-from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile, StageSettings, engine_family, estimate, usable_bytes
-from autotuner.tuning.memory_fit import PeakObservation, ResidualFit, fit_residuals
+from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile, engine_family
+from autotuner.tuning.memory_book import SAFETY_MARGIN, MemoryBook
 from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive_search
 from autotuner.tuning.profiling import profile_from_config, profile_model
-from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.final_pick import Contender, contenders, describe, interleaved_order, pick
 from autotuner.tuning.results import Explanation, PredictedPoint, write_results
 from autotuner.tuning.runners import Runner
 from autotuner.tuning.search import DEFAULT_KNOBS, SearchPolicy, SearchSpace, ladder_sizes, run_search
 from autotuner.tuning.space import Experiment
-
-SAFETY_MARGIN = 0.1
 
 
 class TuningFailed(AutotunerError):
@@ -101,18 +97,6 @@ def search_space(config: DeepSpeedConfig, data_parallel_size: int) -> SearchSpac
     )
 
 
-def _offload_sections(config: DeepSpeedConfig) -> tuple[bool, bool]:
-    """Whether the user wrote each offload section at all (any device): then it is not tuned."""
-    zero = config.zero_optimization
-    return zero.offload_optimizer is not None, zero.offload_param is not None
-
-
-def _offloads(config: DeepSpeedConfig) -> tuple[bool, bool]:
-    zero = config.zero_optimization
-    return (bool(zero.offload_optimizer and zero.offload_optimizer.device == "cpu"),
-            bool(zero.offload_param and zero.offload_param.device == "cpu"))
-
-
 class Autotuner:
     """Runs one tuning job. `report` receives progress lines."""
 
@@ -135,17 +119,13 @@ class Autotuner:
         self._journal: dict[str, TrialResult] = {}  # finished records of this same run, by directory name
         self._launched = 0
         self._started = time.monotonic()
-        self.profile: ModelProfile | None = None
         self._profiled = False  # a profile launch has shown the script runs
-        self.precision = "fp32"  # as the ranks settle it; from the profile when there is one
-        self.budget_bytes: int | None = None
-        self._device_type = "cpu"  # where the ranks run, from the profile (or torch, without one)
-        # Every launch's peak against the analytic model, and per engine the line fitted to what
-        # the analytic model misses (memory_fit.py); refitted after each launch.
+        # Bytes per rank for any experiment: the analytic model plus per engine a line fitted to
+        # every measured peak, refitted after each launch.
+        self.memory = MemoryBook(config, self.space, settings.nproc_per_node,
+                                 bool(base_config(config)["zero_optimization"].get("contiguous_gradients")), report)
         self._profile_names: set[str] = set()
         self.predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
-        self._peak_results: list[TrialResult] = []  # launches with a peak (or an OOM), in order
-        self._residual_fits: dict[str, ResidualFit] = {}
 
     # ----- set-up -----
     def _prepare_dirs(self) -> None:
@@ -182,7 +162,7 @@ class Autotuner:
         self._results[experiment] = result
         self._profile_names.add(experiment.name)
         self._progress(result, reused is result)
-        self._learn_memory(result)
+        self.memory.learn(result)
         return result
 
     def _profile_sizes(self) -> tuple[int, Callable[[ModelProfile, int], int | None]]:
@@ -196,11 +176,11 @@ class Autotuner:
 
         def second(profile: ModelProfile, stage: int) -> int | None:
             first_info = next(r.model_info for r in self._results.values() if r.model_info is not None)
-            self._settle_budget(first_info.device_memory_bytes)
-            self.profile = profile
-            self._refit_memory()
-            fitting = [m for m in pool if self.fits(space.experiment(stage, m))]
-            self.profile = None
+            self.memory.settle_budget(first_info.device_memory_bytes)
+            self.memory.profile = profile
+            self.memory.refit()
+            fitting = [m for m in pool if self.memory.fits(space.experiment(stage, m))]
+            self.memory.profile = None
             if not fitting:
                 return None
             target = max(fitting) / 2
@@ -209,24 +189,14 @@ class Autotuner:
 
         return pool[0], second
 
-    def _stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
-                        knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
-        # Ranks on a CPU-only machine drop offload (everything is host memory already).
-        offload_optimizer, offload_param = _offloads(self.config) if self._device_type == "cuda" else (False, False)
-        by_knob = Experiment(stage, 1, 1, knobs).offloaded()
-        offload_optimizer, offload_param = offload_optimizer or by_knob[0], offload_param or by_knob[1]
-        zero = base_config(self.config)["zero_optimization"]
-        return StageSettings(stage, self.precision, self.settings.data_parallel_size, offload_optimizer,
-                             offload_param, bool(zero.get("contiguous_gradients")), gradient_accumulation_steps)
-
     def _measure_model(self) -> None:
         tuning = self.config.autotuning
         if tuning.model_info is not None and tuning.model_info.num_params:
-            self.profile = profile_from_config(tuning.model_info)
-            self.precision = self.config.with_device_precision(_cuda_bf16()).precision
+            self.memory.profile = profile_from_config(tuning.model_info)
+            self.memory.precision = self.config.with_device_precision(_cuda_bf16()).precision
             device_memory = _visible_gpu_memory()
-            self._device_type = "cuda" if device_memory else "cpu"
-            self.report(f"model_info given: {self.profile.num_params:,} parameters; no profile run")
+            self.memory.device_type = "cuda" if device_memory else "cpu"
+            self.report(f"model_info given: {self.memory.profile.num_params:,} parameters; no profile run")
         else:
             first_size, second_size = self._profile_sizes()
             outcome = profile_model(self.space.stages, self.settings, self._profile_launch, first_size, second_size,
@@ -236,55 +206,23 @@ class Autotuner:
                 where = self.exps_dir / failure.experiment.name
                 raise TuningFailed(f"the model did not run in the profile launch ({failure.state.value}): "
                                    f"{failure.error}; see {where}/stderr.log")
-            self.profile = outcome.profile
-            self._refit_memory()
-            for family in sorted(self._residual_fits):
-                self._report_memory_fit(family)
-            self.precision = outcome.runs[0].precision
+            self.memory.profile = outcome.profile
+            self.memory.refit()
+            self.memory.report_fits()
+            self.memory.precision = outcome.runs[0].precision
             self._profiled = True
             device_memory = outcome.device_memory_bytes
-            self._device_type = "cuda" if device_memory else "cpu"
-            self.report(f"profile: {self.profile.num_params:,} parameters, "
-                        f"{self.profile.activation_bytes_per_sample / 2**20:.2f} MiB activations per sample, "
-                        f"baseline {self.profile.baseline_bytes / 2**20:.0f} MiB per rank")
-            for fit in self.profile.peak_fits:
+            self.memory.device_type = "cuda" if device_memory else "cpu"
+            self.report(f"profile: {self.memory.profile.num_params:,} parameters, "
+                        f"{self.memory.profile.activation_bytes_per_sample / 2**20:.2f} MiB activations per sample, "
+                        f"baseline {self.memory.profile.baseline_bytes / 2**20:.0f} MiB per rank")
+            for fit in self.memory.profile.peak_fits:
                 self.report(f"profile: {engine_family(fit.zero_stage)} measured peaks: forward+backward "
                             f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.1f} MiB per sample, "
                             f"optimizer step {fit.optimizer_step_bytes / 2**20:.0f} MiB")
-        self._settle_budget(device_memory)
-        self.report(f"memory budget: {self.budget_bytes / 2**20:.0f} MiB per rank (safety margin {SAFETY_MARGIN:.0%})")
-
-    def _settle_budget(self, device_memory: int | None) -> None:
-        tuning = self.config.autotuning
-        self._device_type = "cuda" if device_memory else "cpu"
-        if tuning.memory_per_rank_bytes:
-            self.budget_bytes = tuning.memory_per_rank_bytes
-        elif device_memory:
-            self.budget_bytes = device_memory
-        else:
-            self.budget_bytes = psutil.virtual_memory().total // self.settings.nproc_per_node
-
-    def predicted_largest(self) -> dict[int, int]:
-        """Per stage, the largest micro-batch whose experiment (with its own gas) the fitted model
-        lets run."""
-        largest = {}
-        for stage in self.space.stages:
-            fitting = [m for m in self.space.valid_micro_batch_sizes(self.space.max_micro_batch_size)
-                       if self.fits(self.space.experiment(stage, m))]
-            largest[stage] = max(fitting, default=0)
-        return largest
-
-    def analytic_memory(self, experiment: Experiment) -> int:
-        """The analytic model's bytes per rank for `experiment`, before any fitted correction."""
-        settings = self._stage_settings(experiment.zero_stage, experiment.gradient_accumulation_steps,
-                                        experiment.knobs)
-        return estimate(self.profile, settings, experiment.micro_batch_size).total
-
-    def _residual_fit(self, stage: int) -> ResidualFit | None:
-        """The engine's own fit, else the other engine's (an engine not measured yet borrows it:
-        allocator slack and under-counted activations are alike in both)."""
-        family = engine_family(stage)
-        return self._residual_fits.get(family) or next(iter(self._residual_fits.values()), None)
+        self.memory.settle_budget(device_memory)
+        self.report(f"memory budget: {self.memory.budget_bytes / 2**20:.0f} MiB per rank "
+                    f"(safety margin {SAFETY_MARGIN:.0%})")
 
     def cost_context(self) -> CostContext:
         """What the throughput model knows before timing a step: the model's size and the links the
@@ -295,71 +233,9 @@ class Autotuner:
         if not links and self.settings.data_parallel_size > 1:
             self.report("predictive: no collective timings in the profile; communication is learned from "
                         "launches only")
-        return CostContext(self.profile.num_params if self.profile else 0, self.settings.data_parallel_size,
-                           COMPUTE_BYTES.get(self.precision, 4), links)
-
-    def predicted_memory(self, experiment: Experiment) -> int:
-        """Bytes per rank: the analytic model plus the residual line fitted to measured peaks."""
-        fit = self._residual_fit(experiment.zero_stage)
-        correction = fit.bytes_at(experiment.micro_batch_size) if fit is not None else 0
-        return self.analytic_memory(experiment) + correction
-
-    def offload_fallback(self, stage: int) -> tuple[dict[str, Any], int] | None:
-        """For a ZeRO 2/3 stage that fits nothing on the GPU: CPU offload and the largest micro-batch
-        it allows. Not offered when the user configured offload (their choice stands) or off CUDA
-        (torch's CPUOffloadPolicy needs a GPU). DeepSpeed offloads parameters only at stage 3."""
-        if stage < 2 or self._device_type != "cuda" or any(_offload_sections(self.config)):
-            return None
-        knobs = {"offload_optimizer": "cpu"} if stage == 2 else {"offload_optimizer": "cpu", "offload_param": "cpu"}
-        usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
-        space = replace(self.space, stage_knobs=tuple(sorted(knobs.items())))
-        fitting = [m for m in space.valid_micro_batch_sizes(self.space.max_micro_batch_size)
-                   if self.predicted_memory(space.experiment(stage, m)) <= usable]
-        return (knobs, max(fitting)) if fitting else None
-
-    def fits(self, experiment: Experiment) -> bool:
-        """The memory model's verdict before a launch. Until peaks of the experiment's own engine
-        were measured it keeps the whole safety margin; once its fit rests on them, half the
-        margin is left for the noise in measured peaks."""
-        fit = self._residual_fits.get(engine_family(experiment.zero_stage))
-        margin = SAFETY_MARGIN / 2 if fit is not None and fit.measured_points else SAFETY_MARGIN
-        return self.predicted_memory(experiment) <= usable_bytes(self.budget_bytes, margin)
-
-    def _learn_memory(self, result: TrialResult) -> None:
-        """Keep the launch's peak (an OOM without one is a lower bound: the whole budget) and refit."""
-        if result.measured_memory_bytes is None and result.state is not TrialState.OOM:
-            return
-        self._peak_results.append(result)
-        if self.profile is None:
-            return  # the profile launches are fitted once the profile exists
-        self._refit_memory()
-        self._report_memory_fit(engine_family(result.experiment.zero_stage))
-
-    def _report_memory_fit(self, family: str) -> None:
-        fit = self._residual_fits.get(family)
-        if fit is not None:
-            self.report(f"memory model: {family} fitted on {fit.measured_points} measured peak(s): analytic + "
-                        f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.2f} MiB per sample "
-                        f"({fit.slope_source})")
-
-    def _peak_observations(self) -> list[PeakObservation]:
-        """The measured peaks against the analytic model as it stands now (the profile refines it)."""
-        observations = []
-        for result in self._peak_results:
-            measured, lower_bound = result.measured_memory_bytes, False
-            if measured is None:
-                measured, lower_bound = self.budget_bytes, True
-            experiment = result.experiment
-            observations.append(PeakObservation(engine_family(experiment.zero_stage), experiment.micro_batch_size,
-                                                self.analytic_memory(experiment), measured, lower_bound))
-        return observations
-
-    def _refit_memory(self) -> None:
-        # The total per-sample cost never goes negative: the analytic activations bound the slope.
-        floor = -float(self.profile.activation_bytes_per_sample)
-        # Without a profile's per-sample bytes (model_info given), a lone peak's excess is per-sample.
-        self._residual_fits = fit_residuals(self._peak_observations(), {"DDP": floor, "FSDP2": floor},
-                                            per_sample_when_alone=self.profile.activation_bytes_per_sample == 0)
+        profile = self.memory.profile
+        return CostContext(profile.num_params if profile else 0, self.settings.data_parallel_size,
+                           COMPUTE_BYTES.get(self.memory.precision, 4), links)
 
     # ----- the loop -----
     def _evaluate(self, experiment: Experiment) -> TrialResult:
@@ -370,7 +246,7 @@ class Autotuner:
             result = reused
         else:
             result = self._launch(Trial(experiment, self.exps_dir / experiment.name, self.settings,
-                                        predicted_memory_bytes=self.predicted_memory(experiment)))
+                                        predicted_memory_bytes=self.memory.predicted_memory(experiment)))
             self._launched += 1
             if (self._launched == 1 and not self._profiled and result.state is TrialState.FAILED
                     and not any(r.state is TrialState.OK for r in self._results.values())):
@@ -380,13 +256,13 @@ class Autotuner:
                                    f"see {self.exps_dir / result.name}/stderr.log")
         self._results[experiment] = result
         self._progress(result, reused is not None)
-        self._learn_memory(result)
+        self.memory.learn(result)
         return result
 
     def _prune(self, stage: int, reason: str) -> None:
         experiment = self.space.experiment(stage, self.space.min_micro_batch_size)
         self._pruned.append(TrialResult(experiment, TrialState.PRUNED, error=reason,
-                                        predicted_memory_bytes=self.predicted_memory(experiment)))
+                                        predicted_memory_bytes=self.memory.predicted_memory(experiment)))
         searched = "not launched" if reason.startswith("memory model") else "not searched further"
         self.report(f"ZeRO {stage}: pruned, {searched} ({reason})")
 
@@ -402,17 +278,17 @@ class Autotuner:
     def tune(self) -> TuningOutcome:
         self._prepare_dirs()
         self._measure_model()
-        largest = self.predicted_largest()
+        largest = self.memory.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " +
                     ", ".join(f"z{s}={m}" for s, m in sorted(largest.items())))
         if self.policy.tuner_type == "predictive":
             outcome = run_predictive_search(self.space, self.policy, largest, self._evaluate, self._prune,
-                                            self.cost_context(), list(self._results.values()), self.fits,
-                                            self.offload_fallback, self.report)
+                                            self.cost_context(), list(self._results.values()), self.memory.fits,
+                                            self.memory.offload_fallback, self.report)
             self.predictions = outcome
         else:
-            run_search(self.space, self.policy, largest, self._evaluate, self._prune, self.fits,
-                       self.offload_fallback, self.report)
+            run_search(self.space, self.policy, largest, self._evaluate, self._prune, self.memory.fits,
+                       self.memory.offload_fallback, self.report)
         # Every launch, the profile launches included (they are experiments too).
         everything = list(self._results.values()) + self._pruned
         best, remeasurements, pick_lines = self._final_pick(list(self._results.values()))
@@ -447,7 +323,7 @@ class Autotuner:
             result = self._journal.get(directory.name)
             if result is None:
                 result = self._launch(Trial(experiment, directory, self.settings,
-                                            predicted_memory_bytes=self.predicted_memory(experiment)))
+                                            predicted_memory_bytes=self.memory.predicted_memory(experiment)))
                 self._launched += 1
             remeasurements.append((round_index + 1, result))
             if result.state is TrialState.OK and result.value is not None:

@@ -49,13 +49,13 @@ def main() -> None:
         for micro in args.micro:
             experiment = Experiment(stage, micro, 1)
             result = tuner._evaluate(experiment)
-            parts = estimate(tuner.profile, tuner._stage_settings(stage), micro)
+            parts = estimate(tuner.memory.profile, tuner.memory.stage_settings(stage), micro)
             metrics = result.metrics or {}
             measured, reserved = metrics.get("peak_memory_bytes"), metrics.get("peak_reserved_bytes")
             predicted = result.predicted_memory_bytes
             rows.append({
-                "preset": args.preset, "num_params": tuner.profile.num_params, "seq_len": args.seq_len,
-                "precision": tuner.precision, "zero_stage": stage, "micro_batch_size": micro,
+                "preset": args.preset, "num_params": tuner.memory.profile.num_params, "seq_len": args.seq_len,
+                "precision": tuner.memory.precision, "zero_stage": stage, "micro_batch_size": micro,
                 "state": result.state.value, "predicted_mib": round(predicted / MiB, 1),
                 "allocated_mib": round(measured / MiB, 1) if measured else None,
                 "reserved_mib": round(reserved / MiB, 1) if reserved else None,

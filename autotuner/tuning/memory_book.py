@@ -1,0 +1,162 @@
+"""The tuner's memory bookkeeping: the analytic model for the profiled model, the per-rank budget,
+and per engine the residual line fitted to every measured peak (memory_fit.py), refitted after
+each launch. The orchestrator asks it one question before every launch: does this fit?"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+import psutil
+
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.tuning.memory import ModelProfile, StageSettings, engine_family, estimate, usable_bytes
+from autotuner.tuning.memory_fit import PeakObservation, ResidualFit, fit_residuals
+from autotuner.tuning.records import TrialResult, TrialState
+from autotuner.tuning.search import SearchSpace
+from autotuner.tuning.space import Experiment
+
+SAFETY_MARGIN = 0.1
+
+
+def offload_sections(config: DeepSpeedConfig) -> tuple[bool, bool]:
+    """Whether the user wrote each offload section at all (any device): then it is not tuned."""
+    zero = config.zero_optimization
+    return zero.offload_optimizer is not None, zero.offload_param is not None
+
+
+def _offloads(config: DeepSpeedConfig) -> tuple[bool, bool]:
+    zero = config.zero_optimization
+    return (bool(zero.offload_optimizer and zero.offload_optimizer.device == "cpu"),
+            bool(zero.offload_param and zero.offload_param.device == "cpu"))
+
+
+class MemoryBook:
+    """Bytes per rank for any experiment, as well as the launches so far let us know them.
+
+    `profile`, `precision` and the device type are settled by the profile (or the config's
+    model_info); `budget_bytes` by the config, the GPU, or the host's memory per rank."""
+
+    def __init__(self, config: DeepSpeedConfig, space: SearchSpace, nproc_per_node: int,
+                 contiguous_gradients: bool, report: Callable[[str], None]):
+        self.config = config
+        self.space = space
+        self.nproc_per_node = nproc_per_node
+        self.contiguous_gradients = contiguous_gradients
+        self.report = report
+        self.profile: ModelProfile | None = None
+        self.precision = "fp32"
+        self.budget_bytes: int | None = None
+        self.device_type = "cpu"  # where the ranks run
+        self._peak_results: list[TrialResult] = []  # launches with a peak (or an OOM), in order
+        self._residual_fits: dict[str, ResidualFit] = {}
+
+    # ----- what is known -----
+    def settle_budget(self, device_memory: int | None) -> None:
+        tuning = self.config.autotuning
+        self.device_type = "cuda" if device_memory else "cpu"
+        if tuning.memory_per_rank_bytes:
+            self.budget_bytes = tuning.memory_per_rank_bytes
+        elif device_memory:
+            self.budget_bytes = device_memory
+        else:
+            self.budget_bytes = psutil.virtual_memory().total // self.nproc_per_node
+
+    def stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
+                       knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
+        # Ranks on a CPU-only machine drop offload (everything is host memory already).
+        offload_optimizer, offload_param = _offloads(self.config) if self.device_type == "cuda" else (False, False)
+        by_knob = Experiment(stage, 1, 1, knobs).offloaded()
+        offload_optimizer, offload_param = offload_optimizer or by_knob[0], offload_param or by_knob[1]
+        return StageSettings(stage, self.precision, self.space.data_parallel_size, offload_optimizer,
+                             offload_param, self.contiguous_gradients, gradient_accumulation_steps)
+
+    # ----- predictions -----
+    def analytic_memory(self, experiment: Experiment) -> int:
+        """The analytic model's bytes per rank for `experiment`, before any fitted correction."""
+        settings = self.stage_settings(experiment.zero_stage, experiment.gradient_accumulation_steps,
+                                       experiment.knobs)
+        return estimate(self.profile, settings, experiment.micro_batch_size).total
+
+    def _residual_fit(self, stage: int) -> ResidualFit | None:
+        """The engine's own fit, else the other engine's (an engine not measured yet borrows it:
+        allocator slack and under-counted activations are alike in both)."""
+        family = engine_family(stage)
+        return self._residual_fits.get(family) or next(iter(self._residual_fits.values()), None)
+
+    def predicted_memory(self, experiment: Experiment) -> int:
+        """Bytes per rank: the analytic model plus the residual line fitted to measured peaks."""
+        fit = self._residual_fit(experiment.zero_stage)
+        correction = fit.bytes_at(experiment.micro_batch_size) if fit is not None else 0
+        return self.analytic_memory(experiment) + correction
+
+    def fits(self, experiment: Experiment) -> bool:
+        """The verdict before a launch. Until peaks of the experiment's own engine were measured it
+        keeps the whole safety margin; once its fit rests on them, half the margin is left for the
+        noise in measured peaks."""
+        fit = self._residual_fits.get(engine_family(experiment.zero_stage))
+        margin = SAFETY_MARGIN / 2 if fit is not None and fit.measured_points else SAFETY_MARGIN
+        return self.predicted_memory(experiment) <= usable_bytes(self.budget_bytes, margin)
+
+    def predicted_largest(self) -> dict[int, int]:
+        """Per stage, the largest micro-batch whose experiment (with its own gas) is predicted to fit."""
+        largest = {}
+        for stage in self.space.stages:
+            fitting = [m for m in self.space.valid_micro_batch_sizes(self.space.max_micro_batch_size)
+                       if self.fits(self.space.experiment(stage, m))]
+            largest[stage] = max(fitting, default=0)
+        return largest
+
+    def offload_fallback(self, stage: int) -> tuple[dict[str, Any], int] | None:
+        """For a ZeRO 2/3 stage that fits nothing on the GPU: CPU offload and the largest micro-batch
+        it allows. Not offered when the user configured offload (their choice stands) or off CUDA
+        (torch's CPUOffloadPolicy needs a GPU). DeepSpeed offloads parameters only at stage 3."""
+        if stage < 2 or self.device_type != "cuda" or any(offload_sections(self.config)):
+            return None
+        knobs = {"offload_optimizer": "cpu"} if stage == 2 else {"offload_optimizer": "cpu", "offload_param": "cpu"}
+        usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
+        space = replace(self.space, stage_knobs=tuple(sorted(knobs.items())))
+        fitting = [m for m in space.valid_micro_batch_sizes(self.space.max_micro_batch_size)
+                   if self.predicted_memory(space.experiment(stage, m)) <= usable]
+        return (knobs, max(fitting)) if fitting else None
+
+    # ----- learning from launches -----
+    def learn(self, result: TrialResult) -> None:
+        """Keep the launch's peak (an OOM without one is a lower bound: the whole budget) and refit."""
+        if result.measured_memory_bytes is None and result.state is not TrialState.OOM:
+            return
+        self._peak_results.append(result)
+        if self.profile is None:
+            return  # the profile launches are fitted once the profile exists
+        self.refit()
+        self.report_fit(engine_family(result.experiment.zero_stage))
+
+    def refit(self) -> None:
+        # The total per-sample cost never goes negative: the analytic activations bound the slope.
+        floor = -float(self.profile.activation_bytes_per_sample)
+        # Without a profile's per-sample bytes (model_info given), a lone peak's excess is per-sample.
+        self._residual_fits = fit_residuals(self._peak_observations(), {"DDP": floor, "FSDP2": floor},
+                                            per_sample_when_alone=self.profile.activation_bytes_per_sample == 0)
+
+    def report_fits(self) -> None:
+        for family in sorted(self._residual_fits):
+            self.report_fit(family)
+
+    def report_fit(self, family: str) -> None:
+        fit = self._residual_fits.get(family)
+        if fit is not None:
+            self.report(f"memory model: {family} fitted on {fit.measured_points} measured peak(s): analytic + "
+                        f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.2f} MiB per sample "
+                        f"({fit.slope_source})")
+
+    def _peak_observations(self) -> list[PeakObservation]:
+        """The measured peaks against the analytic model as it stands now (the profile refines it)."""
+        observations = []
+        for result in self._peak_results:
+            measured, lower_bound = result.measured_memory_bytes, False
+            if measured is None:
+                measured, lower_bound = self.budget_bytes, True
+            experiment = result.experiment
+            observations.append(PeakObservation(engine_family(experiment.zero_stage), experiment.micro_batch_size,
+                                                self.analytic_memory(experiment), measured, lower_bound))
+        return observations
