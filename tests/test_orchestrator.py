@@ -100,6 +100,32 @@ def test_an_older_format_record_is_set_aside_not_reused(tmp_path):
     assert not old.exists()
 
 
+def test_with_a_global_batch_the_first_profile_size_is_the_smallest_with_at_most_8_accumulation_steps(tmp_path):
+    # Global batch 128 on 2 ranks: micro-batch 1 would run 64 forward/backward passes per step.
+    runner = FakeRunner(profiled(lambda trial: ok(trial, 10.0, 200 * MiB)))
+    lines = []
+    tuner(tmp_path, runner, {"max_train_batch_size": 128, "max_train_micro_batch_size_per_gpu": 64},
+          print_to=lines, train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto").tune()
+    assert runner.trials[0].profile and runner.names[0] == "z0_gas8_mbs8"
+    assert lines[0] == "profile: ZeRO 0, micro-batch 8 ..."
+
+
+def test_a_first_profile_size_out_of_memory_everywhere_falls_back_to_the_smallest(tmp_path):
+    def answer(trial):
+        if trial.experiment.micro_batch_size >= 8:
+            return TrialResult(trial.experiment, TrialState.OOM, error="out of memory on rank 0")
+        return ok(trial, 10.0, 200 * MiB)
+    runner = FakeRunner(profiled(answer))
+    lines = []
+    outcome = tuner(tmp_path, runner, {"max_train_batch_size": 128, "max_train_micro_batch_size_per_gpu": 64},
+                    print_to=lines, train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps="auto",
+                    zero_optimization={"stage": [0, 3]}).tune()
+    assert runner.names[:3] == ["z0_gas8_mbs8", "z3_gas8_mbs8", "z0_gas64_mbs1"]
+    assert "profile: micro-batch 8 ran out of memory at every stage; trying micro-batch 1" in lines
+    assert outcome.best is not None and outcome.best.experiment.micro_batch_size < 8
+    assert all(r.state is TrialState.OOM for r in outcome.results if r.experiment.micro_batch_size >= 8)
+
+
 def test_the_first_launch_failing_without_a_profile_stops_the_run(tmp_path):
     failed = lambda trial: TrialResult(trial.experiment, TrialState.FAILED, error="rank 0: ValueError: bad flag")
     runner = FakeRunner(failed)

@@ -29,6 +29,10 @@ from autotuner.tuning.search import DEFAULT_KNOBS, SearchPolicy, SearchSpace, la
 from autotuner.tuning.space import Experiment
 
 
+# The first profile launch's largest gas: each accumulation step is a whole forward/backward pass.
+PROFILE_MAX_GAS = 8
+
+
 class TuningFailed(AutotunerError):
     """Nothing to choose from: the model did not run, or every experiment failed."""
 
@@ -165,14 +169,22 @@ class Autotuner:
         self.memory.learn(result)
         return result
 
-    def _profile_sizes(self) -> tuple[int, Callable[[ModelProfile, int], int | None]]:
-        """The first profile size (the smallest valid one) and how the second is chosen: about
-        half the largest size the first launch predicts to fit, on the candidate ladder."""
+    def _profile_sizes(self) -> tuple[tuple[int, ...], Callable[[ModelProfile, int], int | None]]:
+        """The first profile sizes to try, in order, and how the second size is chosen: about half
+        the largest size the first launch predicts to fit, on the candidate ladder.
+
+        The first is the smallest ladder size whose gas is at most PROFILE_MAX_GAS: with a global
+        batch, the smallest valid size has the largest gas (micro-batch 1 x gas 64 runs 64
+        forward/backward passes per step, several times a size-8 launch's time). Should it run
+        out of memory at every stage, the smallest valid size is tried (if it does not fit,
+        nothing does)."""
         space = self.space
         pool = sorted(m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None) or \
             space.valid_micro_batch_sizes(space.max_micro_batch_size)
         if not pool:
-            return space.min_micro_batch_size, lambda profile, stage: None
+            return (space.min_micro_batch_size,), lambda profile, stage: None
+        cheap = next((m for m in ladder_sizes(pool) if (space.gas(m) or 1) <= PROFILE_MAX_GAS), pool[0])
+        first_sizes = (cheap, pool[0]) if cheap != pool[0] else (pool[0],)
 
         def second(profile: ModelProfile, stage: int) -> int | None:
             first_info = next(r.model_info for r in self._results.values() if r.model_info is not None)
@@ -187,7 +199,7 @@ class Autotuner:
             below = [m for m in ladder_sizes(fitting) if m <= target] or [min(fitting)]
             return max(below)
 
-        return pool[0], second
+        return first_sizes, second
 
     def _measure_model(self) -> None:
         tuning = self.config.autotuning
@@ -198,8 +210,8 @@ class Autotuner:
             self.memory.device_type = "cuda" if device_memory else "cpu"
             self.report(f"model_info given: {self.memory.profile.num_params:,} parameters; no profile run")
         else:
-            first_size, second_size = self._profile_sizes()
-            outcome = profile_model(self.space.stages, self.settings, self._profile_launch, first_size, second_size,
+            first_sizes, second_size = self._profile_sizes()
+            outcome = profile_model(self.space.stages, self.settings, self._profile_launch, first_sizes, second_size,
                                     report=self.report)
             if outcome.profile is None:
                 failure = outcome.failure

@@ -4,9 +4,10 @@ Each writes model_info.json after its first optimizer step (parameter count, byt
 saved for backward, optimizer-state bytes, peak memory) and then times the profile window like
 any experiment, so its throughput and steady-state peak count as a measured candidate.
 
-Sizes are far apart, so the memory model's per-sample line is fitted on a real span: the
-smallest micro-batch first (if it does not fit, nothing does), then the size the orchestrator
-chooses from what the first showed (about half the largest predicted to fit). The sharded
+Sizes are far apart, so the memory model's per-sample line is fitted on a real span: a small
+micro-batch first (the orchestrator's first choice; should it run out of memory at every stage,
+the next, down to the smallest valid size: if that does not fit, nothing does), then the size
+the orchestrator chooses from what the first showed (about half the largest predicted to fit). The sharded
 engine (FSDP2) gets one launch at that size too: its process overhead differs from DDP's.
 
 On CUDA the allocator's phase peaks of two launches per engine are also fitted (PeakFit):
@@ -39,8 +40,23 @@ class ProfileOutcome:
 
 
 def profile_model(stages: tuple[int, ...], settings: ExperimentSettings, launch: ProfileLaunch,
-                  first_size: int, second_size: SecondSize, report=print) -> ProfileOutcome:
-    """Profile at the lowest stage that runs; a higher stage is tried only after an OOM."""
+                  first_sizes: tuple[int, ...], second_size: SecondSize, report=print) -> ProfileOutcome:
+    """Profile at the lowest stage that runs; a higher stage is tried only after an OOM, and the
+    next of `first_sizes` only after an OOM at every stage."""
+    outcome, earlier = None, ()
+    for index, first_size in enumerate(first_sizes):
+        outcome = _profile_at(stages, settings, launch, first_size, second_size, report)
+        outcome = replace(outcome, launches=earlier + outcome.launches)
+        earlier, failure = outcome.launches, outcome.failure
+        if outcome.profile is not None or failure.state is not TrialState.OOM or index + 1 == len(first_sizes):
+            break
+        report(f"profile: micro-batch {first_size} ran out of memory at every stage; "
+               f"trying micro-batch {first_sizes[index + 1]}")
+    return outcome
+
+
+def _profile_at(stages: tuple[int, ...], settings: ExperimentSettings, launch: ProfileLaunch,
+                first_size: int, second_size: SecondSize, report) -> ProfileOutcome:
     last_failure = None
     launches: list[TrialResult] = []
 
