@@ -17,13 +17,15 @@ MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
 
 
 def write_config(path, autotuning: dict, **top) -> str:
+    # The grid search unless a test names its tuner: these tests check its rules (bisection,
+    # edge extension, stage probes); the predictive default has its own tests.
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
         "zero_optimization": {"stage": 0},
         **top,
         "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
-                       "exp_timeout_s": 120, **autotuning},
+                       "exp_timeout_s": 120, "tuner_type": "gridsearch", **autotuning},
     }
     path.write_text(json.dumps(config))
     return str(path)

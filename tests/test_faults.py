@@ -42,11 +42,11 @@ def write_config(path: Path, autotuning: dict | None = None, **top) -> Path:
         "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
         "zero_optimization": {"stage": 0},
         **top,
-        # The fault tests count launches and rank pids exactly: no final re-measurement (its own
-        # tests are in test_final_pick.py).
+        # The fault tests count launches and rank pids exactly: the grid search's order and no
+        # final re-measurement (its own tests are in test_final_pick.py).
         "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
                        "exp_timeout_s": 120, "model_info": {"num_params": 1000}, "remeasure_rounds": 0,
-                       **(autotuning or {})},
+                       "tuner_type": "gridsearch", **(autotuning or {})},
     }
     path.write_text(json.dumps(config))
     return path

@@ -23,7 +23,8 @@ MiB = 2**20
 def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, print_to: list | None = None,
           print_fingerprint=None, **top) -> Autotuner:
     config = load_config({"train_micro_batch_size_per_gpu": [2, 4], "zero_optimization": {"stage": 0}, **top,
-                          "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30, **(autotuning or {})}})
+                          "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30,
+                                                         "tuner_type": "gridsearch", **(autotuning or {})}})
     settings = ExperimentSettings(script="train.py", script_args=("--deepspeed", "ds.json"), base_config=base_config(config),
                                   nproc_per_node=2, data_parallel_size=2, objective=Objective("throughput"),
                                   timeout_s=30.0)

@@ -29,7 +29,8 @@ def write_config(path: Path, **autotuning) -> Path:
         "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
         "zero_optimization": {"stage": 0},
         "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
-                       "exp_timeout_s": 120, "model_info": {"num_params": 1000}, **autotuning},
+                       "exp_timeout_s": 120, "model_info": {"num_params": 1000},
+                       "tuner_type": "gridsearch", **autotuning},  # the grid search's launch order
     }))
     return path
 

@@ -93,7 +93,7 @@ _ALLOWED = {
     "gradient_clipping": "expected a number >= 0 (0 disables clipping)",
     "device": 'expected "none" or "cpu"',
     "metric": 'expected "throughput", "latency" or "FLOPS"',
-    "tuner_type": 'expected "gridsearch", "random", "model_based" or "bayes"',
+    "tuner_type": 'expected "gridsearch", "random", "model_based", "bayes" or "predictive"',
     "sampler": 'expected "gp" (optuna\'s GPSampler) or "tpe" (TPESampler)',
 }
 
