@@ -142,14 +142,15 @@ def test_rejected_mapped_flag_stops_tuning_with_the_scripts_error(tmp_path, no_o
 
 def test_the_predictive_tuner_launches_a_fraction_of_the_candidates_and_explains_itself(tmp_path, no_orphans):
     """Micro-batches above 8 are 4x slower per sample (--slow_above 8), so the optimum is not the
-    largest size that fits. The profile launches (sizes 1 and 16) count as experiments; the
-    throughput model rules out what cannot win."""
+    largest size that fits. The profile launches count as experiments: 8 (the smallest size with
+    gas <= 8; 1 would run gas 64) and 32 (half the largest predicted to fit). The throughput model
+    rules out what cannot win."""
     config = write_config(tmp_path / "ds.json", {"tuner_type": "predictive", "max_train_batch_size": 128,
                                                  "max_train_micro_batch_size_per_gpu": 64})
     result = tune(tmp_path, config, "--ms_per_sample", "4", "--slow_above", "8")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = experiments(tmp_path)
-    assert list(table[table.phase == "profile"].micro_batch_size) == [1, 32]
+    assert list(table[table.phase == "profile"].micro_batch_size) == [8, 32]
     launched = table[table.state != "pruned"]
     assert len(launched) < 7  # the candidates: 1, 2, 4, 8, 16, 32, 64
     chosen = table[table.chosen].iloc[0]

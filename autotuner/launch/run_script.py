@@ -14,6 +14,7 @@ path runs this module in a fresh interpreter. Both leave with the same exit stat
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import runpy
 import signal
@@ -65,6 +66,17 @@ def _exit_status(code: object) -> int:
     return 1
 
 
+def _end_process_group() -> None:
+    """After a script that returned normally: end the default process group while the
+    interpreter is whole, as torchrun's docs ask scripts to. Left to interpreter teardown, a
+    re-wrapped DDP's freed reducer and gloo's threads can abort the rank at exit ("terminate
+    called without an active exception", status 134) after training finished."""
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        gc.collect()
+        distributed.destroy_process_group()
+
+
 def run(argv: list[str]) -> int:
     """Run `argv[0]` with arguments `argv[1:]` as __main__; return the process's exit status."""
     script, *args = argv
@@ -74,6 +86,7 @@ def run(argv: list[str]) -> int:
     _record_usage_errors()
     try:
         runpy.run_path(script, run_name="__main__")
+        _end_process_group()
         return 0
     except SystemExit as stop:
         status = _exit_status(stop.code)
