@@ -121,6 +121,7 @@ class Measurement:
     start_profile_step: int | None = None
     end_profile_step: int | None = None
     FLOPS_per_gpu: float | None = None
+    engine: str = "autotuner"  # whose engine ran the launch: "autotuner" or "deepspeed"
     version: int = VERSION
 
     def value(self, key: str) -> float | None:
@@ -211,6 +212,7 @@ class ModelInfo:
     # Taken after the profile window when the launch times one (so the window never measures
     # the probe); empty with one rank, or in a file from before the probe.
     collective_timings: tuple[CollectiveTiming, ...] = ()
+    engine: str = "autotuner"  # whose engine ran the launch: "autotuner" or "deepspeed"
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:

@@ -77,6 +77,17 @@ def _end_process_group() -> None:
         distributed.destroy_process_group()
 
 
+def _measure_deepspeed_engine() -> None:
+    """In a tuner's launch: should the script train on DeepSpeed's own engine, measure it there."""
+    from autotuner.boundary import request_from_env
+
+    request = request_from_env()
+    if request is not None:
+        from autotuner.runtime.deepspeed_measure import install
+
+        install(request)
+
+
 def run(argv: list[str]) -> int:
     """Run `argv[0]` with arguments `argv[1:]` as __main__; return the process's exit status."""
     script, *args = argv
@@ -84,6 +95,7 @@ def run(argv: list[str]) -> int:
     sys.path[0:0] = [str(Path(script).resolve().parent)]
     setup_rank()
     _record_usage_errors()
+    _measure_deepspeed_engine()
     try:
         runpy.run_path(script, run_name="__main__")
         _end_process_group()

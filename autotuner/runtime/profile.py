@@ -121,8 +121,10 @@ def write_model_info(
     engines_in_process: int = 1,
     backend: str | None = None,
     collective_timings: tuple[CollectiveTiming, ...] = (),
+    parameter_counts: tuple[int, int] | None = None,
+    engine: str = "autotuner",
 ) -> ModelInfo:
-    total, trainable = count_parameters(zero_stage_module)
+    total, trainable = parameter_counts or count_parameters(zero_stage_module)
     info = ModelInfo(
         num_params=total,
         trainable_num_params=trainable,
@@ -145,6 +147,7 @@ def write_model_info(
         engines_in_process=engines_in_process,
         backend=backend,
         collective_timings=tuple(collective_timings),
+        engine=engine,
     )
     write_record(path, info)
     return info

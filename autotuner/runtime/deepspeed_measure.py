@@ -1,0 +1,366 @@
+"""Measurement inside the ranks of a script that trains on DeepSpeed's own engine.
+
+When a tuner's launch names a measurement request, each rank installs this before the user's
+script runs. The moment `deepspeed` is imported, `DeepSpeedEngine.__init__`, `forward`,
+`backward` and `step` are wrapped; the first engine the script creates is then measured exactly
+as our own engine measures itself (runtime/measurement.py):
+- end-to-end time per optimizer step, from one accumulation boundary to the next, so the
+  script's data loading is inside it; forward, backward and the boundary step apart;
+- the peak per rank: the CUDA allocator's on GPU, the resident set's high-water mark on CPU;
+- on a profile launch, the model's profile after the first step (the second on CUDA);
+- an out-of-memory error inside any of them leaves the tuner's OOM marker.
+After end_profile_step rank 0 writes the Measurement and every rank leaves with status 0.
+
+DeepSpeed's own timers and its autotuning keys are not read: the experiment config carries no
+`autotuning` section, so DeepSpeed never writes a metrics file of its own that could go stale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import os
+import sys
+from typing import Any
+
+from autotuner.boundary import MeasurementRequest
+
+ENGINE_NAME = "deepspeed"
+
+
+def install(request: MeasurementRequest) -> None:
+    """Measure the first DeepSpeedEngine this process creates: now, if deepspeed is loaded
+    already (a warm rank forked from a server that preloaded it), else when it is imported."""
+    if "deepspeed.runtime.engine" in sys.modules:
+        _patch(sys.modules["deepspeed.runtime.engine"].DeepSpeedEngine, request)
+        return
+    if not any(isinstance(finder, _DeepSpeedImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _DeepSpeedImportHook(request))
+
+
+class _DeepSpeedImportHook(importlib.abc.MetaPathFinder):
+    """Finds `deepspeed` through the other finders and patches its engine once it has loaded."""
+
+    def __init__(self, request: MeasurementRequest):
+        self._request = request
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed":
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                spec.loader = _PatchingLoader(spec.loader, self._request)
+                return spec
+        return None
+
+
+class _PatchingLoader(importlib.abc.Loader):
+    def __init__(self, loader, request: MeasurementRequest):
+        self._loader = loader
+        self._request = request
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        from deepspeed.runtime.engine import DeepSpeedEngine  # deepspeed/__init__ imported it already
+
+        _patch(DeepSpeedEngine, self._request)
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, ...: the real loader's
+        return getattr(self._loader, name)
+
+
+def _patch(engine_class: type, request: MeasurementRequest) -> None:
+    if getattr(engine_class, "_autotuner_measured", False):
+        return
+    engines: list[Any] = []
+    init, forward, backward, step = (engine_class.__init__, engine_class.forward, engine_class.backward,
+                                     engine_class.step)
+
+    @functools.wraps(init)
+    def measured_init(engine, *args, **kwargs):
+        init(engine, *args, **kwargs)
+        engines.append(engine)
+        if len(engines) == 1:
+            engine.__dict__["_autotuner_measurement"] = DeepSpeedMeasurement(engine, request, engines)
+
+    def measurement(engine) -> "DeepSpeedMeasurement | None":
+        return engine.__dict__.get("_autotuner_measurement")
+
+    @functools.wraps(forward)
+    def measured_forward(engine, *inputs, **kwargs):
+        measured = measurement(engine)
+        if measured is None:
+            return forward(engine, *inputs, **kwargs)
+        return measured.forward(lambda: forward(engine, *inputs, **kwargs))
+
+    @functools.wraps(backward)
+    def measured_backward(engine, *args, **kwargs):
+        measured = measurement(engine)
+        if measured is None:
+            return backward(engine, *args, **kwargs)
+        return measured.backward(lambda: backward(engine, *args, **kwargs))
+
+    @functools.wraps(step)
+    def measured_step(engine, *args, **kwargs):
+        measured = measurement(engine)
+        if measured is None:
+            return step(engine, *args, **kwargs)
+        return measured.step(lambda: step(engine, *args, **kwargs))
+
+    engine_class.__init__ = measured_init
+    engine_class.forward = measured_forward
+    engine_class.backward = measured_backward
+    engine_class.step = measured_step
+    engine_class._autotuner_measured = True
+
+
+class DeepSpeedMeasurement:
+    """The profile window of one DeepSpeedEngine, timed from outside it."""
+
+    def __init__(self, engine: Any, request: MeasurementRequest, engines: list[Any]):
+        import torch
+
+        from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom
+        from autotuner.runtime.timers import ProfileWindow, Stopwatch
+
+        self.engine = engine
+        self.request = request
+        self.engines = engines  # every engine this process created (a GAN has two)
+        self.device = torch.device(engine.device)
+        self.rank = int(engine.global_rank)
+        self.window = ProfileWindow(request.start_profile_step, request.end_profile_step)
+        self.watch = Stopwatch(self.device)
+        self.last_boundary_end: float | None = None
+        self.pending_forward_s = 0.0
+        want_info = request.model_info_path is not None
+        self.activation_probe = None
+        self.want_info = want_info
+        # As our engine: on CUDA the profile is taken at step 2 (optimizer states allocated), phases apart.
+        self.phase_peaks = PhasePeaks() if want_info and self.device.type == "cuda" else None
+        self.info_step = 2 if self.phase_peaks is not None else 1
+        self.exit_after_window = request.metrics_path is not None
+        self.oom_marker = request.oom_marker(self.rank)
+        if self.oom_marker:
+            mark_uncaught_oom(self.oom_marker, self.rank)
+
+    # ----- the wrapped calls -----
+    def forward(self, call):
+        if self.last_boundary_end is None:
+            self.last_boundary_end = self.watch.now()
+        first_micro_step = self.want_info and self.engine.micro_steps == 0
+        if first_micro_step:
+            self._start_activation_probe()
+        started = self.watch.now()
+        with self._oom_guard():
+            output = call()
+        self.pending_forward_s = self.watch.now() - started
+        if first_micro_step and self.activation_probe is not None:
+            self.activation_probe.stop()
+        return output
+
+    def backward(self, call):
+        started = self.watch.now()
+        with self._oom_guard():
+            result = call()
+        self.window.record_micro(self.engine.global_steps + 1, self.pending_forward_s, self.watch.now() - started)
+        return result
+
+    def step(self, call):
+        boundary = bool(self.engine.is_gradient_accumulation_boundary())
+        if not boundary:
+            with self._oom_guard():
+                return call()
+        next_step = self.engine.global_steps + 1
+        measure_phases = self.phase_peaks is not None and next_step == self.info_step
+        if measure_phases:
+            self.phase_peaks.end_forward_backward(self.device)
+        started = self.watch.now()
+        with self._oom_guard():
+            result = call()
+        now = self.watch.now()
+        step_s = now - started
+        if measure_phases:
+            self.phase_peaks.end_optimizer_step(self.device)
+        elif self.phase_peaks is not None and next_step + 1 == self.info_step:
+            self.phase_peaks.start(self.device)
+        wall = now - (self.last_boundary_end if self.last_boundary_end is not None else now)
+        self.last_boundary_end = now
+        steps = int(self.engine.global_steps)
+        self.window.record_step(steps, step_s, wall)
+        if self.want_info and steps == self.info_step:
+            self._write_model_info()
+        if self.exit_after_window and steps == self.window.end_step:
+            self._finish()
+        return result
+
+    # ----- what the engine is -----
+    def _start_activation_probe(self) -> None:
+        from autotuner.runtime.profile import ActivationProbe
+
+        self.activation_probe = ActivationProbe(list(self.engine.module.parameters()))
+        self.activation_probe.start()
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.engine.zero_optimization_stage())
+
+    @property
+    def precision(self) -> str:
+        if self.engine.bfloat16_enabled():
+            return "bf16"
+        return "fp16" if self.engine.fp16_enabled() else "fp32"
+
+    @property
+    def world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    def _gather_max(self, value: int) -> list[int]:
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [int(value)]
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        gathered = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, tensor)
+        return [int(t.item()) for t in gathered]
+
+    def _parameter_counts(self) -> tuple[int, int]:
+        """Whole-model counts: under ZeRO-3 a parameter's tensor is empty and `ds_numel` its size."""
+        total = trainable = 0
+        for param in self.engine.module.parameters():
+            numel = int(getattr(param, "ds_numel", param.numel()))
+            total += numel
+            trainable += numel if param.requires_grad else 0
+        return total, trainable
+
+    def _optimizer_state_bytes(self) -> int:
+        """This rank's optimizer states: those of the torch optimizer inside DeepSpeed's wrappers
+        (under ZeRO its parameters are this rank's fp32 partitions)."""
+        import torch
+
+        from autotuner.runtime.memory_probes import optimizer_state_bytes
+
+        optimizer = self.engine.optimizer
+        for _ in range(4):
+            if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+                break
+            optimizer = getattr(optimizer, "optimizer", None)
+        return optimizer_state_bytes(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else 0
+
+    def _peaks(self) -> tuple[list[int], list[int] | None]:
+        from autotuner.runtime.metrics import peak_memory_bytes, peak_reserved_bytes
+
+        peak = peak_memory_bytes(self.device)
+        if self.phase_peaks is not None:
+            peak = max(peak, self.phase_peaks.before_bytes, self.phase_peaks.forward_backward_bytes)
+        reserved = peak_reserved_bytes(self.device)
+        return self._gather_max(peak), (self._gather_max(reserved) if reserved is not None else None)
+
+    # ----- what is written -----
+    def _write_model_info(self) -> None:
+        import torch.distributed as dist
+
+        from autotuner.runtime.comm_probe import probe_collectives
+        from autotuner.runtime.profile import device_memory_bytes, write_model_info
+
+        probe = self.activation_probe
+        activation_per_rank = self._gather_max(probe.bytes_saved if probe is not None else 0)
+        optimizer_per_rank = self._gather_max(self._optimizer_state_bytes())
+        optimizer_bytes = optimizer_per_rank[0] if self.zero_stage == 0 else sum(optimizer_per_rank)
+        peak_per_rank, reserved_per_rank = self._peaks()
+        phases = None
+        if self.phase_peaks is not None:
+            phases = (max(self._gather_max(self.phase_peaks.forward_backward_bytes)),
+                      max(self._gather_max(self.phase_peaks.optimizer_step_bytes)))
+        # As our engine: the collective probe never runs inside a window it would distort.
+        timings = probe_collectives(self.device) if self.request.exit_after_model_info else ()
+        self.probe_after_window = not self.request.exit_after_model_info and self.exit_after_window
+        if self.rank == 0:
+            self.model_info = write_model_info(
+                self.request.model_info_path,
+                zero_stage_module=self.engine.module,
+                parameter_counts=self._parameter_counts(),
+                activation_bytes_per_rank=activation_per_rank,
+                optimizer_state_bytes=optimizer_bytes,
+                micro_batch_size=int(self.engine.train_micro_batch_size_per_gpu()),
+                peak_memory_bytes_per_rank=peak_per_rank,
+                peak_reserved_bytes_per_rank=reserved_per_rank,
+                phase_peak_bytes=phases,
+                num_shard_units=0,
+                device_memory_bytes=device_memory_bytes(self.device),
+                zero_stage=self.zero_stage,
+                precision=self.precision,
+                world_size=self.world_size,
+                engines_in_process=len(self.engines),
+                backend=dist.get_backend() if dist.is_initialized() else None,
+                collective_timings=timings,
+                engine=ENGINE_NAME,
+            )
+        if self.request.exit_after_model_info:
+            self._leave()
+
+    def _finish(self) -> None:
+        import dataclasses
+
+        from autotuner.boundary import write_record
+        from autotuner.runtime.comm_probe import probe_collectives
+        from autotuner.runtime.metrics import build_measurement
+
+        peak_per_rank, reserved_per_rank = self._peaks()
+        engine = self.engine
+        if self.rank == 0:
+            measurement = build_measurement(
+                self.window,
+                train_batch_size=int(engine.train_batch_size()),
+                world_size=self.world_size,
+                micro_batch_size=int(engine.train_micro_batch_size_per_gpu()),
+                gradient_accumulation_steps=int(engine.gradient_accumulation_steps()),
+                zero_stage=self.zero_stage,
+                precision=self.precision,
+                peak_memory=max(peak_per_rank),
+                peak_memory_per_rank=peak_per_rank,
+                peak_reserved_per_rank=reserved_per_rank,
+                flops_per_step=None,
+                device_type=self.device.type,
+            )
+            write_record(self.request.metrics_path, dataclasses.replace(measurement, engine=ENGINE_NAME))
+            print(f"autotuner: profile steps done on DeepSpeed's engine; metrics written to "
+                  f"{self.request.metrics_path}", flush=True)
+        if getattr(self, "probe_after_window", False):
+            timings = probe_collectives(self.device)
+            if self.rank == 0 and getattr(self, "model_info", None) is not None:
+                write_record(self.request.model_info_path, dataclasses.replace(self.model_info,
+                                                                               collective_timings=timings))
+        self._leave()
+
+    def _leave(self) -> None:
+        # Straight out once every rank is done: DeepSpeed's and gloo's teardown has nothing to add
+        # to a measurement launch, and could hang on threads (see runtime/measurement.py).
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    @contextlib.contextmanager
+    def _oom_guard(self):
+        from autotuner.runtime.memory_probes import write_oom_marker
+        from autotuner.runtime.metrics import is_out_of_memory
+
+        try:
+            yield
+        except (MemoryError, RuntimeError) as err:
+            if self.oom_marker and (isinstance(err, MemoryError) or is_out_of_memory(err)):
+                write_oom_marker(self.oom_marker, self.rank, err)
+            raise
