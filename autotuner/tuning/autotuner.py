@@ -25,7 +25,8 @@ from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.final_pick import Contender, contenders, describe, interleaved_order, pick
 from autotuner.tuning.results import Explanation, PredictedPoint, write_results
 from autotuner.tuning.runners import Runner
-from autotuner.tuning.search import DEFAULT_KNOBS, SearchPolicy, SearchSpace, ladder_sizes, run_search
+from autotuner.tuning.search import (DEEPSPEED_KNOBS, DEEPSPEED_OFFLOAD_KNOBS, DEFAULT_KNOBS, SearchPolicy, SearchSpace,
+                                     ladder_sizes, run_search)
 from autotuner.tuning.space import Experiment
 
 
@@ -47,6 +48,7 @@ class TuningOutcome:
     optimal_config_path: Path | None
     optimal_script_args: tuple[str, ...] | None
     optimal_command: tuple[str, ...] | None
+    deepspeed_command: tuple[str, ...] | None = None  # the same training with DeepSpeed's own launcher
 
 
 def _zero_settings(config: DeepSpeedConfig) -> dict[str, Any]:
@@ -65,11 +67,23 @@ def base_config(config: DeepSpeedConfig) -> dict[str, Any]:
     return base
 
 
-def knob_values(config: DeepSpeedConfig) -> dict[int, dict[str, list[Any]]]:
+def default_knobs(engine: str, cuda: bool, config: DeepSpeedConfig) -> dict[int, dict[str, list[Any]]]:
+    """Full mode's knobs per stage for the script's engine. On DeepSpeed's, offload too on CUDA,
+    unless the user wrote an offload section (then theirs stands)."""
+    if engine != "deepspeed":
+        return DEFAULT_KNOBS
+    user = _zero_settings(config)
+    offload = cuda and not any(key in user for key in ("offload_optimizer", "offload_param"))
+    return {stage: {**knobs, **(DEEPSPEED_OFFLOAD_KNOBS.get(stage, {}) if offload else {})}
+            for stage, knobs in DEEPSPEED_KNOBS.items()}
+
+
+def knob_values(config: DeepSpeedConfig, engine: str = "autotuner",
+                cuda: bool = False) -> dict[int, dict[str, list[Any]]]:
     """Full-mode knob values per stage: a user scalar fixes a knob, a user list replaces the defaults."""
     user = _zero_settings(config)
     values: dict[int, dict[str, list[Any]]] = {}
-    for stage, defaults in DEFAULT_KNOBS.items():
+    for stage, defaults in default_knobs(engine, cuda, config).items():
         stage_values = {}
         for knob, default in defaults.items():
             if knob not in user:
@@ -80,7 +94,8 @@ def knob_values(config: DeepSpeedConfig) -> dict[int, dict[str, list[Any]]]:
     return values
 
 
-def search_space(config: DeepSpeedConfig, data_parallel_size: int) -> SearchSpace:
+def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str = "autotuner",
+                 cuda: bool = False) -> SearchSpace:
     tuning = config.autotuning
     micro = config.train_micro_batch_size_per_gpu
     fixed_micro = tuple(micro) if isinstance(micro, list) else (micro,) if isinstance(micro, int) else ()
@@ -97,7 +112,7 @@ def search_space(config: DeepSpeedConfig, data_parallel_size: int) -> SearchSpac
         global_batch_size=global_batch,
         global_batch_exact=exact,
         num_micro_batch_sizes=tuning.num_tuning_micro_batch_sizes,
-        knob_values=knob_values(config),
+        knob_values=knob_values(config, engine, cuda),
     )
 
 
@@ -117,7 +132,8 @@ class Autotuner:
         tuning = config.autotuning
         self.policy = SearchPolicy(self.objective, tuning.tuner_type, tuning.tuner_early_stopping,
                                    tuning.tuner_num_trials, tuning.tuner_seed, tuning.fast)
-        self.space = search_space(config, settings.data_parallel_size)
+        self.space = search_space(config, settings.data_parallel_size, settings.engine,
+                                  _visible_gpu_memory() is not None)
         self._results: dict[Experiment, TrialResult] = {}
         self._pruned: list[TrialResult] = []
         self._journal: dict[str, TrialResult] = {}  # finished records of this same run, by directory name
@@ -126,8 +142,9 @@ class Autotuner:
         self._profiled = False  # a profile launch has shown the script runs
         # Bytes per rank for any experiment: the analytic model plus per engine a line fitted to
         # every measured peak, refitted after each launch.
-        self.memory = MemoryBook(config, self.space, settings.nproc_per_node,
-                                 bool(base_config(config)["zero_optimization"].get("contiguous_gradients")), report)
+        zero = base_config(config)["zero_optimization"]
+        self.memory = MemoryBook(config, self.space, settings.nproc_per_node, bool(zero.get("contiguous_gradients")),
+                                 report, zero_settings=zero, engine=settings.engine)
         self._profile_names: set[str] = set()
         self.predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
 
@@ -204,7 +221,7 @@ class Autotuner:
     def _measure_model(self) -> None:
         tuning = self.config.autotuning
         if tuning.model_info is not None and tuning.model_info.num_params:
-            self.memory.profile = profile_from_config(tuning.model_info)
+            self.memory.profile = replace(profile_from_config(tuning.model_info), engine=self.settings.engine)
             self.memory.precision = self.config.with_device_precision(_cuda_bf16()).precision
             device_memory = _visible_gpu_memory()
             self.memory.device_type = "cuda" if device_memory else "cpu"
@@ -219,6 +236,7 @@ class Autotuner:
                 raise TuningFailed(f"the model did not run in the profile launch ({failure.state.value}): "
                                    f"{failure.error}; see {where}/stderr.log")
             self.memory.profile = outcome.profile
+            self._settle_engine(outcome.profile.engine)
             self.memory.refit()
             self.memory.report_fits()
             self.memory.precision = outcome.runs[0].precision
@@ -229,12 +247,26 @@ class Autotuner:
                         f"{self.memory.profile.activation_bytes_per_sample / 2**20:.2f} MiB activations per sample, "
                         f"baseline {self.memory.profile.baseline_bytes / 2**20:.0f} MiB per rank")
             for fit in self.memory.profile.peak_fits:
-                self.report(f"profile: {engine_family(fit.zero_stage)} measured peaks: forward+backward "
+                self.report(f"profile: {engine_family(fit.zero_stage, self.memory.engine)} measured peaks: forward+backward "
                             f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.1f} MiB per sample, "
                             f"optimizer step {fit.optimizer_step_bytes / 2**20:.0f} MiB")
         self.memory.settle_budget(device_memory)
         self.report(f"memory budget: {self.memory.budget_bytes / 2**20:.0f} MiB per rank "
                     f"(safety margin {SAFETY_MARGIN:.0%})")
+
+    def _settle_engine(self, measured: str) -> None:
+        """The profile launch says whose engine the script trained on; the memory model and the
+        full-mode knobs follow it (a script may reach deepspeed through another module)."""
+        if measured == "deepspeed":
+            self.report("engine: the script trains on DeepSpeed's own engine (DeepSpeedEngine); every experiment "
+                        "runs there, costed by DeepSpeed's ZeRO memory model")
+        if measured != self.settings.engine:
+            self.report(f"engine: expected {self.settings.engine}'s, but the profile launch ran on {measured}'s; "
+                        "following the launch")
+            self.settings = replace(self.settings, engine=measured)
+            self.space = replace(self.space, knob_values=knob_values(self.config, measured,
+                                                                     _visible_gpu_memory() is not None))
+            self.memory.space = self.space
 
     def cost_context(self) -> CostContext:
         """What the throughput model knows before timing a step: the model's size and the links the
@@ -304,17 +336,20 @@ class Autotuner:
         # Every launch, the profile launches included (they are experiments too).
         everything = list(self._results.values()) + self._pruned
         best, remeasurements, pick_lines = self._final_pick(list(self._results.values()))
-        optimal_path = optimal_args = optimal_cmd = config = None
+        optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
         if best is not None:
             config = with_user_keys(self.settings.user_config, experiment_config(best.experiment, self.settings))
             optimal_path = (self.results_dir / "ds_config_optimal.json").resolve()
             optimal_args = optimal_script_args(self.settings, config, optimal_path)
             optimal_cmd = optimal_command(self.settings, optimal_args)
+            if self.settings.engine == "deepspeed":
+                deepspeed_cmd = deepspeed_command(self.settings, optimal_args)
         explanation = Explanation(frozenset(self._profile_names), tuple(remeasurements), tuple(pick_lines),
                                   *self._predicted_points(), chosen=best)
         summary = write_results(self.results_dir, everything, self.objective, time.monotonic() - self._started,
-                                config, list(optimal_cmd) if optimal_cmd else None, explanation)
-        return TuningOutcome(tuple(everything), best, summary, optimal_path, optimal_args, optimal_cmd)
+                                config, list(optimal_cmd) if optimal_cmd else None, explanation,
+                                list(deepspeed_cmd) if deepspeed_cmd else None)
+        return TuningOutcome(tuple(everything), best, summary, optimal_path, optimal_args, optimal_cmd, deepspeed_cmd)
 
 
     # ----- the final pick -----
@@ -396,3 +431,13 @@ def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tupl
     launcher = shutil.which("launcher")
     prefix = [launcher] if launcher else [sys.executable, "-m", "autotuner"]
     return (*prefix, *rank_count_flags(settings), *settings.launcher_args, settings.script, *args)
+
+
+def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tuple[str, ...]:
+    """The optimum as DeepSpeed's own launcher runs it: `deepspeed --num_gpus N script args`, with
+    the user's DeepSpeed launcher flags (--include and friends set the count themselves). On a
+    CPU-only machine DeepSpeed counts CPU slots from LOCAL_SIZE, so the command sets it."""
+    count = rank_count_flags(settings)
+    rank_flags = ("--num_gpus", count[1]) if count else ()
+    env = () if _visible_gpu_memory() is not None else ("env", f"LOCAL_SIZE={settings.nproc_per_node}")
+    return (*env, "deepspeed", *rank_flags, *settings.launcher_args, settings.script, *args)

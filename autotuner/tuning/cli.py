@@ -17,6 +17,7 @@ from autotuner.config import DeepSpeedConfig, load_config
 from autotuner.config.loader import read_config_file
 from autotuner.config.batch import check_fixed_triad
 from autotuner.config.keys import field_names, section_model
+from autotuner.engines import script_engine
 from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import picks_ranks_itself
@@ -175,6 +176,7 @@ def autotune(args: argparse.Namespace) -> int:
     check_fixed_triad(config, data_parallel_size, source)
     check_some_batch_is_valid(config, data_parallel_size, source)
     check_optimizer_and_scheduler(config, source)
+    engine = script_engine(args.script, getattr(args, "engine", "auto"))
     settings = ExperimentSettings(
         script=args.script,
         script_args=script_args,
@@ -189,6 +191,7 @@ def autotune(args: argparse.Namespace) -> int:
         memory_budget_bytes=tuning.memory_per_rank_bytes,
         user_config=read_config_file(source),
         launcher_args=options.passthrough_flags(),
+        engine=engine,
     )
     fingerprint = fingerprint_of(script=args.script, script_args=script_args,
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
@@ -209,6 +212,8 @@ def autotune(args: argparse.Namespace) -> int:
                                f"{results_dir}/experiments.csv and each experiment's stderr.log under {exps_dir}")
         _say(f"{outcome.best.name} is the optimal setup; config: {outcome.optimal_config_path}")
         _say(f"train with it: {(results_dir / 'cmd_optimal.txt').read_text().strip()}")
+        if outcome.deepspeed_command is not None:
+            _say(f"or with DeepSpeed's own launcher: {(results_dir / 'cmd_optimal_deepspeed.txt').read_text().strip()}")
         if args.autotuning == "tune":
             return 0
         _say("training with the optimal config ...")

@@ -53,6 +53,7 @@ class ExperimentSettings:
     memory_budget_bytes: int | None = None  # per rank; above it a CPU run counts as OOM
     user_config: dict[str, Any] = field(default_factory=dict, hash=False)  # the file as the user wrote it
     python: str = sys.executable
+    engine: str = "autotuner"  # whose engine the script trains on: "autotuner" or "deepspeed" (engines.py)
 
 
 def config_value(config: dict[str, Any], dotted_key: str) -> Any:

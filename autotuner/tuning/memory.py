@@ -14,11 +14,17 @@ It costs what our engine really holds (see autotuner/runtime/zero.py):
   `offload_param` leaves only the compute copies and activations on the device.
 Activations come from the profile run. `baseline_bytes` is what the process holds
 before the model (CUDA context, or on CPU the interpreter and libraries).
+
+A script that trains on DeepSpeed's own engine (`engine == "deepspeed"`) is costed from
+DeepSpeed's formulas instead (deepspeed_memory.py); each engine's families are fitted apart.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
+
+from autotuner.tuning.deepspeed_memory import deepspeed_state_bytes
 
 BYTES_FP32 = 4
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -49,10 +55,11 @@ class ModelProfile:
     num_shard_units: int = 0  # blocks FSDP2 shards separately (0: unknown)
     sharded_baseline_bytes: int | None = None  # stage 2/3 process overhead, when measured apart (DTensor)
     peak_fits: tuple[PeakFit, ...] = ()  # measured on CUDA; they replace the analytic sum for their engine
+    engine: str = "autotuner"  # whose engine the profile ran on: "autotuner" or "deepspeed"
 
     def peak_fit(self, stage: int) -> PeakFit | None:
-        family = engine_family(stage)
-        return next((f for f in self.peak_fits if engine_family(f.zero_stage) == family), None)
+        family = engine_family(stage, self.engine)
+        return next((f for f in self.peak_fits if engine_family(f.zero_stage, self.engine) == family), None)
 
 
 @dataclass(frozen=True)
@@ -81,12 +88,20 @@ class StageSettings:
     offload_param: bool = False
     contiguous_gradients: bool = False
     gradient_accumulation_steps: int = 1
+    zero_knobs: tuple[tuple[str, Any], ...] = ()  # zero_optimization as the experiment sets it (DeepSpeed's buckets)
 
 
 def model_state_bytes(profile: ModelProfile, settings: StageSettings) -> MemoryEstimate:
     """Everything except activations, for one rank."""
     p, w, stage = profile.num_params, max(1, settings.world_size), settings.zero_stage
     compute = COMPUTE_BYTES[settings.precision]
+    if profile.engine == "deepspeed":
+        parts = deepspeed_state_bytes(p, profile.optimizer_state_bytes_per_param, stage, compute, w,
+                                      dict(settings.zero_knobs), settings.offload_optimizer, settings.offload_param)
+        baseline = profile.baseline_bytes
+        if stage == 3 and profile.sharded_baseline_bytes is not None:  # measured by the stage-3 profile launch
+            baseline = profile.sharded_baseline_bytes
+        return MemoryEstimate(*parts, 0, baseline)
     optimizer = int(profile.optimizer_state_bytes_per_param * p)
     if stage <= 1:
         parameters, gradients = BYTES_FP32 * p, BYTES_FP32 * p
@@ -162,9 +177,17 @@ def _fitted_estimate(profile: ModelProfile, fit: PeakFit, settings: StageSetting
                           activations, total - explained)
 
 
-def engine_family(stage: int) -> str:
-    """Stages 0-1 run under DDP, 2-3 under FSDP2: each engine has its own unmodelled overhead."""
+def engine_family(stage: int, engine: str = "autotuner") -> str:
+    """Stages 0-1 run under DDP, 2-3 under FSDP2: each engine has its own unmodelled overhead.
+    On DeepSpeed's engine: stage 0 is its plain data parallel, 1-2 DeepSpeedZeroOptimizer, 3 its
+    Stage3 optimizer."""
+    if engine == "deepspeed":
+        return "DeepSpeed ZeRO-0" if stage == 0 else "DeepSpeed ZeRO-1/2" if stage <= 2 else "DeepSpeed ZeRO-3"
     return "DDP" if stage <= 1 else "FSDP2"
+
+
+def engine_families(engine: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(engine_family(stage, engine) for stage in range(4)))
 
 
 def usable_bytes(budget_bytes: int, safety_margin: float) -> int:
@@ -186,7 +209,6 @@ def max_micro_batch_size(profile: ModelProfile, settings: StageSettings, budget_
 def calibrate_baseline(profile: ModelProfile, settings: StageSettings, micro_batch_size: int,
                        measured_peak_bytes: int) -> int:
     """Process overhead implied by a measured peak: what the model does not explain (never negative)."""
-    bare = ModelProfile(profile.num_params, profile.activation_bytes_per_sample,
-                        profile.optimizer_state_bytes_per_param, 0, profile.num_shard_units, 0)
+    bare = replace(profile, baseline_bytes=0, sharded_baseline_bytes=0, peak_fits=())
     explained = estimate(bare, settings, micro_batch_size).total
     return max(0, measured_peak_bytes - explained)

@@ -10,7 +10,9 @@ from typing import Any, Callable
 import psutil
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning.memory import ModelProfile, StageSettings, engine_family, estimate, usable_bytes
+from autotuner.tuning.memory import (ModelProfile, StageSettings, engine_families, engine_family, estimate,
+                                     usable_bytes)
+from autotuner.tuning.space import OFFLOAD_KNOBS
 from autotuner.tuning.memory_fit import PeakObservation, ResidualFit, fit_residuals
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.search import SearchSpace
@@ -38,8 +40,12 @@ class MemoryBook:
     model_info); `budget_bytes` by the config, the GPU, or the host's memory per rank."""
 
     def __init__(self, config: DeepSpeedConfig, space: SearchSpace, nproc_per_node: int,
-                 contiguous_gradients: bool, report: Callable[[str], None]):
+                 contiguous_gradients: bool, report: Callable[[str], None], zero_settings: dict[str, Any] | None = None,
+                 engine: str = "autotuner"):
         self.config = config
+        self.zero_settings = {k: v for k, v in (zero_settings or {}).items()
+                              if k != "stage" and k not in OFFLOAD_KNOBS and isinstance(v, (bool, int, float, str))}
+        self._engine = engine  # until the profile says whose engine ran
         self.space = space
         self.nproc_per_node = nproc_per_node
         self.contiguous_gradients = contiguous_gradients
@@ -52,6 +58,13 @@ class MemoryBook:
         self._residual_fits: dict[str, ResidualFit] = {}
 
     # ----- what is known -----
+    @property
+    def engine(self) -> str:
+        return self.profile.engine if self.profile is not None else self._engine
+
+    def family(self, stage: int) -> str:
+        return engine_family(stage, self.engine)
+
     def settle_budget(self, device_memory: int | None) -> None:
         tuning = self.config.autotuning
         self.device_type = "cuda" if device_memory else "cpu"
@@ -68,8 +81,10 @@ class MemoryBook:
         offload_optimizer, offload_param = _offloads(self.config) if self.device_type == "cuda" else (False, False)
         by_knob = Experiment(stage, 1, 1, knobs).offloaded()
         offload_optimizer, offload_param = offload_optimizer or by_knob[0], offload_param or by_knob[1]
+        zero_knobs = {**self.zero_settings, **{k: v for k, v in knobs if k not in OFFLOAD_KNOBS}}
         return StageSettings(stage, self.precision, self.space.data_parallel_size, offload_optimizer,
-                             offload_param, self.contiguous_gradients, gradient_accumulation_steps)
+                             offload_param, self.contiguous_gradients, gradient_accumulation_steps,
+                             tuple(sorted(zero_knobs.items())))
 
     # ----- predictions -----
     def analytic_memory(self, experiment: Experiment) -> int:
@@ -81,7 +96,7 @@ class MemoryBook:
     def _residual_fit(self, stage: int) -> ResidualFit | None:
         """The engine's own fit, else the other engine's (an engine not measured yet borrows it:
         allocator slack and under-counted activations are alike in both)."""
-        family = engine_family(stage)
+        family = self.family(stage)
         return self._residual_fits.get(family) or next(iter(self._residual_fits.values()), None)
 
     def predicted_memory(self, experiment: Experiment) -> int:
@@ -94,7 +109,7 @@ class MemoryBook:
         """The verdict before a launch. Until peaks of the experiment's own engine were measured it
         keeps the whole safety margin; once its fit rests on them, half the margin is left for the
         noise in measured peaks."""
-        fit = self._residual_fits.get(engine_family(experiment.zero_stage))
+        fit = self._residual_fits.get(self.family(experiment.zero_stage))
         margin = SAFETY_MARGIN / 2 if fit is not None and fit.measured_points else SAFETY_MARGIN
         return self.predicted_memory(experiment) <= usable_bytes(self.budget_bytes, margin)
 
@@ -110,10 +125,12 @@ class MemoryBook:
     def offload_fallback(self, stage: int) -> tuple[dict[str, Any], int] | None:
         """For a ZeRO 2/3 stage that fits nothing on the GPU: CPU offload and the largest micro-batch
         it allows. Not offered when the user configured offload (their choice stands) or off CUDA
-        (torch's CPUOffloadPolicy needs a GPU). DeepSpeed offloads parameters only at stage 3."""
-        if stage < 2 or self.device_type != "cuda" or any(offload_sections(self.config)):
+        (torch's CPUOffloadPolicy needs a GPU). DeepSpeed offloads parameters only at stage 3, and
+        on its own engine the optimizer from stage 1 on."""
+        lowest = 1 if self.engine == "deepspeed" else 2
+        if stage < lowest or self.device_type != "cuda" or any(offload_sections(self.config)):
             return None
-        knobs = {"offload_optimizer": "cpu"} if stage == 2 else {"offload_optimizer": "cpu", "offload_param": "cpu"}
+        knobs = {"offload_optimizer": "cpu"} if stage < 3 else {"offload_optimizer": "cpu", "offload_param": "cpu"}
         usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
         space = replace(self.space, stage_knobs=tuple(sorted(knobs.items())))
         fitting = [m for m in space.valid_micro_batch_sizes(self.space.max_micro_batch_size)
@@ -129,13 +146,14 @@ class MemoryBook:
         if self.profile is None:
             return  # the profile launches are fitted once the profile exists
         self.refit()
-        self.report_fit(engine_family(result.experiment.zero_stage))
+        self.report_fit(self.family(result.experiment.zero_stage))
 
     def refit(self) -> None:
         # The total per-sample cost never goes negative: the analytic activations bound the slope.
         floor = -float(self.profile.activation_bytes_per_sample)
         # Without a profile's per-sample bytes (model_info given), a lone peak's excess is per-sample.
-        self._residual_fits = fit_residuals(self._peak_observations(), {"DDP": floor, "FSDP2": floor},
+        self._residual_fits = fit_residuals(self._peak_observations(),
+                                            {family: floor for family in engine_families(self.engine)},
                                             per_sample_when_alone=self.profile.activation_bytes_per_sample == 0)
 
     def report_fits(self) -> None:
@@ -157,6 +175,6 @@ class MemoryBook:
             if measured is None:
                 measured, lower_bound = self.budget_bytes, True
             experiment = result.experiment
-            observations.append(PeakObservation(engine_family(experiment.zero_stage), experiment.micro_batch_size,
+            observations.append(PeakObservation(self.family(experiment.zero_stage), experiment.micro_batch_size,
                                                 self.analytic_memory(experiment), measured, lower_bound))
         return observations

@@ -150,13 +150,13 @@ def _to_profile(infos: list[ModelInfo], settings: ExperimentSettings) -> ModelPr
         activation_bytes_per_sample=int(per_sample),
         optimizer_state_bytes_per_param=first.optimizer_state_bytes_per_param,
         num_shard_units=first.num_shard_units,
+        engine=first.engine,
     )
     stage_settings = StageSettings(first.zero_stage, first.precision, settings.data_parallel_size)
     # The smaller of the two: the first launch may also have built the script's data cache.
     baseline = min(calibrate_baseline(profile, stage_settings, info.micro_batch_size, info.peak_memory_bytes)
                    for info in infos)
-    return ModelProfile(profile.num_params, profile.activation_bytes_per_sample,
-                        profile.optimizer_state_bytes_per_param, baseline, profile.num_shard_units)
+    return replace(profile, baseline_bytes=baseline)
 
 
 def _with_sharded_baseline(profile: ModelProfile, info: ModelInfo, settings: ExperimentSettings) -> ModelProfile:

@@ -67,8 +67,19 @@ def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: 
     if explanation.remeasurements or explanation.profile_names:
         footer += (f" Launches: {launches} ({len(explanation.profile_names)} of them profile launches, "
                    f"{len(explanation.remeasurements)} re-measurements).")
-    lines = [footer, *memory_lines(launched), *prediction_lines(explanation), *explanation.final_pick_lines]
+    lines = [footer, *engine_lines(launched), *memory_lines(launched), *prediction_lines(explanation),
+             *explanation.final_pick_lines]
     return f"{table}\n" + "\n".join(lines) + "\n"
+
+
+def engine_lines(results: list[TrialResult]) -> list[str]:
+    """Whose engine the measured launches ran on, when it was DeepSpeed's (the records say so)."""
+    measured = [r.measurement.engine for r in results if r.measurement is not None]
+    on_deepspeed = measured.count("deepspeed")
+    if not on_deepspeed:
+        return []
+    return [f"Engine: DeepSpeed's own (DeepSpeedEngine) ran {on_deepspeed} of {len(measured)} measured launches; "
+            "the figures are our end-to-end timers around it, not DeepSpeed's timer sum."]
 
 
 def memory_lines(results: list[TrialResult]) -> list[str]:
@@ -113,6 +124,7 @@ def result_rows(results: list[TrialResult], objective: Objective,
             "phase": phase,
             "run": round_index,
             "state": r.state.value,
+            "engine": m.engine if m else None,  # whose engine measured it: "autotuner" or "deepspeed"
             "zero_stage": r.experiment.zero_stage,
             "micro_batch_size": r.experiment.micro_batch_size,
             "gradient_accumulation_steps": r.experiment.gradient_accumulation_steps,
@@ -163,7 +175,7 @@ def optimal_command(command: list[str]) -> str:
 
 def write_results(results_dir: Path, results: list[TrialResult], objective: Objective, wall_time_s: float,
                   optimal_config: dict[str, Any] | None, optimal_cmd: list[str] | None,
-                  explanation: Explanation = Explanation()) -> str:
+                  explanation: Explanation = Explanation(), deepspeed_cmd: list[str] | None = None) -> str:
     """Write every output file; returns the summary text."""
     import pandas as pd
 
@@ -174,7 +186,11 @@ def write_results(results_dir: Path, results: list[TrialResult], objective: Obje
     if optimal_config is not None and optimal_cmd is not None:
         write_json_atomic(results_dir / "ds_config_optimal.json", optimal_config)
         (results_dir / "cmd_optimal.txt").write_text(optimal_command(optimal_cmd) + "\n")
+    if deepspeed_cmd is not None:
+        (results_dir / "cmd_optimal_deepspeed.txt").write_text(optimal_command(deepspeed_cmd) + "\n")
     else:
+        (results_dir / "cmd_optimal_deepspeed.txt").unlink(missing_ok=True)
+    if optimal_config is None or optimal_cmd is None:
         for stale in ("ds_config_optimal.json", "cmd_optimal.txt"):
             (results_dir / stale).unlink(missing_ok=True)
     plot_metric(results_dir / "metric_vs_micro_batch.png", results, objective, explanation.curves)

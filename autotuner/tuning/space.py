@@ -14,6 +14,7 @@ KNOB_TAGS = {
     "contiguous_gradients": "cg",
     "stage3_prefetch_bucket_size": "pbs",
     "stage3_param_persistence_threshold": "ppt",
+    "stage3_max_live_parameters": "mlive",
     "offload_optimizer": "oo",
     "offload_param": "op",
 }

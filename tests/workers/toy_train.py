@@ -6,6 +6,7 @@ so the throughput curve, and so the true optimum, is known in advance.
 """
 
 import argparse
+import importlib
 import multiprocessing
 import os
 import signal
@@ -52,6 +53,9 @@ def main() -> None:
     parser.add_argument("--segfault_if_forked", action="store_true",
                         help="rank 1 dies of SIGSEGV at step 2 when it was forked by multiprocessing (a warm launch)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
+    parser.add_argument("--use_deepspeed", action="store_true",
+                        help="train on DeepSpeed's own engine (imported by name, so the launcher needs --engine "
+                             "deepspeed: the fault tests on DeepSpeed's path)")
     autotuner.add_config_arguments(parser)
     args = parser.parse_args()
 
@@ -64,7 +68,12 @@ def main() -> None:
     })
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Linear(args.width, 1))
-    engine, *_ = autotuner.initialize(model=model, config=config)
+    if args.use_deepspeed:
+        deepspeed = importlib.import_module("deepspeed")
+        config["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's fused Adam is GPU-only
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    else:
+        engine, *_ = autotuner.initialize(model=model, config=config)
     micro = engine.train_micro_batch_size_per_gpu()
     if args.fail_if_micro_batch_at_least and micro >= args.fail_if_micro_batch_at_least:
         raise ValueError(f"refusing micro-batch {micro}")

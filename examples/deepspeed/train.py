@@ -1,0 +1,65 @@
+"""A plain DeepSpeed training script: nothing in it knows about the autotuner.
+
+    deepspeed --num_gpus 2 examples/deepspeed/train.py --deepspeed --deepspeed_config ds.json
+    launcher --autotuning run --nproc_per_node 2 examples/deepspeed/train.py --deepspeed \
+        --deepspeed_config examples/deepspeed/ds_config.json
+
+A residual MLP regresses a fixed random teacher (the minimal example's model and data) on
+DeepSpeed's own engine; `deepspeed.initialize` builds the engine, the data loader and the
+optimizer from the config. Rank 0 prints which engine class trained, and the last loss.
+"""
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/ from a checkout
+from examples.minimal.train import MLP, teacher_dataset  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--losses_out", default=None, help="rank 0 writes each step's loss here (JSON)")
+    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", -1)))
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    model = MLP(args.width, args.depth)
+    engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                                training_data=teacher_dataset(args.samples))
+    losses, epoch = [], 0
+    while engine.global_steps < args.steps:
+        sampler = getattr(loader, "data_sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        for x, y in loader:
+            x, y = x.to(engine.device), y.to(engine.device)
+            loss = nn.functional.mse_loss(engine(x).float(), y)
+            engine.backward(loss)
+            engine.step()
+            if engine.global_steps > len(losses):
+                losses.append(float(loss.item()))
+            if engine.global_steps >= args.steps:
+                break
+        epoch += 1
+    if engine.global_rank == 0:
+        print(f"done on {type(engine).__module__}.{type(engine).__name__}: {engine.global_steps} steps, "
+              f"last loss {losses[-1]:.4f}", flush=True)
+        if args.losses_out:
+            Path(args.losses_out).write_text(json.dumps(losses))
+
+
+if __name__ == "__main__":
+    main()
