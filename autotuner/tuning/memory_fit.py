@@ -105,13 +105,20 @@ def fit_residuals(observations: list[PeakObservation], min_slope: dict[str, floa
 def _raise_to_lower_bounds(fit: ResidualFit, observations: list[PeakObservation],
                            measured: list[tuple[int, float]]) -> ResidualFit:
     """Make the fit predict at least each OOM's bound. Pivot on the largest measured micro-batch
-    below the OOM (the line stays right where it was measured), else raise it as a whole."""
+    below the OOM (the line stays right where it was measured), on the origin when nothing was
+    measured, else raise it as a whole."""
     for bound in sorted((o for o in observations if o.lower_bound), key=lambda o: o.micro_batch_size):
         needed = bound.measured_bytes - bound.modelled_bytes
         if fit.bytes_at(bound.micro_batch_size) >= needed:
             continue
         below = [m for m, _ in measured if m < bound.micro_batch_size]
-        if below:
+        if not measured and bound.micro_batch_size > 0:
+            # Nothing of this engine measured yet: pivot on the origin, so the excess grows with the
+            # micro-batch. A constant would call every smaller size out of memory too, and leave
+            # nothing to launch (seen on CUDA with model_info and no activations known).
+            fit = ResidualFit(fit.family, 0.0, max(fit.per_sample_bytes, needed / bound.micro_batch_size),
+                              fit.measured_points, "raised by OOM")
+        elif below:
             pivot = max(below)
             at_pivot = fit.fixed_bytes + fit.per_sample_bytes * pivot
             slope = (needed - at_pivot) / (bound.micro_batch_size - pivot)

@@ -39,13 +39,15 @@ def main() -> None:
     model = MLP(args.width, args.depth)
     engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
                                                 training_data=teacher_dataset(args.samples))
+    # DeepSpeed casts the model, not the batch: inputs follow the config's precision.
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else torch.float32
     losses, epoch = [], 0
     while engine.global_steps < args.steps:
         sampler = getattr(loader, "data_sampler", None)
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         for x, y in loader:
-            x, y = x.to(engine.device), y.to(engine.device)
+            x, y = x.to(engine.device, dtype), y.to(engine.device)
             loss = nn.functional.mse_loss(engine(x).float(), y)
             engine.backward(loss)
             engine.step()
