@@ -17,6 +17,10 @@ INSTALL_HINT = ("pip install 'autotuner[deepspeed]' (on a CPU-only machine: DS_B
                 "pip install --no-build-isolation deepspeed)")
 
 
+def deepspeed_installed() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
 def imports_deepspeed(script: str) -> bool:
     from autotuner.tuning.warm import script_imports
 
@@ -28,7 +32,7 @@ def script_engine(script: str, requested: str = "auto") -> str:
     if requested not in ENGINE_CHOICES:
         raise UsageError(f"--engine: got {requested!r}; choose one of {', '.join(ENGINE_CHOICES)}")
     engine = "deepspeed" if requested == "deepspeed" or imports_deepspeed(script) else "autotuner"
-    if engine == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+    if engine == "deepspeed" and not deepspeed_installed():
         why = "--engine deepspeed was given" if requested == "deepspeed" else f"{script} imports deepspeed"
         raise UsageError(f"{why}, but DeepSpeed is not installed in this Python; {INSTALL_HINT}, or change the "
                          "script's `import deepspeed` to `import autotuner as deepspeed` to train on our engine")

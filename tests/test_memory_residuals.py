@@ -50,11 +50,14 @@ def test_an_oom_pivots_the_line_on_the_largest_size_that_ran_below_it():
     assert fit.slope_source == "raised by OOM"
 
 
-def test_an_oom_already_predicted_changes_nothing_and_without_runs_raises_the_whole_line():
+def test_an_oom_already_predicted_changes_nothing_and_without_runs_pivots_on_the_origin():
     fits = fit_residuals([seen(4, 10), seen(16, 10), seen(32, 5, lower_bound=True)])
     assert fits["DDP"].slope_source == "fitted"
     only = fit_residuals([seen(32, 300, lower_bound=True)])["DDP"]
     assert only.bytes_at(32) == pytest.approx(300 * MiB, abs=1) and only.measured_points == 0
+    # Smaller sizes stay launchable: a constant would have called micro-batch 1 out of memory too
+    # (the predictive tuner then launched nothing after a real CUDA OOM).
+    assert only.bytes_at(16) == pytest.approx(150 * MiB, abs=1) and only.fixed_bytes == 0
 
 
 def test_model_error_is_the_largest_relative_miss():
