@@ -67,9 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="multi-node backend name; on one node the ranks start locally whichever is named")
     ds.add_argument("--launcher_args", default="", help=argparse.SUPPRESS)
     ds.add_argument("--force_multi", action="store_true", help="refused: pdsh/MPI starts are not supported")
-    parser.add_argument("--engine", choices=("auto", "deepspeed"), default="auto",
+    parser.add_argument("--engine", choices=("auto", "deepspeed", "autotuner"), default="auto",
                         help="--autotuning: whose engine the script trains on; auto: DeepSpeed's own when the script "
-                             "imports deepspeed, else ours")
+                             "imports deepspeed, else ours (autotuner)")
     parser.add_argument("--report_file", default=None, help=argparse.SUPPRESS)  # the tuner's launches: see LaunchReport
     parser.add_argument("--autotuning", choices=("tune", "run", "online"), default=None,
                         help="tune: search ZeRO stage x micro-batch x gas and write the optimum; run: tune, then "

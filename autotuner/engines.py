@@ -12,7 +12,7 @@ import importlib.util
 
 from autotuner.errors import UsageError
 
-ENGINE_CHOICES = ("auto", "deepspeed")
+ENGINE_CHOICES = ("auto", "deepspeed", "autotuner")
 INSTALL_HINT = ("pip install 'autotuner[deepspeed]' (on a CPU-only machine: DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "
                 "pip install --no-build-isolation deepspeed)")
 
@@ -31,6 +31,8 @@ def script_engine(script: str, requested: str = "auto") -> str:
     """"deepspeed" when the script trains on DeepSpeed's engine, else "autotuner"."""
     if requested not in ENGINE_CHOICES:
         raise UsageError(f"--engine: got {requested!r}; choose one of {', '.join(ENGINE_CHOICES)}")
+    if requested == "autotuner":  # a script that imports both engines behind its own flag
+        return "autotuner"
     engine = "deepspeed" if requested == "deepspeed" or imports_deepspeed(script) else "autotuner"
     if engine == "deepspeed" and not deepspeed_installed():
         why = "--engine deepspeed was given" if requested == "deepspeed" else f"{script} imports deepspeed"

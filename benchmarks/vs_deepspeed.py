@@ -1,14 +1,15 @@
-"""The real DeepSpeed autotuner against ours: same machine, workload and search space.
+"""The real DeepSpeed autotuner against ours: same machine, workload, search space and engine.
 
     python benchmarks/vs_deepspeed.py [--max_micro 64] [--rounds 2] [--grid_micro 8,16,32,64]
                                       [--start_step 3 --end_step 5] [--venv output/ds_venv]
                                       [--width 1024 --depth 4] [--max_train_batch_size N]
+                                      [--our_engines deepspeed[,autotuner]] [--harness auto|deepspeed|autotuner]
 
-1. Setup: DeepSpeed lives in its own virtualenv (`--venv`, created here if missing:
+1. Setup: DeepSpeed's autotuner runs from its own virtualenv (`--venv`, created here if missing:
    torch==2.13.0, wheel, tabulate, then deepspeed==0.19.8 with DS_BUILD_OPS=0 DS_ACCELERATOR=cpu
    --no-build-isolation). If that fails the benchmark stops with a message and exit status 0.
-   DeepSpeed is never a dependency of this project, and pdsh is never installed (its clean-up
-   would run `pkill -f` over ssh).
+   pdsh is never installed (its clean-up would run `pkill -f` over ssh). Our tuner on DeepSpeed's
+   engine needs the same DeepSpeed in this Python (the `autotuner[deepspeed]` extra).
 2. Both autotuners tune benchmarks/workloads/dual_engine.py (the minimal example's residual MLP,
    same synthetic data, Adam lr 1e-3) over the same space: ZeRO stages 0-3, micro-batch "auto"
    up to --max_micro, gradient_accumulation_steps fixed at 1 (or, with --max_train_batch_size,
@@ -17,16 +18,22 @@
    DeepSpeed: `deepspeed --autotuning tune --num_gpus 2 dual_engine.py --engine deepspeed
    --deepspeed --deepspeed_config ds.json` with DS_ACCELERATOR=cpu, LOCAL_SIZE=2, the venv's bin
    first on PATH; its config adds `"torch_adam": true` (its fused Adam is GPU-only) and gives the
-   stages as [0, 1, 2, 3]. Ours: `python -m autotuner --autotuning tune --nproc_per_node 2 ...
-   --engine autotuner` with stage "all". Both run under a whole-run timeout, because DeepSpeed
-   has no per-experiment one (its #4100). DeepSpeed exits 0 even when every experiment failed,
-   so its result is read from autotuning_results/ (summary.txt, ds_config_optimal.json and each
-   experiment's own metrics.json / stderr.log), not from its exit status.
-3. The two picks (and the best of an optional small exhaustive grid, stages 0-3 x --grid_micro)
-   are re-measured by ONE neutral harness: the same workload under OUR engine (its metrics.json,
-   our timers: samples/s over the profile steps), interleaved A B [C] A B [C] for --rounds
-   rounds, scored by the median. The two tuners' own metrics use different timers (DeepSpeed's
-   covers fwd+bwd+step of the last step only), so only the re-measured numbers are compared.
+   stages as [0, 1, 2, 3]. Ours, once per --our_tuner_types entry and --our_engines entry:
+   `python -m autotuner --autotuning tune --nproc_per_node 2 --engine E dual_engine.py --engine E
+   ...` with stage "all"; with E = deepspeed (the default; rows ours_<type>_on_deepspeed) it
+   drives the very script and engine DeepSpeed's autotuner drives, unchanged. Both run under a
+   whole-run timeout, because DeepSpeed has no per-experiment one (its #4100). DeepSpeed exits 0
+   even when every experiment failed, so its result is read from autotuning_results/
+   (summary.txt, ds_config_optimal.json and each experiment's own metrics.json / stderr.log), not
+   from its exit status.
+3. The picks (and the best of an optional small exhaustive grid, stages 0-3 x --grid_micro) are
+   re-measured by ONE neutral harness, interleaved A B [C] A B [C] for --rounds rounds and scored
+   by the median: the workload on --harness's engine (auto: DeepSpeed's whenever a tuner ran on
+   it), launched by our launcher and timed inside the ranks the same way for every pick -- samples/s
+   over the profile steps, boundary to boundary, data loading included (on DeepSpeed's engine by
+   the hook around DeepSpeedEngine, never by DeepSpeed's own timers). The tuners' own metrics use
+   different timers (DeepSpeed's covers fwd+bwd+step of the last step only), so only the
+   re-measured numbers are compared.
 Results: benchmarks/results/vs_deepspeed.csv and a markdown table on stdout.
 """
 
@@ -95,6 +102,19 @@ def ensure_venv(venv: Path) -> str | None:
     return None
 
 
+def prebuild_shm_comm(python: str, env: dict) -> None:
+    """DeepSpeed JIT-builds its CPU shared-memory comm op in the first rank that needs it (about
+    30 s here), then loads it from TORCH_EXTENSIONS_DIR. Build it before any tuner is timed, once
+    per Python: each virtualenv keeps its own cache, as a build for one venv's include paths is
+    rebuilt by the other's."""
+    started = time.monotonic()
+    code = ("from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder as B; B().load()")
+    done = subprocess.run([python, "-c", code], env=env, capture_output=True, text=True)
+    state = "ready" if done.returncode == 0 else f"failed ({done.stderr.strip().splitlines()[-1:]})"
+    log(f"DeepSpeed shm comm op for {python}: {state} in {time.monotonic() - started:.1f} s "
+        f"(cache {env.get('TORCH_EXTENSIONS_DIR')})")
+
+
 def ds_env(venv: Path, extensions: Path | None = None) -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
@@ -107,13 +127,14 @@ def ds_env(venv: Path, extensions: Path | None = None) -> dict:
 
 # ---------------------------------------------------------------- configs
 
-def user_config(engine: str, args, results: Path, exps: Path) -> dict:
+def user_config(tuner: str, engine: str, args, results: Path, exps: Path) -> dict:
+    """The user's ds.json for `tuner` ("deepspeed" or "autotuner") on `engine` (whose engine trains)."""
     optimizer = {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.0}}
     if engine == "deepspeed":
         optimizer["params"]["torch_adam"] = True  # DeepSpeed's FusedAdam is GPU-only; ours ignores the key
     if not args.max_train_batch_size:
         batch = {"gradient_accumulation_steps": 1}
-    elif engine == "deepspeed":
+    elif tuner == "deepspeed":
         batch = {}  # DeepSpeed derives gas from max_train_batch_size itself
     else:
         batch = {"gradient_accumulation_steps": "auto"}
@@ -122,7 +143,7 @@ def user_config(engine: str, args, results: Path, exps: Path) -> dict:
         **batch,
         "steps_per_print": 1000,
         "optimizer": optimizer,
-        "zero_optimization": {"stage": [0, 1, 2, 3] if engine == "deepspeed" else "all"},
+        "zero_optimization": {"stage": [0, 1, 2, 3] if tuner == "deepspeed" else "all"},
         "autotuning": {
             "enabled": True,
             "fast": True,
@@ -134,7 +155,7 @@ def user_config(engine: str, args, results: Path, exps: Path) -> dict:
             "end_profile_step": args.end_step,
             "max_train_micro_batch_size_per_gpu": args.max_micro,
             **({"max_train_batch_size": args.max_train_batch_size} if args.max_train_batch_size else {}),
-            **({"exp_timeout_s": 300} if engine == "autotuner" else {}),
+            **({"exp_timeout_s": 300} if tuner == "autotuner" else {}),
         },
     }
 
@@ -180,7 +201,7 @@ def first_error_line(text: str) -> str | None:
 def run_deepspeed(args, work: Path, venv: Path) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     results, exps = work / "autotuning_results", work / "autotuning_exps"
-    (work / "ds.json").write_text(json.dumps(user_config("deepspeed", args, results, exps), indent=2))
+    (work / "ds.json").write_text(json.dumps(user_config("deepspeed", "deepspeed", args, results, exps), indent=2))
     command = [str(venv / "bin" / "deepspeed"), "--autotuning", "tune", "--num_gpus", "2",
                *workload_args("deepspeed", "ds.json", args)]
     log("DeepSpeed: " + shlex.join(command))
@@ -234,16 +255,23 @@ def run_deepspeed(args, work: Path, venv: Path) -> dict:
             "problems": problems, "logged_lines": len(logged)}
 
 
-def run_ours(args, work: Path, tuner_type: str) -> dict:
+def our_tuner_name(tuner_type: str, engine: str) -> str:
+    return f"ours_{tuner_type}" + ("_on_deepspeed" if engine == "deepspeed" else "")
+
+
+def run_ours(args, work: Path, tuner_type: str, engine: str) -> dict:
+    """Our autotuner on `engine`: "autotuner" (the workload on our engine) or "deepspeed" (the same
+    unchanged DeepSpeed script DeepSpeed's autotuner drives, on DeepSpeed's engine)."""
     work.mkdir(parents=True, exist_ok=True)
     results, exps = work / "autotuning_results", work / "autotuning_exps"
-    config = user_config("autotuner", args, results, exps)
+    config = user_config("autotuner", engine, args, results, exps)
     config["autotuning"]["tuner_type"] = tuner_type
     (work / "ds.json").write_text(json.dumps(config, indent=2))
     command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2",
-               *workload_args("autotuner", "ds.json", args)]
-    log(f"ours ({tuner_type}): " + shlex.join(command))
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+               "--engine", engine, *workload_args(engine, "ds.json", args)]
+    name = our_tuner_name(tuner_type, engine)
+    log(f"{name}: " + shlex.join(command))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu")
     code, wall = run_bounded(command, work, env, args.tuner_timeout_s, "ours_tune")
     problems, chosen, reported, launched_count, failed = [], None, None, 0, 0
     csv_path = results / "experiments.csv"
@@ -259,11 +287,14 @@ def run_ours(args, work: Path, tuner_type: str) -> dict:
             chosen = Experiment(int(best.zero_stage), int(best.micro_batch_size), int(best.gradient_accumulation_steps))
             reported = float(best.metric_value)
         per_experiment = launched[["name", "phase", "state", "metric_value"]].to_dict("records")
+        engines = set(launched.get("engine", pd.Series(dtype=str)).dropna())
+        if engines and engines != {engine}:
+            problems.append(f"launches ran on {sorted(engines)}, expected {engine}")
     else:
         problems.append(f"no {csv_path}")
     if code != 0:
         problems.append(f"exit status {code}")
-    return {"tuner": f"ours_{tuner_type}", "command": shlex.join(command), "returncode": code, "wall_s": wall,
+    return {"tuner": name, "command": shlex.join(command), "returncode": code, "wall_s": wall,
             "experiments": launched_count, "failed": failed, "chosen": chosen, "reported_metric": reported,
             "per_experiment": per_experiment, "problems": problems}
 
@@ -280,14 +311,17 @@ def relative_command(command: str) -> str:
 
 # ---------------------------------------------------------------- neutral re-measurement
 
-def neutral_settings(args) -> ExperimentSettings:
-    config = load_config({k: v for k, v in user_config("autotuner", args, Path("r"), Path("e")).items()
+def neutral_settings(args, harness: str) -> ExperimentSettings:
+    """One launch per (pick, round) on `harness`'s engine, timed by our in-rank measurement: on our
+    engine its own timers, on DeepSpeed's the hook around DeepSpeedEngine (runtime/deepspeed_measure.py).
+    Either way samples/s over the same profile steps, boundary to boundary, data loading included."""
+    config = load_config({k: v for k, v in user_config("autotuner", harness, args, Path("r"), Path("e")).items()
                           if k != "autotuning"})
     return ExperimentSettings(
-        script=str(SCRIPT), script_args=tuple(workload_args("autotuner", "unused.json", args)[1:]),
+        script=str(SCRIPT), script_args=tuple(workload_args(harness, "unused.json", args)[1:]),
         base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
         objective=Objective("throughput"), timeout_s=300, start_profile_step=args.start_step,
-        end_profile_step=args.end_step,
+        end_profile_step=args.end_step, engine=harness,
     )
 
 
@@ -312,8 +346,20 @@ def main() -> None:
     parser.add_argument("--tuners", default="deepspeed,ours", help="which tuners to run (both for ratios)")
     parser.add_argument("--our_tuner_types", default="gridsearch,predictive",
                         help="our autotuner's tuner_type(s), each run as its own tuner (ours_<type>)")
+    parser.add_argument("--our_engines", default="deepspeed",
+                        help="comma list of engines our tuner drives the workload on: deepspeed (the same "
+                             "engine as DeepSpeed's autotuner: rows ours_<type>_on_deepspeed), autotuner (ours)")
+    parser.add_argument("--harness", choices=("auto", "deepspeed", "autotuner"), default="auto",
+                        help="whose engine re-measures every pick; auto: DeepSpeed's when any tuner ran on it")
     args = parser.parse_args()
+    our_engines = args.our_engines.split(",")
+    harness = args.harness
+    if harness == "auto":
+        harness = "deepspeed" if "deepspeed" in args.tuners.split(",") or "deepspeed" in our_engines else "autotuner"
     os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # Our tuner and the harness run DeepSpeed from this Python, with a build cache of their own.
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(ROOT / "output" / "torch_extensions_main")
     venv, work = Path(args.venv).resolve(), Path(args.work_dir).resolve()
     load = os.getloadavg()
     log(f"load average at start {load[0]:.2f} on {os.cpu_count()} cores (other processes add noise)")
@@ -324,15 +370,20 @@ def main() -> None:
         if why:
             log(f"SKIPPED DeepSpeed: setup failed: {why}")
         else:
+            prebuild_shm_comm(str(venv / "bin" / "python"), ds_env(venv, ROOT / "output" / "torch_extensions"))
             runs["deepspeed"] = run_deepspeed(args, work / "deepspeed", venv)
             log(f"DeepSpeed done: {json.dumps({k: str(v) for k, v in runs['deepspeed'].items() if k != 'per_experiment'})}")
+    if "ours" in args.tuners and "deepspeed" in our_engines or harness == "deepspeed":
+        prebuild_shm_comm(sys.executable, dict(os.environ))
     if "ours" in args.tuners:
-        for tuner_type in args.our_tuner_types.split(","):
-            run = run_ours(args, work / f"ours_{tuner_type}", tuner_type)
-            runs[run["tuner"]] = run
+        for engine in our_engines:
+            for tuner_type in args.our_tuner_types.split(","):
+                run = run_ours(args, work / our_tuner_name(tuner_type, engine), tuner_type, engine)
+                runs[run["tuner"]] = run
             log(f"{run['tuner']} done: {json.dumps({k: str(v) for k, v in run.items() if k != 'per_experiment'})}")
 
-    settings = neutral_settings(args)
+    settings = neutral_settings(args, harness)
+    log(f"neutral harness: {harness}'s engine")
     grid_best, grid_scores = None, {}
     if args.grid_micro:
         space = [Experiment(stage, int(m), grid_gas(int(m), args)) for stage in (0, 1, 2, 3)
@@ -348,7 +399,7 @@ def main() -> None:
     unique = list(dict.fromkeys(picks))
     remeasured = {}
     if unique:
-        log("re-measuring under our engine, interleaved: " + " ".join(e.name for e in unique))
+        log(f"re-measuring on {harness}'s engine, interleaved: " + " ".join(e.name for e in unique))
         again = measure_rounds(unique, settings, args.rounds, work / "remeasure")
         remeasured = {e: (median_value(r), spread(r), [round(x.value, 1) if x.value else None for x in r])
                       for e, r in again.items()}
@@ -401,8 +452,14 @@ def main() -> None:
     workload = f"mlp w{args.width} d{args.depth}, " + (
         f"global batch {args.max_train_batch_size}" if args.max_train_batch_size else "gas 1")
     for r in rows:
-        r.update(date=time.strftime("%Y-%m-%d"), workload=workload)
-    merge_csv(RESULTS / "vs_deepspeed.csv", rows, ["workload", "tuner"])
+        r.update(date=time.strftime("%Y-%m-%d"), workload=workload, harness=harness)
+    csv_path = RESULTS / "vs_deepspeed.csv"
+    if csv_path.exists() and "harness" not in pd.read_csv(csv_path, nrows=0).columns:
+        # Rows from before the DeepSpeed-engine harness were all re-measured on our engine.
+        old = pd.read_csv(csv_path)
+        old.insert(2, "harness", "autotuner")
+        old.to_csv(csv_path, index=False)
+    merge_csv(csv_path, rows, ["workload", "harness", "tuner"])
     table = pd.DataFrame(rows)
     (work / "runs.json").write_text(json.dumps(runs, default=str, indent=1))
     print(table.drop(columns=["command", "problems", "remeasured_values"]).to_markdown(index=False))
@@ -424,6 +481,11 @@ def main() -> None:
             losses.append(f"it launched more experiments ({ours['experiments_launched']} vs "
                           f"{ds['experiments_launched']})")
         print("where it loses: " + ("; ".join(losses) if losses else "nowhere in this run"))
+        noise = ((ours["remeasure_spread_pct"] or 0) + (ds["remeasure_spread_pct"] or 0)) / 100
+        wall_ok = ours["wall_ours_over_ds"] is not None and ours["wall_ours_over_ds"] <= 0.25
+        pick_ok = ours["pick_ours_over_ds"] is not None and ours["pick_ours_over_ds"] >= 1 - noise
+        print(f"goals: wall <= 0.25x DeepSpeed's: {'met' if wall_ok else 'NOT met'}; pick at least as good "
+              f"within noise (>= {1 - noise:.3f}x): {'met' if pick_ok else 'NOT met'}")
 
 if __name__ == "__main__":
     main()

@@ -40,6 +40,10 @@ def test_the_engine_follows_the_scripts_imports_or_the_flag():
     # The toy imports deepspeed by name at run time only: the flag says so.
     assert script_engine(str(WORKERS / "toy_train.py")) == "autotuner"
     assert script_engine(str(WORKERS / "toy_train.py"), "deepspeed") == "deepspeed"
+    # A script importing both behind its own flag: `--engine autotuner` forces ours.
+    dual = ROOT / "benchmarks" / "workloads" / "dual_engine.py"
+    assert script_engine(str(dual)) == "deepspeed"
+    assert script_engine(str(dual), "autotuner") == "autotuner"
 
 
 def test_a_deepspeed_script_without_deepspeed_installed_is_refused_in_one_line(monkeypatch):
