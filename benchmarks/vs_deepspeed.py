@@ -380,7 +380,7 @@ def main() -> None:
             for tuner_type in args.our_tuner_types.split(","):
                 run = run_ours(args, work / our_tuner_name(tuner_type, engine), tuner_type, engine)
                 runs[run["tuner"]] = run
-            log(f"{run['tuner']} done: {json.dumps({k: str(v) for k, v in run.items() if k != 'per_experiment'})}")
+                log(f"{run['tuner']} done: {json.dumps({k: str(v) for k, v in run.items() if k != 'per_experiment'})}")
 
     settings = neutral_settings(args, harness)
     log(f"neutral harness: {harness}'s engine")
