@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
+import threading
 import traceback
 
 from autotuner.errors import AutotunerError, ConfigError, UsageError
+from autotuner.launch.nodes import STOP_WITH_STDIN_FLAG
 
 
 class _Parser(argparse.ArgumentParser):
@@ -43,12 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--nproc_per_node", "--num_gpus", dest="nproc_per_node", type=_rank_counts, default=None,
                         help="ranks per node (default: all visible GPUs, or 1 on CPU); with --bench a comma list "
                              "of world sizes, e.g. 1,2,4")
-    parser.add_argument("--num_nodes", "--nnodes", dest="num_nodes", type=int, default=1, help="number of nodes")
+    parser.add_argument("--num_nodes", "--nnodes", dest="num_nodes", type=int, default=None,
+                        help="number of nodes (default 1; with a --hostfile: its first N hosts, default all)")
     parser.add_argument("--node_rank", type=int, default=0, help="this node's rank, 0..num_nodes-1")
     parser.add_argument("--master_addr", default=None, help="address of node 0 (default: 127.0.0.1 on one node)")
     parser.add_argument("--master_port", type=int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--rdzv_endpoint", default=None, help="HOST:PORT for torch's c10d elastic rendezvous")
     parser.add_argument("--rdzv_id", default=None, help="job id shared by all nodes with --rdzv_endpoint")
+    parser.add_argument("--rdzv_conf", "--rdzv-conf", dest="rdzv_conf", default="",
+                        help="torchrun's rendezvous settings, KEY=VALUE,...: e.g. timeout=60 (static: seconds to wait "
+                             "for every node), join_timeout=60 (c10d)")
     ds = parser.add_argument_group("the deepspeed launcher's flags")
     ds.add_argument("-H", "--hostfile", default=None,
                     help="DeepSpeed-style hostfile ('host slots=N' lines); only this host may be listed for now")
@@ -67,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="multi-node backend name; on one node the ranks start locally whichever is named")
     ds.add_argument("--launcher_args", default="", help=argparse.SUPPRESS)
     ds.add_argument("--force_multi", action="store_true", help="refused: pdsh/MPI starts are not supported")
+    ds.add_argument("--ssh_port", type=int, default=None, help="multi-host --hostfile over ssh: the remote port")
+    parser.add_argument(STOP_WITH_STDIN_FLAG, action="store_true", help=argparse.SUPPRESS)  # see launch/nodes.py
     parser.add_argument("--engine", choices=("auto", "deepspeed", "autotuner"), default="auto",
                         help="--autotuning: whose engine the script trains on; auto: DeepSpeed's own when the script "
                              "imports deepspeed, else ours (autotuner)")
@@ -133,14 +143,36 @@ def _launch(args: argparse.Namespace) -> int:
 
     from autotuner.boundary import ONLINE_ENV
     from autotuner.launch import LaunchOptions, build_plan, run_plan
-    from autotuner.launch.plan import config_checked
+    from autotuner.launch.plan import config_checked, nodes_plan
 
-    plan = build_plan(LaunchOptions.from_args(args), sys.executable)
+    options = LaunchOptions.from_args(args)
+    nodes = nodes_plan(options, sys.executable, os.getcwd(), dict(os.environ), num_nodes=args.num_nodes,
+                       agent_flags=(("--debug",) if args.debug else ()) + (
+                           ("--autotuning", "online") if args.autotuning == "online" else ()))
+    if nodes is not None:
+        from autotuner.launch.node_runner import run_nodes
+
+        _check_config(tuple(args.script_args), nodes.world_size, args.autotuning == "online")
+        return run_nodes(nodes)
+    if args.stop_with_stdin:
+        _stop_when_stdin_closes()
+    plan = build_plan(options, sys.executable)
     online = args.autotuning == "online"
     _check_config(tuple(args.script_args), plan.world_size, online)
     if online:
         plan = dataclasses.replace(plan, env={**plan.env, ONLINE_ENV: "1"})
     return run_plan(config_checked(plan), quiet=not args.debug)
+
+
+def _stop_when_stdin_closes() -> None:
+    """A node started by the head (launch/nodes.py): its stdin is the head's pipe. When that closes,
+    stop as on SIGTERM, so torch elastic ends this node's ranks."""
+    def watch() -> None:
+        while sys.stdin.buffer.read(65536):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="stop-with-stdin").start()
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from autotuner.config import load_config  # noqa: E402
 from autotuner.launch.processes import run_to_completion  # noqa: E402
-from autotuner.tuning.autotuner import base_config  # noqa: E402
+from autotuner.tuning.config_space import base_config  # noqa: E402
 from autotuner.tuning.experiment import ExperimentSettings, Trial  # noqa: E402
 from autotuner.tuning.records import Objective, TrialState  # noqa: E402
 from autotuner.tuning.runners import ColdRunner  # noqa: E402

@@ -57,7 +57,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from autotuner.config import load_config  # noqa: E402
-from autotuner.tuning.autotuner import base_config  # noqa: E402
+from autotuner.tuning.config_space import base_config  # noqa: E402
 from autotuner.tuning.experiment import ExperimentSettings  # noqa: E402
 from autotuner.tuning.records import Objective  # noqa: E402
 from autotuner.tuning.space import Experiment  # noqa: E402

@@ -67,7 +67,7 @@ def test_one_rank_has_no_collectives_to_time():
 @pytest.mark.timeout(300)
 def test_a_two_rank_profile_launch_records_the_collectives_of_its_process_group(tmp_path, no_orphans):
     from autotuner.config import load_config
-    from autotuner.tuning.autotuner import base_config
+    from autotuner.tuning.config_space import base_config
     from autotuner.tuning.experiment import ExperimentSettings, Trial
     from autotuner.tuning.records import Objective, TrialState
     from autotuner.tuning.runners import ColdRunner

@@ -86,7 +86,7 @@ def test_bigger_buckets_and_overlap_cost_memory_and_offload_frees_it():
 
 def test_full_mode_sweeps_deepspeeds_knobs_and_offload_only_on_cuda():
     from autotuner.config import load_config
-    from autotuner.tuning.autotuner import knob_values
+    from autotuner.tuning.config_space import knob_values
 
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "Adam", "params": {}},
                           "zero_optimization": {"stage": "all", "overlap_comm": False}})

@@ -12,7 +12,7 @@ import pytest
 
 from autotuner.config import load_config
 from autotuner.errors import ConfigError
-from autotuner.tuning.autotuner import base_config, knob_values, search_space
+from autotuner.tuning.config_space import base_config, knob_values, search_space
 from autotuner.boundary import LaunchReport, Measurement, RankError, write_record
 from autotuner.launch.runner import failure_report
 from autotuner.tuning.experiment import (

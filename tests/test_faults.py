@@ -293,7 +293,7 @@ def write_record(tmp_path: Path, config: Path, script_args: tuple[str, ...], exp
                  state: TrialState, value: float | None) -> None:
     """A finished record of an earlier run of the same command (its fingerprint is this run's)."""
     from autotuner.config import load_config
-    from autotuner.tuning.autotuner import base_config
+    from autotuner.tuning.config_space import base_config
     from autotuner.tuning.journal import fingerprint_of, this_device, torch_version, write_entry
 
     fingerprint = fingerprint_of(script=str(TOY), script_args=(*script_args, "--deepspeed", str(config)),

@@ -8,7 +8,8 @@ import dataclasses
 import pandas as pd
 
 from autotuner.config import load_config
-from autotuner.tuning.autotuner import Autotuner, base_config
+from autotuner.tuning.autotuner import Autotuner
+from autotuner.tuning.config_space import base_config
 from autotuner.tuning.experiment import ExperimentSettings, Trial
 from autotuner.tuning.final_pick import Contender, contenders, interleaved_order, pick
 from autotuner.tuning.records import Objective, TrialResult, TrialState

@@ -194,7 +194,7 @@ def test_warm_ranks_initialise_cuda_themselves_and_the_forkserver_never_does(tmp
     from multiprocessing import forkserver
 
     from autotuner.config import load_config
-    from autotuner.tuning.autotuner import base_config
+    from autotuner.tuning.config_space import base_config
     from autotuner.tuning.experiment import ExperimentSettings, Trial
     from autotuner.tuning.records import Objective, TrialState
     from autotuner.tuning.space import Experiment

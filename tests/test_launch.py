@@ -167,6 +167,10 @@ class TestBuildPlan:
         assert plan.rdzv_configs == {"rank": 1}
         assert plan.world_size == 4 and plan.num_nodes == 2
         assert plan.local_addr is None  # not node 0: torch finds this host's address
+        # Every node's agent names the same run, as torchrun does ("none"): the static store's keys
+        # live under it, so two agents with their own ids would wait for each other for ever.
+        assert plan.run_id == "none"
+        assert plan_for(script, nproc_per_node=1, num_nodes=2, node_rank=0, master_addr="10.0.0.1").run_id == "none"
 
     def test_node_0_of_two_binds_the_master_addr(self, script):
         plan = plan_for(script, nproc_per_node=1, num_nodes=2, node_rank=0, master_addr="10.0.0.1",

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from autotuner.config import load_config
-from autotuner.tuning.autotuner import Autotuner, base_config
+from autotuner.tuning.autotuner import Autotuner
+from autotuner.tuning.config_space import base_config
 from autotuner.tuning.experiment import ExperimentSettings
 from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, estimate, model_state_bytes
 from autotuner.tuning.profiling import peak_fit

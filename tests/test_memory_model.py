@@ -8,7 +8,8 @@ import math
 import pytest
 
 from autotuner.config import load_config
-from autotuner.tuning.autotuner import Autotuner, base_config
+from autotuner.tuning.autotuner import Autotuner
+from autotuner.tuning.config_space import base_config
 from autotuner.tuning.experiment import ExperimentSettings
 from autotuner.tuning.memory import (
     MemoryEstimate,

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from autotuner.config import load_config
-from autotuner.tuning.autotuner import Autotuner, TuningFailed, base_config
+from autotuner.tuning.autotuner import Autotuner, TuningFailed
+from autotuner.tuning.config_space import base_config
 from autotuner.tuning.experiment import ExperimentSettings, Trial
 from autotuner.tuning.journal import fingerprint_of, load_journal, unmapped_args, write_entry
 from autotuner.tuning.records import Objective, TrialResult, TrialState

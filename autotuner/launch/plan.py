@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.errors import UsageError
+from autotuner.launch.nodes import NodesPlan, active_hosts, plan_nodes
 from autotuner.launch.resources import cores_for_ranks, is_this_host, parse_core_list, parse_hostfile, select_slots
 
 DEFAULT_MASTER_PORT = 29500
+TORCHRUN_DEFAULT_RDZV_ID = "none"
 LOOPBACK = "127.0.0.1"
 
 
@@ -28,6 +30,7 @@ class LaunchOptions:
     master_port: int | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
+    rdzv_conf: str = ""  # torchrun's --rdzv_conf: KEY=VALUE,...
     # The `deepspeed` launcher's flags.
     hostfile: str | None = None
     include: str | None = None
@@ -38,6 +41,7 @@ class LaunchOptions:
     each_rank_log_dir: str | None = None
     launcher: str = "pdsh"
     force_multi: bool = False
+    ssh_port: int | None = None
     # A tuner's launch: ranks run through autotuner.launch.run_script, which records their failures,
     # and the launcher writes its LaunchReport here.
     report_file: str | None = None
@@ -47,11 +51,13 @@ class LaunchOptions:
         """From the launcher's parsed command line; `overrides` replace fields."""
         fields = dict(
             script=args.script, script_args=tuple(args.script_args), nproc_per_node=args.nproc_per_node,
-            num_nodes=args.num_nodes, node_rank=args.node_rank, master_addr=args.master_addr,
+            num_nodes=args.num_nodes or 1, node_rank=args.node_rank, master_addr=args.master_addr,
             master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+            rdzv_conf=getattr(args, "rdzv_conf", ""),
             hostfile=args.hostfile, include=args.include, exclude=args.exclude, no_local_rank=args.no_local_rank,
             bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list,
             each_rank_log_dir=args.enable_each_rank_log, launcher=args.launcher, force_multi=args.force_multi,
+            ssh_port=getattr(args, "ssh_port", None),
             report_file=args.report_file,
         )
         return cls(**{**fields, **overrides})
@@ -236,24 +242,72 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
     env = {**thread_env(nproc, environ), **device_env, **rank_env,
            # What DeepSpeed's launch.py sets besides torch elastic's variables.
            "LOCAL_SIZE": str(nproc), "CROSS_RANK": str(options.node_rank), "CROSS_SIZE": str(options.num_nodes)}
-    run_id = options.rdzv_id or uuid.uuid4().hex[:12]
+    # Every node's agent must name the same run: static and c10d rendezvous keep their keys under it.
+    # torchrun's default id is "none"; one node gets a fresh one so concurrent local jobs never meet.
+    shared = options.num_nodes > 1 or options.rdzv_endpoint is not None
+    run_id = options.rdzv_id or (TORCHRUN_DEFAULT_RDZV_ID if shared else uuid.uuid4().hex[:12])
     local_addr = options.master_addr or LOOPBACK
     extra = dict(notes=tuple(notes), each_rank_log_dir=options.each_rank_log_dir, report_file=options.report_file)
 
+    rdzv_configs = parse_rdzv_conf(options.rdzv_conf)
     if options.rdzv_endpoint:
         # Elastic (c10d) rendezvous across nodes: every node passes the same endpoint and id.
-        return LaunchPlan(command, nproc, options.num_nodes, "c10d", options.rdzv_endpoint, {}, run_id,
+        return LaunchPlan(command, nproc, options.num_nodes, "c10d", options.rdzv_endpoint, rdzv_configs, run_id,
                           local_addr=_local_address(options), env=env, **extra)
     if options.num_nodes > 1:
         if not options.master_addr:
             raise UsageError("--num_nodes > 1 needs --master_addr (the address of node 0), or --rdzv_endpoint")
         port = options.master_port or DEFAULT_MASTER_PORT
         return LaunchPlan(command, nproc, options.num_nodes, "static", f"{options.master_addr}:{port}",
-                          {"rank": options.node_rank}, run_id, local_addr=_local_address(options), env=env, **extra)
+                          {**rdzv_configs, "rank": options.node_rank}, run_id, local_addr=_local_address(options), env=env, **extra)
     # One node: rendezvous on loopback; port 0 lets the OS pick a free one.
     port = options.master_port or 0
-    return LaunchPlan(command, nproc, 1, "c10d", f"{local_addr}:{port}", {}, run_id, local_addr=local_addr, env=env,
+    return LaunchPlan(command, nproc, 1, "c10d", f"{local_addr}:{port}", rdzv_configs, run_id, local_addr=local_addr,
+                      env=env,
                       **extra)
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """torchrun's --rdzv_conf: `KEY=VALUE` pairs joined by commas; values stay strings, as torch's
+    rendezvous handlers convert them themselves."""
+    conf: dict[str, str] = {}
+    for pair in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise UsageError(f"--rdzv_conf: got {pair!r}; expected KEY=VALUE pairs joined by commas, e.g. timeout=60")
+        if key.strip() == "rank":
+            raise UsageError("--rdzv_conf: rank is set by --node_rank")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def nodes_plan(options: LaunchOptions, python: str, cwd: str, environ: dict[str, str], num_nodes: int | None,
+               agent_flags: tuple[str, ...] = ()) -> NodesPlan | None:
+    """With a hostfile naming other hosts (or several), the head's plan to start one agent per
+    host (launch/nodes.py); None when the ranks start here (no hostfile, or only this host)."""
+    if options.hostfile is None or not Path(options.hostfile).is_file():
+        return None
+    if not Path(options.script).is_file():
+        raise UsageError(f"training script not found: {options.script}")
+    hosts = active_hosts(options.hostfile, options.include, options.exclude, num_nodes, options.nproc_per_node)
+    if len(hosts) == 1 and is_this_host(next(iter(hosts))):
+        return None
+    if options.rdzv_endpoint or options.node_rank:
+        raise UsageError("--hostfile with other hosts starts every node itself: drop --node_rank/--rdzv_endpoint")
+    passthrough: list[str] = list(agent_flags)
+    for flag, value in (("--bind_core_list", options.bind_core_list), ("--enable_each_rank_log",
+                                                                       options.each_rank_log_dir),
+                        ("--rdzv_conf", options.rdzv_conf or None)):
+        if value is not None:
+            passthrough += [flag, value]
+    passthrough += [flag for flag, on in (("--no_local_rank", options.no_local_rank),
+                                          ("--bind_cores_to_rank", options.bind_cores_to_rank)) if on]
+    return plan_nodes(hostfile=options.hostfile, include=options.include, exclude=options.exclude,
+                      num_nodes=num_nodes, nproc_per_node=options.nproc_per_node, master_addr=options.master_addr,
+                      master_port=options.master_port or DEFAULT_MASTER_PORT, launcher=options.launcher,
+                      ssh_port=options.ssh_port, passthrough=tuple(passthrough),
+                      script=options.script, script_args=options.script_args, python=python, cwd=cwd,
+                      environ=environ)
 
 
 def config_checked(plan: LaunchPlan) -> LaunchPlan:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
-from autotuner.launch.script_args import replace_config
-from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_config, mapped_script_args,
-                                         rank_count_flags, with_user_keys)
+from autotuner.tuning.config_space import base_config, knob_values, search_space
+from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory
+from autotuner.tuning.experiment import ExperimentSettings, Trial, experiment_config, with_user_keys
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.comm_fit import fit_collectives
 from autotuner.tuning.cost_model import CostContext
@@ -25,8 +24,8 @@ from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.final_pick import Contender, contenders, describe, interleaved_order, pick
 from autotuner.tuning.results import Explanation, PredictedPoint, write_results
 from autotuner.tuning.runners import Runner
-from autotuner.tuning.search import (DEEPSPEED_KNOBS, DEEPSPEED_OFFLOAD_KNOBS, DEFAULT_KNOBS, SearchPolicy, SearchSpace,
-                                     ladder_sizes, run_search)
+from autotuner.tuning.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
+from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search
 from autotuner.tuning.space import Experiment
 
 
@@ -51,71 +50,6 @@ class TuningOutcome:
     deepspeed_command: tuple[str, ...] | None = None  # the same training with DeepSpeed's own launcher
 
 
-def _zero_settings(config: DeepSpeedConfig) -> dict[str, Any]:
-    return config.to_dict().get("zero_optimization", {})
-
-
-def base_config(config: DeepSpeedConfig) -> dict[str, Any]:
-    """The user's config with every searchable value settled to a default; experiments set their own."""
-    base = config.to_dict()
-    zero = dict(base.get("zero_optimization", {}))
-    for knob, value in list(zero.items()):
-        if isinstance(value, list) and knob != "stage":
-            zero[knob] = value[0]
-    zero.pop("stage", None)
-    base["zero_optimization"] = zero
-    return base
-
-
-def default_knobs(engine: str, cuda: bool, config: DeepSpeedConfig) -> dict[int, dict[str, list[Any]]]:
-    """Full mode's knobs per stage for the script's engine. On DeepSpeed's, offload too on CUDA,
-    unless the user wrote an offload section (then theirs stands)."""
-    if engine != "deepspeed":
-        return DEFAULT_KNOBS
-    user = _zero_settings(config)
-    offload = cuda and not any(key in user for key in ("offload_optimizer", "offload_param"))
-    return {stage: {**knobs, **(DEEPSPEED_OFFLOAD_KNOBS.get(stage, {}) if offload else {})}
-            for stage, knobs in DEEPSPEED_KNOBS.items()}
-
-
-def knob_values(config: DeepSpeedConfig, engine: str = "autotuner",
-                cuda: bool = False) -> dict[int, dict[str, list[Any]]]:
-    """Full-mode knob values per stage: a user scalar fixes a knob, a user list replaces the defaults."""
-    user = _zero_settings(config)
-    values: dict[int, dict[str, list[Any]]] = {}
-    for stage, defaults in default_knobs(engine, cuda, config).items():
-        stage_values = {}
-        for knob, default in defaults.items():
-            if knob not in user:
-                stage_values[knob] = default
-            elif isinstance(user[knob], list):
-                stage_values[knob] = user[knob]
-        values[stage] = stage_values
-    return values
-
-
-def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str = "autotuner",
-                 cuda: bool = False) -> SearchSpace:
-    tuning = config.autotuning
-    micro = config.train_micro_batch_size_per_gpu
-    fixed_micro = tuple(micro) if isinstance(micro, list) else (micro,) if isinstance(micro, int) else ()
-    gas = config.gradient_accumulation_steps
-    exact = isinstance(config.train_batch_size, int)
-    global_batch = config.train_batch_size if exact else tuning.max_train_batch_size
-    return SearchSpace(
-        stages=config.zero_optimization.stages,
-        data_parallel_size=data_parallel_size,
-        min_micro_batch_size=tuning.min_train_micro_batch_size_per_gpu,
-        max_micro_batch_size=tuning.max_train_micro_batch_size_per_gpu,
-        fixed_micro_batch_sizes=fixed_micro,
-        fixed_gradient_accumulation_steps=gas if isinstance(gas, int) else None,
-        global_batch_size=global_batch,
-        global_batch_exact=exact,
-        num_micro_batch_sizes=tuning.num_tuning_micro_batch_sizes,
-        knob_values=knob_values(config, engine, cuda),
-    )
-
-
 class Autotuner:
     """Runs one tuning job. `report` receives progress lines."""
 
@@ -133,7 +67,7 @@ class Autotuner:
         self.policy = SearchPolicy(self.objective, tuning.tuner_type, tuning.tuner_early_stopping,
                                    tuning.tuner_num_trials, tuning.tuner_seed, tuning.fast)
         self.space = search_space(config, settings.data_parallel_size, settings.engine,
-                                  _visible_gpu_memory() is not None)
+                                  visible_gpu_memory() is not None)
         self._results: dict[Experiment, TrialResult] = {}
         self._pruned: list[TrialResult] = []
         self._journal: dict[str, TrialResult] = {}  # finished records of this same run, by directory name
@@ -222,8 +156,8 @@ class Autotuner:
         tuning = self.config.autotuning
         if tuning.model_info is not None and tuning.model_info.num_params:
             self.memory.profile = replace(profile_from_config(tuning.model_info), engine=self.settings.engine)
-            self.memory.precision = self.config.with_device_precision(_cuda_bf16()).precision
-            device_memory = _visible_gpu_memory()
+            self.memory.precision = self.config.with_device_precision(cuda_bf16()).precision
+            device_memory = visible_gpu_memory()
             self.memory.device_type = "cuda" if device_memory else "cpu"
             self.report(f"model_info given: {self.memory.profile.num_params:,} parameters; no profile run")
         else:
@@ -265,7 +199,7 @@ class Autotuner:
                         "following the launch")
             self.settings = replace(self.settings, engine=measured)
             self.space = replace(self.space, knob_values=knob_values(self.config, measured,
-                                                                     _visible_gpu_memory() is not None))
+                                                                     visible_gpu_memory() is not None))
             self.memory.space = self.space
 
     def cost_context(self) -> CostContext:
@@ -397,47 +331,3 @@ class Autotuner:
 
         return (tuple(point(c) for c in self.predictions.at_launch),
                 tuple(point(c) for c in self.predictions.final))
-
-
-def _visible_gpu_memory() -> int | None:
-    """The first visible GPU's total memory, or None without one. Reads the device's properties
-    only: no CUDA context is made in the tuner, whose memory the ranks need."""
-    try:
-        import torch
-
-        if torch.cuda.is_available():
-            return int(torch.cuda.get_device_properties(0).total_memory)
-    except ImportError:
-        pass
-    return None
-
-
-def _cuda_bf16() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    except ImportError:
-        return False
-
-
-def optimal_script_args(settings: ExperimentSettings, config: dict[str, Any], config_path: Path) -> tuple[str, ...]:
-    """The user's script arguments with the optimum's mapped values and config file."""
-    return replace_config(mapped_script_args(settings.script_args, settings.arg_mappings, config), str(config_path))
-
-
-def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tuple[str, ...]:
-    """The command that trains with the optimum: our launcher, the user's script, its arguments."""
-    launcher = shutil.which("launcher")
-    prefix = [launcher] if launcher else [sys.executable, "-m", "autotuner"]
-    return (*prefix, *rank_count_flags(settings), *settings.launcher_args, settings.script, *args)
-
-
-def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tuple[str, ...]:
-    """The optimum as DeepSpeed's own launcher runs it: `deepspeed --num_gpus N script args`, with
-    the user's DeepSpeed launcher flags (--include and friends set the count themselves). On a
-    CPU-only machine DeepSpeed counts CPU slots from LOCAL_SIZE, so the command sets it."""
-    count = rank_count_flags(settings)
-    rank_flags = ("--num_gpus", count[1]) if count else ()
-    env = () if _visible_gpu_memory() is not None else ("env", f"LOCAL_SIZE={settings.nproc_per_node}")
-    return (*env, "deepspeed", *rank_flags, *settings.launcher_args, settings.script, *args)

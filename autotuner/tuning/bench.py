@@ -23,7 +23,7 @@ from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import default_nproc_per_node
 from autotuner.launch.script_args import config_path
-from autotuner.tuning.autotuner import base_config
+from autotuner.tuning.config_space import base_config
 from autotuner.tuning.cli import Interrupted, check_arg_mappings, signals_as_exceptions
 from autotuner.config.models import AutotuningConfig
 from autotuner.tuning.experiment import ExperimentSettings, Trial
@@ -144,7 +144,7 @@ def setup(args: argparse.Namespace) -> BenchSetup:
     """Check everything that can be checked before a launch (UsageError/ConfigError: exit 2)."""
     if args.autotuning:
         raise UsageError("--bench and --autotuning are separate modes; give one of them")
-    if args.num_nodes > 1 or args.rdzv_endpoint:
+    if (args.num_nodes or 1) > 1 or args.rdzv_endpoint:
         raise UsageError("--bench runs on one node; drop --num_nodes/--rdzv_endpoint")
     if args.bench_warmup < 1:
         raise UsageError(f"--bench_warmup: got {args.bench_warmup}; expected at least 1 (the first step "

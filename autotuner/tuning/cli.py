@@ -23,7 +23,8 @@ from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import picks_ranks_itself
 from autotuner.launch.script_args import config_path
 from autotuner.runtime.optim import check_optimizer_and_scheduler
-from autotuner.tuning.autotuner import Autotuner, TuningFailed, base_config, search_space
+from autotuner.tuning.autotuner import Autotuner, TuningFailed
+from autotuner.tuning.config_space import base_config, search_space
 from autotuner.tuning.experiment import ExperimentSettings, config_value
 from autotuner.tuning.journal import fingerprint_of, this_device, torch_version
 from autotuner.tuning.warm import make_runner

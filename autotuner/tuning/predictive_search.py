@@ -19,7 +19,6 @@ from autotuner.tuning.search import (Evaluate, Fits, OffloadFallback, SearchPoli
                                      _no_fallback, fitting_micro_batch_sizes, ladder_sizes, search_knobs,
                                      stage_space_for)
 from autotuner.tuning.space import Experiment
-from autotuner.tuning.tuners import drive
 from autotuner.tuning.tuners.predictive import Prediction, PredictiveTuner
 
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from autotuner.config import load_config  # noqa: E402
-from autotuner.tuning.autotuner import base_config  # noqa: E402
+from autotuner.tuning.config_space import base_config  # noqa: E402
 from autotuner.tuning.experiment import ExperimentSettings  # noqa: E402
 from autotuner.tuning.records import Objective  # noqa: E402
 

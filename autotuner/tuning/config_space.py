@@ -1,0 +1,74 @@
+"""The user's config as the search sees it: the base every experiment starts from, and the space
+(stages, micro-batch sizes, gas, full mode's knobs per engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.tuning.search import DEEPSPEED_KNOBS, DEEPSPEED_OFFLOAD_KNOBS, DEFAULT_KNOBS, SearchSpace
+
+
+def _zero_settings(config: DeepSpeedConfig) -> dict[str, Any]:
+    return config.to_dict().get("zero_optimization", {})
+
+
+def base_config(config: DeepSpeedConfig) -> dict[str, Any]:
+    """The user's config with every searchable value settled to a default; experiments set their own."""
+    base = config.to_dict()
+    zero = dict(base.get("zero_optimization", {}))
+    for knob, value in list(zero.items()):
+        if isinstance(value, list) and knob != "stage":
+            zero[knob] = value[0]
+    zero.pop("stage", None)
+    base["zero_optimization"] = zero
+    return base
+
+
+def default_knobs(engine: str, cuda: bool, config: DeepSpeedConfig) -> dict[int, dict[str, list[Any]]]:
+    """Full mode's knobs per stage for the script's engine. On DeepSpeed's, offload too on CUDA,
+    unless the user wrote an offload section (then theirs stands)."""
+    if engine != "deepspeed":
+        return DEFAULT_KNOBS
+    user = _zero_settings(config)
+    offload = cuda and not any(key in user for key in ("offload_optimizer", "offload_param"))
+    return {stage: {**knobs, **(DEEPSPEED_OFFLOAD_KNOBS.get(stage, {}) if offload else {})}
+            for stage, knobs in DEEPSPEED_KNOBS.items()}
+
+
+def knob_values(config: DeepSpeedConfig, engine: str = "autotuner",
+                cuda: bool = False) -> dict[int, dict[str, list[Any]]]:
+    """Full-mode knob values per stage: a user scalar fixes a knob, a user list replaces the defaults."""
+    user = _zero_settings(config)
+    values: dict[int, dict[str, list[Any]]] = {}
+    for stage, defaults in default_knobs(engine, cuda, config).items():
+        stage_values = {}
+        for knob, default in defaults.items():
+            if knob not in user:
+                stage_values[knob] = default
+            elif isinstance(user[knob], list):
+                stage_values[knob] = user[knob]
+        values[stage] = stage_values
+    return values
+
+
+def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str = "autotuner",
+                 cuda: bool = False) -> SearchSpace:
+    tuning = config.autotuning
+    micro = config.train_micro_batch_size_per_gpu
+    fixed_micro = tuple(micro) if isinstance(micro, list) else (micro,) if isinstance(micro, int) else ()
+    gas = config.gradient_accumulation_steps
+    exact = isinstance(config.train_batch_size, int)
+    global_batch = config.train_batch_size if exact else tuning.max_train_batch_size
+    return SearchSpace(
+        stages=config.zero_optimization.stages,
+        data_parallel_size=data_parallel_size,
+        min_micro_batch_size=tuning.min_train_micro_batch_size_per_gpu,
+        max_micro_batch_size=tuning.max_train_micro_batch_size_per_gpu,
+        fixed_micro_batch_sizes=fixed_micro,
+        fixed_gradient_accumulation_steps=gas if isinstance(gas, int) else None,
+        global_batch_size=global_batch,
+        global_batch_exact=exact,
+        num_micro_batch_sizes=tuning.num_tuning_micro_batch_sizes,
+        knob_values=knob_values(config, engine, cuda),
+    )

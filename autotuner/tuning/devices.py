@@ -1,0 +1,25 @@
+"""What the tuner reads of the GPU without making a CUDA context (the ranks need its memory)."""
+
+from __future__ import annotations
+
+
+def visible_gpu_memory() -> int | None:
+    """The first visible GPU's total memory, or None without one. Reads the device's properties
+    only: no CUDA context is made in the tuner, whose memory the ranks need."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory)
+    except ImportError:
+        pass
+    return None
+
+
+def cuda_bf16() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    except ImportError:
+        return False

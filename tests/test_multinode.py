@@ -1,0 +1,199 @@
+"""Multi-node launches with real agents: two launchers on loopback, one per simulated node, as a
+user starts them on two hosts (static rendezvous with --master_addr, or c10d with
+--rdzv_endpoint). The losses must equal those of one node with two ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotuner.config import read_config_file
+from conftest import CONFIGS, MINIMAL, ROOT, launcher_env, run_launcher
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+GPT2 = ROOT / "examples" / "hf_gpt2"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_agent(node_flags: tuple[str, ...], script_and_args: tuple, log: Path, cwd: Path) -> subprocess.Popen:
+    """One node's launcher, in its own session so a test failure can end it with its ranks."""
+    handle = open(log, "w")
+    return subprocess.Popen([sys.executable, "-m", "autotuner", *node_flags, *map(str, script_and_args)],
+                            cwd=cwd, env=launcher_env(), stdout=handle, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def run_two_nodes(rendezvous: str, script_and_args: tuple, tmp_path: Path, timeout: float = 240) -> list[str]:
+    """Start node 1's agent, then node 0's; wait for both; return their outputs (node 0 first)."""
+    port = free_port()
+    if rendezvous == "static":
+        common = ("--num_nodes", "2", "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port))
+        flags = [(*common, "--node_rank", str(rank)) for rank in (0, 1)]
+    else:
+        common = ("--num_nodes", "2", "--nproc_per_node", "1", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                  "--rdzv_id", "two-agent-test")
+        flags = [common, common]
+    agents = []
+    try:
+        for rank in (1, 0):
+            agents.append((rank, start_agent(flags[rank], script_and_args, tmp_path / f"node{rank}.log", tmp_path)))
+        for rank, agent in agents:
+            assert agent.wait(timeout=timeout) == 0, (tmp_path / f"node{rank}.log").read_text()[-3000:]
+    finally:
+        for _, agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    return [(tmp_path / f"node{rank}.log").read_text() for rank in (0, 1)]
+
+
+def minimal_args(stage: str, losses: Path) -> tuple:
+    return (MINIMAL, "--deepspeed", CONFIGS / f"zero{stage}.json", "--steps", "8", "--losses_out", losses)
+
+
+@pytest.mark.parametrize("rendezvous, stage", [("static", "0"), ("static", "3"), ("c10d", "2")])
+def test_two_agents_on_loopback_train_as_one_node_with_two_ranks(rendezvous, stage, tmp_path, no_orphans):
+    one_node = tmp_path / "one_node.json"
+    single = run_launcher("--nproc_per_node", "2", *minimal_args(stage, one_node), cwd=tmp_path)
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    two_nodes = tmp_path / "two_nodes.json"
+    outputs = run_two_nodes(rendezvous, minimal_args(stage, two_nodes), tmp_path)
+    expected, got = json.loads(one_node.read_text()), json.loads(two_nodes.read_text())
+    assert len(got) == 8 and len(set(got)) > 1
+    # The same world (2 ranks, same data shards, same reduction): the same losses.
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    assert not any("Traceback" in out for out in outputs)
+
+
+def test_a_node_that_never_comes_is_not_waited_for_for_ever(tmp_path, no_orphans):
+    """Node 0 alone: torch elastic's rendezvous times out and the launcher says so, non-zero."""
+    port = free_port()
+    agent = start_agent(("--num_nodes", "2", "--node_rank", "0", "--nproc_per_node", "1", "--master_addr",
+                         "127.0.0.1", "--master_port", str(port), "--rdzv_conf", "timeout=5"),
+                        minimal_args("0", tmp_path / "l.json"), tmp_path / "node0.log", tmp_path)
+    try:
+        code = agent.wait(timeout=120)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+    output = (tmp_path / "node0.log").read_text()
+    assert code != 0
+    assert "rendezvous" in output.lower() and "Traceback" not in output, output[-2000:]
+
+
+def test_gpt2_example_trains_as_two_simulated_nodes(tmp_path, no_orphans):
+    pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    config = read_config_file(GPT2 / "ds_config.json")
+    config.pop("autotuning", None)
+    config.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=1, steps_per_print=2)
+    config.pop("train_batch_size", None)
+    config["zero_optimization"] = {"stage": 2}
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(config))
+    args = (GPT2 / "train.py", "--model_size", "tiny", "--max_steps", "6", "--seq_len", "64", "--corpus_mb", "0.5",
+            "--deepspeed", ds)
+    single = run_launcher("--nproc_per_node", "2", *args, "--output_dir", tmp_path / "one", cwd=tmp_path, timeout=300)
+    assert single.returncode == 0, single.stderr[-3000:]
+    node0, _ = run_two_nodes("static", (*args, "--output_dir", tmp_path / "two"), tmp_path)
+    losses = re.compile(r"step (\d+)/6: loss ([\d.]+)")
+    assert losses.findall(node0) == losses.findall(single.stdout) != []
+    assert "2 ranks" in node0
+    assert (tmp_path / "two" / "checkpoints" / "latest").exists()
+
+
+# ----- a hostfile naming two hosts: the head starts one agent per host over ssh -----
+@pytest.fixture
+def fake_ssh(tmp_path, monkeypatch):
+    """`ssh` on PATH for the launcher: runs each remote command on this machine, logging the host."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    ssh = bin_dir / "ssh"
+    ssh.write_text(f"#!/bin/sh\nexec {sys.executable} {ROOT / 'tests' / 'workers' / 'fake_ssh.py'} \"$@\"\n")
+    ssh.chmod(0o755)
+    log = tmp_path / "ssh_hosts.log"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_SSH_LOG", str(log))
+    return log
+
+
+def two_host_file(tmp_path: Path) -> Path:
+    # Two names for this machine: two "hosts" to the launcher, both reachable on loopback.
+    path = tmp_path / "hostfile"
+    path.write_text("127.0.0.1 slots=1\nlocalhost slots=1\n")
+    return path
+
+
+def test_a_hostfile_of_two_hosts_starts_an_agent_on_each_over_ssh(tmp_path, fake_ssh, no_orphans):
+    one_node = tmp_path / "one_node.json"
+    single = run_launcher("--nproc_per_node", "2", *minimal_args("1", one_node), cwd=tmp_path)
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    two_nodes = tmp_path / "two_nodes.json"
+    head = run_launcher("--hostfile", two_host_file(tmp_path), "--master_port", free_port(),
+                        *minimal_args("1", two_nodes), cwd=tmp_path, timeout=240)
+    assert head.returncode == 0, head.stderr[-3000:]
+    assert fake_ssh.read_text().split() == ["127.0.0.1", "localhost"]
+    assert "starting 2 nodes over ssh" in head.stderr
+    assert json.loads(two_nodes.read_text()) == pytest.approx(json.loads(one_node.read_text()), rel=1e-6, abs=1e-7)
+
+
+def toy_args(tmp_path: Path, *extra: str) -> tuple:
+    config = tmp_path / "toy.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                                  "zero_optimization": {"stage": 0}}))
+    return (ROOT / "tests" / "workers" / "toy_train.py", "--pid_dir", tmp_path / "pids", *extra,
+            "--deepspeed", config)
+
+
+def test_a_failed_node_stops_the_others_and_nothing_is_left(tmp_path, fake_ssh, no_orphans):
+    from test_faults import assert_pids_dead
+
+    head = run_launcher("--hostfile", two_host_file(tmp_path), "--master_port", free_port(),
+                        *toy_args(tmp_path, "--steps", "400", "--ms_per_step", "50", "--fail_rank", "1",
+                                  "--fail_at_step", "3"), cwd=tmp_path, timeout=240)
+    assert head.returncode == 1, head.stderr[-3000:]
+    assert "injected failure on rank 1" in head.stderr
+    # Whichever agent noticed first (the failed rank's, or its peer's when gloo lost the connection).
+    assert re.search(r"node [01] \(\S+\) exited with status \d+; stopping the other nodes", head.stderr)
+    assert_pids_dead(tmp_path / "pids", expected=2, grace_s=20)
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_stopping_the_head_ends_every_node(how, tmp_path, fake_ssh, no_orphans):
+    """Ctrl-C reaches the head alone (it runs in its own session here); even SIGKILL of the head
+    ends every node, as their agents stop when the head's pipe closes."""
+    from test_faults import assert_pids_dead, pids_in, wait_for
+
+    head = subprocess.Popen([sys.executable, "-m", "autotuner", "--hostfile", str(two_host_file(tmp_path)),
+                             "--master_port", str(free_port()),
+                             *map(str, toy_args(tmp_path, "--steps", "2000", "--ms_per_step", "50"))],
+                            cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        wait_for(lambda: len(pids_in(tmp_path / "pids")) == 2, 120, "both nodes' ranks", head)
+        head.send_signal(how)
+        _, err = head.communicate(timeout=60)
+        if how == signal.SIGINT:
+            assert head.returncode == 130 and "stopped by SIGINT; stopping every node" in err
+        assert_pids_dead(tmp_path / "pids", expected=2, grace_s=30)
+    finally:
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait()
