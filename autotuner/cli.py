@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--launcher_args", default="", help=argparse.SUPPRESS)
     ds.add_argument("--force_multi", action="store_true", help="refused: pdsh/MPI starts are not supported")
     ds.add_argument("--ssh_port", type=int, default=None, help="multi-host --hostfile over ssh: the remote port")
+    ds.add_argument("--no_ssh_check", action="store_true",
+                    help="multi-host --hostfile: do not check that every host answers ssh before starting")
     parser.add_argument(STOP_WITH_STDIN_FLAG, action="store_true", help=argparse.SUPPRESS)  # see launch/nodes.py
     parser.add_argument("--engine", choices=("auto", "deepspeed", "autotuner"), default="auto",
                         help="--autotuning: whose engine the script trains on; auto: DeepSpeed's own when the script "
@@ -168,7 +170,11 @@ def _stop_when_stdin_closes() -> None:
     """A node started by the head (launch/nodes.py): its stdin is the head's pipe. When that closes,
     stop as on SIGTERM, so torch elastic ends this node's ranks."""
     def watch() -> None:
-        while sys.stdin.buffer.read(65536):
+        # The raw fd, not sys.stdin: a daemon thread blocked in a buffered read aborts interpreter exit.
+        try:
+            while os.read(0, 65536):
+                pass
+        except OSError:
             pass
         os.kill(os.getpid(), signal.SIGTERM)
 

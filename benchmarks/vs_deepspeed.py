@@ -115,6 +115,21 @@ def prebuild_shm_comm(python: str, env: dict) -> None:
         f"(cache {env.get('TORCH_EXTENSIONS_DIR')})")
 
 
+def shm_buffers() -> set[Path]:
+    return set(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
+
+
+def sweep_shm(before: set[Path]) -> float:
+    """DeepSpeed's CPU allreduce leaves 66 MiB per rank in /dev/shm (RAM) per run, never unlinked.
+    Remove what appeared since `before`, so one tuner's leak cannot starve the next phase of
+    memory; return how many MiB that tuner left."""
+    new = shm_buffers() - before
+    size = sum(path.stat().st_size for path in new if path.exists())
+    for path in new:
+        path.unlink(missing_ok=True)
+    return size / 2**20
+
+
 def ds_env(venv: Path, extensions: Path | None = None) -> dict:
     env = dict(os.environ, DS_ACCELERATOR="cpu", LOCAL_SIZE="2", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
@@ -361,6 +376,8 @@ def main() -> None:
     # Our tuner and the harness run DeepSpeed from this Python, with a build cache of their own.
     os.environ["TORCH_EXTENSIONS_DIR"] = str(ROOT / "output" / "torch_extensions_main")
     venv, work = Path(args.venv).resolve(), Path(args.work_dir).resolve()
+    if shm_buffers():
+        log(f"note: /dev/shm already holds {len(shm_buffers())} DeepSpeed buffers from earlier runs (RAM in use)")
     load = os.getloadavg()
     log(f"load average at start {load[0]:.2f} on {os.cpu_count()} cores (other processes add noise)")
 
@@ -371,14 +388,18 @@ def main() -> None:
             log(f"SKIPPED DeepSpeed: setup failed: {why}")
         else:
             prebuild_shm_comm(str(venv / "bin" / "python"), ds_env(venv, ROOT / "output" / "torch_extensions"))
+            before = shm_buffers()
             runs["deepspeed"] = run_deepspeed(args, work / "deepspeed", venv)
+            runs["deepspeed"]["shm_left_mib"] = sweep_shm(before)
             log(f"DeepSpeed done: {json.dumps({k: str(v) for k, v in runs['deepspeed'].items() if k != 'per_experiment'})}")
     if "ours" in args.tuners and "deepspeed" in our_engines or harness == "deepspeed":
         prebuild_shm_comm(sys.executable, dict(os.environ))
     if "ours" in args.tuners:
         for engine in our_engines:
             for tuner_type in args.our_tuner_types.split(","):
+                before = shm_buffers()
                 run = run_ours(args, work / our_tuner_name(tuner_type, engine), tuner_type, engine)
+                run["shm_left_mib"] = sweep_shm(before)
                 runs[run["tuner"]] = run
                 log(f"{run['tuner']} done: {json.dumps({k: str(v) for k, v in run.items() if k != 'per_experiment'})}")
 
@@ -389,7 +410,9 @@ def main() -> None:
         space = [Experiment(stage, int(m), grid_gas(int(m), args)) for stage in (0, 1, 2, 3)
                  for m in args.grid_micro.split(",")]
         log(f"grid: {len(space)} experiments x {args.rounds} rounds")
+        before = shm_buffers()
         grid_runs = measure_rounds(space, settings, args.rounds, work / "grid")
+        log(f"grid left {sweep_shm(before):.0f} MiB in /dev/shm")
         grid_scores = {e: median_value(r) for e, r in grid_runs.items()}
         feasible = {e: s for e, s in grid_scores.items() if s is not None}
         grid_best = max(feasible, key=feasible.get) if feasible else None
@@ -400,7 +423,9 @@ def main() -> None:
     remeasured = {}
     if unique:
         log(f"re-measuring on {harness}'s engine, interleaved: " + " ".join(e.name for e in unique))
+        before = shm_buffers()
         again = measure_rounds(unique, settings, args.rounds, work / "remeasure")
+        log(f"re-measurement left {sweep_shm(before):.0f} MiB in /dev/shm")
         remeasured = {e: (median_value(r), spread(r), [round(x.value, 1) if x.value else None for x in r])
                       for e, r in again.items()}
 
@@ -417,6 +442,7 @@ def main() -> None:
             "own_metric": round(run["reported_metric"], 1) if run["reported_metric"] else None,
             "remeasured_samples_per_s": round(score, 1) if score else None,
             "remeasured_values": values, "remeasure_spread_pct": round(100 * half_range / score, 1) if score else None,
+            "shm_left_mib": round(run.get("shm_left_mib", 0.0)),
         })
     if grid_best is not None:
         score, half_range, values = remeasured[grid_best]

@@ -181,9 +181,10 @@ def test_launcher_flag_misuse_is_one_line(tmp_path, capsys, flags, fragment):
     assert len(err.strip().splitlines()) == 1 and fragment in err, err
 
 
-def test_hostfile_with_other_hosts_or_bad_lines_is_refused(tmp_path, capsys):
+def test_hostfile_with_unreachable_hosts_or_bad_lines_is_refused(tmp_path, capsys, monkeypatch):
     script = write_script(tmp_path, "echo.py", ECHO)
-    for text, fragment in (("localhost slots=2\nworker-1 slots=2\n", "lists other hosts (worker-1)"),
+    monkeypatch.setenv("PATH", str(tmp_path))  # no ssh here: the head cannot start worker-1
+    for text, fragment in (("localhost slots=2\nworker-1 slots=2\n", "ssh is not on PATH"),
                            ("localhost slot=2\n", "bad entry"), ("localhost slots=1\nlocalhost slots=1\n", "twice"),
                            ("# nothing\n", "no 'host slots=N' entries")):
         hostfile = tmp_path / "hostfile"

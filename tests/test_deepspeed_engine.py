@@ -113,6 +113,7 @@ def tuned(tmp_path_factory):
                        "max_train_micro_batch_size_per_gpu": 32, "exp_timeout_s": 120, "remeasure_rounds": 1},
     }
     (tmp_path / "ds.json").write_text(json.dumps(config))
+    before = shm_buffers()
     command = [sys.executable, "-m", "autotuner", "--autotuning", "run", "--nproc_per_node", "2", str(DS_EXAMPLE),
                "--width", "256", "--depth", "2", "--steps", "12", "--losses_out", str(tmp_path / "losses.json"),
                "--deepspeed", "--deepspeed_config", str(tmp_path / "ds.json")]
@@ -120,13 +121,38 @@ def tuned(tmp_path_factory):
                             capture_output=True, text=True, timeout=600)
     assert_no_children_left()
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return tmp_path, result
+    left = shm_buffers() - before
+    yield tmp_path, result, left
+    remove_shm_buffers(shm_buffers() - before)
+
+
+def shm_buffers() -> set[Path]:
+    """DeepSpeed's CPU allreduce buffers of this user (66 MiB each, never unlinked by DeepSpeed)."""
+    return set(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
+
+
+def remove_shm_buffers(paths: set[Path]) -> None:
+    for path in paths:  # what DeepSpeed's own training runs in these tests left
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_the_tuners_launches_leave_no_shared_memory_behind(tuned):
+    """Every launch on DeepSpeed's CPU engine would leave 66 MiB per rank in /dev/shm (RAM) under a
+    new name; the tuner's launches unlink theirs. Only the final training (a plain DeepSpeed run,
+    one port) leaves DeepSpeed's usual pair."""
+    tmp_path, _, left = tuned
+    launches = len(list((tmp_path / "autotuning_exps").iterdir()))
+    assert launches >= 4
+    ports = {path.name.rsplit("_", 2)[-2] for path in left}
+    assert len(left) <= 2 and len(ports) <= 1, sorted(p.name for p in left)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(700)
 def test_deepspeeds_engine_ran_every_experiment_not_ours(tuned):
-    tmp_path, result = tuned
+    tmp_path, result, _ = tuned
     table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
     ok = table[table.state == "ok"]
     assert len(ok) >= 4 and set(ok.engine) == {"deepspeed"}
@@ -145,7 +171,7 @@ def test_deepspeeds_engine_ran_every_experiment_not_ours(tuned):
 @pytest.mark.slow
 @pytest.mark.timeout(700)
 def test_the_records_hold_end_to_end_times_and_every_ranks_resident_peak(tuned):
-    tmp_path, _ = tuned
+    tmp_path, _, _ = tuned
     for metrics_file in (tmp_path / "autotuning_exps").glob("*/metrics.json"):
         m = json.loads(metrics_file.read_text())
         assert m["engine"] == "deepspeed" and m["device_type"] == "cpu" and m["world_size"] == 2
@@ -165,7 +191,7 @@ def test_the_records_hold_end_to_end_times_and_every_ranks_resident_peak(tuned):
 @pytest.mark.slow
 @pytest.mark.timeout(700)
 def test_the_optimal_config_trains_on_deepspeed_with_both_launchers(tuned):
-    tmp_path, result = tuned
+    tmp_path, result, _ = tuned
     assert "done on deepspeed.runtime.engine.DeepSpeedEngine: 12 steps" in result.stdout  # --autotuning run
     losses = json.loads((tmp_path / "losses.json").read_text())
     assert len(losses) == 12 and losses[-1] < losses[0]

@@ -153,6 +153,22 @@ def test_a_hostfile_of_two_hosts_starts_an_agent_on_each_over_ssh(tmp_path, fake
     assert json.loads(two_nodes.read_text()) == pytest.approx(json.loads(one_node.read_text()), rel=1e-6, abs=1e-7)
 
 
+def test_an_unreachable_host_is_refused_before_anything_starts(tmp_path, fake_ssh, no_orphans):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("127.0.0.1 slots=1\nunreachable-7 slots=1\n")
+    head = run_launcher("--hostfile", hostfile, *toy_args(tmp_path), cwd=tmp_path)
+    assert head.returncode == 2
+    assert head.stderr.strip().splitlines() == [
+        "launcher: error: --hostfile: not reachable over ssh without a password: unreachable-7 (ssh: Could not "
+        "resolve hostname unreachable-7: Name or service not known); set up passwordless ssh to every host, or "
+        "pass --no_ssh_check to skip this check"]
+    assert not (tmp_path / "pids").exists()  # nothing started
+    # Without the check the node's start fails, and the launcher says it was ssh's own failure.
+    head = run_launcher("--hostfile", hostfile, "--no_ssh_check", "--master_port", free_port(),
+                        *toy_args(tmp_path), cwd=tmp_path, timeout=120)
+    assert head.returncode == 255 and "node 1 (unreachable-7) exited with status 255 (ssh's own failure" in head.stderr
+
+
 def toy_args(tmp_path: Path, *extra: str) -> tuple:
     config = tmp_path / "toy.json"
     config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,

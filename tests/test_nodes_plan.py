@@ -103,6 +103,14 @@ def test_srun_starts_one_job_step_per_node_with_exports_in_its_environment(hostf
         plan(hostfile, tmp_path, launcher="slurm", environ={})
 
 
+def test_every_host_is_checked_over_ssh_first_unless_told_not_to(hostfile, tmp_path):
+    nodes = plan(hostfile, tmp_path, ssh_port=2222)
+    assert nodes.checks == tuple(("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-p", "2222", host, "true")
+                                 for host in ("worker-0", "worker-1", "worker-2"))
+    assert plan(hostfile, tmp_path, ssh_check_hosts=False).checks == ()
+    assert plan(hostfile, tmp_path, launcher="slurm", environ={"SLURM_JOB_ID": "1"}).checks == ()
+
+
 def test_ssh_port_and_unsupported_backends(hostfile, tmp_path):
     assert plan(hostfile, tmp_path, ssh_port=2222).nodes[0].cmd[3:6] == ("-p", "2222", "worker-0")
     with pytest.raises(UsageError, match="--launcher: got 'openmpi'"):

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+from autotuner.errors import UsageError
 from autotuner.launch.nodes import NodesPlan
 from autotuner.launch.runner import exit_status
 
@@ -31,9 +33,29 @@ def _raise_stopped(signum, _frame):
     raise _Stopped(signum)
 
 
+def preflight(plan: NodesPlan, environ: dict[str, str]) -> None:
+    """Every node reachable before anything starts (DeepSpeed checks its first host over ssh)."""
+    tool = plan.nodes[0].cmd[0]
+    if shutil.which(tool, path=environ.get("PATH")) is None:
+        raise UsageError(f"--hostfile: {tool} is not on PATH; it is needed to start the nodes "
+                         f"({', '.join(n.host for n in plan.nodes)}) with --launcher {plan.backend}")
+    checks = [(cmd, subprocess.Popen(cmd, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)) for cmd in plan.checks]
+    failed = []
+    for cmd, check in checks:
+        _, err = check.communicate()
+        if check.returncode != 0:
+            last = (err.strip().splitlines() or [f"status {check.returncode}"])[-1]
+            failed.append(f"{cmd[-2]} ({last})")
+    if failed:
+        raise UsageError(f"--hostfile: not reachable over ssh without a password: {'; '.join(failed)}; set up "
+                         "passwordless ssh to every host, or pass --no_ssh_check to skip this check")
+
+
 def run_nodes(plan: NodesPlan, environ: dict[str, str] | None = None) -> int:
     """Start the nodes, return the first failed node's status (0 when all succeed)."""
     environ = dict(os.environ) if environ is None else environ
+    preflight(plan, environ)
     hosts = ", ".join(f"{n.host} (node {n.node_rank}, {n.nproc} rank(s))" for n in plan.nodes)
     print(f"launcher: starting {len(plan.nodes)} nodes over {plan.backend}: {hosts}; rendezvous at "
           f"{plan.master_addr}:{plan.master_port}", file=sys.stderr, flush=True)
@@ -56,7 +78,8 @@ def run_nodes(plan: NodesPlan, environ: dict[str, str] | None = None) -> int:
             node, status = finished.get()
             if status != 0:
                 code = exit_status(status)
-                print(f"launcher: node {node.node_rank} ({node.host}) exited with status {code}; stopping the "
+                why = " (ssh's own failure: connection or authentication)" if plan.backend == "ssh" and code == 255 else ""
+                print(f"launcher: node {node.node_rank} ({node.host}) exited with status {code}{why}; stopping the "
                       "other nodes", file=sys.stderr)
                 break
     except (KeyboardInterrupt, _Stopped) as stop:

@@ -51,6 +51,7 @@ class NodesPlan:
     master_addr: str
     master_port: int
     nodes: tuple[NodeStart, ...]
+    checks: tuple[tuple[str, ...], ...] = ()  # run before anything starts; each must exit 0
 
     @property
     def world_size(self) -> int:
@@ -115,6 +116,12 @@ def ssh_start(host: str, cwd: str, exports: dict[str, str], agent: tuple[str, ..
     return ("ssh", "-o", "BatchMode=yes", *port, host, remote), {}
 
 
+def ssh_check(host: str, ssh_port: int | None = None) -> tuple[str, ...]:
+    """DeepSpeed's pre-flight: can the head reach HOST over ssh without a password?"""
+    port = ("-p", str(ssh_port)) if ssh_port is not None else ()
+    return ("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", *port, host, "true")
+
+
 def srun_start(host: str, cwd: str, exports: dict[str, str],
                agent: tuple[str, ...]) -> tuple[tuple[str, ...], dict[str, str]]:
     """One Slurm job step on HOST running the agent; the exports ride in srun's environment."""
@@ -124,7 +131,7 @@ def srun_start(host: str, cwd: str, exports: dict[str, str],
 
 def plan_nodes(*, hostfile: str, include: str | None, exclude: str | None, num_nodes: int | None,
                nproc_per_node: int | None, master_addr: str | None, master_port: int, launcher: str,
-               ssh_port: int | None, passthrough: tuple[str, ...], script: str, script_args: tuple[str, ...],
+               ssh_port: int | None, ssh_check_hosts: bool = True, passthrough: tuple[str, ...], script: str, script_args: tuple[str, ...],
                python: str, cwd: str, environ: dict[str, str], home: str | None = None) -> NodesPlan:
     backend = BACKENDS.get(launcher.lower())
     if backend is None:
@@ -148,4 +155,5 @@ def plan_nodes(*, hostfile: str, include: str | None, exclude: str | None, num_n
         else:
             cmd, env = srun_start(host, cwd, node_exports, agent)
         nodes.append(NodeStart(host, rank, len(ids), cmd, env))
-    return NodesPlan(backend, master, master_port, tuple(nodes))
+    checks = tuple(ssh_check(host, ssh_port) for host in hosts) if backend == "ssh" and ssh_check_hosts else ()
+    return NodesPlan(backend, master, master_port, tuple(nodes), checks)

@@ -42,6 +42,7 @@ class LaunchOptions:
     launcher: str = "pdsh"
     force_multi: bool = False
     ssh_port: int | None = None
+    ssh_check: bool = True
     # A tuner's launch: ranks run through autotuner.launch.run_script, which records their failures,
     # and the launcher writes its LaunchReport here.
     report_file: str | None = None
@@ -57,7 +58,7 @@ class LaunchOptions:
             hostfile=args.hostfile, include=args.include, exclude=args.exclude, no_local_rank=args.no_local_rank,
             bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list,
             each_rank_log_dir=args.enable_each_rank_log, launcher=args.launcher, force_multi=args.force_multi,
-            ssh_port=getattr(args, "ssh_port", None),
+            ssh_port=getattr(args, "ssh_port", None), ssh_check=not getattr(args, "no_ssh_check", False),
             report_file=args.report_file,
         )
         return cls(**{**fields, **overrides})
@@ -305,7 +306,7 @@ def nodes_plan(options: LaunchOptions, python: str, cwd: str, environ: dict[str,
     return plan_nodes(hostfile=options.hostfile, include=options.include, exclude=options.exclude,
                       num_nodes=num_nodes, nproc_per_node=options.nproc_per_node, master_addr=options.master_addr,
                       master_port=options.master_port or DEFAULT_MASTER_PORT, launcher=options.launcher,
-                      ssh_port=options.ssh_port, passthrough=tuple(passthrough),
+                      ssh_port=options.ssh_port, ssh_check_hosts=options.ssh_check, passthrough=tuple(passthrough),
                       script=options.script, script_args=options.script_args, python=python, cwd=cwd,
                       environ=environ)
 

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from autotuner.boundary import ERROR_DIR_ENV, RankError, write_record
+from autotuner.parent_death import die_with_parent
 from autotuner.rank_setup import QUIET_ERRORS_ENV, setup_rank
 
 
@@ -93,6 +94,8 @@ def run(argv: list[str]) -> int:
     script, *args = argv
     sys.argv = [script, *args]
     sys.path[0:0] = [str(Path(script).resolve().parent)]
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a cold rank of torch elastic's; warm ones set it when forked
+        die_with_parent()
     setup_rank()
     _record_usage_errors()
     _measure_deepspeed_engine()

@@ -12,6 +12,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import traceback
 
 from autotuner.errors import UsageError
 from autotuner.launch.plan import LaunchPlan
@@ -32,6 +33,8 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.rendezvous import RendezvousError
 
     if quiet:
         # We print one line per failed rank ourselves; elastic's own report repeats it at length.
@@ -72,9 +75,24 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
     )
     program, *args = plan.command
     report = LaunchReport(exit_code=1)
+    if plan.num_nodes > 1:
+        who = (f"node {plan.rdzv_configs['rank']} of {plan.num_nodes}" if plan.rdzv_backend == "static"
+               else f"one of {plan.num_nodes} nodes")
+        print(f"launcher: {who}: waiting for every node at {plan.rdzv_endpoint} ({plan.rdzv_backend} rendezvous)",
+              file=sys.stderr, flush=True)
     try:
         elastic_launch(config, program)(*args)
         report = LaunchReport(exit_code=0)
+    except (RendezvousError, DistStoreError) as failed:
+        # No traceback: which rendezvous failed and what the nodes must agree on.
+        first = str(failed).strip().splitlines()[-1] if str(failed).strip() else type(failed).__name__
+        print(f"launcher: error: {plan.rdzv_backend} rendezvous at {plan.rdzv_endpoint} with {plan.num_nodes} "
+              f"node(s) failed: {first}; every node must start with the same --num_nodes and "
+              + ("--master_addr/--master_port" if plan.rdzv_backend == "static" else "--rdzv_endpoint/--rdzv_id")
+              + " (timeout: --rdzv_conf timeout=SECONDS, or join_timeout for c10d)", file=sys.stderr)
+        if not quiet:
+            traceback.print_exc()
+        report = LaunchReport(exit_code=1)
     except ChildFailedError as failed:
         first_rank, first = failed.get_first_failure()
         report = failure_report(error_dir, first_rank, {rank: exit_status(f.exitcode)

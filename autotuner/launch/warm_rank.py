@@ -11,18 +11,17 @@ status after the script's atexit handlers ran, as an interpreter would.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import io
 import os
 import random
-import signal
 import sys
 from dataclasses import dataclass
+
+from autotuner.parent_death import die_with_parent
 
 RUN_SCRIPT = "autotuner.launch.run_script"
 RANK_ENTRY = "autotuner.launch.rank_entry"
 UNSAFE_FORK_EXIT = 117  # the forkserver had touched CUDA: the tuner falls back to cold launches
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -34,14 +33,6 @@ class WarmRankSpec:
     cwd: str
     stdout_path: str
     stderr_path: str
-
-
-def _die_with_parent() -> None:
-    # The forkserver exits when the tuner does; then so must we, whatever we are blocked in.
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _redirect(stdout_path: str, stderr_path: str) -> None:
@@ -92,7 +83,7 @@ def main(index: int, specs: tuple[WarmRankSpec, ...]) -> None:
     """torch.multiprocessing's entry for local rank `index`. Never returns."""
     spec = specs[index]
     os.setsid()  # a session of our own: the runner ends this rank's whole tree by its group
-    _die_with_parent()
+    die_with_parent()
     os.chdir(spec.cwd)
     os.environ.clear()
     os.environ.update(spec.env)

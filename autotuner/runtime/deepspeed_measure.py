@@ -79,45 +79,55 @@ def _patch(engine_class: type, request: MeasurementRequest) -> None:
     if getattr(engine_class, "_autotuner_measured", False):
         return
     engines: list[Any] = []
-    init, forward, backward, step = (engine_class.__init__, engine_class.forward, engine_class.backward,
-                                     engine_class.step)
+    init = engine_class.__init__
 
     @functools.wraps(init)
     def measured_init(engine, *args, **kwargs):
         init(engine, *args, **kwargs)
         engines.append(engine)
         if len(engines) == 1:
+            _unlink_shm_buffer(engine)
             engine.__dict__["_autotuner_measurement"] = DeepSpeedMeasurement(engine, request, engines)
 
-    def measurement(engine) -> "DeepSpeedMeasurement | None":
-        return engine.__dict__.get("_autotuner_measurement")
+    def timed(name: str):
+        """The engine's method `name`, run through the measurement's method of that name on the
+        measured engine, untouched on any other."""
+        original = getattr(engine_class, name)
 
-    @functools.wraps(forward)
-    def measured_forward(engine, *inputs, **kwargs):
-        measured = measurement(engine)
-        if measured is None:
-            return forward(engine, *inputs, **kwargs)
-        return measured.forward(lambda: forward(engine, *inputs, **kwargs))
+        @functools.wraps(original)
+        def wrapper(engine, *args, **kwargs):
+            measured = engine.__dict__.get("_autotuner_measurement")
+            if measured is None:
+                return original(engine, *args, **kwargs)
+            return getattr(measured, name)(lambda: original(engine, *args, **kwargs))
 
-    @functools.wraps(backward)
-    def measured_backward(engine, *args, **kwargs):
-        measured = measurement(engine)
-        if measured is None:
-            return backward(engine, *args, **kwargs)
-        return measured.backward(lambda: backward(engine, *args, **kwargs))
-
-    @functools.wraps(step)
-    def measured_step(engine, *args, **kwargs):
-        measured = measurement(engine)
-        if measured is None:
-            return step(engine, *args, **kwargs)
-        return measured.step(lambda: step(engine, *args, **kwargs))
+        return wrapper
 
     engine_class.__init__ = measured_init
-    engine_class.forward = measured_forward
-    engine_class.backward = measured_backward
-    engine_class.step = measured_step
+    for name in ("forward", "backward", "step"):
+        setattr(engine_class, name, timed(name))
     engine_class._autotuner_measured = True
+
+
+def _unlink_shm_buffer(engine: Any) -> None:
+    """On CPU, DeepSpeed's shared-memory allreduce creates /dev/shm/deepspeed_allreduce_buffer_
+    <uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> (66 MiB) per rank and never unlinks it: in RAM, and
+    a new name for every launch's port, so a sweep would fill memory with them. Once every rank
+    has mapped every buffer (after the engine's init, behind a barrier) the names are not needed:
+    each rank unlinks its own, and the memory goes when the last rank that maps it exits."""
+    import torch
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if torch.device(engine.device).type != "cpu" or not addr or not port or not dist.is_initialized():
+        return
+    backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+    if getattr(backend, "shm_comm_op", None) is None:
+        return  # no shm op on any rank (it is one build for all): nothing was created
+    dist.barrier()
+    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 class DeepSpeedMeasurement:

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
-import signal
 import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from autotuner.parent_death import die_with_parent
 
 
 @dataclass(frozen=True)
@@ -21,21 +21,6 @@ class DistributedContext:
     local_world_size: int
     device: torch.device
     backend: str
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this rank if the launcher dies, so a killed launcher leaves no orphans."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-        # The parent may have died before prctl took effect.
-        if os.getppid() == 1:
-            os._exit(1)
-    except OSError:
-        pass
 
 
 _warned: set[str] = set()
@@ -64,7 +49,7 @@ def init_distributed(timeout_s: float = 1800.0, *, default_port: int = 29500, ba
     """
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched and "TORCHELASTIC_RUN_ID" in os.environ:
-        _die_with_parent()
+        die_with_parent()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = select_device(local_rank)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
