@@ -279,6 +279,10 @@ def test_autotuning_on_several_nodes(in_tmp, capsys):
     cfg = write(in_tmp / "ds.json", config_dict())
     assert_refused(in_tmp, capsys, tune_argv(cfg, launcher=("--num_nodes", "2", "--master_addr", "127.0.0.1")),
                    "--num_nodes")
+    hostfile = in_tmp / "hostfile"
+    hostfile.write_text("localhost slots=2\nworker-1 slots=2\n")
+    assert_refused(in_tmp, capsys, tune_argv(cfg, launcher=("--hostfile", str(hostfile))), "--hostfile",
+                   "worker-1", "--autotuning")
 
 
 # ----- results_dir -----

@@ -144,9 +144,10 @@ def _pool(options: LaunchOptions, environ: dict[str, str], gpus: int) -> tuple[d
             pool = parse_hostfile(options.hostfile)
             others = [host for host in pool if not is_this_host(host)]
             if others:
-                raise UsageError(f"--hostfile {options.hostfile}: lists other hosts ({', '.join(others)}); starting "
-                                 "ranks on several nodes from a hostfile is not supported yet: start one launcher per "
-                                 "node with --num_nodes, --node_rank and --master_addr")
+                # A plain launch starts every host from it (nodes_plan); the tuner and --bench run on one.
+                raise UsageError(f"--hostfile {options.hostfile}: lists other hosts ({', '.join(others)}); "
+                                 "--autotuning and --bench run on one node for now: tune with a hostfile naming only "
+                                 "this host, then train on every host with the optimal config")
             return pool, notes
     if options.include or options.exclude:
         return {"localhost": gpus if gpus else _cpu_slots(environ)}, notes
