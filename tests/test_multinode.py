@@ -148,7 +148,10 @@ def test_a_hostfile_of_two_hosts_starts_an_agent_on_each_over_ssh(tmp_path, fake
     head = run_launcher("--hostfile", two_host_file(tmp_path), "--master_port", free_port(),
                         *minimal_args("1", two_nodes), cwd=tmp_path, timeout=240)
     assert head.returncode == 0, head.stderr[-3000:]
-    assert fake_ssh.read_text().split() == ["127.0.0.1", "localhost"]
+    # Each host was checked (`ssh HOST true`) before either was started.
+    calls = fake_ssh.read_text().splitlines()
+    assert sorted(calls[:2]) == ["127.0.0.1 check", "localhost check"]
+    assert sorted(calls[2:]) == ["127.0.0.1 start", "localhost start"]
     assert "starting 2 nodes over ssh" in head.stderr
     assert json.loads(two_nodes.read_text()) == pytest.approx(json.loads(one_node.read_text()), rel=1e-6, abs=1e-7)
 

@@ -16,5 +16,5 @@ if host.startswith("unreachable"):
     sys.exit(255)
 if os.environ.get("FAKE_SSH_LOG"):
     with open(os.environ["FAKE_SSH_LOG"], "a") as log:
-        log.write(f"{host}\n")
+        log.write(f"{host} {'check' if remote == 'true' else 'start'}\n")
 os.execv("/bin/sh", ["/bin/sh", "-c", remote])
