@@ -14,7 +14,6 @@ path runs this module in a fresh interpreter. Both leave with the same exit stat
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import runpy
 import signal
@@ -68,14 +67,12 @@ def _exit_status(code: object) -> int:
 
 
 def _end_process_group() -> None:
-    """After a script that returned normally: end the default process group while the
-    interpreter is whole, as torchrun's docs ask scripts to. Left to interpreter teardown, a
-    re-wrapped DDP's freed reducer and gloo's threads can abort the rank at exit ("terminate
-    called without an active exception", status 134) after training finished."""
+    """After a script that returned normally (see runtime.distributed.end_process_group)."""
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
-        gc.collect()
-        distributed.destroy_process_group()
+        from autotuner.runtime.distributed import end_process_group
+
+        end_process_group()
 
 
 def _measure_deepspeed_engine() -> None:

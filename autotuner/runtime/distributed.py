@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -21,6 +23,16 @@ class DistributedContext:
     local_world_size: int
     device: torch.device
     backend: str
+
+
+def end_process_group() -> None:
+    """End the default process group while the interpreter is whole, as torchrun's docs ask
+    scripts to. Left to interpreter teardown, a freed DDP reducer and gloo's threads can abort a
+    rank at exit ("terminate called without an active exception", status 134) after training
+    finished."""
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 _warned: set[str] = set()
@@ -67,6 +79,9 @@ def init_distributed(timeout_s: float = 1800.0, *, default_port: int = 29500, ba
             dist.init_process_group(backend=backend, init_method="env://", timeout=timeout, **kwargs)
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        if dist.get_backend() == "gloo":
+            # A plain launch's script may never end the group itself; gloo's is local to end.
+            atexit.register(end_process_group)
     world_size = dist.get_world_size()
     return DistributedContext(
         rank=dist.get_rank(),
