@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "for every node), join_timeout=60 (c10d)")
     ds = parser.add_argument_group("the deepspeed launcher's flags")
     ds.add_argument("-H", "--hostfile", default=None,
-                    help="DeepSpeed-style hostfile ('host slots=N' lines); only this host may be listed for now")
+                    help="DeepSpeed-style hostfile ('host slots=N' lines): only this host sets the slots here; "
+                         "other hosts start one launcher each over ssh (or srun: --launcher slurm)")
     ds.add_argument("-i", "--include", default=None,
                     help="devices to use, e.g. localhost:0,1 (sets CUDA_VISIBLE_DEVICES; slot ids count the "
                          "GPUs this launcher sees)")
