@@ -88,19 +88,27 @@ def test_a_rank_entry_prefix_is_split_from_the_script(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_warm_and_cold_give_the_same_verdicts_and_figures(tmp_path, no_orphans):
-    """Both paths, one after the other on the same experiments: the same states, and throughputs
-    within noise (a fixed per-sample sleep dominates the step, so the figure is known)."""
-    results = {}
+    """Both paths, one after the other on the same experiments: the same states, throughputs
+    within noise (a fixed per-sample sleep dominates the step, so the figure is known), and the
+    interpreter's default multiprocessing start method (a forkserver's child inherits "forkserver",
+    which made a DeepSpeed script's DataLoader workers cost seconds per warm launch)."""
+    results, start_methods = {}, {}
     for warm in (True, False):
         work = tmp_path / ("warm" if warm else "cold")
         work.mkdir()
         config = write_config(work / "ds.json", warm_start=warm)
-        result = tune(work, config, "--ms_per_sample", "5", "--fault_at_micro", "4:fail", "--fail_rank", "1")
+        methods = work / "start_methods.txt"
+        result = tune(work, config, "--ms_per_sample", "5", "--fault_at_micro", "4:fail", "--fail_rank", "1",
+                      "--echo_start_method_to", str(methods))
+        start_methods[warm] = methods.read_text().split()
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert ("warm start off (autotuning.warm_start: false)" in result.stdout) is (not warm)
         assert (work / "autotuning_exps" / "z0_gas1_mbs2" / "warm_ranks.txt").exists() is warm
         results[warm] = table(work).set_index("name")
     warm, cold = results[True], results[False]
+    fresh = subprocess.run([sys.executable, "-c", "import multiprocessing; print(multiprocessing.get_start_method())"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert start_methods[True] == start_methods[False] == [fresh] * 2
     assert list(warm.state) == list(cold.state) == ["ok", "failed"]
     assert warm.loc["z0_gas1_mbs4", "error"] == cold.loc["z0_gas1_mbs4", "error"] == \
         "rank 1: RuntimeError: injected failure on rank 1 at step 2"

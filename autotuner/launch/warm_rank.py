@@ -4,7 +4,7 @@ already imported) that becomes what a cold rank would be, then runs the user's s
 It takes the very (cmd, env) a cold launch would exec (`launch.plan.rank_launch`) and applies it
 in-process: a session of its own, the environment replaced, stdout/stderr to the experiment's
 files, the core binding and per-rank log of `rank_entry`, torch's thread count from
-OMP_NUM_THREADS, fresh random state, then `run_script.run`. It leaves with the script's exit
+OMP_NUM_THREADS, fresh random state, multiprocessing's default start method, then `run_script.run`. It leaves with the script's exit
 status after the script's atexit handlers ran, as an interpreter would.
 """
 
@@ -79,6 +79,15 @@ def _fresh_random_state() -> None:
     torch.manual_seed(torch.initial_seed())
 
 
+def _default_start_method() -> None:
+    # The forkserver's children inherit its start method ("forkserver"); a fresh interpreter starts
+    # with the platform's default. A script's DataLoader workers would otherwise be started through
+    # a new forkserver of their own, with the dataset pickled to them: seconds per launch.
+    import multiprocessing
+
+    multiprocessing.set_start_method(None, force=True)
+
+
 def main(index: int, specs: tuple[WarmRankSpec, ...]) -> None:
     """torch.multiprocessing's entry for local rank `index`. Never returns."""
     spec = specs[index]
@@ -103,6 +112,7 @@ def main(index: int, specs: tuple[WarmRankSpec, ...]) -> None:
         if "OMP_NUM_THREADS" in os.environ:
             torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
         _fresh_random_state()
+        _default_start_method()
         from autotuner.launch.run_script import run
 
         status = run(argv)

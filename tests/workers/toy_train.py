@@ -45,6 +45,8 @@ def main() -> None:
                         help="with --hang_at_step: hang only if this file does not exist yet (it is created)")
     parser.add_argument("--pid_dir", default=None, help="each rank writes its pid here")
     parser.add_argument("--echo_args_to", default=None, help="rank 0 writes sys.argv here")
+    parser.add_argument("--echo_start_method_to", default=None,
+                        help="rank 0 appends multiprocessing's start method here (what a DataLoader's workers use)")
     parser.add_argument("--note", default=None, help="any string; ignored (tests that arguments pass unmangled)")
     parser.add_argument("--fault_at_micro", action="append", default=[], metavar="MICRO:FAULT",
                         help="fire FAULT (fail, kill, exit or hang) only at this micro-batch (repeatable); "
@@ -62,6 +64,9 @@ def main() -> None:
     if args.echo_args_to and os.environ.get("RANK", "0") == "0":
         with open(args.echo_args_to, "a") as handle:
             handle.write("\x1f".join(sys.argv[1:]) + "\n")
+    if args.echo_start_method_to and rank_zero():
+        with open(args.echo_start_method_to, "a") as handle:
+            handle.write(multiprocessing.get_start_method() + "\n")
     config = fill_auto(args.deepspeed_config or args.deepspeed, {
         "train_micro_batch_size_per_gpu": args.micro_batch_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
