@@ -23,6 +23,10 @@ from autotuner.atomic import write_json_atomic
 
 VERSION = 1
 REQUEST_ENV = "AUTOTUNER_MEASUREMENT_REQUEST"  # the MeasurementRequest file for this launch
+# The warm forkserver's preload (launch/warm_preload.py, which preloads when imported): what to
+# import, and where to report.
+WARM_PRELOAD_ENV = "AUTOTUNER_WARM_PRELOAD"
+WARM_PRELOAD_REPORT_ENV = "AUTOTUNER_WARM_PRELOAD_REPORT"
 LAUNCH_REPORT_ENV = "AUTOTUNER_LAUNCH_REPORT"  # where the launcher writes its LaunchReport
 ERROR_DIR_ENV = "AUTOTUNER_ERROR_DIR"  # where each rank records its uncaught exception
 ONLINE_ENV = "AUTOTUNER_ONLINE"  # "1": tune communication knobs online (launcher --autotuning online)

@@ -390,3 +390,33 @@ def test_enabled_without_the_autotuning_flag_trains_as_written_with_a_note(tmp_p
     assert "done: 6 steps" in result.stdout  # trained to the end, not stopped after the profile steps
     assert "has autotuning.enabled but --autotuning was not given" in result.stderr
     assert not (tmp_path / "autotuning_exps").exists() and not (tmp_path / "autotuning_results").exists()
+
+
+# ----- --backend ray -----
+
+@pytest.mark.parametrize("launcher, mentions", [
+    (("--ray_address", "auto"), ("--ray_address", "only with --backend ray")),
+    (("--ray_placement", "shared"), ("--ray_placement", "only with --backend ray")),
+    (("--backend", "ray", "--ray_max_concurrent", "0"), ("--ray_max_concurrent", "got 0")),
+    (("--backend", "ray", "--hostfile", "hosts"), ("--backend ray", "drop --hostfile")),
+    (("--backend", "ray", "--ray_cpus_per_rank", "0"), ("--ray_cpus_per_rank",)),
+])
+def test_ray_flags_are_checked_before_ray_is_touched(in_tmp, capsys, launcher, mentions):
+    config = write(in_tmp / "ds.json", config_dict())
+    assert_refused(in_tmp, capsys, tune_argv(config, launcher=launcher), *mentions)
+
+
+def test_backend_ray_without_autotuning_is_refused(in_tmp, capsys):
+    code = main(["--backend", "ray", "--nproc_per_node", "1", str(TOY)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0
+    assert err.startswith("launcher: error: --backend ray: runs the experiments of --autotuning tune|run")
+
+
+def test_backend_ray_without_ray_installed_says_which_extra(in_tmp, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: `import ray` raises ImportError
+    config = write(in_tmp / "ds.json", config_dict())
+    assert_refused(in_tmp, capsys, tune_argv(config, launcher=("--backend", "ray")),
+                   "--backend ray: Ray is not installed; pip install 'autotuner[ray]'")

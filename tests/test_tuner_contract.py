@@ -57,6 +57,30 @@ class Counting:
         return ok(experiment, value)
 
 
+class Slots:
+    """A parallel evaluate with `capacity` slots whose launches finish last-in-first-out (so
+    results arrive out of the order asked); it records how many ran at once."""
+
+    def __init__(self, capacity: int, evaluate=evaluate_smooth):
+        self.capacity, self.evaluate = capacity, evaluate
+        self.running: list[Experiment] = []
+        self.submitted: list[Experiment] = []
+        self.most_at_once = 0
+
+    def __call__(self, experiment: Experiment) -> TrialResult:
+        raise AssertionError("a parallel drive submits; it never calls")
+
+    def submit(self, experiment: Experiment) -> None:
+        assert experiment not in self.submitted, f"{experiment.name} submitted twice"
+        self.running.append(experiment)
+        self.submitted.append(experiment)
+        self.most_at_once = max(self.most_at_once, len(self.running))
+        assert len(self.running) <= self.capacity
+
+    def next_result(self) -> TrialResult:
+        return self.evaluate(self.running.pop())
+
+
 def exhaust(tuner: Tuner, evaluate=evaluate_smooth) -> list[Experiment]:
     """ask/tell until ask() returns None; the order asked."""
     order = []
@@ -203,6 +227,39 @@ class TestTunerContract:
         tuner = make_tuner(name, space, THROUGHPUT, seed=seed)
         drive(tuner, evaluate_smooth, early_stopping=len(space), max_trials=len(space))
         assert tuner.best.experiment == optimum == Experiment(1, 4)
+
+    def test_a_batch_ask_gives_distinct_untried_experiments_and_results_may_arrive_in_any_order(self, name):
+        space = grid()
+        tuner = make_tuner(name, space, THROUGHPUT, seed=0)
+        first = tuner.ask_batch(3)
+        assert len(first) == len(set(first)) == 3 and set(first) <= set(space)
+        second = tuner.ask_batch(4)
+        assert len(second) == 4 and not set(second) & set(first)  # the running ones are never asked again
+        for experiment in reversed(first + second):  # told in the opposite order
+            tuner.tell(evaluate_smooth(experiment))
+        assert tuner.pending == set()
+        rest = tuner.ask_batch(100)
+        assert sorted(first + second + rest) == sorted(space)
+        assert tuner.ask_batch(2) == []
+
+    @pytest.mark.parametrize("capacity", [2, 3])
+    def test_a_parallel_drive_fills_every_slot_and_finds_the_optimum(self, name, capacity):
+        space = grid()
+        tuner = make_tuner(name, space, THROUGHPUT, seed=0)
+        slots = Slots(capacity)
+        results = drive(tuner, slots, early_stopping=len(space), max_trials=len(space))
+        assert slots.most_at_once == capacity
+        assert sorted(r.experiment for r in results) == sorted(space) == sorted(slots.submitted)
+        assert tuner.best.experiment == Experiment(1, 4)
+
+    def test_a_parallel_drive_stops_starting_at_max_trials_and_early_stopping(self, name):
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        assert len(drive(tuner, Slots(3), early_stopping=100, max_trials=5)) == 5
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        slots = Slots(2, Counting(first=100.0, step=-1.0))  # only the first result to arrive improves
+        results = drive(tuner, slots, early_stopping=3, max_trials=100)
+        # Stopped once 3 in a row brought nothing; the one still running then is waited for and kept.
+        assert 4 <= len(results) <= 5 and len(results) == len(slots.submitted)
 
     def test_finds_the_minimum_latency_of_a_smooth_space(self, name):
         space = grid()

@@ -77,6 +77,16 @@ def test_a_warm_rank_gets_the_cold_ranks_command_and_elastics_variables(tmp_path
     assert env["LOCAL_SIZE"] == "2" and env["OMP_NUM_THREADS"]
 
 
+def test_the_tuner_process_does_not_run_the_forkserver_preload():
+    """Importing warm_preload preloads (torch.distributed.fsdp, dynamo: over a second); only the
+    forkserver may import it, never the tuner that starts it."""
+    probe = ("import sys, autotuner.tuning.cli; "
+             "print('autotuner.launch.warm_preload' in sys.modules, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], env=launcher_env(), capture_output=True, text=True,
+                         check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
 def test_a_rank_entry_prefix_is_split_from_the_script(tmp_path):
     command = ("py", "-m", "autotuner.launch.rank_entry", "--core_groups", "0;1", "--", "py", "-u", "-m",
                "autotuner.launch.run_script", "t.py", "--a")

@@ -6,6 +6,7 @@ The modules come from AUTOTUNER_WARM_PRELOAD (a JSON list of "module" or "module
 an attribute is fetched too, since libraries such as transformers load lazily on attribute
 access). Each failure is caught and listed in the AUTOTUNER_WARM_PRELOAD_REPORT file, with
 whether CUDA was initialised: ranks forked from a process that initialised CUDA cannot use it.
+Only the forkserver imports this module: importing it preloads.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import json
 import os
 import time
 
-PRELOAD_ENV = "AUTOTUNER_WARM_PRELOAD"
-REPORT_ENV = "AUTOTUNER_WARM_PRELOAD_REPORT"
+from autotuner.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
+from autotuner.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
+
 # Ours, and what our engine imports lazily in every measured launch (the FLOP counter pulls in dynamo).
 ALWAYS = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.utils.flop_counter", "torch._dynamo",
           "autotuner", "autotuner.runtime.engine", "autotuner.runtime.initialize", "autotuner.launch.run_script",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -216,6 +217,10 @@ class Autotuner:
                            COMPUTE_BYTES.get(self.memory.precision, 4), links)
 
     # ----- the loop -----
+    def _trial(self, experiment: Experiment) -> Trial:
+        return Trial(experiment, self.exps_dir / experiment.name, self.settings,
+                     predicted_memory_bytes=self.memory.predicted_memory(experiment))
+
     def _evaluate(self, experiment: Experiment) -> TrialResult:
         if experiment in self._results:
             return self._results[experiment]
@@ -223,19 +228,24 @@ class Autotuner:
         if reused is not None:
             result = reused
         else:
-            result = self._launch(Trial(experiment, self.exps_dir / experiment.name, self.settings,
-                                        predicted_memory_bytes=self.memory.predicted_memory(experiment)))
+            result = self._launch(self._trial(experiment))
             self._launched += 1
-            if (self._launched == 1 and not self._profiled and result.state is TrialState.FAILED
-                    and not any(r.state is TrialState.OK for r in self._results.values())):
-                # Without a profile run, a crash (not OOM) on the first launch is the script or its
-                # arguments, not the configuration: every other experiment would fail the same way.
-                raise TuningFailed(f"the first experiment {result.name} failed: {result.error}; "
-                                   f"see {self.exps_dir / result.name}/stderr.log")
-        self._results[experiment] = result
-        self._progress(result, reused is not None)
-        self.memory.learn(result)
+            self._first_launch_check(result)
+        self._record(result, reused is not None)
         return result
+
+    def _first_launch_check(self, result: TrialResult) -> None:
+        if (self._launched == 1 and not self._profiled and result.state is TrialState.FAILED
+                and not any(r.state is TrialState.OK for r in self._results.values())):
+            # Without a profile run, a crash (not OOM) on the first launch is the script or its
+            # arguments, not the configuration: every other experiment would fail the same way.
+            raise TuningFailed(f"the first experiment {result.name} failed: {result.error}; "
+                               f"see {self.exps_dir / result.name}/stderr.log")
+
+    def _record(self, result: TrialResult, reused: bool) -> None:
+        self._results[result.experiment] = result
+        self._progress(result, reused)
+        self.memory.learn(result)
 
     def _prune(self, stage: int, reason: str) -> None:
         experiment = self.space.experiment(stage, self.space.min_micro_batch_size)
@@ -265,7 +275,7 @@ class Autotuner:
                                             self.memory.offload_fallback, self.report)
             self.predictions = outcome
         else:
-            run_search(self.space, self.policy, largest, self._evaluate, self._prune, self.memory.fits,
+            run_search(self.space, self.policy, largest, ParallelLaunches(self), self._prune, self.memory.fits,
                        self.memory.offload_fallback, self.report)
         # Every launch, the profile launches included (they are experiments too).
         everything = list(self._results.values()) + self._pruned
@@ -331,3 +341,37 @@ class Autotuner:
 
         return (tuple(point(c) for c in self.predictions.at_launch),
                 tuple(point(c) for c in self.predictions.final))
+
+
+class ParallelLaunches:
+    """The orchestrator's evaluate, with the parallel side a runner with `capacity` above 1 offers
+    (tuners/base.py `drive_parallel`): results are recorded and journalled as they finish."""
+
+    def __init__(self, tuner: Autotuner):
+        self._tuner = tuner
+        self.capacity = max(1, int(getattr(tuner.runner, "capacity", 1)))
+        self._ready: deque[TrialResult] = deque()
+
+    def __call__(self, experiment: Experiment) -> TrialResult:
+        return self._tuner._evaluate(experiment)
+
+    def submit(self, experiment: Experiment) -> None:
+        tuner = self._tuner
+        known = tuner._results.get(experiment) or tuner._journal.get(experiment.name)
+        if known is not None:
+            if experiment not in tuner._results:
+                tuner._record(known, True)
+            self._ready.append(known)
+            return
+        tuner.runner.submit(tuner._trial(experiment))
+        tuner._launched += 1
+
+    def next_result(self) -> TrialResult:
+        if self._ready:
+            return self._ready.popleft()
+        tuner = self._tuner
+        trial, result = tuner.runner.next_result()
+        if result.state.finished:
+            write_entry(trial.directory, result, tuner.fingerprint)
+        tuner._record(result, False)
+        return result

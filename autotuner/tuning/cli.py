@@ -142,6 +142,25 @@ def signals_as_exceptions():
             signal.signal(sig, old)
 
 
+@contextmanager
+def _runner(args: argparse.Namespace, tuning, settings: ExperimentSettings, num_nodes: int):
+    """The launches' runner: local (warm or cold) unless --backend ray."""
+    if getattr(args, "backend", "local") != "ray":
+        with make_runner(tuning, settings, _say) as runner:
+            yield runner
+        return
+    from autotuner.cluster.ray_runner import RayOptions, RayRunner
+
+    options = RayOptions(address=args.ray_address, placement=args.ray_placement, max_concurrent=args.ray_max_concurrent,
+                         cpus_per_rank=args.ray_cpus_per_rank, gpus_per_rank=args.ray_gpus_per_rank,
+                         num_nodes=num_nodes)
+    runner = RayRunner(options, settings.nproc_per_node, _say)
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
 def _say(line: str) -> None:
     print(f"autotuner: {line}", flush=True)
 
@@ -162,18 +181,24 @@ def autotune(args: argparse.Namespace) -> int:
 
         require_optuna(f"{source}: autotuning.tuner_type \"bayes\"")
     options = LaunchOptions.from_args(args, rdzv_endpoint=None, rdzv_id=None)
+    on_ray = getattr(args, "backend", "local") == "ray"
+    num_nodes = options.num_nodes
+    if on_ray:  # the cluster places each experiment's nodes: one node's plan describes the ranks
+        options = replace(options, num_nodes=1, node_rank=0, master_addr=None)
     plan = build_plan(options, sys.executable)  # validates the launch options before anything starts
     for note in plan.notes:
         _say(f"note: {note}")
     if plan.num_nodes > 1:
-        raise UsageError("--autotuning runs on one node for now; drop --num_nodes or tune on a single node")
+        raise UsageError("--autotuning runs on one node, or on a Ray cluster (--backend ray); drop --num_nodes "
+                         "or add --backend ray")
+    world_size = plan.world_size * (num_nodes if on_ray else 1)
     results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
-    data_parallel_size = plan.world_size // tuning.mp_size
-    if data_parallel_size < 1 or plan.world_size % tuning.mp_size:
+    data_parallel_size = world_size // tuning.mp_size
+    if data_parallel_size < 1 or world_size % tuning.mp_size:
         raise ConfigError(f"{source}: autotuning.mp_size: got {tuning.mp_size}; it must divide the world size "
-                          f"({plan.world_size})")
+                          f"({world_size})")
     check_fixed_triad(config, data_parallel_size, source)
     check_some_batch_is_valid(config, data_parallel_size, source)
     check_optimizer_and_scheduler(config, source)
@@ -196,10 +221,10 @@ def autotune(args: argparse.Namespace) -> int:
     )
     fingerprint = fingerprint_of(script=args.script, script_args=script_args,
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
-                                 nproc_per_node=plan.nproc_per_node, num_nodes=plan.num_nodes,
+                                 nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if on_ray else 1,
                                  launcher_args=settings.launcher_args, torch_version=torch_version(),
                                  device=this_device())
-    with make_runner(tuning, settings, _say) as runner:
+    with _runner(args, tuning, settings, num_nodes) as runner:
         with exclusive_lock(results_dir), signals_as_exceptions():
             try:
                 outcome = Autotuner(config, settings, results_dir, exps_dir, runner, fingerprint, report=_say).tune()

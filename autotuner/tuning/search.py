@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -297,6 +298,35 @@ def stage_space_for(space: SearchSpace, stage: int, predicted_largest: dict[int,
     return replace(space, stage_knobs=tuple(sorted(knobs.items()))), predicted
 
 
+class MeasuredOnce:
+    """`evaluate`, at most once per experiment, keeping its parallel side (capacity, submit,
+    next_result) when it has one."""
+
+    def __init__(self, evaluate: Evaluate):
+        self._evaluate = evaluate
+        self.capacity = getattr(evaluate, "capacity", 1)
+        self.measured: dict[Experiment, TrialResult] = {}
+        self._ready: deque[TrialResult] = deque()
+
+    def __call__(self, experiment: Experiment) -> TrialResult:
+        if experiment not in self.measured:
+            self.measured[experiment] = self._evaluate(experiment)
+        return self.measured[experiment]
+
+    def submit(self, experiment: Experiment) -> None:
+        if experiment in self.measured:
+            self._ready.append(self.measured[experiment])
+        else:
+            self._evaluate.submit(experiment)  # type: ignore[attr-defined]
+
+    def next_result(self) -> TrialResult:
+        if self._ready:
+            return self._ready.popleft()
+        result = self._evaluate.next_result()  # type: ignore[attr-defined]
+        self.measured[result.experiment] = result
+        return result
+
+
 def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict[int, int], evaluate: Evaluate,
                prune: Callable[[int, str], None], fits: Fits = _always_fits,
                offload_fallback: OffloadFallback = _no_fallback,
@@ -305,12 +335,8 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict
     (0: the model states alone do not fit); `prune(stage, reason)` records a stage not searched;
     nothing is launched that `fits` refuses (it may learn from each launch's measured peak).
     A stage that fits nothing is searched with `offload_fallback`'s knobs when it offers some."""
-    measured: dict[Experiment, TrialResult] = {}
-
-    def evaluate_once(experiment: Experiment) -> TrialResult:
-        if experiment not in measured:
-            measured[experiment] = evaluate(experiment)
-        return measured[experiment]
+    evaluate_once = MeasuredOnce(evaluate)
+    measured = evaluate_once.measured
 
     largest_so_far = 0
     for stage in sorted(space.stages):

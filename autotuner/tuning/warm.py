@@ -33,10 +33,11 @@ from typing import Callable, Iterator
 import psutil
 
 from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, write_record
+from autotuner.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
+from autotuner.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
 from autotuner.launch.plan import build_plan, rank_launch
 from autotuner.launch.processes import GRACE_S
 from autotuner.launch.runner import exit_status, failure_lines, failure_report
-from autotuner.launch.warm_preload import PRELOAD_ENV, REPORT_ENV
 from autotuner.launch.warm_rank import UNSAFE_FORK_EXIT, WarmRankSpec
 from autotuner.launch.warm_rank import main as warm_rank_main
 from autotuner.rank_setup import QUIET_ERRORS_ENV

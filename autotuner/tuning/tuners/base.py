@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
@@ -17,20 +17,39 @@ class Tuner(ABC):
         self.objective = objective
         self.seed = seed
         self.results: dict[Experiment, TrialResult] = {}
+        self.pending: set[Experiment] = set()  # asked for and not told yet (running in parallel)
 
     @abstractmethod
     def _choose(self, untried: list[Experiment]) -> Experiment:
         """Pick one of `untried` (never empty), using only `self.results`."""
 
     def ask(self) -> Experiment | None:
-        """The next experiment to run, or None when the space is exhausted."""
-        untried = [e for e in self.space if e not in self.results]
-        return self._choose(untried) if untried else None
+        """The next experiment to run, or None when the space is exhausted. What was asked for
+        and not told yet is never asked for again."""
+        untried = [e for e in self.space if e not in self.results and e not in self.pending]
+        if not untried:
+            return None
+        chosen = self._choose(untried)
+        self.pending.add(chosen)
+        return chosen
+
+    def ask_batch(self, count: int) -> list[Experiment]:
+        """Up to `count` distinct experiments to run at once (each chosen as if the ones before it
+        were running); fewer when the space runs out."""
+        batch = []
+        while len(batch) < count:
+            experiment = self.ask()
+            if experiment is None:
+                break
+            batch.append(experiment)
+        return batch
 
     def tell(self, result: TrialResult) -> None:
+        """A result, in any order: results of a batch may arrive as their launches finish."""
         if result.experiment not in self.space:
             raise ValueError(f"{result.name} is not in this tuner's space")
         self.results[result.experiment] = result
+        self.pending.discard(result.experiment)
 
     def could_improve(self, experiment: Experiment) -> bool:
         """Whether `experiment` could beat the best result so far. Tuners without a model of the
@@ -42,11 +61,28 @@ class Tuner(ABC):
         return self.objective.best(list(self.results.values()))
 
 
+class ParallelEvaluate(Protocol):
+    """An evaluate that can run several experiments at once: `capacity` of them."""
+
+    capacity: int
+
+    def __call__(self, experiment: Experiment) -> TrialResult: ...
+
+    def submit(self, experiment: Experiment) -> None: ...
+
+    def next_result(self) -> TrialResult:
+        """The next submitted experiment to finish, in the order they finish."""
+
+
 def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_stopping: int,
           max_trials: int, trust_predictions: bool = False) -> list[TrialResult]:
     """Ask/evaluate/tell until the space is exhausted, `max_trials` ran, or `early_stopping`
     experiments in a row brought no improvement; with `trust_predictions`, also when the tuner
-    says the experiment it asks for could not beat the best so far."""
+    says the experiment it asks for could not beat the best so far. An evaluate with a
+    `capacity` above 1 gets a batch ask for every free slot (`drive_parallel`)."""
+    if getattr(evaluate, "capacity", 1) > 1:
+        return drive_parallel(tuner, evaluate, early_stopping=early_stopping, max_trials=max_trials,  # type: ignore[arg-type]
+                              trust_predictions=trust_predictions)
     results: list[TrialResult] = []
     incumbent = tuner.best  # results told before driving (e.g. a confirmation run) count
     best: float | None = incumbent.value if incumbent is not None else None
@@ -64,4 +100,42 @@ def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_
             without_improvement += 1
             if without_improvement >= early_stopping:
                 break
+    return results
+
+
+def drive_parallel(tuner: Tuner, evaluate: ParallelEvaluate, *, early_stopping: int, max_trials: int,
+                   trust_predictions: bool = False) -> list[TrialResult]:
+    """`drive` with up to `evaluate.capacity` experiments running: each free slot is filled from
+    a batch ask, results are told as they finish (in any order), and the stopping rules count
+    results in the order they arrive. Once a rule says stop, nothing new is started and the
+    experiments still running are waited for (their results are kept)."""
+    results: list[TrialResult] = []
+    incumbent = tuner.best
+    best: float | None = incumbent.value if incumbent is not None else None
+    without_improvement = 0
+    running = 0
+    stopping = False
+    while True:
+        free = min(evaluate.capacity - running, max_trials - len(results) - running)
+        if not stopping and free > 0:
+            batch = tuner.ask_batch(free)
+            if trust_predictions:
+                kept = [e for e in batch if tuner.could_improve(e)]
+                tuner.pending.difference_update(set(batch) - set(kept))
+                stopping = len(kept) < len(batch)
+                batch = kept
+            for experiment in batch:
+                evaluate.submit(experiment)
+            running += len(batch)
+        if running == 0:
+            break
+        result = evaluate.next_result()
+        running -= 1
+        tuner.tell(result)
+        results.append(result)
+        if result.state is TrialState.OK and tuner.objective.better(result.value, best):
+            best, without_improvement = result.value, 0
+        else:
+            without_improvement += 1
+            stopping = stopping or without_improvement >= early_stopping
     return results

@@ -1,0 +1,1 @@
+"""Experiments on a cluster: placement as data, and the Ray backend."""

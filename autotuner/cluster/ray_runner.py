@@ -1,0 +1,391 @@
+"""`--backend ray`: each experiment is a Ray placement group, one bundle per rank, on a cluster
+the user already runs (`--ray_address`) or on a Ray instance started here for the run.
+
+The runner places each experiment itself (cluster/placement.py) and pins every bundle to its
+node by Ray's node-id label, so exclusive nodes are a guarantee, not a hope. Ranks are started by
+`RankWorker` actors inside the bundles, with the command and environment a local launch would
+give them; the first rank's node hosts the rendezvous, on a port that no other experiment running
+there holds. Several experiments run at once when the cluster has room (`capacity`): the search
+`submit`s them and takes results in the order they finish (`next_result`).
+
+A rank that fails, or a node that is lost, fails only its experiment; the others' ranks are
+stopped. Every actor and placement group is removed when its experiment ends and again in
+`close`, on every path out of the tuner; a Ray instance started here is shut down.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+import uuid
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import autotuner
+from autotuner.atomic import write_json_atomic
+from autotuner.boundary import LaunchReport, write_record
+from autotuner.cluster.placement import (EXCLUSIVE, ClusterNode, Layout, Placement, RankShape, concurrency, feasible,
+                                         place, taken)
+from autotuner.cluster.rank_runs import rank_run, trial_rank_runs
+from autotuner.cluster.ray_worker import TOKEN_FILE, RankOutcome, RankWorker
+from autotuner.errors import UsageError
+from autotuner.launch.plan import LaunchOptions, build_plan
+from autotuner.launch.runner import failure_lines, failure_report
+from autotuner.tuning.experiment import RANK_ERRORS_DIR, Trial, judge, prepare
+from autotuner.tuning.records import TrialResult
+
+POLL_S = 0.2
+PLACEMENT_TIMEOUT_S = 120.0  # a placement group the cluster said it can hold must be ready by then
+STOP_WAIT_S = 20.0  # after a rank failed: how long the others get to end before their actors are killed
+NODE_ID_LABEL = "ray.io/node-id"
+HEAD_RESOURCE = "node:__internal_head__"
+PLACEMENT_FILE = "placement.json"  # where each rank ran, the rendezvous, and when
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str | None = None  # None: start Ray here for this run
+    placement: str = EXCLUSIVE
+    max_concurrent: int | None = None
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float | None = None  # None: 1 when the cluster has GPUs, else 0
+    num_nodes: int = 1
+
+
+@dataclass
+class _Running:
+    trial: Trial
+    placement: Placement
+    group: Any  # the placement group
+    workers: list
+    pending: dict  # ObjectRef -> rank
+    started: float
+    port: int
+    started_unix: float = field(default_factory=time.time)
+    outcomes: dict = field(default_factory=dict)  # rank -> RankOutcome
+    lost: dict = field(default_factory=dict)  # rank -> why its actor died
+    stopping_since: float | None = None
+    timed_out: bool = False
+    first_failed: int | None = None  # the rank seen to fail first: the cause, as elastic's agent reports it
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError:
+        raise UsageError("--backend ray: Ray is not installed; pip install 'autotuner[ray]'") from None
+    return ray
+
+
+class RayRunner:
+    name = "ray"
+
+    def __init__(self, options: RayOptions, nproc_per_node: int, report: Callable[[str], None] = print):
+        ray = require_ray()
+        self._ray = ray
+        self._report = report
+        self._options = options
+        self._started_ray = options.address is None
+        try:
+            # Our package travels with the job, so every node's workers and ranks run this very
+            # version of it (the script, its Python and libraries must be on the nodes already).
+            ray.init(address=options.address, include_dashboard=False, log_to_driver=True, logging_level="ERROR",
+                     configure_logging=True, runtime_env={"py_modules": [str(Path(autotuner.__file__).parent)]})
+        except (ConnectionError, RuntimeError, ValueError) as err:
+            raise UsageError(f"--ray_address {options.address}: cannot connect to a Ray cluster there ({err})") from None
+        self._worker_class = ray.remote(RankWorker)
+        self._nodes = self._live_nodes()
+        gpus = options.gpus_per_rank
+        if gpus is None:
+            gpus = 1.0 if any(n.gpus for n in self._nodes) else 0.0
+        self.shape = RankShape(options.cpus_per_rank, gpus)
+        self.layout = Layout(options.num_nodes, nproc_per_node)
+        why = feasible(self._nodes, self.layout, self.shape)
+        if why is not None:
+            self.close()
+            raise UsageError(f"--backend ray: the experiments cannot be placed: {why}")
+        self.capacity = concurrency(self._nodes, self.layout, self.shape, options.placement, options.max_concurrent)
+        where = "a Ray instance started for this run" if self._started_ray else f"the Ray cluster at {options.address}"
+        report(f"ray: {where}: {len(self._nodes)} node(s), {sum(n.cpus for n in self._nodes):g} CPU(s), "
+               f"{sum(n.gpus for n in self._nodes):g} GPU(s); each experiment {self.layout.num_nodes} node(s) x "
+               f"{self.layout.nproc_per_node} rank(s), nodes {options.placement}, up to {self.capacity} at once")
+        self._waiting: deque[Trial] = deque()
+        self._running: list[_Running] = []
+        self._finished: deque[tuple[Trial, TrialResult]] = deque()
+        self._used: dict[str, int] = {}
+        self._ports: dict[str, set[int]] = {}
+
+    # ----- the cluster -----
+    def _live_nodes(self) -> list[ClusterNode]:
+        nodes, heads = [], []
+        for node in self._ray.nodes():
+            if not node.get("Alive"):
+                continue
+            resources = node.get("Resources", {})
+            nodes.append(ClusterNode(node["NodeID"], node.get("NodeManagerAddress", ""), resources.get("CPU", 0.0),
+                                     resources.get("GPU", 0.0)))
+            heads.append(HEAD_RESOURCE in resources)
+        # The head node runs Ray's own control processes: experiments go there last.
+        return [node for _, node in sorted(zip(heads, nodes), key=lambda pair: pair[0])]
+
+    # ----- one trial -----
+    def run(self, trial: Trial) -> TrialResult:
+        self.submit(trial)
+        return self.next_result()[1]
+
+    def submit(self, trial: Trial) -> None:
+        prepare(trial)
+        (trial.directory / PLACEMENT_FILE).unlink(missing_ok=True)
+        (trial.directory / "stdout.log").write_bytes(b"")
+        (trial.directory / "stderr.log").write_bytes(b"")
+        self._waiting.append(trial)
+        self._start_waiting()
+
+    def next_result(self) -> tuple[Trial, TrialResult]:
+        """The next experiment to finish, in the order they finish."""
+        while not self._finished:
+            if not self._running and not self._waiting:
+                raise RuntimeError("next_result with nothing submitted")
+            self._poll()
+            self._start_waiting()
+        return self._finished.popleft()
+
+    def _start_waiting(self) -> None:
+        while self._waiting:
+            self._nodes = self._live_nodes()
+            trial = self._waiting[0]
+            why = feasible(self._nodes, self.layout, self.shape)
+            if why is not None:  # nodes were lost: it would wait forever
+                self._waiting.popleft()
+                self._finish_unplaced(trial, f"the cluster can no longer hold it: {why}")
+                continue
+            if len(self._running) >= self.capacity:
+                return
+            placement = place(self._nodes, self._used, self.layout, self.shape, self._options.placement)
+            if placement is None:
+                return
+            self._waiting.popleft()
+            self._start(trial, placement)
+
+    def _start(self, trial: Trial, placement: Placement) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray = self._ray
+        bundles = [self.shape.bundle() for _ in placement.ranks]
+        group = placement_group(bundles, strategy="PACK",
+                                bundle_label_selector=[{NODE_ID_LABEL: r.node_id} for r in placement.ranks])
+        ready, _ = _interruptible(ray.wait, [group.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            ray.util.remove_placement_group(group)
+            self._finish_unplaced(trial, f"its placement group was not ready within {PLACEMENT_TIMEOUT_S:.0f} s")
+            return
+        workers = [self._worker_class.options(
+            num_cpus=self.shape.cpus, num_gpus=self.shape.gpus, max_concurrency=2,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)).remote()
+            for index in range(len(placement.ranks))]
+        for node_id, slots in taken(placement, self._options.placement, self._nodes, self.shape).items():
+            self._used[node_id] = self._used.get(node_id, 0) + slots
+        running = _Running(trial, placement, group, workers, {}, time.monotonic(), 0)
+        self._running.append(running)
+        try:
+            described = _interruptible(ray.get, [w.describe.remote() for w in workers], timeout=PLACEMENT_TIMEOUT_S)
+            master = described[0]["address"]
+            running.port = _interruptible(ray.get, workers[0].free_port.remote(sorted(self._ports.get(master, ()))),
+                                          timeout=PLACEMENT_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - an actor that never came up fails this trial only
+            running.lost[0] = f"its ranks' actors did not start ({type(err).__name__}: {err})"
+            running.stopping_since = time.monotonic()
+            return
+        self._ports.setdefault(master, set()).add(running.port)
+        _write_placement(running, ended=False)
+        token = uuid.uuid4().hex
+        (trial.directory / TOKEN_FILE).write_text(token)
+        specs = trial_rank_runs(trial, placement, described, master, running.port, token, self.layout, self.shape)
+        running.pending = {w.run.remote(rank, spec): rank for rank, (w, spec) in enumerate(zip(workers, specs))}
+
+    # ----- waiting -----
+    def _poll(self) -> None:
+        ray = self._ray
+        refs = [ref for running in self._running for ref in running.pending]
+        if refs:
+            _interruptible(ray.wait, refs, num_returns=1, timeout=POLL_S)
+        else:
+            time.sleep(POLL_S)
+        now = time.monotonic()
+        for running in list(self._running):
+            for ref in [ref for ref in running.pending]:
+                ready, _ = _interruptible(ray.wait, [ref], timeout=0)
+                if not ready:
+                    continue
+                rank = running.pending.pop(ref)
+                try:
+                    running.outcomes[rank] = _interruptible(ray.get, ref)
+                except Exception as err:  # noqa: BLE001 - the actor or its node died
+                    running.lost[rank] = _lost_text(err)
+                if running.first_failed is None and (rank in running.lost or running.outcomes[rank].status != 0):
+                    running.first_failed = rank
+            failed = running.lost or any(o.status != 0 for o in running.outcomes.values())
+            if running.stopping_since is None and now - running.started > running.trial.settings.timeout_s:
+                running.timed_out = True
+            if running.stopping_since is None and (failed or running.timed_out) and running.pending:
+                running.stopping_since = now
+                for worker in running.workers:
+                    worker.stop.remote()  # the ranks' sessions; the actors stay to report
+            overdue = running.stopping_since is not None and now - running.stopping_since > STOP_WAIT_S
+            if not running.pending or overdue:
+                self._finalize(running)
+
+    def _finalize(self, running: _Running) -> None:
+        self._release(running)
+        trial = running.trial
+        wall = time.monotonic() - running.started
+        for rank in running.pending.values():
+            running.lost.setdefault(rank, "did not end after its peers failed; its actor was killed")
+        self._gather(trial, running)
+        if running.timed_out:
+            self._finished.append((trial, judge(trial, None, True, wall)))
+            return
+        statuses = {rank: o.status for rank, o in running.outcomes.items() if o.status != 0}
+        statuses.update({rank: 1 for rank in running.lost})
+        if not statuses:
+            report = LaunchReport(exit_code=0)
+        else:
+            error_dir = str(trial.directory / RANK_ERRORS_DIR)
+            first = running.first_failed if running.first_failed is not None else min(statuses)
+            if first in running.lost:
+                report = LaunchReport(1, first, None, f"Ray: {running.lost[first]}")
+            else:
+                report = failure_report(error_dir, first, statuses)
+            with open(trial.directory / "stderr.log", "a") as log:
+                log.writelines(line + "\n" for line in failure_lines(error_dir, report, statuses, quiet=True))
+        write_record(trial.report_path, report)
+        self._finished.append((trial, judge(trial, report.exit_code, False, wall)))
+
+    def _gather(self, trial: Trial, running: _Running) -> None:
+        """Each rank's output, in rank order, the files ranks on other filesystems wrote, and
+        where and when it ran (placement.json)."""
+        _write_placement(running, ended=True)
+        with open(trial.directory / "stdout.log", "ab") as out, open(trial.directory / "stderr.log", "ab") as err:
+            for rank in sorted(running.outcomes):
+                outcome: RankOutcome = running.outcomes[rank]
+                out.write(outcome.stdout)
+                err.write(outcome.stderr)
+                if outcome.error:
+                    err.write(f"ray: rank {rank} did not start: {outcome.error}\n".encode())
+                for name, content in outcome.files.items():
+                    path = trial.directory / name
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(content)
+            for rank, why in sorted(running.lost.items()):
+                err.write(f"ray: rank {rank}: {why}\n".encode())
+        (trial.directory / TOKEN_FILE).unlink(missing_ok=True)
+
+    def _release(self, running: _Running) -> None:
+        for node_id, slots in taken(running.placement, self._options.placement, self._nodes, self.shape).items():
+            self._used[node_id] = max(0, self._used.get(node_id, 0) - slots)
+        if running.port:
+            self._ports.get(running.placement.master.address, set()).discard(running.port)
+        self._remove(running)
+        self._running.remove(running)
+
+    def _remove(self, running: _Running) -> None:
+        for worker in running.workers:
+            try:
+                self._ray.kill(worker)
+            except Exception:  # noqa: BLE001 - already dead with its node
+                pass
+        try:
+            self._ray.util.remove_placement_group(running.group)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _finish_unplaced(self, trial: Trial, why: str) -> None:
+        report = LaunchReport(1, None, None, f"Ray: {why}")
+        write_record(trial.report_path, report)
+        with open(trial.directory / "stderr.log", "a") as log:
+            log.write(f"ray: {trial.experiment.name} not run: {why}\n")
+        result = judge(trial, 1, False, 0.0)
+        self._finished.append((trial, replace(result, error=f"not placed on the Ray cluster: {why}")))
+
+    # ----- the optimum's training run, and the end -----
+    def train(self, options: LaunchOptions, quiet: bool) -> int:
+        """The user's job on the cluster, placed as an experiment was, to its end; the ranks'
+        output reaches this terminal through Ray's log forwarding."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray = self._ray
+        placement = None
+        while placement is None:
+            self._nodes = self._live_nodes()
+            why = feasible(self._nodes, self.layout, self.shape)
+            if why is not None:
+                raise UsageError(f"--backend ray: the training run cannot be placed: {why}")
+            placement = place(self._nodes, self._used, self.layout, self.shape, self._options.placement)
+        group = placement_group([self.shape.bundle() for _ in placement.ranks], strategy="PACK",
+                                bundle_label_selector=[{NODE_ID_LABEL: r.node_id} for r in placement.ranks])
+        _interruptible(ray.get, group.ready())
+        workers = [self._worker_class.options(
+            num_cpus=self.shape.cpus, num_gpus=self.shape.gpus, max_concurrency=2,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)).remote()
+            for i in range(len(placement.ranks))]
+        running = _Running(None, placement, group, workers, {}, time.monotonic(), 0)  # type: ignore[arg-type]
+        self._running.append(running)
+        for node_id, slots in taken(placement, self._options.placement, self._nodes, self.shape).items():
+            self._used[node_id] = self._used.get(node_id, 0) + slots
+        try:
+            described = _interruptible(ray.get, [w.describe.remote() for w in workers])
+            master = described[0]["address"]
+            port = _interruptible(ray.get, workers[0].free_port.remote([]))
+            plan = build_plan(replace(options, nproc_per_node=self.layout.nproc_per_node, hostfile=None, include=None,
+                                      exclude=None), sys.executable)
+            runs = [replace(rank_run(plan, p, described, master, port, self.layout, self.shape), live=True)
+                    for p in placement.ranks]
+            refs = [w.run.remote(p.rank, spec) for w, p, spec in zip(workers, placement.ranks, runs)]
+            statuses = [outcome.status for outcome in _interruptible(ray.get, refs)]
+        finally:
+            self._release(running)
+        return max(statuses, default=0)
+
+    def close(self) -> None:
+        for running in list(self._running):
+            for worker in running.workers:
+                try:
+                    self._ray.get(worker.stop.remote(), timeout=STOP_WAIT_S)
+                except Exception:  # noqa: BLE001 - the actor is gone already
+                    pass
+            self._remove(running)
+        self._running.clear()
+        if self._ray.is_initialized():
+            self._ray.shutdown()
+
+
+def _interruptible(call: Callable, *args, **kwargs):
+    """A blocking Ray call through which Ctrl-C and SIGTERM still stop the tuner: the handlers'
+    exception, raised inside Ray's compiled code, comes out as a SystemError caused by it."""
+    try:
+        return call(*args, **kwargs)
+    except SystemError as err:
+        cause = err.__cause__ or err.__context__
+        if isinstance(cause, BaseException) and not isinstance(cause, Exception):
+            raise cause from None
+        raise
+
+
+def _write_placement(running: _Running, ended: bool) -> None:
+    """placement.json: where each rank runs and the rendezvous; written at the start (no end time
+    yet) and again at the end."""
+    write_json_atomic(running.trial.directory / PLACEMENT_FILE, {
+        "ranks": [{"rank": r.rank, "local_rank": r.local_rank, "node_rank": r.node_rank, "node_id": r.node_id,
+                   "address": r.address} for r in running.placement.ranks],
+        "master_addr": running.placement.master.address, "master_port": running.port,
+        "started_unix": running.started_unix, "ended_unix": time.time() if ended else None})
+
+
+def _lost_text(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    detail = next((line for line in text if "died" in line.lower() or "node" in line.lower()), text[0] if text else "")
+    return f"its actor died ({type(err).__name__}): {detail[:300]}"

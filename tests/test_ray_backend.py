@@ -1,0 +1,200 @@
+"""`launcher --autotuning tune --backend ray` on two simulated Ray nodes on this machine
+(ray.cluster_utils.Cluster, one CPU each): real tuner processes driving real ranks.
+
+Skipped when Ray is not installed (pip install 'autotuner[ray]'); CI installs it. The cluster's
+own processes are this test process's children, so orphans are checked by the ranks' pid files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+
+from conftest import WORKERS, launcher_env
+
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'autotuner[ray]')")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+TOY = WORKERS / "toy_train.py"
+MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
+            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+OBJECT_STORE = 100 * 2**20  # Ray's smallest is 75 MiB; nothing big travels through it
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two nodes with one CPU each: a head and a worker."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": OBJECT_STORE,
+                                                          "include_dashboard": False})
+    nodes.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+    nodes.wait_for_nodes()
+    yield nodes
+    nodes.shutdown()
+
+
+def write_config(path: Path, micro: list[int], **autotuning) -> Path:
+    path.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+        "zero_optimization": {"stage": 0},
+        "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
+                       "exp_timeout_s": 240, "model_info": {"num_params": 1000}, "tuner_type": "gridsearch",
+                       "remeasure_rounds": 0, **autotuning},
+    }))
+    return path
+
+
+def tune_command(config: Path, *flags: str, script_args: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, "-m", "autotuner", "--autotuning", "tune", *flags, str(TOY), "--ms_per_sample", "20",
+            "--steps", "6", *script_args, "--deepspeed", str(config)]
+
+
+def run(work: Path, command: list[str]) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, cwd=work, env=launcher_env(), capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return result
+
+
+def table(work: Path) -> pd.DataFrame:
+    return pd.read_csv(work / "autotuning_results" / "experiments.csv").set_index("name")
+
+
+def placement(work: Path, name: str) -> dict:
+    return json.loads((work / "autotuning_exps" / name / "placement.json").read_text())
+
+
+PROBE = """
+import json, time, ray
+ray.init(address=%r, logging_level="ERROR")
+deadline = time.monotonic() + 30  # removals reach the cluster's view asynchronously
+while True:
+    free, total = ray.available_resources().get("CPU", 0), ray.cluster_resources().get("CPU", 0)
+    if free == total or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps([free, total]))
+"""
+
+
+def free_cpus(address: str) -> tuple[float, float]:
+    """(available, total) CPUs of the cluster, asked by a driver of its own: equal once nothing
+    of ours holds any."""
+    probe = PROBE
+    out = subprocess.run([sys.executable, "-c", probe % address], capture_output=True, text=True, timeout=120,
+                         env=launcher_env())
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def alive(pid_dir: Path) -> list[int]:
+    pids = [int(p.stem) for p in pid_dir.glob("*.pid")] if pid_dir.exists() else []
+    return [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_two_rank_experiment_spreads_over_both_nodes_with_the_records_of_a_local_run(cluster, tmp_path):
+    ray_work, local_work = tmp_path / "ray", tmp_path / "local"
+    ray_work.mkdir()
+    local_work.mkdir()
+    run(ray_work, tune_command(write_config(ray_work / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
+                               cluster.address, "--num_nodes", "2", "--nproc_per_node", "1"))
+    run(local_work, tune_command(write_config(local_work / "ds.json", [2, 4]), "--nproc_per_node", "2"))
+    for name in ("z0_gas1_mbs2", "z0_gas1_mbs4"):
+        where = placement(ray_work, name)
+        assert [r["node_rank"] for r in where["ranks"]] == [0, 1]
+        assert len({r["node_id"] for r in where["ranks"]}) == 2  # one rank on each node
+        assert where["master_addr"] == where["ranks"][0]["address"]
+    on_ray, local = table(ray_work), table(local_work)
+    assert list(on_ray.index) == list(local.index) and list(on_ray.state) == list(local.state) == ["ok", "ok"]
+    # 20 ms of sleep per sample dominates each step: the same figure either way, within noise.
+    for name in local.index:
+        assert on_ray.loc[name, "metric_value"] == pytest.approx(local.loc[name, "metric_value"], rel=0.25)
+    assert (ray_work / "autotuning_exps" / "z0_gas1_mbs2" / "metrics.json").exists()
+    assert free_cpus(cluster.address) == (2.0, 2.0)  # every placement group and actor was removed
+
+
+def test_two_one_rank_experiments_run_in_parallel_on_the_two_slot_pool(cluster, tmp_path):
+    work = tmp_path
+    result = run(work, tune_command(write_config(work / "ds.json", [2, 4, 8, 16]), "--backend", "ray",
+                                    "--ray_address", cluster.address, "--nproc_per_node", "1"))
+    assert "nodes exclusive, up to 2 at once" in result.stdout
+    records = table(work)
+    assert list(records.state) == ["ok"] * 4
+    where = {name: placement(work, name) for name in records.index}
+    first, second = where["z0_gas1_mbs2"], where["z0_gas1_mbs4"]  # the first batch: asked together
+    assert first["ranks"][0]["node_id"] != second["ranks"][0]["node_id"]  # exclusive nodes
+    assert first["master_port"] != second["master_port"]
+    overlap = min(first["ended_unix"], second["ended_unix"]) - max(first["started_unix"], second["started_unix"])
+    assert overlap > 0, where
+    ports_in_flight = [(w["started_unix"], w["ended_unix"], w["master_port"]) for w in where.values()]
+    for a in ports_in_flight:  # experiments that overlapped in time never shared a rendezvous port
+        for b in ports_in_flight:
+            if a is not b and min(a[1], b[1]) > max(a[0], b[0]):
+                assert a[2] != b[2]
+
+
+def test_ctrl_c_ends_every_rank_and_leaves_nothing_on_the_cluster(cluster, tmp_path):
+    pid_dir = tmp_path / "pids"
+    command = tune_command(write_config(tmp_path / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
+                           cluster.address, "--nproc_per_node", "1",
+                           script_args=("--hang_at_step", "2", "--pid_dir", str(pid_dir)))
+    tuner = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while len(alive(pid_dir)) < 2 and time.monotonic() < deadline:  # both experiments' ranks hang
+        time.sleep(0.5)
+    assert len(alive(pid_dir)) == 2, tuner.communicate(timeout=60)
+    tuner.send_signal(signal.SIGINT)
+    out, err = tuner.communicate(timeout=120)
+    assert tuner.returncode == 130, out[-3000:] + err[-3000:]
+    assert "stopped by SIGINT" in err
+    deadline = time.monotonic() + 30
+    while alive(pid_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert alive(pid_dir) == []
+    assert free_cpus(cluster.address) == (2.0, 2.0)
+
+
+def test_a_node_lost_mid_experiment_fails_that_experiment_only_and_tuning_goes_on(cluster, tmp_path):
+    """Runs last: it removes the worker node (and adds a fresh one back)."""
+    pid_dir = tmp_path / "pids"
+    command = tune_command(write_config(tmp_path / "ds.json", [2, 4, 8]), "--backend", "ray", "--ray_address",
+                           cluster.address, "--nproc_per_node", "1",
+                           script_args=("--fault_at_micro", "2:hang", "--hang_at_step", "2", "--pid_dir", str(pid_dir)))
+    tuner = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    # The first experiment asked goes to the first node, and the head node comes last.
+    started = tmp_path / "autotuning_exps" / "z0_gas1_mbs2" / "placement.json"
+    deadline = time.monotonic() + 240
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert started.exists(), tuner.communicate(timeout=60)
+    node_id = json.loads(started.read_text())["ranks"][0]["node_id"]
+    doomed = next(node for node in cluster.list_all_nodes() if node.node_id == node_id)
+    time.sleep(3)  # inside the hang (step 2) by now
+    if doomed is cluster.head_node:
+        pytest.skip("the hanging experiment landed on the head node, which a Cluster cannot remove")
+    cluster.remove_node(doomed)
+    try:
+        out, err = tuner.communicate(timeout=400)
+    finally:
+        cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+    assert tuner.returncode == 0, out[-4000:] + err[-4000:]
+    records = table(tmp_path)
+    assert records.loc["z0_gas1_mbs2", "state"] == "failed"
+    assert "Ray: " in records.loc["z0_gas1_mbs2", "error"]
+    assert records.loc["z0_gas1_mbs4", "state"] == records.loc["z0_gas1_mbs8", "state"] == "ok"
+    deadline = time.monotonic() + 30
+    while alive(pid_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert alive(pid_dir) == []
