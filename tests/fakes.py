@@ -54,3 +54,27 @@ def ok(trial: Trial, throughput: float, peak_bytes: int | None = None) -> TrialR
 
 def never_called(trial: Trial) -> TrialResult:
     raise AssertionError(f"the runner was asked for {trial.directory.name}")
+
+
+class ParallelFakeRunner(FakeRunner):
+    """A FakeRunner with `capacity` slots: `submit` queues a trial, `next_result` answers the most
+    recently submitted one first (so results arrive out of the order submitted). Remembers the
+    most trials it held at once."""
+
+    def __init__(self, answer: Callable[[Trial], TrialResult], capacity: int):
+        super().__init__(answer)
+        self.capacity = capacity
+        self.held: list[Trial] = []
+        self.most_at_once = 0
+        self.finished_order: list[str] = []
+
+    def submit(self, trial: Trial) -> None:
+        self.trials.append(trial)
+        self.held.append(trial)
+        self.most_at_once = max(self.most_at_once, len(self.held))
+        assert len(self.held) <= self.capacity
+
+    def next_result(self) -> tuple[Trial, TrialResult]:
+        trial = self.held.pop()
+        self.finished_order.append(trial.directory.name)
+        return trial, self.answer(trial)

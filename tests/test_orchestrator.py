@@ -16,7 +16,7 @@ from autotuner.tuning.experiment import ExperimentSettings, Trial
 from autotuner.tuning.journal import fingerprint_of, load_journal, unmapped_args, write_entry
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
-from fakes import FakeRunner, fingerprint, model_info, never_called, ok
+from fakes import FakeRunner, ParallelFakeRunner, fingerprint, model_info, never_called, ok
 
 MiB = 2**20
 
@@ -62,6 +62,24 @@ def test_the_profile_and_the_search_go_through_the_runner_and_are_journaled(tmp_
     for name in runner.names:
         entry = json.loads((tmp_path / "exps" / name / "exp.json").read_text())
         assert entry["version"] == 2 and entry["fingerprint"]["script_args"] == ["--width", "256"]
+
+
+def test_a_runner_with_slots_gets_the_search_in_parallel_and_results_out_of_order_are_journaled(tmp_path):
+    values = {2: 10.0, 4: 20.0, 8: 40.0, 16: 30.0}
+    runner = ParallelFakeRunner(by_micro(values), capacity=2)
+    outcome = tuner(tmp_path, runner, autotuning={"model_info": {"num_params": 1000}},
+                    train_micro_batch_size_per_gpu=[2, 4, 8, 16]).tune()
+    assert runner.most_at_once == 2
+    assert runner.finished_order != runner.names  # results came back out of the order submitted
+    assert sorted(runner.names) == sorted(f"z0_gas1_mbs{m}" for m in values)
+    assert outcome.best.name == "z0_gas1_mbs8" and outcome.best.value == 40.0
+    for name in runner.names:  # every result journaled under its own experiment, whatever the order
+        entry = json.loads((tmp_path / "exps" / name / "exp.json").read_text())
+        assert entry["result"]["experiment"]["micro_batch_size"] == int(name.rsplit("mbs", 1)[1])
+    # A resumed run reuses them all and launches nothing.
+    resumed = tuner(tmp_path, ParallelFakeRunner(never_called, capacity=2), autotuning={
+        "model_info": {"num_params": 1000}}, train_micro_batch_size_per_gpu=[2, 4, 8, 16]).tune()
+    assert resumed.best.name == "z0_gas1_mbs8"
 
 
 def test_a_resumed_run_of_the_same_workload_launches_nothing(tmp_path):
