@@ -84,9 +84,7 @@ def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_
         return drive_parallel(tuner, evaluate, early_stopping=early_stopping, max_trials=max_trials,  # type: ignore[arg-type]
                               trust_predictions=trust_predictions)
     results: list[TrialResult] = []
-    incumbent = tuner.best  # results told before driving (e.g. a confirmation run) count
-    best: float | None = incumbent.value if incumbent is not None else None
-    without_improvement = 0
+    streak = _NoImprovement(tuner)
     while len(results) < max_trials:
         experiment = tuner.ask()
         if experiment is None or (trust_predictions and not tuner.could_improve(experiment)):
@@ -94,13 +92,27 @@ def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_
         result = evaluate(experiment)
         tuner.tell(result)
         results.append(result)
-        if result.state is TrialState.OK and tuner.objective.better(result.value, best):
-            best, without_improvement = result.value, 0
-        else:
-            without_improvement += 1
-            if without_improvement >= early_stopping:
-                break
+        if streak.after(result) >= early_stopping:
+            break
     return results
+
+
+class _NoImprovement:
+    """How many results in a row have not beaten the best so far (results told before driving,
+    e.g. a confirmation run, count as the best)."""
+
+    def __init__(self, tuner: Tuner):
+        incumbent = tuner.best
+        self.objective = tuner.objective
+        self.best: float | None = incumbent.value if incumbent is not None else None
+        self.count = 0
+
+    def after(self, result: TrialResult) -> int:
+        if result.state is TrialState.OK and self.objective.better(result.value, self.best):
+            self.best, self.count = result.value, 0
+        else:
+            self.count += 1
+        return self.count
 
 
 def drive_parallel(tuner: Tuner, evaluate: ParallelEvaluate, *, early_stopping: int, max_trials: int,
@@ -110,9 +122,7 @@ def drive_parallel(tuner: Tuner, evaluate: ParallelEvaluate, *, early_stopping: 
     results in the order they arrive. Once a rule says stop, nothing new is started and the
     experiments still running are waited for (their results are kept)."""
     results: list[TrialResult] = []
-    incumbent = tuner.best
-    best: float | None = incumbent.value if incumbent is not None else None
-    without_improvement = 0
+    streak = _NoImprovement(tuner)
     running = 0
     stopping = False
     while True:
@@ -133,9 +143,5 @@ def drive_parallel(tuner: Tuner, evaluate: ParallelEvaluate, *, early_stopping: 
         running -= 1
         tuner.tell(result)
         results.append(result)
-        if result.state is TrialState.OK and tuner.objective.better(result.value, best):
-            best, without_improvement = result.value, 0
-        else:
-            without_improvement += 1
-            stopping = stopping or without_improvement >= early_stopping
+        stopping = streak.after(result) >= early_stopping or stopping
     return results
