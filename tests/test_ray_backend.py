@@ -143,6 +143,19 @@ def test_two_one_rank_experiments_run_in_parallel_on_the_two_slot_pool(cluster, 
                 assert a[2] != b[2]
 
 
+def test_autotuning_run_trains_the_optimum_on_the_cluster(cluster, tmp_path):
+    echo = tmp_path / "argv.txt"
+    command = tune_command(write_config(tmp_path / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
+                           cluster.address, "--nproc_per_node", "1", script_args=("--echo_args_to", str(echo)))
+    command[command.index("tune")] = "run"
+    result = run(tmp_path, command)
+    assert "training with the optimal config" in result.stdout
+    launches = echo.read_text().splitlines()
+    assert len(launches) == 3  # two experiments, then the training run with the optimum
+    assert str(tmp_path / "autotuning_results" / "ds_config_optimal.json") in launches[-1]
+    assert free_cpus(cluster.address) == (2.0, 2.0)
+
+
 def test_ctrl_c_ends_every_rank_and_leaves_nothing_on_the_cluster(cluster, tmp_path):
     pid_dir = tmp_path / "pids"
     command = tune_command(write_config(tmp_path / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
