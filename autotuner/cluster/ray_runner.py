@@ -170,24 +170,15 @@ class RayRunner:
             self._start(trial, placement)
 
     def _start(self, trial: Trial, placement: Placement) -> None:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         ray = self._ray
-        bundles = [self.shape.bundle() for _ in placement.ranks]
-        group = placement_group(bundles, strategy="PACK",
-                                bundle_label_selector=[{NODE_ID_LABEL: r.node_id} for r in placement.ranks])
+        group = self._group(placement)
         ready, _ = _interruptible(ray.wait, [group.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             ray.util.remove_placement_group(group)
             self._finish_unplaced(trial, f"its placement group was not ready within {PLACEMENT_TIMEOUT_S:.0f} s")
             return
-        workers = [self._worker_class.options(
-            num_cpus=self.shape.cpus, num_gpus=self.shape.gpus, max_concurrency=2,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)).remote()
-            for index in range(len(placement.ranks))]
-        for node_id, slots in taken(placement, self._options.placement, self._nodes, self.shape).items():
-            self._used[node_id] = self._used.get(node_id, 0) + slots
+        workers = self._actors(group, placement)
+        self._hold(placement)
         running = _Running(trial, placement, group, workers, {}, time.monotonic(), 0)
         self._running.append(running)
         try:
@@ -205,6 +196,26 @@ class RayRunner:
         (trial.directory / TOKEN_FILE).write_text(token)
         specs = trial_rank_runs(trial, placement, described, master, running.port, token, self.layout, self.shape)
         running.pending = {w.run.remote(rank, spec): rank for rank, (w, spec) in enumerate(zip(workers, specs))}
+
+    def _group(self, placement: Placement):
+        """The placement group: one bundle per rank, each pinned to its node by Ray's node-id label."""
+        from ray.util.placement_group import placement_group
+
+        return placement_group([self.shape.bundle() for _ in placement.ranks], strategy="PACK",
+                               bundle_label_selector=[{NODE_ID_LABEL: r.node_id} for r in placement.ranks])
+
+    def _actors(self, group, placement: Placement) -> list:
+        """One RankWorker per bundle (threaded: `stop` must reach it while `run` blocks)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return [self._worker_class.options(
+            num_cpus=self.shape.cpus, num_gpus=self.shape.gpus, max_concurrency=2,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)).remote()
+            for index in range(len(placement.ranks))]
+
+    def _hold(self, placement: Placement) -> None:
+        for node_id, slots in taken(placement, self._options.placement, self._nodes, self.shape).items():
+            self._used[node_id] = self._used.get(node_id, 0) + slots
 
     # ----- waiting -----
     def _poll(self) -> None:
@@ -314,28 +325,21 @@ class RayRunner:
     def train(self, options: LaunchOptions, quiet: bool) -> int:
         """The user's job on the cluster, placed as an experiment was, to its end; the ranks'
         output reaches this terminal through Ray's log forwarding."""
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
         ray = self._ray
-        placement = None
-        while placement is None:
-            self._nodes = self._live_nodes()
-            why = feasible(self._nodes, self.layout, self.shape)
-            if why is not None:
-                raise UsageError(f"--backend ray: the training run cannot be placed: {why}")
-            placement = place(self._nodes, self._used, self.layout, self.shape, self._options.placement)
-        group = placement_group([self.shape.bundle() for _ in placement.ranks], strategy="PACK",
-                                bundle_label_selector=[{NODE_ID_LABEL: r.node_id} for r in placement.ranks])
+        self._nodes = self._live_nodes()
+        why = feasible(self._nodes, self.layout, self.shape)
+        if why is not None:
+            raise UsageError(f"--backend ray: the training run cannot be placed: {why}")
+        # Every experiment has ended, so the cluster is free and a feasible layout has a place.
+        placement = place(self._nodes, self._used, self.layout, self.shape, self._options.placement)
+        if placement is None:
+            raise UsageError("--backend ray: the training run cannot be placed on the free nodes")
+        group = self._group(placement)
         _interruptible(ray.get, group.ready())
-        workers = [self._worker_class.options(
-            num_cpus=self.shape.cpus, num_gpus=self.shape.gpus, max_concurrency=2,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)).remote()
-            for i in range(len(placement.ranks))]
+        workers = self._actors(group, placement)
         running = _Running(None, placement, group, workers, {}, time.monotonic(), 0)  # type: ignore[arg-type]
         self._running.append(running)
-        for node_id, slots in taken(placement, self._options.placement, self._nodes, self.shape).items():
-            self._used[node_id] = self._used.get(node_id, 0) + slots
+        self._hold(placement)
         try:
             described = _interruptible(ray.get, [w.describe.remote() for w in workers])
             master = described[0]["address"]
