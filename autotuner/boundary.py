@@ -23,6 +23,8 @@ from autotuner.atomic import write_json_atomic
 
 VERSION = 1
 REQUEST_ENV = "AUTOTUNER_MEASUREMENT_REQUEST"  # the MeasurementRequest file for this launch
+# Seconds a rank waits at most in rendezvous and on the store (a tuner's launch: its time limit).
+DIST_TIMEOUT_ENV = "AUTOTUNER_DIST_TIMEOUT_S"
 # The warm forkserver's preload (launch/warm_preload.py, which preloads when imported): what to
 # import, and where to report.
 WARM_PRELOAD_ENV = "AUTOTUNER_WARM_PRELOAD"

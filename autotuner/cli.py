@@ -233,8 +233,28 @@ def _autotune(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from autotuner.launch.stopping import Stopped, end_descendants, stop_guard, sweep_stale_temporary_dirs
+
     argv = sys.argv[1:] if argv is None else argv
     script_at = next((i for i, arg in enumerate(argv) if arg.endswith(".py")), len(argv))
+    if "--report_file" in argv[:script_at]:  # a tuner's launch: it ends (and ends its ranks) with the tuner
+        from autotuner.parent_death import die_with_parent
+
+        die_with_parent(death_signal=signal.SIGTERM)
+    sweep_stale_temporary_dirs()
+    with stop_guard():
+        try:
+            return _main(argv, script_at)
+        except Stopped as stop:
+            # Every level has ended what it started on the way up; this ends anything a stop at an
+            # awkward instant left (a process forked as the signal came, say).
+            end_descendants()
+            if not stop.reported:
+                print(f"launcher: stopped by {stop.name}", file=sys.stderr)
+            return stop.exit_status
+
+
+def _main(argv: list[str], script_at: int) -> int:
     debug = "--debug" in argv[:script_at]  # a --debug after the script is the script's
     try:
         args = build_parser().parse_args(argv)

@@ -33,6 +33,7 @@ from autotuner.cluster.ray_worker import TOKEN_FILE, RankOutcome, RankWorker
 from autotuner.errors import UsageError
 from autotuner.launch.plan import LaunchOptions, build_plan
 from autotuner.launch.runner import failure_lines, failure_report
+from autotuner.launch.stopping import GRACE_S, install_stop_handlers
 from autotuner.tuning.experiment import RANK_ERRORS_DIR, Trial, judge, prepare
 from autotuner.tuning.records import TrialResult
 
@@ -95,6 +96,7 @@ class RayRunner:
                      configure_logging=True, runtime_env={"py_modules": [str(Path(autotuner.__file__).parent)]})
         except (ConnectionError, RuntimeError, ValueError) as err:
             raise UsageError(f"--ray_address {options.address}: cannot connect to a Ray cluster there ({err})") from None
+        install_stop_handlers()  # ray.init made SIGTERM a bare sys.exit: our stop path ends the experiments
         self._worker_class = ray.remote(RankWorker)
         self._nodes = self._live_nodes()
         gpus = options.gpus_per_rank
@@ -355,12 +357,21 @@ class RayRunner:
         return max(statuses, default=0)
 
     def close(self) -> None:
-        for running in list(self._running):
+        """Every running experiment's ranks are asked to stop at once, and waited for within the
+        grace period; then their actors and placement groups go, and a Ray we started is shut down."""
+        stops = []
+        for running in self._running:
             for worker in running.workers:
                 try:
-                    self._ray.get(worker.stop.remote(), timeout=STOP_WAIT_S)
+                    stops.append(worker.stop.remote())
                 except Exception:  # noqa: BLE001 - the actor is gone already
                     pass
+        if stops:
+            try:
+                self._ray.wait(stops, num_returns=len(stops), timeout=GRACE_S + 1.0)
+            except Exception:  # noqa: BLE001 - actors lost with their node
+                pass
+        for running in list(self._running):
             self._remove(running)
         self._running.clear()
         if self._ray.is_initialized():

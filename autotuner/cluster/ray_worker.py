@@ -24,9 +24,12 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
+from autotuner.launch.stopping import GRACE_S, end_processes
+
 TOKEN_FILE = ".placement_token"
 OUTPUT_TAIL_BYTES = 8 * 2**20  # what a rank's stdout/stderr may bring back each
-STOP_GRACE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -136,16 +139,11 @@ class RankWorker:
             process = self._process
         if process is None or process.poll() is not None:
             return
-        for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(process.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                return
-            try:
-                process.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        try:
+            end_processes([psutil.Process(process.pid)], GRACE_S)  # its session and any child that left it
+        except psutil.NoSuchProcess:
+            pass
+        process.wait()
 
 
 def _holds_token(directory: Path, token: str) -> bool:

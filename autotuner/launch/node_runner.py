@@ -3,7 +3,8 @@
 Each node's start command (ssh or srun) runs in its own session with a pipe on its stdin that the
 head never writes. The agents run with --stop_with_stdin, so when the pipe closes -- the head
 ending them, or the head dying by any signal -- each agent stops and torch elastic ends its ranks.
-What is still running after a grace period is ended by process group.
+The local start commands (ssh, srun) and what runs under them get SIGTERM, then SIGKILL after a
+grace period.
 """
 
 from __future__ import annotations
@@ -11,26 +12,17 @@ from __future__ import annotations
 import os
 import queue
 import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 
+import psutil
+
 from autotuner.errors import UsageError
 from autotuner.launch.nodes import NodesPlan
 from autotuner.launch.runner import exit_status
-
-GRACE_S = 15.0  # for agents to end their ranks after their stdin closes
-
-
-class _Stopped(Exception):
-    def __init__(self, signum: int):
-        self.signum = signum
-
-
-def _raise_stopped(signum, _frame):
-    raise _Stopped(signum)
+from autotuner.launch.stopping import GRACE_S, Stopped, end_processes
 
 
 def preflight(plan: NodesPlan, environ: dict[str, str]) -> None:
@@ -59,7 +51,6 @@ def run_nodes(plan: NodesPlan, environ: dict[str, str] | None = None) -> int:
     hosts = ", ".join(f"{n.host} (node {n.node_rank}, {n.nproc} rank(s))" for n in plan.nodes)
     print(f"launcher: starting {len(plan.nodes)} nodes over {plan.backend}: {hosts}; rendezvous at "
           f"{plan.master_addr}:{plan.master_port}", file=sys.stderr, flush=True)
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
     started: list[tuple] = []
     finished: queue.Queue = queue.Queue()
     code = 0
@@ -82,36 +73,36 @@ def run_nodes(plan: NodesPlan, environ: dict[str, str] | None = None) -> int:
                 print(f"launcher: node {node.node_rank} ({node.host}) exited with status {code}{why}; stopping the "
                       "other nodes", file=sys.stderr)
                 break
-    except (KeyboardInterrupt, _Stopped) as stop:
-        signum = stop.signum if isinstance(stop, _Stopped) else signal.SIGINT
-        print(f"launcher: stopped by {signal.Signals(signum).name}; stopping every node", file=sys.stderr)
-        code = 128 + signum
+    except Stopped as stop:
+        print(f"launcher: stopped by {stop.name}; stopping every node", file=sys.stderr, flush=True)
+        stop.reported = True
+        raise
     finally:
         _end_all(started)
-        signal.signal(signal.SIGTERM, previous)
     return code
 
 
 def _end_all(started: list[tuple]) -> None:
-    """Close every agent's stdin (it stops and ends its ranks), then end what is left by group."""
+    """Close every agent's stdin: it stops and ends its ranks (over ssh, the only way to reach a
+    remote agent). Start commands still running after the grace period are ended with their trees."""
     for _, process in started:
         try:
             process.stdin.close()
         except OSError:
             pass
-    for sig, wait_s in ((None, GRACE_S), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        running = [p for _, p in started if p.poll() is None]
-        if not running:
-            return
-        for process in running:
-            if sig is not None:
-                try:
-                    os.killpg(process.pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + wait_s
-        for process in running:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+    deadline = time.monotonic() + GRACE_S
+    for _, process in started:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    left = []
+    for _, process in started:
+        try:
+            if process.poll() is None:
+                left.append(psutil.Process(process.pid))
+        except psutil.NoSuchProcess:
+            pass
+    end_processes(left, grace_s=1.0)
+    for _, process in started:
+        process.wait()

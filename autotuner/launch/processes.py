@@ -2,13 +2,11 @@
 
 torch elastic puts each rank in a session of its own, so killing the launcher's process
 group is not enough: descendants are collected with psutil (by parentage, never by name)
-before any signal is sent, and every one of them is ended.
+and every one of them is ended (launch/stopping.py).
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -16,7 +14,7 @@ from pathlib import Path
 
 import psutil
 
-GRACE_S = 10.0
+from autotuner.launch.stopping import GRACE_S, end_processes
 
 
 @dataclass(frozen=True)
@@ -26,38 +24,13 @@ class ProcessOutcome:
     wall_time_s: float
 
 
-def _descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
 def end_process_tree(proc: subprocess.Popen, grace_s: float = GRACE_S) -> None:
-    """SIGTERM the child's group (the launcher then stops its ranks), then SIGKILL whatever is left."""
-    tree = _descendants(proc.pid)
+    """SIGTERM the child and its group (a launcher then stops its ranks), SIGKILL what is left."""
     try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + grace_s
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    tree += [p for p in _descendants(proc.pid) if p not in tree]
-    _, alive = psutil.wait_procs(tree, timeout=max(0.0, deadline - time.monotonic()))
-    for leftover in alive:
-        try:
-            leftover.kill()
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+        end_processes([psutil.Process(proc.pid)], grace_s)
+    except psutil.NoSuchProcess:
         pass
     proc.wait()
-    psutil.wait_procs(alive, timeout=5)
 
 
 def run_to_completion(

@@ -1,21 +1,22 @@
 """Run a LaunchPlan through torch elastic's launcher API and return the worst rank's exit status.
 
 torch elastic starts each rank in its own session and, on SIGINT/SIGTERM or a failed
-rank, kills every rank's process group before returning.
+rank, kills every rank's process group before returning. A stop then goes up as `Stopped`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import traceback
 
 from autotuner.errors import UsageError
 from autotuner.launch.plan import LaunchPlan
+from autotuner.launch.stopping import (GRACE_S, Stopped, install_stop_handlers, make_temporary_dir,
+                                       remove_temporary_dir)
+from autotuner.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, rank_errors, write_record
 from autotuner.rank_setup import QUIET_ERRORS_ENV, read_rank_error
 
@@ -28,7 +29,17 @@ def exit_status(exitcode: int) -> int:
 
 
 def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
-    """Start the plan's ranks, wait for them, and return the worst exit status (0 when all succeed)."""
+    """Start the plan's ranks, wait for them, and return the worst exit status (0 when all succeed).
+    A stop (SIGINT/SIGTERM) ends the ranks and raises `Stopped`."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        return _run_plan(plan, quiet)
+    except SignalException as late:  # elastic's handler fired outside the launch (in our reporting)
+        raise Stopped(int(late.sigval)) from None
+
+
+def _run_plan(plan: LaunchPlan, quiet: bool) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -51,7 +62,8 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
             raise UsageError(f"--enable_each_rank_log: cannot create {plan.each_rank_log_dir} "
                              f"({err.strerror}); give a writable directory") from None
     os.environ.update(plan.env)
-    log_dir = tempfile.mkdtemp(prefix="autotuner-elastic-")
+    os.environ[LAUNCHED_BY_PID_ENV] = str(os.getpid())  # each rank dies with this process (parent_death)
+    log_dir = make_temporary_dir("elastic")
     error_dir = os.path.join(log_dir, "rank_errors")
     os.makedirs(error_dir)
     os.environ[ERROR_DIR_ENV] = error_dir  # every rank's uncaught exception is recorded there
@@ -72,9 +84,12 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
         start_method="spawn",
         local_addr=plan.local_addr,
         logs_specs=DefaultLogsSpecs(log_dir=log_dir),
+        # SIGTERM, then SIGKILL after our grace period: within the launcher's stop bound.
+        **({"shutdown_timeout": int(GRACE_S)} if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}),
     )
     program, *args = plan.command
     report = LaunchReport(exit_code=1)
+    stopped = None
     if plan.num_nodes > 1:
         who = (f"node {plan.rdzv_configs['rank']} of {plan.num_nodes}" if plan.rdzv_backend == "static"
                else f"one of {plan.num_nodes} nodes")
@@ -101,18 +116,22 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
         statuses = {rank: exit_status(f.exitcode) for rank, f in failed.failures.items()}
         for line in failure_lines(error_dir, report, statuses, quiet):
             print(line, file=sys.stderr)
-    except SignalException as interrupted:
-        print(f"launcher: stopped by {signal.Signals(interrupted.sigval).name}; all ranks ended", file=sys.stderr)
-        report = LaunchReport(exit_code=128 + int(interrupted.sigval))
-    except KeyboardInterrupt:
-        print("launcher: interrupted; all ranks ended", file=sys.stderr)
-        report = LaunchReport(exit_code=128 + signal.SIGINT)
+    except (SignalException, Stopped) as interrupted:
+        # torch elastic's handler (during the launch) or ours (before it, in rendezvous) raised;
+        # elastic has ended its ranks either way. One kind of stop goes up from here.
+        signum = int(interrupted.sigval) if isinstance(interrupted, SignalException) else interrupted.signum
+        print(f"launcher: stopped by {signal.Signals(signum).name}; all ranks ended", file=sys.stderr, flush=True)
+        report = LaunchReport(exit_code=128 + signum)
+        stopped = Stopped(signum, reported=True)
     finally:
+        install_stop_handlers()  # elastic replaced them with its own
         os.environ.pop(ERROR_DIR_ENV, None)
         os.environ.pop(QUIET_ERRORS_ENV, None)
         if plan.report_file:
             write_record(plan.report_file, report)
-        shutil.rmtree(log_dir, ignore_errors=True)
+        remove_temporary_dir(log_dir)
+    if stopped is not None:
+        raise stopped
     return report.exit_code
 
 

@@ -18,6 +18,9 @@ import time
 
 from autotuner.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
 from autotuner.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
+from autotuner.parent_death import die_with_parent
+
+die_with_parent()  # before the preload: a tuner killed outright takes the forkserver (and so its ranks) along
 
 # Ours, and what our engine imports lazily in every measured launch (the FLOP counter pulls in dynamo).
 ALWAYS = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.utils.flop_counter", "torch._dynamo",

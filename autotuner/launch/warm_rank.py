@@ -33,6 +33,7 @@ class WarmRankSpec:
     cwd: str
     stdout_path: str
     stderr_path: str
+    parent_pid: int  # the forkserver's: the rank dies with it
 
 
 def _redirect(stdout_path: str, stderr_path: str) -> None:
@@ -91,8 +92,8 @@ def _default_start_method() -> None:
 def main(index: int, specs: tuple[WarmRankSpec, ...]) -> None:
     """torch.multiprocessing's entry for local rank `index`. Never returns."""
     spec = specs[index]
+    die_with_parent(spec.parent_pid)  # first: nothing below may outlive the forkserver
     os.setsid()  # a session of our own: the runner ends this rank's whole tree by its group
-    die_with_parent()
     os.chdir(spec.cwd)
     os.environ.clear()
     os.environ.update(spec.env)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from autotuner.boundary import DIST_TIMEOUT_ENV
 from autotuner.parent_death import die_with_parent
 
 
@@ -62,6 +63,8 @@ def init_distributed(timeout_s: float = 1800.0, *, default_port: int = 29500, ba
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched and "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
+    if os.environ.get(DIST_TIMEOUT_ENV):  # a tuner's launch: no wait outlives the experiment's time limit
+        timeout_s = min(timeout_s, float(os.environ[DIST_TIMEOUT_ENV]))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = select_device(local_rank)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")

@@ -312,6 +312,7 @@ class Autotuner:
         for round_index, experiment in interleaved_order([r.experiment for r in top], tuning.remeasure_rounds):
             directory = self.exps_dir / f"{experiment.name}_remeasure{round_index + 1}"
             result = self._journal.get(directory.name)
+            reused = result is not None
             if result is None:
                 result = self._launch(Trial(experiment, directory, self.settings,
                                             predicted_memory_bytes=self.memory.predicted_memory(experiment)))
@@ -322,7 +323,8 @@ class Autotuner:
             else:
                 failed[experiment] += 1
             value = f"{result.value:.4g} {self.objective.unit}" if result.value is not None else result.error
-            self.report(f"[re-measure {round_index + 1}] {experiment.name}: {result.state.value}: {value}")
+            tag = " (from an earlier run)" if reused else ""
+            self.report(f"[re-measure {round_index + 1}] {experiment.name}: {result.state.value}{tag}: {value}")
         final = pick([Contender(e, tuple(values[e]), failed[e]) for e in values], self.objective)
         lines = describe(final, self.objective)
         for line in lines:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import signal
 import statistics
 import sys
 from dataclasses import dataclass, replace
@@ -24,7 +23,8 @@ from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import default_nproc_per_node
 from autotuner.launch.script_args import config_path
 from autotuner.tuning.config_space import base_config
-from autotuner.tuning.cli import Interrupted, check_arg_mappings, signals_as_exceptions
+from autotuner.launch.stopping import Stopped
+from autotuner.tuning.cli import check_arg_mappings
 from autotuner.config.models import AutotuningConfig
 from autotuner.tuning.experiment import ExperimentSettings, Trial
 from autotuner.tuning.runners import Runner
@@ -221,7 +221,7 @@ def bench(args: argparse.Namespace) -> int:
          f"ZeRO stage {experiment.zero_stage}; {bench_setup.warmup} warm-up + {bench_setup.iters} timed steps at "
          f"{','.join(map(str, bench_setup.world_sizes))} rank(s); runs in {RESULTS_DIR}/")
     results: list[BenchResult] = []
-    with signals_as_exceptions(), make_runner(bench_setup.tuning, bench_setup.settings, _say) as runner:
+    with make_runner(bench_setup.tuning, bench_setup.settings, _say) as runner:
         try:
             for size in bench_setup.world_sizes:
                 result = run_world_size(bench_setup, size, RESULTS_DIR, runner)
@@ -231,10 +231,10 @@ def bench(args: argparse.Namespace) -> int:
                           flush=True)
                 else:
                     print(total_line(result), flush=True)
-        except Interrupted as stop:
-            print(f"launcher: bench stopped by {signal.Signals(stop.signum).name}; running launch ended",
-                  file=sys.stderr)
-            return 128 + stop.signum
+        except Stopped as stop:
+            print(f"launcher: bench stopped by {stop.name}; running launch ended", file=sys.stderr, flush=True)
+            stop.reported = True
+            raise
     baseline = baseline_of(results)
     for result in results:
         if result.stats is not None:

@@ -6,7 +6,6 @@ import argparse
 import fcntl
 import logging
 import os
-import signal
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -21,6 +20,7 @@ from autotuner.engines import script_engine
 from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import picks_ranks_itself
+from autotuner.launch.stopping import Stopped
 from autotuner.launch.script_args import config_path
 from autotuner.runtime.optim import check_optimizer_and_scheduler
 from autotuner.tuning.autotuner import Autotuner, TuningFailed
@@ -32,14 +32,6 @@ from autotuner.tuning.records import Objective
 from autotuner.tuning.space import Experiment
 
 logger = logging.getLogger(__name__)
-
-
-class Interrupted(BaseException):
-    """SIGINT/SIGTERM reached the tuner; raised so every running experiment is ended on the way out."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
 
 
 def check_arg_mappings(config: DeepSpeedConfig, source: str) -> None:
@@ -130,19 +122,6 @@ def exclusive_lock(results_dir: Path):
 
 
 @contextmanager
-def signals_as_exceptions():
-    def handler(signum, frame):
-        raise Interrupted(signum)
-
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
-@contextmanager
 def _runner(args: argparse.Namespace, tuning, settings: ExperimentSettings, num_nodes: int):
     """The launches' runner: local (warm or cold) unless --backend ray."""
     if getattr(args, "backend", "local") != "ray":
@@ -225,13 +204,14 @@ def autotune(args: argparse.Namespace) -> int:
                                  launcher_args=settings.launcher_args, torch_version=torch_version(),
                                  device=this_device())
     with _runner(args, tuning, settings, num_nodes) as runner:
-        with exclusive_lock(results_dir), signals_as_exceptions():
+        with exclusive_lock(results_dir):
             try:
                 outcome = Autotuner(config, settings, results_dir, exps_dir, runner, fingerprint, report=_say).tune()
-            except Interrupted as stop:
-                print(f"autotuner: stopped by {signal.Signals(stop.signum).name}; running experiment ended, finished "
-                      f"records kept in {exps_dir}. Resume with the same command.", file=sys.stderr)
-                return 128 + stop.signum
+            except Stopped as stop:  # the runner's exit below ends the running experiment
+                print(f"autotuner: stopped by {stop.name}; running experiment ended, finished records kept in "
+                      f"{exps_dir}. Resume with the same command.", file=sys.stderr, flush=True)
+                stop.reported = True
+                raise
         print(outcome.summary, end="")
         if outcome.best is None:
             raise TuningFailed(f"no experiment succeeded ({len(outcome.results)} recorded); see "

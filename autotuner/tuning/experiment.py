@@ -8,6 +8,8 @@ metrics.json or model_info.json, OOM markers), never from reading its logs.
 from __future__ import annotations
 
 import copy
+import math
+import os
 import shlex
 import shutil
 import signal
@@ -17,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.atomic import write_json_atomic
-from autotuner.boundary import (REQUEST_ENV, LaunchReport, Measurement, MeasurementRequest, ModelInfo, RecordError,
+from autotuner.boundary import (DIST_TIMEOUT_ENV, REQUEST_ENV, LaunchReport, Measurement, MeasurementRequest, ModelInfo, RecordError,
                                 read_record, write_record)
 from autotuner.errors import ConfigError
 from autotuner.launch.plan import LaunchOptions, picks_ranks_itself
 from autotuner.launch.script_args import replace_config, set_flag
+from autotuner.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.tuning.journal import RECORD_FILE
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
@@ -154,8 +157,12 @@ def _int(text: str | None) -> int | None:
 
 
 def trial_environment(trial: Trial, environ: dict[str, str]) -> dict[str, str]:
-    """The environment every launch of a trial starts from: the request file is named, output unbuffered."""
-    return {**environ, REQUEST_ENV: str(trial.request_path), "PYTHONUNBUFFERED": "1"}
+    """The environment every launch of a trial starts from: the request file is named, output
+    unbuffered, and the ranks' rendezvous and store waits bounded by the experiment's time limit
+    (ours through DIST_TIMEOUT_ENV, DeepSpeed's through its DEEPSPEED_TIMEOUT, in minutes)."""
+    timeout_s = trial.settings.timeout_s
+    return {**environ, REQUEST_ENV: str(trial.request_path), "PYTHONUNBUFFERED": "1",
+            DIST_TIMEOUT_ENV: f"{timeout_s:g}", "DEEPSPEED_TIMEOUT": str(max(1, math.ceil(timeout_s / 60)))}
 
 
 def cold_launch(trial: Trial, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
@@ -164,7 +171,8 @@ def cold_launch(trial: Trial, environ: dict[str, str]) -> tuple[list[str], dict[
     settings = trial.settings
     command = [settings.python, "-m", "autotuner", "--report_file", str(trial.report_path),
                *rank_count_flags(settings), *settings.launcher_args, settings.script, *trial_script_args(trial)]
-    return command, trial_environment(trial, environ)
+    # The launcher dies with the tuner (parent_death): a killed tuner leaves no experiment running.
+    return command, {**trial_environment(trial, environ), LAUNCHED_BY_PID_ENV: str(os.getpid())}
 
 
 def reproduce_line(trial: Trial) -> str:

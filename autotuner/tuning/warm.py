@@ -24,7 +24,6 @@ import os
 import shlex
 import signal
 import sys
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,10 +35,12 @@ from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, write_record
 from autotuner.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
 from autotuner.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
 from autotuner.launch.plan import build_plan, rank_launch
-from autotuner.launch.processes import GRACE_S
+from autotuner.launch.stopping import (GRACE_S, descendants, end_processes, make_temporary_dir,
+                                       remove_temporary_dir)
 from autotuner.launch.runner import exit_status, failure_lines, failure_report
 from autotuner.launch.warm_rank import UNSAFE_FORK_EXIT, WarmRankSpec
 from autotuner.launch.warm_rank import main as warm_rank_main
+from autotuner.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.rank_setup import QUIET_ERRORS_ENV
 from autotuner.tuning.experiment import (RANK_ERRORS_DIR, WARM_RANKS_FILE, Trial, judge, launch_options, prepare,
                                          trial_environment)
@@ -98,27 +99,6 @@ def _installed(top_level: str, script_dir: Path) -> bool:
     return not origin or script_dir not in Path(origin).resolve().parents
 
 
-def _end_session(pid: int, grace_s: float) -> None:
-    """End a rank and everything it started: its session's group, then any descendant that left it."""
-    try:
-        tree = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        tree = []
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-        for process in tree:
-            try:
-                process.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        _, tree = psutil.wait_procs(tree, timeout=wait)
-        if not tree:
-            return
-
-
 # A forked process that inherited state it should not have (threads, locks, a device) dies by one of
 # these, where a fresh interpreter would not; SIGKILL and SIGTERM come from outside (the OOM killer).
 CRASH_SIGNALS = (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE)
@@ -143,8 +123,9 @@ class WarmRunner:
         self._cold = ColdRunner()
         self._cold_only = False
         self._preload = [*script_imports(script), *extra_modules]
-        self._preload_report = Path(tempfile.mkdtemp(prefix="autotuner-warm-")) / "preload.json"
+        self._preload_report = Path(make_temporary_dir("warm")) / "preload.json"
         self._started = False
+        self._server_pid: int | None = None
 
     # ----- the forkserver -----
     def _start(self) -> None:
@@ -152,6 +133,8 @@ class WarmRunner:
             return
         os.environ[PRELOAD_ENV] = json.dumps(self._preload)
         os.environ[REPORT_ENV] = str(self._preload_report)
+        os.environ[LAUNCHED_BY_PID_ENV] = str(os.getpid())  # the forkserver dies with this process
+        _multiprocessing_temp_dir_of_ours()
         try:
             # The forkserver takes this process's environment when it starts, and keeps it.
             multiprocessing.set_forkserver_preload(["__main__", "autotuner.launch.warm_preload"])
@@ -163,8 +146,10 @@ class WarmRunner:
         finally:
             os.environ.pop(PRELOAD_ENV, None)
             os.environ.pop(REPORT_ENV, None)
+            os.environ.pop(LAUNCHED_BY_PID_ENV, None)
         self._started = True
-        self._await_preload(forkserver._forkserver._forkserver_pid)  # noqa: SLF001 - its pid, to watch it
+        self._server_pid = forkserver._forkserver._forkserver_pid  # noqa: SLF001 - its pid, to watch it
+        self._await_preload(self._server_pid)
         self._check_preload()
 
     def _await_preload(self, server_pid: int | None) -> None:
@@ -216,16 +201,34 @@ class WarmRunner:
         self._cold_only = True
         self._stop_forkserver()  # it may hold a CUDA context the cold ranks need
 
+    def _end_ranks(self) -> None:
+        """End every process the forkserver has forked, and theirs: found by parentage, so a rank
+        forked as a stop came (before its pid reached us) is ended too."""
+        if self._server_pid is not None:
+            end_processes(descendants(self._server_pid), GRACE_S)
+
     def _stop_forkserver(self) -> None:
+        """Ranks first (the forkserver only exits once every process holding its pipe has),
+        then the forkserver, then the resource tracker: each waited for with a bound."""
         if not self._started:
             return
+        self._started = False
+        self._end_ranks()
         from multiprocessing import forkserver
 
-        server = forkserver._forkserver  # noqa: SLF001
-        stop = getattr(server, "_stop", None)  # closes its pipe and reaps it (Python 3.8+)
-        if stop is not None:
-            stop()
-        self._started = False
+        server = forkserver._forkserver  # noqa: SLF001 - multiprocessing's _stop waits without a bound
+        if server._forkserver_alive_fd is not None:  # noqa: SLF001
+            os.close(server._forkserver_alive_fd)  # noqa: SLF001 - closing it asks the server to exit
+            server._forkserver_alive_fd = None  # noqa: SLF001
+        if server._forkserver_pid is not None:  # noqa: SLF001
+            _reap(server._forkserver_pid)  # noqa: SLF001
+            server._forkserver_pid = None  # noqa: SLF001
+        address = server._forkserver_address  # noqa: SLF001
+        server._forkserver_address = None  # noqa: SLF001
+        if address and not address.startswith("\0") and os.path.exists(address):
+            os.unlink(address)
+        self._server_pid = None
+        _stop_resource_tracker()
 
     def _run_warm(self, trial: Trial) -> tuple[TrialResult, LaunchReport | None]:
         import torch.multiprocessing as torch_mp
@@ -249,20 +252,20 @@ class WarmRunner:
         specs = []
         for local_rank in range(plan.nproc_per_node):
             command, env = rank_launch(plan, local_rank, "127.0.0.1", store.port, environ)
-            specs.append(WarmRankSpec(command, env, os.getcwd(), str(stdout), str(stderr)))
+            env = {**env, LAUNCHED_BY_PID_ENV: str(self._server_pid)}  # a rank dies with the forkserver
+            specs.append(WarmRankSpec(command, env, os.getcwd(), str(stdout), str(stderr), self._server_pid))
         (trial.directory / WARM_RANKS_FILE).write_text("".join(shlex.join(spec.command) + "\n" for spec in specs))
         started = time.monotonic()
         try:
-            context = torch_mp.start_processes(warm_rank_main, args=(tuple(specs),), nprocs=len(specs), join=False,
-                                               start_method="forkserver")
-        except Exception as err:  # noqa: BLE001 - the forkserver is gone or refused
-            del store
-            raise WarmStartBroken(f"ranks could not be forked ({type(err).__name__}: {err})") from None
-        try:
+            try:
+                context = torch_mp.start_processes(warm_rank_main, args=(tuple(specs),), nprocs=len(specs),
+                                                   join=False, start_method="forkserver")
+            except Exception as err:  # noqa: BLE001 - the forkserver is gone or refused
+                raise WarmStartBroken(f"ranks could not be forked ({type(err).__name__}: {err})") from None
             timed_out, statuses, first_failed = self._wait(context, trial.settings.timeout_s, started)
         finally:
-            for pid in context.pids():
-                _end_session(pid, GRACE_S)
+            # Every rank the forkserver forked, also one forked as a stop came (its pid not yet ours).
+            self._end_ranks()
             del store
         wall = time.monotonic() - started
         if timed_out:
@@ -292,9 +295,7 @@ class WarmRunner:
                 return True, {}, None
             multiprocessing.connection.wait([p.sentinel for p in processes if p.exitcode is None], timeout=POLL_S)
         if first_failed is not None:
-            for process in processes:
-                if process.exitcode is None:
-                    _end_session(process.pid, GRACE_S)
+            self._end_ranks()
         for process in processes:
             process.join(timeout=GRACE_S)
         statuses = {index: exit_status(p.exitcode if p.exitcode is not None else -signal.SIGKILL)
@@ -309,11 +310,58 @@ class WarmRunner:
 
     def close(self) -> None:
         self._stop_forkserver()
-        self._preload_report.unlink(missing_ok=True)
+        remove_temporary_dir(self._preload_report.parent)
+
+
+def _reap(pid: int, wait_s: float = 5.0) -> None:
+    """Wait for a child of ours to exit, at most `wait_s`, then SIGKILL it."""
+    deadline = time.monotonic() + wait_s
+    while True:
         try:
-            self._preload_report.parent.rmdir()
-        except OSError:
-            pass
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if done:
+            return
+        if time.monotonic() > deadline:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            deadline = float("inf")
+            os.waitpid(pid, 0)
+            return
+        time.sleep(POLL_S)
+
+
+def _stop_resource_tracker() -> None:
+    """multiprocessing's resource tracker, started for the forkserver, exits once every holder of
+    its pipe has: the ranks and the forkserver are gone now, so closing ours ends it."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker  # noqa: SLF001
+    with tracker._lock:  # noqa: SLF001
+        if tracker._fd is None:  # noqa: SLF001
+            return
+        os.close(tracker._fd)  # noqa: SLF001
+        tracker._fd = None  # noqa: SLF001
+        if tracker._pid is not None:  # noqa: SLF001
+            _reap(tracker._pid)  # noqa: SLF001
+            tracker._pid = None  # noqa: SLF001
+
+
+def _multiprocessing_temp_dir_of_ours() -> None:
+    """multiprocessing keeps the forkserver's socket in a pymp-* directory that it removes at exit;
+    one of ours instead, so a launcher killed outright leaves a directory the next start sweeps."""
+    from multiprocessing import process
+
+    config = process.current_process()._config  # noqa: SLF001 - where util.get_temp_dir caches it
+    if config.get("tempdir") is None:
+        path = make_temporary_dir("mp")
+        config["tempdir"] = path
+        from multiprocessing import util
+
+        util.Finalize(None, remove_temporary_dir, args=(path,), exitpriority=-100)
 
 
 @contextmanager

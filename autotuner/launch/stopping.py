@@ -1,0 +1,249 @@
+"""How every launcher process stops: on SIGINT/SIGTERM, on a second Ctrl-C, and when its stop overruns.
+
+- The first SIGINT or SIGTERM raises `Stopped` in the main thread, once: the launch being run
+  unwinds, and each level ends what it started (ranks, forkserver, nodes) on the way out.
+  Later signals raise nothing, so no clean-up is cut short half-way.
+- A second SIGINT/SIGTERM ends everything at once: every descendant of this process gets
+  SIGKILL, the temporary directories registered here are removed, and the process exits
+  128 + signal, as a second Ctrl-C does with torchrun.
+- A stop that has not finished `HARD_STOP_AFTER_S` after the first signal is finished the same
+  way, so a user's Ctrl-C is answered within STOP_BOUND_S whatever was running.
+
+The second signal and the deadline are seen by a watcher thread through `signal.set_wakeup_fd`,
+which the interpreter writes for every handled signal whoever's Python handler runs: torch
+elastic installs its own handlers during a launch, and the guard still sees its signals.
+
+Processes are found by parentage (psutil), never by name; a rank in a session of its own is
+still its parent's child. Everything is ended by SIGTERM to the process and its own process group,
+then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import psutil
+
+GRACE_S = 10.0  # a rank's time to end after SIGTERM, before SIGKILL
+STOP_BOUND_S = 15.0  # what a user waits at most after Ctrl-C
+HARD_STOP_AFTER_S = STOP_BOUND_S - 2.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+TEMP_PREFIX = "autotuner-"
+
+
+class Stopped(BaseException):
+    """SIGINT or SIGTERM reached this launcher; raised once so every level ends what it started."""
+
+    def __init__(self, signum: int, reported: bool = False):
+        super().__init__(signum)
+        self.signum = signum
+        self.reported = reported  # a level below has printed what it stopped
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
+# ----- ending processes -----
+def _tree(processes: Iterable[psutil.Process]) -> dict[int, psutil.Process]:
+    found: dict[int, psutil.Process] = {}
+    for process in processes:
+        try:
+            found[process.pid] = process
+            for child in process.children(recursive=True):
+                found.setdefault(child.pid, child)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _signal(process: psutil.Process, sig: int) -> None:
+    """The process, and its process group when it leads one other than ours (a rank's session)."""
+    try:
+        if os.getpgid(process.pid) == process.pid and process.pid != os.getpgrp():
+            os.killpg(process.pid, sig)
+        process.send_signal(sig)
+    except (psutil.Error, ProcessLookupError, PermissionError):
+        pass
+
+
+def end_processes(processes: Iterable[psutil.Process], grace_s: float = GRACE_S) -> None:
+    """End these processes and everything under them: SIGTERM, then SIGKILL after `grace_s`.
+    Descendants are collected again before each signal, so a child forked meanwhile is not missed."""
+    tree = _tree(processes)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        if not tree:
+            return
+        for process in tree.values():
+            _signal(process, sig)
+        _, alive = psutil.wait_procs(list(tree.values()), timeout=wait_s)
+        tree = _tree(alive)
+    for process in tree.values():  # forked after the SIGKILL round
+        _signal(process, signal.SIGKILL)
+    psutil.wait_procs(list(tree.values()), timeout=5.0)
+
+
+def descendants(pid: int | None = None) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid or os.getpid()).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def end_descendants(grace_s: float = GRACE_S) -> None:
+    """End every process this one started, and theirs."""
+    end_processes(descendants(), grace_s)
+
+
+# ----- temporary directories that a hard stop removes, and a later start sweeps -----
+_temporary: set[str] = set()
+
+
+def make_temporary_dir(kind: str) -> str:
+    """A directory named autotuner-KIND-PID-XXXX in the temporary directory; `remove_temporary_dir`
+    removes it. One left by a killed launcher is removed by the next launcher's start."""
+    path = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{kind}-{os.getpid()}-")
+    _temporary.add(path)
+    return path
+
+
+def remove_temporary_dir(path: str | os.PathLike) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    _temporary.discard(str(path))
+
+
+def sweep_stale_temporary_dirs() -> None:
+    """Remove autotuner-KIND-PID-* directories whose launcher is gone (SIGKILL gives no chance to)."""
+    root = tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        parts = name.split("-")
+        if not name.startswith(TEMP_PREFIX) or len(parts) < 4 or not parts[2].isdigit():
+            continue
+        if not psutil.pid_exists(int(parts[2])):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+# ----- the guard -----
+class _Guard:
+    def __init__(self) -> None:
+        self.raised = False  # the main thread's handler raised Stopped (once)
+        self.first_seen_at: float | None = None  # when the watcher saw the first stop signal
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self.write_fd, False)
+        self.previous_wakeup = -1
+        self.closed = threading.Event()
+
+    def handler(self, signum, _frame) -> None:
+        if not self.raised:
+            self.raised = True
+            raise Stopped(signum)
+        # A later signal: the watcher thread ends everything; raising here would cut a clean-up short.
+
+    def watch(self) -> None:
+        """Counts stop signals from the wakeup pipe, whoever's handler ran: the second one, or the
+        deadline after the first, ends everything."""
+        first: int | None = None
+        while not self.closed.is_set():
+            timeout = 0.5 if self.first_seen_at is None else max(
+                0.0, self.first_seen_at + HARD_STOP_AFTER_S - time.monotonic())
+            try:
+                ready, _, _ = select.select([self.read_fd], [], [], timeout)
+            except (OSError, ValueError):
+                return
+            if self.closed.is_set():
+                return
+            if ready:
+                try:
+                    received = os.read(self.read_fd, 64)
+                except OSError:
+                    continue
+                for signum in (s for s in received if s in STOP_SIGNALS):
+                    if first is None:
+                        first, self.first_seen_at = signum, time.monotonic()
+                    else:
+                        hard_stop(signum, f"stopped by {signal.Signals(signum).name} again")
+            elif first is not None and time.monotonic() >= self.first_seen_at + HARD_STOP_AFTER_S:
+                hard_stop(first, f"stopping took over {HARD_STOP_AFTER_S:.0f} s")
+
+
+_guard: _Guard | None = None
+
+
+def hard_stop(signum: int, why: str) -> None:
+    """SIGKILL every descendant, remove our temporary directories, exit 128 + signum. Never returns."""
+    try:
+        print(f"launcher: {why}; ending every process at once", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+    for _ in range(3):  # a process forked while the first round ran is caught by the next
+        tree = descendants()
+        if not tree:
+            break
+        for process in tree:
+            _signal(process, signal.SIGKILL)
+        psutil.wait_procs(tree, timeout=2.0)
+    for path in list(_temporary):
+        shutil.rmtree(path, ignore_errors=True)
+    os._exit(128 + signum)
+
+
+def install_stop_handlers() -> None:
+    """(Re)install the guard's handlers: torch elastic replaces them with its own during a launch."""
+    if _guard is not None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, _guard.handler)
+
+
+@contextmanager
+def stop_guard() -> Iterator[None]:
+    """The launcher's whole run: the first SIGINT/SIGTERM raises `Stopped`, a second one or an
+    overrun ends everything at once. Off the main thread (a launcher called from a thread) it
+    does nothing: signals reach only the main thread."""
+    global _guard
+    if threading.current_thread() is not threading.main_thread() or _guard is not None:
+        yield
+        return
+    guard = _Guard()
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    _guard = guard
+    install_stop_handlers()
+    guard.previous_wakeup = signal.set_wakeup_fd(guard.write_fd, warn_on_full_buffer=False)
+    watcher = threading.Thread(target=guard.watch, daemon=True, name="stop-guard")
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(guard.previous_wakeup)
+        if not (guard.raised or guard.first_seen_at is not None):
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        # After a stop, our handler stays: the process is on its way out with 128 + signal, and a
+        # late second Ctrl-C must not turn that into a KeyboardInterrupt traceback at exit.
+        guard.closed.set()
+        os.write(guard.write_fd, b"\0")  # wake the watcher to see it is closed
+        watcher.join(timeout=2.0)
+        os.close(guard.read_fd)
+        os.close(guard.write_fd)
+        _guard = None
+
+
+def stop_in_progress() -> bool:
+    return _guard is not None and (_guard.raised or _guard.first_seen_at is not None)
