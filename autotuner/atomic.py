@@ -23,3 +23,10 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def sweep_partial_writes(directory: str | os.PathLike) -> None:
+    """Remove the temporary files of writes that never finished (a process killed outright while
+    writing): `.NAME.XXXX.tmp` at any depth. Only for a directory no other process writes now."""
+    for leftover in Path(directory).rglob(".*.tmp"):
+        leftover.unlink(missing_ok=True)

@@ -93,6 +93,8 @@ def scenario_command(scenario: str, workdir: Path) -> list[str]:
               "exp_timeout_s": 60, "tuner_type": "gridsearch"}
     if scenario in ("tune", "tune_cold", "run"):
         micro, stages = ([2, 4], [0, 1]) if scenario == "tune" else ([2, 4], [0])
+        if scenario == "tune_cold":
+            micro = [2]
         if scenario == "tune_cold":  # cold launches cost seconds each: no re-measurement round
             tuning.update(warm_start=False, remeasure_rounds=0)
         config = _write_json(workdir / "ds.json", {
@@ -266,6 +268,15 @@ def temporary_files(workdir: Path) -> list[str]:
     return sorted(str(p) for p in tmp.iterdir() if not p.name.startswith("torchinductor_")) if tmp.exists() else []
 
 
+def _leftover_files(workdir: Path) -> list[str]:
+    problems = []
+    if temporary_files(workdir):
+        problems.append(f"temporary files left: {temporary_files(workdir)}")
+    if half_written(workdir):
+        problems.append(f"half-written files: {half_written(workdir)}")
+    return problems
+
+
 # ----- one case -----
 def expected_statuses(case: FaultCase, landed: bool) -> set[int]:
     """What the launcher's exit status may be. A fault that came after the run ended leaves it 0."""
@@ -344,21 +355,19 @@ def run_case(case: FaultCase, workdir: Path, clean_length_s: float, resume: bool
     if left:
         problems.append(f"orphans: {left}")
     kill_leftovers(watch, marker)
-    if temporary_files(workdir) and case.fault in ("SIGKILL", "ctrl_c_twice"):
-        # Killed outright, the launcher could remove nothing: the next launcher start sweeps.
-        subprocess.run([sys.executable, "-m", "autotuner", "--help"], cwd=workdir, env=env, capture_output=True,
-                       timeout=120)
-    if temporary_files(workdir):
-        problems.append(f"temporary files left: {temporary_files(workdir)}")
     new_shm = shm_entries() - shm_before
     if new_shm:
         problems.append(f"shared memory left: {sorted(new_shm)}")
-    if half_written(workdir):
-        problems.append(f"half-written files: {half_written(workdir)}")
     complete, journal_problems = journal_records(workdir)
     problems += journal_problems
+    # Killed outright (SIGKILL, or a second Ctrl-C), a launcher can remove nothing: its temporary
+    # directories and unfinished writes must be gone once the next launcher has started.
+    outright = case.fault in ("SIGKILL", "ctrl_c_twice")
+    if not outright:
+        problems += _leftover_files(workdir)
     reused = 0
-    if resume and case.scenario in ("tune", "tune_cold", "run") and not journal_problems:
+    # With no complete record there is nothing to reuse, and the run itself is a clean run.
+    if resume and case.scenario in ("tune", "tune_cold", "run") and complete and not journal_problems:
         again = subprocess.run(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                                text=True, timeout=300, start_new_session=True)
         reused = again.stdout.count("(from an earlier run)")
@@ -370,6 +379,11 @@ def run_case(case: FaultCase, workdir: Path, clean_length_s: float, resume: bool
             problems.append("resume left processes behind")
             for process in marked_processes(marker):
                 process.kill()
+    elif outright:
+        subprocess.run([sys.executable, "-m", "autotuner", "--help"], cwd=workdir, env=env, capture_output=True,
+                       timeout=120)
+    if outright:
+        problems += _leftover_files(workdir)
     return FaultOutcome(case, status, seconds, landed, tuple(problems), len(complete), reused)
 
 

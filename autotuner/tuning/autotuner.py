@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from autotuner.atomic import sweep_partial_writes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
 from autotuner.tuning.config_space import base_config, knob_values, search_space
@@ -93,6 +94,8 @@ class Autotuner:
                             shutil.rmtree(child) if child.is_dir() else child.unlink()
         self.exps_dir.mkdir(parents=True, exist_ok=True)
         self.results_dir.mkdir(parents=True, exist_ok=True)
+        for directory in (self.exps_dir, self.results_dir):  # ours alone: the tuner holds the lock
+            sweep_partial_writes(directory)
         journal = load_journal(self.exps_dir, self.fingerprint)
         if journal.notice:
             self.report(journal.notice)
