@@ -25,7 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from fault_fuzz import FAULTS, SCENARIOS, Tally, clean_length, draw_cases, run_case  # noqa: E402
+from fault_fuzz import (FAULTS, RAY_FAULTS, SCENARIOS, Tally, clean_length, draw_cases, ray_tune_command,  # noqa: E402
+                        run_case, run_ray_case)
 
 
 def main() -> int:
@@ -38,7 +39,12 @@ def main() -> int:
     parser.add_argument("--workdir", default="output/fault_fuzz")
     parser.add_argument("--keep", action="store_true", help="keep every case's directory, not only failed ones")
     parser.add_argument("--no_resume", action="store_true", help="skip check 5 (resume) to go faster")
+    parser.add_argument("--ray", type=int, default=0, metavar="N",
+                        help="instead: N faults on the Ray backend (a node lost, or SIGINT/SIGTERM to the tuner) on "
+                             "a simulated 2-node cluster (ray.cluster_utils.Cluster)")
     args = parser.parse_args()
+    if args.ray:
+        return ray_campaign(args)
     scenarios, faults = tuple(args.scenarios.split(",")), tuple(args.faults.split(","))
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -72,6 +78,51 @@ def main() -> int:
     print(tally.summary())
     print(f"wall time {time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end")
     return 0 if all(o.ok for o in tally.outcomes) else 1
+
+
+def ray_campaign(args: argparse.Namespace) -> int:
+    import subprocess
+
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from ray.cluster_utils import Cluster
+
+    store = 100 * 2**20
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": store,
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=1, object_store_memory=store)
+    cluster.wait_for_nodes()
+    workdir = Path(args.workdir).resolve()
+    try:
+        clean = workdir / "ray_clean"
+        shutil.rmtree(clean, ignore_errors=True)
+        clean.mkdir(parents=True)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        started = time.monotonic()
+        subprocess.run(ray_tune_command(clean, cluster.address), cwd=clean, env=env, check=True, capture_output=True,
+                       timeout=600)
+        length = time.monotonic() - started
+        print(f"ray: clean tune {length:.1f} s on a 2-node simulated cluster", flush=True)
+        tally = Tally()
+        for case in draw_cases(args.seed, args.ray, {"ray": length}, ("ray",), RAY_FAULTS):
+            def lose_node():
+                cluster.remove_node(next(n for n in cluster.list_all_nodes() if n is not cluster.head_node))
+
+            case_dir = workdir / f"ray_case_{args.seed}_{case.index}"
+            shutil.rmtree(case_dir, ignore_errors=True)
+            outcome = run_ray_case(case, case_dir, cluster.address, lose_node, length)
+            if len(cluster.list_all_nodes()) < 2:
+                cluster.add_node(num_cpus=1, object_store_memory=store)
+                cluster.wait_for_nodes()
+            tally.outcomes.append(outcome)
+            verdict = "ok" if outcome.ok else "PROBLEM: " + " | ".join(outcome.problems)
+            print(f"{case.describe(args.seed)}: exit {outcome.exit_status} after {outcome.seconds_to_exit:.1f} s"
+                  f"{'' if outcome.fault_landed else ' (run had ended)'}; {verdict}", flush=True)
+            if outcome.ok and not args.keep:
+                shutil.rmtree(case_dir, ignore_errors=True)
+        print(tally.summary())
+        return 0 if all(o.ok for o in tally.outcomes) else 1
+    finally:
+        cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -435,3 +435,73 @@ class Tally:
         return (f"{total} faults ({total - missed} landed while running): {hangs} hangs, {orphans} with orphans, "
                 f"{lost} with lost or corrupt records, {failed} with any problem; slowest exit after a signal "
                 f"{slowest:.1f} s")
+
+
+# ----- the Ray backend: a node lost, or the tuner stopped, at a random instant -----
+RAY_FAULTS = ("lose_node", "SIGINT", "SIGTERM")
+
+
+def ray_tune_command(workdir: Path, address: str) -> list[str]:
+    config = _write_json(workdir / "ds.json", {
+        "train_micro_batch_size_per_gpu": [2, 4, 8], "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
+        "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
+                       "exp_timeout_s": 120, "model_info": {"num_params": 1000}, "tuner_type": "gridsearch",
+                       "remeasure_rounds": 0}})
+    return [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--backend", "ray", "--ray_address", address,
+            "--nproc_per_node", "1", str(TOY), "--ms_per_sample", "20", "--steps", "12", "--pid_dir",
+            str(workdir / "pids"), "--deepspeed", str(config)]
+
+
+def run_ray_case(case: FaultCase, workdir: Path, address: str, lose_node, length_s: float) -> FaultOutcome:
+    """`case.fault` is "lose_node" (`lose_node()` removes a worker node of the simulated cluster), or
+    SIGINT/SIGTERM to the tuner. The cluster's own processes are not the run's: orphans are the
+    ranks (their pid files) and whatever carries the run's marker."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    marker = uuid.uuid4().hex
+    env = _environment(workdir, marker)
+    command = ray_tune_command(workdir, address)
+    tuner = subprocess.Popen(command, cwd=workdir, env=env, stdout=open(workdir / "launcher.out", "w"),
+                             stderr=open(workdir / "launcher.err", "w"), stdin=subprocess.DEVNULL,
+                             start_new_session=True)
+    problems: list[str] = []
+    time.sleep(case.delay_s)
+    fault_at = time.monotonic()
+    landed = tuner.poll() is None
+    if landed:
+        if case.fault == "lose_node":
+            lose_node()
+        else:
+            tuner.send_signal(signal.SIGINT if case.fault == "SIGINT" else signal.SIGTERM)
+    bound = length_s + 120.0 if case.fault == "lose_node" else STOP_BOUND_S
+    try:
+        status = tuner.wait(timeout=bound)
+    except subprocess.TimeoutExpired:
+        status = None
+        problems.append(f"hang: the tuner had not exited {bound:.0f} s after the fault")
+        tuner.kill()
+        tuner.wait()
+    seconds = time.monotonic() - fault_at
+    allowed = {0} if case.fault == "lose_node" or not landed else {128 + (2 if case.fault == "SIGINT" else 15)}
+    if status is not None and status not in allowed:
+        problems.append(f"exit status {status}, expected one of {sorted(allowed)}; stderr tail: "
+                        f"{(workdir / 'launcher.err').read_text()[-600:]!r}")
+    deadline = time.monotonic() + 30  # a rank on a lost node ends when the node's raylet has gone
+    while rank_pids(workdir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if rank_pids(workdir) or marked_processes(marker):
+        problems.append(f"orphans: ranks {rank_pids(workdir)}, marked {[p.pid for p in marked_processes(marker)]}")
+        for pid in rank_pids(workdir):
+            os.kill(pid, signal.SIGKILL)
+    complete, journal_problems = journal_records(workdir)
+    problems += journal_problems + _leftover_files(workdir)
+    reused = 0
+    if complete and not journal_problems:
+        again = subprocess.run(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True,
+                               text=True, timeout=600, start_new_session=True)
+        reused = again.stdout.count("(from an earlier run)")
+        if again.returncode != 0:
+            problems.append(f"resume exited {again.returncode}: {again.stderr[-600:]!r}")
+        elif reused < len(complete):
+            problems.append(f"resume reused {reused} of {len(complete)} complete records")
+    return FaultOutcome(case, status, seconds, landed, tuple(problems), len(complete), reused)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import psutil
 import pytest
 
 from conftest import WORKERS, launcher_env
+from fault_fuzz import RAY_FAULTS, draw_cases, run_ray_case
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'autotuner[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -211,3 +213,26 @@ def test_a_node_lost_mid_experiment_fails_that_experiment_only_and_tuning_goes_o
     while alive(pid_dir) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert alive(pid_dir) == []
+
+
+RAY_FUZZ_SEED = int(os.environ.get("AUTOTUNER_FAULT_FUZZ_SEED") or random.SystemRandom().randrange(1, 10**6))
+RAY_TUNE_LENGTH_S = 12.0  # the fuzz tune's clean length on 2 cores (11 s measured): instants are drawn up to it
+RAY_CASES = draw_cases(RAY_FUZZ_SEED, 3, {"ray": RAY_TUNE_LENGTH_S}, ("ray",), RAY_FAULTS)
+
+
+@pytest.mark.parametrize("case", RAY_CASES, ids=[f"seed{RAY_FUZZ_SEED}-case{c.index}-{c.fault}-{c.delay_s:.1f}s"
+                                                 for c in RAY_CASES])
+def test_a_node_lost_or_the_tuner_stopped_at_a_random_instant_leaves_nothing_behind(cluster, tmp_path, case):
+    """Replays with AUTOTUNER_FAULT_FUZZ_SEED=S (the seed is in the test id)."""
+    def lose_node():
+        worker = next(node for node in cluster.list_all_nodes() if node is not cluster.head_node)
+        cluster.remove_node(worker)
+
+    try:
+        outcome = run_ray_case(case, tmp_path / "run", cluster.address, lose_node, RAY_TUNE_LENGTH_S)
+    finally:
+        if len(cluster.list_all_nodes()) < 2:
+            cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+            cluster.wait_for_nodes()
+    assert outcome.ok, f"{case.describe(RAY_FUZZ_SEED)}: " + " | ".join(outcome.problems)
+    assert free_cpus(cluster.address) == (2.0, 2.0)
