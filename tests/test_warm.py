@@ -165,3 +165,14 @@ def test_a_forkserver_that_dies_while_preloading_falls_back_to_cold(tmp_path, no
     assert "warm start off: the forkserver exited while preloading; every launch from now on starts cold" \
         in result.stdout
     assert list(table(tmp_path).state) == ["ok", "ok"]
+
+
+def test_closing_the_runner_ends_a_rank_the_forkserver_forked_but_the_runner_never_heard_of(no_orphans):
+    """Ctrl-C during `start_processes` left such ranks retrying the tuner's closed store, and the
+    forkserver, which exits only when every holder of its pipe has, was waited for without a bound."""
+    result = subprocess.run([sys.executable, str(WORKERS / "warm_stop_with_an_untracked_rank.py"),
+                             str(WORKERS / "toy_train.py")], env=launcher_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome["closed_in_s"] < 15 and not outcome["rank_alive"] and not outcome["forkserver_alive"]
