@@ -233,7 +233,8 @@ def _autotune(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autotuner.launch.stopping import Stopped, end_descendants, stop_guard, sweep_stale_temporary_dirs
+    from autotuner.launch.stopping import (Stopped, end_descendants, remove_temporary_dirs, stop_guard,
+                                           sweep_stale_temporary_dirs)
 
     argv = sys.argv[1:] if argv is None else argv
     script_at = next((i for i, arg in enumerate(argv) if arg.endswith(".py")), len(argv))
@@ -249,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             # Every level has ended what it started on the way up; this ends anything a stop at an
             # awkward instant left (a process forked as the signal came, say).
             end_descendants()
+            remove_temporary_dirs()
             if not stop.reported:
                 print(f"launcher: stopped by {stop.name}", file=sys.stderr)
             return stop.exit_status

@@ -70,8 +70,21 @@ def _tree(processes: Iterable[psutil.Process]) -> dict[int, psutil.Process]:
     return found
 
 
+def _ignores(pid: int, sig: int) -> bool:
+    """Whether the process ignores `sig` (multiprocessing's resource tracker ignores SIGTERM)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            mask = next((line.split()[1] for line in status if line.startswith("SigIgn:")), "0")
+        return bool(int(mask, 16) >> (sig - 1) & 1)
+    except (OSError, ValueError):
+        return False
+
+
 def _signal(process: psutil.Process, sig: int) -> None:
-    """The process, and its process group when it leads one other than ours (a rank's session)."""
+    """The process, and its process group when it leads one other than ours (a rank's session).
+    A process that ignores SIGTERM gets SIGKILL at once: waiting out a grace period is pointless."""
+    if sig == signal.SIGTERM and _ignores(process.pid, sig):
+        sig = signal.SIGKILL
     try:
         if os.getpgid(process.pid) == process.pid and process.pid != os.getpgrp():
             os.killpg(process.pid, sig)
@@ -123,6 +136,12 @@ def make_temporary_dir(kind: str) -> str:
 def remove_temporary_dir(path: str | os.PathLike) -> None:
     shutil.rmtree(path, ignore_errors=True)
     _temporary.discard(str(path))
+
+
+def remove_temporary_dirs() -> None:
+    """Every directory `make_temporary_dir` made and nobody removed: a stop cut its owner short."""
+    for path in list(_temporary):
+        remove_temporary_dir(path)
 
 
 def sweep_stale_temporary_dirs() -> None:

@@ -309,8 +309,10 @@ class WarmRunner:
         return self._cold.train(options, quiet)
 
     def close(self) -> None:
-        self._stop_forkserver()
-        remove_temporary_dir(self._preload_report.parent)
+        try:
+            self._stop_forkserver()
+        finally:
+            remove_temporary_dir(self._preload_report.parent)
 
 
 def _reap(pid: int, wait_s: float = 5.0) -> None:
