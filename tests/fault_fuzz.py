@@ -254,6 +254,24 @@ def journal_records(workdir: Path) -> tuple[list[str], list[str]]:
     return complete, problems
 
 
+def profile_failures(workdir: Path, tuner_output: str) -> list[str]:
+    """Records of profile launches (named in the tuner's "profile: ZeRO S, micro-batch M" lines)
+    that did not profile the model."""
+    import re
+
+    profiled = set(re.findall(r"profile: ZeRO (\d+), micro-batch (\d+)", tuner_output))
+    failed = []
+    for record in sorted((workdir / "autotuning_exps").glob("*/exp.json")):
+        try:
+            result = json.loads(record.read_text())["result"]
+        except (OSError, ValueError, KeyError):
+            continue
+        match = re.fullmatch(r"z(\d+)_gas\d+_mbs(\d+)", record.parent.name)
+        if match and match.groups() in profiled and result.get("model_info") is None:
+            failed.append(record.parent.name)
+    return failed
+
+
 def half_written(workdir: Path) -> list[str]:
     found = []
     for directory in (workdir / "autotuning_exps", workdir / "autotuning_results"):
@@ -290,8 +308,9 @@ def expected_statuses(case: FaultCase, landed: bool) -> set[int]:
         return {-signal.SIGKILL}
     # A rank killed: a tune records the experiment as failed and goes on; a training run fails
     # with the rank's status, unless the rank had finished its work when it died.
+    # A rank killed in the profile launch is the model failing to run at all: the tuner stops, status 1.
     if case.scenario in ("tune", "tune_cold"):
-        return {0}
+        return {0, 1}
     return {0, 1, 128 + signal.SIGKILL}
 
 
@@ -348,6 +367,9 @@ def run_case(case: FaultCase, workdir: Path, clean_length_s: float, resume: bool
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
     allowed = expected_statuses(case, landed)
+    err_text = (workdir / "launcher.err").read_text()
+    if status == 1 and case.scenario in ("tune", "tune_cold") and "did not run in the profile launch" not in err_text:
+        allowed = allowed - {1}
     if status is not None and status not in allowed:
         err = (workdir / "launcher.err").read_text()[-600:]
         problems.append(f"exit status {status}, expected one of {sorted(allowed)}; stderr tail: {err!r}")
@@ -369,13 +391,16 @@ def run_case(case: FaultCase, workdir: Path, clean_length_s: float, resume: bool
     # With no complete record there is nothing to reuse, and the run itself is a clean run...
     # After an outright kill the same command is the next start that must clean up, records or not.
     if resume and case.scenario in ("tune", "tune_cold", "run") and (complete or outright) and not journal_problems:
+        # A failed profile launch is launched again by design (its model profile is what tuning needs).
+        retried = len(profile_failures(workdir, (workdir / "launcher.out").read_text()))
         again = subprocess.run(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                                text=True, timeout=300, start_new_session=True)
         reused = again.stdout.count("(from an earlier run)")
         if again.returncode != 0:
             problems.append(f"resume exited {again.returncode}: {again.stderr[-600:]!r}")
-        elif reused < len(complete):
-            problems.append(f"resume reused {reused} of {len(complete)} complete records")
+        elif reused < len(complete) - retried:
+            problems.append(f"resume reused {reused} of {len(complete)} complete records ({retried} failed "
+                            "profile launches retried)")
         if marked_processes(marker):
             problems.append("resume left processes behind")
             for process in marked_processes(marker):
