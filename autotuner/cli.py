@@ -233,7 +233,7 @@ def _autotune(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autotuner.launch.stopping import (Stopped, end_descendants, remove_temporary_dirs, stop_guard,
+    from autotuner.launch.stopping import (Stopped, end_descendants, remove_temporary_dirs, stop_guard, stop_signal,
                                            sweep_stale_temporary_dirs)
 
     argv = sys.argv[1:] if argv is None else argv
@@ -246,7 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     with stop_guard():
         try:
             return _main(argv, script_at)
-        except Stopped as stop:
+        except BaseException as err:  # noqa: BLE001 - a stop, whatever it turned into on the way up
+            # A stop raised inside a library (an import, say) can come up as another error; with a
+            # stop in progress it is the stop.
+            stop = err if isinstance(err, Stopped) else Stopped(stop_signal()) if stop_signal() else None
+            if stop is None:
+                raise
             # Every level has ended what it started on the way up; this ends anything a stop at an
             # awkward instant left (a process forked as the signal came, say).
             end_descendants()

@@ -163,6 +163,7 @@ def sweep_stale_temporary_dirs() -> None:
 class _Guard:
     def __init__(self) -> None:
         self.raised = False  # the main thread's handler raised Stopped (once)
+        self.signum = 0
         self.first_seen_at: float | None = None  # when the watcher saw the first stop signal
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
@@ -173,6 +174,11 @@ class _Guard:
     def handler(self, signum, _frame) -> None:
         if not self.raised:
             self.raised = True
+            self.signum = signum
+            if not descendants() and not _temporary:
+                # Nothing started yet (imports, config checks): nothing to end, and an exception
+                # raised inside a library's import can leave it half-initialised. Leave at once.
+                _leave_now(signum)
             raise Stopped(signum)
         # A later signal: the watcher thread ends everything; raising here would cut a clean-up short.
 
@@ -222,6 +228,21 @@ def hard_stop(signum: int, why: str) -> None:
     for path in list(_temporary):
         shutil.rmtree(path, ignore_errors=True)
     os._exit(128 + signum)
+
+
+def _leave_now(signum: int) -> None:
+    try:
+        print(f"launcher: stopped by {signal.Signals(signum).name}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
+    os._exit(128 + signum)
+
+
+def stop_signal() -> int | None:
+    """The signal that started a stop in progress, if one is."""
+    if _guard is not None and _guard.raised:
+        return _guard.signum
+    return None
 
 
 def install_stop_handlers() -> None:
