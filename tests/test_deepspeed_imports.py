@@ -194,3 +194,43 @@ def test_a_script_with_unused_feature_imports_runs_and_the_feature_is_refused_wh
     assert refused.returncode == 2, refused.stderr[-3000:]
     lines = refused.stderr.strip().splitlines()
     assert len(lines) == 1 and "deepspeed.moe is not supported by autotuner" in lines[0], refused.stderr
+
+
+ENGINE_MEMBERS = textwrap.dedent("""
+    import json, sys, torch
+    import autotuner as deepspeed
+    from autotuner.errors import UnsupportedError
+
+    engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 1), config={
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}}})
+    counted = [engine.is_gradient_accumulation_boundary()]
+    engine.set_gradient_accumulation_boundary(True)  # DeepSpeed's manual override, held until set again
+    for _ in range(2):
+        engine.backward(engine(torch.randn(2, 4)).pow(2).mean())
+        engine.step()
+    engine.set_gradient_accumulation_boundary(None)
+    refused = []
+    for name in ("train_batch", "eval_batch"):
+        try:
+            getattr(engine, name)()
+        except UnsupportedError as err:
+            refused.append(str(err))
+    print(json.dumps({"counted": counted, "steps": engine.global_steps, "refused": refused}))
+""")
+
+
+def test_engine_boundary_override_and_pipeline_batches(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import launcher_env
+
+    result = subprocess.run([sys.executable, "-c", ENGINE_MEMBERS], env=launcher_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["counted"] == [False] and out["steps"] == 2  # each overridden micro-step was a boundary
+    assert len(out["refused"]) == 2 and all("train_batch/eval_batch drive a pipeline engine" in r
+                                            for r in out["refused"])
