@@ -234,3 +234,17 @@ def test_engine_boundary_override_and_pipeline_batches(tmp_path):
     assert out["counted"] == [False] and out["steps"] == 2  # each overridden micro-step was a boundary
     assert len(out["refused"]) == 2 and all("train_batch/eval_batch drive a pipeline engine" in r
                                             for r in out["refused"])
+
+
+def test_a_ranks_multi_line_error_keeps_every_line_bounded():
+    from autotuner.boundary import MESSAGE_LIMIT, error_message
+
+    # Hugging Face's batch-size mismatch puts the useful part on an earlier line.
+    hf = ("Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"
+          "- ds train_batch_size=2 vs hf train_batch_size=1\n"
+          "The easiest method is to set these DeepSpeed config values to 'auto'.")
+    line = error_message(hf)
+    assert "ds train_batch_size=2 vs hf train_batch_size=1" in line and "\n" not in line
+    assert line.endswith("to 'auto'.")
+    long = error_message("start\n" + "x" * 5000 + "\nthe end")
+    assert len(long) <= MESSAGE_LIMIT and long.startswith("start") and long.endswith("the end")
