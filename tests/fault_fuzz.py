@@ -366,8 +366,9 @@ def run_case(case: FaultCase, workdir: Path, clean_length_s: float, resume: bool
     if not outright:
         problems += _leftover_files(workdir)
     reused = 0
-    # With no complete record there is nothing to reuse, and the run itself is a clean run.
-    if resume and case.scenario in ("tune", "tune_cold", "run") and complete and not journal_problems:
+    # With no complete record there is nothing to reuse, and the run itself is a clean run...
+    # After an outright kill the same command is the next start that must clean up, records or not.
+    if resume and case.scenario in ("tune", "tune_cold", "run") and (complete or outright) and not journal_problems:
         again = subprocess.run(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                                text=True, timeout=300, start_new_session=True)
         reused = again.stdout.count("(from an earlier run)")

@@ -4,6 +4,8 @@ result files. Verdicts are built from files written into tmp_path; nothing is la
 from __future__ import annotations
 
 import json
+import math
+import os
 import re
 import shlex
 from pathlib import Path
@@ -127,8 +129,11 @@ def test_cold_launch_is_pure_and_names_the_request_and_report(tmp_path):
     assert command == [
         "/usr/bin/python3", "-m", "autotuner", "--report_file", str(tmp_path / "exp" / "launch_report.json"),
         "--nproc_per_node", "2", "--master_port", "29600", "train.py", f"--deepspeed={path}", "--bs", "16"]
+    # The launch dies with the tuner (parent_death), and its ranks wait no longer than the experiment.
     assert env == {"PATH": "/bin", "AUTOTUNER_MEASUREMENT_REQUEST": str(tmp_path / "exp" / "request.json"),
-                   "PYTHONUNBUFFERED": "1"}
+                   "PYTHONUNBUFFERED": "1", "AUTOTUNER_LAUNCHED_BY_PID": str(os.getpid()),
+                   "AUTOTUNER_DIST_TIMEOUT_S": f"{s.timeout_s:g}",
+                   "DEEPSPEED_TIMEOUT": str(max(1, math.ceil(s.timeout_s / 60)))}
     assert not (tmp_path / "exp").exists()
 
 
