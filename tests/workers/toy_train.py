@@ -7,6 +7,7 @@ so the throughput curve, and so the true optimum, is known in advance.
 
 import argparse
 import importlib
+from importlib.util import find_spec
 import multiprocessing
 import os
 import signal
@@ -78,9 +79,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Linear(args.width, 1))
     if args.use_deepspeed:
         if args.check_deepspeed_first:
-            import importlib.util
-
-            assert importlib.util.find_spec("deepspeed") is not None
+            assert find_spec("deepspeed") is not None
         deepspeed = importlib.import_module("deepspeed")
         config["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's fused Adam is GPU-only
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
