@@ -2,8 +2,9 @@
 
 `import autotuner as deepspeed` gives a training script the parts of DeepSpeed's API it uses:
 initialize, init_distributed, add_config_arguments, get_accelerator, and the comm, utils,
-accelerator, runtime.utils and ops.adam modules. Features we do not carry (zero.Init, moe,
-pipe, init_inference) fail with one line saying what to do instead.
+accelerator, runtime.utils and ops.adam modules, and deepspeed.checkpointing. Every module path
+DeepSpeedExamples' scripts import imports here too; using a feature we do not carry (zero.Init,
+an MoE layer, a PipelineModule, init_inference, ...) fails with one line saying what to do instead.
 """
 
 __version__ = "0.1.0"
@@ -15,8 +16,11 @@ from autotuner.rank_setup import setup_rank as _setup_rank
 _setup_rank()  # in ranks: one line per error of ours rather than a traceback per rank; warnings once
 
 _RUNTIME = ("initialize", "add_config_arguments", "Engine")
-_SUBMODULES = ("accelerator", "comm", "ops", "runtime", "utils", "zero", "moe", "pipe")
-_REFUSED = {"PipelineModule": "pipe", "init_inference": "init_inference"}
+_SUBMODULES = ("accelerator", "checkpointing", "comm", "compression", "inference", "module_inject", "moe", "ops",
+               "pipe", "runtime", "utils", "zero")
+_REFUSED = {"PipelineModule": "pipe", "init_inference": "init_inference",
+            "DeepSpeedTransformerLayer": "transformer_kernel", "DeepSpeedTransformerConfig": "transformer_kernel",
+            "replace_transformer_layer": "module_inject"}
 
 
 def __getattr__(name: str):
@@ -35,10 +39,11 @@ def __getattr__(name: str):
         return get_accelerator
     if name in _SUBMODULES:
         return importlib.import_module(f"autotuner.{name}")
-    if name in _REFUSED:
-        from autotuner.unsupported import refuse
+    if name in _REFUSED:  # importable; refused when used
+        from autotuner.unsupported import unsupported_class, unsupported_function
 
-        raise refuse(_REFUSED[name])
+        make = unsupported_function if name[0].islower() else unsupported_class
+        return make(name, _REFUSED[name])
     raise AttributeError(f"module 'autotuner' has no attribute {name!r}")
 
 

@@ -242,6 +242,19 @@ class ModelInfo:
             raise RecordError(f"model info record: {err}") from None
 
 
+MESSAGE_LIMIT = 1000  # characters of a rank's error message kept in its record
+
+
+def error_message(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """A rank's exception message as one line: every line kept (the useful part of a library's
+    message is often not its last line), joined by " | ", and bounded: head and tail around " ... "."""
+    joined = " | ".join(line.strip() for line in str(text).strip().splitlines() if line.strip())
+    if len(joined) <= limit:
+        return joined
+    tail = limit // 4
+    return f"{joined[:limit - tail - 5]} ... {joined[-tail:]}"
+
+
 @dataclass(frozen=True)
 class RankError:
     """A rank's uncaught exception: its class name, its message line and the exit status it left

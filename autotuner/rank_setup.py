@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from autotuner.boundary import ERROR_DIR_ENV, RankError, rank_errors, write_record
+from autotuner.boundary import ERROR_DIR_ENV, RankError, error_message, rank_errors, write_record
 
 QUIET_ERRORS_ENV = "AUTOTUNER_QUIET_ERRORS"  # our errors exit as one line (unset under --debug)
 CONFIG_CHECKED_ENV = "AUTOTUNER_CONFIG_CHECKED"
@@ -53,8 +53,7 @@ def install_rank_excepthook() -> None:
         if isinstance(err, KeyboardInterrupt):
             exit_code = 128 + signal.SIGINT
         rank = int(os.environ.get("RANK", 0))
-        message = str(err).strip().splitlines()
-        record = RankError(rank, kind.__name__, message[-1][:500] if message else "", exit_code, time.time(), ours)
+        record = RankError(rank, kind.__name__, error_message(str(err)), exit_code, time.time(), ours)
         try:
             write_record(Path(directory) / f"rank{rank}.json", record)
         except OSError:

@@ -1,9 +1,6 @@
-"""`autotuner.zero` (DeepSpeed's `deepspeed.zero`): its context managers are refused clearly."""
+"""`deepspeed.zero`: the names scripts reach as `deepspeed.zero.X` (autotuner.runtime.zero's)."""
 
-from autotuner.unsupported import refuse
+from autotuner.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum  # noqa: F401
+from autotuner.runtime.zero.partition_parameters import GatheredParameters, Init, ZeroParamStatus  # noqa: F401
 
-
-def __getattr__(name: str):
-    if name in ("Init", "GatheredParameters"):
-        raise refuse(f"zero.{name}")
-    raise AttributeError(f"module 'autotuner.zero' has no attribute {name!r}")
+__all__ = ["GatheredParameters", "Init", "OffloadDeviceEnum", "OffloadStateTypeEnum", "ZeroParamStatus"]

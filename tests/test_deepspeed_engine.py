@@ -284,3 +284,15 @@ def test_sigint_on_deepspeeds_engine_ends_every_rank_and_resume_reuses_the_finis
     assert "z0_gas1_mbs2: ok (from an earlier run)" in result.stdout
     assert list(faults.table(tmp_path).state) == ["ok", "ok"]
     assert len(faults.pids_in(pids)) == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_script_that_checks_for_deepspeed_before_importing_it_is_measured(tmp_path, no_orphans):
+    """transformers and accelerate ask importlib.util.find_spec("deepspeed") long before they import
+    it; the measurement hook must still wrap the engine when the import comes."""
+    config = faults.write_config(tmp_path / "ds.json", train_micro_batch_size_per_gpu=[2])
+    result = ds_tune(tmp_path, config, "--check_deepspeed_first")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert faults.record(tmp_path, "z0_gas1_mbs2")["state"] == "ok"
+    assert faults.table(tmp_path).engine.iloc[0] == "deepspeed"

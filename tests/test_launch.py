@@ -154,7 +154,9 @@ class TestBuildPlan:
         assert plan.run_id
 
     def test_single_node_with_master_port(self, script):
-        assert plan_for(script, nproc_per_node=1, master_port=29600).rdzv_endpoint == "127.0.0.1:29600"
+        plan = plan_for(script, nproc_per_node=1, master_port=29600)
+        # Static: the store at --master_port is the ranks' MASTER_PORT, as with DeepSpeed's launcher.
+        assert plan.rdzv_endpoint == "127.0.0.1:29600" and plan.rdzv_backend == "static"
 
     def test_two_nodes_without_master_addr_is_a_usage_error(self, script):
         with pytest.raises(UsageError, match="--master_addr"):
@@ -380,3 +382,18 @@ def test_bad_config_starts_no_rank(tmp_path, no_orphans):
     assert "bad.json" in lines[0] and "zero_optimization.overlap_com" in lines[0] and "overlap_comm" in lines[0]
     assert "step" not in result.stdout and "done" not in result.stdout
     assert "exited with status" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_master_port_is_the_ranks_master_port_on_one_node(tmp_path, no_orphans):
+    import socket
+
+    script = tmp_path / "echo_port.py"
+    script.write_text("import os\nprint(os.environ['RANK'], os.environ['MASTER_PORT'], flush=True)\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = run_launcher("--nproc_per_node", "2", "--no_local_rank", "--master_port", port, script, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(result.stdout.split()) == sorted(["0", str(port), "1", str(port)])

@@ -262,8 +262,13 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
         port = options.master_port or DEFAULT_MASTER_PORT
         return LaunchPlan(command, nproc, options.num_nodes, "static", f"{options.master_addr}:{port}",
                           {**rdzv_configs, "rank": options.node_rank}, run_id, local_addr=_local_address(options), env=env, **extra)
+    if options.master_port is not None:
+        # As DeepSpeed's launcher (and torchrun's static rendezvous): --master_port is the store the
+        # ranks see as MASTER_PORT; scripts and libraries read it.
+        return LaunchPlan(command, nproc, 1, "static", f"{local_addr}:{options.master_port}",
+                          {**rdzv_configs, "rank": 0}, run_id, local_addr=local_addr, env=env, **extra)
     # One node: rendezvous on loopback; port 0 lets the OS pick a free one.
-    port = options.master_port or 0
+    port = 0
     return LaunchPlan(command, nproc, 1, "c10d", f"{local_addr}:{port}", rdzv_configs, run_id, local_addr=local_addr,
                       env=env,
                       **extra)

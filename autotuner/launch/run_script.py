@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from autotuner.boundary import ERROR_DIR_ENV, RankError, write_record
+from autotuner.boundary import ERROR_DIR_ENV, RankError, error_message, write_record
 from autotuner.parent_death import die_with_parent
 from autotuner.rank_setup import QUIET_ERRORS_ENV, setup_rank
 
@@ -113,8 +113,7 @@ def run(argv: list[str]) -> int:
 
         ours = isinstance(err, AutotunerError)
         status = err.exit_code if ours else 1
-        lines = str(err).strip().splitlines()
-        _record(type(err).__name__, lines[-1] if lines else "", status, ours)
+        _record(type(err).__name__, error_message(str(err)), status, ours)
         if not (ours and os.environ.get(QUIET_ERRORS_ENV) == "1"):
             sys.excepthook(type(err), err, err.__traceback__)
         return status

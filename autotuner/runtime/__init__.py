@@ -4,3 +4,12 @@ from autotuner.runtime.engine import Engine
 from autotuner.runtime.initialize import add_config_arguments, initialize
 
 __all__ = ["Engine", "add_config_arguments", "initialize"]
+
+
+def __getattr__(name: str):
+    # DeepSpeed scripts reach these as attributes (deepspeed.runtime.config.LAMB_OPTIMIZER, ...).
+    if name in ("config", "data_pipeline", "domino", "pipe", "utils", "zero"):
+        import importlib
+
+        return importlib.import_module(f"autotuner.runtime.{name}")
+    raise AttributeError(f"module 'autotuner.runtime' has no attribute {name!r}")

@@ -68,7 +68,25 @@ class DeepSpeedAccessors:
         return self.batch.train_batch_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        override = getattr(self, "_boundary_override", None)
+        if override is not None:
+            return override
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """DeepSpeed's manual override of the accumulation boundary: it holds until set again
+        (None goes back to counting micro-steps)."""
+        self._boundary_override = is_boundary
+
+    def train_batch(self, *_args: Any, **_kwargs: Any) -> Any:
+        from autotuner.unsupported import refuse
+
+        raise refuse("train_batch")
+
+    def eval_batch(self, *_args: Any, **_kwargs: Any) -> Any:
+        from autotuner.unsupported import refuse
+
+        raise refuse("train_batch")
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]

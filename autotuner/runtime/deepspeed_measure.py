@@ -40,7 +40,10 @@ def install(request: MeasurementRequest) -> None:
 
 
 class _DeepSpeedImportHook(importlib.abc.MetaPathFinder):
-    """Finds `deepspeed` through the other finders and patches its engine once it has loaded."""
+    """Finds `deepspeed` through the other finders and patches its engine once it has loaded.
+
+    It stays installed until deepspeed is really executed: transformers and accelerate first ask
+    `importlib.util.find_spec("deepspeed")` only to see that it is installed, and import it later."""
 
     def __init__(self, request: MeasurementRequest):
         self._request = request
@@ -48,24 +51,28 @@ class _DeepSpeedImportHook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name != "deepspeed":
             return None
-        sys.meta_path.remove(self)
         for finder in sys.meta_path:
-            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
             if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, self._request)
+                spec.loader = _PatchingLoader(spec.loader, self._request, self)
                 return spec
         return None
 
 
 class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, request: MeasurementRequest):
+    def __init__(self, loader, request: MeasurementRequest, hook: _DeepSpeedImportHook):
         self._loader = loader
         self._request = request
+        self._hook = hook
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self._hook)
         self._loader.exec_module(module)
         from deepspeed.runtime.engine import DeepSpeedEngine  # deepspeed/__init__ imported it already
 

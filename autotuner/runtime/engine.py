@@ -22,7 +22,7 @@ from autotuner.runtime.profile import ActivationProbe, FlopProbe
 from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, write_oom_marker
 from autotuner.runtime.online import start_online
 from autotuner.runtime.online.apply import apply_fsdp_prefetch, fsdp_prefetch_depths, fsdp_units, read_applied, rewrap_ddp
-from autotuner.runtime.zero import average_gradients, gradient_norm, wrap_ddp
+from autotuner.runtime.sharding import average_gradients, gradient_norm, wrap_ddp
 from autotuner.runtime.timers import ProfileWindow, Stopwatch, Summary
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ from autotuner.errors import ConfigError, UnsupportedError
 from autotuner.runtime.distributed import init_distributed, warn_once
 from autotuner.runtime.engine import Engine
 from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
-from autotuner.runtime.zero import settle_offload, unwrap, wrap_model, zero_redundancy
+from autotuner.runtime.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
 
 OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Optimizer], None]
 

@@ -16,7 +16,7 @@ from autotuner.runtime.comm_probe import probe_collectives
 from autotuner.runtime.memory_probes import optimizer_state_bytes
 from autotuner.runtime.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
 from autotuner.runtime.profile import device_memory_bytes, write_model_info
-from autotuner.runtime.zero import shard_units
+from autotuner.runtime.sharding import shard_units
 
 
 def measurement_request(config: DeepSpeedConfig) -> MeasurementRequest | None:

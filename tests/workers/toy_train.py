@@ -7,6 +7,7 @@ so the throughput curve, and so the true optimum, is known in advance.
 
 import argparse
 import importlib
+from importlib.util import find_spec
 import multiprocessing
 import os
 import signal
@@ -55,6 +56,9 @@ def main() -> None:
     parser.add_argument("--segfault_if_forked", action="store_true",
                         help="rank 1 dies of SIGSEGV at step 2 when it was forked by multiprocessing (a warm launch)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
+    parser.add_argument("--check_deepspeed_first", action="store_true",
+                        help="ask importlib.util.find_spec('deepspeed') before importing it, as transformers and "
+                             "accelerate do")
     parser.add_argument("--use_deepspeed", action="store_true",
                         help="train on DeepSpeed's own engine (imported by name, so the launcher needs --engine "
                              "deepspeed: the fault tests on DeepSpeed's path)")
@@ -74,6 +78,8 @@ def main() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Linear(args.width, 1))
     if args.use_deepspeed:
+        if args.check_deepspeed_first:
+            assert find_spec("deepspeed") is not None
         deepspeed = importlib.import_module("deepspeed")
         config["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's fused Adam is GPU-only
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)

@@ -9,11 +9,23 @@ from typing import Any, Iterable, Iterator
 __all__ = ["RepeatingLoader", "log_dist", "logger"]
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever sys.stdout is when a record is emitted (a test's capture, a rank's redirect)."""
+
+    @property
+    def stream(self):
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def _script_logger() -> logging.Logger:
     # DeepSpeed's logger: its own stdout handler, not propagated, WARNING by default (since 0.17.6).
     log = logging.getLogger("autotuner.script")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _StdoutHandler()
         handler.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] [%(filename)s:%(lineno)d:%(funcName)s] "
                                                "%(message)s"))
         log.addHandler(handler)

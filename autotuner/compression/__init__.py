@@ -1,0 +1,1 @@
+"""`deepspeed.compression`: importable; its use is refused (compression/compress.py, helper.py)."""

@@ -1,0 +1,1 @@
+"""`deepspeed.inference.v2`: importable; inference engines are refused when configured."""

@@ -1,0 +1,1 @@
+"""`deepspeed.runtime.data_pipeline` (data efficiency): importable; its use is refused."""

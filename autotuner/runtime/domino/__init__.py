@@ -1,0 +1,1 @@
+"""`deepspeed.runtime.domino`: importable; Domino tensor parallelism is refused when used."""
