@@ -104,9 +104,14 @@ class Autotuner:
     def _launch(self, trial: Trial) -> TrialResult:
         """Run one trial through the runner and journal its result (with this run's fingerprint)."""
         result = self.runner.run(trial)
+        self._journal_result(trial, result)
+        return result
+
+    def _journal_result(self, trial: Trial, result: TrialResult) -> None:
+        # Every process of the trial has ended: a write one was killed in the middle of is garbage.
+        sweep_partial_writes(trial.directory)
         if result.state.finished:
             write_entry(trial.directory, result, self.fingerprint)
-        return result
 
     def _profile_launch(self, stage: int, micro_batch_size: int) -> TrialResult:
         """A profile launch is the experiment at that stage and size (with its own gas), which also
@@ -376,7 +381,6 @@ class ParallelLaunches:
             return self._ready.popleft()
         tuner = self._tuner
         trial, result = tuner.runner.next_result()
-        if result.state.finished:
-            write_entry(trial.directory, result, tuner.fingerprint)
+        tuner._journal_result(trial, result)
         tuner._record(result, False)
         return result
