@@ -87,8 +87,9 @@ def _signal(process: psutil.Process, sig: int) -> None:
         sig = signal.SIGKILL
     try:
         if os.getpgid(process.pid) == process.pid and process.pid != os.getpgrp():
-            os.killpg(process.pid, sig)
-        process.send_signal(sig)
+            os.killpg(process.pid, sig)  # the leader included: once, as a second SIGTERM means "at once"
+        else:
+            process.send_signal(sig)
     except (psutil.Error, ProcessLookupError, PermissionError):
         pass
 
