@@ -80,18 +80,32 @@ def _ignores(pid: int, sig: int) -> bool:
         return False
 
 
-def _signal(process: psutil.Process, sig: int) -> None:
-    """The process, and its process group when it leads one other than ours (a rank's session).
-    A process that ignores SIGTERM gets SIGKILL at once: waiting out a grace period is pointless."""
-    if sig == signal.SIGTERM and _ignores(process.pid, sig):
-        sig = signal.SIGKILL
-    try:
-        if os.getpgid(process.pid) == process.pid and process.pid != os.getpgrp():
-            os.killpg(process.pid, sig)  # the leader included: once, as a second SIGTERM means "at once"
-        else:
-            process.send_signal(sig)
-    except (psutil.Error, ProcessLookupError, PermissionError):
-        pass
+def _signal_all(processes: Iterable[psutil.Process], sig: int) -> None:
+    """Each process exactly once: a process-group leader (a rank's session) through its group, so
+    what it started in the group goes too, and every other process directly. Once matters: our
+    launchers take a second SIGTERM as "stop at once". A process that ignores SIGTERM gets SIGKILL
+    at once: waiting out a grace period is pointless."""
+    processes = list(processes)
+    ours = os.getpgrp()
+    groups = set()
+    for process in processes:
+        try:
+            if os.getpgid(process.pid) == process.pid and process.pid != ours:
+                groups.add(process.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    for group in groups:
+        try:
+            os.killpg(group, signal.SIGKILL if sig == signal.SIGTERM and _ignores(group, sig) else sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for process in processes:
+        try:
+            if process.pid in groups or os.getpgid(process.pid) in groups:
+                continue
+            process.send_signal(signal.SIGKILL if sig == signal.SIGTERM and _ignores(process.pid, sig) else sig)
+        except (psutil.Error, ProcessLookupError, PermissionError):
+            pass
 
 
 def end_processes(processes: Iterable[psutil.Process], grace_s: float = GRACE_S) -> None:
@@ -101,12 +115,10 @@ def end_processes(processes: Iterable[psutil.Process], grace_s: float = GRACE_S)
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
         if not tree:
             return
-        for process in tree.values():
-            _signal(process, sig)
+        _signal_all(tree.values(), sig)
         _, alive = psutil.wait_procs(list(tree.values()), timeout=wait_s)
         tree = _tree(alive)
-    for process in tree.values():  # forked after the SIGKILL round
-        _signal(process, signal.SIGKILL)
+    _signal_all(tree.values(), signal.SIGKILL)  # forked after the SIGKILL round
     psutil.wait_procs(list(tree.values()), timeout=5.0)
 
 
@@ -223,8 +235,7 @@ def hard_stop(signum: int, why: str) -> None:
         tree = descendants()
         if not tree:
             break
-        for process in tree:
-            _signal(process, signal.SIGKILL)
+        _signal_all(tree, signal.SIGKILL)
         psutil.wait_procs(tree, timeout=2.0)
     for path in list(_temporary):
         shutil.rmtree(path, ignore_errors=True)
