@@ -15,6 +15,7 @@ stopped. Every actor and placement group is removed when its experiment ends and
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -359,18 +360,10 @@ class RayRunner:
     def close(self) -> None:
         """Every running experiment's ranks are asked to stop at once, and waited for within the
         grace period; then their actors and placement groups go, and a Ray we started is shut down."""
-        stops = []
-        for running in self._running:
-            for worker in running.workers:
-                try:
-                    stops.append(worker.stop.remote())
-                except Exception:  # noqa: BLE001 - the actor is gone already
-                    pass
-        if stops:
-            try:
+        with contextlib.suppress(Exception):  # actors already lost with their node
+            stops = [worker.stop.remote() for running in self._running for worker in running.workers]
+            if stops:
                 self._ray.wait(stops, num_returns=len(stops), timeout=GRACE_S + 1.0)
-            except Exception:  # noqa: BLE001 - actors lost with their node
-                pass
         for running in list(self._running):
             self._remove(running)
         self._running.clear()
