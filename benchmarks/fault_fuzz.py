@@ -70,14 +70,19 @@ def main() -> int:
                              outcome.exit_status, round(outcome.seconds_to_exit, 2), outcome.records_complete,
                              outcome.records_reused, " | ".join(outcome.problems)])
             handle.flush()
-            verdict = "ok" if outcome.ok else "PROBLEM: " + " | ".join(outcome.problems)
-            print(f"{case.describe(args.seed)}: exit {outcome.exit_status} after {outcome.seconds_to_exit:.1f} s"
-                  f"{'' if outcome.fault_landed else ' (run had ended)'}; {verdict}", flush=True)
-            if outcome.ok and not args.keep:
-                shutil.rmtree(case_dir, ignore_errors=True)
+            report(outcome, args.seed, case_dir, args.keep)
     print(tally.summary())
     print(f"wall time {time.monotonic() - started:.0f} s; load average {os.getloadavg()[0]:.2f} at the end")
     return 0 if all(o.ok for o in tally.outcomes) else 1
+
+
+def report(outcome, seed: int, case_dir: Path, keep: bool) -> None:
+    """One line per case; a passing case's directory goes unless --keep."""
+    verdict = "ok" if outcome.ok else "PROBLEM: " + " | ".join(outcome.problems)
+    print(f"{outcome.case.describe(seed)}: exit {outcome.exit_status} after {outcome.seconds_to_exit:.1f} s"
+          f"{'' if outcome.fault_landed else ' (run had ended)'}; {verdict}", flush=True)
+    if outcome.ok and not keep:
+        shutil.rmtree(case_dir, ignore_errors=True)
 
 
 def ray_campaign(args: argparse.Namespace) -> int:
@@ -114,11 +119,7 @@ def ray_campaign(args: argparse.Namespace) -> int:
                 cluster.add_node(num_cpus=1, object_store_memory=store)
                 cluster.wait_for_nodes()
             tally.outcomes.append(outcome)
-            verdict = "ok" if outcome.ok else "PROBLEM: " + " | ".join(outcome.problems)
-            print(f"{case.describe(args.seed)}: exit {outcome.exit_status} after {outcome.seconds_to_exit:.1f} s"
-                  f"{'' if outcome.fault_landed else ' (run had ended)'}; {verdict}", flush=True)
-            if outcome.ok and not args.keep:
-                shutil.rmtree(case_dir, ignore_errors=True)
+            report(outcome, args.seed, case_dir, args.keep)
         print(tally.summary())
         return 0 if all(o.ok for o in tally.outcomes) else 1
     finally:
