@@ -1,0 +1,1 @@
+"""deepspeed.profiling: the flops profiler (flops_profiler.profiler)."""
