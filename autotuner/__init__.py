@@ -16,8 +16,8 @@ from autotuner.rank_setup import setup_rank as _setup_rank
 _setup_rank()  # in ranks: one line per error of ours rather than a traceback per rank; warnings once
 
 _RUNTIME = ("initialize", "add_config_arguments", "Engine")
-_SUBMODULES = ("accelerator", "checkpointing", "comm", "compression", "inference", "module_inject", "moe", "ops",
-               "pipe", "runtime", "utils", "zero")
+_SUBMODULES = ("accelerator", "checkpointing", "comm", "compression", "inference", "module_inject", "moe", "monitor",
+               "ops", "pipe", "profiling", "runtime", "utils", "zero")
 _REFUSED = {"PipelineModule": "pipe", "init_inference": "init_inference",
             "DeepSpeedTransformerLayer": "transformer_kernel", "DeepSpeedTransformerConfig": "transformer_kernel",
             "replace_transformer_layer": "module_inject"}

@@ -162,7 +162,7 @@ class TestKeys:
         config = load_config(
             {
                 "train_batch_size": 8,
-                "wandb": {"enabled": True},
+                "comet": {"enabled": True},
                 "zero_optimization": {"stage": 2, "reduce_scatter": True},
             },
             name="cfg.json",
@@ -172,10 +172,10 @@ class TestKeys:
         assert len(records) == 1
         message = records[0].getMessage()
         assert "cfg.json" in message
-        assert "wandb" in message and "zero_optimization.reduce_scatter" in message
+        assert "comet" in message and "zero_optimization.reduce_scatter" in message
 
     def test_known_unused_keys_are_dropped_from_the_config(self):
-        config = load_config({"wandb": {}, "zero_optimization": {"offload_optimizer": {"device": "cpu",
+        config = load_config({"comet": {}, "zero_optimization": {"offload_optimizer": {"device": "cpu",
                                                                                        "nvme_path": "/x"}}})
         assert config.to_dict() == {"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
 

@@ -25,7 +25,9 @@ deepspeed.runtime.data_pipeline.data_sampling.indexed_dataset deepspeed.runtime.
 deepspeed.runtime.utils deepspeed.runtime.zero.offload_config deepspeed.runtime.zero.partition_parameters
 deepspeed.utils deepspeed.utils.logging
 """.split() + ["deepspeed.checkpointing", "deepspeed.moe.layer", "deepspeed.runtime.pipe",
-               "deepspeed.runtime.data_pipeline.curriculum_scheduler"]  # named by the issue
+               "deepspeed.runtime.data_pipeline.curriculum_scheduler", "deepspeed.monitor.monitor",
+               "deepspeed.monitor.config", "deepspeed.profiling.flops_profiler",
+               "deepspeed.profiling.flops_profiler.profiler"]  # named by the issue
 # Reached only as attributes after `import deepspeed`.
 ATTRIBUTE_CHAINS = """
 deepspeed.module_inject.replace_policy deepspeed.moe deepspeed.moe.layer deepspeed.runtime deepspeed.runtime.config
@@ -53,6 +55,8 @@ deepspeed.runtime.utils:set_random_seed deepspeed.runtime.zero.offload_config:Of
 deepspeed.runtime.zero.offload_config:OffloadStateTypeEnum deepspeed.runtime.zero.partition_parameters:ZeroParamStatus
 deepspeed.utils:RepeatingLoader deepspeed.utils.logging:logger deepspeed.runtime.config:LAMB_OPTIMIZER
 deepspeed.runtime.config:ONEBIT_LAMB_OPTIMIZER deepspeed.zero:GatheredParameters deepspeed.zero:Init
+deepspeed.profiling.flops_profiler:get_model_profile deepspeed.profiling.flops_profiler:FlopsProfiler
+deepspeed.monitor.monitor:MonitorMaster
 """.split()
 
 

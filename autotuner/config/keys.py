@@ -7,7 +7,7 @@ import difflib
 import typing
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import AliasChoices, BaseModel
 
 from autotuner.errors import ConfigError
 
@@ -17,13 +17,13 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
     "": frozenset(
         {
             "activation_checkpointing", "aio", "amp", "bfloat16", "checkpoint", "comms_logger",
-            "communication_data_type", "compression_training", "csv_monitor", "curriculum_learning",
+            "compression_training", "curriculum_learning",
             "data_efficiency", "data_types", "dataloader_drop_last", "disable_allgather", "dump_state",
-            "eigenvalue", "elasticity", "flops_profiler", "gradient_predivide_factor", "memory_breakdown",
-            "monitor_config", "pipeline", "prescale_gradients", "progressive_layer_drop", "sparse_attention",
-            "sparse_gradients", "tensorboard", "wandb", "weight_quantization", "zero_allow_untested_optimizer",
+            "eigenvalue", "elasticity", "memory_breakdown",
+            "monitor_config", "pipeline", "progressive_layer_drop", "sparse_attention",
+            "sparse_gradients", "weight_quantization", "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer", "train_batch_size_per_gpu_at_fp16", "hybrid_engine",
-            "compile", "timers", "nebula", "quantize_training",
+            "compile", "nebula", "comet", "quantize_training",
         }
     ),
     "zero_optimization": frozenset(
@@ -31,9 +31,7 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
             "allgather_partitions", "reduce_scatter", "round_robin_gradients", "load_from_fp32_weights",
             "elastic_checkpoint", "ignore_unused_parameters", "sub_group_size", "cpu_offload",
             "cpu_offload_params", "cpu_offload_use_pin_memory", "stage3_max_live_parameters",
-            "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save",
-            "stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save",
-            "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
+            "stage3_max_reuse_distance", "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
             "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather",
             "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "pipeline_loading_checkpoint",
             "override_module_apply", "log_trace_cache_warnings", "module_granularity_threshold",
@@ -56,6 +54,8 @@ def field_names(model: type[BaseModel]) -> set[str]:
         names.add(name)
         if info.alias:
             names.add(info.alias)
+        if isinstance(info.validation_alias, AliasChoices):
+            names.update(c for c in info.validation_alias.choices if isinstance(c, str))
     return names
 
 
@@ -82,7 +82,8 @@ def check_keys(raw: dict[str, Any], model: type[BaseModel], source: str, path: s
     for key, value in raw.items():
         dotted = f"{path}.{key}" if path else key
         if key in known:
-            sub = section_model(model.model_fields[key].annotation)
+            field = model.model_fields.get(key)
+            sub = section_model(field.annotation) if field is not None else None  # None: an alias
             if sub is not None and isinstance(value, dict):
                 value, sub_ignored = check_keys(value, sub, source, dotted)
                 ignored.extend(sub_ignored)

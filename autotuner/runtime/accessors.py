@@ -28,6 +28,7 @@ class DeepSpeedAccessors:
     _global_grad_norm: torch.Tensor | None
     _step_applied: bool
     _client_optimizer: bool
+    reporter: Any
 
     @property
     def module(self) -> nn.Module:
@@ -129,6 +130,31 @@ class DeepSpeedAccessors:
     def optimizer_name(self) -> str | None:
         return self.config.optimizer.type if self.config.optimizer is not None and not self._client_optimizer \
             else type(self.optimizer).__name__
+
+    @property
+    def monitor(self) -> Any:
+        """DeepSpeed's MonitorMaster: write_events([(name, value, step), ...]) on rank 0."""
+        return self.reporter.monitor
+
+    @property
+    def tput_timer(self) -> Any:
+        """DeepSpeed's ThroughputTimer: avg_samples_per_sec() after the two warm-up steps."""
+        return self.reporter.tput_timer
+
+    def get_wall_clock_timers(self) -> dict[str, float]:
+        """The last step's timers in ms (wall_clock_breakdown only), as DeepSpeed's engine keeps them."""
+        clock = self.reporter.wall_clock
+        return dict(clock.cache) if clock is not None else {}
+
+    def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """The whole model's weights in the training precision, one file written by rank 0; collective."""
+        from autotuner.runtime.model_save import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def save_fp16_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin") -> bool:
+        return self.save_16bit_model(save_dir, save_filename)  # DeepSpeed's older name
 
     def get_global_grad_norm(self) -> float | None:
         """Norm of all gradients at the last optimizer step, before clipping; None before the first."""

@@ -16,6 +16,7 @@ from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.runtime.accessors import DeepSpeedAccessors
 from autotuner.runtime.distributed import DistributedContext
+from autotuner.runtime.grad_reduction import GradientReduction
 from autotuner.runtime.measurement import MeasurementHooks, measurement_request  # noqa: F401 (re-exported)
 from autotuner.runtime.metrics import is_out_of_memory
 from autotuner.runtime.profile import ActivationProbe, FlopProbe
@@ -23,7 +24,8 @@ from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, write
 from autotuner.runtime.online import start_online
 from autotuner.runtime.online.apply import apply_fsdp_prefetch, fsdp_prefetch_depths, fsdp_units, read_applied, rewrap_ddp
 from autotuner.runtime.sharding import average_gradients, gradient_norm, wrap_ddp
-from autotuner.runtime.timers import ProfileWindow, Stopwatch, Summary
+from autotuner.runtime.reporting import RunReporter
+from autotuner.runtime.timers import ProfileWindow, Stopwatch
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,7 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
         self._reshard_after_backward = True  # FSDP2, between accumulation micro-steps
         self._reshard_after_backward_set = True
         self._online = start_online(self, len(fsdp_units(self.wrapped)) if self._fsdp else 0)
+        self.reporter = RunReporter(self)  # monitors, tput_timer, wall-clock timers, flops profiler
 
     # ----- training -----
     def _set_gradient_sync(self, sync: bool) -> None:
@@ -130,10 +133,12 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
             if self._autocast
             else contextlib.nullcontext()
         )
+        self.reporter.forward_started(self.global_steps, self.micro_steps % self.batch.gradient_accumulation_steps == 0)
         self._forward_watch.start()
         with autocast, self._oom_guard():
             output = self.wrapped(*inputs, **kwargs)
         self._pending_forward_s = self._forward_watch.stop()
+        self.reporter.forward_done(self._pending_forward_s)
         if self._activation_probe is not None and self.micro_steps == 0:
             self._activation_probe.stop()
         return output
@@ -150,6 +155,7 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
         if self._flop_probe is not None and self.micro_steps == 0:
             self._flop_probe.stop()
         self._window.record_micro(self.global_steps + 1, self._pending_forward_s, backward_s)
+        self.reporter.backward_done(loss, backward_s)
         return loss
 
     def step(self) -> None:
@@ -158,6 +164,7 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
         self.micro_steps += 1
         self._step_applied = False
         if not boundary:
+            self.reporter.step_done(0.0, boundary=False)
             return
         measure_phases = self._phase_peaks is not None and self.global_steps + 1 == self._model_info_step
         if measure_phases:
@@ -179,7 +186,7 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
         self.global_steps += 1
         self.global_samples += self.batch.train_batch_size
         self._window.record_step(self.global_steps, step_s, wall)
-        self._report_progress(wall)
+        self.reporter.step_done(step_s, boundary=True)
         if self._online is not None:
             self._online.after_step(self.global_steps, now)
         if self._activation_probe is not None and self.global_steps == self._model_info_step:
@@ -213,7 +220,8 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
                            "(find_unused_parameters=True), as DeepSpeed tolerates them")
         self._find_unused_parameters = True
         self.wrapped = rewrap_ddp(self.wrapped, lambda module: wrap_ddp(
-            module, self.config.zero_optimization, self.ctx, find_unused_parameters=True, knobs=self._ddp_knobs))
+            module, self.config.zero_optimization, self.ctx, find_unused_parameters=True, knobs=self._ddp_knobs,
+            reduction=GradientReduction.from_config(self.config)))
 
     # ----- communication knobs (online tuning; between steps only) -----
     def apply_knobs(self, knobs: dict[str, Any]) -> None:
@@ -233,7 +241,7 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
         self._ddp_knobs = wanted
         self.wrapped = rewrap_ddp(self.wrapped, lambda module: wrap_ddp(
             module, self.config.zero_optimization, self.ctx, find_unused_parameters=self._find_unused_parameters,
-            knobs=self._ddp_knobs))
+            knobs=self._ddp_knobs, reduction=GradientReduction.from_config(self.config)))
 
     def applied_knobs(self) -> dict[str, Any]:
         """The knobs in effect, read from the wrapper."""
@@ -268,19 +276,6 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
             if self._oom_marker and is_out_of_memory(err):
                 write_oom_marker(self._oom_marker, self.ctx.rank, err)
             raise
-
-    def _report_progress(self, wall_s: float) -> None:
-        """With wall_clock_breakdown, rank 0 prints step timings every steps_per_print steps."""
-        if not self.config.wall_clock_breakdown or self.ctx.rank != 0 or self.global_steps % self.config.steps_per_print:
-            return
-        line = f"step={self.global_steps} lr={self.get_lr()[0]:.3g} samples/s={self.batch.train_batch_size / max(wall_s, 1e-9):.2f}"
-        if self.config.wall_clock_breakdown:
-            w = self._window
-            line += (
-                f" | forward {Summary.of(w.forward_s[-self.batch.gradient_accumulation_steps:]).mean_s * 1e3:.1f} ms"
-                f" backward {Summary.of(w.backward_s[-self.batch.gradient_accumulation_steps:]).mean_s * 1e3:.1f} ms"
-            )
-        print(line, flush=True)
 
     # ----- checkpoints -----
     def _checkpoint_model(self) -> nn.Module:

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from autotuner.config.models import ZeroConfig
 from autotuner.errors import UnsupportedError
 from autotuner.runtime.distributed import DistributedContext, warn_once
+from autotuner.runtime.grad_reduction import GradientReduction, ddp_reduction_hook
 
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -72,7 +73,8 @@ def shard_units(model: nn.Module, persistence_threshold: int) -> list[nn.Module]
     return units
 
 
-def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: DistributedContext) -> nn.Module:
+def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: DistributedContext,
+           reduction: GradientReduction | None) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -81,6 +83,12 @@ def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: 
     if precision in _LOW_PRECISION:
         # Gradients are reduced in fp32 so ranks agree to the last bit with DeepSpeed's default.
         mixed = MixedPrecisionPolicy(param_dtype=_LOW_PRECISION[precision], reduce_dtype=torch.float32)
+    if reduction is not None and reduction.dtype is not None:
+        mixed = MixedPrecisionPolicy(param_dtype=mixed.param_dtype, reduce_dtype=reduction.dtype)
+    if reduction is not None and reduction.scaling_set:
+        warn_once(f"prescale_gradients / gradient_predivide_factor: at ZeRO stage {stage} torch's FSDP2 reduces "
+                  "the gradients and chooses where to divide by the world size itself (about sqrt(world) before "
+                  "and after, in fp16); the gradients are the same mean. The keys act exactly at stages 0 and 1")
     offloading = any(
         s is not None and s.device == "cpu" for s in (zero.offload_optimizer, zero.offload_param)
     )
@@ -100,17 +108,19 @@ def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: 
     return model
 
 
-def wrap_model(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: DistributedContext) -> nn.Module:
+def wrap_model(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: DistributedContext,
+               reduction: GradientReduction | None = None) -> nn.Module:
     """Move `model` to the device and wrap it for `stage`. FSDP2 shards it in place."""
     check_supported(stage, zero, precision, ctx.device)
     model = model.to(ctx.device)
     if stage >= 2:
-        return _fsdp2(model, stage, zero, precision, ctx)
-    return wrap_ddp(model, zero, ctx)
+        return _fsdp2(model, stage, zero, precision, ctx, reduction)
+    return wrap_ddp(model, zero, ctx, reduction=reduction)
 
 
 def wrap_ddp(model: nn.Module, zero: ZeroConfig, ctx: DistributedContext,
-             find_unused_parameters: bool = False, knobs: dict[str, Any] | None = None) -> DistributedDataParallel:
+             find_unused_parameters: bool = False, knobs: dict[str, Any] | None = None,
+             reduction: GradientReduction | None = None) -> DistributedDataParallel:
     """DDP with the ZeRO knobs that map onto it; `knobs` (bucket_cap_mb, gradient_as_bucket_view,
     from online tuning) take precedence. Collective: every rank must call it together."""
     kwargs: dict[str, Any] = {}
@@ -123,8 +133,11 @@ def wrap_ddp(model: nn.Module, zero: ZeroConfig, ctx: DistributedContext,
         if knobs and name in knobs:
             kwargs[name] = knobs[name]
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters,
-                                   **kwargs)
+    ddp = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters,
+                                  **kwargs)
+    if reduction is not None:
+        ddp.register_comm_hook(reduction, ddp_reduction_hook)
+    return ddp
 
 
 def average_gradients(parameters: list[nn.Parameter], world_size: int) -> None:
