@@ -134,3 +134,22 @@ def test_prescale_and_predivide_are_deepspeeds_fp16_overflow_guards(tmp_path, no
     assert finite(prescaled) and finite(predivided)
     assert _max_difference(prescaled["weights"], reference["weights"]) < 1e-3
     assert _max_difference(predivided["weights"], reference["weights"]) < 1e-3
+
+
+@pytest.mark.slow
+def test_tuning_experiments_leave_the_users_curves_alone_and_the_tuned_run_writes_them(tmp_path, no_orphans):
+    pytest.importorskip("tensorboard")
+    cfg = config(0, train_micro_batch_size_per_gpu="auto", gradient_accumulation_steps=1,
+                 zero_optimization={"stage": [0, 2]},
+                 tensorboard={"enabled": True, "output_path": "tb", "job_name": "job"},
+                 autotuning={"enabled": True, "max_train_micro_batch_size_per_gpu": 4, "start_profile_step": 2,
+                             "end_profile_step": 3})
+    (tmp_path / "ds.json").write_text(json.dumps(cfg))
+    command = ("--nproc_per_node", "2", TRAIN, "--steps", "4", "--out", tmp_path / "r.json", "--deepspeed",
+               tmp_path / "ds.json")
+    tuned = run_launcher("--autotuning", "tune", *command, cwd=tmp_path, timeout=300)
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert not (tmp_path / "tb").exists()  # a dozen three-step runs would be mixed into the job's curves
+    trained = run_launcher("--autotuning", "run", *command, cwd=tmp_path, timeout=300)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert len(list((tmp_path / "tb" / "job").glob("events.out.tfevents.*"))) == 1

@@ -93,9 +93,9 @@ class WandbMonitor:
 class MonitorMaster:
     """Every enabled monitor, on rank 0; `enabled` is whether any section is on, as in DeepSpeed."""
 
-    def __init__(self, config: Any):
+    def __init__(self, config: Any, active: bool = True):
         sections = (config.tensorboard, config.wandb, config.csv_monitor)
-        self.enabled = any(section.enabled for section in sections)
+        self.enabled = active and any(section.enabled for section in sections)
         self.tb_monitor = self.wandb_monitor = self.csv_monitor = None
         if not self.enabled or _rank() != 0:
             return

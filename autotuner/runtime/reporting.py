@@ -29,15 +29,19 @@ def rank0_printer(rank: int):
 class RunReporter:
     def __init__(self, engine: Any):
         config, rank = engine.config, engine.ctx.rank
+        # A tuning experiment is a few measured steps of many: its curves would be mixed into the
+        # user's job folders, so monitors, profiles and timer lines wait for the real run.
+        measuring = engine._request is not None
         self._engine = engine
         self._rank = rank
         self._print = rank0_printer(rank)
-        self.monitor = MonitorMaster(config)
+        self.monitor = MonitorMaster(config, active=not measuring)
         self.tput_timer = ThroughputTimer(config.timers.throughput, batch_size=engine.batch.train_batch_size,
                                           steps_per_output=config.steps_per_print, device=engine.ctx.device,
                                           logging_fn=self._print)
-        self.wall_clock = WallClockBreakdown(rank) if config.wall_clock_breakdown else None
-        self._profile = config.flops_profiler if config.flops_profiler.enabled and rank == 0 else None
+        self.wall_clock = WallClockBreakdown(rank) if config.wall_clock_breakdown and not measuring else None
+        profile_here = config.flops_profiler.enabled and rank == 0 and not measuring
+        self._profile = config.flops_profiler if profile_here else None
         self.flops_profiler = None
         self._profiling = False
         self._window_losses: list[torch.Tensor] = []
