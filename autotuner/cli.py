@@ -116,8 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = False) -> None:
-    """Validate the script's config before starting anything, so a typo costs no launch."""
+def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = False,
+                  script: str | None = None) -> None:
+    """Validate the script's config before starting anything, so a typo costs no launch. Hugging
+    Face's "auto" values are refused here only for a script known to train on our engine; on
+    DeepSpeed's (the Trainer's) they are the script's to fill in."""
     from autotuner.config import load_config
     from autotuner.config.batch import check_fixed_triad
     from autotuner.launch.script_args import config_path
@@ -128,6 +131,12 @@ def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = 
             raise UsageError("--autotuning online needs the script's config: add --deepspeed ds.json after the script")
         return
     config = load_config(path)
+    if script is not None:
+        from autotuner.config.trainer_auto import refuse_trainer_autos
+        from autotuner.engines import trains_on_ours
+
+        if trains_on_ours(script):
+            refuse_trainer_autos(config, path)
     check_fixed_triad(config, world_size, path)
     stage = config.zero_optimization.stage
     if not isinstance(stage, int):
@@ -173,13 +182,13 @@ def _launch(args: argparse.Namespace) -> int:
     if nodes is not None:
         from autotuner.launch.node_runner import run_nodes
 
-        _check_config(tuple(args.script_args), nodes.world_size, args.autotuning == "online")
+        _check_config(tuple(args.script_args), nodes.world_size, args.autotuning == "online", args.script)
         return run_nodes(nodes)
     if args.stop_with_stdin:
         _stop_when_stdin_closes()
     plan = build_plan(options, sys.executable)
     online = args.autotuning == "online"
-    _check_config(tuple(args.script_args), plan.world_size, online)
+    _check_config(tuple(args.script_args), plan.world_size, online, args.script)
     if online:
         plan = dataclasses.replace(plan, env={**plan.env, ONLINE_ENV: "1"})
     return run_plan(config_checked(plan), quiet=not args.debug)

@@ -1,4 +1,5 @@
-"""Whose engine a script trains on: ours (`import autotuner`) or DeepSpeed's own (`import deepspeed`).
+"""Whose engine a script trains on: ours (`import autotuner`) or DeepSpeed's own (`import deepspeed`,
+or Hugging Face's Trainer or accelerate's DeepSpeed plugin given a DeepSpeed config).
 
 The tuner decides before anything starts, from the script's imports (and those of its own modules
 beside it) or the launcher's `--engine deepspeed`; the profile launch then confirms it from inside
@@ -21,10 +22,42 @@ def deepspeed_installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+# Classes that hand a script's model to DeepSpeed's engine when given a DeepSpeed config: Hugging
+# Face's Trainer (`--deepspeed ds.json`, as in DeepSpeed's autotuning tutorial) and accelerate's
+# DeepSpeed plugin. A script that imports autotuner trains on ours whatever else it imports.
+DEEPSPEED_THROUGH = frozenset({
+    "transformers:Trainer", "transformers:Seq2SeqTrainer", "transformers:TrainingArguments",
+    "transformers:Seq2SeqTrainingArguments", "accelerate:DeepSpeedPlugin", "accelerate.utils:DeepSpeedPlugin",
+})
+
+
+def _top_level(name: str) -> str:
+    return name.split(":")[0].split(".")[0]
+
+
 def imports_deepspeed(script: str) -> bool:
     from autotuner.tuning.warm import script_imports
 
-    return any(name.split(":")[0].split(".")[0] == "deepspeed" for name in script_imports(script))
+    return any(_top_level(name) == "deepspeed" for name in script_imports(script))
+
+
+def deepspeed_through_library(script: str) -> str | None:
+    """The first import by which the script reaches DeepSpeed's engine through a library (e.g.
+    "transformers:Trainer"), unless it imports autotuner; else None."""
+    from autotuner.tuning.warm import script_imports
+
+    names = script_imports(script)
+    if any(_top_level(name) == "autotuner" for name in names):
+        return None
+    return next((name for name in names if name in DEEPSPEED_THROUGH), None)
+
+
+def trains_on_ours(script: str) -> bool:
+    """The script imports autotuner and nothing that would put it on DeepSpeed's engine."""
+    from autotuner.tuning.warm import script_imports
+
+    names = script_imports(script)
+    return any(_top_level(name) == "autotuner" for name in names) and not imports_deepspeed(script)
 
 
 def script_engine(script: str, requested: str = "auto") -> str:
@@ -33,9 +66,18 @@ def script_engine(script: str, requested: str = "auto") -> str:
         raise UsageError(f"--engine: got {requested!r}; choose one of {', '.join(ENGINE_CHOICES)}")
     if requested == "autotuner":  # a script that imports both engines behind its own flag
         return "autotuner"
-    engine = "deepspeed" if requested == "deepspeed" or imports_deepspeed(script) else "autotuner"
-    if engine == "deepspeed" and not deepspeed_installed():
-        why = "--engine deepspeed was given" if requested == "deepspeed" else f"{script} imports deepspeed"
-        raise UsageError(f"{why}, but DeepSpeed is not installed in this Python; {INSTALL_HINT}, or change the "
-                         "script's `import deepspeed` to `import autotuner as deepspeed` to train on our engine")
-    return engine
+    through = None
+    if requested == "deepspeed":
+        why = "--engine deepspeed was given"
+    elif imports_deepspeed(script):
+        why = f"{script} imports deepspeed"
+    else:
+        through = deepspeed_through_library(script)
+        if through is None:
+            return "autotuner"
+        why = f"{script} imports {through.replace(':', '.')}, which trains on DeepSpeed's engine with --deepspeed"
+    if not deepspeed_installed():
+        instead = ("" if through else ", or change the script's `import deepspeed` to `import autotuner as "
+                   "deepspeed` to train on our engine")
+        raise UsageError(f"{why}, but DeepSpeed is not installed in this Python; {INSTALL_HINT}{instead}")
+    return "deepspeed"

@@ -81,7 +81,8 @@ def _format_validation_error(err: ValidationError, source: str) -> str:
     return f"{source}: {dotted}: got {_describe(value)}; {allowed}"
 
 
-_TYPE_TAGS = {"int", "bool", "float", "str", "list", "dict", "none", "constrained-int", "function-after"}
+_TYPE_TAGS = {"int", "bool", "float", "str", "list", "dict", "none", "constrained-int", "constrained-float",
+              "function-after"}
 
 _ALLOWED = {
     "train_batch_size": 'expected a positive integer or "auto"',
@@ -90,7 +91,11 @@ _ALLOWED = {
     "stage": 'expected a ZeRO stage 0, 1, 2 or 3, a list of them, or "all"',
     "optimizer.type": 'expected "Adam", "AdamW" or "SGD"',
     "scheduler.type": 'expected "WarmupLR", "WarmupDecayLR" or "WarmupCosineLR"',
-    "gradient_clipping": "expected a number >= 0 (0 disables clipping)",
+    "gradient_clipping": 'expected a number >= 0 (0 disables clipping) or "auto" (the Trainer fills it)',
+    "fp16.enabled": 'expected true, false or "auto" (Hugging Face\'s Trainer fills it)',
+    "reduce_bucket_size": 'expected a positive integer, a list of them, or "auto" (the Trainer fills it)',
+    "stage3_prefetch_bucket_size": 'expected an integer >= 0, a list of them, or "auto" (the Trainer fills it)',
+    "stage3_param_persistence_threshold": 'expected an integer >= 0, a list of them, or "auto" (the Trainer fills it)',
     "device": 'expected "none" or "cpu"',
     "metric": 'expected "throughput", "latency" or "FLOPS"',
     "tuner_type": 'expected "gridsearch", "random", "model_based", "bayes" or "predictive"',

@@ -37,7 +37,7 @@ class _Section(BaseModel):
 
 
 class FP16Config(_Section):
-    enabled: bool = False
+    enabled: Union[bool, Auto] = Field(False, description='"auto": Hugging Face\'s Trainer sets it from --fp16')
     auto_cast: bool = False
     loss_scale: NonNegativeFloat = Field(0.0, description="0 means dynamic loss scaling")
     initial_scale_power: int = Field(16, ge=0, le=64, description="dynamic scaling starts at 2**power")
@@ -85,13 +85,14 @@ class ZeroConfig(_Section):
 
     stage: Union[ZeroStage, list[ZeroStage], Literal["all"]] = 0
     overlap_comm: Union[bool, list[bool], None] = None
-    reduce_bucket_size: Union[PositiveInt, list[PositiveInt], None] = Field(
+    reduce_bucket_size: Union[PositiveInt, list[PositiveInt], Auto, None] = Field(
         None, description="elements per gradient bucket (DDP bucket_cap_mb = elements * 4 B)"
     )
     allgather_bucket_size: Union[PositiveInt, list[PositiveInt], None] = None
     contiguous_gradients: Union[bool, list[bool], None] = None
-    stage3_prefetch_bucket_size: Union[NonNegativeInt, list[NonNegativeInt], None] = None
-    stage3_param_persistence_threshold: Union[NonNegativeInt, list[NonNegativeInt], None] = None
+    # "auto" in these three: Hugging Face's Trainer sets them from the model's hidden size.
+    stage3_prefetch_bucket_size: Union[NonNegativeInt, list[NonNegativeInt], Auto, None] = None
+    stage3_param_persistence_threshold: Union[NonNegativeInt, list[NonNegativeInt], Auto, None] = None
     offload_optimizer: OffloadConfig | None = None
     offload_param: OffloadConfig | None = None
 
@@ -237,7 +238,8 @@ class DeepSpeedConfig(_Section):
     train_batch_size: BatchValue = None
     train_micro_batch_size_per_gpu: Union[PositiveInt, Auto, list[PositiveInt], None] = None
     gradient_accumulation_steps: BatchValue = None
-    gradient_clipping: NonNegativeFloat = Field(0.0, description="max grad norm; 0 disables clipping")
+    gradient_clipping: Union[NonNegativeFloat, Auto] = Field(
+        0.0, description='max grad norm; 0 disables clipping; "auto": the Trainer sets it from --max_grad_norm')
     steps_per_print: PositiveInt = 10
     wall_clock_breakdown: bool = False
     fp16: FP16Config = Field(default_factory=FP16Config)
@@ -256,13 +258,16 @@ class DeepSpeedConfig(_Section):
 
     @model_validator(mode="after")
     def _one_precision(self) -> "DeepSpeedConfig":
-        if self.fp16.enabled and self.bf16.enabled is True:
+        if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
         return self
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:
-        """Settled precision; call `with_device_precision` first when bf16.enabled is "auto"."""
+        """Settled precision; call `with_device_precision` first when bf16.enabled is "auto".
+        fp16.enabled "auto" is the Trainer's to settle (config/trainer_auto.py), never ours."""
+        if self.fp16.enabled == "auto":
+            raise ValueError('fp16.enabled is "auto"; Hugging Face\'s Trainer settles it, not autotuner')
         if self.fp16.enabled:
             return "fp16"
         if self.bf16.enabled == "auto":
@@ -275,7 +280,7 @@ class DeepSpeedConfig(_Section):
         """A copy with bf16.enabled "auto" settled: on where the device supports bf16 (and fp16 is off)."""
         if self.bf16.enabled != "auto":
             return self
-        settled = bf16_supported and not self.fp16.enabled
+        settled = bf16_supported and self.fp16.enabled is False
         return self.model_copy(update={"bf16": BF16Config(enabled=settled)})
 
     def to_dict(self) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from autotuner.config.batch import resolve_batch
 from autotuner.config.loader import ConfigSource, load_config
 from autotuner.config.models import DeepSpeedConfig
+from autotuner.config.trainer_auto import refuse_trainer_autos
 from autotuner.errors import ConfigError, UnsupportedError
 from autotuner.runtime.distributed import init_distributed, warn_once
 from autotuner.runtime.engine import Engine
@@ -73,7 +74,11 @@ def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
         raise ConfigError(f"--deepspeed {paths[0]} and --deepspeed_config {paths[1]} disagree; pass one")
     if config is None and not paths:
         raise ConfigError("no config: pass --deepspeed PATH or initialize(config=...)")
-    return load_config(config if config is not None else paths[0])
+    source = config if config is not None else paths[0]
+    loaded = load_config(source)
+    # No Trainer runs before our engine to fill its "auto" values in.
+    refuse_trainer_autos(loaded, str(source) if isinstance(source, (str, os.PathLike)) else "config")
+    return loaded
 
 
 def _remap_groups(params: Iterable, id_to_name: dict[int, str], new_by_name: dict[str, nn.Parameter]) -> list[dict]:

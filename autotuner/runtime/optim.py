@@ -11,6 +11,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from autotuner.config.models import DeepSpeedConfig, OptimizerConfig, SchedulerConfig
+from autotuner.config.trainer_auto import with_stand_ins
 from autotuner.errors import ConfigError
 
 # DeepSpeed-only optimizer params: they choose its fused kernels, which we do not use.
@@ -145,14 +146,17 @@ def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer) -
 
 def check_optimizer_and_scheduler(config: DeepSpeedConfig, source: str) -> None:
     """Build the configured optimizer and schedule on one dummy parameter, as every rank would,
-    so a misspelt or impossible param is refused before anything is launched."""
+    so a misspelt or impossible param is refused before anything is launched. Params left "auto"
+    are checked with stand-ins: the Trainer fills them in; our engine refuses them itself."""
     try:
         if config.optimizer is not None:
-            optimizer = build_optimizer(config.optimizer, [torch.zeros(1, requires_grad=True)])
+            checked = config.optimizer.model_copy(update={"params": with_stand_ins(config.optimizer.params)})
+            optimizer = build_optimizer(checked, [torch.zeros(1, requires_grad=True)])
         else:
             optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
         if config.scheduler is not None:
-            build_scheduler(config.scheduler, optimizer)
+            build_scheduler(config.scheduler.model_copy(update={"params": with_stand_ins(
+                config.scheduler.params)}), optimizer)
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None
     except (TypeError, ValueError) as err:

@@ -16,7 +16,8 @@ from autotuner.config import DeepSpeedConfig, load_config
 from autotuner.config.loader import read_config_file
 from autotuner.config.batch import check_fixed_triad
 from autotuner.config.keys import field_names, section_model
-from autotuner.engines import script_engine
+from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
+from autotuner.engines import script_engine, trains_on_ours
 from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import picks_ranks_itself
@@ -77,6 +78,25 @@ def check_some_batch_is_valid(config: DeepSpeedConfig, data_parallel_size: int, 
         allowed = (f"with {data_parallel_size} data-parallel ranks the smallest global batch is {smallest}; "
                    f"raise it to at least {smallest} or use fewer ranks")
     raise ConfigError(f"{source}: {key}: no micro-batch size gives a valid global batch: {allowed}")
+
+
+def check_trainer_autos(config: DeepSpeedConfig, engine: str, script: str, source: str) -> None:
+    """Hugging Face's "auto" values: refused for a script on our engine; on DeepSpeed's, passed
+    through, saying so. With model_info given no profile launch measures the precision the Trainer
+    picks, so fp16/bf16 "auto" must be settled in the file then."""
+    if engine == "autotuner" and trains_on_ours(script):
+        refuse_trainer_autos(config, source)
+    note = passed_through_note(config, source) if engine == "deepspeed" else None
+    if note:
+        _say(f"note: {note}")
+    info = config.autotuning.model_info
+    # bf16.enabled "auto" is ours to settle on our engine (bf16 where the device has it).
+    auto = [key for key, value in (("fp16.enabled", config.fp16.enabled), ("bf16.enabled", config.bf16.enabled))
+            if value == "auto" and (key == "fp16.enabled" or engine == "deepspeed")]
+    if info is not None and info.num_params and auto:
+        raise ConfigError(f"{source}: {auto[0]} is \"auto\" and autotuning.model_info is given, so no profile launch "
+                          f"sees the precision Hugging Face's Trainer picks; set {auto[0]} to true or false, or drop "
+                          "autotuning.model_info.num_params")
 
 
 def check_results_dir(path: Path, key: str) -> None:
@@ -182,6 +202,7 @@ def autotune(args: argparse.Namespace) -> int:
     check_some_batch_is_valid(config, data_parallel_size, source)
     check_optimizer_and_scheduler(config, source)
     engine = script_engine(args.script, getattr(args, "engine", "auto"))
+    check_trainer_autos(config, engine, args.script, source)
     settings = ExperimentSettings(
         script=args.script,
         script_args=script_args,

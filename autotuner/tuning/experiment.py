@@ -36,6 +36,7 @@ REQUEST_FILE = "request.json"
 LAUNCH_REPORT_FILE = "launch_report.json"
 RANK_ERRORS_DIR = "rank_errors"
 WARM_RANKS_FILE = "warm_ranks.txt"  # what each rank of a warm launch ran
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
 @dataclass(frozen=True)
@@ -81,13 +82,26 @@ def experiment_config(experiment: Experiment, settings: ExperimentSettings) -> d
     section (what to measure travels in the request file). Also the optimum's training config."""
     config = experiment.apply(settings.base_config, settings.data_parallel_size)
     config.pop("autotuning", None)
+    if derives_train_batch_size(settings):
+        config.pop("train_batch_size")
     return config
+
+
+def derives_train_batch_size(settings: ExperimentSettings) -> bool:
+    """On DeepSpeed's engine, unless the user fixed train_batch_size (or maps it to a flag), the
+    experiment's config leaves it out and DeepSpeed derives it: micro-batch x gas x its world size.
+    Written out, Hugging Face's Trainer checks it against its own product, whose world size on a
+    CPU-only machine is 1 (accelerate sees no distributed backend) while DeepSpeed's is not."""
+    return (settings.engine == "deepspeed" and not isinstance(settings.base_config.get("train_batch_size"), int)
+            and "train_batch_size" not in settings.arg_mappings)
 
 
 def with_user_keys(user_config: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]:
     """The tuned config laid over the user's file, so keys we accept but do not act on (DeepSpeed's
-    own) stay and DeepSpeed can train with the result. The autotuning section is left out."""
-    merged = {key: copy.deepcopy(value) for key, value in user_config.items() if key != "autotuning"}
+    own) stay and DeepSpeed can train with the result. The autotuning section is left out, and the
+    batch keys are the tuned config's alone (an "auto" of the user's is settled there, or derived)."""
+    merged = {key: copy.deepcopy(value) for key, value in user_config.items()
+              if key != "autotuning" and key not in BATCH_KEYS}
     for key, value in tuned.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
             merged[key] = {**merged[key], **copy.deepcopy(value)}
