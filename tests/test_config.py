@@ -530,3 +530,24 @@ class TestSchedulers:
         config = load_config({"scheduler": {"type": "WarmupLR"}}).scheduler
         assert isinstance(config, SchedulerConfig) and config.params == {}
         assert isinstance(load_config({}), DeepSpeedConfig) and load_config({}).scheduler is None
+
+
+# --------------------------------------------------------------------------- DeepSpeed keys that change the math
+
+
+def test_bfloat16_is_deepspeeds_older_name_of_bf16():
+    assert load_config({"bfloat16": {"enabled": True}}).precision == "bf16"
+
+
+@pytest.mark.parametrize("raw, named", [
+    ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op 'sum'"),
+    ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation false"),
+    ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled"),
+])
+def test_our_engine_refuses_deepspeed_keys_that_would_change_the_math(raw, named):
+    from autotuner.config.engine_math import refuse_other_math
+
+    loaded = load_config(raw)  # DeepSpeed's engine honours them, so the file itself loads
+    with pytest.raises(ConfigError, match="ds.json: " + named.replace("(", r"\(")):
+        refuse_other_math(loaded, "ds.json")
+    refuse_other_math(load_config({"gradient_allreduce_op": "mean", "torch_autocast": {"enabled": False}}), "ds.json")

@@ -16,14 +16,16 @@ from autotuner.errors import ConfigError
 KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
     "": frozenset(
         {
-            "activation_checkpointing", "aio", "amp", "bfloat16", "checkpoint", "comms_logger",
+            "activation_checkpointing", "aio", "amp", "checkpoint", "comms_logger",
             "compression_training", "curriculum_learning",
             "data_efficiency", "data_types", "dataloader_drop_last", "disable_allgather", "dump_state",
             "eigenvalue", "elasticity", "memory_breakdown",
             "monitor_config", "pipeline", "progressive_layer_drop", "sparse_attention",
             "sparse_gradients", "weight_quantization", "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer", "train_batch_size_per_gpu_at_fp16", "hybrid_engine",
-            "compile", "nebula", "comet", "quantize_training",
+            "compile", "nebula", "comet", "quantize_training", "log_level", "disable_python_gc",
+            "use_data_before_expert_parallelism", "expert_parallel", "seq_parallel_communication_data_type",
+            "tensor_parallel", "sequence_parallel_size",
         }
     ),
     "zero_optimization": frozenset(
