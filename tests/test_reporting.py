@@ -153,3 +153,16 @@ def test_tuning_experiments_leave_the_users_curves_alone_and_the_tuned_run_write
     trained = run_launcher("--autotuning", "run", *command, cwd=tmp_path, timeout=300)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert len(list((tmp_path / "tb" / "job").glob("events.out.tfevents.*"))) == 1
+
+
+@pytest.mark.parametrize("section, module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
+def test_a_monitor_whose_package_is_missing_is_refused_in_one_line(monkeypatch, tmp_path, section, module):
+    from autotuner.config.loader import load_config
+    from autotuner.errors import UnsupportedError
+    from autotuner.monitor.monitor import MonitorMaster
+
+    monkeypatch.setitem(__import__("sys").modules, module, None)  # as if not installed: import raises
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedError, match=f"{section}.enabled is true, but the .* package is not installed; "
+                                               r"pip install 'autotuner\[monitor\]'"):
+        MonitorMaster(load_config({section: {"enabled": True}}))
