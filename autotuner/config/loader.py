@@ -115,6 +115,8 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
         raw, label = json.loads(json.dumps(dict(source), default=str)), name or "config"
     else:
         raw, label = read_config_file(source), name or str(source)
+    if "bfloat16" in raw and "bf16" not in raw:  # DeepSpeed's older name of the section
+        raw = {("bf16" if key == "bfloat16" else key): value for key, value in raw.items()}
     kept, ignored = check_keys(raw, DeepSpeedConfig, label)
     if ignored:
         logger.warning("%s: accepted but not used by autotuner: %s", label, ", ".join(ignored))

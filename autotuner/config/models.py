@@ -12,7 +12,10 @@ from typing import Any, Literal, Union
 
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, field_validator, model_validator
+from pydantic import (AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeFloat, PositiveFloat,
+                      field_validator, model_validator)
+
+from autotuner.config.reporting import CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig, WandbConfig
 
 logger = logging.getLogger("autotuner.config")
 
@@ -95,6 +98,10 @@ class ZeroConfig(_Section):
     stage3_param_persistence_threshold: Union[NonNegativeInt, list[NonNegativeInt], Auto, None] = None
     offload_optimizer: OffloadConfig | None = None
     offload_param: OffloadConfig | None = None
+    # DeepSpeed's name at stage 3, its stage-less name, and its deprecated fp16 name.
+    gather_16bit_weights_on_model_save: bool = Field(False, validation_alias=AliasChoices(
+        "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
+        "stage3_gather_fp16_weights_on_model_save"), description="save_16bit_model gathers ZeRO-3 shards")
 
     @field_validator("stage", mode="before")
     @classmethod
@@ -248,6 +255,28 @@ class DeepSpeedConfig(_Section):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
+    # What a run reports, and how gradients are reduced: DeepSpeed's keys and meanings.
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    timers: TimersConfig = Field(default_factory=TimersConfig)
+    communication_data_type: Literal["fp32", "fp16", "bf16"] | None = Field(
+        None, description="dtype of the gradient reduction; unset: the gradients' own dtype")
+    prescale_gradients: bool = Field(False, description="divide by the world size before the all-reduce")
+    gradient_predivide_factor: PositiveFloat = Field(
+        1.0, description="without prescale_gradients: divide by this before the all-reduce, by world/this after")
+
+    # DeepSpeed keys that change the training math; our engine refuses values other than the default
+    # (config/engine_math.py), DeepSpeed's engine honours them.
+    managed_gradient_accumulation: bool = True
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    torch_autocast: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("communication_data_type", mode="before")
+    @classmethod
+    def _dtype_case(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value  # DeepSpeed lowercases it
 
     @field_validator("train_micro_batch_size_per_gpu", mode="before")
     @classmethod

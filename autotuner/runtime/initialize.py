@@ -14,10 +14,12 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from autotuner.config.batch import resolve_batch
 from autotuner.config.loader import ConfigSource, load_config
 from autotuner.config.models import DeepSpeedConfig
+from autotuner.config.engine_math import refuse_other_math
 from autotuner.config.trainer_auto import refuse_trainer_autos
 from autotuner.errors import ConfigError, UnsupportedError
 from autotuner.runtime.distributed import init_distributed, warn_once
 from autotuner.runtime.engine import Engine
+from autotuner.runtime.grad_reduction import GradientReduction
 from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
 
@@ -78,6 +80,7 @@ def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
     loaded = load_config(source)
     # No Trainer runs before our engine to fill its "auto" values in.
     refuse_trainer_autos(loaded, str(source) if isinstance(source, (str, os.PathLike)) else "config")
+    refuse_other_math(loaded, str(source) if isinstance(source, (str, os.PathLike)) else "config")
     return loaded
 
 
@@ -212,7 +215,7 @@ def initialize(
         source = [dict(group) for group in optimizer.param_groups]
     else:
         source = list(model_parameters) if model_parameters is not None else list(model.parameters())
-    wrapped = wrap_model(model, stage, cfg.zero_optimization, cfg.precision, ctx)
+    wrapped = wrap_model(model, stage, cfg.zero_optimization, cfg.precision, ctx, GradientReduction.from_config(cfg))
     groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
     opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage)
     scheduler = _build_scheduler(lr_scheduler, cfg, opt, stage)
