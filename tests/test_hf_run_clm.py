@@ -1,0 +1,231 @@
+"""DeepSpeed's autotuning tutorial as written (issue 29, section 3): Hugging Face's own run_clm.py,
+byte for byte from ../shared/clients, tuned and trained under our launcher on DeepSpeed's engine,
+2 CPU ranks, with the tutorial's config and with Hugging Face's documented "auto" config. Also an
+`accelerate launch`-style script (Accelerator + DeepSpeedPlugin), served by the same hooks.
+
+The model is a tiny GPT-2 and a word-level BPE tokenizer made here; nothing is downloaded
+(HF_HUB_OFFLINE, HF_DATASETS_OFFLINE; no --do_eval, which would fetch `evaluate`'s metric).
+Skipped without the shared script, transformers, accelerate, datasets, evaluate, tokenizers or
+DeepSpeed.
+
+On a CPU-only machine accelerate sees no distributed backend under DeepSpeed, so each rank's
+Trainer believes it is rank 0 of 1 while DeepSpeed's engine runs on 2 (a Hugging Face limitation,
+absent on GPUs): both ranks read the same batches and both write output_dir. The timings are
+DeepSpeed's 2 ranks all the same, and the throughput counts its global batch (micro x gas x 2).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from autotuner.engines import script_engine
+from conftest import ROOT, WORKERS, launcher_env
+
+RUN_CLM = ROOT.parent / "shared" / "clients" / "hf_run_clm" / "run_clm.py"
+ACCELERATE_SCRIPT = WORKERS / "accelerate_train.py"
+NEEDED = ("transformers", "accelerate", "datasets", "evaluate", "tokenizers", "deepspeed")
+MISSING = [name for name in NEEDED if importlib.util.find_spec(name) is None]
+pytestmark = [
+    pytest.mark.skipif(not RUN_CLM.is_file(), reason=f"needs Hugging Face's run_clm.py at {RUN_CLM}"),
+    pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)}: pip install 'autotuner[hf,deepspeed]'"),
+]
+MAPPINGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+# Small enough for the suite: a 2-step profile window, micro-batches up to 4, no final re-measurement.
+TEST_SIZED = {"start_profile_step": 1, "end_profile_step": 2, "max_train_micro_batch_size_per_gpu": 4,
+              "remeasure_rounds": 0, "exp_timeout_s": 120}
+# The tutorial's ds_config.json, verbatim (its trailing space in "gradient_accumulation_steps " too).
+TUTORIAL = {"train_micro_batch_size_per_gpu": "auto", "fp16": {"enabled": True},
+            "autotuning": {"enabled": True, "arg_mappings": {
+                "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+                "gradient_accumulation_steps ": "--gradient_accumulation_steps"}}}
+# Hugging Face's documented ZeRO-2 config, "auto" wherever the Trainer fills a value in.
+HF_AUTO = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
+                          "reduce_scatter": True, "reduce_bucket_size": "auto", "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+    "autotuning": {"enabled": True, "arg_mappings": MAPPINGS},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory) -> Path:
+    """A 2-layer GPT-2 (64 wide) with a 300-token byte-level BPE trained on the text it learns."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("tiny_gpt2")
+    rng = random.Random(0)
+    words = "the quick brown fox jumps over a lazy dog while seven tiny models learn to count".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(8, 30))) for _ in range(400)]
+    (root / "train.txt").write_text("\n".join(lines) + "\n")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    wrapped = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<|endoftext|>",
+                                      eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    wrapped.save_pretrained(root / "model")
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=128, vocab_size=len(wrapped),
+                        bos_token_id=0, eos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(root / "model")
+    return root
+
+
+def hf_env(tmp_path: Path) -> dict[str, str]:
+    return {**launcher_env(), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "HF_HOME": str(tmp_path / "hf_home"), "WANDB_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": "1"}
+
+
+def run_clm_args(model: Path, out: Path, *extra: str) -> list[str]:
+    """The tutorial's flags, offline: a local model and text file instead of the hub's gpt2 and
+    wikitext, no --do_eval, no --overwrite_output_dir (gone in transformers 5); --dataloader_drop_last
+    so every measured micro-batch is full."""
+    return [str(RUN_CLM), "--model_name_or_path", str(model / "model"), "--train_file", str(model / "train.txt"),
+            "--do_train", *extra, "--per_device_train_batch_size", "1", "--gradient_accumulation_steps", "1",
+            "--learning_rate", "2e-5", "--max_steps", "6", "--block_size", "32", "--dataloader_drop_last",
+            "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--output_dir", str(out)]
+
+
+def launcher(mode: str, tmp_path: Path, script_args: list[str], config: dict) -> subprocess.CompletedProcess:
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    command = [sys.executable, "-m", "autotuner", "--autotuning", mode, "--nproc_per_node", "2", *script_args,
+               "--deepspeed", str(tmp_path / "ds.json")]
+    return subprocess.run(command, cwd=tmp_path, env=hf_env(tmp_path), capture_output=True, text=True, timeout=400)
+
+
+def with_test_sizes(config: dict) -> dict:
+    return {**config, "autotuning": {**config["autotuning"], **TEST_SIZED}}
+
+
+def shm_buffers() -> set[Path]:
+    return set(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*"))
+
+
+@pytest.fixture
+def shm_before(no_orphans):
+    """DeepSpeed's CPU allreduce buffers before the test; those it adds are removed afterwards."""
+    before = shm_buffers()
+    yield before
+    for path in shm_buffers() - before:
+        path.unlink(missing_ok=True)
+
+
+def assert_only_the_trainings_buffers_left(before: set[Path]) -> None:
+    """The tuner's launches unlink DeepSpeed's 66 MiB-per-rank buffers; a plain DeepSpeed training
+    (the final one) leaves its pair, under one port, as DeepSpeed always does on CPU."""
+    left = shm_buffers() - before
+    ports = {path.name.rsplit("_", 2)[-2] for path in left}
+    assert len(left) <= 2 and len(ports) <= 1, sorted(path.name for path in left)
+
+
+def assert_every_experiment_measured_on_deepspeed(tmp_path: Path) -> pd.DataFrame:
+    """Every launch ran on DeepSpeed's engine, and its throughput counts DeepSpeed's global batch
+    (micro x gas x 2 ranks), whatever world size the Trainer believed in."""
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    assert len(table) >= 2 and (table.state == "ok").all() and (table.engine == "deepspeed").all(), table.to_string()
+    for name in table.name:
+        directory = tmp_path / "autotuning_exps" / name
+        metrics = json.loads((directory / "metrics.json").read_text())
+        global_batch = metrics["micro_batch_size"] * metrics["gradient_accumulation_steps"] * 2
+        assert metrics["world_size"] == 2 and metrics["train_batch_size"] == global_batch, metrics
+        assert metrics["throughput"] == pytest.approx(global_batch / metrics["latency"], rel=1e-6)
+        assert "train_batch_size" not in json.loads((directory / "ds_config.json").read_text())
+    return table
+
+
+def assert_results_written(tmp_path: Path, result: subprocess.CompletedProcess) -> dict:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    results = tmp_path / "autotuning_results"
+    for name in ("summary.txt", "experiments.csv", "ds_config_optimal.json", "cmd_optimal.txt"):
+        assert (results / name).is_file(), name
+    assert "Tuning completed in" in result.stdout
+    return json.loads((results / "ds_config_optimal.json").read_text())
+
+
+def assert_trained(result: subprocess.CompletedProcess, out: Path) -> None:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "autotuner: training with the optimal config" in result.stdout
+    assert json.loads((out / "train_results.json").read_text())["train_loss"] > 0
+    assert (out / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_tutorials_config_tunes_then_trains_run_clm_on_deepspeeds_engine(tiny_gpt2, tmp_path, shm_before):
+    """The tutorial's ds_config.json and flags (--fp16 included: DeepSpeed 0.19's CPU engine runs
+    fp16 with its loss scaler, so nothing is turned off)."""
+    args = run_clm_args(tiny_gpt2, tmp_path / "out", "--fp16")
+    tuned = launcher("tune", tmp_path, args, with_test_sizes(TUTORIAL))
+    optimal = assert_results_written(tmp_path, tuned)
+    table = assert_every_experiment_measured_on_deepspeed(tmp_path)
+    assert set(table.zero_stage) == {0}  # the tutorial's config names no stage: DeepSpeed's default, 0
+    metrics = json.loads((tmp_path / "autotuning_exps" / table.name[0] / "metrics.json").read_text())
+    assert metrics["precision"] == "fp16"
+    assert optimal["fp16"] == {"enabled": True} and "train_batch_size" not in optimal
+    command = shlex.split((tmp_path / "autotuning_results" / "cmd_optimal.txt").read_text())
+    best = table[table.chosen].iloc[0]
+    assert command[command.index("--per_device_train_batch_size") + 1] == str(best.micro_batch_size)
+    assert not (tmp_path / "out" / "train_results.json").exists()  # tune trains nothing
+    assert shm_buffers() <= shm_before  # the experiments unlinked DeepSpeed's buffers
+
+    trained = launcher("run", tmp_path, args, with_test_sizes(TUTORIAL))  # reuses the tuned records
+    assert f"{best['name']}: ok (from an earlier run)" in trained.stdout
+    assert_trained(trained, tmp_path / "out")
+    assert_only_the_trainings_buffers_left(shm_before)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hugging_faces_auto_config_tunes_and_trains_with_the_autos_passed_through(tiny_gpt2, tmp_path, shm_before):
+    result = launcher("run", tmp_path, run_clm_args(tiny_gpt2, tmp_path / "out"), with_test_sizes(HF_AUTO))
+    assert "left \"auto\" for Hugging Face's Trainer (or accelerate) to fill in" in result.stdout
+    optimal = assert_results_written(tmp_path, result)
+    table = assert_every_experiment_measured_on_deepspeed(tmp_path)
+    assert set(table.zero_stage) == {2}
+    # Unchanged in every experiment's config and in the optimum: the Trainer filled them in.
+    experiment = json.loads((tmp_path / "autotuning_exps" / table.name[0] / "ds_config.json").read_text())
+    for config in (experiment, optimal):
+        assert config["gradient_clipping"] == "auto" and config["optimizer"]["params"]["lr"] == "auto"
+        assert config["fp16"]["enabled"] == "auto" and config["zero_optimization"]["reduce_bucket_size"] == "auto"
+    assert "train_batch_size" not in optimal
+    assert_trained(result, tmp_path / "out")
+    assert_only_the_trainings_buffers_left(shm_before)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_accelerate_deepspeed_plugin_script_is_tuned_and_trained_on_deepspeeds_engine(tmp_path, shm_before):
+    assert script_engine(str(ACCELERATE_SCRIPT)) == "deepspeed"
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 1},
+              "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, **TEST_SIZED}}
+    result = launcher("run", tmp_path, [str(ACCELERATE_SCRIPT)], config)
+    assert_results_written(tmp_path, result)
+    assert_every_experiment_measured_on_deepspeed(tmp_path)
+    assert "autotuner: training with the optimal config" in result.stdout
+    assert "trained 6 steps" in result.stdout + result.stderr
+    assert_only_the_trainings_buffers_left(shm_before)
+
+
+def test_run_clm_is_tuned_on_deepspeeds_engine():
+    assert script_engine(str(RUN_CLM)) == "deepspeed"
