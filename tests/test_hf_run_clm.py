@@ -28,7 +28,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from autotuner import engines
 from autotuner.engines import script_engine
+from autotuner.errors import UsageError
 from conftest import ROOT, WORKERS, launcher_env
 
 RUN_CLM = ROOT.parent / "shared" / "clients" / "hf_run_clm" / "run_clm.py"
@@ -227,5 +229,12 @@ def test_an_accelerate_deepspeed_plugin_script_is_tuned_and_trained_on_deepspeed
     assert_only_the_trainings_buffers_left(shm_before)
 
 
-def test_run_clm_is_tuned_on_deepspeeds_engine():
+def test_run_clm_is_tuned_on_deepspeeds_engine_and_refused_in_one_line_without_deepspeed(monkeypatch):
     assert script_engine(str(RUN_CLM)) == "deepspeed"
+    monkeypatch.setattr(engines, "deepspeed_installed", lambda: False)
+    with pytest.raises(UsageError) as caught:
+        script_engine(str(RUN_CLM))
+    message = str(caught.value)
+    assert caught.value.exit_code == 2 and "\n" not in message
+    assert "imports transformers.Trainer, which trains on DeepSpeed's engine with --deepspeed" in message
+    assert "autotuner[deepspeed]" in message and "import autotuner as deepspeed" not in message
