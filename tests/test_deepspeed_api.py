@@ -31,7 +31,7 @@ CLIENT_WINS = "using the optimizer passed to initialize()"
 def ds_config(tmp_path: Path, stage: int, **extra) -> Path:
     config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "Adam", "params": {"lr": 0.5}},  # not used: the script passes FusedAdam
-              "zero_optimization": {"stage": stage}, "wandb": {"enabled": False}, **extra}
+              "zero_optimization": {"stage": stage}, "comet": {"enabled": False}, **extra}
     path = tmp_path / f"ds_stage{stage}.json"
     path.write_text(json.dumps(config))
     return path
@@ -113,7 +113,7 @@ def test_deepspeed_style_script_tunes_and_the_optimal_config_keeps_the_users_key
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "best_metric_val (samples/s)" in result.stdout
     optimal = json.loads((tmp_path / "results" / "ds_config_optimal.json").read_text())
-    assert optimal["wandb"] == {"enabled": False}  # a DeepSpeed key we accept but do not act on stays
+    assert optimal["comet"] == {"enabled": False}  # a DeepSpeed key we accept but do not act on stays
     assert optimal["optimizer"] == raw["optimizer"] and "autotuning" not in optimal
     assert optimal["zero_optimization"]["stage"] in (0, 3)
     assert optimal["train_micro_batch_size_per_gpu"] in (4, 8)

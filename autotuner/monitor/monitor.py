@@ -117,3 +117,4 @@ class MonitorMaster:
     def close(self) -> None:
         for monitor in self._monitors():
             monitor.close()
+        self.tb_monitor = self.wandb_monitor = self.csv_monitor = None

@@ -153,6 +153,11 @@ class DeepSpeedAccessors:
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    def destroy(self) -> None:
+        """Release what the engine holds beyond the model: monitors (wandb's run, open event files).
+        The engine stays usable for reading, as DeepSpeed's does."""
+        self.reporter.close()
+
     def save_fp16_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin") -> bool:
         return self.save_16bit_model(save_dir, save_filename)  # DeepSpeed's older name
 

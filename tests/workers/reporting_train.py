@@ -78,6 +78,7 @@ def main():
 
         wandb.run.log({}, commit=True)  # wandb holds the last step open until the step changes or the run ends
         wandb_summary = {key: value for key, value in dict(wandb.run.summary).items() if not key.startswith("_")}
+    engine.destroy()  # DeepSpeedExamples' scripts end so; the monitors close
     if rank == 0:
         with open(args.out, "w") as handle:
             json.dump({"losses": losses, "weights": weights, "saved": saved,
