@@ -32,6 +32,7 @@ from autotuner import engines
 from autotuner.engines import script_engine
 from autotuner.errors import UsageError
 from conftest import ROOT, WORKERS, launcher_env
+from hf_configs import HF_ZERO2, MAPPINGS
 
 RUN_CLM = ROOT.parent / "shared" / "clients" / "hf_run_clm" / "run_clm.py"
 ACCELERATE_SCRIPT = WORKERS / "accelerate_train.py"
@@ -41,8 +42,6 @@ pytestmark = [
     pytest.mark.skipif(not RUN_CLM.is_file(), reason=f"needs Hugging Face's run_clm.py at {RUN_CLM}"),
     pytest.mark.skipif(bool(MISSING), reason=f"needs {', '.join(MISSING)}: pip install 'autotuner[hf,deepspeed]'"),
 ]
-MAPPINGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
-            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
 # Small enough for the suite: a 2-step profile window, micro-batches up to 4, no final re-measurement.
 TEST_SIZED = {"start_profile_step": 1, "end_profile_step": 2, "max_train_micro_batch_size_per_gpu": 4,
               "remeasure_rounds": 0, "exp_timeout_s": 120}
@@ -51,20 +50,11 @@ TUTORIAL = {"train_micro_batch_size_per_gpu": "auto", "fp16": {"enabled": True},
             "autotuning": {"enabled": True, "arg_mappings": {
                 "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
                 "gradient_accumulation_steps ": "--gradient_accumulation_steps"}}}
-# Hugging Face's documented ZeRO-2 config, "auto" wherever the Trainer fills a value in.
-HF_AUTO = {
-    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
-             "hysteresis": 2, "min_loss_scale": 1},
-    "bf16": {"enabled": "auto"},
-    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
-    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
-                                                 "warmup_num_steps": "auto"}},
-    "zero_optimization": {"stage": 2, "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
-                          "reduce_scatter": True, "reduce_bucket_size": "auto", "contiguous_gradients": True},
-    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
-    "autotuning": {"enabled": True, "arg_mappings": MAPPINGS},
-}
+# Hugging Face's documented ZeRO-2 config, "auto" wherever the Trainer fills a value in; the optimizer
+# stays on the CPU's own memory (the offload section is dropped there anyway).
+HF_AUTO = {**HF_ZERO2, "zero_optimization": {key: value for key, value in HF_ZERO2["zero_optimization"].items()
+                                             if key != "offload_optimizer"},
+           "autotuning": {"enabled": True, "arg_mappings": MAPPINGS}}
 
 
 @pytest.fixture(scope="module")
