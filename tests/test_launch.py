@@ -390,7 +390,8 @@ def test_master_port_is_the_ranks_master_port_on_one_node(tmp_path, no_orphans):
     import socket
 
     script = tmp_path / "echo_port.py"
-    script.write_text("import os\nprint(os.environ['RANK'], os.environ['MASTER_PORT'], flush=True)\n")
+    # One write per rank: print(a, b) writes its parts apart, and two ranks share the pipe.
+    script.write_text("import os, sys\nsys.stdout.write(os.environ['RANK'] + ' ' + os.environ['MASTER_PORT'] + '\\n')\n")
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
