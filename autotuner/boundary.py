@@ -86,6 +86,8 @@ class MeasurementRequest:
     model_info_path: str | None = None
     exit_after_model_info: bool = False
     oom_marker_prefix: str | None = None
+    min_window_s: float = 0.0  # the window is extended, a step at a time, until it has lasted this long
+    max_steps_per_window: int = 0  # ... or holds this many steps
     version: int = VERSION
 
     def oom_marker(self, rank: int) -> str | None:
@@ -128,6 +130,10 @@ class Measurement:
     end_profile_step: int | None = None
     FLOPS_per_gpu: float | None = None
     engine: str = "autotuner"  # whose engine ran the launch: "autotuner" or "deepspeed"
+    # The machine during the window: the largest share of a node's CPU time that processes other
+    # than our ranks took, and the 1-minute load average at its end.
+    cpu_taken_by_others: float | None = None
+    load_average: float | None = None
     version: int = VERSION
 
     def value(self, key: str) -> float | None:

@@ -1,7 +1,7 @@
 """Tuning quality: our autotuner's pick against the exhaustive grid over the same space.
 
     python benchmarks/tuning_quality.py [--workloads gpt2,mlp,convnet] [--repeats 2]
-                                        [--runs gridsearch:fast,model_based:full,...]
+                                        [--runs gridsearch:fast,model_based:full,...] [--interference N]
 
 For each workload (2 CPU ranks, OMP_NUM_THREADS=1 per rank, a memory_per_rank_bytes budget that
 makes some stages infeasible):
@@ -11,6 +11,9 @@ makes some stages infeasible):
 2. the autotuner, once per tuner and mode, as a user runs it (`launcher --autotuning tune`);
 3. each pick is re-measured interleaved with the grid's best (A B A B), and quality is the
    ratio of their medians.
+With `--interference N`, N CPU-bound processes run beside the tuner while it tunes (a shared
+node); the grid and the re-measurements stay neutral, so the ratio says how good the pick made
+under interference really is.
 Results go to benchmarks/results/tuning_quality.csv and a markdown table on stdout.
 """
 
@@ -145,15 +148,33 @@ def spread(results: list) -> float:
     return (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
 
 
-def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path) -> dict:
+def busy_loops(count: int) -> list:
+    """CPU-bound processes, each its own process group (ended in `stop_busy_loops`)."""
+    import subprocess
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+            for _ in range(count)]
+
+
+def stop_busy_loops(loops: list) -> None:
+    for loop in loops:
+        loop.kill()
+        loop.wait()
+
+
+def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path, interference: int = 0) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     config_path = work / "ds.json"
     config_path.write_text(json.dumps(workload.config(tuner_type=tuner, fast=(mode == "fast"), overwrite=True)))
     command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2",
                str(ROOT / workload.script), *workload.args, "--deepspeed", str(config_path)]
     # A process group, ended with its experiments if this benchmark is stopped.
-    done = run_to_completion(command, stdout=work / "tuner.out", stderr=work / "tuner.err", timeout_s=3 * 3600,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(work))
+    loops = busy_loops(interference)
+    try:
+        done = run_to_completion(command, stdout=work / "tuner.out", stderr=work / "tuner.err", timeout_s=3 * 3600,
+                                 env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(work))
+    finally:
+        stop_busy_loops(loops)
     wall = done.wall_time_s
     stdout = (work / "tuner.out").read_text()
     table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
@@ -164,8 +185,10 @@ def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path) -> dict
     chosen = None if chosen_rows.empty else TrialResult.from_json(json.loads(
         (work / "autotuning_exps" / chosen_rows.iloc[0]["name"] / RECORD_FILE).read_text())["result"]).experiment
     predicted = dict(re.findall(r"z(\d)=(\d+)", stdout.split("largest micro-batch per stage:")[-1].split("\n")[0]))
+    measured_again = stdout.count("measuring it again")
     return {
         "returncode": done.returncode, "wall_s": wall, "experiments": len(launched),
+        "measured_again": measured_again,
         "oom_or_failed": int((launched.state != "ok").sum()),
         "chosen": chosen,
         "predicted_max_micro": {int(k): int(v) for k, v in predicted.items()},
@@ -173,7 +196,7 @@ def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path) -> dict
 
 
 def evaluate(workload: Workload, runs: list[tuple[str, str]], repeats: int, work: Path,
-             reuse_grid: bool) -> list[dict]:
+             reuse_grid: bool, interference: int = 0) -> list[dict]:
     settings = settings_for(workload)
     space = grid(workload)
     grid_runs = measure_rounds(space, settings, repeats, work / "grid", reuse=reuse_grid)
@@ -185,17 +208,18 @@ def evaluate(workload: Workload, runs: list[tuple[str, str]], repeats: int, work
                     for stage in (0, 1, 2, 3)}
     rows = []
     for tuner, mode in runs:
-        run = run_autotuner(workload, tuner, mode, work / f"tune_{tuner}_{mode}")
+        run = run_autotuner(workload, tuner, mode, work / f"tune_{tuner}_{mode}_busy{interference}", interference)
         chosen = run["chosen"]
         ratio = best_spread = None
         if chosen is not None:
             pair = [chosen, best] if chosen != best else [best]
-            again = measure_rounds(pair, settings, repeats, work / f"remeasure_{tuner}_{mode}")
+            again = measure_rounds(pair, settings, repeats, work / f"remeasure_{tuner}_{mode}_busy{interference}")
             chosen_score, best_score = median_value(again[chosen]), median_value(again[best])
             ratio = chosen_score / best_score if chosen_score and best_score else None
             best_spread = spread(again[best]) / best_score if best_score else None
         rows.append({
             "date": time.strftime("%Y-%m-%d"), "workload": workload.name, "tuner": tuner, "mode": mode,
+            "interference": interference, "measured_again": run["measured_again"],
             "budget_mib": workload.memory_per_rank_bytes // 2**20,
             "chosen": chosen.name if chosen else None, "grid_best": best.name,
             "grid_best_samples_per_s": round(feasible[best], 2),
@@ -219,6 +243,8 @@ def main() -> None:
                         "random:full,model_based:full", help="tuner:mode pairs to run, comma-separated")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--work_dir", default="output/tuning_quality")
+    parser.add_argument("--interference", type=int, default=0,
+                        help="CPU-bound processes to run beside the tuner while it tunes")
     parser.add_argument("--reuse_grid", action="store_true",
                         help="read back grid runs an earlier (interrupted) run of this benchmark left in --work_dir")
     args = parser.parse_args()
@@ -228,9 +254,10 @@ def main() -> None:
     rows = []
     for name in args.workloads.split(","):
         runs = [tuple(pair.split(":")) for pair in args.runs.split(",")]
-        rows += evaluate(WORKLOADS[name], runs, args.repeats, Path(args.work_dir).resolve() / name, args.reuse_grid)
+        rows += evaluate(WORKLOADS[name], runs, args.repeats, Path(args.work_dir).resolve() / name, args.reuse_grid,
+                         args.interference)
         # after each workload: a long run keeps its rows
-        table = merge_csv(RESULTS / "tuning_quality.csv", rows, ["workload", "tuner", "mode"])
+        table = merge_csv(RESULTS / "tuning_quality.csv", rows, ["workload", "tuner", "mode", "interference"])
     print(table.drop(columns=["predicted_max_micro", "measured_max_micro"]).to_markdown(index=False))
 
 
@@ -241,6 +268,8 @@ def merge_csv(path: Path, rows: list[dict], key: list[str]) -> pd.DataFrame:
     table = pd.DataFrame(rows)
     if path.exists():
         old = pd.read_csv(path)
+        if "interference" in key and "interference" not in old.columns:
+            old["interference"] = 0  # rows from before the column: measured on a quiet machine
         if set(key) <= set(old.columns):
             replaced = old.set_index(key).index.isin(table.set_index(key).index)
             table = pd.concat([old[~replaced], table], ignore_index=True)

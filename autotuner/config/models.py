@@ -169,6 +169,10 @@ class AutotuningConfig(_Section):
     metric: MetricName = "throughput"
     start_profile_step: PositiveInt = 3
     end_profile_step: PositiveInt = 5
+    min_window_s: NonNegativeFloat = Field(
+        1.0, description="ours: a profile window goes on past end_profile_step until it has lasted this long "
+                         "(Bagua's sampling_confidence_time); 0 keeps DeepSpeed's fixed window")
+    max_steps_per_window: PositiveInt = Field(100, description="ours: ... or until it holds this many steps")
     metric_path: str | None = None
     model_info_path: str | None = None
     tuner_type: TunerType = "predictive"  # DeepSpeed: gridsearch; ours wins our benchmarks (README)
@@ -192,9 +196,9 @@ class AutotuningConfig(_Section):
                                     "as 'module' or 'module:attribute'")
     online: OnlineConfig = Field(default_factory=OnlineConfig)
     remeasure_top: PositiveInt = Field(3, description="the final pick re-measures up to this many candidates within "
-                                       "the measured spread of the best, interleaved, and takes the best median")
-    remeasure_rounds: NonNegativeInt = Field(1, description="launches per candidate in the final re-measurement "
-                                             "(0: pick the best single measurement)")
+                                       "twice the run's noise level of the best, interleaved, and takes the best median")
+    remeasure_rounds: NonNegativeInt = Field(3, description="at most this many rounds of re-measurement, stopping "
+                                             "once the best stands apart (0: pick the best single measurement)")
 
     @field_validator("arg_mappings", mode="before")
     @classmethod

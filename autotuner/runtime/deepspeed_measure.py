@@ -18,13 +18,14 @@ DeepSpeed's own timers and its autotuning keys are not read: the experiment conf
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.abc
 import os
 import sys
 from typing import Any
 
-from autotuner.boundary import MeasurementRequest
+from autotuner.boundary import MeasurementRequest, write_record
 
 ENGINE_NAME = "deepspeed"
 
@@ -145,13 +146,16 @@ class DeepSpeedMeasurement:
 
         from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom
         from autotuner.runtime.timers import ProfileWindow, Stopwatch
+        from autotuner.runtime.window_load import WindowWatch
 
         self.engine = engine
         self.request = request
         self.engines = engines  # every engine this process created (a GAN has two)
         self.device = torch.device(engine.device)
         self.rank = int(engine.global_rank)
-        self.window = ProfileWindow(request.start_profile_step, request.end_profile_step)
+        self.window = ProfileWindow(request.start_profile_step, request.end_profile_step, request.min_window_s,
+                                    request.max_steps_per_window)
+
         self.watch = Stopwatch(self.device)
         self.last_boundary_end: float | None = None
         self.pending_forward_s = 0.0
@@ -162,6 +166,7 @@ class DeepSpeedMeasurement:
         self.phase_peaks = PhasePeaks() if want_info and self.device.type == "cuda" else None
         self.info_step = 2 if self.phase_peaks is not None else 1
         self.exit_after_window = request.metrics_path is not None
+        self.watch_window = WindowWatch(self.window, self.device, self.exit_after_window)
         self.oom_marker = request.oom_marker(self.rank)
         if self.oom_marker:
             mark_uncaught_oom(self.oom_marker, self.rank)
@@ -169,6 +174,7 @@ class DeepSpeedMeasurement:
     # ----- the wrapped calls -----
     def forward(self, call):
         if self.last_boundary_end is None:
+            self.watch_window.note_steps_done(0)
             self.last_boundary_end = self.watch.now()
         first_micro_step = self.want_info and self.engine.micro_steps == 0
         if first_micro_step:
@@ -210,10 +216,14 @@ class DeepSpeedMeasurement:
         self.last_boundary_end = now
         steps = int(self.engine.global_steps)
         self.window.record_step(steps, step_s, wall)
+        self.watch_window.note_steps_done(steps)
         if self.want_info and steps == self.info_step:
             self._write_model_info()
         if self.exit_after_window and steps == self.window.end_step:
-            self._finish()
+            if self.watch_window.goes_on(steps, self._write_measurement):
+                self.last_boundary_end = self.watch.now()  # agreeing and writing are not step time
+            else:
+                self._finish()
         return result
 
     # ----- what the engine is -----
@@ -326,12 +336,24 @@ class DeepSpeedMeasurement:
             self._leave()
 
     def _finish(self) -> None:
-        import dataclasses
-
-        from autotuner.boundary import write_record
         from autotuner.runtime.comm_probe import probe_collectives
-        from autotuner.runtime.metrics import build_measurement
 
+        self._write_measurement()
+        if self.rank == 0:
+            print(f"autotuner: profile steps done on DeepSpeed's engine; metrics written to "
+                  f"{self.request.metrics_path}", flush=True)
+        if getattr(self, "probe_after_window", False):
+            timings = probe_collectives(self.device)
+            if self.rank == 0 and getattr(self, "model_info", None) is not None:
+                write_record(self.request.model_info_path, dataclasses.replace(self.model_info,
+                                                                               collective_timings=timings))
+        self._leave()
+
+    def _write_measurement(self) -> None:
+        from autotuner.runtime.metrics import build_measurement
+        from autotuner.runtime.window_load import load_average
+
+        taken_by_others = self.watch_window.others_share()
         peak_per_rank, reserved_per_rank = self._peaks()
         engine = self.engine
         if self.rank == 0:
@@ -348,16 +370,10 @@ class DeepSpeedMeasurement:
                 peak_reserved_per_rank=reserved_per_rank,
                 flops_per_step=None,
                 device_type=self.device.type,
+                cpu_taken_by_others=taken_by_others,
+                load_average=load_average(),
             )
             write_record(self.request.metrics_path, dataclasses.replace(measurement, engine=ENGINE_NAME))
-            print(f"autotuner: profile steps done on DeepSpeed's engine; metrics written to "
-                  f"{self.request.metrics_path}", flush=True)
-        if getattr(self, "probe_after_window", False):
-            timings = probe_collectives(self.device)
-            if self.rank == 0 and getattr(self, "model_info", None) is not None:
-                write_record(self.request.model_info_path, dataclasses.replace(self.model_info,
-                                                                               collective_timings=timings))
-        self._leave()
 
     def _leave(self) -> None:
         # Straight out once every rank is done: DeepSpeed's and gloo's teardown has nothing to add

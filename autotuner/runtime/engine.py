@@ -26,6 +26,7 @@ from autotuner.runtime.online.apply import apply_fsdp_prefetch, fsdp_prefetch_de
 from autotuner.runtime.sharding import average_gradients, gradient_norm, wrap_ddp
 from autotuner.runtime.reporting import RunReporter
 from autotuner.runtime.timers import ProfileWindow, Stopwatch
+from autotuner.runtime.window_load import WindowWatch
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,11 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
         self._autocast = self.precision in _AUTOCAST_DTYPES and not self._fsdp
         request = measurement_request(config)
         self._request = request
-        self._window = ProfileWindow(request.start_profile_step, request.end_profile_step) if request else \
+        self._window = ProfileWindow(request.start_profile_step, request.end_profile_step, request.min_window_s,
+                                     request.max_steps_per_window) if request else \
             ProfileWindow(config.autotuning.start_profile_step, config.autotuning.end_profile_step)
         self._exit_after_window = request is not None and request.metrics_path is not None
+        self._window_watch = WindowWatch(self._window, ctx.device, self._exit_after_window)
         self._forward_watch = Stopwatch(ctx.device)
         self._backward_watch = Stopwatch(ctx.device)
         self._step_watch = Stopwatch(ctx.device)
@@ -122,6 +125,7 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._engine_forwards += 1
         if self._last_boundary_end is None:
+            self._window_watch.note_steps_done(0)
             self._last_boundary_end = self._forward_watch.now()
         self._set_gradient_sync(self.is_gradient_accumulation_boundary())
         if self._flop_probe is not None and self.micro_steps == 0:
@@ -186,13 +190,17 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
         self.global_steps += 1
         self.global_samples += self.batch.train_batch_size
         self._window.record_step(self.global_steps, step_s, wall)
+        self._window_watch.note_steps_done(self.global_steps)
         self.reporter.step_done(step_s, boundary=True)
         if self._online is not None:
             self._online.after_step(self.global_steps, now)
         if self._activation_probe is not None and self.global_steps == self._model_info_step:
             self._write_model_info()
         if self._exit_after_window and self.global_steps == self._window.end_step:
-            self._finish_profile()
+            if self._window_watch.goes_on(self.global_steps, self._write_measurement):
+                self._last_boundary_end = self._step_watch.now()  # agreeing and writing are not step time
+            else:
+                self._finish_profile()
 
     def _reduce_what_ddp_missed(self) -> bool:
         """ZeRO 0/1 at the accumulation boundary. DDP leaves gradients unreduced when forward ran

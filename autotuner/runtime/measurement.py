@@ -17,6 +17,7 @@ from autotuner.runtime.memory_probes import optimizer_state_bytes
 from autotuner.runtime.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
 from autotuner.runtime.profile import device_memory_bytes, write_model_info
 from autotuner.runtime.sharding import shard_units
+from autotuner.runtime.window_load import load_average
 
 
 def measurement_request(config: DeepSpeedConfig) -> MeasurementRequest | None:
@@ -113,6 +114,16 @@ class MeasurementHooks:
 
     def _finish_profile(self) -> None:
         """Rank 0 writes the metrics file; every rank then leaves with status 0."""
+        self._write_measurement()
+        if self.ctx.rank == 0:
+            print(f"autotuner: profile steps done; metrics written to {self._request.metrics_path}", flush=True)
+        if self._probe_after_window:
+            self._add_collective_timings()
+        self._leave()
+
+    def _write_measurement(self) -> None:
+        """Rank 0 writes the window's measurement so far (collective: every rank calls it)."""
+        taken_by_others = self._window_watch.others_share()
         per_rank = self._gather_max(peak_memory_bytes(self.ctx.device))
         reserved = peak_reserved_bytes(self.ctx.device)
         reserved_per_rank = self._gather_max(reserved) if reserved is not None else None
@@ -131,12 +142,10 @@ class MeasurementHooks:
                 peak_reserved_per_rank=reserved_per_rank,
                 flops_per_step=flops * self.batch.gradient_accumulation_steps if flops else None,
                 device_type=self.ctx.device.type,
+                cpu_taken_by_others=taken_by_others,
+                load_average=load_average(),
             )
             write_record(self._request.metrics_path, measurement)
-            print(f"autotuner: profile steps done; metrics written to {self._request.metrics_path}", flush=True)
-        if self._probe_after_window:
-            self._add_collective_timings()
-        self._leave()
 
     def _add_collective_timings(self) -> None:
         """Once the window's figures are taken: time the collectives, and rank 0 adds them to

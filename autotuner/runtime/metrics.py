@@ -58,6 +58,8 @@ def build_measurement(
     peak_reserved_per_rank: list[int] | None = None,
     flops_per_step: float | None,
     device_type: str,
+    cpu_taken_by_others: float | None = None,
+    load_average: float | None = None,
 ) -> Measurement:
     """The profile window's measurement. Throughput uses end-to-end step time (data loading included)."""
     wall = Summary.of(window.step_wall_s)
@@ -82,8 +84,10 @@ def build_measurement(
         precision=precision,
         device_type=device_type,
         start_profile_step=window.start_step,
-        end_profile_step=window.end_step,
+        end_profile_step=window.start_step + len(window.step_wall_s) - 1,
         FLOPS_per_gpu=flops_per_step / latency if flops_per_step and latency > 0 else None,
+        cpu_taken_by_others=cpu_taken_by_others,
+        load_average=load_average,
     )
 
 

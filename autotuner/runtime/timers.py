@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -35,14 +36,23 @@ class Stopwatch:
 
 @dataclass
 class ProfileWindow:
-    """Durations recorded for optimizer steps start..end inclusive (steps count from 1)."""
+    """Durations recorded for optimizer steps start..end inclusive (steps count from 1).
+
+    A window shorter than `min_window_s` is extended one step at a time, up to `max_steps` steps:
+    three steps of a small model last a tenth of a second, which says little on a busy machine."""
 
     start_step: int
     end_step: int
+    min_window_s: float = 0.0
+    max_steps: int = 0
     forward_s: list[float] = field(default_factory=list)
     backward_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     step_wall_s: list[float] = field(default_factory=list)
+    planned_end_step: int = 0  # end_step as asked, before any extension
+
+    def __post_init__(self) -> None:
+        self.planned_end_step = self.planned_end_step or self.end_step
 
     def covers(self, step: int) -> bool:
         return self.start_step <= step <= self.end_step
@@ -56,3 +66,15 @@ class ProfileWindow:
         if self.covers(step):
             self.step_s.append(optimizer_step)
             self.step_wall_s.append(wall)
+
+    def extend_if_short(self, step: int, agreed_seconds: Callable[[float], float]) -> bool:
+        """At the window's last step: lengthen it by one step while it has lasted less than
+        min_window_s and holds fewer than max_steps steps. Every rank calls this at the same step,
+        and `agreed_seconds` makes the ranks decide on one figure (the longest), so all go on or
+        all stop together."""
+        if step != self.end_step or self.min_window_s <= 0 or len(self.step_wall_s) >= self.max_steps:
+            return False
+        if agreed_seconds(sum(self.step_wall_s)) >= self.min_window_s:
+            return False
+        self.end_step += 1
+        return True

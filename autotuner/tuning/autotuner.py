@@ -23,7 +23,8 @@ from autotuner.tuning.memory_book import SAFETY_MARGIN, MemoryBook
 from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive_search
 from autotuner.tuning.profiling import profile_from_config, profile_model
 from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.final_pick import Contender, contenders, describe, interleaved_order, pick
+from autotuner.tuning.final_pick import final_pick_rounds
+from autotuner.tuning.interference import interference_share
 from autotuner.tuning.results import Explanation, PredictedPoint, write_results
 from autotuner.tuning.runners import Runner
 from autotuner.tuning.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
@@ -102,8 +103,15 @@ class Autotuner:
         self._journal = dict(journal.reusable)
 
     def _launch(self, trial: Trial) -> TrialResult:
-        """Run one trial through the runner and journal its result (with this run's fingerprint)."""
+        """Run one trial through the runner and journal its result (with this run's fingerprint).
+        A window another process disturbed is measured once more (interference.py)."""
         result = self.runner.run(trial)
+        share = interference_share(result)
+        if share is not None:
+            self.report(f"{trial.experiment.name}: other processes took {share:.0%} of the CPUs during its profile "
+                        "window; measuring it again")
+            result = self.runner.run(trial)
+            self._launched += 1
         self._journal_result(trial, result)
         return result
 
@@ -306,39 +314,23 @@ class Autotuner:
 
     # ----- the final pick -----
     def _final_pick(self, results: list[TrialResult]) -> tuple[TrialResult | None, list, list[str]]:
-        """Re-measure the contenders within the spread of the best, interleaved; the best median
-        wins. Returns (the pick, with its median as value; the re-measurements; summary lines)."""
+        """Returns (the pick, with its median as value; the re-measurements; summary lines)."""
         tuning = self.config.autotuning
-        top = contenders(results, self.objective, tuning.remeasure_top)
-        if len(top) < 2 or tuning.remeasure_rounds == 0:
-            return self.objective.best(results), [], []
-        self.report(f"final pick: {', '.join(r.name for r in top)} are within the measured spread of each other; "
-                    f"re-measuring them interleaved ({tuning.remeasure_rounds} round(s))")
-        values = {r.experiment: [r.value] for r in top}
-        failed = {r.experiment: 0 for r in top}
-        remeasurements = []
-        for round_index, experiment in interleaved_order([r.experiment for r in top], tuning.remeasure_rounds):
-            directory = self.exps_dir / f"{experiment.name}_remeasure{round_index + 1}"
-            result = self._journal.get(directory.name)
-            reused = result is not None
-            if result is None:
-                result = self._launch(Trial(experiment, directory, self.settings,
-                                            predicted_memory_bytes=self.memory.predicted_memory(experiment)))
-                self._launched += 1
-            remeasurements.append((round_index + 1, result))
-            if result.state is TrialState.OK and result.value is not None:
-                values[experiment].append(result.value)
-            else:
-                failed[experiment] += 1
-            value = f"{result.value:.4g} {self.objective.unit}" if result.value is not None else result.error
-            tag = " (from an earlier run)" if reused else ""
-            self.report(f"[re-measure {round_index + 1}] {experiment.name}: {result.state.value}{tag}: {value}")
-        final = pick([Contender(e, tuple(values[e]), failed[e]) for e in values], self.objective)
-        lines = describe(final, self.objective)
-        for line in lines:
-            self.report(line)
-        original = next(r for r in top if r.experiment == final.chosen.experiment)
-        return replace(original, value=final.chosen.median), remeasurements, lines
+        return final_pick_rounds(results, self.objective, tuning.remeasure_top, tuning.remeasure_rounds,
+                                 self._remeasure, self.report)
+
+    def _remeasure(self, experiment: Experiment, run: int) -> TrialResult:
+        directory = self.exps_dir / f"{experiment.name}_remeasure{run}"
+        result = self._journal.get(directory.name)
+        reused = result is not None
+        if result is None:
+            result = self._launch(Trial(experiment, directory, self.settings,
+                                        predicted_memory_bytes=self.memory.predicted_memory(experiment)))
+            self._launched += 1
+        value = f"{result.value:.4g} {self.objective.unit}" if result.value is not None else result.error
+        tag = " (from an earlier run)" if reused else ""
+        self.report(f"[re-measure {run}] {experiment.name}: {result.state.value}{tag}: {value}")
+        return result
 
     def _predicted_points(self) -> tuple[tuple[PredictedPoint, ...], tuple[PredictedPoint, ...]]:
         if self.predictions is None:

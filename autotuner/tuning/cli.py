@@ -213,6 +213,8 @@ def autotune(args: argparse.Namespace) -> int:
         timeout_s=tuning.exp_timeout_s,
         start_profile_step=tuning.start_profile_step,
         end_profile_step=tuning.end_profile_step,
+        min_window_s=tuning.min_window_s,
+        max_steps_per_window=tuning.max_steps_per_window,
         arg_mappings=dict(tuning.arg_mappings),
         memory_budget_bytes=tuning.memory_per_rank_bytes,
         user_config=read_config_file(source),

@@ -52,6 +52,8 @@ class ExperimentSettings:
     timeout_s: float
     start_profile_step: int = 3
     end_profile_step: int = 5
+    min_window_s: float = 0.0  # profile windows are extended until they last this long ...
+    max_steps_per_window: int = 0  # ... or hold this many steps
     arg_mappings: dict[str, str] = field(default_factory=dict, hash=False)
     launcher_args: tuple[str, ...] = ()
     memory_budget_bytes: int | None = None  # per rank; above it a CPU run counts as OOM
@@ -135,7 +137,9 @@ class Trial:
         model_info = str(self.directory / MODEL_INFO_FILE) if self.profile else None
         return MeasurementRequest(settings.start_profile_step, settings.end_profile_step,
                                   metrics_path=str(self.directory / METRICS_FILE), model_info_path=model_info,
-                                  oom_marker_prefix=str(self.directory / METRICS_FILE))
+                                  oom_marker_prefix=str(self.directory / METRICS_FILE),
+                                  min_window_s=settings.min_window_s,
+                                  max_steps_per_window=settings.max_steps_per_window)
 
 
 def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:

@@ -1,17 +1,19 @@
-"""The noise-aware final pick: contenders within the measured spread of the best are re-measured
-interleaved, and the best median wins. Pure: the orchestrator launches the re-measurements.
+"""The noise-aware final pick: contenders within twice the run's noise level of the best are
+re-measured interleaved, round after round until the best stands apart or the rounds run out, and
+the best median wins. Pure: the orchestrator launches the re-measurements.
 
 One measured launch moves by a few percent run to run on a busy host (and more on a shared CPU),
-so the single best measurement is often a lucky one. Candidates whose value is within the
-spread of the best (their own step-to-step spread, and never less than TIE_FLOOR) are
-re-measured in rounds (A B C, then B C A, ...), and each is scored by the median of all its
-measurements. Medians still within each other's spread are marked as ties.
+so the single best measurement is often a lucky one. The noise level is estimated from the run
+itself: the relative spread of configurations measured more than once (re-measurements), and
+before there are any, TIE_FLOOR or the best window's own step-to-step spread if wider.
+Medians still within twice the noise of the chosen one are reported as ties.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
@@ -19,15 +21,44 @@ from autotuner.tuning.space import Experiment
 TIE_FLOOR = 0.03  # relative: closer than this is noise on these machines, whatever a window's spread says
 
 
+@dataclass(frozen=True)
+class NoiseLevel:
+    """The run's relative measurement noise (one standard deviation, as a fraction of the value)."""
+
+    relative: float
+    repeated: int = 0  # configurations measured more than once, that it was estimated from
+
+    @classmethod
+    def of(cls, values: dict[Experiment, list[float]]) -> "NoiseLevel":
+        spreads = [statistics.stdev(v) / statistics.fmean(v) for v in values.values()
+                   if len(v) >= 2 and statistics.fmean(v) > 0]
+        if not spreads:
+            return cls(TIE_FLOOR)
+        return cls(max(TIE_FLOOR / 3, statistics.median(spreads)), len(spreads))
+
+    def describe(self) -> str:
+        if not self.repeated:
+            return f"Noise level: ±{self.relative:.1%} (assumed: no configuration was measured twice)"
+        return (f"Noise level: ±{self.relative:.1%} (relative spread of {self.repeated} configuration(s) measured "
+                f"more than once, interleaved)")
+
+
 def relative_spread(result: TrialResult) -> float:
     own = (result.value_std / result.value) if result.value_std and result.value else 0.0
     return max(TIE_FLOOR, own)
 
 
-def contenders(results: list[TrialResult], objective: Objective, top: int) -> list[TrialResult]:
-    """The best result and up to `top - 1` others within the measured spread of it, best first."""
+def contenders(results: list[TrialResult], objective: Objective, top: int, noise: float = TIE_FLOOR,
+               medians: dict[Experiment, float] | None = None) -> list[TrialResult]:
+    """The best result and up to `top - 1` others within twice the noise level of it (or the
+    window's own spread, if wider), best first. `medians` replaces the value of what was re-measured."""
+    medians = medians or {}
     ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
-    ranked = sorted(ok, key=lambda r: r.value, reverse=objective.maximize)
+
+    def value(result: TrialResult) -> float:
+        return medians.get(result.experiment, result.value)
+
+    ranked = sorted(ok, key=value, reverse=objective.maximize)
     unique: list[TrialResult] = []
     for result in ranked:
         if result.experiment not in {u.experiment for u in unique}:
@@ -35,18 +66,12 @@ def contenders(results: list[TrialResult], objective: Objective, top: int) -> li
     if not unique:
         return []
     best = unique[0]
-    band = relative_spread(best)
-    close = [r for r in unique[1:] if abs(r.value - best.value) <= (band + relative_spread(r)) * abs(best.value)]
+
+    def band(result: TrialResult) -> float:
+        return 2 * max(noise, relative_spread(result) if result.experiment not in medians else 0.0)
+
+    close = [r for r in unique[1:] if abs(value(r) - value(best)) <= max(band(best), band(r)) * abs(value(best))]
     return [best, *close[: max(0, top - 1)]]
-
-
-def interleaved_order(experiments: list[Experiment], rounds: int) -> list[tuple[int, Experiment]]:
-    """(round, experiment) launches: each round rotated by one, so no candidate always goes first."""
-    order = []
-    for round_index in range(rounds):
-        shift = round_index % max(1, len(experiments))
-        order += [(round_index, e) for e in experiments[shift:] + experiments[:shift]]
-    return order
 
 
 @dataclass(frozen=True)
@@ -79,18 +104,27 @@ class FinalPick:
         return any(len(c.values) > 1 for c in self.contenders)
 
 
-def pick(contenders_with_runs: list[Contender], objective: Objective) -> FinalPick:
-    """The best median; a contender that failed a re-measurement cannot win over one that did not."""
+def pick(contenders_with_runs: list[Contender], objective: Objective, noise: float = TIE_FLOOR) -> FinalPick:
+    """The best median; a contender that failed a re-measurement cannot win over one that did not.
+    Ties: ranges that overlap the chosen one's, or medians within twice the noise of it."""
     ranked = sorted(contenders_with_runs, key=lambda c: (c.failed_runs, -c.median if objective.maximize
                                                           else c.median))
     chosen = ranked[0]
     ties = []
     for other in ranked[1:]:
         overlap = other.high >= chosen.low if objective.maximize else other.low <= chosen.high
-        close = abs(other.median - chosen.median) <= TIE_FLOOR * abs(chosen.median)
+        close = abs(other.median - chosen.median) <= 2 * noise * abs(chosen.median)
         if other.failed_runs == 0 and (overlap or close):
             ties.append(other.experiment)
     return FinalPick(chosen, tuple(ranked), tuple(ties))
+
+
+def stands_apart(values: dict[Experiment, list[float]], objective: Objective, noise: float) -> bool:
+    """Whether the best median beats every other contender's by more than twice the noise."""
+    medians = sorted((statistics.median(v) for v in values.values() if v), reverse=objective.maximize)
+    if len(medians) < 2:
+        return True
+    return abs(medians[0] - medians[1]) > 2 * noise * abs(medians[0])
 
 
 def describe(final: FinalPick, objective: Objective) -> list[str]:
@@ -102,7 +136,56 @@ def describe(final: FinalPick, objective: Objective) -> list[str]:
         runs = ", ".join(f"{v:.4g}" for v in contender.values)
         failed = f", {contender.failed_runs} failed" if contender.failed_runs else ""
         mark = "chosen" if contender is final.chosen else (
-            f"within noise of {final.chosen.experiment.name}" if contender.experiment in final.ties else "")
+            f"tie within noise with {final.chosen.experiment.name}" if contender.experiment in final.ties else "")
         lines.append(f"  {contender.experiment.name}: {contender.median:.4g} ({contender.low:.4g}-{contender.high:.4g};"
                      f" runs {runs}{failed}){' ' + mark if mark else ''}")
     return lines
+
+
+def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int, rounds: int,
+                      remeasure: Callable[[Experiment, int], TrialResult],
+                      report: Callable[[str], None]) -> tuple[TrialResult | None, list, list[str]]:
+    """Re-measure the contenders within twice the noise level of the best, interleaved (each round
+    rotated by one), round after round until the best stands apart or `rounds` run out; the best
+    median wins. `remeasure(experiment, run)` launches one. Returns (the pick, with its median as
+    value; (round, result) re-measurements; summary lines)."""
+    best = objective.best(results)
+    noise = NoiseLevel(relative_spread(best) if best is not None else TIE_FLOOR)
+    values: dict[Experiment, list[float]] = {}
+    failed: dict[Experiment, int] = {}
+    remeasurements = []
+    first = {r.experiment: r.value for r in results if r.state is TrialState.OK and r.value is not None}
+    for round_index in range(rounds):
+        medians = {e: statistics.median(v) for e, v in values.items() if v}
+        chosen = [r.experiment for r in contenders(results, objective, top, noise.relative, medians)]
+        if len(chosen) < 2 and not values:
+            break
+        if round_index == 0:
+            report(f"final pick: {', '.join(e.name for e in chosen)} are within twice the noise level "
+                   f"(±{noise.relative:.1%}) of each other; re-measuring them interleaved (at most {rounds} round(s))")
+        for experiment in chosen:
+            values.setdefault(experiment, [first[experiment]])
+            failed.setdefault(experiment, 0)
+        # In the order they first became contenders, rotated by one each round: none always goes first.
+        ordered = [e for e in values if e in chosen]
+        shift = round_index % len(ordered)
+        for experiment in ordered[shift:] + ordered[:shift]:
+            result = remeasure(experiment, round_index + 1)
+            remeasurements.append((round_index + 1, result))
+            if result.state is TrialState.OK and result.value is not None:
+                values[experiment].append(result.value)
+            else:
+                failed[experiment] += 1
+        noise = NoiseLevel.of(values)
+        if stands_apart({e: values[e] for e in chosen}, objective, noise.relative):
+            break
+    lines = [noise.describe()]
+    if not values:
+        report(lines[0])
+        return best, [], lines
+    final = pick([Contender(e, tuple(v), failed[e]) for e, v in values.items()], objective, noise.relative)
+    lines += describe(final, objective)
+    for line in lines:
+        report(line)
+    original = next(r for r in results if r.experiment == final.chosen.experiment and r.state is TrialState.OK)
+    return replace(original, value=final.chosen.median), remeasurements, lines
