@@ -42,8 +42,15 @@ def window_figures(start: LoadSample, end: LoadSample) -> list[float]:
             float(psutil.cpu_count() or 1), float(os.environ.get(GROUP_RANK_ENV, "0"))]
 
 
-def others_share(per_rank: list[list[float]]) -> float:
-    """The largest share, over nodes, of a node's CPU time that processes other than our ranks took."""
+# The kernel counts CPU time in ticks of 10 ms: a shorter window's share would be mostly rounding.
+MIN_JUDGED_S = 0.5
+
+
+def others_share(per_rank: list[list[float]]) -> float | None:
+    """The largest share, over nodes, of a node's CPU time that processes other than our ranks
+    took; None for a window too short to tell."""
+    if max((r[2] for r in per_rank), default=0.0) < MIN_JUDGED_S:
+        return None
     nodes: dict[float, list[list[float]]] = {}
     for figures in per_rank:
         nodes.setdefault(figures[4], []).append(figures)
