@@ -168,3 +168,22 @@ def test_a_window_another_process_disturbed_is_measured_again(tmp_path):
     assert runner.names.count("z0_gas1_mbs8") == 2
     assert any("z0_gas1_mbs8: other processes took 60% of the CPUs during its profile window; measuring it again"
                in line for line in lines)
+
+
+def test_on_a_machine_that_stays_busy_windows_are_measured_again_only_until_that_is_clear(tmp_path):
+    def answer(trial: Trial) -> TrialResult:
+        value = {2: 50.0, 4: 70.0, 8: 110.0}[trial.experiment.micro_batch_size]
+        measured = ok(trial, value, 200 * MiB)
+        measured = dataclasses.replace(measured, measurement=dataclasses.replace(measured.measurement,
+                                                                                 cpu_taken_by_others=0.5))
+        if trial.profile:
+            measured = dataclasses.replace(measured, model_info=model_info(trial.experiment.micro_batch_size, 0,
+                                                                          activation_bytes=MiB))
+        return measured
+
+    runner = FakeRunner(answer)
+    autotuner, lines = tuner(tmp_path, runner)
+    assert autotuner.tune().best.name == "z0_gas1_mbs8"
+    first = runner.names[0]
+    assert runner.names.count(first) == 2 and len(runner.names) == len(set(runner.names)) + 1  # one retry in all
+    assert sum("this machine stays busy" in line for line in lines) == 1
