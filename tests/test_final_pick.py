@@ -145,21 +145,25 @@ def test_rounds_stop_once_the_best_stands_apart(tmp_path):
         "z0_gas1_mbs8_remeasure1", "z0_gas1_mbs4_remeasure1", "z0_gas1_mbs4_remeasure2", "z0_gas1_mbs8_remeasure2"]
 
 
+def busy_window(trial: Trial, value: float | None, taken_by_others: float) -> TrialResult:
+    """mbs 2, 4, 8 measure 50, 70, 110 (or `value`), with that share of the CPUs taken by others."""
+    measured = ok(trial, value or {2: 50.0, 4: 70.0, 8: 110.0}[trial.experiment.micro_batch_size], 200 * MiB)
+    measured = dataclasses.replace(measured, measurement=dataclasses.replace(
+        measured.measurement, cpu_taken_by_others=taken_by_others))
+    if trial.profile:
+        measured = dataclasses.replace(measured, model_info=model_info(trial.experiment.micro_batch_size, 0,
+                                                                      activation_bytes=MiB))
+    return measured
+
+
 def test_a_window_another_process_disturbed_is_measured_again(tmp_path):
     answers: dict[str, int] = {}
 
     def answer(trial: Trial) -> TrialResult:
         name = trial.directory.name
         answers[name] = answers.get(name, 0) + 1
-        value = {2: 50.0, 4: 70.0, 8: 110.0}[trial.experiment.micro_batch_size]
-        measured = ok(trial, value if answers[name] > 1 or trial.experiment.micro_batch_size != 8 else 60.0, 200 * MiB)
-        busy = 0.6 if (trial.experiment.micro_batch_size == 8 and answers[name] == 1) else 0.02
-        measured = dataclasses.replace(measured, measurement=dataclasses.replace(measured.measurement,
-                                                                                 cpu_taken_by_others=busy))
-        if trial.profile:
-            measured = dataclasses.replace(measured, model_info=model_info(trial.experiment.micro_batch_size, 0,
-                                                                          activation_bytes=MiB))
-        return measured
+        disturbed = trial.experiment.micro_batch_size == 8 and answers[name] == 1
+        return busy_window(trial, 60.0 if disturbed else None, 0.6 if disturbed else 0.02)
 
     runner = FakeRunner(answer)
     autotuner, lines = tuner(tmp_path, runner)
@@ -171,17 +175,7 @@ def test_a_window_another_process_disturbed_is_measured_again(tmp_path):
 
 
 def test_on_a_machine_that_stays_busy_windows_are_measured_again_only_until_that_is_clear(tmp_path):
-    def answer(trial: Trial) -> TrialResult:
-        value = {2: 50.0, 4: 70.0, 8: 110.0}[trial.experiment.micro_batch_size]
-        measured = ok(trial, value, 200 * MiB)
-        measured = dataclasses.replace(measured, measurement=dataclasses.replace(measured.measurement,
-                                                                                 cpu_taken_by_others=0.5))
-        if trial.profile:
-            measured = dataclasses.replace(measured, model_info=model_info(trial.experiment.micro_batch_size, 0,
-                                                                          activation_bytes=MiB))
-        return measured
-
-    runner = FakeRunner(answer)
+    runner = FakeRunner(lambda trial: busy_window(trial, None, 0.5))
     autotuner, lines = tuner(tmp_path, runner)
     assert autotuner.tune().best.name == "z0_gas1_mbs8"
     first = runner.names[0]
