@@ -82,6 +82,18 @@ def test_a_runner_with_slots_gets_the_search_in_parallel_and_results_out_of_orde
     assert resumed.best.name == "z0_gas1_mbs8"
 
 
+def test_the_predictive_tuner_fills_a_runners_slots_with_its_most_optimistic_candidates(tmp_path):
+    values = {2: 10.0, 4: 20.0, 8: 40.0, 16: 30.0}
+    runner = ParallelFakeRunner(by_micro(values), capacity=2)
+    autotuning = {"model_info": {"num_params": 1000}, "tuner_type": "predictive"}
+    outcome = tuner(tmp_path, runner, autotuning=autotuning, train_micro_batch_size_per_gpu=[2, 4, 8, 16]).tune()
+    assert runner.most_at_once == 2 and runner.finished_order != runner.names
+    assert outcome.best.name == "z0_gas1_mbs8" and outcome.best.value == 40.0
+    resumed = tuner(tmp_path, ParallelFakeRunner(never_called, capacity=2), autotuning=autotuning,
+                    train_micro_batch_size_per_gpu=[2, 4, 8, 16]).tune()
+    assert resumed.best.name == "z0_gas1_mbs8"
+
+
 def test_a_resumed_run_of_the_same_workload_launches_nothing(tmp_path):
     tuner(tmp_path, FakeRunner(by_micro({2: 10.0, 4: 20.0}))).tune()
     lines: list[str] = []
@@ -182,6 +194,26 @@ def test_the_memory_model_is_refitted_on_measured_peaks_and_predicts_later_launc
     assert later and all(t.predicted_memory_bytes == measured(t.experiment.micro_batch_size) for t in later)
     assert any(line.startswith("memory model: DDP fitted on 2 measured peak(s)") and "(fitted)" in line
                for line in lines)
+
+
+def test_no_micro_batch_as_large_as_one_that_ran_out_of_memory_fits_at_that_stage(tmp_path):
+    """One line is fitted to DDP's peaks at ZeRO 0 and 1; ZeRO 1's two peaks under the budget pull
+    it below ZeRO 0's OOM at 4, so the line alone would launch ZeRO 0 at 8. The OOM decides, for 4
+    and above at ZeRO 0; smaller sizes and other stages keep the line's verdict."""
+    autotuner = tuner(tmp_path, FakeRunner(never_called), {"model_info": {"num_params": 1000},
+                                                           "memory_per_rank_bytes": 750 * MiB},
+                      train_micro_batch_size_per_gpu=[2, 4, 8, 16], zero_optimization={"stage": "all"})
+    autotuner._prepare_dirs()
+    autotuner._measure_model()
+    space, memory = autotuner.space, autotuner.memory
+    memory.learn(TrialResult(space.experiment(0, 4), TrialState.OOM, error="peak 795 MiB over the budget",
+                             measured_memory_bytes=795 * MiB))
+    for micro in (4, 8):
+        memory.learn(TrialResult(space.experiment(1, micro), TrialState.OK, value=1.0, measured_memory_bytes=600 * MiB))
+    line = memory.predicted_memory(space.experiment(0, 8))
+    assert line < 0.9 * 750 * MiB  # the fitted line says it fits...
+    assert not memory.fits(space.experiment(0, 8)) and not memory.fits(space.experiment(0, 4))  # ...the OOM says no
+    assert memory.fits(space.experiment(0, 2)) and memory.fits(space.experiment(1, 8))
 
 
 def test_progress_lines_name_the_result_and_the_best_so_far(tmp_path):

@@ -125,7 +125,25 @@ def test_could_improve_compares_the_optimistic_bound_with_the_best_measured():
         tuner.tell(measured(e))
     prediction = tuner.predict(space[6])
     assert prediction.low <= prediction.value <= prediction.high
-    assert tuner.could_improve(space[6]) == (prediction.high > tuner.best.value)
+    assert tuner.could_improve(space[6]) == (prediction.high > tuner.best.value * 1.03)
+
+
+def test_a_candidate_that_could_beat_the_best_only_by_less_than_the_noise_is_not_launched():
+    """The stop rule's minimum worthwhile gain: a bound a little over the best is a tie in waiting."""
+    space = candidates(stages=(0,))
+    told = [e for e in space if e.micro_batch_size != 16]  # 16 sits beside the knee, near the best (8)
+
+    def judged(gain: float) -> PredictiveTuner:
+        tuner = PredictiveTuner(space, THROUGHPUT, context=CONTEXT, worthwhile_gain=gain)
+        for e in told:
+            tuner.tell(measured(e))
+        return tuner
+
+    sixteen = space[4]
+    margin = judged(0.0).predict(sixteen).high / judged(0.0).best.value - 1  # how far its bound reaches past the best
+    assert margin > 0.01
+    assert judged(margin - 0.01).could_improve(sixteen)
+    assert not judged(margin + 0.01).could_improve(sixteen)
 
 
 def test_failures_are_not_fitted_and_latency_is_minimised():

@@ -17,7 +17,7 @@ from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory
 from autotuner.tuning.experiment import ExperimentSettings, Trial, experiment_config, with_user_keys
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.comm_fit import fit_collectives
-from autotuner.tuning.cost_model import CostContext
+from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext
 from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile, engine_family
 from autotuner.tuning.memory_book import SAFETY_MARGIN, MemoryBook
 from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive_search
@@ -29,6 +29,7 @@ from autotuner.tuning.results import Explanation, PredictedPoint, write_results
 from autotuner.tuning.runners import Runner
 from autotuner.tuning.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
 from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search
+from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
 from autotuner.tuning.space import Experiment
 
 
@@ -155,8 +156,7 @@ class Autotuner:
         out of memory at every stage, the smallest valid size is tried (if it does not fit,
         nothing does)."""
         space = self.space
-        pool = sorted(m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None) or \
-            space.valid_micro_batch_sizes(space.max_micro_batch_size)
+        pool = self._size_pool()
         if not pool:
             return (space.min_micro_batch_size,), lambda profile, stage: None
         cheap = next((m for m in ladder_sizes(pool) if (space.gas(m) or 1) <= PROFILE_MAX_GAS), pool[0])
@@ -177,6 +177,34 @@ class Autotuner:
 
         return first_sizes, second
 
+    def _size_pool(self) -> list[int]:
+        space = self.space
+        return sorted(m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None) or \
+            space.valid_micro_batch_sizes(space.max_micro_batch_size)
+
+    def _sharding_cannot_win(self, profile: ModelProfile, stage: int) -> str | None:
+        """sharding_gain.py's verdict from the unsharded profile launches: does every size fit
+        unsharded, and what do the probe's links cost FSDP2's collectives at."""
+        infos = [r.model_info for r in self._results.values() if r.model_info is not None]
+        steps = [r.measurement.latency for r in self._results.values()
+                 if r.state is TrialState.OK and r.measurement is not None and r.measurement.latency > 0]
+        if not steps:
+            return None
+        self.memory.profile, self.memory.precision = profile, infos[0].precision
+        self.memory.refit()
+        unsharded = [s for s in self.space.stages if s < 2]
+        fits_all = all(any(self.memory.fits(self.space.experiment(s, m)) for s in unsharded)
+                       for m in self._size_pool())
+        context = self.cost_context(quiet=True)
+        self.memory.profile = None
+        return sharding_cannot_win(self.space.stages, fits_all, context, min(steps), NOISE_FLOOR)
+
+    def _leave_out_sharding(self, reason: str) -> None:
+        for stage in [s for s in self.space.stages if s >= 2]:
+            self._prune(stage, reason)
+        self.space = replace(self.space, stages=tuple(s for s in self.space.stages if s < 2))
+        self.memory.space = self.space
+
     def _measure_model(self) -> None:
         tuning = self.config.autotuning
         if tuning.model_info is not None and tuning.model_info.num_params:
@@ -188,13 +216,15 @@ class Autotuner:
         else:
             first_sizes, second_size = self._profile_sizes()
             outcome = profile_model(self.space.stages, self.settings, self._profile_launch, first_sizes, second_size,
-                                    report=self.report)
+                                    report=self.report, sharding_cannot_win=self._sharding_cannot_win)
             if outcome.profile is None:
                 failure = outcome.failure
                 where = self.exps_dir / failure.experiment.name
                 raise TuningFailed(f"the model did not run in the profile launch ({failure.state.value}): "
                                    f"{failure.error}; see {where}/stderr.log")
             self.memory.profile = outcome.profile
+            if outcome.sharding_left_out:
+                self._leave_out_sharding(outcome.sharding_left_out)
             self._settle_engine(outcome.profile.engine)
             self.memory.refit()
             self.memory.report_fits()
@@ -227,13 +257,13 @@ class Autotuner:
                                                                      visible_gpu_memory() is not None))
             self.memory.space = self.space
 
-    def cost_context(self) -> CostContext:
+    def cost_context(self, quiet: bool = False) -> CostContext:
         """What the throughput model knows before timing a step: the model's size and the links the
         profile launches timed on the job's process group."""
         timings = [t for r in self._results.values() if r.model_info is not None
                    for t in r.model_info.collective_timings]
         links = tuple(fit_collectives(timings).values())
-        if not links and self.settings.data_parallel_size > 1:
+        if not links and self.settings.data_parallel_size > 1 and not quiet:
             self.report("predictive: no collective timings in the profile; communication is learned from "
                         "launches only")
         profile = self.memory.profile
@@ -275,7 +305,7 @@ class Autotuner:
         experiment = self.space.experiment(stage, self.space.min_micro_batch_size)
         self._pruned.append(TrialResult(experiment, TrialState.PRUNED, error=reason,
                                         predicted_memory_bytes=self.memory.predicted_memory(experiment)))
-        searched = "not launched" if reason.startswith("memory model") else "not searched further"
+        searched = "not launched" if reason.startswith(("memory model", REASON_PREFIX)) else "not searched further"
         self.report(f"ZeRO {stage}: pruned, {searched} ({reason})")
 
     def _progress(self, result: TrialResult, reused: bool) -> None:
@@ -294,7 +324,7 @@ class Autotuner:
         self.report("memory model, largest micro-batch per stage: " +
                     ", ".join(f"z{s}={m}" for s, m in sorted(largest.items())))
         if self.policy.tuner_type == "predictive":
-            outcome = run_predictive_search(self.space, self.policy, largest, self._evaluate, self._prune,
+            outcome = run_predictive_search(self.space, self.policy, largest, ParallelLaunches(self), self._prune,
                                             self.cost_context(), list(self._results.values()), self.memory.fits,
                                             self.memory.offload_fallback, self.report)
             self.predictions = outcome

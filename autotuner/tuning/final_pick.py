@@ -1,11 +1,13 @@
 """The noise-aware final pick: contenders within twice the run's noise level of the best are
-re-measured interleaved, round after round until the best stands apart or the rounds run out, and
+re-measured interleaved, round after round until the best stands apart, the rest are within the
+noise of it (a gain smaller than the noise is not worth another round), or the rounds run out;
 the best median wins. Pure: the orchestrator launches the re-measurements.
 
 One measured launch moves by a few percent run to run on a busy host (and more on a shared CPU),
 so the single best measurement is often a lucky one. The noise level is estimated from the run
 itself: the relative spread of configurations measured more than once (re-measurements), and
-before there are any, TIE_FLOOR or the best window's own step-to-step spread if wider.
+before there are any, TIE_FLOOR or the best window's standard error if wider (its step-to-step
+spread over the root of its steps: the spread of single steps is not that of a window's mean).
 Medians still within twice the noise of the chosen one are reported as ties.
 """
 
@@ -44,8 +46,7 @@ class NoiseLevel:
 
 
 def relative_spread(result: TrialResult) -> float:
-    own = (result.value_std / result.value) if result.value_std and result.value else 0.0
-    return max(TIE_FLOOR, own)
+    return max(TIE_FLOOR, result.relative_error)
 
 
 def contenders(results: list[TrialResult], objective: Objective, top: int, noise: float = TIE_FLOOR,
@@ -127,6 +128,17 @@ def stands_apart(values: dict[Experiment, list[float]], objective: Objective, no
     return abs(medians[0] - medians[1]) > 2 * noise * abs(medians[0])
 
 
+def settled(values: dict[Experiment, list[float]], objective: Objective, noise: float) -> bool:
+    """Whether another round is not worth it: the best median stands apart, or every re-measured
+    contender is within the noise of it (the most a further round could find is a gain smaller
+    than the noise: the minimum worthwhile gain)."""
+    medians = sorted((statistics.median(v) for v in values.values() if v), reverse=objective.maximize)
+    if len(medians) < 2 or stands_apart(values, objective, noise):
+        return True
+    remeasured = all(len(v) >= 2 for v in values.values())
+    return remeasured and abs(medians[0] - medians[1]) <= noise * abs(medians[0])
+
+
 def describe(final: FinalPick, objective: Objective) -> list[str]:
     """Summary lines: the choice, each contender's median and range, and the ties."""
     if not final.remeasured:
@@ -146,8 +158,8 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
                       remeasure: Callable[[Experiment, int], TrialResult],
                       report: Callable[[str], None]) -> tuple[TrialResult | None, list, list[str]]:
     """Re-measure the contenders within twice the noise level of the best, interleaved (each round
-    rotated by one), round after round until the best stands apart or `rounds` run out; the best
-    median wins. `remeasure(experiment, run)` launches one. Returns (the pick, with its median as
+    rotated by one), round after round until the pick is settled (`settled`) or `rounds` run out;
+    the best median wins. `remeasure(experiment, run)` launches one. Returns (the pick, with its median as
     value; (round, result) re-measurements; summary lines)."""
     best = objective.best(results)
     noise = NoiseLevel(relative_spread(best) if best is not None else TIE_FLOOR)
@@ -177,7 +189,7 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
             else:
                 failed[experiment] += 1
         noise = NoiseLevel.of(values)
-        if stands_apart({e: values[e] for e in chosen}, objective, noise.relative):
+        if settled({e: values[e] for e in chosen}, objective, noise.relative):
             break
     lines = [noise.describe()]
     if not values:

@@ -108,7 +108,13 @@ class MemoryBook:
     def fits(self, experiment: Experiment) -> bool:
         """The verdict before a launch. Until peaks of the experiment's own engine were measured it
         keeps the whole safety margin; once its fit rests on them, half the margin is left for the
-        noise in measured peaks."""
+        noise in measured peaks. A micro-batch no smaller than one that ran out of memory at the
+        same stage and knobs never fits, whatever a fit over several launches says: activations
+        only grow with it (a smaller gas frees nothing at the peak)."""
+        if any(r.state is TrialState.OOM and r.experiment.zero_stage == experiment.zero_stage
+               and r.experiment.knobs == experiment.knobs and r.experiment.micro_batch_size <= experiment.micro_batch_size
+               for r in self._peak_results):
+            return False
         fit = self._residual_fits.get(self.family(experiment.zero_stage))
         margin = SAFETY_MARGIN / 2 if fit is not None and fit.measured_points else SAFETY_MARGIN
         return self.predicted_memory(experiment) <= usable_bytes(self.budget_bytes, margin)

@@ -3,7 +3,7 @@
 Candidates are every stage at the geometric sizes (ladder_sizes) the memory model lets run.
 The results already measured (the profile launches) are told first; then the tuner asks for
 the candidate with the most optimistic predicted bound, and the search stops when even that
-bound cannot beat the best measured. The memory model is refitted after every launch (the
+bound cannot beat the best measured by more than the noise. The memory model is refitted after every launch (the
 orchestrator's `fits`), so a candidate it no longer lets run is dropped before it is asked.
 Nothing is launched here: `evaluate` does that.
 """
@@ -19,6 +19,7 @@ from autotuner.tuning.search import (Evaluate, Fits, OffloadFallback, SearchPoli
                                      _no_fallback, fitting_micro_batch_sizes, ladder_sizes, search_knobs,
                                      stage_space_for)
 from autotuner.tuning.space import Experiment
+from autotuner.tuning.tuners import drive
 from autotuner.tuning.tuners.predictive import Prediction, PredictiveTuner
 
 
@@ -53,6 +54,8 @@ def candidate_space(space: SearchSpace, predicted_largest: dict[int, int], fits:
             sizes = [m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
         else:
             sizes = ladder_sizes(fitting_micro_batch_sizes(stage_space, stage, predicted, fits))
+            # Micro-batch 1 pays a micro-step's fixed cost for every sample: only when memory leaves nothing else.
+            sizes = [m for m in sizes if m > 1] or sizes
         stage_candidates = [stage_space.experiment(stage, m) for m in sizes]
         stage_candidates = [c for c in stage_candidates if fits(c)]
         if not stage_candidates:
@@ -61,42 +64,63 @@ def candidate_space(space: SearchSpace, predicted_largest: dict[int, int], fits:
     return candidates
 
 
+class _SearchedPredictive(PredictiveTuner):
+    """The predictive tuner as the search drives it: before each ask the refitted memory model
+    drops what it no longer lets run, the prediction each launch is asked on is kept, and the stop
+    rule is trusted only once one of its predictions was checked by a launch (fitted on the profile
+    alone, it has never been tested)."""
+
+    def __init__(self, candidates: list[Experiment], policy: SearchPolicy, context: CostContext, fits: Fits):
+        super().__init__(candidates, policy.objective, policy.seed, context)
+        self.fits = fits
+        self.memory_ruled_out: set[Experiment] = set()
+        self.asked: list[PredictedCandidate] = []
+        self.checked = False
+
+    def ask(self) -> Experiment | None:
+        for candidate in self.space:
+            if (candidate not in self.results and candidate not in self.pending
+                    and candidate not in self.memory_ruled_out and not self.fits(candidate)):
+                self.memory_ruled_out.add(candidate)
+                self.tell(TrialResult(candidate, TrialState.PRUNED, error="memory model, refitted"))
+        experiment = super().ask()
+        if experiment is not None:
+            self.asked.append(PredictedCandidate(experiment, self.predict(experiment), launched=True))
+        return experiment
+
+    def tell(self, result: TrialResult) -> None:
+        self.checked = self.checked or result.experiment in self.pending
+        super().tell(result)
+
+    def could_improve(self, experiment: Experiment) -> bool:
+        return not self.checked or super().could_improve(experiment)
+
+
 def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict[int, int],
                           evaluate: Evaluate, prune: Callable[[int, str], None], context: CostContext,
                           known: list[TrialResult], fits: Fits = _always_fits,
                           offload_fallback: OffloadFallback = _no_fallback,
                           report: Callable[[str], None] = lambda line: None) -> PredictiveOutcome:
+    """The candidates' search through the one driver (tuners/base.py `drive`): an evaluate with
+    `capacity` slots (a Ray cluster) gets the k most optimistic bounds at once."""
     candidates = candidate_space(space, predicted_largest, fits, prune, offload_fallback, report)
-    tuner = PredictiveTuner(candidates, policy.objective, policy.seed, context)
+    tuner = _SearchedPredictive(candidates, policy, context, fits)
     for result in known:
         if result.experiment in tuner.results or result.experiment not in tuner.space:
             continue
         tuner.tell(result)
-    results: list[TrialResult] = []
-    at_launch: list[PredictedCandidate] = []
-    memory_ruled_out: set[Experiment] = set()
-    while len(results) < policy.num_trials:
-        for candidate in tuner.space:
-            if candidate not in tuner.results and candidate not in memory_ruled_out and not fits(candidate):
-                memory_ruled_out.add(candidate)  # the refitted model no longer lets it run
-                tuner.tell(TrialResult(candidate, TrialState.PRUNED, error="memory model, refitted"))
-        experiment = tuner.ask()
-        # The model is trusted to stop the search only once one of its predictions was checked by a
-        # launch: fitted on the profile alone, it has never been tested.
-        if experiment is None or (results and not tuner.could_improve(experiment)):
-            break
-        at_launch.append(PredictedCandidate(experiment, tuner.predict(experiment), launched=True))
-        result = evaluate(experiment)
-        tuner.tell(result)
-        results.append(result)
+    results = drive(tuner, evaluate, early_stopping=max(1, policy.num_trials), max_trials=policy.num_trials,
+                    trust_predictions=True)
+    launched = {r.experiment for r in results}
+    at_launch = [c for c in tuner.asked if c.experiment in launched]
     final = []
     for candidate in tuner.space:
-        launched = candidate in tuner.results and tuner.results[candidate].state is not TrialState.PRUNED
-        reason = "" if launched else ("memory model" if candidate in memory_ruled_out else "prediction")
-        final.append(PredictedCandidate(candidate, tuner.predict(candidate), launched, reason))
+        was_launched = candidate in tuner.results and tuner.results[candidate].state is not TrialState.PRUNED
+        reason = "" if was_launched else ("memory model" if candidate in tuner.memory_ruled_out else "prediction")
+        final.append(PredictedCandidate(candidate, tuner.predict(candidate), was_launched, reason))
     by_prediction = sum(1 for c in final if c.ruled_out_by == "prediction")
     report(f"predictive: {len(results)} launched after the profile; of {len(final)} candidates, prediction "
-           f"ruled out {by_prediction} and the refitted memory model {len(memory_ruled_out)}")
+           f"ruled out {by_prediction} and the refitted memory model {len(tuner.memory_ruled_out)}")
     if not policy.fast:
         everything = [r for r in tuner.results.values() if r.state is not TrialState.PRUNED]
         results += search_knobs(space, policy, everything, evaluate, fits=fits)

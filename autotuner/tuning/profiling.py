@@ -8,7 +8,9 @@ Sizes are far apart, so the memory model's per-sample line is fitted on a real s
 micro-batch first (the orchestrator's first choice; should it run out of memory at every stage,
 the next, down to the smallest valid size: if that does not fit, nothing does), then the size
 the orchestrator chooses from what the first showed (about half the largest predicted to fit). The sharded
-engine (FSDP2) gets one launch at that size too: its process overhead differs from DDP's.
+engine (FSDP2) gets one launch at that size too, since its process overhead differs from DDP's;
+unless the orchestrator says sharding cannot win (sharding_gain.py), in which case ZeRO 2 and 3
+are left out of the search.
 
 On CUDA the allocator's phase peaks of two launches per engine are also fitted (PeakFit):
 forward+backward = fixed + per-sample x micro-batch, and the optimizer step's peak.
@@ -28,6 +30,12 @@ from autotuner.tuning.records import TrialResult, TrialState
 ProfileLaunch = Callable[[int, int], TrialResult]
 # The second profile size, from the profile the first launch gave (None: no second size).
 SecondSize = Callable[[ModelProfile, int], "int | None"]
+# Why the sharded engine need not be launched, from the unsharded profile (None: launch it).
+ShardingCannotWin = Callable[[ModelProfile, int], "str | None"]
+
+
+def _sharding_may_win(profile: ModelProfile, stage: int) -> str | None:
+    return None
 
 
 @dataclass(frozen=True)
@@ -37,15 +45,17 @@ class ProfileOutcome:
     failure: TrialResult | None  # the launch that failed, when profile is None
     runs: tuple[ModelInfo, ...] = ()
     launches: tuple[TrialResult, ...] = ()  # every profile launch, in order: they are experiments too
+    sharding_left_out: str | None = None  # why ZeRO 2 and 3 were not profiled (and are not searched)
 
 
 def profile_model(stages: tuple[int, ...], settings: ExperimentSettings, launch: ProfileLaunch,
-                  first_sizes: tuple[int, ...], second_size: SecondSize, report=print) -> ProfileOutcome:
+                  first_sizes: tuple[int, ...], second_size: SecondSize, report=print,
+                  sharding_cannot_win: ShardingCannotWin = _sharding_may_win) -> ProfileOutcome:
     """Profile at the lowest stage that runs; a higher stage is tried only after an OOM, and the
     next of `first_sizes` only after an OOM at every stage."""
     outcome, earlier = None, ()
     for index, first_size in enumerate(first_sizes):
-        outcome = _profile_at(stages, settings, launch, first_size, second_size, report)
+        outcome = _profile_at(stages, settings, launch, first_size, second_size, report, sharding_cannot_win)
         outcome = replace(outcome, launches=earlier + outcome.launches)
         earlier, failure = outcome.launches, outcome.failure
         if outcome.profile is not None or failure.state is not TrialState.OOM or index + 1 == len(first_sizes):
@@ -56,7 +66,8 @@ def profile_model(stages: tuple[int, ...], settings: ExperimentSettings, launch:
 
 
 def _profile_at(stages: tuple[int, ...], settings: ExperimentSettings, launch: ProfileLaunch,
-                first_size: int, second_size: SecondSize, report) -> ProfileOutcome:
+                first_size: int, second_size: SecondSize, report,
+                sharding_cannot_win: ShardingCannotWin) -> ProfileOutcome:
     last_failure = None
     launches: list[TrialResult] = []
 
@@ -88,7 +99,8 @@ def _profile_at(stages: tuple[int, ...], settings: ExperimentSettings, launch: P
             report(f"warning: {warning}")
         fits = [fit] if (fit := peak_fit(infos)) is not None else []
         sharded = [s for s in stages if s >= 2]
-        if stage < 2 and sharded:
+        left_out = sharding_cannot_win(profile, stage) if stage < 2 and sharded else None
+        if stage < 2 and sharded and left_out is None:
             # FSDP2's process overhead (DTensor and friends) differs from DDP's: measure it once at
             # the larger size, and on CUDA at both sizes, to fit its allocator peaks too.
             sharded_sizes = sizes if fits else sizes[-1:]
@@ -104,7 +116,7 @@ def _profile_at(stages: tuple[int, ...], settings: ExperimentSettings, launch: P
             if len(sharded_infos) == len(sharded_sizes) and (fit := peak_fit(sharded_infos)) is not None:
                 fits.append(fit)
         profile = replace(profile, peak_fits=tuple(fits))
-        return ProfileOutcome(profile, infos[0].device_memory_bytes, None, tuple(infos), tuple(launches))
+        return ProfileOutcome(profile, infos[0].device_memory_bytes, None, tuple(infos), tuple(launches), left_out)
     return ProfileOutcome(None, None, last_failure, (), tuple(launches))
 
 

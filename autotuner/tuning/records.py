@@ -76,6 +76,19 @@ class TrialResult:
     def name(self) -> str:
         return self.experiment.name
 
+    @property
+    def relative_error(self) -> float:
+        """How far the window's mean may be off, relative to it: the per-step spread over the
+        square root of the steps timed (the per-step spread itself where the count is unknown).
+        Not the run-to-run noise: callers floor it with that."""
+        if not self.value_std or not self.value:
+            return 0.0
+        spread = abs(self.value_std / self.value)
+        m = self.measurement
+        if m is None or m.start_profile_step is None or m.end_profile_step is None:
+            return spread
+        return spread / max(1, m.end_profile_step - m.start_profile_step + 1) ** 0.5
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,

@@ -2,7 +2,8 @@
 
 The step-time model (cost_model.py) is refitted on every result. Each untried candidate gets a
 predicted objective value with a plausible range; `ask` returns the candidate with the most
-optimistic bound, and `could_improve` says whether that bound beats the best measured so far.
+optimistic bound, and `could_improve` says whether that bound beats the best measured so far by
+more than the noise level (a smaller gain is not worth a launch: measured, it would be a tie).
 The search stops when it does not (drive(..., trust_predictions=True)); asked further, the
 tuner still orders the rest, so it meets the same contract as every tuner.
 """
@@ -13,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-from autotuner.tuning.cost_model import CostContext, Observation, StepTimeModel
+from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext, Observation, StepTimeModel
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.tuners.base import Tuner
@@ -30,9 +31,10 @@ class Prediction:
 
 class PredictiveTuner(Tuner):
     def __init__(self, space: Sequence[Experiment], objective: Objective, seed: int = 0,
-                 context: CostContext | None = None):
+                 context: CostContext | None = None, worthwhile_gain: float = NOISE_FLOOR):
         super().__init__(space, objective, seed)
         self.context = context or CostContext()
+        self.worthwhile_gain = worthwhile_gain  # relative: the least gain a launch must be able to bring
         self._largest = max((e.micro_batch_size for e in self.space), default=1)
         self._model: tuple[int, StepTimeModel] | None = None
 
@@ -69,8 +71,7 @@ class PredictiveTuner(Tuner):
                 step_time = self._step_time(result)
                 if step_time is None:
                     continue
-                noise = (result.value_std / result.value) if result.value_std and result.value else 0.0
-                observations.append(Observation(result.experiment, step_time, noise))
+                observations.append(Observation(result.experiment, step_time, result.relative_error))
             self._model = (len(self.results), StepTimeModel(observations, self.context, self._largest))
         return self._model[1]
 
@@ -97,4 +98,5 @@ class PredictiveTuner(Tuner):
         incumbent = self.best
         if incumbent is None:
             return True
-        return self.objective.better(self._optimistic(experiment), incumbent.value)
+        factor = 1 + self.worthwhile_gain if self.objective.maximize else 1 - self.worthwhile_gain
+        return self.objective.better(self._optimistic(experiment), incumbent.value * factor)

@@ -1,0 +1,80 @@
+"""Leaving the sharded engine out when it cannot win (autotuner/tuning/sharding_gain.py), and the
+orchestrator skipping its profile launch and its search. No processes."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from autotuner.boundary import CollectiveTiming, Measurement
+from autotuner.config import load_config
+from autotuner.tuning.autotuner import Autotuner
+from autotuner.tuning.comm_fit import LinkFit
+from autotuner.tuning.config_space import base_config
+from autotuner.tuning.cost_model import CostContext
+from autotuner.tuning.experiment import ExperimentSettings, Trial
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.sharding_gain import sharding_cannot_win
+from fakes import FakeRunner, fingerprint, model_info
+
+MiB = 2**20
+LINKS = (LinkFit("all_reduce", 1e-4, 1e9), LinkFit("all_gather", 1e-4, 1e9), LinkFit("reduce_scatter", 1e-4, 1e9))
+
+
+def test_sharding_is_left_out_only_when_everything_fits_unsharded_and_its_collectives_save_nothing():
+    fp32 = CostContext(num_params=10_000_000, world_size=2, compute_bytes=4, links=LINKS)
+    assert sharding_cannot_win((0, 1, 2, 3), True, fp32, step_time_s=0.5, noise=0.03).startswith("cost model")
+    assert sharding_cannot_win((0, 1, 2, 3), False, fp32, 0.5, 0.03) is None  # memory: sharding may allow more
+    assert sharding_cannot_win((0, 2, 3), True, fp32, 0.5, 0.03) is None  # no ZeRO 1: FSDP2's sharded step may win
+    assert sharding_cannot_win((0, 1), True, fp32, 0.5, 0.03) is None  # nothing sharded to leave out
+    assert sharding_cannot_win((0, 1, 2), True, CostContext(10_000_000, 2, 4, ()), 0.5, 0.03) is None  # no links
+    # bf16: FSDP2 gathers half of ZeRO 1's bytes; 40 MB at 1 GB/s is 20 ms saved: beyond 3% of a
+    # 0.5 s step it may win, within 3% of a 1 s step it cannot.
+    bf16 = dataclasses.replace(fp32, compute_bytes=2)
+    assert sharding_cannot_win((0, 1, 2, 3), True, bf16, 0.5, 0.03) is None
+    assert sharding_cannot_win((0, 1, 2, 3), True, bf16, 1.0, 0.03) is not None
+
+
+def probed(trial: Trial) -> TrialResult:
+    """5 samples/s per sample of the micro-batch, FSDP2 20% slower; a profile launch also carries a collective probe (1 GB/s)."""
+    micro = trial.experiment.micro_batch_size
+    value = 5.0 * micro * (1.0 if trial.experiment.zero_stage < 2 else 0.8)
+    measurement = Measurement(throughput=value, latency=2 * micro / value, peak_memory_bytes=200 * MiB)
+    result = TrialResult(trial.experiment, TrialState.OK, value=value, measurement=measurement,
+                         measured_memory_bytes=200 * MiB, wall_time_s=1.0)
+    if not trial.profile:
+        return result
+    timings = tuple(CollectiveTiming(op, size, 1e-4 + size / 1e9) for op in ("all_reduce", "all_gather")
+                    for size in (2**20, 2**24))
+    info = model_info(micro, trial.experiment.zero_stage, activation_bytes=micro * MiB, collective_timings=timings,
+                      num_params=10_000_000)
+    return dataclasses.replace(result, model_info=info)
+
+
+def autotuner(tmp_path: Path, runner: FakeRunner, budget: int, lines: list) -> Autotuner:
+    config = load_config({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "all"},
+                          "autotuning": {"enabled": True, "memory_per_rank_bytes": budget, "fast": True,
+                                         "max_train_micro_batch_size_per_gpu": 4, "tuner_type": "gridsearch"}})
+    settings = ExperimentSettings(script="train.py", script_args=("--deepspeed", "ds.json"),
+                                  base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
+                                  objective=Objective("throughput"), timeout_s=30.0)
+    return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
+                     report=lines.append)
+
+
+def test_with_room_to_spare_the_sharded_engine_is_neither_profiled_nor_searched(tmp_path):
+    runner, lines = FakeRunner(probed), []
+    outcome = autotuner(tmp_path, runner, 4 * 2**30, lines).tune()
+    assert not any(name.startswith(("z2", "z3")) for name in runner.names)
+    assert "ZeRO 2: pruned, not launched (cost model: every micro-batch fits unsharded" in "\n".join(lines)
+    assert "ZeRO 3: pruned, not launched (cost model:" in "\n".join(lines)
+    assert outcome.best.experiment.zero_stage < 2
+
+
+def test_when_memory_is_tight_the_sharded_engine_is_still_profiled(tmp_path):
+    # 10M fp32 parameters with Adam: 160 MB of state per rank unsharded; 150 MiB leaves no room
+    # at ZeRO 0/1 for the largest size, so sharding may be what lets it run.
+    runner, lines = FakeRunner(probed), []
+    autotuner(tmp_path, runner, 150 * MiB, lines).tune()
+    assert any("(sharded engine)" in line for line in lines)
+    assert not any("cost model:" in line for line in lines)
