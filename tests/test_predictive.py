@@ -157,3 +157,22 @@ def test_failures_are_not_fitted_and_latency_is_minimised():
     prediction = tuner.predict(space[3])
     assert prediction.value == pytest.approx(true_step_s(space[3]), rel=0.1)
     assert tuner.ask() not in tuner.results
+
+
+def test_an_unmeasured_sharded_stage_starts_from_the_other_sharded_stages_offset():
+    """ZeRO 2 and 3 are one engine: here both miss 50 ms of bookkeeping the costing does not see.
+    With ZeRO 3 measured, ZeRO 2 is predicted with ZeRO 3's offset, not with none (50 ms off)."""
+    space = candidates()
+    sharded_offset = 0.05
+
+    def step(e: Experiment) -> float:
+        return true_step_s(e) - TRUE_OFFSET_S[e.zero_stage] + (sharded_offset if e.zero_stage >= 2 else 0.0)
+
+    tuner = PredictiveTuner(space, THROUGHPUT, context=CONTEXT)
+    for e in space:
+        if (e.zero_stage == 0 and e.micro_batch_size in (1, 16, 64)) or (e.zero_stage == 3 and e.micro_batch_size in (16, 64)):
+            samples = e.train_batch_size(WORLD)
+            tuner.tell(TrialResult(e, TrialState.OK, value=samples / step(e),
+                                   measurement=Measurement(throughput=samples / step(e), latency=step(e))))
+    z2 = next(e for e in space if e.zero_stage == 2 and e.micro_batch_size == 16)
+    assert tuner.model().predict(z2).mean_s == pytest.approx(step(z2), abs=5e-3)

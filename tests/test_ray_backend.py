@@ -145,6 +145,17 @@ def test_two_one_rank_experiments_run_in_parallel_on_the_two_slot_pool(cluster, 
                 assert a[2] != b[2]
 
 
+def test_the_default_tuner_runs_its_most_optimistic_candidates_at_once_on_the_two_slot_pool(cluster, tmp_path):
+    config = write_config(tmp_path / "ds.json", [2, 4, 8, 16], tuner_type="predictive")
+    run(tmp_path, tune_command(config, "--backend", "ray", "--ray_address", cluster.address, "--nproc_per_node", "1"))
+    records = table(tmp_path)
+    # Nothing measured yet (model_info given, no profile): the two largest sizes are asked together.
+    first, second = placement(tmp_path, "z0_gas1_mbs16"), placement(tmp_path, "z0_gas1_mbs8")
+    assert first["ranks"][0]["node_id"] != second["ranks"][0]["node_id"]
+    assert min(first["ended_unix"], second["ended_unix"]) > max(first["started_unix"], second["started_unix"])
+    assert set(records.state) == {"ok"}
+
+
 def test_autotuning_run_trains_the_optimum_on_the_cluster(cluster, tmp_path):
     echo = tmp_path / "argv.txt"
     command = tune_command(write_config(tmp_path / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",

@@ -13,7 +13,8 @@ Step time of one optimizer step, for ZeRO stage s, micro-batch m and gas g:
   of the parameters (stage 2 once per step, stage 3 before forward and backward of every
   micro-step) and reduce-scatters the gradients.
 - offset(group) is what the costing misses for one stage and knob setting (overlap with
-  backward, the optimizer step, sharding's bookkeeping), learned from its launches.
+  backward, the optimizer step, sharding's bookkeeping), learned from its launches; ZeRO 2 and 3,
+  one sharded engine, lend each other theirs until their own is measured.
 
 All parameters are fitted at once by Bayesian linear regression with known noise: measured
 steps vary by NOISE_FLOOR at least (run to run, on these machines), the curvature q and the
@@ -151,8 +152,14 @@ class StepTimeModel:
         x = self._features(experiment, fitted_groups=True) if self.groups else self._features(experiment, False)
         mean = float(x @ self._mean) + self._costed_s(experiment)
         variance = float(x @ self._cov @ x)
-        if group_of(experiment) not in self.groups:
-            variance += self._offset_var(group_of(experiment))  # an offset never measured: its prior
+        group = group_of(experiment)
+        if group not in self.groups:
+            variance += self._offset_var(group)  # an offset never measured: its prior
+            # ZeRO 2 and 3 run one sharded engine (its bookkeeping, its sharded optimizer step): an
+            # unmeasured one starts from the other's measured offset rather than from nothing.
+            twin = (5 - group[0], group[1]) if group[0] >= 2 else None
+            if twin in self.groups:
+                mean += float(self._mean[3 + self.groups.index(twin)])
         noise = NOISE_FLOOR * max(mean, 1e-12)
         mean = max(mean, 1e-9)
         return StepTimePrediction(mean, math.sqrt(max(variance, 0.0) + noise**2))

@@ -130,13 +130,13 @@ def stands_apart(values: dict[Experiment, list[float]], objective: Objective, no
 
 def settled(values: dict[Experiment, list[float]], objective: Objective, noise: float) -> bool:
     """Whether another round is not worth it: the best median stands apart, or every re-measured
-    contender is within the noise of it (the most a further round could find is a gain smaller
-    than the noise: the minimum worthwhile gain)."""
+    contender is within the noise of it, and never less than TIE_FLOOR (the most a further round
+    could find is a gain under the minimum worthwhile one; the search stops at the same gain)."""
     medians = sorted((statistics.median(v) for v in values.values() if v), reverse=objective.maximize)
     if len(medians) < 2 or stands_apart(values, objective, noise):
         return True
     remeasured = all(len(v) >= 2 for v in values.values())
-    return remeasured and abs(medians[0] - medians[1]) <= noise * abs(medians[0])
+    return remeasured and abs(medians[0] - medians[1]) <= max(noise, TIE_FLOOR) * abs(medians[0])
 
 
 def describe(final: FinalPick, objective: Objective) -> list[str]:
