@@ -1,3 +1,3 @@
-from autotuner.cli import main
+from autotuner.app.cli import main
 
 raise SystemExit(main())

@@ -1,9 +1,11 @@
 """Experiments in parallel on a Ray cluster against the same sweep one at a time.
 
     python benchmarks/ray_parallel.py [--rounds 3] [--width 512 --depth 4] [--micro 4,8,16,32,64]
+                                      [--tuner_type gridsearch|predictive]
 
 A two-node Ray cluster is started on this machine (ray.cluster_utils.Cluster, one CPU per node).
-The same grid-search sweep (benchmarks/workloads/dual_engine.py on our engine, 1 rank per
+The same sweep, grid search by default or `--tuner_type predictive` (the default tuner, which
+then asks its most optimistic candidates at once) (benchmarks/workloads/dual_engine.py on our engine, 1 rank per
 experiment, ZeRO 0 and 1 x --micro, model_info given so there is no profile launch, no final
 re-measure) is tuned with `--backend ray` three ways, interleaved for --rounds rounds:
 - parallel: the default, exclusive nodes, so 2 experiments at once;
@@ -48,7 +50,7 @@ def config(args, work: Path) -> Path:
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": [0, 1]},
-        "autotuning": {"enabled": True, "fast": True, "overwrite": True, "tuner_type": "gridsearch",
+        "autotuning": {"enabled": True, "fast": True, "overwrite": True, "tuner_type": args.tuner_type,
                        "tuner_early_stopping": 100, "remeasure_rounds": 0, "start_profile_step": 3,
                        "end_profile_step": 6, "model_info": {"num_params": args.width * args.width * args.depth}},
     }))
@@ -79,6 +81,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--micro", default="4,8,16,32,64")
+    parser.add_argument("--tuner_type", default="gridsearch", choices=("gridsearch", "predictive", "random"))
     args = parser.parse_args()
     from ray.cluster_utils import Cluster
 
@@ -103,8 +106,14 @@ def main() -> None:
     table["workload"] = f"mlp w{args.width} d{args.depth}, z0-1 x micro {args.micro}, 1 rank, 2 nodes x 1 CPU"
     table["date"] = time.strftime("%Y-%m-%d")
     table["load_avg_end"] = round(load, 2)
+    table["tuner_type"] = args.tuner_type
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    table.to_csv(RESULTS, index=False)
+    if RESULTS.exists():  # keep the other tuners' rows (rows from before the column: gridsearch)
+        old = pd.read_csv(RESULTS)
+        old["tuner_type"] = old["tuner_type"].fillna("gridsearch") if "tuner_type" in old else "gridsearch"
+        pd.concat([old[old.tuner_type != args.tuner_type], table], ignore_index=True).to_csv(RESULTS, index=False)
+    else:
+        table.to_csv(RESULTS, index=False)
     print(table.to_markdown(index=False))
     medians = {mode: statistics.median(table[table["mode"] == mode].wall_s) for mode in MODES}
     spread = {mode: (table[table["mode"] == mode].wall_s.min(), table[table["mode"] == mode].wall_s.max())

@@ -1,5 +1,5 @@
 """Bad input is refused before anything is launched: one line naming the file, key or flag,
-exit status 2, no traceback (unless --debug). In-process through `autotuner.cli.main`."""
+exit status 2, no traceback (unless --debug). In-process through `autotuner.app.cli.main`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from autotuner.cli import main
+from autotuner.app.cli import main
 from conftest import WORKERS, run_launcher
 
 TOY = WORKERS / "toy_train.py"

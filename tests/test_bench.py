@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from autotuner.cli import main
-from autotuner.tuning.bench import (
+from autotuner.app.cli import main
+from autotuner.app.bench import (
     Baseline,
     BenchResult,
     ThroughputStats,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import autotuner
-from autotuner.cli import main
+from autotuner.app.cli import main
 from autotuner.errors import ConfigError, UnsupportedError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.resources import cores_for_ranks, parse_core_list, parse_hostfile, select_slots

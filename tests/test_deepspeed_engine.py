@@ -21,7 +21,7 @@ import pytest
 
 import test_faults as faults
 from autotuner import engines
-from autotuner.engines import script_engine
+from autotuner.app.engines import script_engine
 from autotuner.errors import UsageError
 from autotuner.tuning.deepspeed_memory import deepspeed_state_bytes
 from conftest import ROOT, WORKERS, assert_no_children_left, launcher_env

@@ -29,7 +29,7 @@ import pandas as pd
 import pytest
 
 from autotuner import engines
-from autotuner.engines import script_engine
+from autotuner.app.engines import script_engine
 from autotuner.errors import UsageError
 from conftest import ROOT, WORKERS, launcher_env
 from hf_configs import HF_ZERO2, MAPPINGS

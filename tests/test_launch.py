@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from autotuner.cli import main
+from autotuner.app.cli import main
 from autotuner.errors import UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import DEFAULT_MASTER_PORT, LOOPBACK

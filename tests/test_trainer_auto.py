@@ -11,12 +11,12 @@ import pytest
 import torch.nn as nn
 
 import autotuner
-from autotuner.cli import main
+from autotuner.app.cli import main
 from autotuner.config import load_config
 from autotuner.config.trainer_auto import TRAINER_FILLED, refuse_trainer_autos, trainer_auto_keys
 from autotuner.errors import ConfigError
 from autotuner.runtime.optim import check_optimizer_and_scheduler
-from autotuner.tuning.cli import check_trainer_autos
+from autotuner.app.tune import check_trainer_autos
 from autotuner.tuning.deepspeed_memory import DEFAULTS, deepspeed_state_bytes, zero_knob
 from autotuner.tuning.experiment import ExperimentSettings, experiment_config, with_user_keys
 from autotuner.tuning.records import Objective
@@ -153,7 +153,7 @@ def test_a_misspelt_auto_is_refused_naming_auto_as_allowed(bad, mention):
 
 
 def test_engine_detection_keeps_the_gpt2_example_on_ours():
-    from autotuner.engines import script_engine, trains_on_ours
+    from autotuner.app.engines import script_engine, trains_on_ours
 
     example = Path(MINIMAL).parents[1] / "hf_gpt2" / "train.py"  # imports transformers and autotuner
     assert script_engine(str(example)) == "autotuner" and trains_on_ours(str(example))

@@ -80,7 +80,7 @@ def test_a_warm_rank_gets_the_cold_ranks_command_and_elastics_variables(tmp_path
 def test_the_tuner_process_does_not_run_the_forkserver_preload():
     """Importing warm_preload preloads (torch.distributed.fsdp, dynamo: over a second); only the
     forkserver may import it, never the tuner that starts it."""
-    probe = ("import sys, autotuner.tuning.cli; "
+    probe = ("import sys, autotuner.app.tune; "
              "print('autotuner.launch.warm_preload' in sys.modules, 'torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", probe], env=launcher_env(), capture_output=True, text=True,
                          check=True).stdout.split()

@@ -133,7 +133,7 @@ def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = 
     config = load_config(path)
     if script is not None:
         from autotuner.config.trainer_auto import refuse_trainer_autos
-        from autotuner.engines import trains_on_ours
+        from autotuner.app.engines import trains_on_ours
 
         if trains_on_ours(script):
             refuse_trainer_autos(config, path)
@@ -230,13 +230,13 @@ def _stop_when_stdin_closes() -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from autotuner.tuning.bench import bench
+    from autotuner.app.bench import bench
 
     return bench(args)
 
 
 def _autotune(args: argparse.Namespace) -> int:
-    from autotuner.tuning.cli import autotune
+    from autotuner.app.tune import autotune
 
     return autotune(args)
 

@@ -17,7 +17,7 @@ from autotuner.config.loader import read_config_file
 from autotuner.config.batch import check_fixed_triad
 from autotuner.config.keys import field_names, section_model
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
-from autotuner.engines import script_engine, trains_on_ours
+from autotuner.app.engines import script_engine, trains_on_ours
 from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import picks_ranks_itself

@@ -1,0 +1,22 @@
+"""The package's layers (pyproject's [tool.importlinter] contract): commands on top, nothing
+imports upward, lazy imports included. A broken contract names the import and its line."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    lint = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
+    if not Path(lint).exists():
+        pytest.fail("import-linter is not installed: it is in the dev extra (pip install -e '.[dev]')")
+    done = subprocess.run([lint, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "1 kept, 0 broken" in done.stdout
