@@ -1,3 +1,3 @@
-from autotuner.app.cli import main
+from autotuner.app.entry import main
 
 raise SystemExit(main())

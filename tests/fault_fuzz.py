@@ -367,6 +367,8 @@ def run_case(case: FaultCase, workdir: Path, clean_length_s: float, resume: bool
         os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait()
     allowed = expected_statuses(case, landed)
+    if case.scenario in ("plain", "hostfile") and "done: " in (workdir / "launcher.out").read_text():
+        allowed = allowed | {0}  # the fault came as the launcher was leaving: the ranks had finished
     err_text = (workdir / "launcher.err").read_text()
     if status == 1 and case.scenario in ("tune", "tune_cold") and "did not run in the profile launch" not in err_text:
         allowed = allowed - {1}
@@ -508,7 +510,7 @@ def run_ray_case(case: FaultCase, workdir: Path, address: str, lose_node, length
         tuner.kill()
         tuner.wait()
     seconds = time.monotonic() - fault_at
-    allowed = {0} if case.fault == "lose_node" or not landed else {128 + (2 if case.fault == "SIGINT" else 15)}
+    allowed = {0} if case.fault == "lose_node" else expected_statuses(case, landed)
     if status is not None and status not in allowed:
         problems.append(f"exit status {status}, expected one of {sorted(allowed)}; stderr tail: "
                         f"{(workdir / 'launcher.err').read_text()[-600:]!r}")
