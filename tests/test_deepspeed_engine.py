@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 
 import test_faults as faults
-from autotuner import engines
+from autotuner.app import engines
 from autotuner.app.engines import script_engine
 from autotuner.errors import UsageError
 from autotuner.tuning.deepspeed_memory import deepspeed_state_bytes

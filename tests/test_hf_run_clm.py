@@ -28,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from autotuner import engines
+from autotuner.app import engines
 from autotuner.app.engines import script_engine
 from autotuner.errors import UsageError
 from conftest import ROOT, WORKERS, launcher_env
