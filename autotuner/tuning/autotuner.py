@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -27,6 +26,7 @@ from autotuner.tuning.final_pick import final_pick_rounds
 from autotuner.tuning.interference import interference_share
 from autotuner.tuning.results import Explanation, PredictedPoint, write_results
 from autotuner.tuning.runners import Runner
+from autotuner.tuning.parallel_launches import ParallelLaunches
 from autotuner.tuning.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
 from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search
 from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
@@ -381,36 +381,3 @@ class Autotuner:
 
         return (tuple(point(c) for c in self.predictions.at_launch),
                 tuple(point(c) for c in self.predictions.final))
-
-
-class ParallelLaunches:
-    """The orchestrator's evaluate, with the parallel side a runner with `capacity` above 1 offers
-    (tuners/base.py `drive_parallel`): results are recorded and journalled as they finish."""
-
-    def __init__(self, tuner: Autotuner):
-        self._tuner = tuner
-        self.capacity = max(1, int(getattr(tuner.runner, "capacity", 1)))
-        self._ready: deque[TrialResult] = deque()
-
-    def __call__(self, experiment: Experiment) -> TrialResult:
-        return self._tuner._evaluate(experiment)
-
-    def submit(self, experiment: Experiment) -> None:
-        tuner = self._tuner
-        known = tuner._results.get(experiment) or tuner._journal.get(experiment.name)
-        if known is not None:
-            if experiment not in tuner._results:
-                tuner._record(known, True)
-            self._ready.append(known)
-            return
-        tuner.runner.submit(tuner._trial(experiment))
-        tuner._launched += 1
-
-    def next_result(self) -> TrialResult:
-        if self._ready:
-            return self._ready.popleft()
-        tuner = self._tuner
-        trial, result = tuner.runner.next_result()
-        tuner._journal_result(trial, result)
-        tuner._record(result, False)
-        return result
