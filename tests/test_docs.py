@@ -30,3 +30,15 @@ def test_the_readme_is_at_most_250_lines_and_links_only_to_files_that_exist():
     import re
     for target in re.findall(r"\]\(([^)#]+)\)", text):
         assert (ROOT / target).exists(), target
+
+
+def test_the_config_reference_page_is_what_the_models_generate():
+    from autotuner.config.reference import reference_markdown
+
+    committed = (ROOT / "docs" / "config_reference.md").read_text()
+    assert committed == reference_markdown(), (
+        "docs/config_reference.md differs from the models: python -m autotuner.config.reference > "
+        "docs/config_reference.md")
+    # Every section of the config, nested ones included, has its table.
+    for section in ("`zero_optimization.offload_param`", "`autotuning.online`", "`timers.throughput`"):
+        assert f"## {section}" in committed

@@ -161,30 +161,32 @@ class OnlineConfig(_Section):
 class AutotuningConfig(_Section):
     """The `autotuning` section: DeepSpeed's keys plus our documented additions."""
 
-    enabled: bool = False
-    fast: bool = True
-    results_dir: str = "autotuning_results"
-    exps_dir: str = "autotuning_exps"
+    enabled: bool = Field(False, description="the section is read only when true")
+    fast: bool = Field(True, description="true: stage x micro-batch x gas only; false: then ZeRO knobs too")
+    results_dir: str = Field("autotuning_results", description="summary, experiments.csv, the optimal config")
+    exps_dir: str = Field("autotuning_exps", description="one directory per experiment; the resume journal")
     overwrite: bool = Field(False, description="false resumes finished experiments; true starts afresh")
-    metric: MetricName = "throughput"
-    start_profile_step: PositiveInt = 3
-    end_profile_step: PositiveInt = 5
+    metric: MetricName = Field("throughput", description="throughput | latency (minimised) | FLOPS")
+    start_profile_step: PositiveInt = Field(3, description="the first optimizer step timed")
+    end_profile_step: PositiveInt = Field(5, description="the last step timed (more with min_window_s)")
     min_window_s: NonNegativeFloat = Field(
         1.0, description="ours: a profile window goes on past end_profile_step until it has lasted this long "
                          "(Bagua's sampling_confidence_time); 0 keeps DeepSpeed's fixed window")
     max_steps_per_window: PositiveInt = Field(100, description="ours: ... or until it holds this many steps")
     metric_path: str | None = None
     model_info_path: str | None = None
-    tuner_type: TunerType = "predictive"  # DeepSpeed: gridsearch; ours wins our benchmarks (README)
-    tuner_early_stopping: PositiveInt = 5
-    tuner_num_trials: PositiveInt = 50
+    tuner_type: TunerType = Field("predictive", description="DeepSpeed's default is gridsearch; ours, predictive, "
+                                  "won our benchmarks")
+    tuner_early_stopping: PositiveInt = Field(5, description="stop after this many experiments without improvement")
+    tuner_num_trials: PositiveInt = Field(50, description="at most this many experiments")
     tuner_seed: int = Field(0, description="seed of the random and model_based tuners")
-    arg_mappings: dict[str, str] = Field(default_factory=dict)
-    max_train_batch_size: PositiveInt | None = None
+    arg_mappings: dict[str, str] = Field(default_factory=dict, description="config key -> the script's flag that "
+                                         "carries its tuned value")
+    max_train_batch_size: PositiveInt | None = Field(None, description="the global batch: gas = it / (micro x dp)")
     min_train_micro_batch_size_per_gpu: PositiveInt = 1
     max_train_micro_batch_size_per_gpu: PositiveInt = 1024
-    num_tuning_micro_batch_sizes: PositiveInt = 3
-    mp_size: PositiveInt = 1
+    num_tuning_micro_batch_sizes: PositiveInt = Field(3, description="sizes tried per stage below its largest")
+    mp_size: PositiveInt = Field(1, description="model-parallel size; only 1 (data parallel) here")
     model_info: ModelInfo | None = None
     exp_timeout_s: float = Field(600.0, gt=0, description="wall-clock limit of one experiment, seconds")
     memory_per_rank_bytes: PositiveInt | None = Field(
@@ -198,7 +200,8 @@ class AutotuningConfig(_Section):
     remeasure_top: PositiveInt = Field(3, description="the final pick re-measures up to this many candidates within "
                                        "twice the run's noise level of the best, interleaved, and takes the best median")
     remeasure_rounds: NonNegativeInt = Field(3, description="at most this many rounds of re-measurement, stopping "
-                                             "once the best stands apart (0: pick the best single measurement)")
+                                             "once the best stands apart or the rest are within the noise of it "
+                                             "(0: pick the best single measurement)")
 
     @field_validator("arg_mappings", mode="before")
     @classmethod
@@ -246,13 +249,16 @@ BatchValue = Union[PositiveInt, Auto, None]
 class DeepSpeedConfig(_Section):
     """The whole config file. Batch values may be "auto" until `resolve_batch` runs."""
 
-    train_batch_size: BatchValue = None
-    train_micro_batch_size_per_gpu: Union[PositiveInt, Auto, list[PositiveInt], None] = None
-    gradient_accumulation_steps: BatchValue = None
+    train_batch_size: BatchValue = Field(
+        None, description="samples per optimizer step over all ranks = micro-batch x gas x data-parallel size")
+    train_micro_batch_size_per_gpu: Union[PositiveInt, Auto, list[PositiveInt], None] = Field(
+        None, description='samples per rank per forward/backward; "auto" is tuned, a list is tried exactly')
+    gradient_accumulation_steps: BatchValue = Field(
+        None, description='micro-batches per optimizer step; "auto" is tuned (from max_train_batch_size)')
     gradient_clipping: Union[NonNegativeFloat, Auto] = Field(
         0.0, description='max grad norm; 0 disables clipping; "auto": the Trainer sets it from --max_grad_norm')
-    steps_per_print: PositiveInt = 10
-    wall_clock_breakdown: bool = False
+    steps_per_print: PositiveInt = Field(10, description="the progress line's period, in optimizer steps")
+    wall_clock_breakdown: bool = Field(False, description="print forward/backward/step times (rank 0)")
     fp16: FP16Config = Field(default_factory=FP16Config)
     bf16: BF16Config = Field(default_factory=BF16Config)
     optimizer: OptimizerConfig | None = None
@@ -273,9 +279,9 @@ class DeepSpeedConfig(_Section):
 
     # DeepSpeed keys that change the training math; our engine refuses values other than the default
     # (config/engine_math.py), DeepSpeed's engine honours them.
-    managed_gradient_accumulation: bool = True
-    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
-    torch_autocast: dict[str, Any] = Field(default_factory=dict)
+    managed_gradient_accumulation: bool = Field(True, description="only true on our engine (refused otherwise)")
+    gradient_allreduce_op: Literal["mean", "sum"] = Field("mean", description='only "mean" on our engine')
+    torch_autocast: dict[str, Any] = Field(default_factory=dict, description="only disabled on our engine")
 
     @field_validator("communication_data_type", mode="before")
     @classmethod
