@@ -16,8 +16,12 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from autotuner.boundary import ERROR_DIR_ENV, RankError, error_message, rank_errors, write_record
+from autotuner.errors import ERROR_DIR_ENV
+
+if TYPE_CHECKING:
+    from autotuner.boundary import RankError
 
 QUIET_ERRORS_ENV = "AUTOTUNER_QUIET_ERRORS"  # our errors exit as one line (unset under --debug)
 CONFIG_CHECKED_ENV = "AUTOTUNER_CONFIG_CHECKED"
@@ -46,6 +50,7 @@ def install_rank_excepthook() -> None:
     quiet = os.environ.get(QUIET_ERRORS_ENV) == "1"
 
     def hook(kind, err, traceback):
+        from autotuner.boundary import RankError, error_message, write_record
         from autotuner.errors import AutotunerError
 
         ours = isinstance(err, AutotunerError)
@@ -73,6 +78,8 @@ def install_rank_excepthook() -> None:
 
 def read_rank_error(directory: str | os.PathLike, rank: int | None) -> RankError | None:
     """The error `rank` recorded, else the earliest one, else None."""
+    from autotuner.boundary import rank_errors
+
     errors = rank_errors(directory)
     own = [error for error in errors if error.rank == rank]
     return (own or errors or [None])[0]
