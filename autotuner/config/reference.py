@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from autotuner.config.keys import section_model
 from autotuner.config.models import DeepSpeedConfig
 
 HEADER = """# Config reference
@@ -25,17 +26,6 @@ the suite fails when this page and the models differ). Every key of every sectio
 type, its default and what it means here. Names and meanings are DeepSpeed's unless the
 description says "ours"; [Config](config.md) says what happens to each top-level DeepSpeed key.
 """
-
-
-def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The model a field holds, if it is a section (plain, optional or in a union)."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _section_model(arg)
-        if found is not None:
-            return found
-    return None
 
 
 def _cell(text: str) -> str:
@@ -83,7 +73,7 @@ def _tables(model: type[BaseModel], path: str, out: list[str]) -> None:
     rows, sections = [], []
     for name, field in model.model_fields.items():
         meaning = _cell(field.description or "")
-        section = _section_model(field.annotation)
+        section = section_model(field.annotation)
         key = f"{path}.{name}" if path else name
         if section is not None:
             sections.append((section, key))
