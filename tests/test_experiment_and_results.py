@@ -29,7 +29,7 @@ from autotuner.tuning.experiment import (
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning import results as results_module
 from autotuner.tuning.results import summary_text, write_results
-from autotuner.tuning.search import DEFAULT_KNOBS
+from tests.test_dimensions import OUR_ENGINE_KNOBS
 from autotuner.tuning.space import Experiment
 
 THROUGHPUT = Objective("throughput")
@@ -171,7 +171,7 @@ def test_base_config_with_no_zero_section():
 
 
 def test_knob_values_defaults():
-    assert knob_values(load_config({"train_batch_size": 8})) == DEFAULT_KNOBS
+    assert knob_values(load_config({"train_batch_size": 8})) == OUR_ENGINE_KNOBS
 
 
 def test_knob_values_user_scalar_fixes_and_user_list_replaces():
@@ -211,7 +211,7 @@ def test_search_space_auto_micro_is_searched_under_a_cap():
     assert space.global_batch_size == 64 and space.global_batch_exact is False
     assert (space.min_micro_batch_size, space.max_micro_batch_size, space.num_micro_batch_sizes) == (2, 32, 4)
     assert space.fixed_gradient_accumulation_steps is None
-    assert space.knob_values == DEFAULT_KNOBS
+    assert space.knob_values == OUR_ENGINE_KNOBS
 
 
 def test_search_space_int_micro_is_fixed():

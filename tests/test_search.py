@@ -11,14 +11,16 @@ import pytest
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.search import (
     BISECTION_TOLERANCE,
-    DEFAULT_KNOBS,
     SearchPolicy,
     SearchSpace,
     confirm_largest,
     run_search,
     spread_micro_batch_sizes,
 )
-from autotuner.tuning.space import Experiment, KNOB_TAGS
+from autotuner.tuning.dimensions import full_mode_values, tag
+from autotuner.tuning.space import Experiment
+
+DEFAULT_KNOBS = full_mode_values({}, "autotuner")
 
 THROUGHPUT = Objective("throughput")
 LATENCY = Objective("latency")
@@ -475,7 +477,7 @@ def test_full_mode_tunes_knobs_on_the_best_stages():
     for e in tuned:
         assert dict(e.knobs).keys() == knob_values[e.zero_stage].keys()
         for knob in dict(e.knobs):
-            assert f"_{KNOB_TAGS[knob]}" in e.name
+            assert f"_{tag(knob)}" in e.name
     assert any("_oc" in e.name and "_ppt" in e.name for e in tuned if e.zero_stage == 3)
 
 

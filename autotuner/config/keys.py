@@ -32,7 +32,7 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
         {
             "allgather_partitions", "reduce_scatter", "round_robin_gradients", "load_from_fp32_weights",
             "elastic_checkpoint", "ignore_unused_parameters", "sub_group_size", "cpu_offload",
-            "cpu_offload_params", "cpu_offload_use_pin_memory", "stage3_max_live_parameters",
+            "cpu_offload_params", "cpu_offload_use_pin_memory",
             "stage3_max_reuse_distance", "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
             "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather",
             "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "pipeline_loading_checkpoint",

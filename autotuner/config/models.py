@@ -96,6 +96,10 @@ class ZeroConfig(_Section):
     # "auto" in these three: Hugging Face's Trainer sets them from the model's hidden size.
     stage3_prefetch_bucket_size: Union[NonNegativeInt, list[NonNegativeInt], Auto, None] = None
     stage3_param_persistence_threshold: Union[NonNegativeInt, list[NonNegativeInt], Auto, None] = None
+    stage3_max_live_parameters: Union[PositiveInt, list[PositiveInt], None] = Field(
+        None, description="DeepSpeed's engine only: parameters held gathered at once at stage 3 (tuned there); "
+                          "FSDP2 gathers one block at a time, so ours has no such cap"
+    )
     offload_optimizer: OffloadConfig | None = None
     offload_param: OffloadConfig | None = None
     # DeepSpeed's name at stage 3, its stage-less name, and its deprecated fp16 name.

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning.search import DEEPSPEED_KNOBS, DEEPSPEED_OFFLOAD_KNOBS, DEFAULT_KNOBS, SearchSpace
+from autotuner.tuning.dimensions import full_mode_values
+from autotuner.tuning.search import SearchSpace
 
 
 def _zero_settings(config: DeepSpeedConfig) -> dict[str, Any]:
@@ -25,31 +26,10 @@ def base_config(config: DeepSpeedConfig) -> dict[str, Any]:
     return base
 
 
-def default_knobs(engine: str, cuda: bool, config: DeepSpeedConfig) -> dict[int, dict[str, list[Any]]]:
-    """Full mode's knobs per stage for the script's engine. On DeepSpeed's, offload too on CUDA,
-    unless the user wrote an offload section (then theirs stands)."""
-    if engine != "deepspeed":
-        return DEFAULT_KNOBS
-    user = _zero_settings(config)
-    offload = cuda and not any(key in user for key in ("offload_optimizer", "offload_param"))
-    return {stage: {**knobs, **(DEEPSPEED_OFFLOAD_KNOBS.get(stage, {}) if offload else {})}
-            for stage, knobs in DEEPSPEED_KNOBS.items()}
-
-
 def knob_values(config: DeepSpeedConfig, engine: str = "autotuner",
                 cuda: bool = False) -> dict[int, dict[str, list[Any]]]:
-    """Full-mode knob values per stage: a user scalar fixes a knob, a user list replaces the defaults."""
-    user = _zero_settings(config)
-    values: dict[int, dict[str, list[Any]]] = {}
-    for stage, defaults in default_knobs(engine, cuda, config).items():
-        stage_values = {}
-        for knob, default in defaults.items():
-            if knob not in user:
-                stage_values[knob] = default
-            elif isinstance(user[knob], list):
-                stage_values[knob] = user[knob]
-        values[stage] = stage_values
-    return values
+    """Full-mode values per stage and dimension (tuning/dimensions.py) for the script's engine."""
+    return full_mode_values(config.to_dict(), engine, cuda)
 
 
 def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str = "autotuner",

@@ -10,9 +10,9 @@ from typing import Any, Callable
 import psutil
 
 from autotuner.config.models import DeepSpeedConfig
+from autotuner.tuning import dimensions
 from autotuner.tuning.memory import (ModelProfile, StageSettings, engine_families, engine_family, estimate,
                                      usable_bytes)
-from autotuner.tuning.space import OFFLOAD_KNOBS
 from autotuner.tuning.memory_fit import PeakObservation, ResidualFit, fit_residuals
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.search import SearchSpace
@@ -44,7 +44,7 @@ class MemoryBook:
                  engine: str = "autotuner"):
         self.config = config
         self.zero_settings = {k: v for k, v in (zero_settings or {}).items()
-                              if k != "stage" and k not in OFFLOAD_KNOBS and isinstance(v, (bool, int, float, str))}
+                              if k != "stage" and isinstance(v, (bool, int, float, str))}
         self._engine = engine  # until the profile says whose engine ran
         self.space = space
         self.nproc_per_node = nproc_per_node
@@ -79,12 +79,12 @@ class MemoryBook:
                        knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
         # Ranks on a CPU-only machine drop offload (everything is host memory already).
         offload_optimizer, offload_param = _offloads(self.config) if self.device_type == "cuda" else (False, False)
-        by_knob = Experiment(stage, 1, 1, knobs).offloaded()
-        offload_optimizer, offload_param = offload_optimizer or by_knob[0], offload_param or by_knob[1]
-        zero_knobs = {**self.zero_settings, **{k: v for k, v in knobs if k not in OFFLOAD_KNOBS}}
-        return StageSettings(stage, self.precision, self.space.data_parallel_size, offload_optimizer,
-                             offload_param, self.contiguous_gradients, gradient_accumulation_steps,
-                             tuple(sorted(zero_knobs.items())))
+        settings = StageSettings(stage, self.precision, self.space.data_parallel_size, offload_optimizer,
+                                 offload_param, self.contiguous_gradients, gradient_accumulation_steps,
+                                 tuple(sorted(self.zero_settings.items())))
+        for name, value in knobs:
+            settings = dimensions.memory_term(settings, name, value)
+        return settings
 
     # ----- predictions -----
     def analytic_memory(self, experiment: Experiment) -> int:

@@ -28,33 +28,6 @@ Fits = Callable[[Experiment], bool]  # the memory model's verdict on one experim
 def _always_fits(experiment: Experiment) -> bool:
     return True
 
-# Knob values tried in full mode, per stage; the user's scalar fixes a knob, a list replaces its values.
-DEFAULT_KNOBS: dict[int, dict[str, list[Any]]] = {
-    0: {"reduce_bucket_size": [1_000_000, 6_553_600, 50_000_000], "contiguous_gradients": [False, True]},
-    1: {"reduce_bucket_size": [1_000_000, 6_553_600, 50_000_000], "contiguous_gradients": [False, True]},
-    2: {"overlap_comm": [False, True]},
-    3: {"overlap_comm": [False, True], "stage3_param_persistence_threshold": [0, 100_000]},
-}
-# On DeepSpeed's own engine: its knobs, at values around DeepSpeed's defaults (its autotuner's
-# templates sweep 5e7/5e8/1e9 buckets at stages 1-2). Stage 0 has none that matter.
-DEEPSPEED_KNOBS: dict[int, dict[str, list[Any]]] = {
-    0: {},
-    1: {"reduce_bucket_size": [50_000_000, 500_000_000], "allgather_bucket_size": [50_000_000, 500_000_000]},
-    2: {"overlap_comm": [False, True], "contiguous_gradients": [False, True],
-        "reduce_bucket_size": [50_000_000, 500_000_000], "allgather_bucket_size": [50_000_000, 500_000_000]},
-    3: {"overlap_comm": [False, True], "reduce_bucket_size": [50_000_000, 500_000_000],
-        "stage3_prefetch_bucket_size": [5_000_000, 50_000_000],
-        "stage3_param_persistence_threshold": [10_000, 100_000],
-        "stage3_max_live_parameters": [100_000_000, 1_000_000_000]},
-}
-# Offload is a knob only on CUDA (a CPU-only machine holds everything in host memory already).
-DEEPSPEED_OFFLOAD_KNOBS: dict[int, dict[str, list[Any]]] = {
-    1: {"offload_optimizer": ["none", "cpu"]},
-    2: {"offload_optimizer": ["none", "cpu"]},
-    3: {"offload_optimizer": ["none", "cpu"], "offload_param": ["none", "cpu"]},
-}
-
-
 @dataclass(frozen=True)
 class SearchSpace:
     stages: tuple[int, ...]

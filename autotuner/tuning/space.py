@@ -6,21 +6,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
-# Short tags for knob names in experiment names (DeepSpeed uses rbs/abs likewise).
-KNOB_TAGS = {
-    "reduce_bucket_size": "rbs",
-    "allgather_bucket_size": "abs",
-    "overlap_comm": "oc",
-    "contiguous_gradients": "cg",
-    "stage3_prefetch_bucket_size": "pbs",
-    "stage3_param_persistence_threshold": "ppt",
-    "stage3_max_live_parameters": "mlive",
-    "offload_optimizer": "oo",
-    "offload_param": "op",
-}
-
-# Knobs that name a section's device: the value is the device ("cpu"), set as {"device": value}.
-OFFLOAD_KNOBS = ("offload_optimizer", "offload_param")
+from autotuner.tuning import dimensions
 
 
 def _format_knob(value: Any) -> str:
@@ -33,7 +19,8 @@ def _format_knob(value: Any) -> str:
 
 @dataclass(frozen=True, order=True)
 class Experiment:
-    """One training configuration to measure. `knobs` are extra zero_optimization settings."""
+    """One training configuration to measure: a ZeRO stage, the batch triad, and a value for each
+    further dimension it sets (`knobs`, by name in tuning/dimensions.py)."""
 
     zero_stage: int
     micro_batch_size: int
@@ -42,7 +29,7 @@ class Experiment:
 
     @property
     def name(self) -> str:
-        tags = "".join(f"_{KNOB_TAGS.get(k, k)}{_format_knob(v)}" for k, v in self.knobs)
+        tags = "".join(f"_{dimensions.tag(k)}{_format_knob(v)}" for k, v in self.knobs)
         return f"z{self.zero_stage}{tags}_gas{self.gradient_accumulation_steps}_mbs{self.micro_batch_size}"
 
     def train_batch_size(self, data_parallel_size: int) -> int:
@@ -54,11 +41,6 @@ class Experiment:
         return Experiment(self.zero_stage, self.micro_batch_size, self.gradient_accumulation_steps,
                           tuple(sorted(merged.items())))
 
-    def offloaded(self) -> tuple[bool, bool]:
-        """(offload_optimizer, offload_param) to the CPU, as this experiment's knobs set them."""
-        knobs = dict(self.knobs)
-        return knobs.get("offload_optimizer") == "cpu", knobs.get("offload_param") == "cpu"
-
     def features(self) -> dict[str, float]:
         """Numeric description for cost models."""
         import math
@@ -69,21 +51,15 @@ class Experiment:
             "log2_gradient_accumulation_steps": math.log2(self.gradient_accumulation_steps),
         }
         for key, value in self.knobs:
-            if key in OFFLOAD_KNOBS:
-                out[key] = float(value == "cpu")
-                continue
-            number = float(value)
-            out[key] = math.log2(number) if number > 1 else number
+            out[key] = dimensions.encode(key, value)
         return out
 
     def apply(self, base_config: dict[str, Any], data_parallel_size: int) -> dict[str, Any]:
-        """The base config with this experiment's stage, batch triad and knobs set."""
+        """The base config with this experiment's stage, batch triad and dimensions set."""
         config = copy.deepcopy(base_config)
-        zero = dict(config.get("zero_optimization") or {})
-        zero["stage"] = self.zero_stage
+        config["zero_optimization"] = {**(config.get("zero_optimization") or {}), "stage": self.zero_stage}
         for key, value in self.knobs:
-            zero[key] = {**(zero.get(key) or {}), "device": value} if key in OFFLOAD_KNOBS else value
-        config["zero_optimization"] = zero
+            dimensions.write(config, dimensions.dimension(key).path, value)
         config["train_micro_batch_size_per_gpu"] = self.micro_batch_size
         config["gradient_accumulation_steps"] = self.gradient_accumulation_steps
         config["train_batch_size"] = self.train_batch_size(data_parallel_size)

@@ -1,0 +1,162 @@
+"""The tuned dimensions beyond stage × micro-batch × gas, each declared once.
+
+A dimension says where its value goes in the config (any section), which values full mode
+tries for a stage on an engine and device, its tag in experiment names, its encoding for the
+tuners and cost models, and its memory-model term. Everything else (the space, experiment
+names and configs, the tuners' features, the memory book) reads this table; adding a
+dimension is one entry here plus the engine code that honours its config key.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Mapping
+
+from autotuner.tuning.memory import StageSettings
+
+Engine = str  # "autotuner" (ours) or "deepspeed"
+MemoryTerm = Callable[[StageSettings, Any], StageSettings]
+
+
+def log2_number(value: Any) -> float:
+    """Sizes on a log scale (a bucket of 1e6 and one of 5e7 are far apart), flags as 0/1."""
+    number = float(value)
+    return math.log2(number) if number > 1 else number
+
+
+def zero_knob_term(name: str) -> MemoryTerm:
+    """The value joins the zero_optimization settings the engine's state model reads (DeepSpeed's
+    buckets, say); our engine's model reads none of them."""
+
+    def term(settings: StageSettings, value: Any) -> StageSettings:
+        knobs = {**dict(settings.zero_knobs), name: value}
+        return replace(settings, zero_knobs=tuple(sorted(knobs.items())))
+
+    return term
+
+
+def _offload_optimizer(settings: StageSettings, value: Any) -> StageSettings:
+    return replace(settings, offload_optimizer=True) if value == "cpu" else settings
+
+
+def _offload_param(settings: StageSettings, value: Any) -> StageSettings:
+    return replace(settings, offload_param=True) if value == "cpu" else settings
+
+
+def _is_cpu(value: Any) -> float:
+    return float(value == "cpu")
+
+
+@dataclass(frozen=True)
+class Dimension:
+    name: str  # the key in Experiment.knobs, the journal and the results table
+    path: tuple[str, ...]  # where Experiment.apply writes the value in the config
+    tag: str  # short form in experiment names (DeepSpeed's autotuner writes rbs/abs likewise)
+    values: Mapping[Engine, Mapping[int, tuple[Any, ...]]]  # full mode's values per engine and stage
+    memory_term: MemoryTerm
+    encode: Callable[[Any], float] = log2_number
+    cuda_only: bool = False  # offered on CUDA only (on a CPU everything is host memory already)
+    # Config sections whose presence means the user chose (offload: either section fixes both).
+    user_sections: tuple[tuple[str, ...], ...] = ()
+
+    def values_for(self, stage: int, engine: Engine, cuda: bool) -> tuple[Any, ...]:
+        if self.cuda_only and not cuda:
+            return ()
+        return tuple(self.values.get(engine, {}).get(stage, ()))
+
+
+BUCKET_SIZES = (1_000_000, 6_553_600, 50_000_000)  # DDP's bucket_cap_mb of ~4, 25 (torch's default) and 190 MiB
+DEEPSPEED_BUCKETS = (50_000_000, 500_000_000)  # around DeepSpeed's defaults; its autotuner sweeps 5e7..1e9
+ON_OFF = (False, True)
+OFFLOAD_SECTIONS = (("zero_optimization", "offload_optimizer"), ("zero_optimization", "offload_param"))
+
+
+def _zero(name: str, tag: str, values: Mapping[Engine, Mapping[int, tuple[Any, ...]]]) -> Dimension:
+    return Dimension(name, ("zero_optimization", name), tag, values, zero_knob_term(name))
+
+
+REGISTRY: dict[str, Dimension] = {d.name: d for d in (
+    _zero("reduce_bucket_size", "rbs", {
+        "autotuner": {0: BUCKET_SIZES, 1: BUCKET_SIZES},
+        "deepspeed": {1: DEEPSPEED_BUCKETS, 2: DEEPSPEED_BUCKETS, 3: DEEPSPEED_BUCKETS}}),
+    _zero("allgather_bucket_size", "abs", {"deepspeed": {1: DEEPSPEED_BUCKETS, 2: DEEPSPEED_BUCKETS}}),
+    _zero("overlap_comm", "oc", {"autotuner": {2: ON_OFF, 3: ON_OFF}, "deepspeed": {2: ON_OFF, 3: ON_OFF}}),
+    _zero("contiguous_gradients", "cg", {"autotuner": {0: ON_OFF, 1: ON_OFF}, "deepspeed": {2: ON_OFF}}),
+    _zero("stage3_prefetch_bucket_size", "pbs", {"deepspeed": {3: (5_000_000, 50_000_000)}}),
+    _zero("stage3_param_persistence_threshold", "ppt",
+          {"autotuner": {3: (0, 100_000)}, "deepspeed": {3: (10_000, 100_000)}}),
+    _zero("stage3_max_live_parameters", "mlive", {"deepspeed": {3: (100_000_000, 1_000_000_000)}}),
+    # Offload as a full-mode dimension on DeepSpeed's engine (its optimizer from stage 1, its
+    # parameters at 3); on ours it is only the fallback for a stage that fits nothing.
+    Dimension("offload_optimizer", ("zero_optimization", "offload_optimizer", "device"), "oo",
+              {"deepspeed": {1: ("none", "cpu"), 2: ("none", "cpu"), 3: ("none", "cpu")}},
+              _offload_optimizer, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS),
+    Dimension("offload_param", ("zero_optimization", "offload_param", "device"), "op",
+              {"deepspeed": {3: ("none", "cpu")}},
+              _offload_param, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS),
+)}
+
+
+def dimension(name: str) -> Dimension:
+    return REGISTRY[name]
+
+
+def tag(name: str) -> str:
+    found = REGISTRY.get(name)
+    return found.tag if found is not None else name
+
+
+def encode(name: str, value: Any) -> float:
+    found = REGISTRY.get(name)
+    return found.encode(value) if found is not None else log2_number(value)
+
+
+def memory_term(settings: StageSettings, name: str, value: Any) -> StageSettings:
+    """`settings` with one dimension's value folded in, by that dimension's term."""
+    found = REGISTRY.get(name)
+    return found.memory_term(settings, value) if found is not None else zero_knob_term(name)(settings, value)
+
+
+def lookup(config: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
+    """(present, value) at `path` in a config dict."""
+    node: Any = config
+    for key in path:
+        if not isinstance(node, Mapping) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def write(config: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """Set `path` in `config` in place, copying each section on the way (the base is shared)."""
+    node = config
+    for key in path[:-1]:
+        section = node.get(key)
+        node[key] = dict(section) if isinstance(section, Mapping) else {}
+        node = node[key]
+    node[path[-1]] = value
+
+
+def full_mode_values(user_config: Mapping[str, Any], engine: Engine = "autotuner",
+                     cuda: bool = False) -> dict[int, dict[str, list[Any]]]:
+    """Full mode's values per stage and dimension for the script's engine and device. The user's
+    scalar fixes a dimension (it is not tuned), a user list replaces its values, and a user
+    section listed in `user_sections` (offload) takes the dimension out of the search."""
+    out: dict[int, dict[str, list[Any]]] = {}
+    stages = sorted({s for d in REGISTRY.values() for s in d.values.get(engine, {})} | set(range(4)))
+    for stage in stages:
+        per_stage: dict[str, list[Any]] = {}
+        for dim in REGISTRY.values():
+            defaults = dim.values_for(stage, engine, cuda)
+            if not defaults:
+                continue
+            if any(lookup(user_config, section)[0] for section in dim.user_sections):
+                continue
+            present, value = lookup(user_config, dim.path)
+            if not present or value is None:
+                per_stage[dim.name] = list(defaults)
+            elif isinstance(value, list):
+                per_stage[dim.name] = list(value)
+        out[stage] = per_stage
+    return out

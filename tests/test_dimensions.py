@@ -1,0 +1,142 @@
+"""The dimension registry: the tables it yields are the ones the search always used, every entry's
+config path is a key the config accepts, and a new dimension declared in a test alone (its entry,
+with its memory term) is searched, named, encoded, written into the config and costed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from autotuner.config import load_config
+from autotuner.config.keys import check_keys
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.tuning import dimensions
+from autotuner.tuning.autotuner import Autotuner
+from autotuner.tuning.config_space import base_config
+from autotuner.tuning.dimensions import Dimension, full_mode_values
+from autotuner.tuning.experiment import ExperimentSettings, Trial, experiment_config
+from autotuner.tuning.memory import StageSettings
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space import Experiment
+from fakes import FakeRunner, fingerprint, model_info, ok
+
+# Full mode's values before the registry existed, written out: the registry must give exactly these.
+BUCKETS = [1_000_000, 6_553_600, 50_000_000]
+OUR_ENGINE_KNOBS = {
+    0: {"reduce_bucket_size": BUCKETS, "contiguous_gradients": [False, True]},
+    1: {"reduce_bucket_size": BUCKETS, "contiguous_gradients": [False, True]},
+    2: {"overlap_comm": [False, True]},
+    3: {"overlap_comm": [False, True], "stage3_param_persistence_threshold": [0, 100_000]},
+}
+DS_BUCKETS = [50_000_000, 500_000_000]
+DEEPSPEED_KNOBS = {
+    0: {},
+    1: {"reduce_bucket_size": DS_BUCKETS, "allgather_bucket_size": DS_BUCKETS},
+    2: {"overlap_comm": [False, True], "contiguous_gradients": [False, True],
+        "reduce_bucket_size": DS_BUCKETS, "allgather_bucket_size": DS_BUCKETS},
+    3: {"overlap_comm": [False, True], "reduce_bucket_size": DS_BUCKETS,
+        "stage3_prefetch_bucket_size": [5_000_000, 50_000_000],
+        "stage3_param_persistence_threshold": [10_000, 100_000],
+        "stage3_max_live_parameters": [100_000_000, 1_000_000_000]},
+}
+DEEPSPEED_OFFLOAD = {1: {"offload_optimizer": ["none", "cpu"]}, 2: {"offload_optimizer": ["none", "cpu"]},
+                     3: {"offload_optimizer": ["none", "cpu"], "offload_param": ["none", "cpu"]}}
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_our_engine_tries_the_same_values_on_any_device(cuda):
+    assert full_mode_values({}, "autotuner", cuda) == OUR_ENGINE_KNOBS
+
+
+def test_deepspeeds_engine_adds_offload_on_cuda_only_and_not_over_a_users_offload_section():
+    assert full_mode_values({}, "deepspeed", cuda=False) == DEEPSPEED_KNOBS
+    on_cuda = {stage: {**knobs, **DEEPSPEED_OFFLOAD.get(stage, {})} for stage, knobs in DEEPSPEED_KNOBS.items()}
+    assert full_mode_values({}, "deepspeed", cuda=True) == on_cuda
+    user = {"zero_optimization": {"offload_param": {"device": "none"}}}
+    assert full_mode_values(user, "deepspeed", cuda=True) == DEEPSPEED_KNOBS  # either section fixes both
+
+
+@pytest.mark.parametrize("name", sorted(dimensions.REGISTRY))
+def test_every_dimension_is_a_config_key_the_config_keeps(name):
+    """A user may fix or list any tuned dimension in ds.json; none is set aside as unused."""
+    dim = dimensions.REGISTRY[name]
+    value = next(v for engine in dim.values.values() for values in engine.values() for v in values)
+    raw: dict = {"train_batch_size": 8}
+    dimensions.write(raw, dim.path, value)
+    kept, set_aside = check_keys(raw, DeepSpeedConfig, "ds.json")
+    assert set_aside == []
+    assert dimensions.lookup(load_config(kept).to_dict(), dim.path) == (True, value)
+
+
+def test_apply_writes_each_dimension_at_its_path_and_keeps_the_rest_of_its_section():
+    base = {"zero_optimization": {"offload_optimizer": {"pin_memory": True}, "overlap_comm": False}}
+    experiment = Experiment(3, 4).with_knobs({"offload_optimizer": "cpu", "overlap_comm": True})
+    config = experiment.apply(base, 2)
+    assert config["zero_optimization"] == {"offload_optimizer": {"pin_memory": True, "device": "cpu"},
+                                           "overlap_comm": True, "stage": 3}
+    assert base["zero_optimization"]["offload_optimizer"] == {"pin_memory": True}  # the base is not touched
+    assert experiment.name == "z3_oocpu_ocT_gas1_mbs4"
+    assert experiment.features()["offload_optimizer"] == 1.0
+
+
+def test_memory_terms_fold_offload_and_zero_knobs_into_the_stage_settings():
+    settings = StageSettings(3, zero_knobs=(("reduce_bucket_size", 5),))
+    for name, value in (("offload_param", "cpu"), ("overlap_comm", True), ("offload_optimizer", "none")):
+        settings = dimensions.memory_term(settings, name, value)
+    assert (settings.offload_param, settings.offload_optimizer) == (True, False)
+    assert settings.zero_knobs == (("overlap_comm", True), ("reduce_bucket_size", 5))
+
+
+# ----- a toy dimension, declared here and nowhere else -----
+POLICY_BLOCKS = {"none": 0, "every_2nd": 2}
+
+
+def test_a_dimension_declared_only_in_the_registry_is_searched_named_encoded_applied_and_costed(
+        tmp_path, monkeypatch):
+    costed: list[tuple[int, str]] = []
+
+    def memory_term(settings: StageSettings, value: str) -> StageSettings:
+        costed.append((settings.zero_stage, value))
+        return settings
+
+    toy = Dimension("toy_checkpointing", ("toy_activation_checkpointing", "policy"), "tck",
+                    {"autotuner": {0: ("none", "every_2nd")}}, memory_term, encode=lambda v: POLICY_BLOCKS[v])
+    monkeypatch.setitem(dimensions.REGISTRY, toy.name, toy)
+
+    seen_configs: dict[str, dict] = {}
+
+    def answer(trial: Trial) -> TrialResult:
+        seen_configs[trial.directory.name] = experiment_config(trial.experiment, trial.settings)  # what a runner writes
+        policy = dict(trial.experiment.knobs).get("toy_checkpointing", "none")
+        result = ok(trial, 10.0 * trial.experiment.micro_batch_size + (5.0 if policy == "every_2nd" else 0.0),
+                    200 * 2**20)
+        if trial.profile:
+            return dataclasses.replace(result, model_info=model_info(trial.experiment.micro_batch_size))
+        return result
+
+    config = load_config({"train_micro_batch_size_per_gpu": [2, 4], "zero_optimization": {"stage": 0},
+                          "autotuning": {"enabled": True, "fast": False, "memory_per_rank_bytes": 4 * 2**30,
+                                         "tuner_type": "gridsearch"}})
+    settings = ExperimentSettings(script="train.py", script_args=("--deepspeed", "ds.json"),
+                                  base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
+                                  objective=Objective("throughput"), timeout_s=30.0)
+    runner = FakeRunner(answer)
+    outcome = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
+                        report=lambda line: None).tune()
+
+    toy_names = [name for name in runner.names if "_tck" in name]
+    assert toy_names, runner.names
+    assert outcome.best.experiment.knobs and dict(outcome.best.experiment.knobs)["toy_checkpointing"] == "every_2nd"
+    assert "_tckevery_2nd_" in outcome.best.name
+    for name in toy_names:
+        policy = "every_2nd" if "tckevery_2nd" in name else "none"
+        assert seen_configs[name]["toy_activation_checkpointing"] == {"policy": policy}
+    assert {value for _, value in costed} == {"none", "every_2nd"}  # the memory book asked its term
+    assert Experiment(0, 2).with_knobs({"toy_checkpointing": "every_2nd"}).features()["toy_checkpointing"] == 2
+    optimal = json.loads((tmp_path / "results" / "ds_config_optimal.json").read_text())
+    assert optimal["toy_activation_checkpointing"] == {"policy": "every_2nd"}
+    journaled = [json.loads(p.read_text())["result"]["experiment"] for p in (tmp_path / "exps").glob("*tck*/exp.json")]
+    assert journaled and all("toy_checkpointing" in dict(map(tuple, e["knobs"])) for e in journaled)
+    assert TrialState.OK is outcome.best.state
