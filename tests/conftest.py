@@ -1,7 +1,9 @@
-"""Shared helpers: run the launcher as a real process, and check nothing is left behind."""
+"""Shared helpers: write a config, run the launcher (or tune the toy script) as a real process,
+and check nothing is left behind."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,6 +16,28 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKERS = ROOT / "tests" / "workers"
 MINIMAL = ROOT / "examples" / "minimal" / "train.py"
 CONFIGS = ROOT / "configs"
+TOY = WORKERS / "toy_train.py"
+TOY_MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
+                "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+# The grid search unless a test names its tuner: most tuning tests check its rules and count its
+# launches in order (the predictive default has its own tests), over a 2-step window.
+TOY_AUTOTUNING = {"enabled": True, "arg_mappings": TOY_MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
+                  "exp_timeout_s": 120, "tuner_type": "gridsearch"}
+
+
+def write_json(path: Path, config: dict) -> Path:
+    path.write_text(json.dumps(config))
+    return path
+
+
+def write_config(path: Path, autotuning: dict | None = None, *, tuning_defaults: dict | None = None, **top) -> Path:
+    """ds.json to tune the toy script: AdamW, ZeRO 0, the micro-batch searched, TOY_AUTOTUNING.
+    `top` replaces top-level keys; `tuning_defaults` (a test file's own) then `autotuning`
+    override the autotuning section key by key."""
+    config = {"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
+              "zero_optimization": {"stage": 0}, **top,
+              "autotuning": {**TOY_AUTOTUNING, **(tuning_defaults or {}), **(autotuning or {})}}
+    return write_json(path, config)
 
 
 def launcher_env() -> dict[str, str]:
@@ -23,16 +47,30 @@ def launcher_env() -> dict[str, str]:
     return env
 
 
-def run_launcher(*args: str, timeout: float = 180, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def run_launcher(*args: str, timeout: float = 180, cwd: Path | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m autotuner ARGS` as a real process; its output is returned as text."""
     return subprocess.run(
         [sys.executable, "-m", "autotuner", *map(str, args)],
         cwd=cwd or ROOT,
-        env=launcher_env(),
+        env=env or launcher_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def tune_command(config: Path, *script_args: str, script: Path = TOY, mode: str = "tune",
+                 nproc_per_node: int = 2) -> list[str]:
+    return [sys.executable, "-m", "autotuner", "--autotuning", mode, "--nproc_per_node", str(nproc_per_node),
+            str(script), *map(str, script_args), "--deepspeed", str(config)]
+
+
+def tune(cwd: Path, config: Path, *script_args: str, script: Path = TOY, mode: str = "tune",
+         env: dict[str, str] | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
+    """`launcher --autotuning MODE --nproc_per_node 2 SCRIPT ARGS --deepspeed CONFIG`, run in `cwd`."""
+    return subprocess.run(tune_command(config, *script_args, script=script, mode=mode), cwd=cwd,
+                          env=env or launcher_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def run_engine_check(check: str, tmp_path: Path, nproc_per_node: int = 2) -> dict:

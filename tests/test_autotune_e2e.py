@@ -8,32 +8,13 @@ import pandas as pd
 import pytest
 
 from autotuner.config import read_config_file
-from conftest import ROOT, WORKERS, launcher_env, run_launcher
+from conftest import launcher_env, tune, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-TOY = WORKERS / "toy_train.py"
-MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
-            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
 
 
-def write_config(path, autotuning: dict, **top) -> str:
-    # The grid search unless a test names its tuner: these tests check its rules (bisection,
-    # edge extension, stage probes); the predictive default has its own tests.
-    config = {
-        "train_micro_batch_size_per_gpu": "auto",
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
-        "zero_optimization": {"stage": 0},
-        **top,
-        "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
-                       "exp_timeout_s": 120, "tuner_type": "gridsearch", **autotuning},
-    }
-    path.write_text(json.dumps(config))
-    return str(path)
 
 
-def tune(tmp_path, config: str, *script_args: str, mode: str = "tune") -> subprocess.CompletedProcess:
-    return run_launcher("--autotuning", mode, "--nproc_per_node", "2", TOY, *script_args, "--deepspeed", config,
-                        cwd=tmp_path, timeout=400)
 
 
 def experiments(tmp_path) -> pd.DataFrame:
@@ -77,7 +58,7 @@ def test_tune_writes_every_output_and_picks_the_best(tmp_path, no_orphans):
     assert (results / "metric_vs_micro_batch.png").exists()
 
     command = shlex.split((results / "cmd_optimal.txt").read_text())
-    assert f"--micro_batch_size" in command and str(best["micro_batch_size"]) in command
+    assert "--micro_batch_size" in command and str(best["micro_batch_size"]) in command
     trained = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=120)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert "done: 8 steps" in trained.stdout

@@ -10,11 +10,7 @@ from pathlib import Path
 import pytest
 
 from autotuner.app.cli import main
-from conftest import WORKERS, run_launcher
-
-TOY = WORKERS / "toy_train.py"
-MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
-            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+from conftest import TOY, TOY_MAPPINGS as MAPPINGS, run_launcher
 
 
 def config_dict(autotuning: dict | None = None, **top) -> dict:

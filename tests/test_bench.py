@@ -21,9 +21,7 @@ from autotuner.app.bench import (
     total_line,
     write_csv,
 )
-from tests.conftest import WORKERS, run_launcher
-
-TOY = WORKERS / "toy_train.py"
+from conftest import TOY, run_launcher, write_json
 SGD = {"type": "SGD", "params": {"lr": 0.01}}
 
 
@@ -32,9 +30,7 @@ def ok(world_size: int, samples_per_s: float, ci95: float = 0.0, iterations: int
 
 
 def write_config(tmp_path: Path, **values) -> Path:
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"optimizer": SGD, **values}))
-    return path
+    return write_json(tmp_path / "ds.json", {"optimizer": SGD, **values})
 
 
 # ----- statistics and formatting -----

@@ -20,11 +20,10 @@ import autotuner
 from autotuner.app.cli import main
 from autotuner.errors import ConfigError, UnsupportedError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
-from autotuner.launch.resources import cores_for_ranks, parse_core_list, parse_hostfile, select_slots
-from conftest import WORKERS, run_launcher
+from autotuner.launch.resources import cores_for_ranks, parse_core_list, select_slots
+from conftest import TOY, WORKERS, run_launcher
 
 DS_STYLE = WORKERS / "ds_style_train.py"
-TOY = WORKERS / "toy_train.py"
 CLIENT_WINS = "using the optimizer passed to initialize()"
 
 

@@ -24,7 +24,7 @@ from autotuner.app import engines
 from autotuner.app.engines import script_engine
 from autotuner.errors import UsageError
 from autotuner.tuning.deepspeed_memory import deepspeed_state_bytes
-from conftest import ROOT, WORKERS, assert_no_children_left, launcher_env
+from conftest import ROOT, WORKERS, assert_no_children_left, launcher_env, tune_command
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="needs DeepSpeed: pip install 'autotuner[deepspeed]'")
@@ -216,7 +216,7 @@ DS_TOY = ("--use_deepspeed",)
 
 
 def ds_tune(tmp_path: Path, config: Path, *script_args: str) -> subprocess.CompletedProcess:
-    command = faults.tuner_command(config, *DS_TOY, *script_args)
+    command = tune_command(config, *DS_TOY, *script_args)
     command[3:3] = DS_FLAGS  # after `-m autotuner --autotuning tune`
     return subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=280)
 
@@ -262,7 +262,7 @@ def test_sigint_on_deepspeeds_engine_ends_every_rank_and_resume_reuses_the_finis
     config = faults.write_config(tmp_path / "ds.json")
     pids, hung = tmp_path / "pids", tmp_path / "hung"
     args = (*DS_TOY, *faults.HANG_ONCE, "--hang_once_file", hung, "--pid_dir", pids)
-    command = faults.tuner_command(config, *args)
+    command = tune_command(config, *args)
     command[3:3] = DS_FLAGS
     tuner = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=open(tmp_path / "tuner.out", "w"),
                              stderr=open(tmp_path / "tuner.err", "w"), stdin=subprocess.DEVNULL)

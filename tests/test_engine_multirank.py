@@ -6,7 +6,7 @@ import pytest
 
 from autotuner.config import read_config_file
 
-from conftest import CONFIGS, MINIMAL, WORKERS, run_engine_check, run_launcher
+from conftest import CONFIGS, MINIMAL, run_engine_check, run_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 STAGES = ("0", "1", "2", "3")

@@ -12,7 +12,6 @@ import os
 import shlex
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,13 +21,14 @@ import pytest
 
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.space import Experiment
-from conftest import WORKERS, assert_no_children_left, launcher_env
+from conftest import (TOY, TOY_MAPPINGS as MAPPINGS, assert_no_children_left, launcher_env, tune, tune_command,
+                      write_config as write_toy_config)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-TOY = WORKERS / "toy_train.py"
-MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
-            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+# The fault tests count launches and rank pids exactly: the grid search's order and no final
+# re-measurement (its own tests are in test_final_pick.py).
+FAULT_TUNING = {"model_info": {"num_params": 1000}, "remeasure_rounds": 0}
 EXPS, RESULTS = "autotuning_exps", "autotuning_results"
 MiB = 2**20
 # Spaces, both quotes, $, backslash, glob and shell operators: must reach the script as one argument.
@@ -37,34 +37,14 @@ NOTE = """a b  "double" 'single' $HOME ${X} $(echo pwned) `id` \\ back * ; && | 
 
 # ----- helpers -----
 def write_config(path: Path, autotuning: dict | None = None, **top) -> Path:
-    config = {
-        "train_micro_batch_size_per_gpu": [2, 4],
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
-        "zero_optimization": {"stage": 0},
-        **top,
-        # The fault tests count launches and rank pids exactly: the grid search's order and no
-        # final re-measurement (its own tests are in test_final_pick.py).
-        "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
-                       "exp_timeout_s": 120, "model_info": {"num_params": 1000}, "remeasure_rounds": 0,
-                       "tuner_type": "gridsearch", **(autotuning or {})},
-    }
-    path.write_text(json.dumps(config))
-    return path
+    return write_toy_config(path, autotuning, tuning_defaults=FAULT_TUNING,
+                            **{"train_micro_batch_size_per_gpu": [2, 4], **top})
 
-
-def tuner_command(config: Path, *script_args: str) -> list[str]:
-    return [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2", str(TOY),
-            *map(str, script_args), "--deepspeed", str(config)]
-
-
-def tune(tmp_path: Path, config: Path, *script_args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(tuner_command(config, *script_args), cwd=tmp_path, env=launcher_env(),
-                          capture_output=True, text=True, timeout=280)
 
 
 def start_tuner(tmp_path: Path, config: Path, *script_args: str, name: str = "tuner") -> subprocess.Popen:
     """The tuner in the background, its output in files (a pipe nobody reads could block it)."""
-    return subprocess.Popen(tuner_command(config, *script_args), cwd=tmp_path, env=launcher_env(),
+    return subprocess.Popen(tune_command(config, *script_args), cwd=tmp_path, env=launcher_env(),
                             stdout=open(tmp_path / f"{name}.out", "w"), stderr=open(tmp_path / f"{name}.err", "w"),
                             stdin=subprocess.DEVNULL)
 

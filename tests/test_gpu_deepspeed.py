@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import ROOT, launcher_env, run_launcher
+from conftest import ROOT, launcher_env, run_launcher, write_json
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,7 +25,7 @@ DS_EXAMPLE = ROOT / "examples" / "deepspeed" / "train.py"
 MODEL = ("--width", "2048", "--depth", "8")
 
 
-def write_config(tmp_path, autotuning: dict, **top):
+def write_ds_config(tmp_path, autotuning: dict, **top):
     config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -36,13 +36,11 @@ def write_config(tmp_path, autotuning: dict, **top):
         "autotuning": {"enabled": True, "fast": True, "exp_timeout_s": 300, "results_dir": str(tmp_path / "results"),
                        "exps_dir": str(tmp_path / "exps"), **autotuning},
     }
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(config))
-    return path
+    return write_json(tmp_path / "ds.json", config)
 
 
 def test_an_unchanged_deepspeed_script_tunes_and_trains_on_deepspeed_on_cuda(tmp_path, no_orphans):
-    config = write_config(tmp_path, {"max_train_batch_size": 256, "max_train_micro_batch_size_per_gpu": 128},
+    config = write_ds_config(tmp_path, {"max_train_batch_size": 256, "max_train_micro_batch_size_per_gpu": 128},
                           bf16={"enabled": True})
     result = run_launcher("--autotuning", "run", "--nproc_per_node", "1", DS_EXAMPLE, *MODEL, "--steps", "20",
                           "--deepspeed", "--deepspeed_config", config, timeout=850)
@@ -76,7 +74,7 @@ def test_an_unchanged_deepspeed_script_tunes_and_trains_on_deepspeed_on_cuda(tmp
 
 def test_offload_is_searched_in_full_mode_on_deepspeed_on_cuda(tmp_path, no_orphans):
     """ZeRO 2 with its bucket knobs fixed by the user: full mode sweeps offload_optimizer alone."""
-    config = write_config(tmp_path, {"fast": False, "tuner_type": "gridsearch", "remeasure_rounds": 0},
+    config = write_ds_config(tmp_path, {"fast": False, "tuner_type": "gridsearch", "remeasure_rounds": 0},
                           train_micro_batch_size_per_gpu=[16], gradient_accumulation_steps=1,
                           zero_optimization={"stage": 2, "overlap_comm": False, "contiguous_gradients": True,
                                              "reduce_bucket_size": 500_000_000, "allgather_bucket_size": 500_000_000})

@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from conftest import MINIMAL, WORKERS, run_launcher
+from conftest import MINIMAL, WORKERS, run_launcher, write_json
 
 pytest.importorskip("optuna", reason="online tuning needs the bayes extra: pip install 'autotuner[bayes]'")
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ QUICK = {"warmup_samples": 1, "steps_per_sample": 2, "max_samples": 4, "sampling
          "remeasure_top": 2, "remeasure_rounds": 2}
 
 
-def write_config(path: Path, stage: int = 0, gas: int = 1, zero: dict | None = None, online: dict | None = None) -> Path:
+def write_online_config(path: Path, stage: int = 0, gas: int = 1, zero: dict | None = None, online: dict | None = None) -> Path:
     config = {
         "train_micro_batch_size_per_gpu": 8,
         "gradient_accumulation_steps": gas,
@@ -27,8 +27,7 @@ def write_config(path: Path, stage: int = 0, gas: int = 1, zero: dict | None = N
         "steps_per_print": 1000,
         "autotuning": {"online": {**QUICK, **(online or {})}},
     }
-    path.write_text(json.dumps(config))
-    return path
+    return write_json(path, config)
 
 
 def train(tmp_path: Path, config: Path, name: str, *, online: bool, extra: tuple[str, ...] = ()):
@@ -87,7 +86,7 @@ def _plain(value):
 
 
 def test_ddp_online_run_tunes_consistently_and_trains_like_an_untuned_run(tmp_path):
-    config = write_config(tmp_path / "ds.json", stage=0)
+    config = write_online_config(tmp_path / "ds.json", stage=0)
     result, tuned = train(tmp_path, config, "tuned", online=True)
     assert "online tuning bucket_cap_mb, gradient_as_bucket_view (DDP, 2 ranks)" in result.stdout
     assert "online tuning done at step" in result.stdout
@@ -102,7 +101,7 @@ def test_ddp_online_run_tunes_consistently_and_trains_like_an_untuned_run(tmp_pa
 
 
 def test_fsdp_online_run_tunes_prefetch_and_resharding_with_unchanged_math(tmp_path):
-    config = write_config(tmp_path / "ds.json", stage=2, gas=2)
+    config = write_online_config(tmp_path / "ds.json", stage=2, gas=2)
     result, tuned = train(tmp_path, config, "tuned", online=True)
     assert "(FSDP, 2 ranks)" in result.stdout
     check_run(tmp_path, ["forward_prefetch", "backward_prefetch", "reshard_after_backward"])
@@ -112,7 +111,7 @@ def test_fsdp_online_run_tunes_prefetch_and_resharding_with_unchanged_math(tmp_p
 
 
 def test_knobs_fixed_in_the_config_are_not_tuned(tmp_path):
-    config = write_config(tmp_path / "ds.json", stage=1, zero={"contiguous_gradients": True})
+    config = write_online_config(tmp_path / "ds.json", stage=1, zero={"contiguous_gradients": True})
     result, _ = train(tmp_path, config, "tuned", online=True)
     assert "fixed gradient_as_bucket_view=True (zero_optimization.contiguous_gradients)" in result.stdout
     log, best = check_run(tmp_path, ["bucket_cap_mb"])
@@ -124,7 +123,7 @@ def test_knobs_fixed_in_the_config_are_not_tuned(tmp_path):
 def test_best_knobs_fed_back_are_applied_and_not_tuned(tmp_path):
     best = tmp_path / "earlier_best_knobs.json"
     best.write_text(json.dumps({"knobs": {"bucket_cap_mb": 4, "gradient_as_bucket_view": True}}))
-    config = write_config(tmp_path / "ds.json", stage=0, online={"knobs": str(best)})
+    config = write_online_config(tmp_path / "ds.json", stage=0, online={"knobs": str(best)})
     result, losses = train(tmp_path, config, "fed", online=True)
     assert "online tuning: nothing to tune at ZeRO stage 0; fixed bucket_cap_mb=4" in result.stdout
     assert len(losses_of(losses)) == STEPS
@@ -135,7 +134,7 @@ def test_best_knobs_fed_back_are_applied_and_not_tuned(tmp_path):
 
 
 def test_a_rank_failing_mid_tuning_ends_the_job_cleanly(tmp_path, no_orphans):
-    config = write_config(tmp_path / "ds.json", stage=0)
+    config = write_online_config(tmp_path / "ds.json", stage=0)
     pid_dir = tmp_path / "pids"
     result = run_launcher("--autotuning", "online", "--nproc_per_node", "2", WORKERS / "toy_train.py",
                           "--steps", "30", "--fail_rank", "1", "--fail_at_step", "9", "--pid_dir", pid_dir,
@@ -160,7 +159,7 @@ def test_a_rank_failing_mid_tuning_ends_the_job_cleanly(tmp_path, no_orphans):
                                                                   "'bucket_size' is not a knob"]),
 ], ids=["no-config", "unknown-knob"])
 def test_online_usage_errors_exit_2_before_launch(tmp_path, args, config_extra, words):
-    write_config(tmp_path / "ds.json", online=config_extra)
+    write_online_config(tmp_path / "ds.json", online=config_extra)
     result = run_launcher("--autotuning", "online", "--nproc_per_node", "2", MINIMAL, *args, cwd=tmp_path)
     assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1

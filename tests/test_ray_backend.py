@@ -20,16 +20,14 @@ import pandas as pd
 import psutil
 import pytest
 
-from conftest import WORKERS, launcher_env
+from conftest import TOY, launcher_env, write_config
 from fault_fuzz import RAY_FAULTS, draw_cases, run_ray_case
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'autotuner[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-TOY = WORKERS / "toy_train.py"
-MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
-            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+RAY_TUNING = {"exp_timeout_s": 240, "model_info": {"num_params": 1000}, "remeasure_rounds": 0}
 OBJECT_STORE = 100 * 2**20  # Ray's smallest is 75 MiB; nothing big travels through it
 
 
@@ -45,17 +43,11 @@ def cluster():
     nodes.shutdown()
 
 
-def write_config(path: Path, micro: list[int], **autotuning) -> Path:
-    path.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
-        "zero_optimization": {"stage": 0},
-        "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
-                       "exp_timeout_s": 240, "model_info": {"num_params": 1000}, "tuner_type": "gridsearch",
-                       "remeasure_rounds": 0, **autotuning},
-    }))
-    return path
+
+
+def ray_config(path: Path, micro: list[int], **autotuning) -> Path:
+    return write_config(path, {**RAY_TUNING, **autotuning}, train_micro_batch_size_per_gpu=micro,
+                        gradient_accumulation_steps=1)
 
 
 def tune_command(config: Path, *flags: str, script_args: tuple[str, ...] = ()) -> list[str]:
@@ -108,9 +100,9 @@ def test_a_two_rank_experiment_spreads_over_both_nodes_with_the_records_of_a_loc
     ray_work, local_work = tmp_path / "ray", tmp_path / "local"
     ray_work.mkdir()
     local_work.mkdir()
-    run(ray_work, tune_command(write_config(ray_work / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
+    run(ray_work, tune_command(ray_config(ray_work / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
                                cluster.address, "--num_nodes", "2", "--nproc_per_node", "1"))
-    run(local_work, tune_command(write_config(local_work / "ds.json", [2, 4]), "--nproc_per_node", "2"))
+    run(local_work, tune_command(ray_config(local_work / "ds.json", [2, 4]), "--nproc_per_node", "2"))
     for name in ("z0_gas1_mbs2", "z0_gas1_mbs4"):
         where = placement(ray_work, name)
         assert [r["node_rank"] for r in where["ranks"]] == [0, 1]
@@ -127,7 +119,7 @@ def test_a_two_rank_experiment_spreads_over_both_nodes_with_the_records_of_a_loc
 
 def test_two_one_rank_experiments_run_in_parallel_on_the_two_slot_pool(cluster, tmp_path):
     work = tmp_path
-    result = run(work, tune_command(write_config(work / "ds.json", [2, 4, 8, 16]), "--backend", "ray",
+    result = run(work, tune_command(ray_config(work / "ds.json", [2, 4, 8, 16]), "--backend", "ray",
                                     "--ray_address", cluster.address, "--nproc_per_node", "1"))
     assert "nodes exclusive, up to 2 at once" in result.stdout
     records = table(work)
@@ -146,7 +138,7 @@ def test_two_one_rank_experiments_run_in_parallel_on_the_two_slot_pool(cluster, 
 
 
 def test_the_default_tuner_runs_its_most_optimistic_candidates_at_once_on_the_two_slot_pool(cluster, tmp_path):
-    config = write_config(tmp_path / "ds.json", [2, 4, 8, 16], tuner_type="predictive")
+    config = ray_config(tmp_path / "ds.json", [2, 4, 8, 16], tuner_type="predictive")
     run(tmp_path, tune_command(config, "--backend", "ray", "--ray_address", cluster.address, "--nproc_per_node", "1"))
     records = table(tmp_path)
     # Nothing measured yet (model_info given, no profile): the two largest sizes are asked together.
@@ -158,7 +150,7 @@ def test_the_default_tuner_runs_its_most_optimistic_candidates_at_once_on_the_tw
 
 def test_autotuning_run_trains_the_optimum_on_the_cluster(cluster, tmp_path):
     echo = tmp_path / "argv.txt"
-    command = tune_command(write_config(tmp_path / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
+    command = tune_command(ray_config(tmp_path / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
                            cluster.address, "--nproc_per_node", "1", script_args=("--echo_args_to", str(echo)))
     command[command.index("tune")] = "run"
     result = run(tmp_path, command)
@@ -171,7 +163,7 @@ def test_autotuning_run_trains_the_optimum_on_the_cluster(cluster, tmp_path):
 
 def test_ctrl_c_ends_every_rank_and_leaves_nothing_on_the_cluster(cluster, tmp_path):
     pid_dir = tmp_path / "pids"
-    command = tune_command(write_config(tmp_path / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
+    command = tune_command(ray_config(tmp_path / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
                            cluster.address, "--nproc_per_node", "1",
                            script_args=("--hang_at_step", "2", "--pid_dir", str(pid_dir)))
     tuner = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
@@ -194,7 +186,7 @@ def test_ctrl_c_ends_every_rank_and_leaves_nothing_on_the_cluster(cluster, tmp_p
 def test_a_node_lost_mid_experiment_fails_that_experiment_only_and_tuning_goes_on(cluster, tmp_path):
     """Runs last: it removes the worker node (and adds a fresh one back)."""
     pid_dir = tmp_path / "pids"
-    command = tune_command(write_config(tmp_path / "ds.json", [2, 4, 8]), "--backend", "ray", "--ray_address",
+    command = tune_command(ray_config(tmp_path / "ds.json", [2, 4, 8]), "--backend", "ray", "--ray_address",
                            cluster.address, "--nproc_per_node", "1",
                            script_args=("--fault_at_micro", "2:hang", "--hang_at_step", "2", "--pid_dir", str(pid_dir)))
     tuner = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,

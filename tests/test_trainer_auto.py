@@ -16,7 +16,7 @@ from autotuner.config import load_config
 from autotuner.config.trainer_auto import TRAINER_FILLED, refuse_trainer_autos, trainer_auto_keys
 from autotuner.errors import ConfigError
 from autotuner.runtime.optim import check_optimizer_and_scheduler
-from autotuner.app.tune import check_trainer_autos
+from autotuner.app.settle import check_trainer_autos
 from autotuner.tuning.deepspeed_memory import DEFAULTS, deepspeed_state_bytes, zero_knob
 from autotuner.tuning.experiment import ExperimentSettings, experiment_config, with_user_keys
 from autotuner.tuning.records import Objective

@@ -16,30 +16,13 @@ import pytest
 from autotuner.launch.plan import LaunchOptions, build_plan, rank_launch
 from autotuner.launch.warm_rank import script_argv
 from autotuner.tuning.warm import script_imports
-from conftest import WORKERS, launcher_env
+from conftest import WORKERS, launcher_env, tune, write_config
 
-TOY = WORKERS / "toy_train.py"
-MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
-            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+WARM_TUNING = {"model_info": {"num_params": 1000}}
 
 
-def write_config(path: Path, **autotuning) -> Path:
-    path.write_text(json.dumps({
-        "train_micro_batch_size_per_gpu": [2, 4],
-        "optimizer": {"type": "AdamW", "params": {"lr": 0.001}},
-        "zero_optimization": {"stage": 0},
-        "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
-                       "exp_timeout_s": 120, "model_info": {"num_params": 1000},
-                       "tuner_type": "gridsearch", **autotuning},  # the grid search's launch order
-    }))
-    return path
 
 
-def tune(tmp_path: Path, config: Path, *script_args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2", str(TOY),
-               *script_args, "--deepspeed", str(config)]
-    return subprocess.run(command, cwd=tmp_path, env=env or launcher_env(), capture_output=True, text=True,
-                          timeout=280)
 
 
 def table(tmp_path: Path) -> pd.DataFrame:
@@ -106,7 +89,7 @@ def test_warm_and_cold_give_the_same_verdicts_and_figures(tmp_path, no_orphans):
     for warm in (True, False):
         work = tmp_path / ("warm" if warm else "cold")
         work.mkdir()
-        config = write_config(work / "ds.json", warm_start=warm)
+        config = write_config(work / "ds.json", {**WARM_TUNING, "warm_start": warm}, train_micro_batch_size_per_gpu=[2, 4])
         methods = work / "start_methods.txt"
         result = tune(work, config, "--ms_per_sample", "20", "--fault_at_micro", "4:fail", "--fail_rank", "1",
                       "--echo_start_method_to", str(methods))
@@ -131,7 +114,8 @@ def test_warm_and_cold_give_the_same_verdicts_and_figures(tmp_path, no_orphans):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rank_that_crashes_only_when_warm_falls_back_to_cold_with_a_log_line(tmp_path, no_orphans):
-    result = tune(tmp_path, write_config(tmp_path / "ds.json"), "--segfault_if_forked")
+    result = tune(tmp_path, write_config(tmp_path / "ds.json", WARM_TUNING, train_micro_batch_size_per_gpu=[2, 4]),
+                  "--segfault_if_forked")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert ("warm start off: z0_gas1_mbs2 failed warm (rank 1: exit status 139 (killed by SIGSEGV)) but not cold; "
             "every launch from now on starts cold") in result.stdout
@@ -145,7 +129,8 @@ def tune_preloading(tmp_path: Path, module: str) -> subprocess.CompletedProcess:
     """Tune with one of tests/workers/preload_faults/ in autotuning.warm_preload."""
     env = launcher_env()
     env["PYTHONPATH"] = os.pathsep.join([str(WORKERS / "preload_faults"), env["PYTHONPATH"]])
-    return tune(tmp_path, write_config(tmp_path / "ds.json", warm_preload=[module]), env=env)
+    return tune(tmp_path, write_config(tmp_path / "ds.json", {**WARM_TUNING, "warm_preload": [module]},
+                                     train_micro_batch_size_per_gpu=[2, 4]), env=env)
 
 
 def test_a_preload_that_raises_is_reported_and_warm_launches_go_on(tmp_path, no_orphans):

@@ -24,7 +24,7 @@ from autotuner.launch.plan import default_nproc_per_node
 from autotuner.launch.script_args import config_path
 from autotuner.tuning.config_space import base_config
 from autotuner.launch.stopping import Stopped
-from autotuner.app.tune import check_arg_mappings
+from autotuner.app.settle import check_arg_mappings
 from autotuner.config.models import AutotuningConfig
 from autotuner.tuning.experiment import ExperimentSettings, Trial
 from autotuner.tuning.runners import Runner

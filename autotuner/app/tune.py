@@ -1,124 +1,21 @@
-"""`launcher --autotuning tune|run`: check the request, lock the results, tune, then maybe train."""
+"""`launcher --autotuning tune|run`: settle the request, lock the results, tune, then maybe train."""
 
 from __future__ import annotations
 
 import argparse
 import fcntl
-import logging
 import os
 import sys
-import tempfile
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from autotuner.config import DeepSpeedConfig, load_config
-from autotuner.config.loader import read_config_file
-from autotuner.config.batch import check_fixed_triad
-from autotuner.config.keys import field_names, section_model
-from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
-from autotuner.app.engines import script_engine, trains_on_ours
-from autotuner.errors import ConfigError, UsageError
-from autotuner.launch import LaunchOptions, build_plan
+from autotuner.app.settle import SettledJob, say as _say, settle
+from autotuner.errors import UsageError
 from autotuner.launch.plan import picks_ranks_itself
 from autotuner.launch.stopping import Stopped
-from autotuner.launch.script_args import config_path
-from autotuner.runtime.optim import check_optimizer_and_scheduler
 from autotuner.tuning.autotuner import Autotuner, TuningFailed
-from autotuner.tuning.config_space import base_config, search_space
-from autotuner.tuning.experiment import ExperimentSettings, config_value
-from autotuner.tuning.journal import fingerprint_of, this_device, torch_version
 from autotuner.tuning.warm import make_runner
-from autotuner.tuning.records import Objective
-from autotuner.tuning.space import Experiment
-
-logger = logging.getLogger(__name__)
-
-
-def check_arg_mappings(config: DeepSpeedConfig, source: str) -> None:
-    """Every mapped key must name a config key (dotted for nested ones)."""
-    for key in config.autotuning.arg_mappings:
-        model = type(config)
-        parts = key.split(".")
-        for depth, part in enumerate(parts):
-            if model is None or part not in field_names(model):
-                raise ConfigError(f"{source}: autotuning.arg_mappings: '{key}' is not a config key; map keys like "
-                                  "train_micro_batch_size_per_gpu or gradient_accumulation_steps to script flags")
-            model = section_model(model.model_fields[part].annotation) if depth < len(parts) - 1 else None
-    for key, flag in config.autotuning.arg_mappings.items():
-        if not flag.startswith("-"):
-            raise ConfigError(f"{source}: autotuning.arg_mappings.{key}: got {flag!r}; expected a flag like --{key}")
-    # What a mapped flag receives comes from the experiment's config: the keys every experiment
-    # sets plus what the user gave. A key with no value there has nothing to pass.
-    sample = Experiment(0, 1, 1).apply(base_config(config), 1)
-    for key in config.autotuning.arg_mappings:
-        try:
-            value = config_value(sample, key)
-        except ConfigError:
-            value = None
-        if value is None:
-            raise ConfigError(f"{source}: autotuning.arg_mappings: '{key}' has no value in the config, so there "
-                              f"is nothing to pass to the script; set {key}, or map only keys the tuner sets "
-                              "(train_micro_batch_size_per_gpu, gradient_accumulation_steps, ...)")
-
-
-def check_some_batch_is_valid(config: DeepSpeedConfig, data_parallel_size: int, source: str) -> None:
-    """At least one micro-batch size must give a valid global batch, or every launch is wasted."""
-    space = search_space(config, data_parallel_size)
-    candidates = space.fixed_micro_batch_sizes or range(space.min_micro_batch_size, space.max_micro_batch_size + 1)
-    if any(space.gas(micro) is not None for micro in candidates):
-        return
-    smallest = min(candidates) * data_parallel_size * (space.fixed_gradient_accumulation_steps or 1)
-    if space.global_batch_exact:
-        key = f"train_batch_size ({space.global_batch_size})"
-        allowed = (f"it must equal micro-batch x gradient_accumulation_steps x {data_parallel_size} data-parallel "
-                   f"ranks for some micro-batch size tried ({min(candidates)}..{max(candidates)})")
-    else:
-        key = f"autotuning.max_train_batch_size ({space.global_batch_size})"
-        allowed = (f"with {data_parallel_size} data-parallel ranks the smallest global batch is {smallest}; "
-                   f"raise it to at least {smallest} or use fewer ranks")
-    raise ConfigError(f"{source}: {key}: no micro-batch size gives a valid global batch: {allowed}")
-
-
-def check_trainer_autos(config: DeepSpeedConfig, engine: str, script: str, source: str) -> None:
-    """Hugging Face's "auto" values: refused for a script on our engine; on DeepSpeed's, passed
-    through, saying so. With model_info given no profile launch measures the precision the Trainer
-    picks, so fp16/bf16 "auto" must be settled in the file then."""
-    if engine == "autotuner" and trains_on_ours(script):
-        refuse_trainer_autos(config, source)
-    note = passed_through_note(config, source) if engine == "deepspeed" else None
-    if note:
-        _say(f"note: {note}")
-    info = config.autotuning.model_info
-    # bf16.enabled "auto" is ours to settle on our engine (bf16 where the device has it).
-    auto = [key for key, value in (("fp16.enabled", config.fp16.enabled), ("bf16.enabled", config.bf16.enabled))
-            if value == "auto" and (key == "fp16.enabled" or engine == "deepspeed")]
-    if info is not None and info.num_params and auto:
-        raise ConfigError(f"{source}: {auto[0]} is \"auto\" and autotuning.model_info is given, so no profile launch "
-                          f"sees the precision Hugging Face's Trainer picks; set {auto[0]} to true or false, or drop "
-                          "autotuning.model_info.num_params")
-
-
-def check_results_dir(path: Path, key: str) -> None:
-    """The directory exists or can be made, and a file can be written in it. Probed for real:
-    os.access grants root everything, even under /proc. Directories made here are removed again."""
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"autotuning.{key}: {path} exists and is not a directory")
-    made = [p for p in (path, *path.parents) if not p.exists()]
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        reason = err.strerror or type(err).__name__
-        raise UsageError(f"autotuning.{key}: {path} is not writable ({reason}); choose a directory you can "
-                         "write to") from None
-    finally:
-        for directory in made:  # deepest first
-            try:
-                directory.rmdir()
-            except OSError:
-                pass
 
 
 @contextmanager
@@ -142,94 +39,32 @@ def exclusive_lock(results_dir: Path):
 
 
 @contextmanager
-def _runner(args: argparse.Namespace, tuning, settings: ExperimentSettings, num_nodes: int):
+def _runner(args: argparse.Namespace, job: SettledJob):
     """The launches' runner: local (warm or cold) unless --backend ray."""
     if getattr(args, "backend", "local") != "ray":
-        with make_runner(tuning, settings, _say) as runner:
+        with make_runner(job.config.autotuning, job.settings, _say) as runner:
             yield runner
         return
     from autotuner.cluster.ray_runner import RayOptions, RayRunner
 
     options = RayOptions(address=args.ray_address, placement=args.ray_placement, max_concurrent=args.ray_max_concurrent,
                          cpus_per_rank=args.ray_cpus_per_rank, gpus_per_rank=args.ray_gpus_per_rank,
-                         num_nodes=num_nodes)
-    runner = RayRunner(options, settings.nproc_per_node, _say)
+                         num_nodes=job.num_nodes)
+    runner = RayRunner(options, job.settings.nproc_per_node, _say)
     try:
         yield runner
     finally:
         runner.close()
 
 
-def _say(line: str) -> None:
-    print(f"autotuner: {line}", flush=True)
-
-
 def autotune(args: argparse.Namespace) -> int:
-    script_args = tuple(args.script_args)
-    source = config_path(script_args)
-    if source is None:
-        raise UsageError("--autotuning needs the script's config: add --deepspeed ds.json after the script")
-    config = load_config(source)
-    tuning = config.autotuning
-    if not tuning.enabled:
-        # The flag states the intent; DeepSpeed would silently do nothing here.
-        _say(f"{source}: autotuning.enabled is false; tuning anyway because --autotuning {args.autotuning} was given")
-    check_arg_mappings(config, source)
-    if tuning.tuner_type == "bayes":
-        from autotuner.bayes import require_optuna
-
-        require_optuna(f"{source}: autotuning.tuner_type \"bayes\"")
-    options = LaunchOptions.from_args(args, rdzv_endpoint=None, rdzv_id=None)
-    on_ray = getattr(args, "backend", "local") == "ray"
-    num_nodes = options.num_nodes
-    if on_ray:  # the cluster places each experiment's nodes: one node's plan describes the ranks
-        options = replace(options, num_nodes=1, node_rank=0, master_addr=None)
-    plan = build_plan(options, sys.executable)  # validates the launch options before anything starts
-    for note in plan.notes:
-        _say(f"note: {note}")
-    if plan.num_nodes > 1:
-        raise UsageError("--autotuning runs on one node, or on a Ray cluster (--backend ray); drop --num_nodes "
-                         "or add --backend ray")
-    world_size = plan.world_size * (num_nodes if on_ray else 1)
-    results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
-    check_results_dir(results_dir, "results_dir")
-    check_results_dir(exps_dir, "exps_dir")
-    data_parallel_size = world_size // tuning.mp_size
-    if data_parallel_size < 1 or world_size % tuning.mp_size:
-        raise ConfigError(f"{source}: autotuning.mp_size: got {tuning.mp_size}; it must divide the world size "
-                          f"({world_size})")
-    check_fixed_triad(config, data_parallel_size, source)
-    check_some_batch_is_valid(config, data_parallel_size, source)
-    check_optimizer_and_scheduler(config, source)
-    engine = script_engine(args.script, getattr(args, "engine", "auto"))
-    check_trainer_autos(config, engine, args.script, source)
-    settings = ExperimentSettings(
-        script=args.script,
-        script_args=script_args,
-        base_config=base_config(config),
-        nproc_per_node=plan.nproc_per_node,
-        data_parallel_size=data_parallel_size,
-        objective=Objective(tuning.metric),
-        timeout_s=tuning.exp_timeout_s,
-        start_profile_step=tuning.start_profile_step,
-        end_profile_step=tuning.end_profile_step,
-        min_window_s=tuning.min_window_s,
-        max_steps_per_window=tuning.max_steps_per_window,
-        arg_mappings=dict(tuning.arg_mappings),
-        memory_budget_bytes=tuning.memory_per_rank_bytes,
-        user_config=read_config_file(source),
-        launcher_args=options.passthrough_flags(),
-        engine=engine,
-    )
-    fingerprint = fingerprint_of(script=args.script, script_args=script_args,
-                                 mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
-                                 nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if on_ray else 1,
-                                 launcher_args=settings.launcher_args, torch_version=torch_version(),
-                                 device=this_device())
-    with _runner(args, tuning, settings, num_nodes) as runner:
+    job = settle(args)
+    results_dir, exps_dir = job.results_dir, job.exps_dir
+    with _runner(args, job) as runner:
         with exclusive_lock(results_dir):
             try:
-                outcome = Autotuner(config, settings, results_dir, exps_dir, runner, fingerprint, report=_say).tune()
+                outcome = Autotuner(job.config, job.settings, results_dir, exps_dir, runner, job.fingerprint,
+                                    report=_say).tune()
             except Stopped as stop:  # the runner's exit below ends the running experiment
                 print(f"autotuner: stopped by {stop.name}; running experiment ended, finished records kept in "
                       f"{exps_dir}. Resume with the same command.", file=sys.stderr, flush=True)
@@ -246,6 +81,7 @@ def autotune(args: argparse.Namespace) -> int:
         if args.autotuning == "tune":
             return 0
         _say("training with the optimal config ...")
-        optimal = replace(options, script_args=outcome.optimal_script_args,
-                          nproc_per_node=None if picks_ranks_itself(options.passthrough_flags()) else plan.nproc_per_node)
+        optimal = replace(job.options, script_args=outcome.optimal_script_args,
+                          nproc_per_node=None if picks_ranks_itself(job.options.passthrough_flags())
+                          else job.plan.nproc_per_node)
         return runner.train(optimal, quiet=not args.debug)

@@ -68,8 +68,7 @@ class Autotuner:
         self.report = report
         self.objective = settings.objective
         tuning = config.autotuning
-        self.policy = SearchPolicy(self.objective, tuning.tuner_type, tuning.tuner_early_stopping,
-                                   tuning.tuner_num_trials, tuning.tuner_seed, tuning.fast)
+        self.policy = SearchPolicy.from_tuning(self.objective, tuning)
         self.space = search_space(config, settings.data_parallel_size, settings.engine,
                                   visible_gpu_memory() is not None)
         self._results: dict[Experiment, TrialResult] = {}

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from autotuner.config.models import AutotuningConfig
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment, gas_for
 from autotuner.tuning.tuners import drive, make_tuner
@@ -64,12 +65,19 @@ class SearchSpace:
 
 @dataclass(frozen=True)
 class SearchPolicy:
+    """How the search goes. No defaults of its own: they are the config's (from_tuning)."""
+
     objective: Objective
-    tuner_type: str = "gridsearch"
-    early_stopping: int = 5
-    num_trials: int = 50
-    seed: int = 0
-    fast: bool = True
+    tuner_type: str
+    early_stopping: int
+    num_trials: int
+    seed: int
+    fast: bool
+
+    @classmethod
+    def from_tuning(cls, objective: Objective, tuning: AutotuningConfig) -> "SearchPolicy":
+        return cls(objective, tuning.tuner_type, tuning.tuner_early_stopping, tuning.tuner_num_trials,
+                   tuning.tuner_seed, tuning.fast)
 
 
 def spread_micro_batch_sizes(valid: list[int], largest: int, count: int) -> list[int]:
