@@ -1,6 +1,6 @@
 """One error hierarchy. The CLI turns each into a one-line message and an exit code."""
 
-# Where each rank records its uncaught exception (launch/runner.py sets it; rank_setup.py reads it).
+# Where each rank records its uncaught exception (launch/elastic.py sets it; rank_setup.py reads it).
 # Here rather than in boundary.py so that `import autotuner` stays light: the launcher's stop
 # handler goes in only once the package is imported (app/entry.py).
 ERROR_DIR_ENV = "AUTOTUNER_ERROR_DIR"

@@ -38,9 +38,9 @@ from autotuner.launch.processes import run_to_completion  # noqa: E402
 from autotuner.tuning.config_space import base_config  # noqa: E402
 from autotuner.tuning.experiment import ExperimentSettings, Trial  # noqa: E402
 from autotuner.tuning.records import Objective, TrialState  # noqa: E402
-from autotuner.tuning.runners import ColdRunner  # noqa: E402
+from autotuner.execution.cold import ColdRunner  # noqa: E402
 from autotuner.tuning.space import Experiment  # noqa: E402
-from autotuner.tuning.warm import WarmRunner  # noqa: E402
+from autotuner.execution.warm import WarmRunner  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 GPT2 = ROOT / "examples" / "hf_gpt2"

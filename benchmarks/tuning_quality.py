@@ -41,7 +41,7 @@ from autotuner.tuning.config_space import base_config  # noqa: E402
 from autotuner.atomic import write_json_atomic  # noqa: E402
 from autotuner.tuning.experiment import ExperimentSettings, Trial  # noqa: E402
 from autotuner.tuning.journal import RECORD_FILE  # noqa: E402
-from autotuner.tuning.runners import ColdRunner  # noqa: E402
+from autotuner.execution.cold import ColdRunner  # noqa: E402
 from autotuner.tuning.records import Objective, TrialResult, TrialState  # noqa: E402
 from autotuner.tuning.space import Experiment  # noqa: E402
 

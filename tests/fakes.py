@@ -8,6 +8,7 @@ from autotuner.boundary import Measurement, ModelInfo
 from autotuner.tuning.experiment import Trial
 from autotuner.tuning.journal import Fingerprint
 from autotuner.tuning.records import TrialResult, TrialState
+from autotuner.tuning.runner import OneSlot
 
 
 def model_info(micro_batch_size: int = 1, zero_stage: int = 0, precision: str = "fp32", **values) -> ModelInfo:
@@ -24,12 +25,13 @@ def fingerprint(**changes) -> Fingerprint:
     return Fingerprint(**{**values, **changes})
 
 
-class FakeRunner:
+class FakeRunner(OneSlot):
     """Answers each trial with `answer(trial)`; remembers what it was asked. Launches nothing."""
 
     name = "fake"
 
     def __init__(self, answer: Callable[[Trial], TrialResult]):
+        super().__init__()
         self.answer = answer
         self.trials: list[Trial] = []
 

@@ -70,7 +70,7 @@ def test_a_two_rank_profile_launch_records_the_collectives_of_its_process_group(
     from autotuner.tuning.config_space import base_config
     from autotuner.tuning.experiment import ExperimentSettings, Trial
     from autotuner.tuning.records import Objective, TrialState
-    from autotuner.tuning.runners import ColdRunner
+    from autotuner.execution.cold import ColdRunner
     from autotuner.tuning.space import Experiment
 
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {}}})

@@ -16,7 +16,7 @@ from autotuner.config import load_config
 from autotuner.errors import ConfigError
 from autotuner.tuning.config_space import base_config, knob_values, search_space
 from autotuner.boundary import LaunchReport, Measurement, RankError, write_record
-from autotuner.launch.runner import failure_report
+from autotuner.launch.elastic import failure_report
 from autotuner.tuning.experiment import (
     ExperimentSettings,
     Trial,

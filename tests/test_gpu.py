@@ -198,7 +198,7 @@ def test_warm_ranks_initialise_cuda_themselves_and_the_forkserver_never_does(tmp
     from autotuner.tuning.experiment import ExperimentSettings, Trial
     from autotuner.tuning.records import Objective, TrialState
     from autotuner.tuning.space import Experiment
-    from autotuner.tuning.warm import WarmRunner
+    from autotuner.execution.warm import WarmRunner
 
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {}}})
     settings = ExperimentSettings(script=str(MINIMAL), script_args=("--deepspeed", "unused.json"),

@@ -19,7 +19,7 @@ from autotuner.app.cli import main
 from autotuner.errors import UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import DEFAULT_MASTER_PORT, LOOPBACK
-from autotuner.launch.runner import exit_status
+from autotuner.launch.elastic import exit_status
 from autotuner.launch.script_args import config_path, find_flag, replace_config, set_flag
 
 from conftest import MINIMAL, ROOT, launcher_env, run_launcher

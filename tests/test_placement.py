@@ -1,10 +1,10 @@
-"""Placing experiments on a cluster, as data (autotuner/cluster/placement.py): no Ray needed."""
+"""Placing experiments on a cluster, as data (autotuner/execution/placement.py): no Ray needed."""
 
 from __future__ import annotations
 
 import pytest
 
-from autotuner.cluster.placement import (EXCLUSIVE, SHARED, ClusterNode, Layout, RankShape, concurrency, feasible,
+from autotuner.execution.placement import (EXCLUSIVE, SHARED, ClusterNode, Layout, RankShape, concurrency, feasible,
                                          place, rank_variables, taken)
 
 CPU = RankShape(cpus=1.0)

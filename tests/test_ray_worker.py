@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from autotuner.cluster.ray_worker import TOKEN_FILE, RankRun, RankWorker
+from autotuner.execution.ray_worker import TOKEN_FILE, RankRun, RankWorker
 
 RANK = """
 import json, os, pathlib

@@ -27,8 +27,8 @@ from autotuner.launch.stopping import Stopped
 from autotuner.app.settle import check_arg_mappings
 from autotuner.config.models import AutotuningConfig
 from autotuner.tuning.experiment import ExperimentSettings, Trial
-from autotuner.tuning.runners import Runner
-from autotuner.tuning.warm import make_runner
+from autotuner.tuning.runner import Runner
+from autotuner.execution.warm import make_runner
 from autotuner.tuning.records import Objective, TrialState
 from autotuner.tuning.space import Experiment
 

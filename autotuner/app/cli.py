@@ -12,7 +12,7 @@ import threading
 import traceback
 
 from autotuner.errors import AutotunerError, ConfigError, UsageError
-from autotuner.cluster.placement import EXCLUSIVE, PLACEMENT_POLICIES
+from autotuner.execution.placement import EXCLUSIVE, PLACEMENT_POLICIES
 from autotuner.launch.nodes import STOP_WITH_STDIN_FLAG
 
 BACKENDS = ("local", "ray")

@@ -15,7 +15,7 @@ from autotuner.errors import UsageError
 from autotuner.launch.plan import picks_ranks_itself
 from autotuner.launch.stopping import Stopped
 from autotuner.tuning.autotuner import Autotuner, TuningFailed
-from autotuner.tuning.warm import make_runner
+from autotuner.execution.warm import make_runner
 
 
 @contextmanager
@@ -45,7 +45,7 @@ def _runner(args: argparse.Namespace, job: SettledJob):
         with make_runner(job.config.autotuning, job.settings, _say) as runner:
             yield runner
         return
-    from autotuner.cluster.ray_runner import RayOptions, RayRunner
+    from autotuner.execution.ray_runner import RayOptions, RayRunner
 
     options = RayOptions(address=args.ray_address, placement=args.ray_placement, max_concurrent=args.ray_max_concurrent,
                          cpus_per_rank=args.ray_cpus_per_rank, gpus_per_rank=args.ray_gpus_per_rank,

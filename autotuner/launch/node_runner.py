@@ -21,7 +21,7 @@ import psutil
 
 from autotuner.errors import UsageError
 from autotuner.launch.nodes import NodesPlan
-from autotuner.launch.runner import exit_status
+from autotuner.launch.elastic import exit_status
 from autotuner.launch.stopping import GRACE_S, Stopped, end_processes
 
 

@@ -25,7 +25,7 @@ from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.final_pick import final_pick_rounds
 from autotuner.tuning.interference import interference_share
 from autotuner.tuning.results import Explanation, PredictedPoint, write_results
-from autotuner.tuning.runners import Runner
+from autotuner.tuning.runner import Runner
 from autotuner.tuning.parallel_launches import ParallelLaunches
 from autotuner.tuning.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
 from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search

@@ -19,7 +19,7 @@ class ParallelLaunches:
 
     def __init__(self, tuner: "Autotuner"):
         self._tuner = tuner
-        self.capacity = max(1, int(getattr(tuner.runner, "capacity", 1)))
+        self.capacity = max(1, int(tuner.runner.capacity))
         self._ready: deque[TrialResult] = deque()
 
     def __call__(self, experiment: Experiment) -> TrialResult:

@@ -21,6 +21,7 @@ from autotuner.config.models import AutotuningConfig
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment, gas_for
 from autotuner.tuning.tuners import drive, make_tuner
+from autotuner.tuning.tuners.base import slots
 
 Evaluate = Callable[[Experiment], TrialResult]
 Fits = Callable[[Experiment], bool]  # the memory model's verdict on one experiment, asked before each launch
@@ -285,7 +286,7 @@ class MeasuredOnce:
 
     def __init__(self, evaluate: Evaluate):
         self._evaluate = evaluate
-        self.capacity = getattr(evaluate, "capacity", 1)
+        self.capacity = slots(evaluate)
         self.measured: dict[Experiment, TrialResult] = {}
         self._ready: deque[TrialResult] = deque()
 

@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from autotuner.tuning.warm import WarmRunner
+from autotuner.execution.warm import WarmRunner
 
 
 def main() -> None:

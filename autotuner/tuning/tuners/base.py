@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
@@ -61,6 +61,7 @@ class Tuner(ABC):
         return self.objective.best(list(self.results.values()))
 
 
+@runtime_checkable
 class ParallelEvaluate(Protocol):
     """An evaluate that can run several experiments at once: `capacity` of them."""
 
@@ -74,13 +75,18 @@ class ParallelEvaluate(Protocol):
         """The next submitted experiment to finish, in the order they finish."""
 
 
+def slots(evaluate: Callable[[Experiment], TrialResult]) -> int:
+    """How many experiments `evaluate` runs at once: a plain function, one."""
+    return max(1, int(evaluate.capacity)) if isinstance(evaluate, ParallelEvaluate) else 1
+
+
 def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_stopping: int,
           max_trials: int, trust_predictions: bool = False) -> list[TrialResult]:
     """Ask/evaluate/tell until the space is exhausted, `max_trials` ran, or `early_stopping`
     experiments in a row brought no improvement; with `trust_predictions`, also when the tuner
     says the experiment it asks for could not beat the best so far. An evaluate with a
     `capacity` above 1 gets a batch ask for every free slot (`drive_parallel`)."""
-    if getattr(evaluate, "capacity", 1) > 1:
+    if slots(evaluate) > 1:
         return drive_parallel(tuner, evaluate, early_stopping=early_stopping, max_trials=max_trials,  # type: ignore[arg-type]
                               trust_predictions=trust_predictions)
     results: list[TrialResult] = []

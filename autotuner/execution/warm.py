@@ -37,7 +37,7 @@ from autotuner.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
 from autotuner.launch.plan import build_plan, rank_launch
 from autotuner.launch.stopping import (GRACE_S, descendants, end_processes, make_temporary_dir,
                                        remove_temporary_dir)
-from autotuner.launch.runner import exit_status, failure_lines, failure_report
+from autotuner.launch.elastic import exit_status, failure_lines, failure_report
 from autotuner.launch.warm_rank import UNSAFE_FORK_EXIT, WarmRankSpec
 from autotuner.launch.warm_rank import main as warm_rank_main
 from autotuner.parent_death import LAUNCHED_BY_PID_ENV
@@ -45,7 +45,8 @@ from autotuner.rank_setup import QUIET_ERRORS_ENV
 from autotuner.tuning.experiment import (RANK_ERRORS_DIR, WARM_RANKS_FILE, Trial, judge, launch_options, prepare,
                                          trial_environment)
 from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.runners import ColdRunner, Runner
+from autotuner.execution.cold import ColdRunner
+from autotuner.tuning.runner import OneSlot, Runner
 
 POLL_S = 0.05
 PRELOAD_TIMEOUT_S = 600.0
@@ -113,12 +114,13 @@ def _warm_specific(report: LaunchReport) -> bool:
     return report.exception is None and status is not None and status - 128 in CRASH_SIGNALS
 
 
-class WarmRunner:
+class WarmRunner(OneSlot):
     """Forks each trial's ranks from a preloaded forkserver; falls back to `ColdRunner`."""
 
     name = "warm"
 
     def __init__(self, script: str, extra_modules: tuple[str, ...] = (), report: Callable[[str], None] = print):
+        super().__init__()
         self._report = report
         self._cold = ColdRunner()
         self._cold_only = False

@@ -9,8 +9,8 @@ import sys
 from dataclasses import replace
 
 from autotuner.boundary import ERROR_DIR_ENV, REQUEST_ENV
-from autotuner.cluster.placement import Layout, Placement, RankPlace, RankShape, rank_variables
-from autotuner.cluster.ray_worker import RankRun
+from autotuner.execution.placement import Layout, Placement, RankPlace, RankShape, rank_variables
+from autotuner.execution.ray_worker import RankRun
 from autotuner.launch.nodes import exported_env
 from autotuner.launch.plan import LaunchPlan, build_plan
 from autotuner.rank_setup import QUIET_ERRORS_ENV

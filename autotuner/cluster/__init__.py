@@ -1,1 +1,0 @@
-"""Experiments on a cluster: placement as data, and the Ray backend."""
