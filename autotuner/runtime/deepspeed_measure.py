@@ -18,14 +18,13 @@ DeepSpeed's own timers and its autotuning keys are not read: the experiment conf
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import importlib.abc
 import os
 import sys
-from typing import Any
+from typing import Any, Callable
 
-from autotuner.boundary import MeasurementRequest, write_record
+from autotuner.boundary import MeasurementRequest
 
 ENGINE_NAME = "deepspeed"
 
@@ -138,21 +137,103 @@ def _unlink_shm_buffer(engine: Any) -> None:
         os.unlink(path)
 
 
-class DeepSpeedMeasurement:
-    """The profile window of one DeepSpeedEngine, timed from outside it."""
+class DeepSpeedView:
+    """The measurement protocol's view of a DeepSpeedEngine (rank_measurement.py)."""
 
-    def __init__(self, engine: Any, request: MeasurementRequest, engines: list[Any]):
+    name = ENGINE_NAME
+
+    def __init__(self, engine: Any, engines: list[Any], activation_bytes: Callable[[], int]):
         import torch
 
+        self._engine = engine
+        self._engines = engines
+        self._activation_bytes = activation_bytes
+        self.device = torch.device(engine.device)
+        self.rank = int(engine.global_rank)
+
+    @property
+    def world_size(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self._engine.zero_optimization_stage())
+
+    @property
+    def precision(self) -> str:
+        if self._engine.bfloat16_enabled():
+            return "bf16"
+        return "fp16" if self._engine.fp16_enabled() else "fp32"
+
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self._engine.train_micro_batch_size_per_gpu())
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return int(self._engine.gradient_accumulation_steps())
+
+    @property
+    def train_batch_size(self) -> int:
+        return int(self._engine.train_batch_size())
+
+    @property
+    def engines_in_process(self) -> int:
+        return len(self._engines)
+
+    def model(self) -> Any:
+        return self._engine.module
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """Whole-model counts: under ZeRO-3 a parameter's tensor is empty and `ds_numel` its size."""
+        total = trainable = 0
+        for param in self._engine.module.parameters():
+            numel = int(getattr(param, "ds_numel", param.numel()))
+            total += numel
+            trainable += numel if param.requires_grad else 0
+        return total, trainable
+
+    def num_shard_units(self) -> int:
+        return 0  # DeepSpeed partitions parameters, not FSDP2 blocks
+
+    def optimizer_state_bytes(self) -> int:
+        """This rank's optimizer states: those of the torch optimizer inside DeepSpeed's wrappers
+        (under ZeRO its parameters are this rank's fp32 partitions)."""
+        import torch
+
+        from autotuner.runtime.memory_probes import optimizer_state_bytes
+
+        optimizer = self._engine.optimizer
+        for _ in range(4):
+            if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+                break
+            optimizer = getattr(optimizer, "optimizer", None)
+        return optimizer_state_bytes(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else 0
+
+    def activation_bytes(self) -> int:
+        return self._activation_bytes()
+
+    def flops_per_micro_step(self) -> None:
+        return None  # not counted inside DeepSpeed's engine
+
+
+class DeepSpeedMeasurement:
+    """The profile window of one DeepSpeedEngine, timed from outside it; what is written, and
+    when the ranks leave, is the shared protocol's (rank_measurement.py)."""
+
+    def __init__(self, engine: Any, request: MeasurementRequest, engines: list[Any]):
         from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom
+        from autotuner.runtime.rank_measurement import RankMeasurement
         from autotuner.runtime.timers import ProfileWindow, Stopwatch
         from autotuner.runtime.window_load import WindowWatch
 
         self.engine = engine
         self.request = request
-        self.engines = engines  # every engine this process created (a GAN has two)
-        self.device = torch.device(engine.device)
-        self.rank = int(engine.global_rank)
+        self.view = DeepSpeedView(engine, engines, self._activation_bytes)
+        self.device = self.view.device
+        self.rank = self.view.rank
         self.window = ProfileWindow(request.start_profile_step, request.end_profile_step, request.min_window_s,
                                     request.max_steps_per_window)
 
@@ -167,9 +248,13 @@ class DeepSpeedMeasurement:
         self.info_step = 2 if self.phase_peaks is not None else 1
         self.exit_after_window = request.metrics_path is not None
         self.watch_window = WindowWatch(self.window, self.device, self.exit_after_window)
+        self.protocol = RankMeasurement(request, self.view, self.window, self.watch_window, self.phase_peaks)
         self.oom_marker = request.oom_marker(self.rank)
         if self.oom_marker:
             mark_uncaught_oom(self.oom_marker, self.rank)
+
+    def _activation_bytes(self) -> int:
+        return self.activation_probe.bytes_saved if self.activation_probe is not None else 0
 
     # ----- the wrapped calls -----
     def forward(self, call):
@@ -218,173 +303,20 @@ class DeepSpeedMeasurement:
         self.window.record_step(steps, step_s, wall)
         self.watch_window.note_steps_done(steps)
         if self.want_info and steps == self.info_step:
-            self._write_model_info()
+            self.protocol.write_model_info()
         if self.exit_after_window and steps == self.window.end_step:
-            if self.watch_window.goes_on(steps, self._write_measurement):
+            if self.watch_window.goes_on(steps, self.protocol.write_measurement):
                 self.last_boundary_end = self.watch.now()  # agreeing and writing are not step time
             else:
-                self._finish()
+                self.protocol.finish("autotuner: profile steps done on DeepSpeed's engine")
         return result
 
-    # ----- what the engine is -----
+    # ----- the first micro-step's saved activations -----
     def _start_activation_probe(self) -> None:
         from autotuner.runtime.profile import ActivationProbe
 
         self.activation_probe = ActivationProbe(list(self.engine.module.parameters()))
         self.activation_probe.start()
-
-    @property
-    def zero_stage(self) -> int:
-        return int(self.engine.zero_optimization_stage())
-
-    @property
-    def precision(self) -> str:
-        if self.engine.bfloat16_enabled():
-            return "bf16"
-        return "fp16" if self.engine.fp16_enabled() else "fp32"
-
-    @property
-    def world_size(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_world_size() if dist.is_initialized() else 1
-
-    def _gather_max(self, value: int) -> list[int]:
-        import torch
-        import torch.distributed as dist
-
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return [int(value)]
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
-        gathered = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
-        dist.all_gather(gathered, tensor)
-        return [int(t.item()) for t in gathered]
-
-    def _parameter_counts(self) -> tuple[int, int]:
-        """Whole-model counts: under ZeRO-3 a parameter's tensor is empty and `ds_numel` its size."""
-        total = trainable = 0
-        for param in self.engine.module.parameters():
-            numel = int(getattr(param, "ds_numel", param.numel()))
-            total += numel
-            trainable += numel if param.requires_grad else 0
-        return total, trainable
-
-    def _optimizer_state_bytes(self) -> int:
-        """This rank's optimizer states: those of the torch optimizer inside DeepSpeed's wrappers
-        (under ZeRO its parameters are this rank's fp32 partitions)."""
-        import torch
-
-        from autotuner.runtime.memory_probes import optimizer_state_bytes
-
-        optimizer = self.engine.optimizer
-        for _ in range(4):
-            if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
-                break
-            optimizer = getattr(optimizer, "optimizer", None)
-        return optimizer_state_bytes(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else 0
-
-    def _peaks(self) -> tuple[list[int], list[int] | None]:
-        from autotuner.runtime.metrics import peak_memory_bytes, peak_reserved_bytes
-
-        peak = peak_memory_bytes(self.device)
-        if self.phase_peaks is not None:
-            peak = max(peak, self.phase_peaks.before_bytes, self.phase_peaks.forward_backward_bytes)
-        reserved = peak_reserved_bytes(self.device)
-        return self._gather_max(peak), (self._gather_max(reserved) if reserved is not None else None)
-
-    # ----- what is written -----
-    def _write_model_info(self) -> None:
-        import torch.distributed as dist
-
-        from autotuner.runtime.comm_probe import probe_collectives
-        from autotuner.runtime.profile import device_memory_bytes, write_model_info
-
-        probe = self.activation_probe
-        activation_per_rank = self._gather_max(probe.bytes_saved if probe is not None else 0)
-        optimizer_per_rank = self._gather_max(self._optimizer_state_bytes())
-        optimizer_bytes = optimizer_per_rank[0] if self.zero_stage == 0 else sum(optimizer_per_rank)
-        peak_per_rank, reserved_per_rank = self._peaks()
-        phases = None
-        if self.phase_peaks is not None:
-            phases = (max(self._gather_max(self.phase_peaks.forward_backward_bytes)),
-                      max(self._gather_max(self.phase_peaks.optimizer_step_bytes)))
-        # As our engine: the collective probe never runs inside a window it would distort.
-        timings = probe_collectives(self.device) if self.request.exit_after_model_info else ()
-        self.probe_after_window = not self.request.exit_after_model_info and self.exit_after_window
-        if self.rank == 0:
-            self.model_info = write_model_info(
-                self.request.model_info_path,
-                zero_stage_module=self.engine.module,
-                parameter_counts=self._parameter_counts(),
-                activation_bytes_per_rank=activation_per_rank,
-                optimizer_state_bytes=optimizer_bytes,
-                micro_batch_size=int(self.engine.train_micro_batch_size_per_gpu()),
-                peak_memory_bytes_per_rank=peak_per_rank,
-                peak_reserved_bytes_per_rank=reserved_per_rank,
-                phase_peak_bytes=phases,
-                num_shard_units=0,
-                device_memory_bytes=device_memory_bytes(self.device),
-                zero_stage=self.zero_stage,
-                precision=self.precision,
-                world_size=self.world_size,
-                engines_in_process=len(self.engines),
-                backend=dist.get_backend() if dist.is_initialized() else None,
-                collective_timings=timings,
-                engine=ENGINE_NAME,
-            )
-        if self.request.exit_after_model_info:
-            self._leave()
-
-    def _finish(self) -> None:
-        from autotuner.runtime.comm_probe import probe_collectives
-
-        self._write_measurement()
-        if self.rank == 0:
-            print(f"autotuner: profile steps done on DeepSpeed's engine; metrics written to "
-                  f"{self.request.metrics_path}", flush=True)
-        if getattr(self, "probe_after_window", False):
-            timings = probe_collectives(self.device)
-            if self.rank == 0 and getattr(self, "model_info", None) is not None:
-                write_record(self.request.model_info_path, dataclasses.replace(self.model_info,
-                                                                               collective_timings=timings))
-        self._leave()
-
-    def _write_measurement(self) -> None:
-        from autotuner.runtime.metrics import build_measurement
-        from autotuner.runtime.window_load import load_average
-
-        taken_by_others = self.watch_window.others_share()
-        peak_per_rank, reserved_per_rank = self._peaks()
-        engine = self.engine
-        if self.rank == 0:
-            measurement = build_measurement(
-                self.window,
-                train_batch_size=int(engine.train_batch_size()),
-                world_size=self.world_size,
-                micro_batch_size=int(engine.train_micro_batch_size_per_gpu()),
-                gradient_accumulation_steps=int(engine.gradient_accumulation_steps()),
-                zero_stage=self.zero_stage,
-                precision=self.precision,
-                peak_memory=max(peak_per_rank),
-                peak_memory_per_rank=peak_per_rank,
-                peak_reserved_per_rank=reserved_per_rank,
-                flops_per_step=None,
-                device_type=self.device.type,
-                cpu_taken_by_others=taken_by_others,
-                load_average=load_average(),
-            )
-            write_record(self.request.metrics_path, dataclasses.replace(measurement, engine=ENGINE_NAME))
-
-    def _leave(self) -> None:
-        # Straight out once every rank is done: DeepSpeed's and gloo's teardown has nothing to add
-        # to a measurement launch, and could hang on threads (see runtime/measurement.py).
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
     @contextlib.contextmanager
     def _oom_guard(self):

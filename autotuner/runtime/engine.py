@@ -17,9 +17,10 @@ from autotuner.config.models import DeepSpeedConfig
 from autotuner.runtime.accessors import DeepSpeedAccessors
 from autotuner.runtime.distributed import DistributedContext
 from autotuner.runtime.grad_reduction import GradientReduction
-from autotuner.runtime.measurement import MeasurementHooks, measurement_request  # noqa: F401 (re-exported)
+from autotuner.runtime.measurement import OurEngineView, measurement_request
 from autotuner.runtime.metrics import is_out_of_memory
 from autotuner.runtime.profile import ActivationProbe, FlopProbe
+from autotuner.runtime.rank_measurement import RankMeasurement
 from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, write_oom_marker
 from autotuner.runtime.online import start_online
 from autotuner.runtime.online.apply import apply_fsdp_prefetch, fsdp_prefetch_depths, fsdp_units, read_applied, rewrap_ddp
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
+class Engine(DeepSpeedAccessors, nn.Module):
     created_in_process = 0  # a GAN makes two; the profile then sees only one of them
     """Returned by `autotuner.initialize`. Call it for forward, then `backward(loss)` and `step()`
     on every micro-batch; the optimizer steps only at the gradient-accumulation boundary."""
@@ -93,12 +94,14 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
         count_flops = self._exit_after_window and self._window.start_step > 1
         self._flop_probe = FlopProbe() if count_flops else None
         want_model_info = request is not None and request.model_info_path is not None
-        self._activation_probe = ActivationProbe(self._parameters_for_probe()) if want_model_info else None
+        self._activation_probe = ActivationProbe(list(self.wrapped.parameters())) if want_model_info else None
         # On CUDA the profile reads the allocator's peaks of step 2 apart for forward+backward and for
         # the optimizer step: the steady state, with optimizer states allocated. The CPU's resident
         # set cannot be split by phase, so there the profile stays at step 1.
         self._phase_peaks = PhasePeaks() if want_model_info and ctx.device.type == "cuda" else None
         self._model_info_step = 2 if self._phase_peaks is not None else 1
+        self._measurement = RankMeasurement(request, OurEngineView(self), self._window, self._window_watch,
+                                            self._phase_peaks) if request is not None else None
         self._oom_marker = request.oom_marker(ctx.rank) if request is not None else None
         if self._oom_marker:
             mark_uncaught_oom(self._oom_marker, ctx.rank)
@@ -195,12 +198,12 @@ class Engine(DeepSpeedAccessors, MeasurementHooks, nn.Module):
         if self._online is not None:
             self._online.after_step(self.global_steps, now)
         if self._activation_probe is not None and self.global_steps == self._model_info_step:
-            self._write_model_info()
+            self._measurement.write_model_info()
         if self._exit_after_window and self.global_steps == self._window.end_step:
-            if self._window_watch.goes_on(self.global_steps, self._write_measurement):
+            if self._window_watch.goes_on(self.global_steps, self._measurement.write_measurement):
                 self._last_boundary_end = self._step_watch.now()  # agreeing and writing are not step time
             else:
-                self._finish_profile()
+                self._measurement.finish("autotuner: profile steps done")
 
     def _reduce_what_ddp_missed(self) -> bool:
         """ZeRO 0/1 at the accumulation boundary. DDP leaves gradients unreduced when forward ran

@@ -1,0 +1,185 @@
+"""The measurement protocol inside a rank, one for both engines (ours and DeepSpeed's): after its
+step the profile's model info, after the window the metrics, the collective probe outside any
+window it would distort, and the exit. Each engine hands it a small view of itself (EngineView);
+the records written and the order of the collectives are the same whichever engine trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autotuner.boundary import CollectiveTiming, MeasurementRequest, ModelInfo, write_record
+from autotuner.runtime.comm_probe import probe_collectives
+from autotuner.runtime.memory_probes import PhasePeaks
+from autotuner.runtime.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
+from autotuner.runtime.profile import device_memory_bytes, write_model_info
+from autotuner.runtime.timers import ProfileWindow
+from autotuner.runtime.window_load import WindowWatch, load_average
+
+
+class EngineView(Protocol):
+    """What the protocol reads from an engine, at the moment it writes."""
+
+    name: str  # "autotuner" or "deepspeed": recorded in the model info and the measurement
+    device: torch.device
+    rank: int
+    world_size: int
+    zero_stage: int
+    precision: str
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    train_batch_size: int
+    engines_in_process: int  # a GAN makes two; the profile sees the first
+
+    def model(self) -> nn.Module: ...
+
+    def parameter_counts(self) -> tuple[int, int] | None:
+        """(total, trainable) when the module's tensors do not say (ZeRO-3 partitions), else None."""
+
+    def num_shard_units(self) -> int: ...
+
+    def optimizer_state_bytes(self) -> int:
+        """This rank's optimizer states."""
+
+    def activation_bytes(self) -> int:
+        """Bytes the first micro-step saved for backward on this rank."""
+
+    def flops_per_micro_step(self) -> int | None: ...
+
+
+class RankMeasurement:
+    """One engine's measurement launch: what `request` asks, over `window`."""
+
+    def __init__(self, request: MeasurementRequest, view: EngineView, window: ProfileWindow,
+                 window_watch: WindowWatch, phase_peaks: PhasePeaks | None):
+        self.request = request
+        self.view = view
+        self.window = window
+        self.window_watch = window_watch
+        self.phase_peaks = phase_peaks
+        self.exit_after_window = request.metrics_path is not None
+        self._probe_after_window = False  # every rank: time the collectives once the window is measured
+        self._model_info: ModelInfo | None = None  # rank 0: what it wrote, for the probe's timings to join
+
+    def gather_max(self, value: int) -> list[int]:
+        """`value` from every rank, in rank order (collective)."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return [int(value)]
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.view.device)
+        gathered = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, tensor)
+        return [int(t.item()) for t in gathered]
+
+    def _peaks(self) -> tuple[list[int], list[int] | None]:
+        device = self.view.device
+        peak = peak_memory_bytes(device)
+        if self.phase_peaks is not None:
+            peak = max(peak, self.phase_peaks.before_bytes, self.phase_peaks.forward_backward_bytes)
+        reserved = peak_reserved_bytes(device)
+        return self.gather_max(peak), (self.gather_max(reserved) if reserved is not None else None)
+
+    def write_model_info(self) -> None:
+        """After step 1 (CPU) or 2 (CUDA): parameters, activation bytes, optimizer-state bytes and
+        peak memory, and on CUDA the peaks of forward+backward and of the optimizer step apart.
+        A profile launch also times the collectives on the job's process group (comm_probe.py).
+
+        When the request says so, every rank then leaves with status 0."""
+        view = self.view
+        activation_per_rank = self.gather_max(view.activation_bytes())
+        optimizer_per_rank = self.gather_max(view.optimizer_state_bytes())
+        # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
+        optimizer_bytes = optimizer_per_rank[0] if view.zero_stage == 0 else sum(optimizer_per_rank)
+        peak_per_rank, reserved_per_rank = self._peaks()
+        phases = None
+        if self.phase_peaks is not None:
+            phases = (max(self.gather_max(self.phase_peaks.forward_backward_bytes)),
+                      max(self.gather_max(self.phase_peaks.optimizer_step_bytes)))
+        # The probe must not be in anything this launch measures: its buffers, and what gloo's
+        # reduce-scatter and all-gather leave resident (measured: the window's CPU peak went from
+        # 324 to 410-490 MiB per rank), would sit in the window's peak, and its half second in a
+        # step's time. So it runs here, after the peaks above, only when the ranks leave next; a
+        # launch that goes on to time its window runs it once the window's figures are taken
+        # (finish), and a run that just trains, never.
+        timings = self._probe() if self.request.exit_after_model_info else ()
+        self._probe_after_window = not self.request.exit_after_model_info and self.exit_after_window
+        if view.rank == 0:
+            self._model_info = write_model_info(
+                self.request.model_info_path,
+                zero_stage_module=view.model(),
+                parameter_counts=view.parameter_counts(),
+                activation_bytes_per_rank=activation_per_rank,
+                optimizer_state_bytes=optimizer_bytes,
+                micro_batch_size=view.micro_batch_size,
+                peak_memory_bytes_per_rank=peak_per_rank,
+                peak_reserved_bytes_per_rank=reserved_per_rank,
+                phase_peak_bytes=phases,
+                num_shard_units=view.num_shard_units(),
+                device_memory_bytes=device_memory_bytes(view.device),
+                zero_stage=view.zero_stage,
+                precision=view.precision,
+                world_size=view.world_size,
+                engines_in_process=view.engines_in_process,
+                backend=dist.get_backend() if dist.is_initialized() else None,
+                collective_timings=timings,
+                engine=view.name,
+            )
+        if self.request.exit_after_model_info:
+            self.leave()
+
+    def _probe(self) -> tuple[CollectiveTiming, ...]:
+        # The default group: the one DDP, ZeRO-1, FSDP2 and DeepSpeed's engine run on.
+        return probe_collectives(self.view.device)
+
+    def write_measurement(self) -> None:
+        """Rank 0 writes the window's measurement so far (collective: every rank calls it)."""
+        view = self.view
+        taken_by_others = self.window_watch.others_share()
+        peak_per_rank, reserved_per_rank = self._peaks()
+        flops = view.flops_per_micro_step()
+        if view.rank == 0:
+            measurement = build_measurement(
+                self.window,
+                train_batch_size=view.train_batch_size,
+                world_size=view.world_size,
+                micro_batch_size=view.micro_batch_size,
+                gradient_accumulation_steps=view.gradient_accumulation_steps,
+                zero_stage=view.zero_stage,
+                precision=view.precision,
+                peak_memory=max(peak_per_rank),
+                peak_memory_per_rank=peak_per_rank,
+                peak_reserved_per_rank=reserved_per_rank,
+                flops_per_step=flops * view.gradient_accumulation_steps if flops else None,
+                device_type=view.device.type,
+                cpu_taken_by_others=taken_by_others,
+                load_average=load_average(),
+            )
+            write_record(self.request.metrics_path, dataclasses.replace(measurement, engine=view.name))
+
+    def finish(self, done_line: str) -> None:
+        """Rank 0 writes the metrics file; every rank then leaves with status 0."""
+        self.write_measurement()
+        if self.view.rank == 0:
+            print(f"{done_line}; metrics written to {self.request.metrics_path}", flush=True)
+        if self._probe_after_window:
+            timings = self._probe()
+            if self.view.rank == 0 and self._model_info is not None:
+                self._model_info = dataclasses.replace(self._model_info, collective_timings=timings)
+                write_record(self.request.model_info_path, self._model_info)
+        self.leave()
+
+    def leave(self) -> None:
+        # os._exit, not sys.exit: interpreter teardown can deadlock freeing DDP's Reducer (gloo's
+        # worker thread waits for the GIL the main thread holds while joining it), and DeepSpeed's
+        # teardown can hang on its threads; a measurement launch has nothing left to clean up
+        # once the barrier shows every rank is done.
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
