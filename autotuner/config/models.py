@@ -124,7 +124,10 @@ class ZeroConfig(_Section):
         return (self.stage,)
 
 
-class ModelInfo(_Section):
+class ModelInfoSection(_Section):
+    """`autotuning.model_info`: facts about the model the user gives, so the profile need not measure
+    them (DeepSpeed's keys, plus ours). The measured record is boundary.ModelInfo."""
+
     profile: bool = False
     num_params: PositiveInt | None = None
     trainable_num_params: PositiveInt | None = None
@@ -191,7 +194,7 @@ class AutotuningConfig(_Section):
     max_train_micro_batch_size_per_gpu: PositiveInt = 1024
     num_tuning_micro_batch_sizes: PositiveInt = Field(3, description="sizes tried per stage below its largest")
     mp_size: PositiveInt = Field(1, description="model-parallel size; only 1 (data parallel) here")
-    model_info: ModelInfo | None = None
+    model_info: ModelInfoSection | None = None
     exp_timeout_s: float = Field(600.0, gt=0, description="wall-clock limit of one experiment, seconds")
     memory_per_rank_bytes: PositiveInt | None = Field(
         None, description="overrides the detected per-rank device memory budget"
