@@ -30,17 +30,10 @@ from pathlib import Path
 
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from autotuner.app.measure import (Experiment, ExperimentSettings, TrialState, cold_runner, measure,
+                                   measurement_settings, run_command, warm_runner)
 
-from autotuner.config import load_config  # noqa: E402
-from autotuner.launch.processes import run_to_completion  # noqa: E402
-from autotuner.tuning.config_space import base_config  # noqa: E402
-from autotuner.tuning.experiment import ExperimentSettings, Trial  # noqa: E402
-from autotuner.tuning.records import Objective, TrialState  # noqa: E402
-from autotuner.execution.cold import ColdRunner  # noqa: E402
-from autotuner.tuning.space import Experiment  # noqa: E402
-from autotuner.execution.warm import WarmRunner  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = ROOT / "benchmarks" / "results"
 GPT2 = ROOT / "examples" / "hf_gpt2"
@@ -59,18 +52,14 @@ WORKLOADS = {
 
 
 def settings_for(script: Path, args: tuple[str, ...], config: dict, mappings: dict) -> ExperimentSettings:
-    config = {key: value for key, value in config.items() if key != "autotuning"}
-    config["zero_optimization"] = {"stage": 0}
-    return ExperimentSettings(script=str(script), script_args=(*args, "--deepspeed", "unused.json"),
-                              base_config=base_config(load_config(config)), nproc_per_node=2, data_parallel_size=2,
-                              objective=Objective("throughput"), timeout_s=600, start_profile_step=3,
-                              end_profile_step=5, arg_mappings=mappings)
+    return measurement_settings(script, args, {**config, "zero_optimization": {"stage": 0}}, timeout_s=600,
+                                start_profile_step=3, end_profile_step=5, arg_mappings=mappings)
 
 
 def overhead_rows(rounds: int, work: Path) -> list[dict]:
     rows = []
-    cold = ColdRunner()
-    warm = WarmRunner(str(WORKLOADS["gpt2 (transformers)"][0]), report=lambda line: print(f"  {line}"))
+    cold = cold_runner()
+    warm = warm_runner(WORKLOADS["gpt2 (transformers)"][0], report=lambda line: print(f"  {line}"))
     try:
         for name, (script, args, config, mappings) in WORKLOADS.items():
             settings = settings_for(script, args, config, mappings)
@@ -78,7 +67,7 @@ def overhead_rows(rounds: int, work: Path) -> list[dict]:
             for round_index in range(rounds):
                 for path, runner in (("cold", cold), ("warm", warm), ("warm (A/A)", warm)):
                     directory = work / f"{name.split()[0]}_{path.split()[0]}{'_aa' if 'A/A' in path else ''}_r{round_index}"
-                    result = runner.run(Trial(experiment, directory, settings))
+                    result = measure(experiment, settings, directory, runner)
                     if result.state is not TrialState.OK:
                         raise SystemExit(f"{name} {path}: {result.state.value}: {result.error}")
                     steps = result.measurement.step_wall_s_values
@@ -105,10 +94,9 @@ def tune_rows(rounds: int, work: Path) -> list[dict]:
             (directory / "ds.json").write_text(json.dumps(config))
             command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2",
                        str(GPT2 / "train.py"), *README_ARGS, "--deepspeed", str(directory / "ds.json")]
-            done = run_to_completion(command, stdout=directory / "tuner.out", stderr=directory / "tuner.err",
-                                     timeout_s=3600, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(directory))
+            done = run_command(command, directory, timeout_s=3600)
             if done.returncode != 0:
-                raise SystemExit(f"tuning failed ({done.returncode}); see {directory}/tuner.err")
+                raise SystemExit(f"tuning failed ({done.returncode}); see {directory}/stderr.log")
             table = pd.read_csv(directory / "autotuning_results" / "experiments.csv")
             launched = table[table.state != "pruned"]
             ok = launched[launched.state == "ok"].sort_values("metric_value", ascending=False)

@@ -32,18 +32,10 @@ from pathlib import Path
 
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from autotuner.app.measure import (Experiment, ExperimentSettings, TrialState, journaled_result, measure_once,
+                                   measurement_settings, run_command)
 
-from autotuner.config import load_config  # noqa: E402
-from autotuner.launch.processes import run_to_completion  # noqa: E402
-from autotuner.tuning.config_space import base_config  # noqa: E402
-from autotuner.atomic import write_json_atomic  # noqa: E402
-from autotuner.tuning.experiment import ExperimentSettings, Trial  # noqa: E402
-from autotuner.tuning.journal import RECORD_FILE  # noqa: E402
-from autotuner.execution.cold import ColdRunner  # noqa: E402
-from autotuner.tuning.records import Objective, TrialResult, TrialState  # noqa: E402
-from autotuner.tuning.space import Experiment  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = ROOT / "benchmarks" / "results"
 MAPPINGS_HF = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
@@ -111,13 +103,9 @@ def grid(workload: Workload) -> list[Experiment]:
 
 
 def settings_for(workload: Workload) -> ExperimentSettings:
-    config = load_config(workload.config())
-    return ExperimentSettings(
-        script=str(ROOT / workload.script), script_args=(*workload.args, "--deepspeed", "unused.json"),
-        base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
-        objective=Objective("throughput"), timeout_s=300, start_profile_step=3, end_profile_step=8,
-        arg_mappings=workload.arg_mappings, memory_budget_bytes=workload.memory_per_rank_bytes,
-    )
+    return measurement_settings(ROOT / workload.script, workload.args, workload.config(), start_profile_step=3,
+                                end_profile_step=8, arg_mappings=workload.arg_mappings,
+                                memory_budget_bytes=workload.memory_per_rank_bytes)
 
 
 def measure_rounds(experiments: list[Experiment], settings: ExperimentSettings, rounds: int, work: Path,
@@ -128,13 +116,7 @@ def measure_rounds(experiments: list[Experiment], settings: ExperimentSettings, 
     for round_index in range(rounds):
         for experiment in experiments:
             exp_dir = work / f"{experiment.name}_r{round_index}"
-            record = exp_dir / RECORD_FILE
-            if reuse and record.exists():
-                result = TrialResult.from_json(json.loads(record.read_text()))
-            else:
-                result = ColdRunner().run(Trial(experiment, exp_dir, settings))
-                write_json_atomic(record, result.to_json())
-            measured[experiment].append(result)
+            measured[experiment].append(measure_once(experiment, settings, exp_dir, reuse))
     return measured
 
 
@@ -171,19 +153,17 @@ def run_autotuner(workload: Workload, tuner: str, mode: str, work: Path, interfe
     # A process group, ended with its experiments if this benchmark is stopped.
     loops = busy_loops(interference)
     try:
-        done = run_to_completion(command, stdout=work / "tuner.out", stderr=work / "tuner.err", timeout_s=3 * 3600,
-                                 env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=str(work))
+        done = run_command(command, work, timeout_s=3 * 3600)
     finally:
         stop_busy_loops(loops)
     wall = done.wall_time_s
-    stdout = (work / "tuner.out").read_text()
+    stdout = (work / "stdout.log").read_text()
     table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
     # Every launch counts: profile launches are experiments (phase "profile"), re-measurements too.
     launched = table[table.state != "pruned"]
     chosen_rows = table[table.chosen]
     # The pick with its knobs (full mode), as the tuner recorded it.
-    chosen = None if chosen_rows.empty else TrialResult.from_json(json.loads(
-        (work / "autotuning_exps" / chosen_rows.iloc[0]["name"] / RECORD_FILE).read_text())["result"]).experiment
+    chosen = None if chosen_rows.empty else journaled_result(work / "autotuning_exps" / chosen_rows.iloc[0]["name"]).experiment
     predicted = dict(re.findall(r"z(\d)=(\d+)", stdout.split("largest micro-batch per stage:")[-1].split("\n")[0]))
     measured_again = stdout.count("measuring it again")
     return {

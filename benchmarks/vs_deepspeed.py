@@ -52,16 +52,10 @@ from pathlib import Path
 
 import pandas as pd
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from autotuner.app.measure import Experiment, ExperimentSettings, measurement_settings
+from tuning_quality import measure_rounds, median_value, merge_csv, spread
 
-from autotuner.config import load_config  # noqa: E402
-from autotuner.tuning.config_space import base_config  # noqa: E402
-from autotuner.tuning.experiment import ExperimentSettings  # noqa: E402
-from autotuner.tuning.records import Objective  # noqa: E402
-from autotuner.tuning.space import Experiment  # noqa: E402
-from tuning_quality import measure_rounds, median_value, merge_csv, spread  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RESULTS = ROOT / "benchmarks" / "results"
 SCRIPT = ROOT / "benchmarks" / "workloads" / "dual_engine.py"
@@ -330,14 +324,9 @@ def neutral_settings(args, harness: str) -> ExperimentSettings:
     """One launch per (pick, round) on `harness`'s engine, timed by our in-rank measurement: on our
     engine its own timers, on DeepSpeed's the hook around DeepSpeedEngine (runtime/deepspeed_measure.py).
     Either way samples/s over the same profile steps, boundary to boundary, data loading included."""
-    config = load_config({k: v for k, v in user_config("autotuner", harness, args, Path("r"), Path("e")).items()
-                          if k != "autotuning"})
-    return ExperimentSettings(
-        script=str(SCRIPT), script_args=tuple(workload_args(harness, "unused.json", args)[1:]),
-        base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
-        objective=Objective("throughput"), timeout_s=300, start_profile_step=args.start_step,
-        end_profile_step=args.end_step, engine=harness,
-    )
+    return measurement_settings(SCRIPT, tuple(workload_args(harness, "unused.json", args)[1:]),
+                                user_config("autotuner", harness, args, Path("r"), Path("e")),
+                                start_profile_step=args.start_step, end_profile_step=args.end_step, engine=harness)
 
 
 def grid_gas(micro: int, args) -> int:

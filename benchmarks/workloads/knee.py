@@ -30,14 +30,12 @@ beat 64 in each of the 3 rounds (and in all 5 rounds of a draft with the same sh
 Stage 3 gathers parameters again each micro-step, so it alone prefers 64. All fits in 900 MiB.
 """
 
-import argparse
 
 import torch
 import torch.nn as nn
 from torch.utils.data import TensorDataset
 
-import autotuner
-from autotuner.config import fill_auto
+from training_loop import train, workload_parser
 
 
 class AttentionBlock(nn.Module):
@@ -81,40 +79,19 @@ class TokenClassifier(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--micro_batch_size", type=int, default=None)
-    parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    parser = workload_parser(__doc__)
     parser.add_argument("--vocab", type=int, default=196608, help="embedding rows: the per-micro-batch cost")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sample")
     parser.add_argument("--width", type=int, default=48)
     parser.add_argument("--heads", type=int, default=12, help="score tensors are heads x seq x seq per sample")
     parser.add_argument("--depth", type=int, default=1)
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
-    autotuner.add_config_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
-    config = fill_auto(args.deepspeed_config or args.deepspeed, {
-        "train_micro_batch_size_per_gpu": args.micro_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-    })
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab, (2048, args.seq), generator=generator)
     labels = torch.randint(0, 10, (2048,), generator=generator)
     model = TokenClassifier(args.vocab, args.width, args.heads, args.depth, args.seq)
-    engine, _, loader, _ = autotuner.initialize(model=model, config=config, training_data=TensorDataset(tokens, labels))
-    epoch = 0
-    while engine.global_steps < args.steps:
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            loss = nn.functional.cross_entropy(engine(x.to(engine.device)).float(), y.to(engine.device))
-            engine.backward(loss)
-            engine.step()
-            if engine.global_steps >= args.steps:
-                break
-        epoch += 1
-    if engine.global_rank == 0:
-        print(f"done: {engine.global_steps} steps, loss {loss.item():.3f}")
+    train(args, model, TensorDataset(tokens, labels), nn.functional.cross_entropy)
 
 
 if __name__ == "__main__":

@@ -33,14 +33,12 @@ at every micro-batch. The win hangs on the optimizer: at micro 64, 2 rounds each
 stage 1 the pick by excluding stage 0.
 """
 
-import argparse
 
 import torch
 import torch.nn as nn
 from torch.utils.data import TensorDataset
 
-import autotuner
-from autotuner.config import fill_auto
+from training_loop import train, workload_parser
 
 
 class EmbeddingClickModel(nn.Module):
@@ -58,41 +56,18 @@ class EmbeddingClickModel(nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--micro_batch_size", type=int, default=None)
-    parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    parser = workload_parser(__doc__)
     parser.add_argument("--fields", type=int, default=2, help="embedding tables, one per categorical field")
     parser.add_argument("--rows", type=int, default=262144, help="rows per table")
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
-    autotuner.add_config_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
-    config = fill_auto(args.deepspeed_config or args.deepspeed, {
-        "train_micro_batch_size_per_gpu": args.micro_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps,
-    })
     generator = torch.Generator().manual_seed(0)
     indices = torch.randint(0, args.rows, (4096, args.fields), generator=generator)
     clicks = torch.randint(0, 2, (4096,), generator=generator).float()
     model = EmbeddingClickModel(args.fields, args.rows, args.dim, args.hidden)
-    engine, _, loader, _ = autotuner.initialize(model=model, config=config,
-                                                training_data=TensorDataset(indices, clicks))
-    epoch = 0
-    while engine.global_steps < args.steps:
-        loader.sampler.set_epoch(epoch)
-        for x, y in loader:
-            logits = engine(x.to(engine.device)).float()
-            loss = nn.functional.binary_cross_entropy_with_logits(logits, y.to(engine.device))
-            engine.backward(loss)
-            engine.step()
-            if engine.global_steps >= args.steps:
-                break
-        epoch += 1
-    if engine.global_rank == 0:
-        print(f"done: {engine.global_steps} steps, loss {loss.item():.3f}")
+    train(args, model, TensorDataset(indices, clicks), nn.functional.binary_cross_entropy_with_logits)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,49 @@
+"""What the tuning benchmarks' workloads share: the flags the tuner maps, the config with its
+"auto" batch keys filled from them, and the training loop over a dataset (the script's own
+DataLoader from autotuner.initialize, re-shuffled each epoch), through the public API only."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+import torch
+import torch.nn as nn
+from torch.utils.data import Dataset
+
+import autotuner
+from autotuner.config import fill_auto
+
+Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def workload_parser(description: str | None) -> argparse.ArgumentParser:
+    """The flags every workload takes: the batch keys the tuner maps, the steps, DeepSpeed's."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--micro_batch_size", type=int, default=None)
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
+    autotuner.add_config_arguments(parser)
+    return parser
+
+
+def train(args: argparse.Namespace, model: nn.Module, data: Dataset, loss_of: Loss) -> None:
+    """Train `model` on `data` for `args.steps` optimizer steps; rank 0 prints the last loss."""
+    config = fill_auto(args.deepspeed_config or args.deepspeed, {
+        "train_micro_batch_size_per_gpu": args.micro_batch_size,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+    })
+    engine, _, loader, _ = autotuner.initialize(model=model, config=config, training_data=data)
+    epoch = 0
+    while engine.global_steps < args.steps:
+        loader.sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = loss_of(engine(x.to(engine.device)).float(), y.to(engine.device))
+            engine.backward(loss)
+            engine.step()
+            if engine.global_steps >= args.steps:
+                break
+        epoch += 1
+    if engine.global_rank == 0:
+        print(f"done: {engine.global_steps} steps, loss {loss.item():.3f}")
