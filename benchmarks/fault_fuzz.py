@@ -1,4 +1,4 @@
-"""Fault fuzzing of the launcher's stop paths, at scale (the CI tier is tests/test_fault_fuzz.py).
+"""Fault fuzzing of the launcher's stop paths, at scale (the CI tier is tests/integration/test_fault_fuzz.py).
 
     python benchmarks/fault_fuzz.py [--count 300] [--seed 1] [--only INDEX ...]
                                     [--scenarios tune,tune_cold,plain,hostfile,run]

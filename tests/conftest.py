@@ -92,6 +92,26 @@ def assert_no_children_left() -> None:
     assert not alive, f"processes left behind: {[(p.pid, p.cmdline()) for p in alive]}"
 
 
+UNIT_TIER = ROOT / "tests" / "unit"
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """tests/unit is the tier without processes: a test there that starts one fails at once
+    (it belongs in tests/integration)."""
+    if not Path(str(request.node.path)).is_relative_to(UNIT_TIER):
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a unit test started a process; move it to tests/integration")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    monkeypatch.setattr(os, "posix_spawn", refuse)
+    yield
+
+
 @pytest.fixture
 def no_orphans():
     yield

@@ -18,7 +18,7 @@ Afterwards it checks:
 
 Cases are drawn from a seed and printed with it, so any failure replays:
     python benchmarks/fault_fuzz.py --seed S --only INDEX
-The test module tests/test_fault_fuzz.py runs a bounded count in CI.
+The test module tests/integration/test_fault_fuzz.py runs a bounded count in CI.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python -m autotuner.config.reference > docs/config_reference.md
 
 One table per section: each key with its type, its default and its `Field(description=...)`.
-tests/test_docs.py fails when the committed page differs from what this prints.
+tests/integration/test_docs.py fails when the committed page differs from what this prints.
 """
 
 from __future__ import annotations

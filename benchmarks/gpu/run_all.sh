@@ -24,7 +24,7 @@ for part in $parts; do
       timeout 90 python3 benchmarks/gpu/nccl_shared_gpu.py 2>&1 | grep -E "rank|Error|NCCL|Duplicate" | tail -12 | tee -a "$OUT/env.txt"
       echo "nccl2 exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt" ;;
     tests)
-      timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -s tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 ;;
+      timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -s tests/integration/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 ;;
     memory)
       # The three presets at once: allocator peaks are per process, so sharing the GPU leaves them exact.
       rm -f "$OUT/gpu_memory_model.csv"

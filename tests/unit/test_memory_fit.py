@@ -159,7 +159,7 @@ H100_FITS = {
     "gpt2-medium": (354_823_168, 24, (6154, 2708.9, 8187), (4226, 2034.5, 6833)),
     "gpt2-large": (774_030_080, 36, (13742, 4459.8, 18072), (9320, 3289.1, 15118)),
 }
-RESULTS = __import__("pathlib").Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+RESULTS = __import__("pathlib").Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def h100_profile(preset: str) -> ModelProfile:

@@ -2,7 +2,7 @@
 
 The seed is new each run unless AUTOTUNER_FAULT_FUZZ_SEED is set; it is part of every case's
 test id, so a failure replays with
-    AUTOTUNER_FAULT_FUZZ_SEED=S pytest tests/test_fault_fuzz.py -k caseNN
+    AUTOTUNER_FAULT_FUZZ_SEED=S pytest tests/integration/test_fault_fuzz.py -k caseNN
 or  python benchmarks/fault_fuzz.py --seed S --only NN
 The benchmark script runs hundreds (its note in docs/ gives the counts).
 """
