@@ -417,14 +417,17 @@ def run_case(case: FaultCase, workdir: Path, clean_length_s: float, resume: bool
 
 # ----- a campaign -----
 def draw_cases(seed: int, count: int, lengths: dict[str, float], scenarios=SCENARIOS, faults=FAULTS) -> list[FaultCase]:
-    """`count` cases, scenario and fault drawn in turn so that every pair comes up, instants uniform
-    over each scenario's clean run length (a little past it, so a fault during exit comes up too)."""
+    """`count` cases, instants uniform over each scenario's clean run length (a little past it, so a
+    fault during exit comes up too). Case i takes scenario i mod 5 and fault i mod 6 of the two lists
+    shuffled: with 5 and 6 coprime, any 6 cases in a row cover every scenario and every fault, and
+    any 30 every pair."""
     rng = random.Random(seed)
-    pairs = [(s, f) for s in scenarios for f in faults]
-    rng.shuffle(pairs)
+    scenarios, faults = list(scenarios), list(faults)
+    rng.shuffle(scenarios)
+    rng.shuffle(faults)
     cases = []
     for index in range(count):
-        scenario, fault = pairs[index % len(pairs)]
+        scenario, fault = scenarios[index % len(scenarios)], faults[index % len(faults)]
         cases.append(FaultCase(index, scenario, fault, round(rng.uniform(0.0, lengths[scenario] * 1.05), 3)))
     return cases
 

@@ -248,7 +248,7 @@ def test_crash_kill_and_oom_are_recorded_on_deepspeeds_engine_and_tuning_goes_on
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_hung_experiment_on_deepspeeds_engine_times_out_and_tuning_goes_on(tmp_path, no_orphans):
-    config = faults.write_config(tmp_path / "ds.json", {"exp_timeout_s": 30}, train_micro_batch_size_per_gpu=[4, 2])
+    config = faults.write_config(tmp_path / "ds.json", {"exp_timeout_s": 20}, train_micro_batch_size_per_gpu=[4, 2])
     result = ds_tune(tmp_path, config, "--hang_at_step", "2", "--fault_min_micro", "4", "--pid_dir", tmp_path / "pids")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert faults.record(tmp_path, "z0_gas1_mbs4")["state"] == "timeout"

@@ -123,8 +123,6 @@ def test_a_rank_that_crashes_only_when_warm_falls_back_to_cold_with_a_log_line(t
     assert not (tmp_path / "autotuning_exps" / "z0_gas1_mbs4" / "warm_ranks.txt").exists()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
 def tune_preloading(tmp_path: Path, module: str) -> subprocess.CompletedProcess:
     """Tune with one of tests/workers/preload_faults/ in autotuning.warm_preload."""
     env = launcher_env()
@@ -133,6 +131,8 @@ def tune_preloading(tmp_path: Path, module: str) -> subprocess.CompletedProcess:
                                      train_micro_batch_size_per_gpu=[2, 4]), env=env)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_preload_that_raises_is_reported_and_warm_launches_go_on(tmp_path, no_orphans):
     result = tune_preloading(tmp_path, "raises_at_import")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
