@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Callable
 
 from autotuner.boundary import Measurement, ModelInfo
-from autotuner.tuning.experiment import Trial
+from autotuner.config import DeepSpeedConfig
+from autotuner.tuning.config_space import base_config
+from autotuner.tuning.experiment import ExperimentSettings, Trial
 from autotuner.tuning.journal import Fingerprint
-from autotuner.tuning.records import TrialResult, TrialState
+from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.runner import OneSlot
 
 
@@ -16,6 +18,13 @@ def model_info(micro_batch_size: int = 1, zero_stage: int = 0, precision: str = 
                     optimizer_state_bytes_per_param=8.0, peak_memory_bytes=100 * 2**20, world_size=2)
     return ModelInfo(micro_batch_size=micro_batch_size, zero_stage=zero_stage, precision=precision,
                      **{**defaults, **values})
+
+
+def experiment_settings(config: DeepSpeedConfig, **values) -> ExperimentSettings:
+    """A fake tuning run's settings: train.py on 2 ranks of one node, from `config`; `values` override."""
+    defaults = dict(script="train.py", script_args=("--deepspeed", "ds.json"), base_config=base_config(config),
+                    nproc_per_node=2, data_parallel_size=2, objective=Objective("throughput"), timeout_s=30.0)
+    return ExperimentSettings(**{**defaults, **values})
 
 
 def fingerprint(**changes) -> Fingerprint:

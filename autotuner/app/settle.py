@@ -13,7 +13,7 @@ from pathlib import Path
 
 from autotuner.app.engines import script_engine, trains_on_ours
 from autotuner.config import DeepSpeedConfig, load_config
-from autotuner.config.batch import check_fixed_triad
+from autotuner.config.batch import check_fixed_triad, train_batch_size
 from autotuner.config.keys import field_names, section_model
 from autotuner.config.loader import read_config_file
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
@@ -81,7 +81,7 @@ def check_some_batch_is_valid(config: DeepSpeedConfig, data_parallel_size: int, 
     candidates = space.fixed_micro_batch_sizes or range(space.min_micro_batch_size, space.max_micro_batch_size + 1)
     if any(space.gas(micro) is not None for micro in candidates):
         return
-    smallest = min(candidates) * data_parallel_size * (space.fixed_gradient_accumulation_steps or 1)
+    smallest = train_batch_size(min(candidates), space.fixed_gradient_accumulation_steps or 1, data_parallel_size)
     if space.global_batch_exact:
         key = f"train_batch_size ({space.global_batch_size})"
         allowed = (f"it must equal micro-batch x gradient_accumulation_steps x {data_parallel_size} data-parallel "

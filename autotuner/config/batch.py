@@ -16,6 +16,26 @@ class BatchSizes:
     data_parallel_size: int
 
 
+def train_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, data_parallel_size: int) -> int:
+    """Samples per optimizer step: the one place micro x gas x dp is written."""
+    return micro_batch_size * gradient_accumulation_steps * data_parallel_size
+
+
+def gas_for(micro_batch_size: int, data_parallel_size: int, global_batch: int | None, exact: bool) -> int | None:
+    """Gas that makes micro × gas × dp reach `global_batch`.
+
+    With a fixed train_batch_size (`exact`) it must divide evenly, else None. With only
+    max_train_batch_size it is the largest gas that stays within the cap. No target: 1.
+    """
+    if global_batch is None:
+        return 1
+    per_step = train_batch_size(micro_batch_size, 1, data_parallel_size)
+    gas, rest = divmod(global_batch, per_step)
+    if gas < 1 or (exact and rest):
+        return None
+    return gas
+
+
 def _given(value) -> int | None:
     if isinstance(value, list):
         raise ConfigError(
@@ -35,11 +55,11 @@ def resolve_batch(config: DeepSpeedConfig, data_parallel_size: int) -> BatchSize
     dp = data_parallel_size
 
     if total is not None and micro is not None and gas is not None:
-        if total != micro * gas * dp:
+        if total != train_batch_size(micro, gas, dp):
             raise ConfigError(
                 f"batch triad is inconsistent: train_batch_size ({total}) != train_micro_batch_size_per_gpu "
                 f"({micro}) * gradient_accumulation_steps ({gas}) * data-parallel world size ({dp}) = "
-                f"{micro * gas * dp}; fix one of them or set it to \"auto\""
+                f"{train_batch_size(micro, gas, dp)}; fix one of them or set it to \"auto\""
             )
     elif total is not None and micro is not None:
         gas, rest = divmod(total, micro * dp)
@@ -57,7 +77,7 @@ def resolve_batch(config: DeepSpeedConfig, data_parallel_size: int) -> BatchSize
             )
     elif micro is not None:
         gas = gas or 1
-        total = micro * gas * dp
+        total = train_batch_size(micro, gas, dp)
     elif total is not None:
         gas = 1
         micro, rest = divmod(total, dp)

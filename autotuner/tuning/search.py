@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 from autotuner.config.models import AutotuningConfig
 from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.space import Experiment, gas_for
+from autotuner.config.batch import gas_for, train_batch_size
+from autotuner.tuning.space import Experiment
 from autotuner.tuning.tuners import drive, make_tuner
 from autotuner.tuning.tuners.base import slots
 
@@ -47,7 +48,7 @@ class SearchSpace:
     def gas(self, micro_batch_size: int) -> int | None:
         if self.fixed_gradient_accumulation_steps is not None:
             gas = self.fixed_gradient_accumulation_steps
-            total = micro_batch_size * gas * self.data_parallel_size
+            total = train_batch_size(micro_batch_size, gas, self.data_parallel_size)
             if self.global_batch_size is not None and (
                 total > self.global_batch_size or (self.global_batch_exact and total != self.global_batch_size)
             ):

@@ -6,6 +6,7 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from autotuner.config.batch import train_batch_size
 from autotuner.tuning import dimensions
 
 
@@ -33,7 +34,7 @@ class Experiment:
         return f"z{self.zero_stage}{tags}_gas{self.gradient_accumulation_steps}_mbs{self.micro_batch_size}"
 
     def train_batch_size(self, data_parallel_size: int) -> int:
-        return self.micro_batch_size * self.gradient_accumulation_steps * data_parallel_size
+        return train_batch_size(self.micro_batch_size, self.gradient_accumulation_steps, data_parallel_size)
 
     def with_knobs(self, knobs: dict[str, Any]) -> "Experiment":
         """This experiment with `knobs` added (a knob it already has takes the new value)."""
@@ -65,17 +66,3 @@ class Experiment:
         config["train_batch_size"] = self.train_batch_size(data_parallel_size)
         return config
 
-
-def gas_for(micro_batch_size: int, data_parallel_size: int, global_batch: int | None, exact: bool) -> int | None:
-    """Gas that makes micro × gas × dp reach `global_batch`.
-
-    With a fixed train_batch_size (`exact`) it must divide evenly, else None. With only
-    max_train_batch_size it is the largest gas that stays within the cap. No target: 1.
-    """
-    if global_batch is None:
-        return 1
-    per_step = micro_batch_size * data_parallel_size
-    gas, rest = divmod(global_batch, per_step)
-    if gas < 1 or (exact and rest):
-        return None
-    return gas

@@ -14,13 +14,12 @@ from autotuner.config.keys import check_keys
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning import dimensions
 from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.config_space import base_config
 from autotuner.tuning.dimensions import Dimension, full_mode_values
-from autotuner.tuning.experiment import ExperimentSettings, Trial, experiment_config
+from autotuner.tuning.experiment import Trial, experiment_config
 from autotuner.tuning.memory import StageSettings
-from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.space import Experiment
-from fakes import FakeRunner, fingerprint, model_info, ok
+from fakes import FakeRunner, experiment_settings, fingerprint, model_info, ok
 
 # Full mode's values before the registry existed, written out: the registry must give exactly these.
 BUCKETS = [1_000_000, 6_553_600, 50_000_000]
@@ -119,9 +118,7 @@ def test_a_dimension_declared_only_in_the_registry_is_searched_named_encoded_app
     config = load_config({"train_micro_batch_size_per_gpu": [2, 4], "zero_optimization": {"stage": 0},
                           "autotuning": {"enabled": True, "fast": False, "memory_per_rank_bytes": 4 * 2**30,
                                          "tuner_type": "gridsearch"}})
-    settings = ExperimentSettings(script="train.py", script_args=("--deepspeed", "ds.json"),
-                                  base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
-                                  objective=Objective("throughput"), timeout_s=30.0)
+    settings = experiment_settings(config)
     runner = FakeRunner(answer)
     outcome = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
                         report=lambda line: None).tune()

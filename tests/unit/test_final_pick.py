@@ -9,12 +9,11 @@ import pandas as pd
 
 from autotuner.config import load_config
 from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.config_space import base_config
-from autotuner.tuning.experiment import ExperimentSettings, Trial
+from autotuner.tuning.experiment import Trial
 from autotuner.tuning.final_pick import Contender, NoiseLevel, contenders, pick, stands_apart
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
-from fakes import FakeRunner, fingerprint, model_info, never_called, ok
+from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called, ok
 
 THROUGHPUT = Objective("throughput")
 MiB = 2**20
@@ -73,9 +72,7 @@ def test_a_contender_that_failed_a_remeasurement_cannot_win():
 def tuner(tmp_path, runner, **autotuning):
     config = load_config({"train_micro_batch_size_per_gpu": [2, 4, 8], "zero_optimization": {"stage": 0},
                           "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30, **autotuning}})
-    settings = ExperimentSettings(script="train.py", script_args=("--deepspeed", "ds.json"),
-                                  base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
-                                  objective=THROUGHPUT, timeout_s=30.0)
+    settings = experiment_settings(config, objective=THROUGHPUT)
     lines: list[str] = []
     return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
                      report=lines.append), lines

@@ -6,14 +6,12 @@ import pytest
 
 from autotuner.config import load_config
 from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.config_space import base_config
-from autotuner.tuning.experiment import ExperimentSettings
 from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, estimate, model_state_bytes
 from autotuner.tuning.profiling import peak_fit
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.search import SearchPolicy, run_search
 from autotuner.tuning.space import Experiment
-from fakes import FakeRunner, fingerprint, model_info, never_called
+from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called
 
 MiB = 2**20
 P = 100_000_000
@@ -101,9 +99,7 @@ def offload_tuner(tmp_path, device_type: str, zero: dict | None = None):
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": True},
                           "zero_optimization": {"stage": "all", **(zero or {})},
                           "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 16}})
-    settings = ExperimentSettings(script="train.py", script_args=(), base_config=base_config(config),
-                                  nproc_per_node=1, data_parallel_size=1, objective=Objective("throughput"),
-                                  timeout_s=30.0)
+    settings = experiment_settings(config, script_args=(), nproc_per_node=1, data_parallel_size=1)
     tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", FakeRunner(never_called),
                       fingerprint(), report=lambda line: None)
     tuner.memory.profile = ModelProfile(P, 100 * MiB, num_shard_units=10)

@@ -9,8 +9,6 @@ import pytest
 
 from autotuner.config import load_config
 from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.config_space import base_config
-from autotuner.tuning.experiment import ExperimentSettings
 from autotuner.tuning.memory import (
     MemoryEstimate,
     ModelProfile,
@@ -21,9 +19,9 @@ from autotuner.tuning.memory import (
     model_state_bytes,
     usable_bytes,
 )
-from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.space import Experiment
-from fakes import FakeRunner, fingerprint, never_called
+from fakes import FakeRunner, experiment_settings, fingerprint, never_called
 
 P = 1_000_000  # parameters
 W = 2  # data-parallel ranks
@@ -271,9 +269,7 @@ def test_calibrate_baseline_is_never_negative():
 def calibrating_tuner(tmp_path, budget_mib: int = 1000):
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "all"},
                           "autotuning": {"enabled": True}})
-    settings = ExperimentSettings(script="train.py", script_args=(), base_config=base_config(config),
-                                  nproc_per_node=2, data_parallel_size=2, objective=Objective("throughput"),
-                                  timeout_s=30.0)
+    settings = experiment_settings(config, script_args=())
     lines: list[str] = []
     tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", FakeRunner(never_called),
                       fingerprint(), report=lines.append)

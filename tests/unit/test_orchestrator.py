@@ -11,12 +11,11 @@ import pytest
 
 from autotuner.config import load_config
 from autotuner.tuning.autotuner import Autotuner, TuningFailed
-from autotuner.tuning.config_space import base_config
-from autotuner.tuning.experiment import ExperimentSettings, Trial
+from autotuner.tuning.experiment import Trial
 from autotuner.tuning.journal import fingerprint_of, load_journal, unmapped_args, write_entry
-from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.space import Experiment
-from fakes import FakeRunner, ParallelFakeRunner, fingerprint, model_info, never_called, ok
+from fakes import FakeRunner, ParallelFakeRunner, experiment_settings, fingerprint, model_info, never_called, ok
 
 MiB = 2**20
 
@@ -26,9 +25,7 @@ def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, pr
     config = load_config({"train_micro_batch_size_per_gpu": [2, 4], "zero_optimization": {"stage": 0}, **top,
                           "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30,
                                                          "tuner_type": "gridsearch", **(autotuning or {})}})
-    settings = ExperimentSettings(script="train.py", script_args=("--deepspeed", "ds.json"), base_config=base_config(config),
-                                  nproc_per_node=2, data_parallel_size=2, objective=Objective("throughput"),
-                                  timeout_s=30.0)
+    settings = experiment_settings(config)
     lines = print_to if print_to is not None else []
     return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner,
                      print_fingerprint or fingerprint(), report=lines.append)

@@ -10,12 +10,11 @@ from autotuner.boundary import CollectiveTiming, Measurement
 from autotuner.config import load_config
 from autotuner.tuning.autotuner import Autotuner
 from autotuner.tuning.comm_fit import LinkFit
-from autotuner.tuning.config_space import base_config
 from autotuner.tuning.cost_model import CostContext
-from autotuner.tuning.experiment import ExperimentSettings, Trial
-from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.experiment import Trial
+from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.sharding_gain import sharding_cannot_win
-from fakes import FakeRunner, fingerprint, model_info
+from fakes import FakeRunner, experiment_settings, fingerprint, model_info
 
 MiB = 2**20
 LINKS = (LinkFit("all_reduce", 1e-4, 1e9), LinkFit("all_gather", 1e-4, 1e9), LinkFit("reduce_scatter", 1e-4, 1e9))
@@ -55,9 +54,7 @@ def autotuner(tmp_path: Path, runner: FakeRunner, budget: int, lines: list) -> A
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "all"},
                           "autotuning": {"enabled": True, "memory_per_rank_bytes": budget, "fast": True,
                                          "max_train_micro_batch_size_per_gpu": 4, "tuner_type": "gridsearch"}})
-    settings = ExperimentSettings(script="train.py", script_args=("--deepspeed", "ds.json"),
-                                  base_config=base_config(config), nproc_per_node=2, data_parallel_size=2,
-                                  objective=Objective("throughput"), timeout_s=30.0)
+    settings = experiment_settings(config)
     return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
                      report=lines.append)
 
