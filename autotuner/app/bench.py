@@ -20,7 +20,7 @@ from pathlib import Path
 from autotuner.config import DeepSpeedConfig, load_config
 from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
-from autotuner.launch.plan import default_nproc_per_node
+from autotuner.launch.plan import RankFlags, default_nproc_per_node
 from autotuner.launch.script_args import config_path
 from autotuner.tuning.config_space import base_config
 from autotuner.launch.stopping import Stopped
@@ -165,7 +165,6 @@ def setup(args: argparse.Namespace) -> BenchSetup:
     if not isinstance(stage, int):
         raise ConfigError(f"{source}: zero_optimization.stage: got {stage!r}; --bench runs one stage: give 0, 1, 2 "
                           "or 3")
-    port = ("--master_port", str(args.master_port)) if args.master_port else ()
     settings = ExperimentSettings(
         script=args.script,
         script_args=script_args,
@@ -177,7 +176,7 @@ def setup(args: argparse.Namespace) -> BenchSetup:
         start_profile_step=args.bench_warmup + 1,
         end_profile_step=args.bench_warmup + args.bench_iters,
         arg_mappings=dict(config.autotuning.arg_mappings),
-        launcher_args=port,
+        rank_flags=RankFlags(master_port=args.master_port or None),
     )
     if isinstance(config.train_batch_size, int):
         _say(f"note: {source} sets train_batch_size {config.train_batch_size}; --bench uses micro-batch x gas x "

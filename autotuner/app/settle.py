@@ -189,12 +189,12 @@ def settle(args: argparse.Namespace) -> SettledJob:
         arg_mappings=dict(tuning.arg_mappings),
         memory_budget_bytes=tuning.memory_per_rank_bytes,
         user_config=read_config_file(source),
-        launcher_args=options.passthrough_flags(),
+        rank_flags=options.rank_flags(),
         engine=engine,
     )
     fingerprint = fingerprint_of(script=args.script, script_args=script_args,
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
                                  nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if on_ray else 1,
-                                 launcher_args=settings.launcher_args, torch_version=torch_version(),
+                                 launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
                                  device=this_device())
     return SettledJob(source, config, options, plan, num_nodes, settings, fingerprint, results_dir, exps_dir)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from autotuner.app.settle import SettledJob, say as _say, settle
 from autotuner.errors import UsageError
-from autotuner.launch.plan import picks_ranks_itself
 from autotuner.launch.stopping import Stopped
 from autotuner.tuning.autotuner import Autotuner, TuningFailed
 from autotuner.execution.warm import make_runner
@@ -82,6 +81,6 @@ def autotune(args: argparse.Namespace) -> int:
             return 0
         _say("training with the optimal config ...")
         optimal = replace(job.options, script_args=outcome.optimal_script_args,
-                          nproc_per_node=None if picks_ranks_itself(job.options.passthrough_flags())
+                          nproc_per_node=None if job.options.rank_flags().picks_ranks_itself
                           else job.plan.nproc_per_node)
         return runner.train(optimal, quiet=not args.debug)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autotuner.launch.plan import elastic_rank_variables
+
 EXCLUSIVE = "exclusive"
 SHARED = "shared"
 PLACEMENT_POLICIES = (EXCLUSIVE, SHARED)
@@ -146,10 +148,7 @@ def rank_variables(place_: RankPlace, layout: Layout, master_addr: str, master_p
                    run_id: str) -> dict[str, str]:
     """torch elastic's per-rank variables (and DeepSpeed's LOCAL_SIZE/CROSS_*) for a rank placed
     by us. Rank 0 hosts the rendezvous store itself: there is no elastic agent to host it."""
-    return {"RANK": str(place_.rank), "LOCAL_RANK": str(place_.local_rank), "GROUP_RANK": str(place_.node_rank),
-            "ROLE_RANK": str(place_.rank), "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(layout.nproc_per_node),
-            "WORLD_SIZE": str(layout.world_size), "GROUP_WORLD_SIZE": str(layout.num_nodes),
-            "ROLE_WORLD_SIZE": str(layout.world_size), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port),
-            "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": run_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "False", "LOCAL_SIZE": str(layout.nproc_per_node),
-            "CROSS_RANK": str(place_.node_rank), "CROSS_SIZE": str(layout.num_nodes)}
+    return {**elastic_rank_variables(place_.rank, place_.local_rank, place_.node_rank, layout.nproc_per_node,
+                                     layout.num_nodes, master_addr, master_port, run_id, agent_store=False),
+            "LOCAL_SIZE": str(layout.nproc_per_node), "CROSS_RANK": str(place_.node_rank),
+            "CROSS_SIZE": str(layout.num_nodes)}

@@ -18,6 +18,40 @@ LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)
+class RankFlags:
+    """The launcher flags that pick devices and shape each rank: what the tuner's launches and the
+    optimal command carry over from the user's command line."""
+
+    hostfile: str | None = None
+    include: str | None = None
+    exclude: str | None = None
+    bind_core_list: str | None = None
+    no_local_rank: bool = False
+    bind_cores_to_rank: bool = False
+    master_port: int | None = None
+
+    @property
+    def picks_ranks_itself(self) -> bool:
+        """--hostfile, --include and --exclude set the rank count: --nproc_per_node must not be added."""
+        return any(value is not None for value in (self.hostfile, self.include, self.exclude))
+
+    def to_argv(self) -> tuple[str, ...]:
+        # This order is in the fingerprints of journals written before RankFlags: keep it.
+        flags: list[str] = []
+        for flag, value in (("--hostfile", self.hostfile), ("--include", self.include), ("--exclude", self.exclude),
+                            ("--bind_core_list", self.bind_core_list)):
+            if value is not None:
+                flags += [flag, value]
+        if self.no_local_rank:
+            flags.append("--no_local_rank")
+        if self.bind_cores_to_rank:
+            flags.append("--bind_cores_to_rank")
+        if self.master_port is not None:
+            flags += ["--master_port", str(self.master_port)]
+        return tuple(flags)
+
+
+@dataclass(frozen=True)
 class LaunchOptions:
     """What the user asked for on the command line. None means "choose for me"."""
 
@@ -63,24 +97,32 @@ class LaunchOptions:
         )
         return cls(**{**fields, **overrides})
 
-    def passthrough_flags(self) -> tuple[str, ...]:
-        """The flags that pick devices and shape each rank, for the tuner's launches and the optimal
-        command (with --include/--exclude/--hostfile the rank count comes from them)."""
-        flags: list[str] = []
-        for flag, value in (("--hostfile", self.hostfile), ("--include", self.include), ("--exclude", self.exclude),
-                            ("--bind_core_list", self.bind_core_list)):
-            if value is not None:
-                flags += [flag, value]
-        if self.no_local_rank:
-            flags.append("--no_local_rank")
-        if self.bind_cores_to_rank:
-            flags.append("--bind_cores_to_rank")
-        return tuple(flags)
+    def rank_flags(self) -> RankFlags:
+        """The flags the tuner's launches and the optimal command carry over (not --master_port:
+        each launch picks a free one)."""
+        return RankFlags(self.hostfile, self.include, self.exclude, self.bind_core_list, self.no_local_rank,
+                         self.bind_cores_to_rank)
 
-
-def picks_ranks_itself(flags: tuple[str, ...]) -> bool:
-    """Whether these launcher flags set the rank count, so --nproc_per_node must not be added."""
-    return any(flag in flags for flag in ("--hostfile", "--include", "--exclude"))
+    def to_argv(self) -> tuple[str, ...]:
+        """`launcher` arguments that parse back to these options (the inverse of from_args over the
+        CLI's parser): flags at their defaults are left out."""
+        argv: list[str] = []
+        for flag, value, default in (
+                ("--nproc_per_node", self.nproc_per_node, None), ("--num_nodes", self.num_nodes, 1),
+                ("--node_rank", self.node_rank, 0), ("--master_addr", self.master_addr, None),
+                ("--master_port", self.master_port, None), ("--rdzv_endpoint", self.rdzv_endpoint, None),
+                ("--rdzv_id", self.rdzv_id, None), ("--rdzv_conf", self.rdzv_conf, ""),
+                ("--hostfile", self.hostfile, None), ("--include", self.include, None),
+                ("--exclude", self.exclude, None), ("--bind_core_list", self.bind_core_list, None),
+                ("--enable_each_rank_log", self.each_rank_log_dir, None), ("--launcher", self.launcher, "pdsh"),
+                ("--ssh_port", self.ssh_port, None), ("--report_file", self.report_file, None)):
+            if value != default:
+                argv += [flag, str(value)]
+        for flag, on in (("--no_local_rank", self.no_local_rank), ("--bind_cores_to_rank", self.bind_cores_to_rank),
+                         ("--force_multi", self.force_multi), ("--no_ssh_check", not self.ssh_check)):
+            if on:
+                argv.append(flag)
+        return (*argv, self.script, *self.script_args)
 
 
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "slurm", "mpich", "impi")
@@ -329,6 +371,19 @@ def _local_address(options: LaunchOptions) -> str | None:
     return options.master_addr if options.node_rank == 0 and options.master_addr else None
 
 
+def elastic_rank_variables(rank: int, local_rank: int, node_rank: int, nproc_per_node: int, num_nodes: int,
+                           master_addr: str, master_port: int, run_id: str, agent_store: bool) -> dict[str, str]:
+    """torch elastic's per-rank variables, for a rank started by us rather than by its agent; the
+    one place they are written. `agent_store`: the store at master_addr is an agent's (rank 0
+    hosts it otherwise)."""
+    world_size = nproc_per_node * num_nodes
+    return {"LOCAL_RANK": str(local_rank), "RANK": str(rank), "GROUP_RANK": str(node_rank), "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(nproc_per_node), "WORLD_SIZE": str(world_size),
+            "GROUP_WORLD_SIZE": str(num_nodes), "ROLE_WORLD_SIZE": str(world_size), "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_USE_AGENT_STORE": str(agent_store)}
+
+
 def rank_launch(plan: LaunchPlan, local_rank: int, master_addr: str, master_port: int,
                 environ: dict[str, str]) -> tuple[tuple[str, ...], dict[str, str]]:
     """(cmd, env) of one local rank of a one-node plan, as torch elastic's local agent would start it
@@ -338,10 +393,7 @@ def rank_launch(plan: LaunchPlan, local_rank: int, master_addr: str, master_port
         raise ValueError("rank_launch builds one node's ranks")
     command = tuple(arg.replace("${local_rank}", str(local_rank)) for arg in plan.command)
     env = {**environ, **plan.env,
-           "LOCAL_RANK": str(local_rank), "RANK": str(local_rank), "GROUP_RANK": "0", "ROLE_RANK": str(local_rank),
-           "ROLE_NAME": "default", "LOCAL_WORLD_SIZE": str(plan.nproc_per_node), "WORLD_SIZE": str(plan.world_size),
-           "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(plan.world_size), "MASTER_ADDR": master_addr,
-           "MASTER_PORT": str(master_port), "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-           "TORCHELASTIC_RUN_ID": plan.run_id, "TORCHELASTIC_USE_AGENT_STORE": "True",
+           **elastic_rank_variables(local_rank, local_rank, 0, plan.nproc_per_node, 1, master_addr, master_port,
+                                    plan.run_id, agent_store=True),
            "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
     return command, env

@@ -22,7 +22,7 @@ from autotuner.atomic import write_json_atomic
 from autotuner.boundary import (DIST_TIMEOUT_ENV, REQUEST_ENV, LaunchReport, Measurement, MeasurementRequest, ModelInfo, RecordError,
                                 read_record, write_record)
 from autotuner.errors import ConfigError
-from autotuner.launch.plan import LaunchOptions, picks_ranks_itself
+from autotuner.launch.plan import LaunchOptions, RankFlags
 from autotuner.launch.script_args import replace_config, set_flag
 from autotuner.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.tuning.journal import RECORD_FILE
@@ -55,7 +55,7 @@ class ExperimentSettings:
     min_window_s: float = 0.0  # profile windows are extended until they last this long ...
     max_steps_per_window: int = 0  # ... or hold this many steps
     arg_mappings: dict[str, str] = field(default_factory=dict, hash=False)
-    launcher_args: tuple[str, ...] = ()
+    rank_flags: RankFlags = RankFlags()  # the user's launcher flags every launch carries over
     memory_budget_bytes: int | None = None  # per rank; above it a CPU run counts as OOM
     user_config: dict[str, Any] = field(default_factory=dict, hash=False)  # the file as the user wrote it
     python: str = sys.executable
@@ -144,7 +144,7 @@ class Trial:
 
 def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
     """--nproc_per_node N, unless the user's --include/--exclude/--hostfile already set the count."""
-    return () if picks_ranks_itself(settings.launcher_args) else ("--nproc_per_node", str(settings.nproc_per_node))
+    return () if settings.rank_flags.picks_ranks_itself else ("--nproc_per_node", str(settings.nproc_per_node))
 
 
 def trial_script_args(trial: Trial) -> tuple[str, ...]:
@@ -157,21 +157,13 @@ def trial_script_args(trial: Trial) -> tuple[str, ...]:
 def launch_options(trial: Trial) -> LaunchOptions:
     """The launcher's options for a trial: what `launcher [flags] script args` would be given."""
     settings = trial.settings
-    flags = settings.launcher_args
-
-    def value(flag: str) -> str | None:
-        return flags[flags.index(flag) + 1] if flag in flags else None
-
+    flags = settings.rank_flags
     return LaunchOptions(script=settings.script, script_args=trial_script_args(trial),
-                         nproc_per_node=None if picks_ranks_itself(flags) else settings.nproc_per_node,
-                         hostfile=value("--hostfile"), include=value("--include"), exclude=value("--exclude"),
-                         no_local_rank="--no_local_rank" in flags, bind_cores_to_rank="--bind_cores_to_rank" in flags,
-                         bind_core_list=value("--bind_core_list"), master_port=_int(value("--master_port")),
+                         nproc_per_node=None if flags.picks_ranks_itself else settings.nproc_per_node,
+                         hostfile=flags.hostfile, include=flags.include, exclude=flags.exclude,
+                         no_local_rank=flags.no_local_rank, bind_cores_to_rank=flags.bind_cores_to_rank,
+                         bind_core_list=flags.bind_core_list, master_port=flags.master_port,
                          report_file=str(trial.report_path))
-
-
-def _int(text: str | None) -> int | None:
-    return int(text) if text is not None else None
 
 
 def trial_environment(trial: Trial, environ: dict[str, str]) -> dict[str, str]:
@@ -186,9 +178,7 @@ def trial_environment(trial: Trial, environ: dict[str, str]) -> dict[str, str]:
 def cold_launch(trial: Trial, environ: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """(cmd, env) of a cold launch: `python -m autotuner --report_file F [launcher flags] script args`,
     a fresh launcher process that starts fresh rank interpreters through torch elastic."""
-    settings = trial.settings
-    command = [settings.python, "-m", "autotuner", "--report_file", str(trial.report_path),
-               *rank_count_flags(settings), *settings.launcher_args, settings.script, *trial_script_args(trial)]
+    command = [trial.settings.python, "-m", "autotuner", *launch_options(trial).to_argv()]
     # The launcher dies with the tuner (parent_death): a killed tuner leaves no experiment running.
     return command, {**trial_environment(trial, environ), LAUNCHED_BY_PID_ENV: str(os.getpid())}
 

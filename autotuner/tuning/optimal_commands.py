@@ -21,7 +21,7 @@ def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tupl
     """The command that trains with the optimum: our launcher, the user's script, its arguments."""
     launcher = shutil.which("launcher")
     prefix = [launcher] if launcher else [sys.executable, "-m", "autotuner"]
-    return (*prefix, *rank_count_flags(settings), *settings.launcher_args, settings.script, *args)
+    return (*prefix, *rank_count_flags(settings), *settings.rank_flags.to_argv(), settings.script, *args)
 
 
 def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tuple[str, ...]:
@@ -31,4 +31,4 @@ def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tu
     count = rank_count_flags(settings)
     rank_flags = ("--num_gpus", count[1]) if count else ()
     env = () if visible_gpu_memory() is not None else ("env", f"LOCAL_SIZE={settings.nproc_per_node}")
-    return (*env, "deepspeed", *rank_flags, *settings.launcher_args, settings.script, *args)
+    return (*env, "deepspeed", *rank_flags, *settings.rank_flags.to_argv(), settings.script, *args)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from autotuner.app.measure import Experiment, TrialState, measure_once, measurement_settings
-from conftest import TOY, TOY_MAPPINGS, no_orphans  # noqa: F401 (fixture)
+from conftest import TOY, TOY_MAPPINGS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -17,6 +17,7 @@ from autotuner.errors import ConfigError
 from autotuner.tuning.config_space import base_config, knob_values, search_space
 from autotuner.boundary import LaunchReport, Measurement, RankError, write_record
 from autotuner.launch.elastic import failure_report
+from autotuner.launch.plan import RankFlags
 from autotuner.tuning.experiment import (
     ExperimentSettings,
     Trial,
@@ -122,13 +123,13 @@ def test_experiment_config_sets_the_experiment_and_drops_the_autotuning_section(
 
 def test_cold_launch_is_pure_and_names_the_request_and_report(tmp_path):
     s = settings(script_args=("--deepspeed=ds.json", "--bs", "1"), arg_mappings={"train_micro_batch_size_per_gpu": "--bs"},
-                 launcher_args=("--master_port", "29600"))
+                 rank_flags=RankFlags(master_port=29600))
     trial = Trial(Experiment(0, 16), tmp_path / "exp", s)
     command, env = cold_launch(trial, {"PATH": "/bin"})
     path = tmp_path / "exp" / "ds_config.json"
     assert command == [
-        "/usr/bin/python3", "-m", "autotuner", "--report_file", str(tmp_path / "exp" / "launch_report.json"),
-        "--nproc_per_node", "2", "--master_port", "29600", "train.py", f"--deepspeed={path}", "--bs", "16"]
+        "/usr/bin/python3", "-m", "autotuner", "--nproc_per_node", "2", "--master_port", "29600",
+        "--report_file", str(tmp_path / "exp" / "launch_report.json"), "train.py", f"--deepspeed={path}", "--bs", "16"]
     # The launch dies with the tuner (parent_death), and its ranks wait no longer than the experiment.
     assert env == {"PATH": "/bin", "AUTOTUNER_MEASUREMENT_REQUEST": str(tmp_path / "exp" / "request.json"),
                    "PYTHONUNBUFFERED": "1", "AUTOTUNER_LAUNCHED_BY_PID": str(os.getpid()),

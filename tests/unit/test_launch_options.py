@@ -1,0 +1,55 @@
+"""LaunchOptions are typed end to end: to_argv is the inverse of the launcher's parser, and the
+rank flags a tuner's launches carry over keep the order earlier runs' fingerprints hold."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import fields
+
+import pytest
+
+from autotuner.app.cli import _single_rank_count, build_parser
+from autotuner.launch.plan import LaunchOptions, RankFlags
+
+
+def parsed(argv: tuple[str, ...]) -> LaunchOptions:
+    args = build_parser().parse_args(list(argv))
+    args.nproc_per_node = _single_rank_count(args.nproc_per_node)
+    return LaunchOptions.from_args(args)
+
+
+VALUES = {
+    "nproc_per_node": [None, 1, 4], "num_nodes": [1, 2], "node_rank": [0, 1], "master_addr": [None, "10.0.0.1"],
+    "master_port": [None, 29600], "rdzv_endpoint": [None, "head:29400"], "rdzv_id": [None, "job7"],
+    "rdzv_conf": ["", "timeout=60,join_timeout=30"], "hostfile": [None, "hosts"], "include": [None, "localhost:0,1"],
+    "exclude": [None, "localhost:1"], "no_local_rank": [False, True], "bind_cores_to_rank": [False, True],
+    "bind_core_list": [None, "0,2-5"], "each_rank_log_dir": [None, "logs"], "launcher": ["pdsh", "slurm"],
+    "force_multi": [False, True], "ssh_port": [None, 2222], "ssh_check": [True, False],
+    "report_file": [None, "r.json"],
+}
+
+
+def test_every_field_has_values_to_try():
+    assert set(VALUES) == {f.name for f in fields(LaunchOptions)} - {"script", "script_args"}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_to_argv_parses_back_to_the_same_options(seed):
+    rng = random.Random(seed)
+    options = LaunchOptions(script="train.py", script_args=("--lr", "1e-3", "--deepspeed", "ds.json"),
+                            **{name: rng.choice(values) for name, values in VALUES.items()})
+    assert parsed(options.to_argv()) == options
+
+
+def test_defaults_give_just_the_script():
+    assert LaunchOptions(script="t.py", script_args=("--a",)).to_argv() == ("t.py", "--a")
+
+
+def test_rank_flags_keep_their_order_and_say_who_sets_the_rank_count():
+    options = LaunchOptions(script="t.py", include="localhost:0", bind_cores_to_rank=True, bind_core_list="0-3",
+                            master_port=29500)
+    flags = options.rank_flags()
+    # --master_port is not carried over: each launch picks its own.
+    assert flags.to_argv() == ("--include", "localhost:0", "--bind_core_list", "0-3", "--bind_cores_to_rank")
+    assert flags.picks_ranks_itself and not RankFlags(no_local_rank=True).picks_ranks_itself
+    assert RankFlags(master_port=29600).to_argv() == ("--master_port", "29600")
