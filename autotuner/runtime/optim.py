@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import math
+import sys
 from typing import Any, Callable, Iterable
 
 import torch
@@ -144,10 +146,32 @@ def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer) -
     return DeepSpeedStyleLR(optimizer, lr_function(config))
 
 
+@contextlib.contextmanager
+def _add_param_group_unwrapped():
+    """torch.optim wraps Optimizer.add_param_group in dynamo's disable, whose first call imports
+    torch._dynamo: 1.2 s of a launcher's start on 2 CPU cores, before any rank starts. A check
+    compiles nothing, so while it runs the wrapper is told (through the cache it keeps on the
+    function) that the function itself is its disabled form; afterwards the wrapper is as it was."""
+    wrapped = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
+    if wrapped is None or "torch._dynamo" in sys.modules or hasattr(wrapped, "__dynamo_disable"):
+        yield
+        return
+    setattr(wrapped, "__dynamo_disable", wrapped)
+    try:
+        yield
+    finally:
+        delattr(wrapped, "__dynamo_disable")
+
+
 def check_optimizer_and_scheduler(config: DeepSpeedConfig, source: str) -> None:
     """Build the configured optimizer and schedule on one dummy parameter, as every rank would,
     so a misspelt or impossible param is refused before anything is launched. Params left "auto"
     are checked with stand-ins: the Trainer fills them in; our engine refuses them itself."""
+    with _add_param_group_unwrapped():
+        _check_optimizer_and_scheduler(config, source)
+
+
+def _check_optimizer_and_scheduler(config: DeepSpeedConfig, source: str) -> None:
     try:
         if config.optimizer is not None:
             checked = config.optimizer.model_copy(update={"params": with_stand_ins(config.optimizer.params)})
