@@ -20,6 +20,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/ from a checkout
 from examples.minimal.train import MLP, teacher_dataset  # noqa: E402
+from training_loop import train_engine  # noqa: E402
 
 
 def parse_args():
@@ -60,19 +61,7 @@ def main() -> None:
 
         engine, _, loader, _ = autotuner.initialize(args=args, model=model, model_parameters=model.parameters(),
                                                     training_data=data)
-    epoch, loss = 0, None
-    while engine.global_steps < args.steps:
-        sampler = getattr(loader, "sampler", None) or getattr(loader, "data_sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        for x, y in loader:
-            x, y = x.to(engine.device), y.to(engine.device)
-            loss = nn.functional.mse_loss(engine(x).float(), y)
-            engine.backward(loss)
-            engine.step()
-            if engine.global_steps >= args.steps:
-                break
-        epoch += 1
+    loss = train_engine(engine, loader, args.steps, nn.functional.mse_loss)
     if engine.global_rank == 0:
         print(f"done ({engine_name}): {engine.global_steps} steps, last loss {loss.item():.4f}", flush=True)
 

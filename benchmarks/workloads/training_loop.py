@@ -35,15 +35,25 @@ def train(args: argparse.Namespace, model: nn.Module, data: Dataset, loss_of: Lo
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
     })
     engine, _, loader, _ = autotuner.initialize(model=model, config=config, training_data=data)
-    epoch = 0
-    while engine.global_steps < args.steps:
-        loader.sampler.set_epoch(epoch)
+    loss = train_engine(engine, loader, args.steps, loss_of)
+    if engine.global_rank == 0:
+        print(f"done: {engine.global_steps} steps, loss {loss.item():.3f}")
+
+
+def train_engine(engine, loader, steps: int, loss_of: Loss) -> torch.Tensor:
+    """`steps` optimizer steps of a DeepSpeed-style engine (ours or DeepSpeed's) over its loader,
+    re-shuffled each epoch; returns the last loss."""
+    epoch, loss = 0, None
+    while engine.global_steps < steps:
+        # Ours exposes the DistributedSampler as .sampler; DeepSpeed's loader as .data_sampler.
+        sampler = getattr(loader, "sampler", None) or getattr(loader, "data_sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
         for x, y in loader:
             loss = loss_of(engine(x.to(engine.device)).float(), y.to(engine.device))
             engine.backward(loss)
             engine.step()
-            if engine.global_steps >= args.steps:
+            if engine.global_steps >= steps:
                 break
         epoch += 1
-    if engine.global_rank == 0:
-        print(f"done: {engine.global_steps} steps, loss {loss.item():.3f}")
+    return loss
