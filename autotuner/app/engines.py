@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from autotuner.errors import UsageError
+from autotuner.errors import ConfigError, UsageError
 
 ENGINE_CHOICES = ("auto", "deepspeed", "autotuner")
 INSTALL_HINT = ("pip install 'autotuner[deepspeed]' (on a CPU-only machine: DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "
@@ -81,3 +81,27 @@ def script_engine(script: str, requested: str = "auto") -> str:
                    "deepspeed` to train on our engine")
         raise UsageError(f"{why}, but DeepSpeed is not installed in this Python; {INSTALL_HINT}{instead}")
     return "deepspeed"
+
+
+def deepspeed_cpu_runs_fp16() -> bool:
+    """DeepSpeed's CPU accelerator's own rule: fp16 only where oneDNN has fp16 kernels for this CPU
+    (AVX512-FP16 or AMX-FP16); elsewhere its engine raises "Type fp16 is not supported" at init."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:  # an older torch without the probe: DeepSpeed says no there too
+        return False
+
+
+def check_deepspeed_precision(fp16_enabled: object, engine: str, script_args: tuple[str, ...], source: str) -> None:
+    """Refuse before any launch what DeepSpeed's engine would refuse in every rank: fp16 on a CPU
+    without fp16 kernels. On CUDA DeepSpeed decides per GPU, and our engine runs fp16 anywhere."""
+    import torch
+
+    if engine != "deepspeed" or fp16_enabled is not True or torch.cuda.is_available() or deepspeed_cpu_runs_fp16():
+        return
+    flag = " and drop the script's --fp16" if "--fp16" in script_args else ""
+    raise ConfigError(f"{source}: fp16.enabled: true, but DeepSpeed's engine refuses fp16 on this CPU (oneDNN has "
+                      "no fp16 kernels for it: it needs AVX512-FP16 or AMX-FP16); set \"fp16\": {\"enabled\": false}"
+                      f"{flag} to train in fp32, or \"bf16\": {{\"enabled\": true}} in its place")

@@ -29,7 +29,7 @@ import pandas as pd
 import pytest
 
 from autotuner.app import engines
-from autotuner.app.engines import script_engine
+from autotuner.app.engines import deepspeed_cpu_runs_fp16, script_engine
 from autotuner.errors import UsageError
 from conftest import ROOT, WORKERS, launcher_env
 from hf_configs import HF_ZERO2, MAPPINGS
@@ -166,23 +166,34 @@ def assert_trained(result: subprocess.CompletedProcess, out: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_tutorials_config_tunes_then_trains_run_clm_on_deepspeeds_engine(tiny_gpt2, tmp_path, shm_before):
-    """The tutorial's ds_config.json and flags (--fp16 included: DeepSpeed 0.19's CPU engine runs
-    fp16 with its loss scaler, so nothing is turned off)."""
+    """The tutorial's ds_config.json and flags, --fp16 included, where this CPU has fp16 kernels
+    (DeepSpeed 0.19's CPU engine runs fp16 with its loss scaler there). Elsewhere DeepSpeed's
+    engine refuses fp16 in every rank, so the launcher refuses it first, in one line, and the
+    tutorial runs in fp32 as that line says."""
     args = run_clm_args(tiny_gpt2, tmp_path / "out", "--fp16")
-    tuned = launcher("tune", tmp_path, args, with_test_sizes(TUTORIAL))
+    tutorial, precision = TUTORIAL, "fp16"
+    if not deepspeed_cpu_runs_fp16():
+        refused = launcher("tune", tmp_path, args, with_test_sizes(TUTORIAL))
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("launcher: error:")]
+        assert refused.returncode == 2 and len(errors) == 1 and "Traceback" not in refused.stderr, refused.stderr
+        assert "fp16.enabled: true, but DeepSpeed's engine refuses fp16 on this CPU" in errors[0]
+        assert "drop the script's --fp16 to train in fp32" in errors[0]
+        args = run_clm_args(tiny_gpt2, tmp_path / "out")
+        tutorial, precision = {**TUTORIAL, "fp16": {"enabled": False}}, "fp32"
+    tuned = launcher("tune", tmp_path, args, with_test_sizes(tutorial))
     optimal = assert_results_written(tmp_path, tuned)
     table = assert_every_experiment_measured_on_deepspeed(tmp_path)
     assert set(table.zero_stage) == {0}  # the tutorial's config names no stage: DeepSpeed's default, 0
     metrics = json.loads((tmp_path / "autotuning_exps" / table.name[0] / "metrics.json").read_text())
-    assert metrics["precision"] == "fp16"
-    assert optimal["fp16"] == {"enabled": True} and "train_batch_size" not in optimal
+    assert metrics["precision"] == precision
+    assert optimal["fp16"] == {"enabled": precision == "fp16"} and "train_batch_size" not in optimal
     command = shlex.split((tmp_path / "autotuning_results" / "cmd_optimal.txt").read_text())
     best = table[table.chosen].iloc[0]
     assert command[command.index("--per_device_train_batch_size") + 1] == str(best.micro_batch_size)
     assert not (tmp_path / "out" / "train_results.json").exists()  # tune trains nothing
     assert shm_buffers() <= shm_before  # the experiments unlinked DeepSpeed's buffers
 
-    trained = launcher("run", tmp_path, args, with_test_sizes(TUTORIAL))  # reuses the tuned records
+    trained = launcher("run", tmp_path, args, with_test_sizes(tutorial))  # reuses the tuned records
     assert f"{best['name']}: ok (from an earlier run)" in trained.stdout
     assert_trained(trained, tmp_path / "out")
     assert_only_the_trainings_buffers_left(shm_before)

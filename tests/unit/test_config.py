@@ -551,3 +551,24 @@ def test_our_engine_refuses_deepspeed_keys_that_would_change_the_math(raw, named
     with pytest.raises(ConfigError, match="ds.json: " + named.replace("(", r"\(")):
         refuse_other_math(loaded, "ds.json")
     refuse_other_math(load_config({"gradient_allreduce_op": "mean", "torch_autocast": {"enabled": False}}), "ds.json")
+
+
+def test_fp16_on_deepspeeds_cpu_engine_is_refused_in_one_line_where_this_cpu_has_no_fp16_kernels(monkeypatch):
+    import torch
+
+    from autotuner.app import engines
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(engines, "deepspeed_cpu_runs_fp16", lambda: False)
+    with pytest.raises(ConfigError) as caught:
+        engines.check_deepspeed_precision(True, "deepspeed", ("--fp16",), "ds.json")
+    message = str(caught.value)
+    assert caught.value.exit_code == 2 and "\n" not in message
+    assert message.startswith("ds.json: fp16.enabled: true, but DeepSpeed's engine refuses fp16 on this CPU")
+    assert "drop the script's --fp16" in message and '"bf16": {"enabled": true}' in message
+    # Nothing to refuse: our engine, fp16 off or "auto" (the Trainer decides), or a CPU with fp16 kernels.
+    engines.check_deepspeed_precision(True, "autotuner", (), "ds.json")
+    engines.check_deepspeed_precision("auto", "deepspeed", (), "ds.json")
+    engines.check_deepspeed_precision(False, "deepspeed", (), "ds.json")
+    monkeypatch.setattr(engines, "deepspeed_cpu_runs_fp16", lambda: True)
+    engines.check_deepspeed_precision(True, "deepspeed", ("--fp16",), "ds.json")
