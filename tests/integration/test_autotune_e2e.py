@@ -8,13 +8,9 @@ import pandas as pd
 import pytest
 
 from autotuner.config import read_config_file
-from conftest import launcher_env, tune, write_config
+from conftest import REMEASURED, launcher_env, tune, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
-
-
-
-
 
 
 def experiments(tmp_path) -> pd.DataFrame:
@@ -24,7 +20,7 @@ def experiments(tmp_path) -> pd.DataFrame:
 
 def test_tune_writes_every_output_and_picks_the_best(tmp_path, no_orphans):
     config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 16,
-                                                 "max_train_batch_size": 64})
+                                                 "max_train_batch_size": 64, **REMEASURED})
     result = tune(tmp_path, config, "--ms_per_sample", "1", "--ms_per_step", "20")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = tmp_path / "autotuning_results"
