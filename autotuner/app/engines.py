@@ -10,6 +10,7 @@ in one line, before any launch.
 from __future__ import annotations
 
 import importlib.util
+import json
 
 from autotuner.errors import ConfigError, UsageError
 
@@ -105,3 +106,12 @@ def check_deepspeed_precision(fp16_enabled: object, engine: str, script_args: tu
     raise ConfigError(f"{source}: fp16.enabled: true, but DeepSpeed's engine refuses fp16 on this CPU (oneDNN has "
                       "no fp16 kernels for it: it needs AVX512-FP16 or AMX-FP16); set \"fp16\": {\"enabled\": false}"
                       f"{flag} to train in fp32, or \"bf16\": {{\"enabled\": true}} in its place")
+
+
+def check_activation_checkpointing(policy: object, engine: str, source: str) -> None:
+    """Our engine applies `activation_checkpointing.policy`; DeepSpeed's never reads the key, so a
+    policy there would be silently ignored: refused instead."""
+    if engine == "deepspeed" and policy != "none":
+        raise ConfigError(f"{source}: activation_checkpointing.policy: {json.dumps(policy)} is applied by our engine "
+                          "only; a script on DeepSpeed's engine checkpoints activations itself (deepspeed.checkpointing"
+                          ", or Hugging Face's --gradient_checkpointing); set it to \"none\" or leave it out")

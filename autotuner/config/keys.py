@@ -16,7 +16,7 @@ from autotuner.errors import ConfigError
 KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
     "": frozenset(
         {
-            "activation_checkpointing", "aio", "amp", "checkpoint", "comms_logger",
+            "aio", "amp", "checkpoint", "comms_logger",
             "compression_training", "curriculum_learning",
             "data_efficiency", "data_types", "dataloader_drop_last", "disable_allgather", "dump_state",
             "eigenvalue", "elasticity", "memory_breakdown",

@@ -124,6 +124,25 @@ class ZeroConfig(_Section):
         return (self.stage,)
 
 
+CheckpointPolicy = Literal["none", "full", "selective"]
+
+
+class ActivationCheckpointingConfig(_Section):
+    """`activation_checkpointing`: DeepSpeed's keys, read by scripts that call
+    `deepspeed.checkpointing.configure`, plus ours, `policy`, which our engine applies itself."""
+
+    policy: CheckpointPolicy = Field(
+        "none", description='ours: recompute activations of the model\'s repeated blocks (the entries of its '
+                            'nn.ModuleLists, the blocks FSDP2 shards) in backward: "full" keeps only each block\'s '
+                            'input, "selective" also keeps matmul outputs')
+    partition_activations: bool = Field(False, description="DeepSpeed's: needs model parallelism (refused if set)")
+    contiguous_memory_optimization: bool = Field(False, description="DeepSpeed's: refused if set")
+    cpu_checkpointing: bool = Field(False, description="DeepSpeed's: refused if set")
+    number_checkpoints: PositiveInt | None = Field(None, description="DeepSpeed's: accepted, no effect here")
+    synchronize_checkpoint_boundary: bool = Field(False, description="DeepSpeed's: accepted, no effect here")
+    profile: bool = Field(False, description="DeepSpeed's: accepted, no effect here")
+
+
 class ModelInfoSection(_Section):
     """`autotuning.model_info`: facts about the model the user gives, so the profile need not measure
     them (DeepSpeed's keys, plus ours). The measured record is boundary.ModelInfo."""
@@ -271,6 +290,7 @@ class DeepSpeedConfig(_Section):
     optimizer: OptimizerConfig | None = None
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
     # What a run reports, and how gradients are reduced: DeepSpeed's keys and meanings.
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)

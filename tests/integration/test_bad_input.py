@@ -148,6 +148,26 @@ def test_bad_zero_stage(in_tmp, capsys, stage):
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "zero_optimization.stage")
 
 
+@pytest.mark.parametrize("policy", ["auto", "every_2nd", ["full"], True])
+@pytest.mark.parametrize("autotuning", [True, False], ids=["tune", "plain"])
+def test_bad_activation_checkpointing_policy(in_tmp, capsys, policy, autotuning):
+    cfg = write(in_tmp / "ds.json", config_dict(activation_checkpointing={"policy": policy}))
+    argv = tune_argv(cfg) if autotuning else ["--nproc_per_node", "2", str(TOY), "--pid_dir", "pids", "--deepspeed",
+                                               str(cfg)]
+    assert_refused(in_tmp, capsys, argv, str(cfg), "activation_checkpointing.policy", "'none', 'full' or 'selective'")
+
+
+@pytest.mark.parametrize("autotuning", [True, False], ids=["tune", "plain"])
+def test_an_activation_checkpointing_policy_for_a_script_on_deepspeeds_engine(in_tmp, capsys, autotuning):
+    pytest.importorskip("deepspeed")
+    script = write(in_tmp / "train.py", "import deepspeed\n")
+    cfg = write(in_tmp / "ds.json", config_dict(activation_checkpointing={"policy": "full"}))
+    argv = tune_argv(cfg, script=script) if autotuning else ["--nproc_per_node", "2", str(script), "--deepspeed",
+                                                              str(cfg)]
+    assert_refused(in_tmp, capsys, argv, str(cfg), 'activation_checkpointing.policy: "full" is applied by our engine '
+                   "only", "deepspeed.checkpointing", "--gradient_checkpointing")
+
+
 def test_arg_mappings_naming_an_unknown_config_key(in_tmp, capsys):
     cfg = write(in_tmp / "ds.json", config_dict({"arg_mappings": {"train_micro_batch": "--micro_batch_size"}}))
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "autotuning.arg_mappings", "'train_micro_batch'",

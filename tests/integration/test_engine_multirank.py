@@ -104,3 +104,16 @@ def test_bf16_trains_under_every_stage_close_to_fp32(tmp_path, no_orphans):
     for stage in STAGES:
         assert bf16[stage] == pytest.approx(fp32[stage], rel=0.05), f"stage {stage}"
         assert bf16[stage] != fp32[stage]  # it really ran in bf16
+
+
+def test_every_activation_checkpointing_policy_trains_like_none_at_every_stage_and_checkpoints_load_across(
+        tmp_path, no_orphans):
+    result = run_check("activation_checkpointing", tmp_path)
+    for stage in STAGES:
+        record = result[stage]
+        assert record["checkpointed_blocks"] == {"none": 0, "full": 3, "selective": 3}, f"stage {stage}"
+        for policy in ("full", "selective"):
+            assert record["losses"][policy] == pytest.approx(record["losses"]["none"], abs=1e-5), f"{stage} {policy}"
+        assert len(set(record["losses"]["none"])) > 1
+        # Saved under "full", loaded under "selective": parameter names are the same under every policy.
+        assert record["resumed_under_selective"] == pytest.approx(record["continued"], abs=1e-6), f"stage {stage}"

@@ -38,6 +38,29 @@ class NetWithUnused(Net):
         self.pooler = nn.Linear(24, 24)
 
 
+class Block(nn.Module):
+    """A pre-norm MLP block with dropout: recomputed in backward, its masks must match the forward's."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class BlockNet(Net):
+    def __init__(self, width: int = 24, depth: int = 3):
+        super().__init__(width, depth)
+        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+
+
+POLICIES = ("none", "full", "selective")
+
+
 def batch(step: int, micro: int, size: int, rank: int | None = None):
     """Deterministic data for (optimizer step, micro-step) on this rank (or the one given)."""
     rank = dist.get_rank() if rank is None else rank
@@ -140,6 +163,40 @@ def check_checkpoint(directory: str, model_cls=Net) -> dict:
     return result
 
 
+def checkpointed_blocks(model) -> int:
+    """How many of the model's blocks carry torch's composable checkpoint."""
+    from torch.distributed._composable.contract import _get_registry
+
+    return sum("checkpoint" in (_get_registry(block) or {}) for block in model.layers)
+
+
+def check_activation_checkpointing(directory: str) -> dict:
+    """Each policy at each stage: the losses of no checkpointing, with dropout on, every block
+    checkpointed; and a checkpoint saved under one policy loads under another."""
+    result = {}
+    for stage in STAGES:
+        losses, applied = {}, {}
+        for policy in POLICIES:
+            torch.manual_seed(0)
+            model = BlockNet()
+            engine, *_ = autotuner.initialize(model=model, config=config(
+                stage, activation_checkpointing={"policy": policy}))
+            losses[policy] = train_steps(engine, 0, 4)
+            applied[policy] = checkpointed_blocks(model)
+            if policy == "full":
+                engine.save_checkpoint(f"{directory}/z{stage}")
+                torch.manual_seed(7)  # dropout's masks: the RNG state is not part of a checkpoint
+                continued = train_steps(engine, 4, 2)
+        torch.manual_seed(99)
+        fresh, *_ = autotuner.initialize(model=BlockNet(), config=config(
+            stage, activation_checkpointing={"policy": "selective"}))
+        fresh.load_checkpoint(f"{directory}/z{stage}")
+        torch.manual_seed(7)
+        result[stage] = {"losses": losses, "checkpointed_blocks": applied, "continued": continued,
+                         "resumed_under_selective": train_steps(fresh, 4, 2)}
+    return result
+
+
 def check_bf16() -> dict:
     """bf16 under every stage trains (autocast for DDP, MixedPrecisionPolicy for FSDP2)."""
     losses = {}
@@ -226,14 +283,16 @@ def check_unused() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", choices=("parity", "gas", "checkpoint", "bf16", "offload", "raw_forward",
-                                                  "unused", "checkpoint_unused"), required=True)
+                                                  "unused", "checkpoint_unused", "activation_checkpointing"),
+                        required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
     checks = {"parity": check_parity, "gas": check_gas, "checkpoint": lambda: check_checkpoint(args.out + ".ckpt"),
               "bf16": check_bf16, "offload": check_offload, "raw_forward": check_raw_forward,
               "unused": check_unused,
-              "checkpoint_unused": lambda: check_checkpoint(args.out + ".ckpt", NetWithUnused)}
+              "checkpoint_unused": lambda: check_checkpoint(args.out + ".ckpt", NetWithUnused),
+              "activation_checkpointing": lambda: check_activation_checkpointing(args.out + ".ckpt")}
     result = checks[args.check]()
     result["world_size"] = dist.get_world_size()
     if dist.get_rank() == 0:

@@ -1,0 +1,113 @@
+"""Activation checkpointing of repeated blocks, in one process: which blocks, what is kept for
+backward under each policy, and gradients equal to no checkpointing."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autotuner.runtime.activation_checkpointing import apply_activation_checkpointing, repeated_blocks
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(nn.functional.gelu(self.up(self.norm(x)))))
+
+
+class Tower(nn.Module):
+    def __init__(self, depth: int = 4):
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.head = nn.Linear(32, 1)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class LiveOutputs(TorchDispatchMode):
+    """Every tensor an op creates, weakly: what is still alive after forward is what autograd (or a
+    checkpoint's cache) keeps for backward, plus the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.created: list[weakref.ref] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in torch.utils._pytree.tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                self.created.append(weakref.ref(tensor))
+        return out
+
+    def live_bytes(self) -> int:
+        storages = {}
+        for ref in self.created:
+            tensor = ref()
+            if tensor is not None:
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+
+def kept_bytes_and_grads(policy: str) -> tuple[int, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = Tower()
+    apply_activation_checkpointing(model, policy)
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+    with LiveOutputs() as tracker:
+        loss = model(x).square().mean()
+    gc.collect()
+    kept = tracker.live_bytes()
+    loss.backward()
+    return kept, {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def test_full_keeps_least_selective_keeps_the_matmuls_and_gradients_equal_no_checkpointing():
+    kept = {}
+    grads = {}
+    for policy in ("none", "full", "selective"):
+        kept[policy], grads[policy] = kept_bytes_and_grads(policy)
+    assert kept["full"] < kept["selective"] < kept["none"], kept
+    for policy in ("full", "selective"):
+        assert grads[policy].keys() == grads["none"].keys()  # parameter names unchanged
+        for name, grad in grads["none"].items():
+            torch.testing.assert_close(grads[policy][name], grad, rtol=0, atol=1e-6, msg=f"{policy} {name}")
+
+
+def test_the_blocks_are_the_outermost_module_list_entries():
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stages = nn.ModuleList(nn.Sequential(nn.ModuleList([nn.Linear(2, 2)] * 2)) for _ in range(3))
+
+    model = Nested()
+    assert repeated_blocks(model) == list(model.stages)
+    assert repeated_blocks(nn.Sequential(nn.Linear(2, 2))) == []
+
+
+def test_a_model_without_repeated_blocks_trains_as_it_is_with_one_line(capsys):
+    assert apply_activation_checkpointing(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "full") == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and 'activation_checkpointing.policy "full": the model has no repeated blocks' in err
+
+
+def test_none_touches_nothing_and_an_unknown_policy_is_refused():
+    model = Tower()
+    assert apply_activation_checkpointing(model, "none") == 0
+    assert apply_activation_checkpointing(model, "full") == 4
+    with pytest.raises(ValueError):
+        apply_activation_checkpointing(Tower(), "every_other")
