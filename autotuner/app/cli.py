@@ -133,13 +133,13 @@ def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = 
     config = load_config(path)
     if script is not None:
         from autotuner.config.trainer_auto import refuse_trainer_autos
-        from autotuner.app.engines import (check_activation_checkpointing, deepspeed_through_library,
+        from autotuner.app.engines import (check_our_engine_sections, deepspeed_through_library,
                                            imports_deepspeed, trains_on_ours)
 
         if trains_on_ours(script):
             refuse_trainer_autos(config, path)
         elif imports_deepspeed(script) or deepspeed_through_library(script):
-            check_activation_checkpointing(config.activation_checkpointing.policy, "deepspeed", path)
+            check_our_engine_sections(config, "deepspeed", path)
     check_fixed_triad(config, world_size, path)
     stage = config.zero_optimization.stage
     if not isinstance(stage, int):

@@ -108,10 +108,19 @@ def check_deepspeed_precision(fp16_enabled: object, engine: str, script_args: tu
                       f"{flag} to train in fp32, or \"bf16\": {{\"enabled\": true}} in its place")
 
 
-def check_activation_checkpointing(policy: object, engine: str, source: str) -> None:
-    """Our engine applies `activation_checkpointing.policy`; DeepSpeed's never reads the key, so a
-    policy there would be silently ignored: refused instead."""
-    if engine == "deepspeed" and policy != "none":
+def check_our_engine_sections(config, engine: str, source: str) -> None:
+    """Keys only our engine acts on, for a script on DeepSpeed's engine: an activation
+    checkpointing policy (DeepSpeed never reads it, so it would be silently ignored) and our
+    compile keys (DeepSpeed 0.16+ refuses them in its compile section). Refused in one line."""
+    if engine != "deepspeed":
+        return
+    policy = config.activation_checkpointing.policy
+    if policy != "none":
         raise ConfigError(f"{source}: activation_checkpointing.policy: {json.dumps(policy)} is applied by our engine "
                           "only; a script on DeepSpeed's engine checkpoints activations itself (deepspeed.checkpointing"
                           ", or Hugging Face's --gradient_checkpointing); set it to \"none\" or leave it out")
+    ours = sorted(config.compile.model_fields_set & {"enabled", "backend", "kwargs"})
+    if ours:
+        raise ConfigError(f"{source}: compile.{ours[0]}: our engine's key; DeepSpeed's engine refuses it in its compile "
+                          "section (from 0.16 it compiles through engine.compile()); call engine.compile() in the "
+                          "script, or drop the key")

@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from autotuner.app.engines import (check_activation_checkpointing, check_deepspeed_precision, script_engine,
+from autotuner.app.engines import (check_our_engine_sections, check_deepspeed_precision, script_engine,
                                    trains_on_ours)
 from autotuner.config import DeepSpeedConfig, load_config
 from autotuner.config.batch import check_fixed_triad, train_batch_size
@@ -176,7 +176,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
     engine = script_engine(args.script, getattr(args, "engine", "auto"))
     check_trainer_autos(config, engine, args.script, source)
     check_deepspeed_precision(config.fp16.enabled, engine, script_args, source)
-    check_activation_checkpointing(config.activation_checkpointing.policy, engine, source)
+    check_our_engine_sections(config, engine, source)
     settings = ExperimentSettings(
         script=args.script,
         script_args=script_args,

@@ -23,7 +23,7 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
             "monitor_config", "pipeline", "progressive_layer_drop", "sparse_attention",
             "sparse_gradients", "weight_quantization", "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer", "train_batch_size_per_gpu_at_fp16", "hybrid_engine",
-            "compile", "nebula", "comet", "quantize_training", "log_level", "disable_python_gc",
+            "nebula", "comet", "quantize_training", "log_level", "disable_python_gc",
             "use_data_before_expert_parallelism", "expert_parallel", "seq_parallel_communication_data_type",
             "tensor_parallel", "sequence_parallel_size",
         }
@@ -44,6 +44,12 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
         {"nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "ratio"}
     ),
     "zero_optimization.offload_param": frozenset({"nvme_path", "buffer_count", "buffer_size", "max_in_cpu"}),
+    # DeepSpeed 0.16+'s DeepCompile keys (its own compiler passes for its engine).
+    "compile": frozenset({"deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold",
+                          "offload_activation", "offload_activation_pin_memory", "offload_opt_states",
+                          "double_buffer", "symmetric_memory", "debug_log", "offload_parameters",
+                          "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
+                          "keep_int_input_tensors", "keep_all_input_tensors", "passes"}),
     "fp16": frozenset({"fp16_master_weights_and_grads"}),
     "bf16": frozenset({"immediate_grad_update", "check_grad_overflow"}),
     "autotuning": frozenset({"min_train_batch_size"}),

@@ -143,6 +143,18 @@ class ActivationCheckpointingConfig(_Section):
     profile: bool = Field(False, description="DeepSpeed's: accepted, no effect here")
 
 
+class CompileConfig(_Section):
+    """`compile`: torch.compile of the model's repeated blocks on our engine. The keys are those of
+    DeepSpeed's section before 0.16 (`enabled`, `backend`, `kwargs`); 0.16 on moved compiling to
+    `engine.compile()`, which ours has too."""
+
+    enabled: bool = Field(False, description="compile each repeated block (the whole model if it has none) before "
+                                              "DDP/FSDP2 wrap it, as torchtitan does")
+    backend: str = Field("inductor", description="torch.compile's backend")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="more torch.compile arguments (mode, dynamic, "
+                                   "fullgraph, ...)")
+
+
 class ModelInfoSection(_Section):
     """`autotuning.model_info`: facts about the model the user gives, so the profile need not measure
     them (DeepSpeed's keys, plus ours). The measured record is boundary.ModelInfo."""
@@ -291,6 +303,7 @@ class DeepSpeedConfig(_Section):
     scheduler: SchedulerConfig | None = None
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    compile: CompileConfig = Field(default_factory=CompileConfig)
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
     # What a run reports, and how gradients are reduced: DeepSpeed's keys and meanings.
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)

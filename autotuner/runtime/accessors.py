@@ -161,6 +161,27 @@ class DeepSpeedAccessors:
     def save_fp16_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin") -> bool:
         return self.save_16bit_model(save_dir, save_filename)  # DeepSpeed's older name
 
+    def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """DeepSpeed's `engine.compile()`: compile the model's repeated blocks in place (the model
+        whole if it has none), as the `compile` section does before wrapping. DeepCompile's
+        `schedule` and compiled autograd are DeepSpeed's own and refused."""
+        from autotuner.errors import UnsupportedError
+        from autotuner.runtime.compiling import compile_blocks, is_compiled
+
+        if schedule is not None or compiled_autograd_enabled:
+            raise UnsupportedError("engine.compile(schedule=..., compiled_autograd_enabled=True): DeepCompile's "
+                                   "passes and compiled autograd are DeepSpeed's engine's own; call "
+                                   "engine.compile(backend=..., compile_kwargs=...) without them")
+        if not is_compiled(self.module):  # the config's compile section may have compiled it already
+            compile_blocks(self.module, backend, compile_kwargs)
+
+    @property
+    def is_compiled(self) -> bool:
+        from autotuner.runtime.compiling import is_compiled
+
+        return is_compiled(self.module)
+
     def get_global_grad_norm(self) -> float | None:
         """Norm of all gradients at the last optimizer step, before clipping; None before the first."""
         return None if self._global_grad_norm is None else float(self._global_grad_norm)

@@ -18,6 +18,7 @@ from autotuner.config.engine_math import refuse_other_math
 from autotuner.config.trainer_auto import refuse_trainer_autos
 from autotuner.errors import ConfigError, UnsupportedError
 from autotuner.runtime.activation_checkpointing import apply_activation_checkpointing
+from autotuner.runtime.compiling import compile_blocks
 from autotuner.runtime.distributed import init_distributed, warn_once
 from autotuner.runtime.engine import Engine
 from autotuner.runtime.grad_reduction import GradientReduction
@@ -217,6 +218,8 @@ def initialize(
     else:
         source = list(model_parameters) if model_parameters is not None else list(model.parameters())
     apply_activation_checkpointing(model, cfg.activation_checkpointing.policy)  # before DDP/FSDP2 wrap
+    if cfg.compile.enabled:
+        compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs)  # after checkpointing, before sharding
     wrapped = wrap_model(model, stage, cfg.zero_optimization, cfg.precision, ctx, GradientReduction.from_config(cfg))
     groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
     opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage)

@@ -157,15 +157,20 @@ def test_bad_activation_checkpointing_policy(in_tmp, capsys, policy, autotuning)
     assert_refused(in_tmp, capsys, argv, str(cfg), "activation_checkpointing.policy", "'none', 'full' or 'selective'")
 
 
+@pytest.mark.parametrize("section, mentions", [
+    ({"activation_checkpointing": {"policy": "full"}},
+     ('activation_checkpointing.policy: "full" is applied by our engine only', "deepspeed.checkpointing",
+      "--gradient_checkpointing")),
+    ({"compile": {"enabled": True}}, ("compile.enabled: our engine's key", "engine.compile()")),
+], ids=["checkpointing", "compile"])
 @pytest.mark.parametrize("autotuning", [True, False], ids=["tune", "plain"])
-def test_an_activation_checkpointing_policy_for_a_script_on_deepspeeds_engine(in_tmp, capsys, autotuning):
+def test_our_engines_keys_for_a_script_on_deepspeeds_engine(in_tmp, capsys, autotuning, section, mentions):
     pytest.importorskip("deepspeed")
     script = write(in_tmp / "train.py", "import deepspeed\n")
-    cfg = write(in_tmp / "ds.json", config_dict(activation_checkpointing={"policy": "full"}))
+    cfg = write(in_tmp / "ds.json", config_dict(**section))
     argv = tune_argv(cfg, script=script) if autotuning else ["--nproc_per_node", "2", str(script), "--deepspeed",
                                                               str(cfg)]
-    assert_refused(in_tmp, capsys, argv, str(cfg), 'activation_checkpointing.policy: "full" is applied by our engine '
-                   "only", "deepspeed.checkpointing", "--gradient_checkpointing")
+    assert_refused(in_tmp, capsys, argv, str(cfg), *mentions)
 
 
 def test_arg_mappings_naming_an_unknown_config_key(in_tmp, capsys):

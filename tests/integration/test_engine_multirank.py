@@ -117,3 +117,14 @@ def test_every_activation_checkpointing_policy_trains_like_none_at_every_stage_a
         assert len(set(record["losses"]["none"])) > 1
         # Saved under "full", loaded under "selective": parameter names are the same under every policy.
         assert record["resumed_under_selective"] == pytest.approx(record["continued"], abs=1e-6), f"stage {stage}"
+
+
+@pytest.mark.timeout(600)
+def test_compiled_blocks_train_like_eager_ones_at_every_stage(tmp_path, no_orphans):
+    result = run_check("compile", tmp_path)
+    for stage in STAGES:
+        record = result[stage]
+        assert record["is_compiled"], f"stage {stage}"
+        # inductor fuses the block's ops, so the sums round differently: equal within 1e-4.
+        assert record["compiled"] == pytest.approx(record["eager"], abs=1e-4), f"stage {stage}"
+        assert len(set(record["eager"])) > 1

@@ -41,21 +41,21 @@ class NetWithUnused(Net):
 class Block(nn.Module):
     """A pre-norm MLP block with dropout: recomputed in backward, its masks must match the forward's."""
 
-    def __init__(self, width: int):
+    def __init__(self, width: int, dropout: float = 0.1):
         super().__init__()
         self.norm = nn.LayerNorm(width)
         self.up = nn.Linear(width, 2 * width)
         self.down = nn.Linear(2 * width, width)
-        self.drop = nn.Dropout(0.1)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x):
         return x + self.drop(self.down(nn.functional.gelu(self.up(self.norm(x)))))
 
 
 class BlockNet(Net):
-    def __init__(self, width: int = 24, depth: int = 3):
+    def __init__(self, width: int = 24, depth: int = 3, dropout: float = 0.1):
         super().__init__(width, depth)
-        self.layers = nn.ModuleList(Block(width) for _ in range(depth))
+        self.layers = nn.ModuleList(Block(width, dropout) for _ in range(depth))
 
 
 POLICIES = ("none", "full", "selective")
@@ -197,6 +197,27 @@ def check_activation_checkpointing(directory: str) -> dict:
     return result
 
 
+def check_compile() -> dict:
+    """Compiled blocks (inductor) train like eager ones: through the config's compile section at
+    stages 0 and 2 (DDP, FSDP2), through engine.compile() at 1 and 3. No dropout: inductor draws
+    its masks from its own generator, so compiled and eager masks differ by design."""
+    result = {}
+    for stage in STAGES:
+        losses = {}
+        for compiled in (False, True):
+            torch.manual_seed(0)
+            through_config = compiled and stage in (0, 2)
+            engine, *_ = autotuner.initialize(model=BlockNet(dropout=0.0), config=config(
+                stage, compile={"enabled": through_config, "backend": "inductor"}))
+            if compiled and not through_config:
+                engine.compile(backend="inductor")
+            losses["compiled" if compiled else "eager"] = train_steps(engine, 0, 4)
+            if compiled:
+                losses["is_compiled"] = engine.is_compiled
+        result[stage] = losses
+    return result
+
+
 def check_bf16() -> dict:
     """bf16 under every stage trains (autocast for DDP, MixedPrecisionPolicy for FSDP2)."""
     losses = {}
@@ -283,7 +304,7 @@ def check_unused() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", choices=("parity", "gas", "checkpoint", "bf16", "offload", "raw_forward",
-                                                  "unused", "checkpoint_unused", "activation_checkpointing"),
+                                                  "unused", "checkpoint_unused", "activation_checkpointing", "compile"),
                         required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -292,7 +313,8 @@ def main() -> None:
               "bf16": check_bf16, "offload": check_offload, "raw_forward": check_raw_forward,
               "unused": check_unused,
               "checkpoint_unused": lambda: check_checkpoint(args.out + ".ckpt", NetWithUnused),
-              "activation_checkpointing": lambda: check_activation_checkpointing(args.out + ".ckpt")}
+              "activation_checkpointing": lambda: check_activation_checkpointing(args.out + ".ckpt"),
+              "compile": check_compile}
     result = checks[args.check]()
     result["world_size"] = dist.get_world_size()
     if dist.get_rank() == 0:
