@@ -225,12 +225,17 @@ class ModelInfo:
     # the probe); empty with one rank, or in a file from before the probe.
     collective_timings: tuple[CollectiveTiming, ...] = ()
     engine: str = "autotuner"  # whose engine ran the launch: "autotuner" or "deepspeed"
+    # What each activation checkpointing policy would hold at its peak, the largest over ranks,
+    # from the first micro-step run without checkpointing (runtime/profile.py); empty when the
+    # model has no repeated blocks, ran checkpointed, or on DeepSpeed's engine.
+    activation_bytes_by_policy: tuple[tuple[str, int], ...] = ()
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         for key in ("activation_bytes_per_rank", "peak_memory_bytes_per_rank"):
             data[key] = list(data[key])
+        data["activation_bytes_by_policy"] = dict(self.activation_bytes_by_policy)
         data["collective_timings"] = [timing.to_json() for timing in self.collective_timings]
         return data
 
@@ -243,6 +248,8 @@ class ModelInfo:
                 values[key] = tuple(values.get(key) or ())
             values["collective_timings"] = tuple(
                 CollectiveTiming.from_json(item) for item in values.get("collective_timings") or ())
+            values["activation_bytes_by_policy"] = tuple(
+                (str(policy), int(size)) for policy, size in sorted((values.get("activation_bytes_by_policy") or {}).items()))
             return cls(**values)
         except (TypeError, KeyError, ValueError) as err:
             raise RecordError(f"model info record: {err}") from None

@@ -215,6 +215,9 @@ class DeepSpeedView:
     def activation_bytes(self) -> int:
         return self._activation_bytes()
 
+    def activation_bytes_by_policy(self) -> dict[str, int]:
+        return {}  # checkpointing on DeepSpeed's engine is the script's (deepspeed.checkpointing), not ours
+
     def flops_per_micro_step(self) -> None:
         return None  # not counted inside DeepSpeed's engine
 

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.runtime.accessors import DeepSpeedAccessors
+from autotuner.runtime.activation_checkpointing import repeated_blocks
 from autotuner.runtime.distributed import DistributedContext
 from autotuner.runtime.grad_reduction import GradientReduction
 from autotuner.runtime.measurement import OurEngineView, measurement_request
@@ -24,7 +25,7 @@ from autotuner.runtime.rank_measurement import RankMeasurement
 from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, write_oom_marker
 from autotuner.runtime.online import start_online
 from autotuner.runtime.online.apply import apply_fsdp_prefetch, fsdp_prefetch_depths, fsdp_units, read_applied, rewrap_ddp
-from autotuner.runtime.sharding import average_gradients, gradient_norm, wrap_ddp
+from autotuner.runtime.sharding import average_gradients, gradient_norm, unwrap, wrap_ddp
 from autotuner.runtime.reporting import RunReporter
 from autotuner.runtime.timers import ProfileWindow, Stopwatch
 from autotuner.runtime.window_load import WindowWatch
@@ -94,7 +95,9 @@ class Engine(DeepSpeedAccessors, nn.Module):
         count_flops = self._exit_after_window and self._window.start_step > 1
         self._flop_probe = FlopProbe() if count_flops else None
         want_model_info = request is not None and request.model_info_path is not None
-        self._activation_probe = ActivationProbe(list(self.wrapped.parameters())) if want_model_info else None
+        # The blocks let the probe say what each checkpointing policy would hold (the tuner's memory term).
+        self._activation_probe = ActivationProbe(list(self.wrapped.parameters()),
+                                                 repeated_blocks(unwrap(self.wrapped))) if want_model_info else None
         # On CUDA the profile reads the allocator's peaks of step 2 apart for forward+backward and for
         # the optimizer step: the steady state, with optimizer states allocated. The CPU's resident
         # set cannot be split by phase, so there the profile stays at step 1.

@@ -50,23 +50,83 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
 
 
-class ActivationProbe:
-    """Bytes of tensors saved for backward during one forward, excluding parameter storage."""
+# Autograd nodes of the ops whose outputs selective checkpointing keeps (activation_checkpointing.py),
+# and of the views and reshapes that may sit between such an output and the op that saves it
+# (nn.Linear on 3-D input is a view of an mm; Hugging Face's Conv1D views an addmm).
+_MATMUL_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0",
+                           "ScaledDotProductFlashAttentionForCpuBackward0", "ScaledDotProductFlashAttentionBackward0",
+                           "ScaledDotProductEfficientAttentionBackward0", "ScaledDotProductCudnnAttentionBackward0"})
+_VIEW_NODES = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0",
+                         "TBackward0", "TransposeBackward0", "PermuteBackward0", "ExpandBackward0"})
 
-    def __init__(self, parameters: list[torch.Tensor]):
+
+def _made_by_a_matmul(tensor: torch.Tensor) -> bool:
+    node = tensor.grad_fn
+    for _ in range(4):
+        if node is None:
+            return False
+        name = type(node).__name__
+        if name in _MATMUL_NODES:
+            return True
+        if name not in _VIEW_NODES or not node.next_functions:
+            return False
+        node = node.next_functions[0][0]
+    return False
+
+
+class ActivationProbe:
+    """Bytes of tensors saved for backward during one forward, excluding parameter storage.
+
+    Given the model's repeated blocks (run with no activation checkpointing), it also says what
+    each checkpointing policy would keep, from the same forward: the bytes saved outside the
+    blocks, each block's input, each block's saved bytes, and among them the outputs of matmuls
+    and attention kernels (what "selective" keeps), told by the autograd node that made them. Under "full" a block keeps its input and,
+    in its backward, recomputes its own activations one block at a time; under "selective" it
+    keeps its matmul outputs too and recomputes the rest one block at a time."""
+
+    def __init__(self, parameters: list[torch.Tensor], blocks: list[nn.Module] | None = None):
         self._param_keys = {_storage_key(_local(p)) for p in parameters}
         self._seen: set[tuple[str, int]] = set()
         self.bytes_saved = 0
         self._hooks = None
+        self._blocks = list(blocks or [])
+        self._handles: list = []
+        self._current: int | None = None  # the block whose forward is running
+        self._outside = 0
+        self._inside = [0] * len(self._blocks)
+        self._matmul_inside = [0] * len(self._blocks)
+        self._inputs = [0] * len(self._blocks)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
         if key not in self._param_keys and key not in self._seen:
             self._seen.add(key)
-            self.bytes_saved += _storage_bytes(tensor)
+            size = _storage_bytes(tensor)
+            self.bytes_saved += size
+            if self._current is None:
+                self._outside += size
+            else:
+                self._inside[self._current] += size
+                if _made_by_a_matmul(tensor):
+                    self._matmul_inside[self._current] += size
         return tensor
 
+    def _watch_blocks(self) -> None:
+        def entering(index: int):
+            def hook(module, args):
+                self._current = index
+                self._inputs[index] += sum(_storage_bytes(a) for a in args if isinstance(a, torch.Tensor))
+            return hook
+
+        def leaving(module, args, output):
+            self._current = None
+
+        for index, block in enumerate(self._blocks):
+            self._handles.append(block.register_forward_pre_hook(entering(index)))
+            self._handles.append(block.register_forward_hook(leaving))
+
     def start(self) -> None:
+        self._watch_blocks()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
 
@@ -74,6 +134,27 @@ class ActivationProbe:
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def held_by_policy(self) -> dict[str, int]:
+        """Bytes each checkpointing policy holds for backward once the forward is done, from one
+        forward without checkpointing; empty without blocks."""
+        if not self._blocks or not any(self._inside):
+            return {}
+        kept = self._outside + sum(self._inputs)
+        return {"none": self.bytes_saved, "full": kept, "selective": kept + sum(self._matmul_inside)}
+
+    def bytes_by_policy(self) -> dict[str, int]:
+        """The peak each policy reaches in backward: what it holds, plus one block's recomputed
+        activations (all of them under "full", all but the matmul outputs under "selective")."""
+        held = self.held_by_policy()
+        if not held:
+            return {}
+        recomputed = [inside - matmul for inside, matmul in zip(self._inside, self._matmul_inside)]
+        return {"none": held["none"], "full": held["full"] + max(self._inside),
+                "selective": held["selective"] + max(recomputed)}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -123,6 +204,7 @@ def write_model_info(
     collective_timings: tuple[CollectiveTiming, ...] = (),
     parameter_counts: tuple[int, int] | None = None,
     engine: str = "autotuner",
+    activation_bytes_by_policy: dict[str, int] | None = None,
 ) -> ModelInfo:
     total, trainable = parameter_counts or count_parameters(zero_stage_module)
     info = ModelInfo(
@@ -148,6 +230,7 @@ def write_model_info(
         backend=backend,
         collective_timings=tuple(collective_timings),
         engine=engine,
+        activation_bytes_by_policy=tuple(sorted((activation_bytes_by_policy or {}).items())),
     )
     write_record(path, info)
     return info

@@ -50,6 +50,9 @@ class EngineView(Protocol):
     def activation_bytes(self) -> int:
         """Bytes the first micro-step saved for backward on this rank."""
 
+    def activation_bytes_by_policy(self) -> dict[str, int]:
+        """What each activation checkpointing policy would hold on this rank; empty if unknown."""
+
     def flops_per_micro_step(self) -> int | None: ...
 
 
@@ -92,6 +95,10 @@ class RankMeasurement:
         When the request says so, every rank then leaves with status 0."""
         view = self.view
         activation_per_rank = self.gather_max(view.activation_bytes())
+        by_policy = view.activation_bytes_by_policy()
+        if len(set(self.gather_max(len(by_policy)))) > 1:  # every rank runs the same model: never, but no hang
+            by_policy = {}
+        by_policy = {policy: max(self.gather_max(size)) for policy, size in sorted(by_policy.items())}
         optimizer_per_rank = self.gather_max(view.optimizer_state_bytes())
         # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
         optimizer_bytes = optimizer_per_rank[0] if view.zero_stage == 0 else sum(optimizer_per_rank)
@@ -128,6 +135,7 @@ class RankMeasurement:
                 backend=dist.get_backend() if dist.is_initialized() else None,
                 collective_timings=timings,
                 engine=view.name,
+                activation_bytes_by_policy=by_policy,
             )
         if self.request.exit_after_model_info:
             self.leave()

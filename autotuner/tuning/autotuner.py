@@ -231,9 +231,13 @@ class Autotuner:
             self._profiled = True
             device_memory = outcome.device_memory_bytes
             self.memory.device_type = "cuda" if device_memory else "cpu"
+            by_policy = dict(self.memory.profile.activation_bytes_per_sample_by_policy)
+            checkpointed = (f" (with activation checkpointing: full {by_policy['full'] / 2**20:.2f}, selective "
+                            f"{by_policy['selective'] / 2**20:.2f})"
+                            if {"full", "selective"} <= by_policy.keys() else "")
             self.report(f"profile: {self.memory.profile.num_params:,} parameters, "
-                        f"{self.memory.profile.activation_bytes_per_sample / 2**20:.2f} MiB activations per sample, "
-                        f"baseline {self.memory.profile.baseline_bytes / 2**20:.0f} MiB per rank")
+                        f"{self.memory.profile.activation_bytes_per_sample / 2**20:.2f} MiB activations per sample"
+                        f"{checkpointed}, baseline {self.memory.profile.baseline_bytes / 2**20:.0f} MiB per rank")
             for fit in self.memory.profile.peak_fits:
                 self.report(f"profile: {engine_family(fit.zero_stage, self.memory.engine)} measured peaks: forward+backward "
                             f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.1f} MiB per sample, "

@@ -56,6 +56,9 @@ class ModelProfile:
     sharded_baseline_bytes: int | None = None  # stage 2/3 process overhead, when measured apart (DTensor)
     peak_fits: tuple[PeakFit, ...] = ()  # measured on CUDA; they replace the analytic sum for their engine
     engine: str = "autotuner"  # whose engine the profile ran on: "autotuner" or "deepspeed"
+    # Per activation checkpointing policy, the bytes per sample it would hold at its peak
+    # (ModelInfo.activation_bytes_by_policy over the profiled micro-batches); empty if not measured.
+    activation_bytes_per_sample_by_policy: tuple[tuple[str, int], ...] = ()
 
     def peak_fit(self, stage: int) -> PeakFit | None:
         family = engine_family(stage, self.engine)

@@ -151,15 +151,32 @@ def peak_fit(infos: list[ModelInfo]) -> PeakFit | None:
                    optimizer_step_bytes=max(int(info.optimizer_step_peak_bytes or 0) for info in infos[:2]))
 
 
+def _per_sample(first_bytes: int, first_micro: int, second_bytes: int, second_micro: int) -> int:
+    """The slope between two launches' bytes; one launch's bytes per sample when there is no slope."""
+    per_sample = (second_bytes - first_bytes) / max(1, second_micro - first_micro)
+    return int(per_sample if per_sample > 0 else first_bytes / first_micro)
+
+
+def _per_sample_by_policy(first: ModelInfo, second: ModelInfo) -> tuple[tuple[str, int], ...]:
+    """Each checkpointing policy's bytes per sample: the slope over both launches where both
+    measured it, else the first launch's bytes per sample."""
+    later = dict(second.activation_bytes_by_policy)
+    out = []
+    for policy, size in first.activation_bytes_by_policy:
+        if policy in later and second.micro_batch_size != first.micro_batch_size:
+            out.append((policy, _per_sample(size, first.micro_batch_size, later[policy], second.micro_batch_size)))
+        else:
+            out.append((policy, size // first.micro_batch_size))
+    return tuple(out)
+
+
 def _to_profile(infos: list[ModelInfo], settings: ExperimentSettings) -> ModelProfile:
     first, second = infos[0], infos[-1]
-    per_sample = (second.activation_bytes - first.activation_bytes) / max(
-        1, second.micro_batch_size - first.micro_batch_size)
-    if per_sample <= 0:
-        per_sample = first.activation_bytes / first.micro_batch_size
     profile = ModelProfile(
         num_params=first.num_params,
-        activation_bytes_per_sample=int(per_sample),
+        activation_bytes_per_sample=_per_sample(first.activation_bytes, first.micro_batch_size,
+                                                second.activation_bytes, second.micro_batch_size),
+        activation_bytes_per_sample_by_policy=_per_sample_by_policy(first, second),
         optimizer_state_bytes_per_param=first.optimizer_state_bytes_per_param,
         num_shard_units=first.num_shard_units,
         engine=first.engine,

@@ -84,6 +84,10 @@ def test_profile_run_counts_adam_states_once_replicated_or_sharded(stage, tmp_pa
     assert info["zero_stage"] == int(stage) and info["world_size"] == 2
     # Adam's two fp32 moments: 8 bytes per parameter for the whole model, on 1 rank or split over 2.
     assert info["optimizer_state_bytes_per_param"] == pytest.approx(8.0, rel=0.01)
+    # The same forward says what each checkpointing policy would hold for the MLP's 4 blocks.
+    by_policy = info["activation_bytes_by_policy"]
+    assert set(by_policy) == {"none", "full", "selective"} and by_policy["none"] == info["activation_bytes"]
+    assert 0 < by_policy["full"] < by_policy["none"]
 
 
 @pytest.mark.parametrize("stage", STAGES)

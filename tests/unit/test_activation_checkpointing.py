@@ -111,3 +111,34 @@ def test_none_touches_nothing_and_an_unknown_policy_is_refused():
     assert apply_activation_checkpointing(model, "full") == 4
     with pytest.raises(ValueError):
         apply_activation_checkpointing(Tower(), "every_other")
+
+
+def test_one_forward_without_checkpointing_tells_what_each_policy_holds():
+    """The profile's probe, run once with no checkpointing, against what each policy really keeps
+    alive after its forward (the output and a few views aside)."""
+    from autotuner.runtime.profile import ActivationProbe
+
+    torch.manual_seed(0)
+    model = Tower()
+    probe = ActivationProbe(list(model.parameters()), repeated_blocks(model))
+    probe.start()
+    model(torch.randn(64, 8, generator=torch.Generator().manual_seed(1))).square().mean()
+    probe.stop()
+    held, peak = probe.held_by_policy(), probe.bytes_by_policy()
+    assert held["none"] == peak["none"] == probe.bytes_saved
+    assert held["full"] < held["selective"] < held["none"]
+    assert held["full"] < peak["full"] < peak["selective"] < peak["none"]  # one block recomputed at a time
+    for policy in ("full", "selective"):
+        live, _ = kept_bytes_and_grads(policy)
+        assert held[policy] == pytest.approx(live, rel=0.15), (policy, held[policy], live)
+
+
+def test_the_probe_without_blocks_says_nothing_of_policies():
+    from autotuner.runtime.profile import ActivationProbe
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    probe = ActivationProbe(list(model.parameters()))
+    probe.start()
+    model(torch.randn(2, 4)).sum()
+    probe.stop()
+    assert probe.bytes_saved > 0 and probe.held_by_policy() == {} == probe.bytes_by_policy()
