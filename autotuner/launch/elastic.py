@@ -39,24 +39,6 @@ def run_plan(plan: LaunchPlan, *, quiet: bool = True) -> int:
         raise Stopped(int(late.sigval)) from None
 
 
-def _frame_method_name(depth: int = 2) -> str:
-    """What torch elastic's rendezvous `get_method_name` returns (the name of the function `depth`
-    frames up), read off one frame instead of `inspect.stack()`, which reads every frame's source
-    file for context lines: twice per event, nine events per launch, about 0.4 s of each launch on
-    2 CPU cores. The name only labels rendezvous events, which go to a null handler unless set."""
-    try:
-        return sys._getframe(depth).f_code.co_name
-    except ValueError:  # fewer frames than `depth`: elastic's own fallback
-        return "no_method_name"
-
-
-def _cheap_rendezvous_event_names() -> None:
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
-    if callable(getattr(dynamic_rendezvous, "get_method_name", None)):
-        dynamic_rendezvous.get_method_name = _frame_method_name
-
-
 def _run_plan(plan: LaunchPlan, quiet: bool) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -65,7 +47,6 @@ def _run_plan(plan: LaunchPlan, quiet: bool) -> int:
     from torch.distributed import DistStoreError
     from torch.distributed.elastic.rendezvous import RendezvousError
 
-    _cheap_rendezvous_event_names()
     if quiet:
         # We print one line per failed rank ourselves; elastic's own report repeats it at length.
         # Its modules set their loggers' levels themselves, so each one is quieted.
