@@ -44,6 +44,10 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
         {"nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "ratio"}
     ),
     "zero_optimization.offload_param": frozenset({"nvme_path", "buffer_count", "buffer_size", "max_in_cpu"}),
+    # DeepSpeed's own: read only by deepspeed.checkpointing.configure (autotuner/checkpointing.py).
+    "activation_checkpointing": frozenset({"partition_activations", "contiguous_memory_optimization",
+                                           "cpu_checkpointing", "number_checkpoints",
+                                           "synchronize_checkpoint_boundary", "profile"}),
     # DeepSpeed 0.16+'s DeepCompile keys (its own compiler passes for its engine).
     "compile": frozenset({"deepcompile", "autoep_non_moe", "free_activation", "free_activation_threshold",
                           "offload_activation", "offload_activation_pin_memory", "offload_opt_states",

@@ -128,19 +128,14 @@ CheckpointPolicy = Literal["none", "full", "selective"]
 
 
 class ActivationCheckpointingConfig(_Section):
-    """`activation_checkpointing`: DeepSpeed's keys, read by scripts that call
-    `deepspeed.checkpointing.configure`, plus ours, `policy`, which our engine applies itself."""
+    """`activation_checkpointing`: ours, `policy`, which our engine applies itself. DeepSpeed's keys
+    in the section are set aside with the loader's one warning (config/keys.py): only a script
+    that calls `deepspeed.checkpointing.configure` reads them, from the file."""
 
     policy: CheckpointPolicy = Field(
         "none", description='ours: recompute activations of the model\'s repeated blocks (the entries of its '
                             'nn.ModuleLists, the blocks FSDP2 shards) in backward: "full" keeps only each block\'s '
                             'input, "selective" also keeps matmul outputs')
-    partition_activations: bool = Field(False, description="DeepSpeed's: needs model parallelism (refused if set)")
-    contiguous_memory_optimization: bool = Field(False, description="DeepSpeed's: refused if set")
-    cpu_checkpointing: bool = Field(False, description="DeepSpeed's: refused if set")
-    number_checkpoints: PositiveInt | None = Field(None, description="DeepSpeed's: accepted, no effect here")
-    synchronize_checkpoint_boundary: bool = Field(False, description="DeepSpeed's: accepted, no effect here")
-    profile: bool = Field(False, description="DeepSpeed's: accepted, no effect here")
 
 
 class CompileConfig(_Section):

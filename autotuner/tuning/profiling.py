@@ -161,13 +161,8 @@ def _per_sample_by_policy(first: ModelInfo, second: ModelInfo) -> tuple[tuple[st
     """Each checkpointing policy's bytes per sample: the slope over both launches where both
     measured it, else the first launch's bytes per sample."""
     later = dict(second.activation_bytes_by_policy)
-    out = []
-    for policy, size in first.activation_bytes_by_policy:
-        if policy in later and second.micro_batch_size != first.micro_batch_size:
-            out.append((policy, _per_sample(size, first.micro_batch_size, later[policy], second.micro_batch_size)))
-        else:
-            out.append((policy, size // first.micro_batch_size))
-    return tuple(out)
+    return tuple((policy, _per_sample(size, first.micro_batch_size, later.get(policy, size), second.micro_batch_size))
+                 for policy, size in first.activation_bytes_by_policy)
 
 
 def _to_profile(infos: list[ModelInfo], settings: ExperimentSettings) -> ModelProfile:

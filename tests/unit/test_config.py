@@ -572,3 +572,17 @@ def test_fp16_on_deepspeeds_cpu_engine_is_refused_in_one_line_where_this_cpu_has
     engines.check_deepspeed_precision(False, "deepspeed", (), "ds.json")
     monkeypatch.setattr(engines, "deepspeed_cpu_runs_fp16", lambda: True)
     engines.check_deepspeed_precision(True, "deepspeed", ("--fp16",), "ds.json")
+
+
+def test_deepspeeds_activation_checkpointing_keys_are_set_aside_with_one_warning_and_the_policy_is_kept(
+        tmp_path, caplog):
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"activation_checkpointing": {"policy": "selective", "partition_activations": False,
+                                                             "number_checkpoints": 4}}))
+    with caplog.at_level(logging.WARNING, logger=LOADER_LOGGER):
+        config = load_config(path)
+    assert config.activation_checkpointing.policy == "selective"
+    warnings = [r.getMessage() for r in caplog.records if "accepted but not used" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "activation_checkpointing.partition_activations" in warnings[0]
+    assert "activation_checkpointing.number_checkpoints" in warnings[0] and "policy" not in warnings[0]
