@@ -115,6 +115,11 @@ def check_our_engine_sections(config, engine: str, source: str) -> None:
     if engine != "deepspeed":
         return
     policy = config.activation_checkpointing.policy
+    if config.activation_checkpointing.tuned:
+        raise ConfigError(f"{source}: activation_checkpointing.policy: {json.dumps(policy)} is tuned on our engine "
+                          "only; on DeepSpeed's engine it is not tunable yet (the script checkpoints activations "
+                          "itself: deepspeed.checkpointing, or Hugging Face's --gradient_checkpointing); set it "
+                          "to \"none\" or leave it out")
     if policy != "none":
         raise ConfigError(f"{source}: activation_checkpointing.policy: {json.dumps(policy)} is applied by our engine "
                           "only; a script on DeepSpeed's engine checkpoints activations itself (deepspeed.checkpointing"

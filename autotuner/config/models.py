@@ -7,6 +7,7 @@ run, and the engine refuses anything still unsettled.
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal, Union
 
@@ -132,10 +133,26 @@ class ActivationCheckpointingConfig(_Section):
     in the section are set aside with the loader's one warning (config/keys.py): only a script
     that calls `deepspeed.checkpointing.configure` reads them, from the file."""
 
-    policy: CheckpointPolicy = Field(
+    policy: CheckpointPolicy | Literal["auto"] | list[CheckpointPolicy] = Field(
         "none", description='ours: recompute activations of the model\'s repeated blocks (the entries of its '
                             'nn.ModuleLists, the blocks FSDP2 shards) in backward: "full" keeps only each block\'s '
-                            'input, "selective" also keeps matmul outputs')
+                            'input, "selective" also keeps matmul outputs; "auto" (or a list of policies) tunes it '
+                            'under --autotuning tune|run')
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _policy_known(cls, value: Any) -> Any:
+        allowed = 'give "none", "full" or "selective", a list of them, or "auto" (the list and "auto" are tuned)'
+        if isinstance(value, list) and not value:
+            raise ValueError(f"an empty list tunes nothing; {allowed}")
+        for policy in value if isinstance(value, list) else [value]:
+            if policy not in ("none", "full", "selective") and (isinstance(value, list) or policy != "auto"):
+                raise ValueError(f"{json.dumps(policy)} is not a policy; {allowed}")
+        return value
+
+    @property
+    def tuned(self) -> bool:
+        return not isinstance(self.policy, str) or self.policy == "auto"
 
 
 class CompileConfig(_Section):

@@ -217,6 +217,9 @@ def initialize(
         source = [dict(group) for group in optimizer.param_groups]
     else:
         source = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if cfg.activation_checkpointing.tuned:  # the tuner writes a policy into each experiment's config
+        raise ConfigError(f"activation_checkpointing.policy: got {cfg.activation_checkpointing.policy!r}; \"auto\" "
+                          "or a list is settled by --autotuning tune|run; give \"none\", \"full\" or \"selective\"")
     apply_activation_checkpointing(model, cfg.activation_checkpointing.policy)  # before DDP/FSDP2 wrap
     if cfg.compile.enabled:
         compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs)  # after checkpointing, before sharding

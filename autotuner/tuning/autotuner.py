@@ -28,7 +28,7 @@ from autotuner.tuning.results import Explanation, PredictedPoint, write_results
 from autotuner.tuning.runner import Runner
 from autotuner.tuning.parallel_launches import ParallelLaunches
 from autotuner.tuning.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
-from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search
+from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search, variant_text
 from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
 from autotuner.tuning.space import Experiment
 
@@ -131,8 +131,9 @@ class Autotuner:
 
     def _profile_launch(self, stage: int, micro_batch_size: int) -> TrialResult:
         """A profile launch is the experiment at that stage and size (with its own gas), which also
-        records the model; it counts as that experiment's measurement."""
-        experiment = self.space.experiment(stage, micro_batch_size)
+        records the model; it counts as that experiment's measurement (under the stage's first
+        variant, which the base config holds)."""
+        experiment = self.space.experiment(stage, micro_batch_size).with_knobs(dict(self.space.variants_for(stage)[0]))
         reused = self._journal.get(experiment.name)
         if reused is not None and reused.model_info is not None:
             result = reused
@@ -242,9 +243,29 @@ class Autotuner:
                 self.report(f"profile: {engine_family(fit.zero_stage, self.memory.engine)} measured peaks: forward+backward "
                             f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.1f} MiB per sample, "
                             f"optimizer step {fit.optimizer_step_bytes / 2**20:.0f} MiB")
+        self._settle_checkpointing_variants()
         self.memory.settle_budget(device_memory)
         self.report(f"memory budget: {self.memory.budget_bytes / 2**20:.0f} MiB per rank "
                     f"(safety margin {SAFETY_MARGIN:.0%})")
+
+    def _settle_checkpointing_variants(self) -> None:
+        """A tuned activation checkpointing policy is searched only where the profile measured what
+        each policy holds; else one line says why, and every experiment runs without it."""
+        dimension = "activation_checkpointing"
+        if not any(dimension in dict(v) for variants in self.space.variants.values() for v in variants):
+            return
+        if self.memory.profile.activation_bytes_per_sample_by_policy:
+            return
+        why = ("the script trains on DeepSpeed's engine, where it is not tunable yet" if self.memory.engine == "deepspeed"
+               else "the model has no repeated blocks (no nn.ModuleList) to checkpoint" if self._profiled
+               else "autotuning.model_info is given, so no profile measured what each policy holds")
+        self.report(f"activation_checkpointing.policy: not tuned: {why}; every experiment runs without it")
+        # Kept at "none" rather than dropped: the profile launches already ran (and are named) so.
+        kept = {stage: tuple(dict.fromkeys(tuple((k, "none" if k == dimension else v) for k, v in variant)
+                                           for variant in variants))
+                for stage, variants in self.space.variants.items()}
+        self.space = replace(self.space, variants=kept)
+        self.memory.space = self.space
 
     def _settle_engine(self, measured: str) -> None:
         """The profile launch says whose engine the script trained on; the memory model and the
@@ -304,11 +325,13 @@ class Autotuner:
         self._progress(result, reused)
         self.memory.learn(result)
 
-    def _prune(self, stage: int, reason: str) -> None:
-        experiment = self.space.experiment(stage, self.space.min_micro_batch_size)
+    def _prune(self, stage: int, reason: str, variant: tuple = ()) -> None:
+        """A stage (or a variant of it: its reason starts with the variant) not searched further."""
+        experiment = self.space.experiment(stage, self.space.min_micro_batch_size).with_knobs(dict(variant))
         self._pruned.append(TrialResult(experiment, TrialState.PRUNED, error=reason,
                                         predicted_memory_bytes=self.memory.predicted_memory(experiment)))
-        searched = "not launched" if reason.startswith(("memory model", REASON_PREFIX)) else "not searched further"
+        own_reason = reason.split(": ", 1)[1] if variant else reason
+        searched = "not launched" if own_reason.startswith(("memory model", REASON_PREFIX)) else "not searched further"
         self.report(f"ZeRO {stage}: pruned, {searched} ({reason})")
 
     def _progress(self, result: TrialResult, reused: bool) -> None:
@@ -324,8 +347,9 @@ class Autotuner:
         self._prepare_dirs()
         self._measure_model()
         largest = self.memory.predicted_largest()
-        self.report("memory model, largest micro-batch per stage: " +
-                    ", ".join(f"z{s}={m}" for s, m in sorted(largest.items())))
+        self.report("memory model, largest micro-batch per stage: " + ", ".join(
+            f"z{key}={m}" if isinstance(key, int) else f"z{key[0]} {variant_text(key[1])}={m}"
+            for key, m in largest.items()))
         if self.policy.tuner_type == "predictive":
             outcome = run_predictive_search(self.space, self.policy, largest, ParallelLaunches(self), self._prune,
                                             self.cost_context(), list(self._results.values()), self.memory.fits,

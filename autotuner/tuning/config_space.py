@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning.dimensions import full_mode_values
+from autotuner.tuning.dimensions import full_mode_values, settle_variants, variant_values
 from autotuner.tuning.search import SearchSpace
 
 
@@ -23,6 +23,7 @@ def base_config(config: DeepSpeedConfig) -> dict[str, Any]:
             zero[knob] = value[0]
     zero.pop("stage", None)
     base["zero_optimization"] = zero
+    settle_variants(base)
     return base
 
 
@@ -51,4 +52,5 @@ def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str =
         global_batch_exact=exact,
         num_micro_batch_sizes=tuning.num_tuning_micro_batch_sizes,
         knob_values=knob_values(config, engine, cuda),
+        variants=variant_values(config.to_dict(), engine, cuda),
     )

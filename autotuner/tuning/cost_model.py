@@ -12,6 +12,8 @@ Step time of one optimizer step, for ZeRO stage s, micro-batch m and gas g:
   gradients; ZeRO 1 then also gathers the updated parameters; FSDP2 gathers the compute copy
   of the parameters (stage 2 once per step, stage 3 before forward and backward of every
   micro-step) and reduce-scatters the gradients.
+- under activation checkpointing, g x r_p m adds policy p's recompute, learned per policy from
+  its launches (its prior: zero, within half the compute per sample).
 - offset(group) is what the costing misses for one stage and knob setting (overlap with
   backward, the optimizer step, sharding's bookkeeping), learned from its launches; ZeRO 2 and 3,
   one sharded engine, lend each other theirs until their own is measured.
@@ -37,6 +39,7 @@ BOUND_Z = 1.64  # one-sided 95%: a candidate is launched while its bound could b
 CURVATURE_PRIOR = 3.0  # q m^2 at the largest size: a few times the compute time a line would give there
 OFFSET_PRIOR = 0.5  # an unmeasured group's offset: within this fraction of its costed communication
 OFFSET_FLOOR = 0.05  # ... and of the step time (the optimizer step, overlap: not costed)
+RECOMPUTE_PRIOR = 0.5  # checkpointing's recompute per sample: within half the compute per sample (a forward's share)
 FP32_BYTES = 4
 
 
@@ -95,9 +98,20 @@ class StepTimePrediction:
         return max(self.mean_s - z * self.std_s, 0.1 * self.mean_s), self.mean_s + z * self.std_s
 
 
+# Knobs whose cost grows with the micro-batch rather than per step: they get a per-sample term
+# of their own (below), not an offset group.
+PER_SAMPLE_KNOBS = ("activation_checkpointing",)
+
+
 def group_of(experiment: Experiment) -> tuple:
     """Experiments that share an offset: one stage with one knob setting."""
-    return (experiment.zero_stage, experiment.knobs)
+    return (experiment.zero_stage, tuple(kv for kv in experiment.knobs if kv[0] not in PER_SAMPLE_KNOBS))
+
+
+def recompute_of(experiment: Experiment) -> str | None:
+    """The activation checkpointing policy whose recompute the step pays, or None."""
+    policy = dict(experiment.knobs).get("activation_checkpointing", "none")
+    return None if policy == "none" else str(policy)
 
 
 class StepTimeModel:
@@ -107,6 +121,9 @@ class StepTimeModel:
         self.context = context
         self.scale_m = float(max(1, largest_micro_batch))
         self.groups = sorted({group_of(o.experiment) for o in observations}, key=repr)
+        # Recompute under checkpointing: a per-sample time per policy, learned from its launches;
+        # unmeasured, it is only a prior (zero mean: the bound stays optimistic, its spread wide).
+        self.recomputes = sorted({r for o in observations if (r := recompute_of(o.experiment)) is not None})
         times = [o.step_time_s for o in observations]
         self.typical_s = float(np.median(times)) if times else 1.0
         per_sample = [o.step_time_s / (o.experiment.gradient_accumulation_steps * o.experiment.micro_batch_size)
@@ -114,6 +131,7 @@ class StepTimeModel:
         compute_at_largest = (float(np.median(per_sample)) if per_sample else 1.0) * self.scale_m
         wide = (100.0 * self.typical_s) ** 2
         self._prior_var = np.array([wide, wide, (CURVATURE_PRIOR * compute_at_largest) ** 2])
+        self._recompute_var = (RECOMPUTE_PRIOR * compute_at_largest) ** 2
         if not observations:
             self._mean = np.zeros(3)
             self._cov = np.diag(self._prior_var)
@@ -121,7 +139,8 @@ class StepTimeModel:
         rows = np.array([self._features(o.experiment, fitted_groups=True) for o in observations])
         targets = np.array([o.step_time_s - self._costed_s(o.experiment) for o in observations])
         noise = np.array([max(o.relative_noise, NOISE_FLOOR) * o.step_time_s for o in observations])
-        prior_var = np.concatenate([self._prior_var, [self._offset_var(g) for g in self.groups]])
+        prior_var = np.concatenate([self._prior_var, [self._offset_var(g) for g in self.groups],
+                                    [self._recompute_var] * len(self.recomputes)])
         self._fit(rows, targets, noise, prior_var)
         if self._mean[0] < 0:
             # A micro-step's fixed cost is never negative; pinned at 0, the curvature explains the data.
@@ -146,6 +165,7 @@ class StepTimeModel:
         base = [g, g * m, g * m * m]
         if fitted_groups:
             base += [1.0 if group_of(experiment) == group else 0.0 for group in self.groups]
+            base += [g * m if recompute_of(experiment) == policy else 0.0 for policy in self.recomputes]
         return np.array(base)
 
     def predict(self, experiment: Experiment) -> StepTimePrediction:
@@ -160,6 +180,11 @@ class StepTimeModel:
             twin = (5 - group[0], group[1]) if group[0] >= 2 else None
             if twin in self.groups:
                 mean += float(self._mean[3 + self.groups.index(twin)])
+        policy = recompute_of(experiment)
+        if policy is not None and policy not in self.recomputes:
+            # A policy never launched: its recompute per sample is the prior's.
+            g, m = experiment.gradient_accumulation_steps, experiment.micro_batch_size / self.scale_m
+            variance += (g * m) ** 2 * self._recompute_var
         noise = NOISE_FLOOR * max(mean, 1e-12)
         mean = max(mean, 1e-9)
         return StepTimePrediction(mean, math.sqrt(max(variance, 0.0) + noise**2))

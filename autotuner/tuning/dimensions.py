@@ -9,6 +9,7 @@ dimension is one entry here plus the engine code that honours its config key.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
@@ -48,6 +49,17 @@ def _is_cpu(value: Any) -> float:
     return float(value == "cpu")
 
 
+CHECKPOINT_POLICIES = ("none", "selective", "full")  # in the order they save memory (and cost recompute)
+
+
+def _checkpoint_policy(settings: StageSettings, value: Any) -> StageSettings:
+    return replace(settings, activation_policy=str(value))
+
+
+def _policy_rank(value: Any) -> float:
+    return float(CHECKPOINT_POLICIES.index(value))
+
+
 @dataclass(frozen=True)
 class Dimension:
     name: str  # the key in Experiment.knobs, the journal and the results table
@@ -59,6 +71,10 @@ class Dimension:
     cuda_only: bool = False  # offered on CUDA only (on a CPU everything is host memory already)
     # Config sections whose presence means the user chose (offload: either section fixes both).
     user_sections: tuple[tuple[str, ...], ...] = ()
+    # "knob": tuned in full mode on the best stages unless the user fixed it. "variant": changes
+    # what fits (the micro-batch a stage can reach), so it is searched beside the stage in either
+    # mode, and only where the user asked for it ("auto" or a list at its path).
+    role: str = "knob"
 
     def values_for(self, stage: int, engine: Engine, cuda: bool) -> tuple[Any, ...]:
         if self.cuda_only and not cuda:
@@ -95,6 +111,9 @@ REGISTRY: dict[str, Dimension] = {d.name: d for d in (
     Dimension("offload_param", ("zero_optimization", "offload_param", "device"), "op",
               {"deepspeed": {3: ("none", "cpu")}},
               _offload_param, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS),
+    Dimension("activation_checkpointing", ("activation_checkpointing", "policy"), "ac",
+              {"autotuner": {stage: CHECKPOINT_POLICIES for stage in range(4)}},
+              _checkpoint_policy, _policy_rank, role="variant"),
 )}
 
 
@@ -148,6 +167,8 @@ def full_mode_values(user_config: Mapping[str, Any], engine: Engine = "autotuner
     for stage in stages:
         per_stage: dict[str, list[Any]] = {}
         for dim in REGISTRY.values():
+            if dim.role != "knob":
+                continue
             defaults = dim.values_for(stage, engine, cuda)
             if not defaults:
                 continue
@@ -160,3 +181,45 @@ def full_mode_values(user_config: Mapping[str, Any], engine: Engine = "autotuner
                 per_stage[dim.name] = list(value)
         out[stage] = per_stage
     return out
+
+
+def _asked_values(dim: Dimension, user_config: Mapping[str, Any], stage: int, engine: Engine,
+                  cuda: bool) -> list[Any]:
+    """A variant dimension's values the user asked to tune at `stage`, in its own order: all of
+    them for "auto", theirs for a list; none for a scalar (fixed) or an absent key."""
+    present, value = lookup(user_config, dim.path)
+    offered = dim.values_for(stage, engine, cuda)
+    if not present or not offered:
+        return []
+    if value == "auto":
+        return list(offered)
+    if isinstance(value, list):
+        return [v for v in offered if v in value]
+    return []
+
+
+def variant_values(user_config: Mapping[str, Any], engine: Engine = "autotuner",
+                   cuda: bool = False) -> dict[int, tuple[tuple[tuple[str, Any], ...], ...]]:
+    """Per stage, the variants to search beside it (every combination of the variant dimensions
+    the user asked to tune, each as sorted knobs), least memory-saving first; empty when none."""
+    out: dict[int, tuple[tuple[tuple[str, Any], ...], ...]] = {}
+    for stage in range(4):
+        asked = {d.name: _asked_values(d, user_config, stage, engine, cuda)
+                 for d in REGISTRY.values() if d.role == "variant"}
+        asked = {name: values for name, values in asked.items() if values}
+        if not asked:
+            continue
+        names = sorted(asked)
+        out[stage] = tuple(tuple(sorted(zip(names, combo))) for combo in itertools.product(*(asked[n] for n in names)))
+    return out
+
+
+def settle_variants(config: dict[str, Any]) -> None:
+    """Each tuned variant dimension at its first value, in place: the base that the profile
+    launches run (and every experiment then overrides)."""
+    for dim in REGISTRY.values():
+        if dim.role != "variant":
+            continue
+        present, value = lookup(config, dim.path)
+        if present and (value == "auto" or isinstance(value, list)):
+            write(config, dim.path, next(iter(dim.values_for(0, "autotuner", False)), value))

@@ -12,7 +12,8 @@ It costs what our engine really holds (see autotuner/runtime/sharding.py):
 - offload (stage 2/3): FSDP2's CPUOffloadPolicy keeps the sharded fp32 parameters and
   gradients on the host and steps the optimizer there, so either `offload_optimizer` or
   `offload_param` leaves only the compute copies and activations on the device.
-Activations come from the profile run. `baseline_bytes` is what the process holds
+Activations come from the profile run, per activation checkpointing policy (the bytes each
+policy would hold, measured on the profile's own step). `baseline_bytes` is what the process holds
 before the model (CUDA context, or on CPU the interpreter and libraries).
 
 A script that trains on DeepSpeed's own engine (`engine == "deepspeed"`) is costed from
@@ -60,6 +61,12 @@ class ModelProfile:
     # (ModelInfo.activation_bytes_by_policy over the profiled micro-batches); empty if not measured.
     activation_bytes_per_sample_by_policy: tuple[tuple[str, int], ...] = ()
 
+    def activation_bytes_per_sample_for(self, policy: str) -> int:
+        """Bytes per sample held under an activation checkpointing policy: as the profile measured
+        them, else (not measured: model_info, DeepSpeed's engine) as without checkpointing, which
+        never under-counts."""
+        return dict(self.activation_bytes_per_sample_by_policy).get(policy, self.activation_bytes_per_sample)
+
     def peak_fit(self, stage: int) -> PeakFit | None:
         family = engine_family(stage, self.engine)
         return next((f for f in self.peak_fits if engine_family(f.zero_stage, self.engine) == family), None)
@@ -92,6 +99,7 @@ class StageSettings:
     contiguous_gradients: bool = False
     gradient_accumulation_steps: int = 1
     zero_knobs: tuple[tuple[str, Any], ...] = ()  # zero_optimization as the experiment sets it (DeepSpeed's buckets)
+    activation_policy: str = "none"  # activation_checkpointing.policy: what the blocks keep for backward
 
 
 def model_state_bytes(profile: ModelProfile, settings: StageSettings) -> MemoryEstimate:
@@ -147,7 +155,8 @@ def estimate(profile: ModelProfile, settings: StageSettings, micro_batch_size: i
     if fit is not None and fit.precision == settings.precision:
         return _fitted_estimate(profile, fit, settings, states, micro_batch_size)
     return MemoryEstimate(states.parameters, states.gradients, states.optimizer_states, states.working_buffers,
-                          profile.activation_bytes_per_sample * micro_batch_size, states.baseline)
+                          profile.activation_bytes_per_sample_for(settings.activation_policy) * micro_batch_size,
+                          states.baseline)
 
 
 def _fitted_estimate(profile: ModelProfile, fit: PeakFit, settings: StageSettings, states: MemoryEstimate,
@@ -166,15 +175,19 @@ def _fitted_estimate(profile: ModelProfile, fit: PeakFit, settings: StageSetting
     moved_weights = weights(states) - weights(profiled)
     moved_gradients = states.gradients - profiled.gradients
     moved_buffers = states.working_buffers - profiled.working_buffers
-    forward_backward = fit.fixed_bytes + fit.per_sample_bytes * micro_batch_size + moved_weights + moved_buffers
+    # The fit was measured without checkpointing; a policy drops the saved bytes it does not keep,
+    # and everything else in the measured slope (backward's temporaries) stays.
+    dropped = profile.activation_bytes_per_sample - profile.activation_bytes_per_sample_for(settings.activation_policy)
+    per_sample = max(fit.per_sample_bytes - dropped, profile.activation_bytes_per_sample_for(settings.activation_policy))
+    forward_backward = fit.fixed_bytes + per_sample * micro_batch_size + moved_weights + moved_buffers
     if settings.zero_stage <= 1 and settings.gradient_accumulation_steps > 1:
         # set_to_none frees DDP's gradients at each step; with accumulation they live through the next forward.
         forward_backward += BYTES_FP32 * profile.num_params
     step = fit.optimizer_step_bytes + moved_weights + moved_gradients
     if settings.zero_stage <= 1:
         step += moved_buffers  # DDP's buckets live through the step; FSDP2 has resharded by then
-    total = max(forward_backward, step)
-    activations = fit.per_sample_bytes * micro_batch_size
+    total = int(max(forward_backward, step))
+    activations = int(per_sample * micro_batch_size)
     explained = weights(states) + states.gradients + states.working_buffers + activations
     return MemoryEstimate(states.parameters, states.gradients, states.optimizer_states, states.working_buffers,
                           activations, total - explained)

@@ -33,6 +33,10 @@ def _offloads(config: DeepSpeedConfig) -> tuple[bool, bool]:
             bool(zero.offload_param and zero.offload_param.device == "cpu"))
 
 
+def _policy(experiment: Experiment) -> str:
+    return str(dict(experiment.knobs).get("activation_checkpointing", "none"))
+
+
 class MemoryBook:
     """Bytes per rank for any experiment, as well as the launches so far let us know them.
 
@@ -65,6 +69,13 @@ class MemoryBook:
     def family(self, stage: int) -> str:
         return engine_family(stage, self.engine)
 
+    def fit_family(self, experiment: Experiment) -> str:
+        """The residual line an experiment's peak joins: its engine's, apart under activation
+        checkpointing (a policy keeps its own share of each sample's bytes)."""
+        policy = _policy(experiment)
+        family = self.family(experiment.zero_stage)
+        return family if policy == "none" else f"{family}, {policy} checkpointing"
+
     def settle_budget(self, device_memory: int | None) -> None:
         tuning = self.config.autotuning
         self.device_type = "cuda" if device_memory else "cpu"
@@ -93,15 +104,19 @@ class MemoryBook:
                                        experiment.knobs)
         return estimate(self.profile, settings, experiment.micro_batch_size).total
 
-    def _residual_fit(self, stage: int) -> ResidualFit | None:
-        """The engine's own fit, else the other engine's (an engine not measured yet borrows it:
-        allocator slack and under-counted activations are alike in both)."""
-        family = self.family(stage)
-        return self._residual_fits.get(family) or next(iter(self._residual_fits.values()), None)
+    def _residual_fit(self, experiment: Experiment) -> ResidualFit | None:
+        """The experiment's own fit; under a checkpointing policy not measured yet, its engine's
+        whole (what the saved bytes miss, backward's gradient temporaries and allocator slack,
+        does not shrink with the policy: measured on CPU, scaling it by the policy's share
+        under-predicted by 17-28%); else the other engine's (an engine not measured yet borrows
+        it: allocator slack and under-counted activations are alike in both)."""
+        return (self._residual_fits.get(self.fit_family(experiment))
+                or self._residual_fits.get(self.family(experiment.zero_stage))
+                or next(iter(self._residual_fits.values()), None))
 
     def predicted_memory(self, experiment: Experiment) -> int:
         """Bytes per rank: the analytic model plus the residual line fitted to measured peaks."""
-        fit = self._residual_fit(experiment.zero_stage)
+        fit = self._residual_fit(experiment)
         correction = fit.bytes_at(experiment.micro_batch_size) if fit is not None else 0
         return self.analytic_memory(experiment) + correction
 
@@ -115,20 +130,26 @@ class MemoryBook:
                and r.experiment.knobs == experiment.knobs and r.experiment.micro_batch_size <= experiment.micro_batch_size
                for r in self._peak_results):
             return False
-        fit = self._residual_fits.get(self.family(experiment.zero_stage))
+        # A checkpointing policy not launched yet stands on its engine's measured fit (its share of
+        # the bytes was measured on the same profile step).
+        fit = self._residual_fits.get(self.fit_family(experiment)) or self._residual_fits.get(
+            self.family(experiment.zero_stage))
         margin = SAFETY_MARGIN / 2 if fit is not None and fit.measured_points else SAFETY_MARGIN
         return self.predicted_memory(experiment) <= usable_bytes(self.budget_bytes, margin)
 
-    def predicted_largest(self) -> dict[int, int]:
-        """Per stage, the largest micro-batch whose experiment (with its own gas) is predicted to fit."""
-        largest = {}
+    def predicted_largest(self) -> dict[Any, int]:
+        """Per stage, the largest micro-batch whose experiment (with its own gas) is predicted to
+        fit; per (stage, variant) too, for each variant searched beside a stage (search.py)."""
+        largest: dict[Any, int] = {}
         for stage in self.space.stages:
-            fitting = [m for m in self.space.valid_micro_batch_sizes(self.space.max_micro_batch_size)
-                       if self.fits(self.space.experiment(stage, m))]
-            largest[stage] = max(fitting, default=0)
+            for variant in self.space.variants_for(stage):
+                space = replace(self.space, stage_knobs=variant)
+                fitting = [m for m in space.valid_micro_batch_sizes(space.max_micro_batch_size)
+                           if self.fits(space.experiment(stage, m))]
+                largest[(stage, variant) if variant else stage] = max(fitting, default=0)
         return largest
 
-    def offload_fallback(self, stage: int) -> tuple[dict[str, Any], int] | None:
+    def offload_fallback(self, stage: int, variant: tuple[tuple[str, Any], ...] = ()) -> tuple[dict[str, Any], int] | None:
         """For a ZeRO 2/3 stage that fits nothing on the GPU: CPU offload and the largest micro-batch
         it allows. Not offered when the user configured offload (their choice stands) or off CUDA
         (torch's CPUOffloadPolicy needs a GPU). DeepSpeed offloads parameters only at stage 3, and
@@ -138,7 +159,7 @@ class MemoryBook:
             return None
         knobs = {"offload_optimizer": "cpu"} if stage < 3 else {"offload_optimizer": "cpu", "offload_param": "cpu"}
         usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
-        space = replace(self.space, stage_knobs=tuple(sorted(knobs.items())))
+        space = replace(self.space, stage_knobs=tuple(sorted({**dict(variant), **knobs}.items())))
         fitting = [m for m in space.valid_micro_batch_sizes(self.space.max_micro_batch_size)
                    if self.predicted_memory(space.experiment(stage, m)) <= usable]
         return (knobs, max(fitting)) if fitting else None
@@ -152,14 +173,17 @@ class MemoryBook:
         if self.profile is None:
             return  # the profile launches are fitted once the profile exists
         self.refit()
-        self.report_fit(self.family(result.experiment.zero_stage))
+        self.report_fit(self.fit_family(result.experiment))
 
     def refit(self) -> None:
-        # The total per-sample cost never goes negative: the analytic activations bound the slope.
-        floor = -float(self.profile.activation_bytes_per_sample)
+        # The total per-sample cost never goes negative: the analytic activations bound the slope
+        # (a checkpointing policy's own bytes per sample bound its family's).
+        floors = {family: -float(self.profile.activation_bytes_per_sample) for family in engine_families(self.engine)}
+        for result in self._peak_results:
+            policy = _policy(result.experiment)
+            floors[self.fit_family(result.experiment)] = -float(self.profile.activation_bytes_per_sample_for(policy))
         # Without a profile's per-sample bytes (model_info given), a lone peak's excess is per-sample.
-        self._residual_fits = fit_residuals(self._peak_observations(),
-                                            {family: floor for family in engine_families(self.engine)},
+        self._residual_fits = fit_residuals(self._peak_observations(), floors,
                                             per_sample_when_alone=self.profile.activation_bytes_per_sample == 0)
 
     def report_fits(self) -> None:
@@ -181,6 +205,6 @@ class MemoryBook:
             if measured is None:
                 measured, lower_bound = self.budget_bytes, True
             experiment = result.experiment
-            observations.append(PeakObservation(self.family(experiment.zero_stage), experiment.micro_batch_size,
+            observations.append(PeakObservation(self.fit_family(experiment), experiment.micro_batch_size,
                                                 self.analytic_memory(experiment), measured, lower_bound))
         return observations

@@ -15,9 +15,9 @@ from typing import Callable
 
 from autotuner.tuning.cost_model import CostContext
 from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.search import (Evaluate, Fits, OffloadFallback, SearchPolicy, SearchSpace, _always_fits,
-                                     _no_fallback, fitting_micro_batch_sizes, ladder_sizes, search_knobs,
-                                     stage_space_for)
+from autotuner.tuning.search import (Evaluate, Fits, Knobs, OffloadFallback, PredictedLargest, SearchPolicy,
+                                     SearchSpace, _always_fits, _no_fallback, prune_variant, beyond_previous_variant,
+                                     fitting_micro_batch_sizes, ladder_sizes, search_knobs, stage_space_for)
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.tuners import drive
 from autotuner.tuning.tuners.predictive import Prediction, PredictiveTuner
@@ -40,27 +40,38 @@ class PredictiveOutcome:
     final: tuple[PredictedCandidate, ...]  # every candidate, predicted from all results
 
 
-def candidate_space(space: SearchSpace, predicted_largest: dict[int, int], fits: Fits,
-                    prune: Callable[[int, str], None], offload_fallback: OffloadFallback,
+def candidate_space(space: SearchSpace, predicted_largest: PredictedLargest, fits: Fits,
+                    prune: Callable[..., None], offload_fallback: OffloadFallback,
                     report: Callable[[str], None]) -> list[Experiment]:
-    """Every stage at its ladder sizes (or the user's fixed sizes) that the memory model lets run."""
+    """Every stage (and variant of it) at its ladder sizes (or the user's fixed sizes) that the
+    memory model lets run; a variant only above the sizes the stage reaches without it."""
     candidates: list[Experiment] = []
     for stage in sorted(space.stages):
-        settled = stage_space_for(space, stage, predicted_largest, prune, offload_fallback, report)
-        if settled is None:
-            continue
-        stage_space, predicted = settled
-        if space.fixed_micro_batch_sizes:
-            sizes = [m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
-        else:
-            sizes = ladder_sizes(fitting_micro_batch_sizes(stage_space, stage, predicted, fits))
-            # Micro-batch 1 pays a micro-step's fixed cost for every sample: only when memory leaves nothing else.
-            sizes = [m for m in sizes if m > 1] or sizes
-        stage_candidates = [stage_space.experiment(stage, m) for m in sizes]
-        stage_candidates = [c for c in stage_candidates if fits(c)]
-        if not stage_candidates:
-            prune(stage, "memory model, with the peaks measured so far: no micro-batch fits")
-        candidates += stage_candidates
+        reached = 0
+        for variant in space.variants_for(stage):
+            settled = stage_space_for(space, stage, predicted_largest, prune, offload_fallback, report, variant)
+            if settled is None:
+                continue
+            stage_space, predicted = settled
+            searched = beyond_previous_variant(stage_space, stage, variant, predicted, reached, prune)
+            reached = max(reached, predicted)
+            if searched is None:
+                continue
+            candidates += _rung_candidates(searched, stage, variant, predicted, fits, prune)
+    return candidates
+
+
+def _rung_candidates(space: SearchSpace, stage: int, variant: Knobs, predicted: int, fits: Fits,
+                     prune: Callable[..., None]) -> list[Experiment]:
+    if space.fixed_micro_batch_sizes:
+        sizes = [m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
+    else:
+        sizes = ladder_sizes(fitting_micro_batch_sizes(space, stage, predicted, fits))
+        # Micro-batch 1 pays a micro-step's fixed cost for every sample: only when memory leaves nothing else.
+        sizes = [m for m in sizes if m > 1] or sizes
+    candidates = [c for c in (space.experiment(stage, m) for m in sizes) if fits(c)]
+    if not candidates:
+        prune_variant(prune, stage, variant, "memory model, with the peaks measured so far: no micro-batch fits")
     return candidates
 
 
@@ -96,8 +107,8 @@ class _SearchedPredictive(PredictiveTuner):
         return not self.checked or super().could_improve(experiment)
 
 
-def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict[int, int],
-                          evaluate: Evaluate, prune: Callable[[int, str], None], context: CostContext,
+def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: PredictedLargest,
+                          evaluate: Evaluate, prune: Callable[..., None], context: CostContext,
                           known: list[TrialResult], fits: Fits = _always_fits,
                           offload_fallback: OffloadFallback = _no_fallback,
                           report: Callable[[str], None] = lambda line: None) -> PredictiveOutcome:

@@ -24,6 +24,7 @@ from autotuner.tuning.space import Experiment
 from autotuner.tuning.tuners import drive, make_tuner
 from autotuner.tuning.tuners.base import slots
 
+Knobs = tuple[tuple[str, Any], ...]
 Evaluate = Callable[[Experiment], TrialResult]
 Fits = Callable[[Experiment], bool]  # the memory model's verdict on one experiment, asked before each launch
 
@@ -44,6 +45,12 @@ class SearchSpace:
     num_micro_batch_sizes: int = 3
     knob_values: dict[int, dict[str, list[Any]]] = field(default_factory=dict, hash=False)
     stage_knobs: tuple[tuple[str, Any], ...] = ()  # set on every experiment (offload, when it is needed)
+    # Per stage, the variants searched beside it (tuning/dimensions.py `variant_values`: activation
+    # checkpointing policies, say), least memory-saving first; a stage without any has one, ().
+    variants: dict[int, tuple[Knobs, ...]] = field(default_factory=dict, hash=False)
+
+    def variants_for(self, stage: int) -> tuple[Knobs, ...]:
+        return self.variants.get(stage) or ((),)
 
     def gas(self, micro_batch_size: int) -> int | None:
         if self.fixed_gradient_accumulation_steps is not None:
@@ -252,33 +259,69 @@ def search_knobs(space: SearchSpace, policy: SearchPolicy, fast_results: list[Tr
     return results
 
 
-# What the memory model offers for a stage that fits nothing as configured: the knobs that make
-# it fit (CPU offload) and the largest micro-batch with them, or None.
-OffloadFallback = Callable[[int], "tuple[dict[str, Any], int] | None"]
+# What the memory model offers for a stage (with a variant's knobs) that fits nothing as
+# configured: the knobs that make it fit (CPU offload) and the largest micro-batch with them, or None.
+OffloadFallback = Callable[[int, Knobs], "tuple[dict[str, Any], int] | None"]
+# The memory model's largest micro-batch: per stage (key `stage`) and per stage and variant
+# (key `(stage, variant)`, for a variant other than ()); 0 when not even the states fit.
+PredictedLargest = dict[Any, int]
 
 
-def _no_fallback(stage: int) -> None:
+def _no_fallback(stage: int, variant: Knobs = ()) -> None:
     return None
 
 
-def stage_space_for(space: SearchSpace, stage: int, predicted_largest: dict[int, int],
-                    prune: Callable[[int, str], None], offload_fallback: OffloadFallback,
-                    report: Callable[[str], None]) -> tuple[SearchSpace, int] | None:
-    """The space a stage is searched in and its largest micro-batch: as configured, or with CPU
-    offload when it fits nothing on the device and the fallback offers it; None (pruned) else."""
-    predicted = min(predicted_largest.get(stage, space.max_micro_batch_size), space.max_micro_batch_size)
+def largest_for(predicted_largest: PredictedLargest, stage: int, variant: Knobs, default: int) -> int:
+    key = (stage, variant) if variant else stage
+    return predicted_largest.get(key, default)
+
+
+def variant_text(variant: Knobs) -> str:
+    return ", ".join(f"{k}={v}" for k, v in variant)
+
+
+def prune_variant(prune: Callable[..., None], stage: int, variant: Knobs, reason: str) -> None:
+    if variant:
+        prune(stage, f"{variant_text(variant)}: {reason}", variant)
+    else:
+        prune(stage, reason)
+
+
+def stage_space_for(space: SearchSpace, stage: int, predicted_largest: PredictedLargest,
+                    prune: Callable[..., None], offload_fallback: OffloadFallback,
+                    report: Callable[[str], None], variant: Knobs = ()) -> tuple[SearchSpace, int] | None:
+    """The space a stage (with a variant) is searched in and its largest micro-batch: as configured,
+    or with CPU offload when it fits nothing on the device and the fallback offers it; None (pruned) else."""
+    space = replace(space, stage_knobs=variant) if variant else space
+    predicted = min(largest_for(predicted_largest, stage, variant, space.max_micro_batch_size),
+                    space.max_micro_batch_size)
     if predicted >= space.min_micro_batch_size:
         return space, predicted
-    fallback = offload_fallback(stage)
+    fallback = offload_fallback(stage, variant)
     if fallback is None or min(fallback[1], space.max_micro_batch_size) < space.min_micro_batch_size:
-        prune(stage, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
+        prune_variant(prune, stage, variant, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
         return None
     knobs, largest_offloaded = fallback
     predicted = min(largest_offloaded, space.max_micro_batch_size)
     report(f"ZeRO {stage}: fits no micro-batch on the device; searched with "
            + ", ".join(f"{k}.device={v}" for k, v in sorted(knobs.items()))
-           + f" (largest micro-batch {predicted})")
-    return replace(space, stage_knobs=tuple(sorted(knobs.items()))), predicted
+           + (f" and {variant_text(variant)}" if variant else "") + f" (largest micro-batch {predicted})")
+    return replace(space, stage_knobs=tuple(sorted({**dict(variant), **knobs}.items()))), predicted
+
+
+def beyond_previous_variant(stage_space: SearchSpace, stage: int, variant: Knobs, predicted: int,
+                            reached: int, prune: Callable[..., None]) -> SearchSpace | None:
+    """A variant after the stage's first (activation checkpointing, say) only saves memory at the
+    price of time, so it is searched only at micro-batch sizes the less-saving variants could not
+    reach: the space above `reached`, or None (pruned) when it fits no more than they did."""
+    if not variant or reached <= 0:
+        return stage_space
+    if predicted <= reached:
+        prune_variant(prune, stage, variant, f"cannot help: its largest micro-batch ({predicted}) is no larger than "
+                                             f"the stage reaches with the variants before it ({reached}), and it "
+                                             "only adds time")
+        return None
+    return replace(stage_space, min_micro_batch_size=max(stage_space.min_micro_batch_size, reached + 1))
 
 
 class MeasuredOnce:
@@ -310,39 +353,58 @@ class MeasuredOnce:
         return result
 
 
-def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: dict[int, int], evaluate: Evaluate,
-               prune: Callable[[int, str], None], fits: Fits = _always_fits,
+def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: PredictedLargest, evaluate: Evaluate,
+               prune: Callable[..., None], fits: Fits = _always_fits,
                offload_fallback: OffloadFallback = _no_fallback,
                report: Callable[[str], None] = lambda line: None) -> list[TrialResult]:
     """The whole search. `predicted_largest[stage]` is the memory model's largest micro-batch
-    (0: the model states alone do not fit); `prune(stage, reason)` records a stage not searched;
-    nothing is launched that `fits` refuses (it may learn from each launch's measured peak).
-    A stage that fits nothing is searched with `offload_fallback`'s knobs when it offers some."""
+    (0: the model states alone do not fit); `prune(stage, reason)` records a stage not searched
+    (`prune(stage, reason, variant)` a variant of one); nothing is launched that `fits` refuses
+    (it may learn from each launch's measured peak). A stage that fits nothing is searched with
+    `offload_fallback`'s knobs when it offers some. Each stage's variants are searched in turn,
+    each above the sizes the ones before it reached."""
     evaluate_once = MeasuredOnce(evaluate)
     measured = evaluate_once.measured
 
     largest_so_far = 0
     for stage in sorted(space.stages):
-        settled = stage_space_for(space, stage, predicted_largest, prune, offload_fallback, report)
-        if settled is None:
-            continue
-        stage_space, predicted = settled
-        must_beat = largest_so_far  # a stage's smaller sizes are only worth trying if it fits more
-        if not space.fixed_micro_batch_sizes and largest_so_far and predicted <= largest_so_far:
-            reason = probe_stage(stage_space, policy, stage, list(measured.values()), evaluate_once, fits)
-            if reason is not None:
-                prune(stage, f"cannot help: its largest micro-batch ({predicted}) is no larger than a lower "
-                             f"stage's ({largest_so_far}){reason}")
+        reached = 0  # the largest micro-batch this stage reached under its variants so far
+        for variant in space.variants_for(stage):
+            settled = stage_space_for(space, stage, predicted_largest, prune, offload_fallback, report, variant)
+            if settled is None:
                 continue
-            must_beat = 0  # faster at the same size: its other sizes may be too
-        largest, stage_results = search_stage(stage_space, policy, stage, predicted, evaluate_once, must_beat, fits)
-        if not stage_results:
-            prune(stage, "memory model, with the overhead measured so far: no micro-batch fits")
-        if largest is not None:
-            largest_so_far = max(largest_so_far, largest)
+            stage_space, predicted = settled
+            searched = beyond_previous_variant(stage_space, stage, variant, predicted, reached, prune)
+            if searched is None:
+                continue
+            largest = search_rung(searched, policy, stage, variant, predicted, largest_so_far, evaluate_once,
+                                  prune, fits)
+            # Where the variant ran nothing, what the model gave it stands for what it reaches.
+            reached = max(reached, largest if largest is not None else predicted)
+            if largest is not None:
+                largest_so_far = max(largest_so_far, largest)
     if not policy.fast:
         search_knobs(space, policy, list(measured.values()), evaluate_once, fits=fits)
     return list(measured.values())
+
+
+def search_rung(space: SearchSpace, policy: SearchPolicy, stage: int, variant: Knobs, predicted: int,
+                largest_so_far: int, evaluate: MeasuredOnce, prune: Callable[..., None], fits: Fits) -> int | None:
+    """One stage under one variant: probed once when it fits no larger micro-batch than the
+    rungs before it, searched otherwise. Returns the largest micro-batch that ran."""
+    must_beat = largest_so_far  # a rung's smaller sizes are only worth trying if it fits more
+    if not space.fixed_micro_batch_sizes and largest_so_far and predicted <= largest_so_far:
+        reason = probe_stage(space, policy, stage, list(evaluate.measured.values()), evaluate, fits)
+        if reason is not None:
+            before = "an earlier stage or variant's" if variant else "a lower stage's"
+            prune_variant(prune, stage, variant, f"cannot help: its largest micro-batch ({predicted}) is no larger "
+                                                  f"than {before} ({largest_so_far}){reason}")
+            return None
+        must_beat = 0  # faster at the same size: its other sizes may be too
+    largest, stage_results = search_stage(space, policy, stage, predicted, evaluate, must_beat, fits)
+    if not stage_results:
+        prune_variant(prune, stage, variant, "memory model, with the overhead measured so far: no micro-batch fits")
+    return largest
 
 
 def probe_stage(space: SearchSpace, policy: SearchPolicy, stage: int, so_far: list[TrialResult],
@@ -354,6 +416,8 @@ def probe_stage(space: SearchSpace, policy: SearchPolicy, stage: int, so_far: li
     if best is None:
         return ""
     probe_experiment = space.experiment(stage, best.experiment.micro_batch_size)
+    if probe_experiment.micro_batch_size < space.min_micro_batch_size:
+        return f"; {best.name}'s micro-batch fits without it"
     if not fits(probe_experiment):
         return f"; the memory model says {probe_experiment.name}, its probe at {best.name}'s micro-batch, does not fit"
     probe = evaluate(probe_experiment)

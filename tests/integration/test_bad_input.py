@@ -148,21 +148,34 @@ def test_bad_zero_stage(in_tmp, capsys, stage):
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "zero_optimization.stage")
 
 
-@pytest.mark.parametrize("policy", ["auto", "every_2nd", ["full"], True])
+@pytest.mark.parametrize("policy, says", [("every_2nd", '"every_2nd" is not a policy'), (True, "true is not a policy"),
+                                          (["full", "auto"], '"auto" is not a policy'),
+                                          ([], "an empty list tunes nothing")], ids=["name", "bool", "auto-in-list", "empty"])
 @pytest.mark.parametrize("autotuning", [True, False], ids=["tune", "plain"])
-def test_bad_activation_checkpointing_policy(in_tmp, capsys, policy, autotuning):
+def test_bad_activation_checkpointing_policy(in_tmp, capsys, policy, says, autotuning):
     cfg = write(in_tmp / "ds.json", config_dict(activation_checkpointing={"policy": policy}))
     argv = tune_argv(cfg) if autotuning else ["--nproc_per_node", "2", str(TOY), "--pid_dir", "pids", "--deepspeed",
                                                str(cfg)]
-    assert_refused(in_tmp, capsys, argv, str(cfg), "activation_checkpointing.policy", "'none', 'full' or 'selective'")
+    assert_refused(in_tmp, capsys, argv, str(cfg), "activation_checkpointing.policy", says,
+                   '"none", "full" or "selective", a list of them, or "auto"')
+
+
+@pytest.mark.parametrize("policy", ["auto", ["none", "full"]], ids=["auto", "list"])
+def test_a_tuned_activation_checkpointing_policy_is_refused_for_a_plain_run(in_tmp, capsys, policy):
+    cfg = write(in_tmp / "ds.json", config_dict(activation_checkpointing={"policy": policy}))
+    argv = ["--nproc_per_node", "2", str(TOY), "--pid_dir", "pids", "--deepspeed", str(cfg)]
+    assert_refused(in_tmp, capsys, argv, str(cfg), "activation_checkpointing.policy", "only for --autotuning tune|run")
 
 
 @pytest.mark.parametrize("section, mentions", [
     ({"activation_checkpointing": {"policy": "full"}},
      ('activation_checkpointing.policy: "full" is applied by our engine only', "deepspeed.checkpointing",
       "--gradient_checkpointing")),
+    ({"activation_checkpointing": {"policy": "auto"}},
+     ('activation_checkpointing.policy: "auto" is tuned on our engine only', "not tunable yet",
+      "--gradient_checkpointing")),
     ({"compile": {"enabled": True}}, ("compile.enabled: our engine's key", "engine.compile()")),
-], ids=["checkpointing", "compile"])
+], ids=["checkpointing", "checkpointing-auto", "compile"])
 @pytest.mark.parametrize("autotuning", [True, False], ids=["tune", "plain"])
 def test_our_engines_keys_for_a_script_on_deepspeeds_engine(in_tmp, capsys, autotuning, section, mentions):
     pytest.importorskip("deepspeed")

@@ -25,6 +25,35 @@ def rank_zero() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+class ChainBlock(nn.Module):
+    """x + a chain of per-channel scales and GELUs: each link saves a sequence-sized tensor for
+    backward, so activation checkpointing (which keeps only the block's input) saves most of them."""
+
+    def __init__(self, width: int, links: int = 4):
+        super().__init__()
+        self.scales = nn.Parameter(torch.ones(links, width))
+
+    def forward(self, x):
+        h = x
+        for scale in self.scales:
+            h = nn.functional.gelu(h * scale)
+        return x + h
+
+
+class ChainBlocks(nn.Module):
+    def __init__(self, blocks: int, width: int):
+        super().__init__()
+        self.stem = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(ChainBlock(width) for _ in range(blocks))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        h = self.stem(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(dim=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--micro_batch_size", type=int, default=None)
@@ -53,6 +82,12 @@ def main() -> None:
                         help="fire FAULT (fail, kill, exit or hang) only at this micro-batch (repeatable); "
                              "when given, it replaces --fault_min_micro for every fault")
     parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--blocks", type=int, default=0,
+                        help="a model of this many repeated blocks (an nn.ModuleList) over a sequence of --seq_len "
+                             "positions: elementwise chains whose activations, not their compute, dominate")
+    parser.add_argument("--seq_len", type=int, default=64)
+    parser.add_argument("--ms_per_micro_step", type=float, default=0.0,
+                        help="a fixed sleep per micro-step: larger micro-batches (fewer micro-steps) are faster")
     parser.add_argument("--segfault_if_forked", action="store_true",
                         help="rank 1 dies of SIGSEGV at step 2 when it was forked by multiprocessing (a warm launch)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
@@ -76,7 +111,10 @@ def main() -> None:
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
     })
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Linear(args.width, 1))
+    if args.blocks:
+        model = ChainBlocks(args.blocks, args.width)
+    else:
+        model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Linear(args.width, 1))
     if args.use_deepspeed:
         if args.check_deepspeed_first:
             assert find_spec("deepspeed") is not None
@@ -126,10 +164,11 @@ def main() -> None:
             if args.mem_per_sample_mb:
                 # Resident (written); on a GPU this is where a real CUDA out-of-memory error comes from.
                 held = torch.ones(int(micro * args.mem_per_sample_mb * 2**20 / 4), device=engine.device)
-            x, y = torch.randn(micro, 16, device=engine.device), torch.randn(micro, 1, device=engine.device)
+            shape = (micro, args.seq_len, 16) if args.blocks else (micro, 16)
+            x, y = torch.randn(*shape, device=engine.device), torch.randn(micro, 1, device=engine.device)
             loss = nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
-            time.sleep(per_sample_s * micro)
+            time.sleep(per_sample_s * micro + args.ms_per_micro_step / 1e3)
             del held
             engine.step()
         time.sleep(args.ms_per_step / 1e3)

@@ -1,0 +1,62 @@
+"""The dimensions beyond stage x micro-batch x gas that the user asks to tune with "auto", end to
+end on 2 CPU ranks with real launches: activation checkpointing."""
+
+import pandas as pd
+import pytest
+
+from autotuner.config import read_config_file
+from conftest import tune, write_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+# A model of 8 blocks over 1024 positions holds ~32 MiB per sample for backward without
+# checkpointing and ~8 MiB with it (the profile measures both); a fixed 400 ms per micro-step
+# makes the largest micro-batch the fastest. Under a 1 GiB budget per rank (the process itself
+# holds ~350 MiB) only checkpointing reaches the larger micro-batches.
+BLOCKS = ("--blocks", "8", "--width", "128", "--seq_len", "1024", "--ms_per_micro_step", "400")
+BUDGET = {"memory_per_rank_bytes": 2**30, "max_train_batch_size": 64, "max_train_micro_batch_size_per_gpu": 32,
+          "tuner_type": "predictive"}
+
+
+def experiments(tmp_path) -> pd.DataFrame:
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    return table[table.phase != "remeasure"].reset_index(drop=True)
+
+
+def policy(name: str) -> str:
+    return "none" if "_acnone_" in name else "selective" if "_acselective_" in name else \
+        "full" if "_acfull_" in name else "?"
+
+
+def test_auto_checkpointing_lets_the_micro_batch_grow_and_the_pick_trains_with_it(tmp_path, no_orphans):
+    config = write_config(tmp_path / "ds.json", BUDGET, activation_checkpointing={"policy": "auto"})
+    result = tune(tmp_path, config, *BLOCKS, mode="run")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "with activation checkpointing: full" in result.stdout  # the profile line
+    table = experiments(tmp_path)
+    launched = table[table.state != "pruned"]
+    assert not (launched.state == "oom").any()  # nothing launched that the memory model should have refused
+    policies = {name: policy(name) for name in launched.name}
+    assert "none" in policies.values() and {"selective", "full"} & set(policies.values())
+    largest_without = launched[launched.name.map(policies) == "none"].micro_batch_size.max()
+    with_it = launched[launched.name.map(policies) != "none"]
+    assert (with_it.micro_batch_size > largest_without).all()  # only where no checkpointing cannot reach
+    best = table[table.chosen].iloc[0]
+    assert policies[best["name"]] in ("selective", "full") and best.micro_batch_size > largest_without
+    optimal = read_config_file(tmp_path / "autotuning_results" / "ds_config_optimal.json")
+    assert optimal["activation_checkpointing"] == {"policy": policies[best["name"]]}
+    assert optimal["train_micro_batch_size_per_gpu"] == best.micro_batch_size
+    assert "done: 8 steps" in result.stdout  # `run` trained with the pick
+
+
+def test_auto_checkpointing_of_a_model_without_blocks_is_not_tuned_and_says_why(tmp_path, no_orphans):
+    config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 8},
+                          activation_checkpointing={"policy": "auto"})
+    result = tune(tmp_path, config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    said = [line for line in result.stdout.splitlines() if "activation_checkpointing.policy: not tuned" in line]
+    assert len(said) == 1 and "no repeated blocks" in said[0]
+    launched = experiments(tmp_path)
+    assert not launched.name.str.contains("_acselective_|_acfull_").any()
+    optimal = read_config_file(tmp_path / "autotuning_results" / "ds_config_optimal.json")
+    assert optimal["activation_checkpointing"] == {"policy": "none"}
