@@ -134,7 +134,15 @@ class Measurement:
     # than our ranks took, and the 1-minute load average at its end.
     cpu_taken_by_others: float | None = None
     load_average: float | None = None
+    # Optimizer steps before the window and their wall time from the first forward (rank 0's).
+    warmup_steps: int = 0
+    warmup_s: float = 0.0
     version: int = VERSION
+
+    def one_off_s(self) -> float:
+        """What the steps before the window took beyond as many steady steps: compiling, lazy
+        initialisation; never negative."""
+        return max(0.0, self.warmup_s - self.warmup_steps * self.latency)
 
     def value(self, key: str) -> float | None:
         """The objective's metric by its DeepSpeed name."""

@@ -145,6 +145,9 @@ def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = 
     if not isinstance(stage, int):
         raise ConfigError(f"{path}: zero_optimization.stage: got {json.dumps(stage)}; a list or \"all\" is only for "
                           "--autotuning tune|run; give 0, 1, 2 or 3 to train")
+    if config.compile.enabled == "auto":
+        raise ConfigError(f"{path}: compile.enabled: got \"auto\"; it is only for --autotuning tune|run; give true "
+                          "or false to train")
     policy = config.activation_checkpointing.policy
     if config.activation_checkpointing.tuned:
         raise ConfigError(f"{path}: activation_checkpointing.policy: got {json.dumps(policy)}; \"auto\" or a list is "

@@ -194,6 +194,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
         user_config=read_config_file(source),
         rank_flags=options.rank_flags(),
         engine=engine,
+        planned_steps=tuning.planned_steps,
     )
     fingerprint = fingerprint_of(script=args.script, script_args=script_args,
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,

@@ -160,8 +160,11 @@ class CompileConfig(_Section):
     DeepSpeed's section before 0.16 (`enabled`, `backend`, `kwargs`); 0.16 on moved compiling to
     `engine.compile()`, which ours has too."""
 
-    enabled: bool = Field(False, description="compile each repeated block (the whole model if it has none) before "
-                                              "DDP/FSDP2 wrap it, as torchtitan does")
+    enabled: bool | Literal["auto"] = Field(
+        False, description="compile each repeated block (the whole model if it has none) before DDP/FSDP2 wrap it, "
+                           "as torchtitan does; \"auto\" tunes it under --autotuning tune|run (the best "
+                           "configurations are measured compiled too, the one-off compile time counted against "
+                           "autotuning.planned_steps)")
     backend: str = Field("inductor", description="torch.compile's backend")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="more torch.compile arguments (mode, dynamic, "
                                    "fullgraph, ...)")
@@ -198,6 +201,10 @@ class OnlineConfig(_Section):
     sampling_confidence_time: NonNegativeFloat = Field(
         5.0, description="seconds a sample window lasts at least; windows are extended to it (Bagua's "
                          "--autotune_sampling_confidence_time)")
+    planned_steps: PositiveInt | None = Field(
+        None, description="ours: the optimizer steps the training will run; each experiment is then scored by the "
+                          "time to run them, one-off costs (compiling) included; unset: the script's --max_steps "
+                          "when it has one, else the steady metric alone")
     remeasure_top: PositiveInt = Field(3, description="best points re-measured, interleaved, before the final pick")
     remeasure_rounds: PositiveInt = Field(3, description="windows per re-measured point; the pick is by median")
     sampler: Literal["gp", "tpe"] = Field("gp", description="optuna's GPSampler or TPESampler")
@@ -247,6 +254,10 @@ class AutotuningConfig(_Section):
     warm_preload: list[str] = Field(default_factory=list, description="more modules for the forkserver to import, "
                                     "as 'module' or 'module:attribute'")
     online: OnlineConfig = Field(default_factory=OnlineConfig)
+    planned_steps: PositiveInt | None = Field(
+        None, description="ours: the optimizer steps the training will run; each experiment is then scored by the "
+                          "time to run them, one-off costs (compiling) included; unset: the script's --max_steps "
+                          "when it has one, else the steady metric alone")
     remeasure_top: PositiveInt = Field(3, description="the final pick re-measures up to this many candidates within "
                                        "twice the run's noise level of the best, interleaved, and takes the best median")
     remeasure_rounds: NonNegativeInt = Field(3, description="at most this many rounds of re-measurement, stopping "

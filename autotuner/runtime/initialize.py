@@ -217,6 +217,8 @@ def initialize(
         source = [dict(group) for group in optimizer.param_groups]
     else:
         source = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    if cfg.compile.enabled == "auto":  # the tuner writes true or false into each experiment's config
+        raise ConfigError("compile.enabled: got \"auto\"; it is settled by --autotuning tune|run; give true or false")
     if cfg.activation_checkpointing.tuned:  # the tuner writes a policy into each experiment's config
         raise ConfigError(f"activation_checkpointing.policy: got {cfg.activation_checkpointing.policy!r}; \"auto\" "
                           "or a list is settled by --autotuning tune|run; give \"none\", \"full\" or \"selective\"")

@@ -88,6 +88,8 @@ def build_measurement(
         FLOPS_per_gpu=flops_per_step / latency if flops_per_step and latency > 0 else None,
         cpu_taken_by_others=cpu_taken_by_others,
         load_average=load_average,
+        warmup_steps=window.warmup_steps,
+        warmup_s=window.warmup_s,
     )
 
 

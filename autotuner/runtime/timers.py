@@ -50,6 +50,10 @@ class ProfileWindow:
     step_s: list[float] = field(default_factory=list)
     step_wall_s: list[float] = field(default_factory=list)
     planned_end_step: int = 0  # end_step as asked, before any extension
+    # The steps before the window, from the first forward: their excess over the steady step is
+    # a one-off the planned run pays too (torch.compile's compiling, above all).
+    warmup_steps: int = 0
+    warmup_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.planned_end_step = self.planned_end_step or self.end_step
@@ -63,6 +67,9 @@ class ProfileWindow:
             self.backward_s.append(backward)
 
     def record_step(self, step: int, optimizer_step: float, wall: float) -> None:
+        if step < self.start_step:
+            self.warmup_steps += 1
+            self.warmup_s += wall
         if self.covers(step):
             self.step_s.append(optimizer_step)
             self.step_wall_s.append(wall)

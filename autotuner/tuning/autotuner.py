@@ -28,6 +28,8 @@ from autotuner.tuning.results import Explanation, PredictedPoint, write_results
 from autotuner.tuning.runner import Runner
 from autotuner.tuning.parallel_launches import ParallelLaunches
 from autotuner.tuning.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
+from autotuner.launch.script_args import find_flag
+from autotuner.tuning.planned_run import compile_lines
 from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search, variant_text
 from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
 from autotuner.tuning.space import Experiment
@@ -248,6 +250,17 @@ class Autotuner:
         self.report(f"memory budget: {self.memory.budget_bytes / 2**20:.0f} MiB per rank "
                     f"(safety margin {SAFETY_MARGIN:.0%})")
 
+    def _report_objective(self) -> None:
+        planned = self.settings.planned_steps
+        if planned:
+            self.report(f"objective: the time to run the {planned} planned steps (autotuning.planned_steps), one-off "
+                        "costs such as compiling included")
+        elif self.space.finishes:
+            found = find_flag(tuple(self.settings.script_args), "--max_steps")
+            hint = f" (the script's --max_steps is {found[1]})" if found and found[1] else ""
+            self.report("objective: the steady metric, so compiling's one-off cost is not counted; set "
+                        f"autotuning.planned_steps{hint} to score by the time to finish the run")
+
     def _settle_checkpointing_variants(self) -> None:
         """A tuned activation checkpointing policy is searched only where the profile measured what
         each policy holds; else one line says why, and every experiment runs without it."""
@@ -345,6 +358,7 @@ class Autotuner:
 
     def tune(self) -> TuningOutcome:
         self._prepare_dirs()
+        self._report_objective()
         self._measure_model()
         largest = self.memory.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " + ", ".join(
@@ -369,7 +383,10 @@ class Autotuner:
             optimal_cmd = optimal_command(self.settings, optimal_args)
             if self.settings.engine == "deepspeed":
                 deepspeed_cmd = deepspeed_command(self.settings, optimal_args)
-        explanation = Explanation(frozenset(self._profile_names), tuple(remeasurements), tuple(pick_lines),
+        compiled = compile_lines(list(self._results.values()), self.settings.planned_steps)
+        for line in compiled:
+            self.report(line)
+        explanation = Explanation(frozenset(self._profile_names), tuple(remeasurements), tuple(compiled + pick_lines),
                                   *self._predicted_points(), chosen=best)
         summary = write_results(self.results_dir, everything, self.objective, time.monotonic() - self._started,
                                 config, list(optimal_cmd) if optimal_cmd else None, explanation,

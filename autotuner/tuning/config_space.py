@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning.dimensions import full_mode_values, settle_variants, variant_values
+from autotuner.tuning.dimensions import finish_values, full_mode_values, settle_variants, variant_values
 from autotuner.tuning.search import SearchSpace
 
 
@@ -53,4 +53,5 @@ def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str =
         num_micro_batch_sizes=tuning.num_tuning_micro_batch_sizes,
         knob_values=knob_values(config, engine, cuda),
         variants=variant_values(config.to_dict(), engine, cuda),
+        finishes=finish_values(config.to_dict(), engine, cuda),
     )

@@ -60,6 +60,10 @@ def _policy_rank(value: Any) -> float:
     return float(CHECKPOINT_POLICIES.index(value))
 
 
+def _same_memory(settings: StageSettings, value: Any) -> StageSettings:
+    return settings
+
+
 @dataclass(frozen=True)
 class Dimension:
     name: str  # the key in Experiment.knobs, the journal and the results table
@@ -73,7 +77,9 @@ class Dimension:
     user_sections: tuple[tuple[str, ...], ...] = ()
     # "knob": tuned in full mode on the best stages unless the user fixed it. "variant": changes
     # what fits (the micro-batch a stage can reach), so it is searched beside the stage in either
-    # mode, and only where the user asked for it ("auto" or a list at its path).
+    # mode. "finish": changes only speed, with a one-off cost (compiling), so it is tried last on
+    # the best configurations. Variants and finishes are tuned only where the user asked ("auto",
+    # or a list, at the path).
     role: str = "knob"
 
     def values_for(self, stage: int, engine: Engine, cuda: bool) -> tuple[Any, ...]:
@@ -114,6 +120,10 @@ REGISTRY: dict[str, Dimension] = {d.name: d for d in (
     Dimension("activation_checkpointing", ("activation_checkpointing", "policy"), "ac",
               {"autotuner": {stage: CHECKPOINT_POLICIES for stage in range(4)}},
               _checkpoint_policy, _policy_rank, role="variant"),
+    # torch.compile of the blocks: the memory model keeps the eager figure (inductor's fusions
+    # only lower it) and measured peaks refit it like any other launch.
+    Dimension("compile", ("compile", "enabled"), "c", {"autotuner": {stage: ON_OFF for stage in range(4)}},
+              _same_memory, role="finish"),
 )}
 
 
@@ -214,11 +224,24 @@ def variant_values(user_config: Mapping[str, Any], engine: Engine = "autotuner",
     return out
 
 
+def finish_values(user_config: Mapping[str, Any], engine: Engine = "autotuner",
+                  cuda: bool = False) -> dict[int, dict[str, list[Any]]]:
+    """Per stage, the values of each finishing dimension the user asked to tune (compile)."""
+    out: dict[int, dict[str, list[Any]]] = {}
+    for stage in range(4):
+        asked = {d.name: _asked_values(d, user_config, stage, engine, cuda)
+                 for d in REGISTRY.values() if d.role == "finish"}
+        asked = {name: values for name, values in asked.items() if len(values) > 1}
+        if asked:
+            out[stage] = asked
+    return out
+
+
 def settle_variants(config: dict[str, Any]) -> None:
-    """Each tuned variant dimension at its first value, in place: the base that the profile
-    launches run (and every experiment then overrides)."""
+    """Each tuned variant and finishing dimension at its first value, in place: the base that
+    the profile launches run (and every experiment then overrides)."""
     for dim in REGISTRY.values():
-        if dim.role != "variant":
+        if dim.role == "knob":
             continue
         present, value = lookup(config, dim.path)
         if present and (value == "auto" or isinstance(value, list)):

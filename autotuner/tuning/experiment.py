@@ -28,6 +28,7 @@ from autotuner.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.tuning.journal import RECORD_FILE
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
+from autotuner.tuning.planned_run import planned_value
 
 METRICS_FILE = "metrics.json"
 MODEL_INFO_FILE = "model_info.json"
@@ -60,6 +61,7 @@ class ExperimentSettings:
     user_config: dict[str, Any] = field(default_factory=dict, hash=False)  # the file as the user wrote it
     python: str = sys.executable
     engine: str = "autotuner"  # whose engine the script trains on: "autotuner" or "deepspeed" (engines.py)
+    planned_steps: int | None = None  # the run's length: experiments are scored over it (planned_run.py)
 
 
 def config_value(config: dict[str, Any], dotted_key: str) -> Any:
@@ -243,7 +245,10 @@ def judge(trial: Trial, returncode: int | None, timed_out: bool, wall_time_s: fl
         return TrialResult(state=TrialState.FAILED, measurement=measurement,
                            error=f"metrics.json has no '{settings.objective.key}'", **common)
     spread = measurement.throughput_std if settings.objective.metric == "throughput" else None
-    return TrialResult(state=TrialState.OK, value=float(value), value_std=spread, measurement=measurement, **common)
+    planned = planned_value(measurement, settings.objective, settings.planned_steps, float(value))
+    if spread is not None and value:
+        spread *= planned / float(value)
+    return TrialResult(state=TrialState.OK, value=planned, value_std=spread, measurement=measurement, **common)
 
 
 def _read(path: Path, kind):

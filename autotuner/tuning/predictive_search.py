@@ -17,7 +17,8 @@ from autotuner.tuning.cost_model import CostContext
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.search import (Evaluate, Fits, Knobs, OffloadFallback, PredictedLargest, SearchPolicy,
                                      SearchSpace, _always_fits, _no_fallback, prune_variant, beyond_previous_variant,
-                                     fitting_micro_batch_sizes, ladder_sizes, search_knobs, stage_space_for)
+                                     fitting_micro_batch_sizes, ladder_sizes, search_finishes, search_knobs,
+                                     stage_space_for)
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.tuners import drive
 from autotuner.tuning.tuners.predictive import Prediction, PredictiveTuner
@@ -132,7 +133,9 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
     by_prediction = sum(1 for c in final if c.ruled_out_by == "prediction")
     report(f"predictive: {len(results)} launched after the profile; of {len(final)} candidates, prediction "
            f"ruled out {by_prediction} and the refitted memory model {len(tuner.memory_ruled_out)}")
+    everything = [r for r in tuner.results.values() if r.state is not TrialState.PRUNED]
     if not policy.fast:
-        everything = [r for r in tuner.results.values() if r.state is not TrialState.PRUNED]
         results += search_knobs(space, policy, everything, evaluate, fits=fits)
+    measured = {r.experiment: r for r in everything + results}  # the knobs' results joined, once each
+    results += search_finishes(space, policy, list(measured.values()), evaluate, fits=fits)
     return PredictiveOutcome(tuple(results), tuple(at_launch), tuple(final))

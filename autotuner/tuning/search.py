@@ -48,6 +48,8 @@ class SearchSpace:
     # Per stage, the variants searched beside it (tuning/dimensions.py `variant_values`: activation
     # checkpointing policies, say), least memory-saving first; a stage without any has one, ().
     variants: dict[int, tuple[Knobs, ...]] = field(default_factory=dict, hash=False)
+    # Per stage, the finishing dimensions' values (compile), tried last on the best configurations.
+    finishes: dict[int, dict[str, list[Any]]] = field(default_factory=dict, hash=False)
 
     def variants_for(self, stage: int) -> tuple[Knobs, ...]:
         return self.variants.get(stage) or ((),)
@@ -385,7 +387,39 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
                 largest_so_far = max(largest_so_far, largest)
     if not policy.fast:
         search_knobs(space, policy, list(measured.values()), evaluate_once, fits=fits)
+    search_finishes(space, policy, list(measured.values()), evaluate_once, fits=fits)
     return list(measured.values())
+
+
+FINISH_TOP = 2  # the best configurations each finishing value is tried on
+
+
+def search_finishes(space: SearchSpace, policy: SearchPolicy, results: list[TrialResult], evaluate: Evaluate,
+                    fits: Fits = _always_fits, top: int = FINISH_TOP) -> list[TrialResult]:
+    """The finishing dimensions (compile) last, on the `top` best configurations measured: each
+    with every other combination of the finishing values. They change speed, not what fits, so
+    the search above needs none of them; their one-off costs count through the objective."""
+    ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
+    best_first = sorted(ok, key=lambda r: r.value, reverse=policy.objective.maximize)
+    finished: list[TrialResult] = []
+    tried = 0
+    for result in best_first:
+        values = space.finishes.get(result.experiment.zero_stage, {})
+        own = dict(result.experiment.knobs)
+        if not values or any(own.get(name, vals[0]) != vals[0] for name, vals in values.items()):
+            continue  # a finished configuration itself (compiled already)
+        if tried == top:
+            break
+        tried += 1
+        names = sorted(values)
+        for combo in itertools.product(*(values[n] for n in names)):
+            knobs = dict(zip(names, combo))
+            if all(value == values[name][0] for name, value in knobs.items()):
+                continue  # the configuration as measured
+            candidate = result.experiment.with_knobs(knobs)
+            if fits(candidate):
+                finished.append(evaluate(candidate))
+    return finished
 
 
 def search_rung(space: SearchSpace, policy: SearchPolicy, stage: int, variant: Knobs, predicted: int,

@@ -1,6 +1,8 @@
 """The dimensions beyond stage x micro-batch x gas that the user asks to tune with "auto", end to
 end on 2 CPU ranks with real launches: activation checkpointing."""
 
+import json
+
 import pandas as pd
 import pytest
 
@@ -60,3 +62,28 @@ def test_auto_checkpointing_of_a_model_without_blocks_is_not_tuned_and_says_why(
     assert not launched.name.str.contains("_acselective_|_acfull_").any()
     optimal = read_config_file(tmp_path / "autotuning_results" / "ds_config_optimal.json")
     assert optimal["activation_checkpointing"] == {"policy": "none"}
+
+
+def test_auto_compile_tries_the_two_best_compiled_and_scores_the_planned_run(tmp_path, no_orphans):
+    config = write_config(tmp_path / "ds.json", {"planned_steps": 50}, train_micro_batch_size_per_gpu=[4, 8],
+                          compile={"enabled": "auto"})
+    result = tune(tmp_path, config, "--blocks", "2", "--width", "32", "--seq_len", "64")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "objective: the time to run the 50 planned steps" in result.stdout
+    table = experiments(tmp_path)
+    compiled = table[table.name.str.contains("_cT_")]
+    assert sorted(compiled.micro_batch_size) == [4, 8] and (compiled.state == "ok").all()
+    lines = [line for line in result.stdout.splitlines() if line.startswith("autotuner: compile: ")]
+    assert len(lines) == 2 and all("pays back after" in line or "never pays back" in line for line in lines)
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert all(line.removeprefix("autotuner: ") in summary for line in lines)
+    # Every value is the planned run's throughput: 50 steps' samples over the one-off plus 50 steady steps.
+    for row in table[table.state == "ok"].itertuples():
+        metrics = json.loads((tmp_path / "autotuning_exps" / row.name / "metrics.json").read_text())
+        one_off = max(0.0, metrics["warmup_s"] - metrics["warmup_steps"] * metrics["latency"])
+        assert metrics["warmup_steps"] == 1  # start_profile_step 2
+        planned = 50 * metrics["train_batch_size"] / (one_off + 50 * metrics["latency"])
+        assert row.metric_value == pytest.approx(planned, rel=1e-6)
+    best = table[table.chosen].iloc[0]
+    optimal = read_config_file(tmp_path / "autotuning_results" / "ds_config_optimal.json")
+    assert optimal["compile"]["enabled"] is ("_cT_" in best["name"])

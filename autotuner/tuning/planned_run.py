@@ -1,0 +1,64 @@
+"""The objective over the user's planned run, and what compiling costs and saves in it. Pure.
+
+With `autotuning.planned_steps` (or the script's --max_steps) each experiment is scored by the
+time to run the planned steps: its one-off costs (the steps before its window beyond as many
+steady steps: compiling, above all) plus the planned steps at its steady step time. Throughput
+becomes the planned samples over that time, latency that time per step; FLOPS stays steady.
+"""
+
+from __future__ import annotations
+
+from autotuner.boundary import Measurement
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+
+
+def planned_run_s(measurement: Measurement, planned_steps: int) -> float:
+    return measurement.one_off_s() + planned_steps * measurement.latency
+
+
+def planned_value(measurement: Measurement, objective: Objective, planned_steps: int | None,
+                  steady: float) -> float:
+    """The objective's value over the planned run (`steady`, the window's own, without one)."""
+    if not planned_steps or objective.metric == "FLOPS" or measurement.latency <= 0:
+        return steady
+    total_s = planned_run_s(measurement, planned_steps)
+    if objective.metric == "latency":
+        return total_s / planned_steps
+    return planned_steps * (measurement.train_batch_size or steady * measurement.latency) / total_s
+
+
+def _uncompiled_twin(result: TrialResult, results: list[TrialResult]) -> TrialResult | None:
+    knobs = {k: v for k, v in result.experiment.knobs if k != "compile"}
+    for other in results:
+        other_knobs = dict(other.experiment.knobs)
+        if (other.state is TrialState.OK and not other_knobs.pop("compile", False) and other_knobs == knobs
+                and other.experiment.zero_stage == result.experiment.zero_stage
+                and other.experiment.micro_batch_size == result.experiment.micro_batch_size
+                and other.experiment.gradient_accumulation_steps == result.experiment.gradient_accumulation_steps):
+            return other
+    return None
+
+
+def compile_lines(results: list[TrialResult], planned_steps: int | None) -> list[str]:
+    """For each compiled configuration measured beside its eager twin: its one-off cost, its
+    steady step against eager's, and the step count from which compiling pays back."""
+    lines = []
+    for compiled in results:
+        if compiled.state is not TrialState.OK or not dict(compiled.experiment.knobs).get("compile"):
+            continue
+        eager = _uncompiled_twin(compiled, results)
+        if eager is None or compiled.measurement is None or eager.measurement is None:
+            continue
+        c, e = compiled.measurement, eager.measurement
+        extra_s = c.one_off_s() - e.one_off_s()
+        line = (f"compile: {compiled.name}: one-off {c.one_off_s():.1f} s (eager {e.one_off_s():.1f} s), steady step "
+                f"{c.latency * 1e3:.1f} ms against {e.latency * 1e3:.1f} ms eager: ")
+        if c.latency < e.latency:
+            steps = max(0.0, extra_s) / (e.latency - c.latency)
+            line += f"pays back after {steps:.0f} steps"
+            if planned_steps:
+                line += f" ({'within' if steps <= planned_steps else 'beyond'} the {planned_steps} planned)"
+        else:
+            line += "never pays back (no faster once compiled)"
+        lines.append(line)
+    return lines

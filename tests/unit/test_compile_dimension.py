@@ -1,0 +1,82 @@
+"""torch.compile as a tuned dimension: "auto" tries the best configurations compiled, last; with
+autotuning.planned_steps each experiment is scored by the time to run the planned steps, its
+one-off cost (the steps before its window beyond as many steady steps) included; the summary
+says when compiling pays back."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotuner.boundary import Measurement
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.tuning.config_space import base_config, search_space
+from autotuner.tuning.planned_run import compile_lines, planned_value
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.search import SearchPolicy, SearchSpace, run_search
+from autotuner.tuning.space import Experiment
+
+THROUGHPUT, LATENCY = Objective("throughput"), Objective("latency")
+
+
+def measured(latency: float, warmup_s: float, warmup_steps: int = 2, batch: int = 32) -> Measurement:
+    return Measurement(throughput=batch / latency, latency=latency, train_batch_size=batch,
+                       warmup_steps=warmup_steps, warmup_s=warmup_s)
+
+
+def test_auto_asks_for_compile_and_the_base_runs_eager():
+    config = DeepSpeedConfig.model_validate({"train_micro_batch_size_per_gpu": "auto", "compile": {"enabled": "auto"}})
+    assert base_config(config)["compile"]["enabled"] is False
+    assert search_space(config, 2).finishes == {stage: {"compile": [False, True]} for stage in range(4)}
+    fixed = DeepSpeedConfig.model_validate({"train_micro_batch_size_per_gpu": "auto", "compile": {"enabled": True}})
+    assert search_space(fixed, 2).finishes == {}
+    assert Experiment(0, 8, 2, (("compile", True),)).name == "z0_cT_gas2_mbs8"
+
+
+def test_the_one_off_is_the_warmup_beyond_as_many_steady_steps():
+    assert measured(0.1, warmup_s=20.2).one_off_s() == pytest.approx(20.0)
+    assert measured(0.1, warmup_s=0.15).one_off_s() == 0.0  # never negative
+    assert Measurement(throughput=1.0, latency=1.0).one_off_s() == 0.0  # a DeepSpeed metrics file: none
+
+
+def test_the_planned_run_counts_the_one_off_and_without_a_plan_the_steady_metric_decides():
+    compiled, eager = measured(0.08, warmup_s=20.16), measured(0.10, warmup_s=0.2)
+    # 100 steps: compiled 20 + 8 s against eager 10 s; 10,000 steps: 820 s against 1,000 s.
+    for steps, compiled_wins in ((100, False), (10_000, True)):
+        c = planned_value(compiled, THROUGHPUT, steps, compiled.throughput)
+        e = planned_value(eager, THROUGHPUT, steps, eager.throughput)
+        assert (c > e) is compiled_wins
+        assert planned_value(compiled, LATENCY, steps, 0.08) == pytest.approx((20.0 + steps * 0.08) / steps)
+    assert planned_value(compiled, THROUGHPUT, None, compiled.throughput) == compiled.throughput
+    assert planned_value(compiled, Objective("FLOPS"), 100, 5.0) == 5.0
+
+
+def test_the_summary_says_when_compiling_pays_back():
+    eager = TrialResult(Experiment(0, 8, 2), TrialState.OK, value=320.0, measurement=measured(0.10, 0.2))
+    fast = TrialResult(Experiment(0, 8, 2, (("compile", True),)), TrialState.OK, value=400.0,
+                       measurement=measured(0.08, 20.16))
+    slow = TrialResult(Experiment(0, 16, 1, (("compile", True),)), TrialState.OK, value=300.0,
+                       measurement=measured(0.12, 10.24))
+    lonely = TrialResult(Experiment(0, 16, 1), TrialState.OK, value=310.0, measurement=measured(0.11, 0.22))
+    lines = compile_lines([eager, fast, slow, lonely], planned_steps=500)
+    assert lines[0].startswith("compile: z0_cT_gas2_mbs8: one-off 20.0 s (eager 0.0 s), steady step 80.0 ms against "
+                               "100.0 ms eager: pays back after 1000 steps (beyond the 500 planned)")
+    assert lines[1].endswith("never pays back (no faster once compiled)")
+    assert len(lines) == 2
+
+
+def test_compile_is_tried_last_on_the_two_best_configurations():
+    calls = []
+
+    def evaluate(experiment: Experiment) -> TrialResult:
+        calls.append(experiment)
+        return TrialResult(experiment, TrialState.OK, value=float(experiment.micro_batch_size))
+
+    space = SearchSpace(stages=(0,), data_parallel_size=1, max_micro_batch_size=16,
+                        finishes={0: {"compile": [False, True]}})
+    run_search(space, SearchPolicy(THROUGHPUT, "gridsearch", 50, 50, 0, True), {0: 16}, evaluate,
+               lambda stage, reason: None)
+    compiled = [e for e in calls if dict(e.knobs).get("compile")]
+    eager = [e for e in calls if not e.knobs]
+    assert calls[-len(compiled):] == compiled  # after everything else
+    best_two = sorted(eager, key=lambda e: e.micro_batch_size)[-2:]
+    assert sorted(e.micro_batch_size for e in compiled) == [e.micro_batch_size for e in best_two]
