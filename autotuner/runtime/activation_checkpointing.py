@@ -71,6 +71,14 @@ def apply_activation_checkpointing(model: nn.Module, policy: str) -> int:
         warn_once(f"activation_checkpointing.policy \"{policy}\": the model has no repeated blocks (no "
                   "nn.ModuleList), so nothing is checkpointed; training without activation checkpointing")
         return 0
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False) is True:
+        # Hugging Face models append to a key/value cache in forward; the recompute would run
+        # other ops than the forward did (selective checkpointing then fails in backward).
+        # transformers turns the cache off under its own gradient checkpointing; so do we.
+        config.use_cache = False
+        warn_once(f"activation_checkpointing.policy \"{policy}\": the model's config.use_cache set to False, as "
+                  "transformers does under gradient checkpointing")
     from torch.distributed._composable import checkpoint
 
     context_fn = _selective_contexts if policy == "selective" else None

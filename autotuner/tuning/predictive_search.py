@@ -15,7 +15,7 @@ from typing import Callable
 
 from autotuner.tuning.cost_model import CostContext
 from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.search import (Evaluate, Fits, Knobs, OffloadFallback, PredictedLargest, SearchPolicy,
+from autotuner.tuning.search import (Evaluate, FailedVariants, Fits, Knobs, OffloadFallback, PredictedLargest, SearchPolicy,
                                      SearchSpace, _always_fits, _no_fallback, prune_variant, beyond_previous_variant,
                                      fitting_micro_batch_sizes, ladder_sizes, search_finishes, search_knobs,
                                      stage_space_for)
@@ -82,17 +82,25 @@ class _SearchedPredictive(PredictiveTuner):
     rule is trusted only once one of its predictions was checked by a launch (fitted on the profile
     alone, it has never been tested)."""
 
-    def __init__(self, candidates: list[Experiment], policy: SearchPolicy, context: CostContext, fits: Fits):
+    def __init__(self, candidates: list[Experiment], policy: SearchPolicy, context: CostContext, fits: Fits,
+                 failed: FailedVariants):
         super().__init__(candidates, policy.objective, policy.seed, context)
         self.fits = fits
+        self.failed = failed
         self.memory_ruled_out: set[Experiment] = set()
+        self.variant_ruled_out: set[Experiment] = set()  # its variant failed in another launch
         self.asked: list[PredictedCandidate] = []
         self.checked = False
 
     def ask(self) -> Experiment | None:
         for candidate in self.space:
-            if (candidate not in self.results and candidate not in self.pending
-                    and candidate not in self.memory_ruled_out and not self.fits(candidate)):
+            if candidate in self.results or candidate in self.pending or candidate in self.memory_ruled_out:
+                continue
+            refused = self.failed.refusal(candidate)
+            if refused is not None:
+                self.variant_ruled_out.add(candidate)
+                self.tell(refused)
+            elif not self.fits(candidate):
                 self.memory_ruled_out.add(candidate)
                 self.tell(TrialResult(candidate, TrialState.PRUNED, error="memory model, refitted"))
         experiment = super().ask()
@@ -102,6 +110,7 @@ class _SearchedPredictive(PredictiveTuner):
 
     def tell(self, result: TrialResult) -> None:
         self.checked = self.checked or result.experiment in self.pending
+        self.failed.learn(result)
         super().tell(result)
 
     def could_improve(self, experiment: Experiment) -> bool:
@@ -116,7 +125,7 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
     """The candidates' search through the one driver (tuners/base.py `drive`): an evaluate with
     `capacity` slots (a Ray cluster) gets the k most optimistic bounds at once."""
     candidates = candidate_space(space, predicted_largest, fits, prune, offload_fallback, report)
-    tuner = _SearchedPredictive(candidates, policy, context, fits)
+    tuner = _SearchedPredictive(candidates, policy, context, fits, FailedVariants(space))
     for result in known:
         if result.experiment in tuner.results or result.experiment not in tuner.space:
             continue
@@ -128,7 +137,9 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
     final = []
     for candidate in tuner.space:
         was_launched = candidate in tuner.results and tuner.results[candidate].state is not TrialState.PRUNED
-        reason = "" if was_launched else ("memory model" if candidate in tuner.memory_ruled_out else "prediction")
+        reason = "" if was_launched else ("memory model" if candidate in tuner.memory_ruled_out
+                                          else "failed variant" if candidate in tuner.variant_ruled_out
+                                          else "prediction")
         final.append(PredictedCandidate(candidate, tuner.predict(candidate), was_launched, reason))
     by_prediction = sum(1 for c in final if c.ruled_out_by == "prediction")
     report(f"predictive: {len(results)} launched after the profile; of {len(final)} candidates, prediction "

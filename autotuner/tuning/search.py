@@ -326,22 +326,66 @@ def beyond_previous_variant(stage_space: SearchSpace, stage: int, variant: Knobs
     return replace(stage_space, min_micro_batch_size=max(stage_space.min_micro_batch_size, reached + 1))
 
 
+def variant_of(space: SearchSpace, experiment: Experiment) -> Knobs:
+    """The experiment's variant when it is not its stage's first (activation checkpointing "full",
+    say), else ()."""
+    variants = space.variants_for(experiment.zero_stage)
+    names = {name for variant in variants for name, _ in variant}
+    own = tuple(kv for kv in experiment.knobs if kv[0] in names)
+    return () if not own or own == variants[0] else own
+
+
+class FailedVariants:
+    """Variants that failed other than by running out of memory: the script cannot run them (a
+    model whose forward changes between the forward and the recompute, say), so no further size
+    of them is launched, as a first launch's failure stops the whole run."""
+
+    def __init__(self, space: SearchSpace):
+        self.space = space
+        self.first_failure: dict[Knobs, str] = {}
+
+    def learn(self, result: TrialResult) -> None:
+        variant = variant_of(self.space, result.experiment)
+        if variant and result.state is TrialState.FAILED:
+            self.first_failure.setdefault(variant, result.name)
+
+    def refusal(self, experiment: Experiment) -> TrialResult | None:
+        variant = variant_of(self.space, experiment)
+        if variant not in self.first_failure:
+            return None
+        return TrialResult(experiment, TrialState.PRUNED, error=f"{variant_text(variant)} failed in "
+                           f"{self.first_failure[variant]} (not out of memory): not launched again")
+
+
 class MeasuredOnce:
     """`evaluate`, at most once per experiment, keeping its parallel side (capacity, submit,
-    next_result) when it has one."""
+    next_result) when it has one; an experiment of a variant that failed is not launched."""
 
-    def __init__(self, evaluate: Evaluate):
+    def __init__(self, evaluate: Evaluate, failed: FailedVariants | None = None):
         self._evaluate = evaluate
         self.capacity = slots(evaluate)
         self.measured: dict[Experiment, TrialResult] = {}
         self._ready: deque[TrialResult] = deque()
+        self._failed = failed
+
+    def _refusal(self, experiment: Experiment) -> TrialResult | None:
+        return self._failed.refusal(experiment) if self._failed is not None else None
+
+    def _learn(self, result: TrialResult) -> TrialResult:
+        if self._failed is not None:
+            self._failed.learn(result)
+        return result
 
     def __call__(self, experiment: Experiment) -> TrialResult:
         if experiment not in self.measured:
-            self.measured[experiment] = self._evaluate(experiment)
+            refused = self._refusal(experiment)
+            self.measured[experiment] = refused or self._learn(self._evaluate(experiment))
         return self.measured[experiment]
 
     def submit(self, experiment: Experiment) -> None:
+        refused = None if experiment in self.measured else self._refusal(experiment)
+        if refused is not None:
+            self.measured[experiment] = refused
         if experiment in self.measured:
             self._ready.append(self.measured[experiment])
         else:
@@ -350,7 +394,7 @@ class MeasuredOnce:
     def next_result(self) -> TrialResult:
         if self._ready:
             return self._ready.popleft()
-        result = self._evaluate.next_result()  # type: ignore[attr-defined]
+        result = self._learn(self._evaluate.next_result())  # type: ignore[attr-defined]
         self.measured[result.experiment] = result
         return result
 
@@ -365,7 +409,7 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
     (it may learn from each launch's measured peak). A stage that fits nothing is searched with
     `offload_fallback`'s knobs when it offers some. Each stage's variants are searched in turn,
     each above the sizes the ones before it reached."""
-    evaluate_once = MeasuredOnce(evaluate)
+    evaluate_once = MeasuredOnce(evaluate, FailedVariants(space))
     measured = evaluate_once.measured
 
     largest_so_far = 0

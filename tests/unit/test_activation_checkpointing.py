@@ -142,3 +142,26 @@ def test_the_probe_without_blocks_says_nothing_of_policies():
     model(torch.randn(2, 4)).sum()
     probe.stop()
     assert probe.bytes_saved > 0 and probe.held_by_policy() == {} == probe.bytes_by_policy()
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_a_hugging_face_model_trains_alike_under_each_policy_with_its_cache_turned_off(policy):
+    """GPT-2's forward writes a key/value cache when config.use_cache is on (its default): the
+    recompute then ran other ops than the forward, and selective checkpointing failed in backward
+    ("aten.slice.Tensor encountered during backward but not found in storage")."""
+    transformers = pytest.importorskip("transformers")
+
+    def gradients(checkpointing: str):
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+        apply_activation_checkpointing(model, checkpointing)
+        tokens = torch.randint(0, 256, (2, 32))
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        return model, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    _, expected = gradients("none")
+    model, got = gradients(policy)
+    assert model.config.use_cache is False
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

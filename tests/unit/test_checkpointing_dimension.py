@@ -157,3 +157,32 @@ def test_the_recompute_of_each_policy_is_learned_and_unsure_until_launched():
     assert full_24.mean_s == pytest.approx(step_s(Experiment(0, 24, 1, POLICIES[2])), rel=0.05)
     selective = model.predict(Experiment(0, 24, 1, POLICIES[1]))  # never launched: only its prior
     assert selective.std_s > 2 * full_24.std_s
+
+
+class FailingSelective(FakeRun):
+    """Selective checkpointing crashes the script (not out of memory) at every size."""
+
+    def __call__(self, experiment: Experiment) -> TrialResult:
+        if policy_of(experiment) == "selective":
+            self.calls.append(experiment)
+            return TrialResult(experiment, TrialState.FAILED, error="RuntimeError: not found in storage")
+        return super().__call__(experiment)
+
+
+@pytest.mark.parametrize("tuner", ["gridsearch", "predictive"])
+def test_a_policy_that_fails_other_than_by_memory_is_launched_once(tuner):
+    from autotuner.tuning.predictive_search import run_predictive_search
+
+    space = SearchSpace(stages=(0, 1), data_parallel_size=1, max_micro_batch_size=32,
+                        variants={0: POLICIES, 1: POLICIES})
+    largest = {(stage, v): RUNS_UP_TO[v[0][1]] for stage in (0, 1) for v in POLICIES}
+    run = FailingSelective()
+    policy = SearchPolicy(Objective("throughput"), tuner, 50, 50, 0, True)
+    if tuner == "predictive":
+        results = list(run_predictive_search(space, policy, largest, run, Prunes(), CostContext(), []).results)
+    else:
+        results = run_search(space, policy, largest, run, Prunes())
+    assert sum(policy_of(e) == "selective" for e in run.calls) == 1
+    refused = [r for r in results if r.state is TrialState.PRUNED and "not launched again" in (r.error or "")]
+    assert tuner == "predictive" or refused  # the grid's later selective sizes say why they were not launched
+    assert any(policy_of(r.experiment) == "full" and r.state is TrialState.OK for r in results)
