@@ -15,7 +15,7 @@ from typing import Callable
 
 from autotuner.tuning.cost_model import CostContext
 from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.search import (Evaluate, FailedVariants, Fits, Knobs, OffloadFallback, PredictedLargest, SearchPolicy,
+from autotuner.tuning.search import (Evaluate, FailedVariants, Fits, Knobs, variant_measured, variant_of, OffloadFallback, PredictedLargest, SearchPolicy,
                                      SearchSpace, _always_fits, _no_fallback, prune_variant, beyond_previous_variant,
                                      fitting_micro_batch_sizes, ladder_sizes, search_finishes, search_knobs,
                                      stage_space_for)
@@ -87,6 +87,7 @@ class _SearchedPredictive(PredictiveTuner):
         super().__init__(candidates, policy.objective, policy.seed, context)
         self.fits = fits
         self.failed = failed
+        self.search_space = failed.space
         self.memory_ruled_out: set[Experiment] = set()
         self.variant_ruled_out: set[Experiment] = set()  # its variant failed in another launch
         self.asked: list[PredictedCandidate] = []
@@ -107,6 +108,18 @@ class _SearchedPredictive(PredictiveTuner):
         if experiment is not None:
             self.asked.append(PredictedCandidate(experiment, self.predict(experiment), launched=True))
         return experiment
+
+    def _choose(self, untried: list[Experiment]) -> Experiment:
+        """A variant never launched is launched first at its smallest size (search.py
+        `first_of_variant`): its other sizes wait for that peak."""
+        waiting = set()
+        for candidate in untried:
+            variant = variant_of(self.search_space, candidate)
+            if variant and not variant_measured(self.results.values(), self.search_space, variant):
+                smallest = min(c.micro_batch_size for c in self.space if variant_of(self.search_space, c) == variant)
+                if candidate.micro_batch_size > smallest:
+                    waiting.add(candidate)
+        return super()._choose([c for c in untried if c not in waiting] or untried)
 
     def tell(self, result: TrialResult) -> None:
         self.checked = self.checked or result.experiment in self.pending

@@ -423,6 +423,12 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
             searched = beyond_previous_variant(stage_space, stage, variant, predicted, reached, prune)
             if searched is None:
                 continue
+            if variant_of(space, stage_space.experiment(stage, 1)) and not variant_measured(
+                    measured.values(), space, variant):
+                predicted = first_of_variant(searched, stage, predicted, evaluate_once, fits)
+                if predicted is None:
+                    prune_variant(prune, stage, variant, "its first launch, at its smallest size, did not run")
+                    continue
             largest = search_rung(searched, policy, stage, variant, predicted, largest_so_far, evaluate_once,
                                   prune, fits)
             # Where the variant ran nothing, what the model gave it stands for what it reaches.
@@ -464,6 +470,27 @@ def search_finishes(space: SearchSpace, policy: SearchPolicy, results: list[Tria
             if fits(candidate):
                 finished.append(evaluate(candidate))
     return finished
+
+
+def variant_measured(results, space: SearchSpace, variant: Knobs) -> bool:
+    """Whether a launch of `variant` (at any stage) has run or run out of memory: its memory is
+    then fitted on its own peaks."""
+    return any(variant_of(space, r.experiment) == variant and r.state in (TrialState.OK, TrialState.OOM)
+               for r in results)
+
+
+def first_of_variant(space: SearchSpace, stage: int, predicted: int, evaluate: Evaluate, fits: Fits) -> int | None:
+    """A variant never launched is costed from the profile's figures alone, which a process's
+    peak can exceed (on a CPU, the recompute's allocations raise the resident peak well above
+    what the saved tensors alone hold). So it is launched first at its smallest size; the refitted
+    model then gives its largest (None when that launch did not run)."""
+    sizes = fitting_micro_batch_sizes(space, stage, predicted, fits)
+    if not sizes:
+        return predicted
+    if evaluate(space.experiment(stage, min(sizes))).state is not TrialState.OK:
+        return None
+    refitted = fitting_micro_batch_sizes(space, stage, space.max_micro_batch_size, fits)
+    return max(refitted, default=min(sizes))
 
 
 def search_rung(space: SearchSpace, policy: SearchPolicy, stage: int, variant: Knobs, predicted: int,
