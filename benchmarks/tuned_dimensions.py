@@ -1,7 +1,7 @@
 """Tuned dimensions: what activation checkpointing and compile as "auto" cost in launches, and
 what they buy, on a GPT-2-style model under a tight memory budget.
 
-    python benchmarks/tuned_dimensions.py [--n_layer 6] [--seq_len 256] [--budget_mib 1400]
+    python benchmarks/tuned_dimensions.py [--n_layer 6] [--seq_len 256] [--budget_mib 1150]
                                           [--planned_steps 300] [--rounds 3]
 
 1. `launcher --autotuning tune` twice on the same workload (2 CPU ranks, the hf_gpt2 example
@@ -99,7 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n_layer", type=int, default=6)
     parser.add_argument("--seq_len", type=int, default=256)
-    parser.add_argument("--budget_mib", type=int, default=1400)
+    parser.add_argument("--budget_mib", type=int, default=1150)
     parser.add_argument("--planned_steps", type=int, default=300)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", default="/tmp/tuned_dimensions")

@@ -441,14 +441,17 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
     return list(measured.values())
 
 
-FINISH_TOP = 2  # the best configurations each finishing value is tried on
+FINISH_TOP = 2  # at most this many of the best configurations are tried finished
 
 
 def search_finishes(space: SearchSpace, policy: SearchPolicy, results: list[TrialResult], evaluate: Evaluate,
                     fits: Fits = _always_fits, top: int = FINISH_TOP) -> list[TrialResult]:
-    """The finishing dimensions (compile) last, on the `top` best configurations measured: each
-    with every other combination of the finishing values. They change speed, not what fits, so
-    the search above needs none of them; their one-off costs count through the objective."""
+    """The finishing dimensions (compile) last, on the best configurations measured, best first:
+    each with every other combination of the finishing values. They change speed, not what fits,
+    so the search above needs none of them, and their one-off costs count through the objective.
+    The next best is tried only while finishing beat the configuration as measured: compiling's
+    gain is about the same ratio on every configuration of one model, so one that did not pay on
+    the best will not pay on the next (at most `top` are tried)."""
     ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
     best_first = sorted(ok, key=lambda r: r.value, reverse=policy.objective.maximize)
     finished: list[TrialResult] = []
@@ -462,13 +465,17 @@ def search_finishes(space: SearchSpace, policy: SearchPolicy, results: list[Tria
             break
         tried += 1
         names = sorted(values)
+        these = []
         for combo in itertools.product(*(values[n] for n in names)):
             knobs = dict(zip(names, combo))
             if all(value == values[name][0] for name, value in knobs.items()):
                 continue  # the configuration as measured
             candidate = result.experiment.with_knobs(knobs)
             if fits(candidate):
-                finished.append(evaluate(candidate))
+                these.append(evaluate(candidate))
+        finished += these
+        if not any(r.state is TrialState.OK and policy.objective.better(r.value, result.value) for r in these):
+            break
     return finished
 
 

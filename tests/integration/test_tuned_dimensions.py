@@ -64,7 +64,7 @@ def test_auto_checkpointing_of_a_model_without_blocks_is_not_tuned_and_says_why(
     assert optimal["activation_checkpointing"] == {"policy": "none"}
 
 
-def test_auto_compile_tries_the_two_best_compiled_and_scores_the_planned_run(tmp_path, no_orphans):
+def test_auto_compile_tries_the_best_compiled_and_scores_the_planned_run(tmp_path, no_orphans):
     config = write_config(tmp_path / "ds.json", {"planned_steps": 50}, train_micro_batch_size_per_gpu=[4, 8],
                           compile={"enabled": "auto"})
     result = tune(tmp_path, config, "--blocks", "2", "--width", "32", "--seq_len", "64")
@@ -72,9 +72,10 @@ def test_auto_compile_tries_the_two_best_compiled_and_scores_the_planned_run(tmp
     assert "objective: the time to run the 50 planned steps" in result.stdout
     table = experiments(tmp_path)
     compiled = table[table.name.str.contains("_cT_")]
-    assert sorted(compiled.micro_batch_size) == [4, 8] and (compiled.state == "ok").all()
+    assert len(compiled) in (1, 2) and (compiled.state == "ok").all()  # the best; the next only if it paid
     lines = [line for line in result.stdout.splitlines() if line.startswith("autotuner: compile: ")]
-    assert len(lines) == 2 and all("pays back after" in line or "never pays back" in line for line in lines)
+    assert len(lines) == len(compiled)
+    assert all("pays back after" in line or "never pays back" in line for line in lines)
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
     assert all(line.removeprefix("autotuner: ") in summary for line in lines)
     # Every value is the planned run's throughput: 50 steps' samples over the one-off plus 50 steady steps.

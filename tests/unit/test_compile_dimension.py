@@ -64,12 +64,14 @@ def test_the_summary_says_when_compiling_pays_back():
     assert len(lines) == 2
 
 
-def test_compile_is_tried_last_on_the_two_best_configurations():
+@pytest.mark.parametrize("speedup, tried", [(1.2, 2), (0.9, 1)])
+def test_compile_is_tried_last_on_the_best_and_on_the_next_only_while_it_paid(speedup, tried):
     calls = []
 
     def evaluate(experiment: Experiment) -> TrialResult:
         calls.append(experiment)
-        return TrialResult(experiment, TrialState.OK, value=float(experiment.micro_batch_size))
+        value = float(experiment.micro_batch_size) * (speedup if dict(experiment.knobs).get("compile") else 1.0)
+        return TrialResult(experiment, TrialState.OK, value=value)
 
     space = SearchSpace(stages=(0,), data_parallel_size=1, max_micro_batch_size=16,
                         finishes={0: {"compile": [False, True]}})
@@ -78,5 +80,5 @@ def test_compile_is_tried_last_on_the_two_best_configurations():
     compiled = [e for e in calls if dict(e.knobs).get("compile")]
     eager = [e for e in calls if not e.knobs]
     assert calls[-len(compiled):] == compiled  # after everything else
-    best_two = sorted(eager, key=lambda e: e.micro_batch_size)[-2:]
-    assert sorted(e.micro_batch_size for e in compiled) == [e.micro_batch_size for e in best_two]
+    best_first = sorted(eager, key=lambda e: -e.micro_batch_size)[:tried]
+    assert [e.micro_batch_size for e in compiled] == [e.micro_batch_size for e in best_first]
