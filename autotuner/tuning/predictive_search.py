@@ -15,7 +15,8 @@ from typing import Callable
 
 from autotuner.tuning.cost_model import CostContext
 from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.search import (Evaluate, FailedVariants, Fits, Knobs, variant_measured, variant_of, OffloadFallback, PredictedLargest, SearchPolicy,
+from autotuner.tuning.search import (Evaluate, FailedVariants, Fits, Knobs, not_memory_bound, variant_measured,
+                                     variant_of, OffloadFallback, PredictedLargest, SearchPolicy,
                                      SearchSpace, _always_fits, _no_fallback, prune_variant, beyond_previous_variant,
                                      fitting_micro_batch_sizes, ladder_sizes, search_finishes, search_knobs,
                                      stage_space_for)
@@ -88,8 +89,9 @@ class _SearchedPredictive(PredictiveTuner):
         self.fits = fits
         self.failed = failed
         self.search_space = failed.space
+        self.stands_for: dict[Experiment, Experiment] = {}  # a variant's first launch: its most promising size
         self.memory_ruled_out: set[Experiment] = set()
-        self.variant_ruled_out: set[Experiment] = set()  # its variant failed in another launch
+        self.variant_ruled_out: set[Experiment] = set()  # its variant failed, or cannot pay at its stage
         self.asked: list[PredictedCandidate] = []
         self.checked = False
 
@@ -97,7 +99,7 @@ class _SearchedPredictive(PredictiveTuner):
         for candidate in self.space:
             if candidate in self.results or candidate in self.pending or candidate in self.memory_ruled_out:
                 continue
-            refused = self.failed.refusal(candidate)
+            refused = self.failed.refusal(candidate) or self._not_memory_bound(candidate)
             if refused is not None:
                 self.variant_ruled_out.add(candidate)
                 self.tell(refused)
@@ -110,16 +112,45 @@ class _SearchedPredictive(PredictiveTuner):
         return experiment
 
     def _choose(self, untried: list[Experiment]) -> Experiment:
-        """A variant never launched is launched first at its smallest size (search.py
-        `first_of_variant`): its other sizes wait for that peak."""
+        """A later variant waits for its stage's curve without it (two sizes measured), so the model
+        can rule it out. A variant never launched is launched first at its smallest size
+        (search.py `first_of_variant`), standing in for its most promising candidate: that one's
+        bound decides whether it is worth launching at all."""
         waiting = set()
         for candidate in untried:
-            variant = variant_of(self.search_space, candidate)
-            if variant and not variant_measured(self.results.values(), self.search_space, variant):
-                smallest = min(c.micro_batch_size for c in self.space if variant_of(self.search_space, c) == variant)
-                if candidate.micro_batch_size > smallest:
-                    waiting.add(candidate)
-        return super()._choose([c for c in untried if c not in waiting] or untried)
+            stage = candidate.zero_stage
+            if variant_of(self.search_space, candidate) and len(self._first_variant_sizes(stage)) < 2 and any(
+                    c.zero_stage == stage and not variant_of(self.search_space, c) for c in untried):
+                waiting.add(candidate)
+        chosen = super()._choose([c for c in untried if c not in waiting] or untried)
+        variant = variant_of(self.search_space, chosen)
+        if variant and not variant_measured(self.results.values(), self.search_space, variant):
+            smallest = min((c for c in untried if variant_of(self.search_space, c) == variant),
+                           key=lambda c: (c.micro_batch_size, c.zero_stage))
+            if smallest != chosen:
+                self.stands_for[smallest] = chosen
+                return smallest
+        return chosen
+
+    def _not_memory_bound(self, candidate: Experiment) -> TrialResult | None:
+        """A later variant's candidate where its stage's best without it is below the largest size
+        the stage reaches without it (search.py `not_memory_bound`)."""
+        if not variant_of(self.search_space, candidate):
+            return None
+        stage = candidate.zero_stage
+        first = [c for c in self.space if c.zero_stage == stage and not variant_of(self.search_space, c)]
+        if not first:
+            return None
+        measured = [r for r in self.results.values() if r.experiment in first]
+        reason = not_memory_bound(self.objective, stage, measured)
+        return TrialResult(candidate, TrialState.PRUNED, error=reason) if reason else None
+
+    def _first_variant_sizes(self, stage: int) -> set[int]:
+        """Micro-batch sizes the stage ran under its first variant: a later variant (which only buys
+        larger sizes, at the price of time) waits for that curve, so the model can rule it out."""
+        return {r.experiment.micro_batch_size for r in self.results.values()
+                if r.experiment.zero_stage == stage and r.state is TrialState.OK
+                and not variant_of(self.search_space, r.experiment)}
 
     def tell(self, result: TrialResult) -> None:
         self.checked = self.checked or result.experiment in self.pending
@@ -127,7 +158,7 @@ class _SearchedPredictive(PredictiveTuner):
         super().tell(result)
 
     def could_improve(self, experiment: Experiment) -> bool:
-        return not self.checked or super().could_improve(experiment)
+        return not self.checked or super().could_improve(self.stands_for.get(experiment, experiment))
 
 
 def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: PredictedLargest,
@@ -151,7 +182,7 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
     for candidate in tuner.space:
         was_launched = candidate in tuner.results and tuner.results[candidate].state is not TrialState.PRUNED
         reason = "" if was_launched else ("memory model" if candidate in tuner.memory_ruled_out
-                                          else "failed variant" if candidate in tuner.variant_ruled_out
+                                          else "variant rules" if candidate in tuner.variant_ruled_out
                                           else "prediction")
         final.append(PredictedCandidate(candidate, tuner.predict(candidate), was_launched, reason))
     by_prediction = sum(1 for c in final if c.ruled_out_by == "prediction")

@@ -423,8 +423,11 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
             searched = beyond_previous_variant(stage_space, stage, variant, predicted, reached, prune)
             if searched is None:
                 continue
-            if variant_of(space, stage_space.experiment(stage, 1)) and not variant_measured(
-                    measured.values(), space, variant):
+            later = variant_of(space, stage_space.experiment(stage, 1))
+            if later and (reason := not_memory_bound(policy.objective, stage, measured.values())):
+                prune_variant(prune, stage, variant, reason)
+                continue
+            if later and not variant_measured(measured.values(), space, variant):
                 predicted = first_of_variant(searched, stage, predicted, evaluate_once, fits)
                 if predicted is None:
                     prune_variant(prune, stage, variant, "its first launch, at its smallest size, did not run")
@@ -477,6 +480,21 @@ def search_finishes(space: SearchSpace, policy: SearchPolicy, results: list[Tria
         if not any(r.state is TrialState.OK and policy.objective.better(r.value, result.value) for r in these):
             break
     return finished
+
+
+def not_memory_bound(objective: Objective, stage: int, results) -> str | None:
+    """A later variant only buys larger micro-batches, so it can help only while the stage's
+    throughput still rises with the micro-batch: the reason to skip it when a larger size than
+    the stage's best was measured without it and did worse, else None."""
+    ok = [r for r in results if r.experiment.zero_stage == stage and r.state is TrialState.OK]
+    best = objective.best(ok)
+    if best is None:
+        return None
+    larger = max(r.experiment.micro_batch_size for r in ok)
+    if best.experiment.micro_batch_size >= larger:
+        return None
+    return (f"cannot help: without it the stage did best at {best.name}, below a larger micro-batch it "
+            f"measured ({larger}), so larger micro-batches do not pay here")
 
 
 def variant_measured(results, space: SearchSpace, variant: Knobs) -> bool:

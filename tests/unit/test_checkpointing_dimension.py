@@ -216,3 +216,32 @@ def test_a_policy_is_first_launched_at_its_smallest_size_then_as_its_refitted_mo
     selective = [e.micro_batch_size for e in run.calls if policy_of(e) == "selective"]
     assert selective[0] == min(selective) and selective[0] > 8
     assert not any(r.state is TrialState.OOM for r in results)
+
+
+@pytest.mark.parametrize("tuner", ["gridsearch", "predictive"])
+def test_a_policy_is_not_launched_where_larger_micro_batches_do_not_pay(tuner):
+    """Throughput that falls with the micro-batch (a CPU, often): memory bought with recompute
+    buys nothing, and no checkpointing launch is made once the stage's curve shows it."""
+    from autotuner.tuning.predictive_search import run_predictive_search
+
+    def falling(experiment: Experiment) -> float:
+        return 100.0 / (1 + 0.05 * experiment.micro_batch_size) / SLOWER_BY[policy_of(experiment)]
+
+    calls = []
+
+    def evaluate(experiment: Experiment) -> TrialResult:
+        calls.append(experiment)
+        if experiment.micro_batch_size > RUNS_UP_TO[policy_of(experiment)]:
+            return TrialResult(experiment, TrialState.OOM, error="out of memory")
+        return TrialResult(experiment, TrialState.OK, value=falling(experiment))
+
+    space = SearchSpace(stages=(0,), data_parallel_size=1, max_micro_batch_size=32, variants={0: POLICIES})
+    policy = SearchPolicy(Objective("throughput"), tuner, 50, 50, 0, True)
+    prunes = Prunes()
+    if tuner == "predictive":
+        run_predictive_search(space, policy, predicted(), evaluate, prunes, CostContext(), [], fits)
+    else:
+        run_search(space, policy, predicted(), evaluate, prunes, fits)
+    assert {policy_of(e) for e in calls} == {"none"}
+    if tuner == "gridsearch":
+        assert any("so larger micro-batches do not pay here" in reason for *_, reason in prunes)
