@@ -206,6 +206,18 @@ def prepare(trial: Trial) -> None:
     (directory / "cmd.txt").write_text(reproduce_line(trial))
 
 
+def extension_lock_hint() -> str:
+    """A torch extension build killed midway (a rank ended on a time limit while DeepSpeed
+    JIT-built an op) leaves its `lock` file, and every later build of that op waits on it for
+    ever: seen here, every later launch on DeepSpeed's CPU engine timed out. Named when present."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    locks = sorted(str(p) for pattern in ("*/lock", "*/*/lock") for p in root.glob(pattern)) if root.is_dir() else []
+    if not locks:
+        return ""
+    return (f"; torch extension build lock(s) exist: {', '.join(locks)} (a build killed midway leaves one, and "
+            "every later build of that op waits on it; delete it if no build is running)")
+
+
 def judge(trial: Trial, returncode: int | None, timed_out: bool, wall_time_s: float) -> TrialResult:
     """Turn what a launch left behind into a TrialResult: the time limit, OOM markers, the launcher's
     report, then the measurement or model info. Logs are never read."""
@@ -214,7 +226,7 @@ def judge(trial: Trial, returncode: int | None, timed_out: bool, wall_time_s: fl
                   wall_time_s=wall_time_s)
     if timed_out:
         return TrialResult(state=TrialState.TIMEOUT, error=f"exceeded exp_timeout_s={settings.timeout_s:g}s; "
-                           "the whole process tree was killed", **common)
+                           f"the whole process tree was killed{extension_lock_hint()}", **common)
     oom_markers = sorted(directory.glob(f"{METRICS_FILE}.oom-rank*"))
     if oom_markers:
         ranks = ", ".join(p.name.rsplit("rank", 1)[1] for p in oom_markers)

@@ -562,3 +562,21 @@ def test_no_successful_result_writes_no_optimal_files(tmp_path, plots):
     import pandas as pd
 
     assert len(pd.read_csv(tmp_path / "experiments.csv")) == len(failed)
+
+
+def test_a_timed_out_launch_names_a_torch_extension_build_lock_left_behind(tmp_path, monkeypatch):
+    """A rank killed while DeepSpeed JIT-built an op leaves the build's lock; every later launch
+    that builds it waits until its own time limit (seen on DeepSpeed's CPU engine)."""
+    from autotuner.tuning.experiment import Trial
+    from fakes import experiment_settings
+
+    extensions = tmp_path / "torch_extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(extensions))
+    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}))
+    trial = Trial(Experiment(0, 2), tmp_path / "exp", settings)
+    assert "lock" not in (judge(trial, None, True, 31.0).error or "")
+    lock = extensions / "py311_cpu" / "fused_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    result = judge(trial, None, True, 31.0)
+    assert result.state is TrialState.TIMEOUT and str(lock) in result.error and "delete it" in result.error
