@@ -23,14 +23,13 @@ from autotuner.config.batch import gas_for, train_batch_size
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.tuners import drive, make_tuner
 from autotuner.tuning.tuners.base import slots
+from autotuner.tuning.variant_rules import (FailedVariants, Knobs, _always_fits, not_memory_bound,  # noqa: F401
+                                            prune_variant, search_finishes, variant_measured, variant_of,
+                                            variant_text)
 
-Knobs = tuple[tuple[str, Any], ...]
 Evaluate = Callable[[Experiment], TrialResult]
 Fits = Callable[[Experiment], bool]  # the memory model's verdict on one experiment, asked before each launch
 
-
-def _always_fits(experiment: Experiment) -> bool:
-    return True
 
 @dataclass(frozen=True)
 class SearchSpace:
@@ -278,17 +277,6 @@ def largest_for(predicted_largest: PredictedLargest, stage: int, variant: Knobs,
     return predicted_largest.get(key, default)
 
 
-def variant_text(variant: Knobs) -> str:
-    return ", ".join(f"{k}={v}" for k, v in variant)
-
-
-def prune_variant(prune: Callable[..., None], stage: int, variant: Knobs, reason: str) -> None:
-    if variant:
-        prune(stage, f"{variant_text(variant)}: {reason}", variant)
-    else:
-        prune(stage, reason)
-
-
 def stage_space_for(space: SearchSpace, stage: int, predicted_largest: PredictedLargest,
                     prune: Callable[..., None], offload_fallback: OffloadFallback,
                     report: Callable[[str], None], variant: Knobs = ()) -> tuple[SearchSpace, int] | None:
@@ -324,37 +312,6 @@ def beyond_previous_variant(stage_space: SearchSpace, stage: int, variant: Knobs
                                              "only adds time")
         return None
     return replace(stage_space, min_micro_batch_size=max(stage_space.min_micro_batch_size, reached + 1))
-
-
-def variant_of(space: SearchSpace, experiment: Experiment) -> Knobs:
-    """The experiment's variant when it is not its stage's first (activation checkpointing "full",
-    say), else ()."""
-    variants = space.variants_for(experiment.zero_stage)
-    names = {name for variant in variants for name, _ in variant}
-    own = tuple(kv for kv in experiment.knobs if kv[0] in names)
-    return () if not own or own == variants[0] else own
-
-
-class FailedVariants:
-    """Variants that failed other than by running out of memory: the script cannot run them (a
-    model whose forward changes between the forward and the recompute, say), so no further size
-    of them is launched, as a first launch's failure stops the whole run."""
-
-    def __init__(self, space: SearchSpace):
-        self.space = space
-        self.first_failure: dict[Knobs, str] = {}
-
-    def learn(self, result: TrialResult) -> None:
-        variant = variant_of(self.space, result.experiment)
-        if variant and result.state is TrialState.FAILED:
-            self.first_failure.setdefault(variant, result.name)
-
-    def refusal(self, experiment: Experiment) -> TrialResult | None:
-        variant = variant_of(self.space, experiment)
-        if variant not in self.first_failure:
-            return None
-        return TrialResult(experiment, TrialState.PRUNED, error=f"{variant_text(variant)} failed in "
-                           f"{self.first_failure[variant]} (not out of memory): not launched again")
 
 
 class MeasuredOnce:
@@ -442,66 +399,6 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
         search_knobs(space, policy, list(measured.values()), evaluate_once, fits=fits)
     search_finishes(space, policy, list(measured.values()), evaluate_once, fits=fits)
     return list(measured.values())
-
-
-FINISH_TOP = 2  # at most this many of the best configurations are tried finished
-
-
-def search_finishes(space: SearchSpace, policy: SearchPolicy, results: list[TrialResult], evaluate: Evaluate,
-                    fits: Fits = _always_fits, top: int = FINISH_TOP) -> list[TrialResult]:
-    """The finishing dimensions (compile) last, on the best configurations measured, best first:
-    each with every other combination of the finishing values. They change speed, not what fits,
-    so the search above needs none of them, and their one-off costs count through the objective.
-    The next best is tried only while finishing beat the configuration as measured: compiling's
-    gain is about the same ratio on every configuration of one model, so one that did not pay on
-    the best will not pay on the next (at most `top` are tried)."""
-    ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
-    best_first = sorted(ok, key=lambda r: r.value, reverse=policy.objective.maximize)
-    finished: list[TrialResult] = []
-    tried = 0
-    for result in best_first:
-        values = space.finishes.get(result.experiment.zero_stage, {})
-        own = dict(result.experiment.knobs)
-        if not values or any(own.get(name, vals[0]) != vals[0] for name, vals in values.items()):
-            continue  # a finished configuration itself (compiled already)
-        if tried == top:
-            break
-        tried += 1
-        names = sorted(values)
-        these = []
-        for combo in itertools.product(*(values[n] for n in names)):
-            knobs = dict(zip(names, combo))
-            if all(value == values[name][0] for name, value in knobs.items()):
-                continue  # the configuration as measured
-            candidate = result.experiment.with_knobs(knobs)
-            if fits(candidate):
-                these.append(evaluate(candidate))
-        finished += these
-        if not any(r.state is TrialState.OK and policy.objective.better(r.value, result.value) for r in these):
-            break
-    return finished
-
-
-def not_memory_bound(objective: Objective, stage: int, results) -> str | None:
-    """A later variant only buys larger micro-batches, so it can help only while the stage's
-    throughput still rises with the micro-batch: the reason to skip it when a larger size than
-    the stage's best was measured without it and did worse, else None."""
-    ok = [r for r in results if r.experiment.zero_stage == stage and r.state is TrialState.OK]
-    best = objective.best(ok)
-    if best is None:
-        return None
-    larger = max(r.experiment.micro_batch_size for r in ok)
-    if best.experiment.micro_batch_size >= larger:
-        return None
-    return (f"cannot help: without it the stage did best at {best.name}, below a larger micro-batch it "
-            f"measured ({larger}), so larger micro-batches do not pay here")
-
-
-def variant_measured(results, space: SearchSpace, variant: Knobs) -> bool:
-    """Whether a launch of `variant` (at any stage) has run or run out of memory: its memory is
-    then fitted on its own peaks."""
-    return any(variant_of(space, r.experiment) == variant and r.state in (TrialState.OK, TrialState.OOM)
-               for r in results)
 
 
 def first_of_variant(space: SearchSpace, stage: int, predicted: int, evaluate: Evaluate, fits: Fits) -> int | None:

@@ -1,0 +1,123 @@
+"""Rules for the dimensions searched beyond stage x micro-batch x gas (tuning/dimensions.py):
+variants (activation checkpointing policies), searched beside their stage, and finishes
+(compile), tried last on the best configurations. Shared by the grid search (search.py) and
+the predictive one (predictive_search.py); nothing here launches."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any, Callable
+
+from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space import Experiment
+
+if TYPE_CHECKING:
+    from autotuner.tuning.search import Evaluate, Fits, SearchPolicy, SearchSpace
+
+Knobs = tuple[tuple[str, Any], ...]
+
+
+def _always_fits(experiment: Experiment) -> bool:
+    return True
+
+
+def variant_text(variant: Knobs) -> str:
+    return ", ".join(f"{k}={v}" for k, v in variant)
+
+
+def prune_variant(prune: Callable[..., None], stage: int, variant: Knobs, reason: str) -> None:
+    if variant:
+        prune(stage, f"{variant_text(variant)}: {reason}", variant)
+    else:
+        prune(stage, reason)
+
+
+def variant_of(space: SearchSpace, experiment: Experiment) -> Knobs:
+    """The experiment's variant when it is not its stage's first (activation checkpointing "full",
+    say), else ()."""
+    variants = space.variants_for(experiment.zero_stage)
+    names = {name for variant in variants for name, _ in variant}
+    own = tuple(kv for kv in experiment.knobs if kv[0] in names)
+    return () if not own or own == variants[0] else own
+
+
+class FailedVariants:
+    """Variants that failed other than by running out of memory: the script cannot run them (a
+    model whose forward changes between the forward and the recompute, say), so no further size
+    of them is launched, as a first launch's failure stops the whole run."""
+
+    def __init__(self, space: SearchSpace):
+        self.space = space
+        self.first_failure: dict[Knobs, str] = {}
+
+    def learn(self, result: TrialResult) -> None:
+        variant = variant_of(self.space, result.experiment)
+        if variant and result.state is TrialState.FAILED:
+            self.first_failure.setdefault(variant, result.name)
+
+    def refusal(self, experiment: Experiment) -> TrialResult | None:
+        variant = variant_of(self.space, experiment)
+        if variant not in self.first_failure:
+            return None
+        return TrialResult(experiment, TrialState.PRUNED, error=f"{variant_text(variant)} failed in "
+                           f"{self.first_failure[variant]} (not out of memory): not launched again")
+
+
+FINISH_TOP = 2  # at most this many of the best configurations are tried finished
+
+
+def search_finishes(space: SearchSpace, policy: SearchPolicy, results: list[TrialResult], evaluate: Evaluate,
+                    fits: Fits = _always_fits, top: int = FINISH_TOP) -> list[TrialResult]:
+    """The finishing dimensions (compile) last, on the best configurations measured, best first:
+    each with every other combination of the finishing values. They change speed, not what fits,
+    so the search above needs none of them, and their one-off costs count through the objective.
+    The next best is tried only while finishing beat the configuration as measured: compiling's
+    gain is about the same ratio on every configuration of one model, so one that did not pay on
+    the best will not pay on the next (at most `top` are tried)."""
+    ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
+    best_first = sorted(ok, key=lambda r: r.value, reverse=policy.objective.maximize)
+    finished: list[TrialResult] = []
+    tried = 0
+    for result in best_first:
+        values = space.finishes.get(result.experiment.zero_stage, {})
+        own = dict(result.experiment.knobs)
+        if not values or any(own.get(name, vals[0]) != vals[0] for name, vals in values.items()):
+            continue  # a finished configuration itself (compiled already)
+        if tried == top:
+            break
+        tried += 1
+        names = sorted(values)
+        these = []
+        for combo in itertools.product(*(values[n] for n in names)):
+            knobs = dict(zip(names, combo))
+            if all(value == values[name][0] for name, value in knobs.items()):
+                continue  # the configuration as measured
+            candidate = result.experiment.with_knobs(knobs)
+            if fits(candidate):
+                these.append(evaluate(candidate))
+        finished += these
+        if not any(r.state is TrialState.OK and policy.objective.better(r.value, result.value) for r in these):
+            break
+    return finished
+
+
+def not_memory_bound(objective: Objective, stage: int, results) -> str | None:
+    """A later variant only buys larger micro-batches, so it can help only while the stage's
+    throughput still rises with the micro-batch: the reason to skip it when a larger size than
+    the stage's best was measured without it and did worse, else None."""
+    ok = [r for r in results if r.experiment.zero_stage == stage and r.state is TrialState.OK]
+    best = objective.best(ok)
+    if best is None:
+        return None
+    larger = max(r.experiment.micro_batch_size for r in ok)
+    if best.experiment.micro_batch_size >= larger:
+        return None
+    return (f"cannot help: without it the stage did best at {best.name}, below a larger micro-batch it "
+            f"measured ({larger}), so larger micro-batches do not pay here")
+
+
+def variant_measured(results, space: SearchSpace, variant: Knobs) -> bool:
+    """Whether a launch of `variant` (at any stage) has run or run out of memory: its memory is
+    then fitted on its own peaks."""
+    return any(variant_of(space, r.experiment) == variant and r.state in (TrialState.OK, TrialState.OOM)
+               for r in results)
