@@ -21,7 +21,7 @@ from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_au
 from autotuner.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import LaunchPlan
-from autotuner.launch.script_args import config_path
+from autotuner.launch.script_args import config_path, find_flag
 from autotuner.runtime.optim import check_optimizer_and_scheduler
 from autotuner.tuning.config_space import base_config, search_space
 from autotuner.tuning.experiment import ExperimentSettings, config_value
@@ -47,6 +47,15 @@ class SettledJob:
 
 def say(line: str) -> None:
     print(f"autotuner: {line}", flush=True)
+
+
+def script_max_steps(script_args: tuple[str, ...]) -> int | None:
+    """The script's own run length, `--max_steps N` (Hugging Face's Trainer, torchtitan's
+    --training.steps is not read): the planned steps when autotuning.planned_steps is unset. HF's
+    -1 (train by epochs) and anything not a positive integer give none."""
+    found = find_flag(tuple(script_args), "--max_steps")
+    value = found[1] if found else None
+    return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
 def check_arg_mappings(config: DeepSpeedConfig, source: str) -> None:
@@ -194,7 +203,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
         user_config=read_config_file(source),
         rank_flags=options.rank_flags(),
         engine=engine,
-        planned_steps=tuning.planned_steps,
+        planned_steps=tuning.planned_steps or script_max_steps(script_args),
     )
     fingerprint = fingerprint_of(script=args.script, script_args=script_args,
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,

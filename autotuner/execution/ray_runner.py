@@ -34,7 +34,7 @@ from autotuner.execution.ray_worker import TOKEN_FILE, RankOutcome, RankWorker
 from autotuner.errors import UsageError
 from autotuner.launch.plan import LaunchOptions, build_plan
 from autotuner.launch.elastic import failure_lines, failure_report
-from autotuner.launch.stopping import GRACE_S, install_stop_handlers
+from autotuner.launch.stopping import GRACE_S, install_stop_handlers, mark_work_started
 from autotuner.tuning.experiment import RANK_ERRORS_DIR, Trial, judge, prepare
 from autotuner.tuning.records import TrialResult
 
@@ -98,6 +98,7 @@ class RayRunner:
         except (ConnectionError, RuntimeError, ValueError) as err:
             raise UsageError(f"--ray_address {options.address}: cannot connect to a Ray cluster there ({err})") from None
         install_stop_handlers()  # ray.init made SIGTERM a bare sys.exit: our stop path ends the experiments
+        mark_work_started()  # the cluster's actors are ours to end, though no local process is
         self._worker_class = ray.remote(RankWorker)
         self._nodes = self._live_nodes()
         gpus = options.gpus_per_rank

@@ -183,12 +183,13 @@ class _Guard:
         os.set_blocking(self.write_fd, False)
         self.previous_wakeup = -1
         self.closed = threading.Event()
+        self.work_started = False  # the run owns state (files being written, a Ray cluster's actors)
 
     def handler(self, signum, _frame) -> None:
         if not self.raised:
             self.raised = True
             self.signum = signum
-            if not descendants() and not _temporary:
+            if not self.work_started and not descendants() and not _temporary:
                 # Nothing started yet (imports, config checks): nothing to end, and an exception
                 # raised inside a library's import can leave it half-initialised. Leave at once.
                 _leave_now(signum)
@@ -295,6 +296,13 @@ def stop_guard() -> Iterator[None]:
         os.close(guard.read_fd)
         os.close(guard.write_fd)
         _guard = None
+
+
+def mark_work_started() -> None:
+    """From here on a stop unwinds even with no child process: the run writes its own files, or
+    holds actors on a Ray cluster, which leaving at once would cut short (a half-written file)."""
+    if _guard is not None:
+        _guard.work_started = True
 
 
 def stop_in_progress() -> bool:

@@ -13,7 +13,7 @@ from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
 from autotuner.tuning.config_space import base_config, knob_values, search_space
 from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory
-from autotuner.tuning.experiment import ExperimentSettings, Trial, experiment_config, with_user_keys
+from autotuner.tuning.experiment import ExperimentSettings, Trial, experiment_config, rescored, with_user_keys
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.comm_fit import fit_collectives
 from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext
@@ -28,7 +28,7 @@ from autotuner.tuning.results import Explanation, PredictedPoint, write_results
 from autotuner.tuning.runner import Runner
 from autotuner.tuning.parallel_launches import ParallelLaunches
 from autotuner.tuning.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
-from autotuner.launch.script_args import find_flag
+from autotuner.launch.stopping import mark_work_started
 from autotuner.tuning.planned_run import compile_lines
 from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search, variant_text
 from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
@@ -90,6 +90,7 @@ class Autotuner:
 
     # ----- set-up -----
     def _prepare_dirs(self) -> None:
+        mark_work_started()  # a Ctrl-C from here on unwinds, so no write is cut in half
         if self.config.autotuning.overwrite:
             for directory in (self.exps_dir, self.results_dir):
                 if directory.exists():
@@ -103,7 +104,8 @@ class Autotuner:
         journal = load_journal(self.exps_dir, self.fingerprint)
         if journal.notice:
             self.report(journal.notice)
-        self._journal = dict(journal.reusable)
+        # Scored again: the objective and budget may have changed since (they are not fingerprinted).
+        self._journal = {name: rescored(result, self.settings) for name, result in journal.reusable.items()}
 
     def _launch(self, trial: Trial) -> TrialResult:
         """Run one trial through the runner and journal its result (with this run's fingerprint).
@@ -253,13 +255,14 @@ class Autotuner:
     def _report_objective(self) -> None:
         planned = self.settings.planned_steps
         if planned:
-            self.report(f"objective: the time to run the {planned} planned steps (autotuning.planned_steps), one-off "
-                        "costs such as compiling included")
+            source = ("autotuning.planned_steps" if self.config.autotuning.planned_steps
+                      else "the script's --max_steps; autotuning.planned_steps overrides it")
+            self.report(f"objective: the time to run the {planned} planned steps ({source}), one-off costs such as "
+                        "compiling included")
         elif self.space.finishes:
-            found = find_flag(tuple(self.settings.script_args), "--max_steps")
-            hint = f" (the script's --max_steps is {found[1]})" if found and found[1] else ""
             self.report("objective: the steady metric, so compiling's one-off cost is not counted; set "
-                        f"autotuning.planned_steps{hint} to score by the time to finish the run")
+                        "autotuning.planned_steps (or pass the script --max_steps) to score by the time to finish "
+                        "the run")
 
     def _settle_checkpointing_variants(self) -> None:
         """A tuned activation checkpointing policy is searched only where the profile measured what

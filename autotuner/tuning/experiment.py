@@ -247,8 +247,14 @@ def judge(trial: Trial, returncode: int | None, timed_out: bool, wall_time_s: fl
     if measurement is None:
         return TrialResult(state=TrialState.FAILED, error="no metrics: the script exited 0 without reaching "
                            f"end_profile_step={settings.end_profile_step} (does it train that many steps?)", **common)
+    return scored(measurement, settings, common)
+
+
+def scored(measurement: Measurement, settings: ExperimentSettings, common: dict) -> TrialResult:
+    """A measured launch judged under this run's budget and objective (`common`: the result's
+    other fields)."""
+    common = dict(common, measured_memory_bytes=measurement.peak_memory_bytes)
     measured = measurement.peak_memory_bytes
-    common["measured_memory_bytes"] = measured
     if settings.memory_budget_bytes and measured and measured > settings.memory_budget_bytes:
         return TrialResult(state=TrialState.OOM, measurement=measurement, error=f"peak {measured / 2**20:.0f} MiB "
                            f"over the per-rank budget of {settings.memory_budget_bytes / 2**20:.0f} MiB", **common)
@@ -261,6 +267,17 @@ def judge(trial: Trial, returncode: int | None, timed_out: bool, wall_time_s: fl
     if spread is not None and value:
         spread *= planned / float(value)
     return TrialResult(state=TrialState.OK, value=planned, value_std=spread, measurement=measurement, **common)
+
+
+def rescored(result: TrialResult, settings: ExperimentSettings) -> TrialResult:
+    """A journaled result judged again under this run's budget, metric and planned steps, which
+    sit in the autotuning section outside the fingerprint: a value scored under another objective
+    must never be compared with this run's. Results without a measurement stay as they are."""
+    if result.measurement is None or result.state not in (TrialState.OK, TrialState.OOM):
+        return result
+    common = dict(experiment=result.experiment, predicted_memory_bytes=result.predicted_memory_bytes,
+                  wall_time_s=result.wall_time_s, model_info=result.model_info)
+    return scored(result.measurement, settings, common)
 
 
 def _read(path: Path, kind):

@@ -5,8 +5,12 @@ says when compiling pays back."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from autotuner.app.cli import build_parser
+from autotuner.app.settle import script_max_steps, settle
 from autotuner.boundary import Measurement
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.config_space import base_config, search_space
@@ -82,3 +86,24 @@ def test_compile_is_tried_last_on_the_best_and_on_the_next_only_while_it_paid(sp
     assert calls[-len(compiled):] == compiled  # after everything else
     best_first = sorted(eager, key=lambda e: -e.micro_batch_size)[:tried]
     assert [e.micro_batch_size for e in compiled] == [e.micro_batch_size for e in best_first]
+
+
+@pytest.mark.parametrize("args, steps", [(("--max_steps", "200"), 200), (("--max_steps=50",), 50),
+                                         (("--max_steps", "-1"), None), (("--max_steps",), None), ((), None),
+                                         (("--max_steps", "2.5"), None)])
+def test_the_scripts_max_steps_is_the_planned_length_when_it_is_a_positive_count(args, steps):
+    assert script_max_steps(("--lr", "1e-3", *args, "--deepspeed", "ds.json")) == steps
+
+
+@pytest.mark.parametrize("planned, expected", [(None, 120), (40, 40)])
+def test_settled_planned_steps_come_from_the_config_first_then_the_scripts_max_steps(tmp_path, monkeypatch,
+                                                                                       planned, expected):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("print('train')\n")
+    autotuning = {"enabled": True, **({"planned_steps": planned} if planned else {})}
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                                  "compile": {"enabled": "auto"}, "autotuning": autotuning}))
+    args = build_parser().parse_args(["--autotuning", "tune", "--nproc_per_node", "2", "train.py", "--max_steps",
+                                      "120", "--deepspeed", "ds.json"])
+    args.nproc_per_node = 2  # as cli.main settles it
+    assert settle(args).settings.planned_steps == expected

@@ -13,7 +13,7 @@ from autotuner.config import load_config
 from autotuner.tuning.autotuner import Autotuner, TuningFailed
 from autotuner.tuning.experiment import Trial
 from autotuner.tuning.journal import fingerprint_of, load_journal, unmapped_args, write_entry
-from autotuner.tuning.records import TrialResult, TrialState
+from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 from fakes import FakeRunner, ParallelFakeRunner, experiment_settings, fingerprint, model_info, never_called, ok
 
@@ -25,7 +25,8 @@ def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, pr
     config = load_config({"train_micro_batch_size_per_gpu": [2, 4], "zero_optimization": {"stage": 0}, **top,
                           "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30,
                                                          "tuner_type": "gridsearch", **(autotuning or {})}})
-    settings = experiment_settings(config)
+    settings = experiment_settings(config, objective=Objective(config.autotuning.metric),
+                                   memory_budget_bytes=config.autotuning.memory_per_rank_bytes)
     lines = print_to if print_to is not None else []
     return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner,
                      print_fingerprint or fingerprint(), report=lines.append)
@@ -274,3 +275,15 @@ def test_only_finished_results_of_the_same_run_are_reusable(tmp_path):
     directory.mkdir(parents=True)
     write_entry(directory, TrialResult(Experiment(0, 2), TrialState.PRUNED, error="x"), fingerprint())
     assert load_journal(tmp_path / "exps", fingerprint()).reusable == {}
+
+
+def test_a_resumed_run_scores_journaled_results_under_its_own_metric_and_budget(tmp_path):
+    # The metric and the budget live in the autotuning section, outside the fingerprint: a value
+    # journaled as throughput must not be compared as a latency, nor a peak over a new budget pass.
+    tuner(tmp_path, FakeRunner(by_micro({2: 10.0, 4: 20.0}))).tune()
+    latency = tuner(tmp_path, FakeRunner(never_called), autotuning={"metric": "latency"}).tune()
+    assert latency.best.name == "z0_gas1_mbs4" and latency.best.value == pytest.approx(1 / 20.0)
+    assert {r.name: r.value for r in latency.results} == pytest.approx({"z0_gas1_mbs2": 0.1, "z0_gas1_mbs4": 0.05})
+    tight = tuner(tmp_path, FakeRunner(never_called), autotuning={"memory_per_rank_bytes": 100 * MiB})
+    with pytest.raises(TuningFailed):
+        tight.tune()
