@@ -108,24 +108,50 @@ def check_deepspeed_precision(fp16_enabled: object, engine: str, script_args: tu
                       f"{flag} to train in fp32, or \"bf16\": {{\"enabled\": true}} in its place")
 
 
-def check_our_engine_sections(config, engine: str, source: str) -> None:
+# Our keys a script on DeepSpeed's engine may carry when autotuning.arg_mappings maps them to a
+# flag of its own: Hugging Face's Trainer checkpoints whole blocks with --gradient_checkpointing
+# and compiles with --torch_compile (accelerate then calls engine.compile()).
+SCRIPT_APPLIED = {"activation_checkpointing.policy": ("none", "full"), "compile.enabled": (False, True)}
+MAPPING_HINT = {"activation_checkpointing.policy": "--gradient_checkpointing", "compile.enabled": "--torch_compile"}
+
+
+def check_our_engine_sections(config, engine: str, source: str, arg_mappings: dict[str, str] | None = None) -> None:
     """Keys only our engine acts on, for a script on DeepSpeed's engine: an activation
     checkpointing policy (DeepSpeed never reads it, so it would be silently ignored) and our
-    compile keys (DeepSpeed 0.16+ refuses them in its compile section). Refused in one line."""
+    compile keys (DeepSpeed 0.16+ refuses them in its compile section). Refused in one line,
+    unless arg_mappings hands the policy or compile.enabled to a flag of the script's own."""
     if engine != "deepspeed":
         return
+    mapped = arg_mappings or {}
     policy = config.activation_checkpointing.policy
-    if config.activation_checkpointing.tuned:
-        raise ConfigError(f"{source}: activation_checkpointing.policy: {json.dumps(policy)} is tuned on our engine "
-                          "only; on DeepSpeed's engine it is not tunable yet (the script checkpoints activations "
-                          "itself: deepspeed.checkpointing, or Hugging Face's --gradient_checkpointing); set it "
-                          "to \"none\" or leave it out")
-    if policy != "none":
-        raise ConfigError(f"{source}: activation_checkpointing.policy: {json.dumps(policy)} is applied by our engine "
-                          "only; a script on DeepSpeed's engine checkpoints activations itself (deepspeed.checkpointing"
-                          ", or Hugging Face's --gradient_checkpointing); set it to \"none\" or leave it out")
+    _check_script_applied(source, "activation_checkpointing.policy", policy, mapped, policy != "none",
+                          "the script checkpoints activations itself (deepspeed.checkpointing, or Hugging Face's "
+                          "--gradient_checkpointing)")
     ours = sorted(config.compile.model_fields_set & {"enabled", "backend", "kwargs"})
+    if "compile.enabled" in mapped:
+        ours = [key for key in ours if key != "enabled"]
+        _check_script_applied(source, "compile.enabled", config.compile.enabled, mapped, True, "")
     if ours:
         raise ConfigError(f"{source}: compile.{ours[0]}: our engine's key; DeepSpeed's engine refuses it in its compile "
                           "section (from 0.16 it compiles through engine.compile()); call engine.compile() in the "
-                          "script, or drop the key")
+                          "script, map compile.enabled to its flag in autotuning.arg_mappings (Hugging Face's "
+                          "--torch_compile), or drop the key")
+
+
+def _check_script_applied(source: str, key: str, value, mapped: dict[str, str], used: bool, how: str) -> None:
+    """A script-applied key on DeepSpeed's engine: mapped to the script's flag, with values the
+    flag can express; else refused in one line."""
+    allowed = SCRIPT_APPLIED[key]
+    if key not in mapped:
+        if used:
+            verb = "tuned" if value == "auto" or isinstance(value, list) else "applied"
+            raise ConfigError(f"{source}: {key}: {json.dumps(value)} is {verb} by our engine only; on DeepSpeed's "
+                              f"engine {how or 'the script applies it'}: map it to the script's flag in "
+                              f"autotuning.arg_mappings (e.g. \"{key}\": \"{MAPPING_HINT[key]}\"), or set it to "
+                              f"{json.dumps(allowed[0])} or leave it out")
+        return
+    values = value if isinstance(value, list) else [] if value == "auto" else [value]
+    wrong = [v for v in values if v not in allowed]
+    if wrong:
+        raise ConfigError(f"{source}: {key}: {json.dumps(wrong[0])} cannot be passed through {mapped[key]} on "
+                          f"DeepSpeed's engine; allowed: {', '.join(json.dumps(v) for v in allowed)}")

@@ -185,7 +185,11 @@ def settle(args: argparse.Namespace) -> SettledJob:
     engine = script_engine(args.script, getattr(args, "engine", "auto"))
     check_trainer_autos(config, engine, args.script, source)
     check_deepspeed_precision(config.fp16.enabled, engine, script_args, source)
-    check_our_engine_sections(config, engine, source)
+    check_our_engine_sections(config, engine, source, dict(tuning.arg_mappings))
+    if config.compile.tuned and tuning.start_profile_step < 2:
+        raise ConfigError(f"{source}: autotuning.start_profile_step: got {tuning.start_profile_step}; with compile.enabled "
+                          "\"auto\" it must be at least 2, so compiling (in the first step) falls before the timed "
+                          "window, where it is measured as a one-off")
     settings = ExperimentSettings(
         script=args.script,
         script_args=script_args,

@@ -169,6 +169,10 @@ class CompileConfig(_Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="more torch.compile arguments (mode, dynamic, "
                                    "fullgraph, ...)")
 
+    @property
+    def tuned(self) -> bool:
+        return self.enabled == "auto"
+
 
 class ModelInfoSection(_Section):
     """`autotuning.model_info`: facts about the model the user gives, so the profile need not measure

@@ -142,12 +142,14 @@ class DeepSpeedView:
 
     name = ENGINE_NAME
 
-    def __init__(self, engine: Any, engines: list[Any], activation_bytes: Callable[[], int]):
+    def __init__(self, engine: Any, engines: list[Any], activation_bytes: Callable[[], int],
+                 activation_bytes_by_policy: Callable[[], dict[str, int]] = dict):
         import torch
 
         self._engine = engine
         self._engines = engines
         self._activation_bytes = activation_bytes
+        self._activation_bytes_by_policy = activation_bytes_by_policy
         self.device = torch.device(engine.device)
         self.rank = int(engine.global_rank)
 
@@ -216,7 +218,10 @@ class DeepSpeedView:
         return self._activation_bytes()
 
     def activation_bytes_by_policy(self) -> dict[str, int]:
-        return {}  # checkpointing on DeepSpeed's engine is the script's (deepspeed.checkpointing), not ours
+        """What each policy would hold, from the profile's forward of the engine's module: the
+        script checkpoints (Hugging Face's --gradient_checkpointing, mapped to the policy), but
+        its repeated blocks are found as our engine finds them."""
+        return self._activation_bytes_by_policy()
 
     def flops_per_micro_step(self) -> None:
         return None  # not counted inside DeepSpeed's engine
@@ -234,7 +239,7 @@ class DeepSpeedMeasurement:
 
         self.engine = engine
         self.request = request
-        self.view = DeepSpeedView(engine, engines, self._activation_bytes)
+        self.view = DeepSpeedView(engine, engines, self._activation_bytes, self._activation_bytes_by_policy)
         self.device = self.view.device
         self.rank = self.view.rank
         self.window = ProfileWindow(request.start_profile_step, request.end_profile_step, request.min_window_s,
@@ -258,6 +263,9 @@ class DeepSpeedMeasurement:
 
     def _activation_bytes(self) -> int:
         return self.activation_probe.bytes_saved if self.activation_probe is not None else 0
+
+    def _activation_bytes_by_policy(self) -> dict[str, int]:
+        return self.activation_probe.bytes_by_policy() if self.activation_probe is not None else {}
 
     # ----- the wrapped calls -----
     def forward(self, call):
@@ -316,9 +324,10 @@ class DeepSpeedMeasurement:
 
     # ----- the first micro-step's saved activations -----
     def _start_activation_probe(self) -> None:
+        from autotuner.runtime.activation_checkpointing import repeated_blocks
         from autotuner.runtime.profile import ActivationProbe
 
-        self.activation_probe = ActivationProbe(list(self.engine.module.parameters()))
+        self.activation_probe = ActivationProbe(list(self.engine.module.parameters()), repeated_blocks(self.engine.module))
         self.activation_probe.start()
 
     @contextlib.contextmanager

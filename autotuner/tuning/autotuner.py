@@ -12,8 +12,10 @@ from autotuner.atomic import sweep_partial_writes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
 from autotuner.tuning.config_space import base_config, knob_values, search_space
+from autotuner.tuning.dimensions import finish_values, variant_values
 from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory
-from autotuner.tuning.experiment import ExperimentSettings, Trial, experiment_config, rescored, with_user_keys
+from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_config, rescored, script_config,
+                                         with_user_keys)
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.comm_fit import fit_collectives
 from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext
@@ -272,8 +274,7 @@ class Autotuner:
             return
         if self.memory.profile.activation_bytes_per_sample_by_policy:
             return
-        why = ("the script trains on DeepSpeed's engine, where it is not tunable yet" if self.memory.engine == "deepspeed"
-               else "the model has no repeated blocks (no nn.ModuleList) to checkpoint" if self._profiled
+        why = ("the model has no repeated blocks (no nn.ModuleList) to checkpoint" if self._profiled
                else "autotuning.model_info is given, so no profile measured what each policy holds")
         self.report(f"activation_checkpointing.policy: not tuned: {why}; every experiment runs without it")
         # Kept at "none" rather than dropped: the profile launches already ran (and are named) so.
@@ -293,8 +294,10 @@ class Autotuner:
             self.report(f"engine: expected {self.settings.engine}'s, but the profile launch ran on {measured}'s; "
                         "following the launch")
             self.settings = replace(self.settings, engine=measured)
-            self.space = replace(self.space, knob_values=knob_values(self.config, measured,
-                                                                     visible_gpu_memory() is not None))
+            cuda = visible_gpu_memory() is not None
+            self.space = replace(self.space, knob_values=knob_values(self.config, measured, cuda),
+                                 variants=variant_values(self.config.to_dict(), measured, cuda),
+                                 finishes=finish_values(self.config.to_dict(), measured, cuda))
             self.memory.space = self.space
 
     def cost_context(self, quiet: bool = False) -> CostContext:
@@ -386,6 +389,7 @@ class Autotuner:
             optimal_cmd = optimal_command(self.settings, optimal_args)
             if self.settings.engine == "deepspeed":
                 deepspeed_cmd = deepspeed_command(self.settings, optimal_args)
+            config = script_config(config, self.settings.engine)  # what the mapped flags carry stays out
         compiled = compile_lines(list(self._results.values()), self.settings.planned_steps)
         for line in compiled:
             self.report(line)

@@ -49,6 +49,10 @@ def _is_cpu(value: Any) -> float:
     return float(value == "cpu")
 
 
+def _bool_text(value: bool) -> str:
+    return "true" if value else "false"
+
+
 CHECKPOINT_POLICIES = ("none", "selective", "full")  # in the order they save memory (and cost recompute)
 
 
@@ -81,6 +85,9 @@ class Dimension:
     # the best configurations. Variants and finishes are tuned only where the user asked ("auto",
     # or a list, at the path).
     role: str = "knob"
+    # On DeepSpeed's engine the script applies it, through the flag autotuning.arg_mappings maps
+    # the config key to: how a value is written there (Hugging Face's bool flags take true/false).
+    flag_text: Callable[[Any], str] = str
 
     def values_for(self, stage: int, engine: Engine, cuda: bool) -> tuple[Any, ...]:
         if self.cuda_only and not cuda:
@@ -117,14 +124,35 @@ REGISTRY: dict[str, Dimension] = {d.name: d for d in (
     Dimension("offload_param", ("zero_optimization", "offload_param", "device"), "op",
               {"deepspeed": {3: ("none", "cpu")}},
               _offload_param, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS),
+    # On DeepSpeed's engine the script checkpoints (Hugging Face's --gradient_checkpointing, whole
+    # blocks): "none" or "full" through the mapped flag.
     Dimension("activation_checkpointing", ("activation_checkpointing", "policy"), "ac",
-              {"autotuner": {stage: CHECKPOINT_POLICIES for stage in range(4)}},
-              _checkpoint_policy, _policy_rank, role="variant"),
+              {"autotuner": {stage: CHECKPOINT_POLICIES for stage in range(4)},
+               "deepspeed": {stage: ("none", "full") for stage in range(4)}},
+              _checkpoint_policy, _policy_rank, role="variant", flag_text=lambda policy: _bool_text(policy != "none")),
     # torch.compile of the blocks: the memory model keeps the eager figure (inductor's fusions
     # only lower it) and measured peaks refit it like any other launch.
-    Dimension("compile", ("compile", "enabled"), "c", {"autotuner": {stage: ON_OFF for stage in range(4)}},
-              _same_memory, role="finish"),
+    # On DeepSpeed's engine through the mapped flag (Hugging Face's --torch_compile, which has
+    # accelerate call engine.compile()).
+    Dimension("compile", ("compile", "enabled"), "c",
+              {"autotuner": {stage: ON_OFF for stage in range(4)}, "deepspeed": {stage: ON_OFF for stage in range(4)}},
+              _same_memory, role="finish", flag_text=lambda enabled: _bool_text(bool(enabled))),
 )}
+
+
+def flag_text(dotted_key: str, value: Any) -> str:
+    """A config value as a mapped script flag takes it: a dimension's own form, else str()."""
+    path = tuple(dotted_key.split("."))
+    found = next((d for d in REGISTRY.values() if d.path == path), None)
+    return found.flag_text(value) if found is not None else str(value)
+
+
+def applied_by_the_script(engine: Engine) -> tuple[tuple[str, ...], ...]:
+    """Config paths of dimensions the script applies itself on `engine` (through a mapped flag),
+    which its config must not carry: DeepSpeed refuses compile.enabled, and never reads a policy."""
+    if engine != "deepspeed":
+        return ()
+    return tuple(d.path for d in REGISTRY.values() if d.role != "knob")
 
 
 def dimension(name: str) -> Dimension:

@@ -27,6 +27,7 @@ from autotuner.launch.script_args import replace_config, set_flag
 from autotuner.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.tuning.journal import RECORD_FILE
 from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning import dimensions
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.planned_run import planned_value
 
@@ -77,7 +78,7 @@ def mapped_script_args(script_args: tuple[str, ...], arg_mappings: dict[str, str
     """The user's arguments with each mapped flag set to the experiment's value (added if absent)."""
     args = tuple(script_args)
     for key, flag in arg_mappings.items():
-        args = set_flag(args, flag, str(config_value(config, key)))
+        args = set_flag(args, flag, dimensions.flag_text(key, config_value(config, key)))
     return args
 
 
@@ -88,6 +89,22 @@ def experiment_config(experiment: Experiment, settings: ExperimentSettings) -> d
     config.pop("autotuning", None)
     if derives_train_batch_size(settings):
         config.pop("train_batch_size")
+    return config
+
+
+def script_config(config: dict[str, Any], engine: str) -> dict[str, Any]:
+    """The config file the script reads: on DeepSpeed's engine without the dimensions the script
+    applies itself through their mapped flags (a section left empty goes too)."""
+    paths = dimensions.applied_by_the_script(engine)
+    if not paths:
+        return config
+    config = copy.deepcopy(config)
+    for path in paths:
+        parent = dimensions.lookup(config, path[:-1])[1]
+        if isinstance(parent, dict):
+            parent.pop(path[-1], None)
+            if not parent and len(path) == 2:
+                config.pop(path[0], None)
     return config
 
 
@@ -201,7 +218,8 @@ def prepare(trial: Trial) -> None:
     for path in [*stale, *directory.glob(f"{METRICS_FILE}.oom-rank*")]:
         path.unlink(missing_ok=True)
     shutil.rmtree(directory / RANK_ERRORS_DIR, ignore_errors=True)
-    write_json_atomic(directory / CONFIG_FILE, experiment_config(trial.experiment, trial.settings))
+    write_json_atomic(directory / CONFIG_FILE,
+                      script_config(experiment_config(trial.experiment, trial.settings), trial.settings.engine))
     write_record(trial.request_path, trial.request())
     (directory / "cmd.txt").write_text(reproduce_line(trial))
 

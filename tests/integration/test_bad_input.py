@@ -172,9 +172,9 @@ def test_a_tuned_activation_checkpointing_policy_is_refused_for_a_plain_run(in_t
      ('activation_checkpointing.policy: "full" is applied by our engine only', "deepspeed.checkpointing",
       "--gradient_checkpointing")),
     ({"activation_checkpointing": {"policy": "auto"}},
-     ('activation_checkpointing.policy: "auto" is tuned on our engine only', "not tunable yet",
+     ('activation_checkpointing.policy: "auto" is tuned by our engine only', "autotuning.arg_mappings",
       "--gradient_checkpointing")),
-    ({"compile": {"enabled": True}}, ("compile.enabled: our engine's key", "engine.compile()")),
+    ({"compile": {"enabled": True}}, ("compile.enabled: our engine's key", "engine.compile()", "--torch_compile")),
 ], ids=["checkpointing", "checkpointing-auto", "compile"])
 @pytest.mark.parametrize("autotuning", [True, False], ids=["tune", "plain"])
 def test_our_engines_keys_for_a_script_on_deepspeeds_engine(in_tmp, capsys, autotuning, section, mentions):
@@ -184,6 +184,25 @@ def test_our_engines_keys_for_a_script_on_deepspeeds_engine(in_tmp, capsys, auto
     argv = tune_argv(cfg, script=script) if autotuning else ["--nproc_per_node", "2", str(script), "--deepspeed",
                                                               str(cfg)]
     assert_refused(in_tmp, capsys, argv, str(cfg), *mentions)
+
+
+@pytest.mark.parametrize("section, key, value", [
+    ({"activation_checkpointing": {"policy": ["none", "selective"]}}, "activation_checkpointing.policy", '"selective"'),
+    ({"compile": {"enabled": "auto", "backend": "eager"}}, "compile.backend", None),
+], ids=["selective", "compile-backend"])
+def test_a_mapped_dimension_on_deepspeeds_engine_takes_only_what_the_flag_expresses(in_tmp, capsys, section, key, value):
+    # Hugging Face's --gradient_checkpointing checkpoints whole blocks: "none" or "full" only; the
+    # compile backend is DeepSpeed's engine.compile() argument, not a config key there.
+    pytest.importorskip("deepspeed")
+    script = write(in_tmp / "train.py", "import deepspeed\n")
+    mappings = {"activation_checkpointing.policy": "--gradient_checkpointing", "compile.enabled": "--torch_compile"}
+    cfg = write(in_tmp / "ds.json", config_dict({"arg_mappings": {**MAPPINGS, **{k: v for k, v in mappings.items()
+                                                                  if k.split(".")[0] in section}}}, **section))
+    if value is not None:
+        assert_refused(in_tmp, capsys, tune_argv(cfg, script=script), str(cfg), key, value,
+                       "cannot be passed through --gradient_checkpointing", 'allowed: "none", "full"')
+    else:
+        assert_refused(in_tmp, capsys, tune_argv(cfg, script=script), str(cfg), key, "our engine's key")
 
 
 def test_arg_mappings_naming_an_unknown_config_key(in_tmp, capsys):
@@ -454,3 +473,9 @@ def test_backend_ray_without_ray_installed_says_which_extra(in_tmp, capsys, monk
     config = write(in_tmp / "ds.json", config_dict())
     assert_refused(in_tmp, capsys, tune_argv(config, launcher=("--backend", "ray")),
                    "--backend ray: Ray is not installed; pip install 'autotuner[ray]'")
+
+
+def test_a_tuned_compile_needs_a_step_before_the_window(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict({"start_profile_step": 1}, compile={"enabled": "auto"}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "autotuning.start_profile_step: got 1",
+                   "at least 2")

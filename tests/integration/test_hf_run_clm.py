@@ -241,3 +241,41 @@ def test_run_clm_is_tuned_on_deepspeeds_engine_and_refused_in_one_line_without_d
     assert caught.value.exit_code == 2 and "\n" not in message
     assert "imports transformers.Trainer, which trains on DeepSpeed's engine with --deepspeed" in message
     assert "autotuner[deepspeed]" in message and "import autotuner as deepspeed" not in message
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_checkpointing_and_compile_are_tuned_on_deepspeeds_engine_through_the_trainers_own_flags(
+        tiny_gpt2, tmp_path, shm_before):
+    """activation_checkpointing.policy and compile.enabled mapped to the Trainer's
+    --gradient_checkpointing and --torch_compile (accelerate then calls engine.compile()): each
+    experiment passes its values there, and no config DeepSpeed reads carries our keys."""
+    mappings = {**MAPPINGS, "activation_checkpointing.policy": "--gradient_checkpointing",
+                "compile.enabled": "--torch_compile"}
+    config = {"train_micro_batch_size_per_gpu": "auto", "activation_checkpointing": {"policy": ["none", "full"]},
+              "compile": {"enabled": "auto"},
+              "autotuning": {"enabled": True, "arg_mappings": mappings, **TEST_SIZED, "exp_timeout_s": 300,
+                             "start_profile_step": 2, "end_profile_step": 3}}  # compiling falls in step 1
+    result = launcher("tune", tmp_path, run_clm_args(tiny_gpt2, tmp_path / "out"), config)
+    optimal = assert_results_written(tmp_path, result)
+    assert "not tuned" not in result.stdout
+    assert "(with activation checkpointing: full" in result.stdout  # the profile measured each policy
+    assert "the script's --max_steps" in result.stdout  # 6 planned steps: compiling must pay back in them
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    assert table.name.str.contains("_acfull_").any()  # searched (launched, or pruned with its reason)
+    ran = table[table.state == "ok"]
+    assert (ran.engine == "deepspeed").all() and len(ran) >= 2
+    compiled = ran[ran.name.str.contains("_cT_")]
+    assert len(compiled) >= 1, table.to_string()
+    for row in ran.itertuples():
+        directory = tmp_path / "autotuning_exps" / row.name
+        command = shlex.split((directory / "cmd.txt").read_text())
+        flags = (command[command.index("--gradient_checkpointing") + 1], command[command.index("--torch_compile") + 1])
+        assert flags == ("true" if "_acfull_" in row.name else "false", "true" if "_cT_" in row.name else "false")
+        written = json.loads((directory / "ds_config.json").read_text())
+        assert "activation_checkpointing" not in written and "compile" not in written
+    assert "activation_checkpointing" not in optimal and "compile" not in optimal
+    best = table[table.chosen].iloc[0]
+    command = shlex.split((tmp_path / "autotuning_results" / "cmd_optimal.txt").read_text())
+    assert command[command.index("--torch_compile") + 1] == ("true" if "_cT_" in best["name"] else "false")
+    assert any(line.startswith("autotuner: compile: ") for line in result.stdout.splitlines())

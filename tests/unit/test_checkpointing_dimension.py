@@ -6,6 +6,7 @@ policy's recompute per sample."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -245,3 +246,28 @@ def test_a_policy_is_not_launched_where_larger_micro_batches_do_not_pay(tuner):
     assert {policy_of(e) for e in calls} == {"none"}
     if tuner == "gridsearch":
         assert any("so larger micro-batches do not pay here" in reason for *_, reason in prunes)
+
+
+# ----- on DeepSpeed's engine: the script applies them through the mapped flags -----
+
+def test_on_deepspeeds_engine_the_mapped_flags_carry_the_policy_and_compile_and_the_config_does_not():
+    from fakes import experiment_settings
+
+    from autotuner.tuning.experiment import Trial, experiment_config, script_config, trial_script_args
+
+    user = DeepSpeedConfig.model_validate({**config("auto"), "compile": {"enabled": "auto"}})
+    # Hugging Face's --gradient_checkpointing checkpoints whole blocks: "none" and "full" only.
+    assert variant_values(user.to_dict(), "deepspeed")[2] == (POLICIES[0], POLICIES[2])
+    mappings = {"activation_checkpointing.policy": "--gradient_checkpointing", "compile.enabled": "--torch_compile"}
+    settings = experiment_settings(user, engine="deepspeed", arg_mappings=mappings,
+                                   script_args=("--gradient_checkpointing", "false", "--deepspeed", "ds.json"))
+    for policy, compiled, flags in (("full", True, ("true", "true")), ("none", False, ("false", "false"))):
+        experiment = Experiment(2, 4, 1, ((AC, policy), ("compile", compiled)))
+        trial = Trial(experiment, Path("/tmp/exp"), settings)
+        args = trial_script_args(trial)
+        assert args.count("--gradient_checkpointing") == 1  # the user's value replaced, not repeated
+        assert (args[args.index("--gradient_checkpointing") + 1], args[args.index("--torch_compile") + 1]) == flags
+        written = script_config(experiment_config(experiment, settings), "deepspeed")
+        assert AC not in written and "compile" not in written  # DeepSpeed refuses compile.enabled
+        ours = script_config(experiment_config(experiment, settings), "autotuner")
+        assert ours[AC] == {"policy": policy} and ours["compile"]["enabled"] is compiled
