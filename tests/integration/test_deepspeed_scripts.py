@@ -4,10 +4,18 @@ data on each, against plain torch SGD on both ranks' data in one process."""
 
 import pytest
 
-from conftest import run_engine_check as run_check
+from conftest import assert_no_children_left, run_engine_check
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 STAGES = ("0", "1", "2", "3")
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory) -> dict:
+    """The three checks in one launch (each launch costs seconds of start-up on 2 cores)."""
+    result = run_engine_check("raw_forward,unused,checkpoint_unused", tmp_path_factory.mktemp("script_checks"), 2)
+    assert_no_children_left()
+    return result["checks"]
 
 
 def assert_parameters_equal(trained: dict, reference: dict, where: str) -> None:
@@ -16,8 +24,8 @@ def assert_parameters_equal(trained: dict, reference: dict, where: str) -> None:
         assert trained[name] == pytest.approx(reference[name], abs=1e-5), f"{where}: {name}"
 
 
-def test_gradients_are_reduced_when_forward_bypasses_the_engine(tmp_path, no_orphans):
-    result = run_check("raw_forward", tmp_path)
+def test_gradients_are_reduced_when_forward_bypasses_the_engine(checks):
+    result = checks["raw_forward"]
     reference = result["reference"]
     for stage in STAGES:
         for mode in ("engine", "raw"):
@@ -26,8 +34,8 @@ def test_gradients_are_reduced_when_forward_bypasses_the_engine(tmp_path, no_orp
             assert_parameters_equal(run["params"], reference, f"stage {stage}, forward through the {mode} module")
 
 
-def test_a_parameter_without_gradient_neither_stalls_nor_moves(tmp_path, no_orphans):
-    result = run_check("unused", tmp_path)
+def test_a_parameter_without_gradient_neither_stalls_nor_moves(checks):
+    result = checks["unused"]
     reference = result["reference"]
     for stage in STAGES:
         run = result[stage]["engine"]
@@ -35,8 +43,8 @@ def test_a_parameter_without_gradient_neither_stalls_nor_moves(tmp_path, no_orph
         assert_parameters_equal(run["params"], reference, f"stage {stage}")
 
 
-def test_save_load_and_resume_with_an_unused_parameter(tmp_path, no_orphans):
-    result = run_check("checkpoint_unused", tmp_path)
+def test_save_load_and_resume_with_an_unused_parameter(checks):
+    result = checks["checkpoint_unused"]
     for stage in STAGES:
         record = result[stage]
         assert record["resumed"] == record["continued"], f"stage {stage}"

@@ -1,5 +1,6 @@
-"""Every stop path under randomized timing: 6 faults at random instants (tests/fault_fuzz.py), every
-launcher mode and every fault among them (the benchmark runs every pair; each CI run draws a new seed).
+"""Every stop path under randomized timing: 5 faults at random instants (tests/fault_fuzz.py), every
+launcher mode and all but one fault among them (the benchmark runs every pair; each CI run draws a new
+seed, so the fault left out changes).
 
 The seed is new each run unless AUTOTUNER_FAULT_FUZZ_SEED is set; it is part of every case's
 test id, so a failure replays with
@@ -20,7 +21,7 @@ from fault_fuzz import FAULTS, SCENARIOS, draw_cases, run_case
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 SEED = int(os.environ.get("AUTOTUNER_FAULT_FUZZ_SEED") or random.SystemRandom().randrange(1, 10**6))
-COUNT = 6  # 5 scenarios and 6 faults, coprime: 6 cases in a row cover every one of each
+COUNT = 5  # every one of the 5 scenarios, and 5 of the 6 faults (which one waits rotates with the seed)
 # Each scenario's clean run length on a 2-core machine (benchmarks/fault_fuzz.py measures them);
 # instants are drawn uniformly up to a little past it.
 NOMINAL_LENGTH_S = {"tune": 9.0, "tune_cold": 20.0, "plain": 7.0, "hostfile": 9.5, "run": 10.0}

@@ -303,24 +303,32 @@ def check_unused() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--check", choices=("parity", "gas", "checkpoint", "bf16", "offload", "raw_forward",
-                                                  "unused", "checkpoint_unused", "activation_checkpointing", "compile"),
-                        required=True)
+    names = ("parity", "gas", "checkpoint", "bf16", "offload", "raw_forward", "unused", "checkpoint_unused",
+             "activation_checkpointing", "compile")
+    parser.add_argument("--check", required=True,
+                        help=f"one of {', '.join(names)}, or several joined by commas (one launch runs them in turn)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--local_rank", type=int, default=-1)
     args = parser.parse_args()
+    wanted = args.check.split(",")
+    unknown = [name for name in wanted if name not in names]
+    if unknown:
+        parser.error(f"--check: unknown {unknown}")
+    # Each check that saves gets its own directory, so several in one launch do not meet.
     checks = {"parity": check_parity, "gas": check_gas, "checkpoint": lambda: check_checkpoint(args.out + ".ckpt"),
               "bf16": check_bf16, "offload": check_offload, "raw_forward": check_raw_forward,
               "unused": check_unused,
-              "checkpoint_unused": lambda: check_checkpoint(args.out + ".ckpt", NetWithUnused),
-              "activation_checkpointing": lambda: check_activation_checkpointing(args.out + ".ckpt"),
+              "checkpoint_unused": lambda: check_checkpoint(args.out + ".unused.ckpt", NetWithUnused),
+              "activation_checkpointing": lambda: check_activation_checkpointing(args.out + ".ac.ckpt"),
               "compile": check_compile}
-    result = checks[args.check]()
+    if len(wanted) == 1:
+        result = checks[wanted[0]]()
+    else:
+        result = {"checks": {name: checks[name]() for name in wanted}}
     result["world_size"] = dist.get_world_size()
     if dist.get_rank() == 0:
         with open(args.out, "w") as handle:
             json.dump(result, handle)
-
 
 if __name__ == "__main__":
     main()
