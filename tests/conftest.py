@@ -23,8 +23,10 @@ TOY_MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
 # launches in order (the predictive default has its own tests), over a 2-step window. No final
 # re-measurement unless a test asks for it: the toy's sub-millisecond steps sit within its noise,
 # so every tune would add up to 3 rounds of launches that test nothing of its own.
+# The history database costs about 0.6 s a tuning run (optuna's schema): off for the toy tunes that
+# do not test it (test_history.py, test_autotune_e2e.py and test_ray_backend.py do).
 TOY_AUTOTUNING = {"enabled": True, "arg_mappings": TOY_MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
-                  "exp_timeout_s": 120, "tuner_type": "gridsearch", "remeasure_rounds": 0}
+                  "exp_timeout_s": 120, "tuner_type": "gridsearch", "remeasure_rounds": 0, "history": False}
 REMEASURED = {"remeasure_rounds": 3}  # the config's default: the final pick re-measured interleaved
 
 

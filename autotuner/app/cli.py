@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bench_warmup", type=int, default=5, help="--bench: optimizer steps run before timing")
     parser.add_argument("--bench_iters", type=int, default=20, help="--bench: optimizer steps timed per world size")
     parser.add_argument("--debug", action="store_true", help="show tracebacks and torch elastic's logs")
+    parser.add_argument("--history", nargs="?", const="", default=None, metavar="URL",
+                        help="list the tuning runs in a history database, then exit (default: "
+                             "sqlite:///autotuning_results/history.db); no script is given")
     parser.add_argument("script", help="training script")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -280,9 +283,21 @@ def main(argv: list[str] | None = None) -> int:
             return stop.exit_status
 
 
+def _history(argv: list[str]) -> int:
+    """`launcher --history [URL] [--debug]`: no script, so it is parsed on its own."""
+    from autotuner.app.history import show_history
+
+    rest = [arg for arg in argv if arg not in ("--history", "--debug")]
+    if len(rest) > 1 or any(arg.startswith("-") for arg in rest):
+        raise UsageError(f"--history takes at most one URL and no script; got {' '.join(rest)}")
+    return show_history(rest[0] if rest else None)
+
+
 def _main(argv: list[str], script_at: int) -> int:
     debug = "--debug" in argv[:script_at]  # a --debug after the script is the script's
     try:
+        if "--history" in argv[:script_at]:
+            return _history(argv)
         args = build_parser().parse_args(argv)
         debug = args.debug
         logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(name)s: %(message)s")

@@ -226,6 +226,10 @@ class AutotuningConfig(_Section):
     fast: bool = Field(True, description="true: stage x micro-batch x gas only; false: then ZeRO knobs too")
     results_dir: str = Field("autotuning_results", description="summary, experiments.csv, the optimal config")
     exps_dir: str = Field("autotuning_exps", description="one directory per experiment; the resume journal")
+    history: bool = Field(True, description="ours: record every launch as a trial of an optuna study (needs "
+                          "optuna: the history or bayes extra); `launcher --history` lists the runs")
+    storage: str | None = Field(None, description="ours: the history's SQLAlchemy URL (a shared PostgreSQL for a "
+                                "team, say); default sqlite:///<results_dir>/history.db")
     overwrite: bool = Field(False, description="false resumes finished experiments; true starts afresh")
     metric: MetricName = Field("throughput", description="throughput | latency (minimised) | FLOPS")
     start_profile_step: PositiveInt = Field(3, description="the first optimizer step timed")

@@ -16,6 +16,7 @@ from autotuner.tuning.dimensions import finish_values, variant_values
 from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory
 from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_config, rescored, script_config,
                                          with_user_keys)
+from autotuner.tuning.history import HISTORY_FILE, make_history
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.comm_fit import fit_collectives
 from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext
@@ -89,6 +90,7 @@ class Autotuner:
                                  report, zero_settings=zero, engine=settings.engine)
         self._profile_names: set[str] = set()
         self.predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
+        self.history = make_history(config.autotuning, results_dir, fingerprint, self.objective, report)
 
     # ----- set-up -----
     def _prepare_dirs(self) -> None:
@@ -97,7 +99,7 @@ class Autotuner:
             for directory in (self.exps_dir, self.results_dir):
                 if directory.exists():
                     for child in directory.iterdir():
-                        if child.name != ".lock":
+                        if child.name != ".lock" and not child.name.startswith(HISTORY_FILE):  # history stays
                             shutil.rmtree(child) if child.is_dir() else child.unlink()
         self.exps_dir.mkdir(parents=True, exist_ok=True)
         self.results_dir.mkdir(parents=True, exist_ok=True)
@@ -134,6 +136,9 @@ class Autotuner:
         sweep_partial_writes(trial.directory)
         if result.state.finished:
             write_entry(trial.directory, result, self.fingerprint)
+        if self.history is not None:
+            phase = "profile" if trial.profile else "remeasure" if "_remeasure" in trial.directory.name else "search"
+            self.history.record(result, phase)
 
     def _profile_launch(self, stage: int, micro_batch_size: int) -> TrialResult:
         """A profile launch is the experiment at that stage and size (with its own gas), which also
@@ -398,6 +403,10 @@ class Autotuner:
         summary = write_results(self.results_dir, everything, self.objective, time.monotonic() - self._started,
                                 config, list(optimal_cmd) if optimal_cmd else None, explanation,
                                 list(deepspeed_cmd) if deepspeed_cmd else None)
+        if self.history is not None and self.history.recorded:
+            self.history.record_pick(best)
+            self.report(f"history: {self.history.recorded} launches recorded in study {self.history.study_name}; "
+                        f"list the runs with: launcher --history {self.history.url}")
         return TuningOutcome(tuple(everything), best, summary, optimal_path, optimal_args, optimal_cmd, deepspeed_cmd)
 
 

@@ -1,8 +1,10 @@
 """`launcher --autotuning tune|run` end to end on 2 CPU ranks with real launches."""
 
 import json
+import re
 import shlex
 import subprocess
+import sys
 
 import pandas as pd
 import pytest
@@ -20,7 +22,7 @@ def experiments(tmp_path) -> pd.DataFrame:
 
 def test_tune_writes_every_output_and_picks_the_best(tmp_path, no_orphans):
     config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 16,
-                                                 "max_train_batch_size": 64, **REMEASURED})
+                                                 "max_train_batch_size": 64, **REMEASURED, "history": True})
     result = tune(tmp_path, config, "--ms_per_sample", "1", "--ms_per_step", "20")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     results = tmp_path / "autotuning_results"
@@ -58,6 +60,18 @@ def test_tune_writes_every_output_and_picks_the_best(tmp_path, no_orphans):
     trained = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=120)
     assert trained.returncode == 0, trained.stderr[-2000:]
     assert "done: 8 steps" in trained.stdout
+
+    # Every launch is also a trial in the history database; `launcher --history` lists the run.
+    launches = int(re.search(r"Launches: (\d+)", summary).group(1))  # re-measurements are trials too
+    assert f"history: {launches} launches recorded in study autotuner:toy_train.py:" in result.stdout
+    listed = subprocess.run([sys.executable, "-m", "autotuner", "--history"], cwd=tmp_path, env=launcher_env(),
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    row = next(line for line in listed.stdout.splitlines() if "toy_train.py" in line)
+    assert best["name"] in row and re.search(rf"\|\s+{launches} \|", row) and "2 ranks" in row
+    missing = subprocess.run([sys.executable, "-m", "autotuner", "--history", "sqlite:///nowhere/history.db"],
+                             cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and missing.stderr.startswith("launcher: error: --history: no history database")
 
 
 def test_run_trains_to_the_end_with_fixed_stage_and_micro_batch(tmp_path, no_orphans):

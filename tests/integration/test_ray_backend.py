@@ -150,7 +150,7 @@ def test_the_default_tuner_runs_its_most_optimistic_candidates_at_once_on_the_tw
 
 def test_autotuning_run_trains_the_optimum_on_the_cluster(cluster, tmp_path):
     echo = tmp_path / "argv.txt"
-    command = tune_command(ray_config(tmp_path / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
+    command = tune_command(ray_config(tmp_path / "ds.json", [2, 4], history=True), "--backend", "ray", "--ray_address",
                            cluster.address, "--nproc_per_node", "1", script_args=("--echo_args_to", str(echo)))
     command[command.index("tune")] = "run"
     result = run(tmp_path, command)
@@ -159,11 +159,17 @@ def test_autotuning_run_trains_the_optimum_on_the_cluster(cluster, tmp_path):
     assert len(launches) == 3  # two experiments, then the training run with the optimum
     assert str(tmp_path / "autotuning_results" / "ds_config_optimal.json") in launches[-1]
     assert free_cpus(cluster.address) == (2.0, 2.0)
+    # The history records the cluster's launches as it does local ones (the tuner writes it).
+    optuna = pytest.importorskip("optuna")
+    url = f"sqlite:///{tmp_path / 'autotuning_results' / 'history.db'}"
+    (study,) = optuna.get_all_study_summaries(url, include_best_trial=False)
+    trials = optuna.load_study(study_name=study.study_name, storage=url).trials
+    assert sorted(t.user_attrs["name"] for t in trials) == ["z0_gas1_mbs2", "z0_gas1_mbs4"]
 
 
 def test_ctrl_c_ends_every_rank_and_leaves_nothing_on_the_cluster(cluster, tmp_path):
     pid_dir = tmp_path / "pids"
-    command = tune_command(ray_config(tmp_path / "ds.json", [2, 4]), "--backend", "ray", "--ray_address",
+    command = tune_command(ray_config(tmp_path / "ds.json", [2, 4], history=True), "--backend", "ray", "--ray_address",
                            cluster.address, "--nproc_per_node", "1",
                            script_args=("--hang_at_step", "2", "--pid_dir", str(pid_dir)))
     tuner = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,

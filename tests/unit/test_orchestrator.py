@@ -24,7 +24,8 @@ def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, pr
           print_fingerprint=None, **top) -> Autotuner:
     config = load_config({"train_micro_batch_size_per_gpu": [2, 4], "zero_optimization": {"stage": 0}, **top,
                           "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30,
-                                                         "tuner_type": "gridsearch", **(autotuning or {})}})
+                                                         "tuner_type": "gridsearch", "history": False,
+                                                         **(autotuning or {})}})
     settings = experiment_settings(config, objective=Objective(config.autotuning.metric),
                                    memory_budget_bytes=config.autotuning.memory_per_rank_bytes)
     lines = print_to if print_to is not None else []
