@@ -26,6 +26,7 @@ HISTORY_FILE = "history.db"
 STUDY_PREFIX = "autotuner"
 SQLITE_WAIT_S = 2.0  # a locked SQLite file is given up on quickly: the journal holds everything
 LARGEST = 1 << 30  # the params' bounds: wide, fixed, so every run's trials share a distribution
+LARGEST_NUMBER = 1e15
 
 
 def default_url(results_dir: Path) -> str:
@@ -49,21 +50,32 @@ def open_storage(url: str):
     return optuna.storages.RDBStorage(url, engine_kwargs=_engine_kwargs(url))
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _distribution(name: str, value: Any):
     """A fixed distribution per param (optuna refuses a param whose kind changes within a study):
-    sizes on a log scale, the rest categorical over every value the registry knows."""
-    from optuna.distributions import CategoricalDistribution, IntDistribution
+    the batch triad as integers on a log scale, numeric dimensions as floats over a fixed wide
+    range (DeepSpeed configs write 5e8 as often as 500000000), the rest categorical over every
+    value the registry knows."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 
-    if name in ("zero_stage",):
+    if name == "zero_stage":
         return IntDistribution(0, 3)
     if name in ("micro_batch_size", "gradient_accumulation_steps"):
         return IntDistribution(1, LARGEST, log=True)
     known = dimensions.REGISTRY.get(name)
-    choices = sorted({v for d in (known.values.values() if known else ()) for per_stage in d.values()
-                      for v in per_stage} | {value}, key=repr)
-    if all(isinstance(c, int) and not isinstance(c, bool) for c in choices):
-        return IntDistribution(1, LARGEST, log=True) if all(c >= 1 for c in choices) else IntDistribution(0, LARGEST)
-    return CategoricalDistribution(choices)
+    choices = {v for d in (known.values.values() if known else ()) for per_stage in d.values() for v in per_stage}
+    if all(_number(c) for c in choices | {value}):
+        return FloatDistribution(0.0, LARGEST_NUMBER)
+    return CategoricalDistribution(sorted(choices | {value}, key=repr))
+
+
+def _param(distribution, value: Any) -> Any:
+    from optuna.distributions import FloatDistribution
+
+    return float(value) if isinstance(distribution, FloatDistribution) else value
 
 
 class History:
@@ -138,10 +150,12 @@ class History:
             "wall_time_s": result.wall_time_s, "error": result.error, "run_started_unix": self._started,
         }
         ok = result.state is TrialState.OK and result.value is not None
+        distributions = {name: _distribution(name, value) for name, value in params.items()}
         return optuna.trial.create_trial(
             state=optuna.trial.TrialState.COMPLETE if ok else optuna.trial.TrialState.FAIL,
-            value=float(result.value) if ok else None, params=params,
-            distributions={name: _distribution(name, value) for name, value in params.items()}, user_attrs=attrs)
+            value=float(result.value) if ok else None,
+            params={name: _param(distributions[name], value) for name, value in params.items()},
+            distributions=distributions, user_attrs=attrs)
 
 
 def make_history(tuning, results_dir: Path, fingerprint: Fingerprint, objective: Objective,

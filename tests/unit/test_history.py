@@ -118,3 +118,39 @@ def test_every_tuner_records_each_of_its_launches(tmp_path, tuner_type):
     trials = optuna.load_study(study_name=study_name(fingerprint()), storage=default_url(tmp_path / "results")).trials
     assert sorted(t.user_attrs["name"] for t in trials) == sorted(runner.names) != []
     assert {t.user_attrs["tuner_type"] for t in trials} == {tuner_type}
+
+
+def test_a_dimensions_param_keeps_one_distribution_whatever_form_the_value_takes():
+    # A study refuses a param whose distribution kind changes: 5e8 (a float in JSON) and 50000000
+    # must record alike, and a categorical dimension's choices must not depend on the run's value.
+    from optuna.distributions import check_distribution_compatibility
+
+    from autotuner.tuning.history import _distribution
+
+    check_distribution_compatibility(_distribution("reduce_bucket_size", 5e8),
+                                     _distribution("reduce_bucket_size", 50_000_000))
+    check_distribution_compatibility(_distribution("stage3_param_persistence_threshold", 0),
+                                     _distribution("stage3_param_persistence_threshold", 1e4))
+    check_distribution_compatibility(_distribution("activation_checkpointing", "none"),
+                                     _distribution("activation_checkpointing", "full"))
+    check_distribution_compatibility(_distribution("overlap_comm", True), _distribution("overlap_comm", False))
+
+
+def test_an_experiments_dimensions_are_its_trials_params(tmp_path):
+    from fakes import ok
+
+    from autotuner.tuning.experiment import Trial
+    from autotuner.tuning.history import History
+    from autotuner.tuning.records import Objective
+    from autotuner.tuning.space import Experiment
+
+    knobs = (("activation_checkpointing", "full"), ("compile", True), ("reduce_bucket_size", 5e8))
+    trial = Trial(Experiment(1, 4, 2, knobs), tmp_path / "exp", None)  # type: ignore[arg-type]
+    url = f"sqlite:///{tmp_path / 'history.db'}"
+    lines: list[str] = []
+    history = History(url, fingerprint(), Objective("throughput"), "gridsearch", lines.append)
+    history.record(ok(trial, 12.0), "search")
+    assert not lines and history.recorded == 1
+    (recorded,) = optuna.load_study(study_name=history.study_name, storage=url).trials
+    assert recorded.params == {"zero_stage": 1, "micro_batch_size": 4, "gradient_accumulation_steps": 2,
+                               "activation_checkpointing": "full", "compile": True, "reduce_bucket_size": 5e8}
