@@ -11,8 +11,7 @@ from typing import Callable
 from autotuner.atomic import sweep_partial_writes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
-from autotuner.tuning.config_space import base_config, knob_values, search_space
-from autotuner.tuning.dimensions import finish_values, variant_values
+from autotuner.tuning.config_space import base_config, engine_dimensions, search_space
 from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory
 from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_config, rescored, script_config,
                                          with_user_keys)
@@ -300,9 +299,7 @@ class Autotuner:
                         "following the launch")
             self.settings = replace(self.settings, engine=measured)
             cuda = visible_gpu_memory() is not None
-            self.space = replace(self.space, knob_values=knob_values(self.config, measured, cuda),
-                                 variants=variant_values(self.config.to_dict(), measured, cuda),
-                                 finishes=finish_values(self.config.to_dict(), measured, cuda))
+            self.space = replace(self.space, **engine_dimensions(self.config, measured, cuda))
             self.memory.space = self.space
 
     def cost_context(self, quiet: bool = False) -> CostContext:

@@ -33,6 +33,14 @@ def knob_values(config: DeepSpeedConfig, engine: str = "autotuner",
     return full_mode_values(config.to_dict(), engine, cuda)
 
 
+def engine_dimensions(config: DeepSpeedConfig, engine: str, cuda: bool) -> dict[str, Any]:
+    """The SearchSpace fields that follow the script's engine and device: full mode's knobs, the
+    variants searched beside each stage and the finishing dimensions."""
+    user = config.to_dict()
+    return {"knob_values": full_mode_values(user, engine, cuda), "variants": variant_values(user, engine, cuda),
+            "finishes": finish_values(user, engine, cuda)}
+
+
 def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str = "autotuner",
                  cuda: bool = False) -> SearchSpace:
     tuning = config.autotuning
@@ -51,7 +59,5 @@ def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str =
         global_batch_size=global_batch,
         global_batch_exact=exact,
         num_micro_batch_sizes=tuning.num_tuning_micro_batch_sizes,
-        knob_values=knob_values(config, engine, cuda),
-        variants=variant_values(config.to_dict(), engine, cuda),
-        finishes=finish_values(config.to_dict(), engine, cuda),
+        **engine_dimensions(config, engine, cuda),
     )
