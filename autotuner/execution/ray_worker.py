@@ -19,14 +19,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
-from autotuner.launch.stopping import GRACE_S, end_processes
+from autotuner.launch.stopping import GRACE_S, end_processes, make_temporary_dir, remove_temporary_dir
 
 TOKEN_FILE = ".placement_token"
 OUTPUT_TAIL_BYTES = 8 * 2**20  # what a rank's stdout/stderr may bring back each
@@ -98,6 +97,7 @@ class RankWorker:
         directory = Path(spec.directory) if spec.directory else None
         shared = directory is None or _holds_token(directory, spec.token)
         made: Path | None = None
+        scratch: str | None = None
         try:
             if not shared:
                 made = _materialize(directory, spec.inputs, spec.output_patterns)
@@ -110,17 +110,21 @@ class RankWorker:
             if spec.live:
                 status = self._run_process(spec, env, None, None)
                 return RankOutcome(rank, status)
-            with tempfile.TemporaryDirectory(prefix="autotuner-rank-") as scratch:
-                out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
-                with open(out, "wb") as stdout, open(err, "wb") as stderr:
-                    status = self._run_process(spec, env, stdout, stderr)
-                files = {} if shared else _collect(directory, spec.output_patterns)
-                return RankOutcome(rank, status, _tail(out), _tail(err), files)
+            # Named with this actor's pid: an actor killed outright (a stop, a lost node) removes
+            # nothing, and the next launcher started on this node sweeps what it left.
+            scratch = make_temporary_dir("rank")
+            out, err = Path(scratch) / "stdout", Path(scratch) / "stderr"
+            with open(out, "wb") as stdout, open(err, "wb") as stderr:
+                status = self._run_process(spec, env, stdout, stderr)
+            files = {} if shared else _collect(directory, spec.output_patterns)
+            return RankOutcome(rank, status, _tail(out), _tail(err), files)
         except OSError as err:
             return RankOutcome(rank, 1, error=f"{type(err).__name__}: {err}")
         finally:
             if made is not None:
                 shutil.rmtree(made, ignore_errors=True)
+            if scratch is not None:
+                remove_temporary_dir(scratch)
 
     def _run_process(self, spec: RankRun, env: dict, stdout, stderr) -> int:
         with self._lock:

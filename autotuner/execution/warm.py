@@ -356,12 +356,13 @@ def _stop_resource_tracker() -> None:
 
 def _multiprocessing_temp_dir_of_ours() -> None:
     """multiprocessing keeps the forkserver's socket in a pymp-* directory that it removes at exit;
-    one of ours instead, so a launcher killed outright leaves a directory the next start sweeps."""
+    one of ours instead, so a launcher killed outright leaves a directory the next start sweeps
+    (and a short one where TMPDIR is too long for a socket's path: warm start keeps working)."""
     from multiprocessing import process
 
     config = process.current_process()._config  # noqa: SLF001 - where util.get_temp_dir caches it
     if config.get("tempdir") is None:
-        path = make_temporary_dir("mp")
+        path = make_temporary_dir("mp", holds_sockets=True)
         config["tempdir"] = path
         from multiprocessing import util
 

@@ -138,10 +138,25 @@ def end_descendants(grace_s: float = GRACE_S) -> None:
 _temporary: set[str] = set()
 
 
-def make_temporary_dir(kind: str) -> str:
+# A socket's path (sun_path) holds 107 bytes. multiprocessing puts the forkserver's socket,
+# "listener-XXXXXXXX", in its temporary directory; under a long TMPDIR (a CI job's, a test's) it
+# cannot be bound there. Python 3.13's multiprocessing then falls back to these directories; we do too.
+SOCKET_PATH_MAX = 107
+SHORT_TEMP_ROOTS = ("/tmp", "/var/tmp", "/usr/tmp")
+_SOCKET_NAME_ROOM = len("/listener-XXXXXXXX")
+
+
+def make_temporary_dir(kind: str, holds_sockets: bool = False) -> str:
     """A directory named autotuner-KIND-PID-XXXX in the temporary directory; `remove_temporary_dir`
-    removes it. One left by a killed launcher is removed by the next launcher's start."""
-    path = tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{kind}-{os.getpid()}-")
+    removes it. One left by a killed launcher is removed by the next launcher's start. With
+    `holds_sockets`, a temporary directory too long for a socket's path is passed over for a short one."""
+    prefix = f"{TEMP_PREFIX}{kind}-{os.getpid()}-"
+    root = None
+    if holds_sockets:
+        room = SOCKET_PATH_MAX - _SOCKET_NAME_ROOM - len(prefix) - len("/XXXXXXXX")
+        if len(tempfile.gettempdir()) > room:
+            root = next((r for r in SHORT_TEMP_ROOTS if len(r) <= room and os.access(r, os.W_OK | os.X_OK)), None)
+    path = tempfile.mkdtemp(prefix=prefix, dir=root)
     _temporary.add(path)
     return path
 
@@ -158,18 +173,19 @@ def remove_temporary_dirs() -> None:
 
 
 def sweep_stale_temporary_dirs() -> None:
-    """Remove autotuner-KIND-PID-* directories whose launcher is gone (SIGKILL gives no chance to)."""
-    root = tempfile.gettempdir()
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return
-    for name in names:
-        parts = name.split("-")
-        if not name.startswith(TEMP_PREFIX) or len(parts) < 4 or not parts[2].isdigit():
+    """Remove autotuner-KIND-PID-* directories whose launcher is gone (SIGKILL gives no chance to),
+    in the temporary directory and in the short ones a socket's directory may have gone to."""
+    for root in dict.fromkeys((tempfile.gettempdir(), *SHORT_TEMP_ROOTS)):
+        try:
+            names = os.listdir(root)
+        except OSError:
             continue
-        if not psutil.pid_exists(int(parts[2])):
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        for name in names:
+            parts = name.split("-")
+            if not name.startswith(TEMP_PREFIX) or len(parts) < 4 or not parts[2].isdigit():
+                continue
+            if not psutil.pid_exists(int(parts[2])):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
 # ----- the guard -----
