@@ -151,6 +151,9 @@ def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = 
     if config.compile.enabled == "auto":
         raise ConfigError(f"{path}: compile.enabled: got \"auto\"; it is only for --autotuning tune|run; give true "
                           "or false to train")
+    for offload in config.zero_optimization.tuned_offloads:
+        raise ConfigError(f"{path}: zero_optimization.{offload}.device: got \"auto\"; it is only for --autotuning "
+                          "tune|run; give \"none\" or \"cpu\" to train")
     policy = config.activation_checkpointing.policy
     if config.activation_checkpointing.tuned:
         raise ConfigError(f"{path}: activation_checkpointing.policy: got {json.dumps(policy)}; \"auto\" or a list is "

@@ -77,7 +77,9 @@ class SchedulerConfig(_Section):
 
 
 class OffloadConfig(_Section):
-    device: Literal["none", "cpu"] = "none"
+    device: Literal["none", "cpu", "auto"] = Field(
+        "none", description='"cpu" offloads to host memory (on a GPU); "auto" is tuned: searched beside the '
+                            'configurations that fit without it (GPU only; on a CPU everything is host memory already)')
     pin_memory: bool = False
 
 
@@ -123,6 +125,12 @@ class ZeroConfig(_Section):
         if isinstance(self.stage, list):
             return tuple(sorted(set(self.stage)))
         return (self.stage,)
+
+    @property
+    def tuned_offloads(self) -> tuple[str, ...]:
+        """The offload sections whose device is "auto" (tuned), as written in the config."""
+        return tuple(name for name in ("offload_optimizer", "offload_param")
+                     if (section := getattr(self, name)) is not None and section.device == "auto")
 
 
 CheckpointPolicy = Literal["none", "full", "selective"]

@@ -219,6 +219,9 @@ def initialize(
         source = list(model_parameters) if model_parameters is not None else list(model.parameters())
     if cfg.compile.enabled == "auto":  # the tuner writes true or false into each experiment's config
         raise ConfigError("compile.enabled: got \"auto\"; it is settled by --autotuning tune|run; give true or false")
+    for offload in cfg.zero_optimization.tuned_offloads:  # the tuner writes "none" or "cpu" into each experiment's
+        raise ConfigError(f"zero_optimization.{offload}.device: got \"auto\"; it is settled by --autotuning "
+                          "tune|run; give \"none\" or \"cpu\"")
     if cfg.activation_checkpointing.tuned:  # the tuner writes a policy into each experiment's config
         raise ConfigError(f"activation_checkpointing.policy: got {cfg.activation_checkpointing.policy!r}; \"auto\" "
                           "or a list is settled by --autotuning tune|run; give \"none\", \"full\" or \"selective\"")

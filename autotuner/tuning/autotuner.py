@@ -22,6 +22,7 @@ from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext
 from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile, engine_family
 from autotuner.tuning.memory_book import SAFETY_MARGIN, MemoryBook
 from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive_search
+from autotuner.tuning import dimensions
 from autotuner.tuning.profiling import profile_from_config, profile_model
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.final_pick import final_pick_rounds
@@ -270,6 +271,24 @@ class Autotuner:
                         "autotuning.planned_steps (or pass the script --max_steps) to score by the time to finish "
                         "the run")
 
+    def _report_untuned_offload(self) -> None:
+        """Device "auto" in an offload section the search has no value to try for: one line why;
+        every experiment then runs without offload (the base config's "none")."""
+        searched = {k for variants in self.space.variants.values() for v in variants for k, _ in v}
+        for offload in self.config.zero_optimization.tuned_offloads:
+            if offload in searched:
+                continue
+            if visible_gpu_memory() is None:
+                why = "this machine has no GPU, so parameters and optimizer state already live in host memory"
+            elif self.settings.engine == "autotuner" and offload == "offload_param":
+                why = ("on our engine FSDP2's CPUOffloadPolicy moves parameters together with the optimizer: "
+                       "offload_optimizer.device \"auto\" tunes it")
+            else:
+                offered = sorted(dimensions.dimension(offload).values.get(self.settings.engine, {}))
+                why = f"it is searched at ZeRO {', '.join(map(str, offered))} only, and no such stage is searched here"
+            self.report(f"zero_optimization.{offload}.device: \"auto\" not tuned: {why}; every experiment runs "
+                        "without it")
+
     def _settle_checkpointing_variants(self) -> None:
         """A tuned activation checkpointing policy is searched only where the profile measured what
         each policy holds; else one line says why, and every experiment runs without it."""
@@ -367,6 +386,7 @@ class Autotuner:
     def tune(self) -> TuningOutcome:
         self._prepare_dirs()
         self._report_objective()
+        self._report_untuned_offload()
         self._measure_model()
         largest = self.memory.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " + ", ".join(

@@ -88,6 +88,15 @@ class Dimension:
     # On DeepSpeed's engine the script applies it, through the flag autotuning.arg_mappings maps
     # the config key to: how a value is written there (Hugging Face's bool flags take true/false).
     flag_text: Callable[[Any], str] = str
+    applied_by_script_on_deepspeed: bool = False  # (the flag above) else DeepSpeed reads it from its config
+    # A variant also swept as a knob in full mode on these engines when the user left it out.
+    full_mode_engines: tuple[Engine, ...] = ()
+    neutral: Any = None  # the value the profile launches run ("off"); None: the first value offered
+
+    def neutral_value(self) -> Any:
+        if self.neutral is not None:
+            return self.neutral
+        return next(iter(self.values_for(0, "autotuner", False)), None)
 
     def values_for(self, stage: int, engine: Engine, cuda: bool) -> tuple[Any, ...]:
         if self.cuda_only and not cuda:
@@ -116,27 +125,35 @@ REGISTRY: dict[str, Dimension] = {d.name: d for d in (
     _zero("stage3_param_persistence_threshold", "ppt",
           {"autotuner": {3: (0, 100_000)}, "deepspeed": {3: (10_000, 100_000)}}),
     _zero("stage3_max_live_parameters", "mlive", {"deepspeed": {3: (100_000_000, 1_000_000_000)}}),
-    # Offload as a full-mode dimension on DeepSpeed's engine (its optimizer from stage 1, its
-    # parameters at 3); on ours it is only the fallback for a stage that fits nothing.
+    # CPU offload, on a GPU only: device "auto" searches it beside the stage, like a checkpointing
+    # policy (it changes what fits). On DeepSpeed's engine the optimizer from stage 1 and the
+    # parameters at 3, also swept in full mode when the user wrote no offload section; on ours
+    # FSDP2's CPUOffloadPolicy at stages 2 and 3, which moves parameters, gradients and the
+    # optimizer step together (so offload_param has nothing of its own to tune there).
     Dimension("offload_optimizer", ("zero_optimization", "offload_optimizer", "device"), "oo",
-              {"deepspeed": {1: ("none", "cpu"), 2: ("none", "cpu"), 3: ("none", "cpu")}},
-              _offload_optimizer, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS),
+              {"deepspeed": {1: ("none", "cpu"), 2: ("none", "cpu"), 3: ("none", "cpu")},
+               "autotuner": {2: ("none", "cpu"), 3: ("none", "cpu")}},
+              _offload_optimizer, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS, role="variant",
+              full_mode_engines=("deepspeed",), neutral="none"),
     Dimension("offload_param", ("zero_optimization", "offload_param", "device"), "op",
               {"deepspeed": {3: ("none", "cpu")}},
-              _offload_param, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS),
+              _offload_param, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS, role="variant",
+              full_mode_engines=("deepspeed",), neutral="none"),
     # On DeepSpeed's engine the script checkpoints (Hugging Face's --gradient_checkpointing, whole
     # blocks): "none" or "full" through the mapped flag.
     Dimension("activation_checkpointing", ("activation_checkpointing", "policy"), "ac",
               {"autotuner": {stage: CHECKPOINT_POLICIES for stage in range(4)},
                "deepspeed": {stage: ("none", "full") for stage in range(4)}},
-              _checkpoint_policy, _policy_rank, role="variant", flag_text=lambda policy: _bool_text(policy != "none")),
+              _checkpoint_policy, _policy_rank, role="variant", flag_text=lambda policy: _bool_text(policy != "none"),
+              applied_by_script_on_deepspeed=True),
     # torch.compile of the blocks: the memory model keeps the eager figure (inductor's fusions
     # only lower it) and measured peaks refit it like any other launch.
     # On DeepSpeed's engine through the mapped flag (Hugging Face's --torch_compile, which has
     # accelerate call engine.compile()).
     Dimension("compile", ("compile", "enabled"), "c",
               {"autotuner": {stage: ON_OFF for stage in range(4)}, "deepspeed": {stage: ON_OFF for stage in range(4)}},
-              _same_memory, role="finish", flag_text=lambda enabled: _bool_text(bool(enabled))),
+              _same_memory, role="finish", flag_text=lambda enabled: _bool_text(bool(enabled)),
+              applied_by_script_on_deepspeed=True),
 )}
 
 
@@ -152,7 +169,7 @@ def applied_by_the_script(engine: Engine) -> tuple[tuple[str, ...], ...]:
     which its config must not carry: DeepSpeed refuses compile.enabled, and never reads a policy."""
     if engine != "deepspeed":
         return ()
-    return tuple(d.path for d in REGISTRY.values() if d.role != "knob")
+    return tuple(d.path for d in REGISTRY.values() if d.applied_by_script_on_deepspeed)
 
 
 def dimension(name: str) -> Dimension:
@@ -205,7 +222,7 @@ def full_mode_values(user_config: Mapping[str, Any], engine: Engine = "autotuner
     for stage in stages:
         per_stage: dict[str, list[Any]] = {}
         for dim in REGISTRY.values():
-            if dim.role != "knob":
+            if dim.role != "knob" and engine not in dim.full_mode_engines:
                 continue
             defaults = dim.values_for(stage, engine, cuda)
             if not defaults:
@@ -273,4 +290,5 @@ def settle_variants(config: dict[str, Any]) -> None:
             continue
         present, value = lookup(config, dim.path)
         if present and (value == "auto" or isinstance(value, list)):
-            write(config, dim.path, next(iter(dim.values_for(0, "autotuner", False)), value))
+            neutral = dim.neutral_value()
+            write(config, dim.path, value if neutral is None else neutral)

@@ -167,6 +167,20 @@ def test_a_tuned_activation_checkpointing_policy_is_refused_for_a_plain_run(in_t
     assert_refused(in_tmp, capsys, argv, str(cfg), "activation_checkpointing.policy", "only for --autotuning tune|run")
 
 
+@pytest.mark.parametrize("section", ["offload_optimizer", "offload_param"])
+def test_a_tuned_offload_device_is_refused_for_a_plain_run(in_tmp, capsys, section):
+    cfg = write(in_tmp / "ds.json", config_dict(zero_optimization={"stage": 2, section: {"device": "auto"}}))
+    argv = ["--nproc_per_node", "2", str(TOY), "--pid_dir", "pids", "--deepspeed", str(cfg)]
+    assert_refused(in_tmp, capsys, argv, str(cfg), f"zero_optimization.{section}.device: got \"auto\"",
+                   "only for --autotuning tune|run", '"none" or "cpu"')
+
+
+def test_an_unknown_offload_device_names_the_choices(in_tmp, capsys):
+    cfg = write(in_tmp / "ds.json", config_dict(zero_optimization={"stage": 2, "offload_optimizer": {"device": "gpu"}}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "zero_optimization.offload_optimizer.device",
+                   'expected "none", "cpu" or "auto"')
+
+
 @pytest.mark.parametrize("section, mentions", [
     ({"activation_checkpointing": {"policy": "full"}},
      ('activation_checkpointing.policy: "full" is applied by our engine only', "deepspeed.checkpointing",

@@ -279,3 +279,33 @@ def test_fixed_communication_knobs_apply_on_cuda(tmp_path, stage, knobs):
     print(f"stage {stage}: {figure}")
     assert {name: figure["knobs"][name] for name in knobs} == knobs
     assert figure["samples_per_s"] > 0
+
+
+def test_auto_offload_is_searched_beside_the_sharded_stages_on_cuda(tmp_path, no_orphans):
+    """zero_optimization.offload_optimizer.device "auto": FSDP2's CPUOffloadPolicy is a variant of
+    ZeRO 2 and 3, launched or ruled out with its reason; nothing launched runs out of memory, and
+    the pick's device is written into the optimal config."""
+    config = {
+        "train_micro_batch_size_per_gpu": [4, 8], "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": [2, 3], "offload_optimizer": {"device": "auto"}},
+        "autotuning": {"enabled": True, "fast": True, "start_profile_step": 2, "end_profile_step": 4,
+                       "remeasure_rounds": 0, "results_dir": str(tmp_path / "results"),
+                       "exps_dir": str(tmp_path / "exps"),
+                       "arg_mappings": {"train_micro_batch_size_per_gpu": "--micro_batch_size"}},
+    }
+    config_file = tmp_path / "ds.json"
+    config_file.write_text(json.dumps(config))
+    result = run_launcher("--autotuning", "tune", "--nproc_per_node", "1", WORKERS / "toy_train.py",
+                          "--blocks", "4", "--width", "512", "--steps", "6", "--deepspeed", config_file, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "not tuned" not in result.stdout
+    table = pd.read_csv(tmp_path / "results" / "experiments.csv")
+    offloaded = table[table.name.str.contains("_oocpu_")]
+    assert len(offloaded), table.to_string()
+    assert not (table.state == "oom").any()
+    for row in offloaded.itertuples():
+        assert row.state == "ok" or (row.state == "pruned" and row.error), table.to_string()
+    optimal = read_config_file(tmp_path / "results" / "ds_config_optimal.json")
+    best = table[table.chosen].iloc[0]
+    assert optimal["zero_optimization"]["offload_optimizer"]["device"] == ("cpu" if "_oocpu_" in best["name"] else "none")

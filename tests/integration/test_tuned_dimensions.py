@@ -51,17 +51,22 @@ def test_auto_checkpointing_lets_the_micro_batch_grow_and_the_pick_trains_with_i
     assert "done: 8 steps" in result.stdout  # `run` trained with the pick
 
 
-def test_auto_checkpointing_of_a_model_without_blocks_is_not_tuned_and_says_why(tmp_path, no_orphans):
+def test_auto_checkpointing_of_a_model_without_blocks_and_auto_offload_on_a_cpu_are_not_tuned_and_say_why(
+        tmp_path, no_orphans):
     config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 8},
-                          activation_checkpointing={"policy": "auto"})
+                          activation_checkpointing={"policy": "auto"},
+                          zero_optimization={"stage": [0, 2], "offload_optimizer": {"device": "auto"}})
     result = tune(tmp_path, config)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     said = [line for line in result.stdout.splitlines() if "activation_checkpointing.policy: not tuned" in line]
     assert len(said) == 1 and "no repeated blocks" in said[0]
+    said = [line for line in result.stdout.splitlines() if 'offload_optimizer.device: "auto" not tuned' in line]
+    assert len(said) == 1 and "this machine has no GPU" in said[0]
     launched = experiments(tmp_path)
-    assert not launched.name.str.contains("_acselective_|_acfull_").any()
+    assert not launched.name.str.contains("_acselective_|_acfull_|_oo").any()
     optimal = read_config_file(tmp_path / "autotuning_results" / "ds_config_optimal.json")
     assert optimal["activation_checkpointing"] == {"policy": "none"}
+    assert optimal["zero_optimization"]["offload_optimizer"] == {"device": "none"}
 
 
 def test_auto_compile_tries_the_best_compiled_and_scores_the_planned_run(tmp_path, no_orphans):

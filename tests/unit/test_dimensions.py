@@ -57,6 +57,43 @@ def test_deepspeeds_engine_adds_offload_on_cuda_only_and_not_over_a_users_offloa
     assert full_mode_values(user, "deepspeed", cuda=True) == DEEPSPEED_KNOBS  # either section fixes both
 
 
+OFFLOAD_AUTO = {"zero_optimization": {"offload_optimizer": {"device": "auto", "pin_memory": True},
+                                     "offload_param": {"device": "auto"}}}
+
+
+def test_offload_auto_is_searched_beside_each_stage_that_offers_it_on_cuda_only():
+    ours = dimensions.variant_values(OFFLOAD_AUTO, "autotuner", cuda=True)
+    assert ours == {2: ((("offload_optimizer", "none"),), (("offload_optimizer", "cpu"),)),
+                    3: ((("offload_optimizer", "none"),), (("offload_optimizer", "cpu"),))}  # FSDP2: one policy
+    theirs = dimensions.variant_values(OFFLOAD_AUTO, "deepspeed", cuda=True)
+    assert set(theirs) == {1, 2, 3} and theirs[1] == ours[2]
+    assert theirs[3][0] == (("offload_optimizer", "none"), ("offload_param", "none"))  # least memory saved first
+    assert len(theirs[3]) == 4
+    assert dimensions.variant_values(OFFLOAD_AUTO, "autotuner", cuda=False) == {}
+    assert dimensions.variant_values(OFFLOAD_AUTO, "deepspeed", cuda=False) == {}
+    # "auto" is the user's ask, so full mode does not also sweep it as a knob.
+    assert full_mode_values(OFFLOAD_AUTO, "deepspeed", cuda=True) == DEEPSPEED_KNOBS
+
+
+def test_offload_auto_is_settled_to_none_for_the_profile_and_stays_in_deepspeeds_configs():
+    base = json.loads(json.dumps(OFFLOAD_AUTO))
+    dimensions.settle_variants(base)
+    assert base["zero_optimization"]["offload_optimizer"] == {"device": "none", "pin_memory": True}
+    assert base["zero_optimization"]["offload_param"] == {"device": "none"}
+    # DeepSpeed reads offload from its own config: not a path the script's flags carry.
+    paths = dimensions.applied_by_the_script("deepspeed")
+    assert ("zero_optimization", "offload_optimizer", "device") not in paths
+    assert ("activation_checkpointing", "policy") in paths and ("compile", "enabled") in paths
+    config = Experiment(2, 4).with_knobs({"offload_optimizer": "cpu"}).apply(base, 2)
+    assert load_config(config).zero_optimization.offload_optimizer.device == "cpu"
+
+
+def test_the_config_names_its_tuned_offload_sections():
+    config = load_config({"train_batch_size": 2, "zero_optimization": {"stage": 2, **OFFLOAD_AUTO["zero_optimization"]}})
+    assert config.zero_optimization.tuned_offloads == ("offload_optimizer", "offload_param")
+    assert load_config({"train_batch_size": 2}).zero_optimization.tuned_offloads == ()
+
+
 @pytest.mark.parametrize("name", sorted(dimensions.REGISTRY))
 def test_every_dimension_is_a_config_key_the_config_keeps(name):
     """A user may fix or list any tuned dimension in ds.json; none is set aside as unused."""
