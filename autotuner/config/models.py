@@ -238,6 +238,9 @@ class AutotuningConfig(_Section):
                           "optuna: the history or bayes extra); `launcher --history` lists the runs")
     storage: str | None = Field(None, description="ours: the history's SQLAlchemy URL (a shared PostgreSQL for a "
                                 "team, say); default sqlite:///<results_dir>/history.db")
+    transfer: bool = Field(True, description="ours: tuner_type predictive starts from similar earlier runs in the "
+                           "history (same model family, engine, device, ranks and precision, another size), scaled "
+                           "to this model and checked against its profile; false tunes cold")
     overwrite: bool = Field(False, description="false resumes finished experiments; true starts afresh")
     metric: MetricName = Field("throughput", description="throughput | latency (minimised) | FLOPS")
     start_profile_step: PositiveInt = Field(3, description="the first optimizer step timed")

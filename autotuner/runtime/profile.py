@@ -207,6 +207,8 @@ def write_model_info(
     activation_bytes_by_policy: dict[str, int] | None = None,
 ) -> ModelInfo:
     total, trainable = parameter_counts or count_parameters(zero_stage_module)
+    from autotuner.runtime.model_family import device_name, model_family
+
     info = ModelInfo(
         num_params=total,
         trainable_num_params=trainable,
@@ -231,6 +233,8 @@ def write_model_info(
         collective_timings=tuple(collective_timings),
         engine=engine,
         activation_bytes_by_policy=tuple(sorted((activation_bytes_by_policy or {}).items())),
+        model_family=model_family(zero_stage_module),
+        device_name=device_name(),
     )
     write_record(path, info)
     return info

@@ -18,7 +18,7 @@ from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_c
 from autotuner.tuning.history import HISTORY_FILE, make_history
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.comm_fit import fit_collectives
-from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext
+from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext, Observation
 from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile, engine_family
 from autotuner.tuning.memory_book import SAFETY_MARGIN, MemoryBook
 from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive_search
@@ -36,6 +36,7 @@ from autotuner.tuning.planned_run import compile_lines
 from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search, variant_text
 from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
 from autotuner.tuning.space import Experiment
+from autotuner.tuning.transfer import TransferPrior, signature_of, transfer_prior
 
 
 # The first profile launch's largest gas: each accumulation step is a whole forward/backward pass.
@@ -91,6 +92,7 @@ class Autotuner:
         self._profile_names: set[str] = set()
         self.predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
         self.history = make_history(config.autotuning, results_dir, fingerprint, self.objective, report)
+        self._prior = TransferPrior()  # earlier similar runs' steps, once the profile has checked them
 
     # ----- set-up -----
     def _prepare_dirs(self) -> None:
@@ -321,6 +323,26 @@ class Autotuner:
             self.space = replace(self.space, **engine_dimensions(self.config, measured, cuda))
             self.memory.space = self.space
 
+    def _transfer(self) -> TransferPrior:
+        """The workload's signature goes on its study; under tuner_type predictive, similar earlier
+        runs become the step-time model's prior, each checked against the profile launches."""
+        info = next((r.model_info for r in self._results.values() if r.model_info is not None), None)
+        if self.history is None or info is None or not self.history.recorded:
+            return TransferPrior()
+        profile = self.memory.profile
+        signature = signature_of(info, profile.engine, profile.activation_bytes_per_sample,
+                                 [self._results[e] for e in self._results if e.name in self._profile_names])
+        self.history.record_signature(signature)
+        if self.policy.tuner_type != "predictive" or not self.config.autotuning.transfer:
+            return TransferPrior()
+        priors = self.history.prior_runs(signature)
+        if not priors:
+            return TransferPrior()
+        measured = [Observation(r.experiment, r.measurement.latency) for r in self._results.values()
+                    if r.name in self._profile_names and r.state is TrialState.OK and r.measurement is not None
+                    and r.measurement.latency > 0]
+        return transfer_prior(priors, signature, self.cost_context(quiet=True), measured, self.report)
+
     def cost_context(self, quiet: bool = False) -> CostContext:
         """What the throughput model knows before timing a step: the model's size and the links the
         profile launches timed on the job's process group."""
@@ -332,7 +354,7 @@ class Autotuner:
                         "launches only")
         profile = self.memory.profile
         return CostContext(profile.num_params if profile else 0, self.settings.data_parallel_size,
-                           COMPUTE_BYTES.get(self.memory.precision, 4), links)
+                           COMPUTE_BYTES.get(self.memory.precision, 4), links, self._prior.observations)
 
     # ----- the loop -----
     def _trial(self, experiment: Experiment) -> Trial:
@@ -388,6 +410,7 @@ class Autotuner:
         self._report_objective()
         self._report_untuned_offload()
         self._measure_model()
+        self._prior = self._transfer()
         largest = self.memory.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " + ", ".join(
             f"z{key}={m}" if isinstance(key, int) else f"z{key[0]} {variant_text(key[1])}={m}"
@@ -415,7 +438,8 @@ class Autotuner:
         compiled = compile_lines(list(self._results.values()), self.settings.planned_steps)
         for line in compiled:
             self.report(line)
-        explanation = Explanation(frozenset(self._profile_names), tuple(remeasurements), tuple(compiled + pick_lines),
+        explanation = Explanation(frozenset(self._profile_names), tuple(remeasurements),
+                                  tuple(compiled) + self._prior.lines + tuple(pick_lines),
                                   *self._predicted_points(), chosen=best)
         summary = write_results(self.results_dir, everything, self.objective, time.monotonic() - self._started,
                                 config, list(optimal_cmd) if optimal_cmd else None, explanation,

@@ -51,6 +51,9 @@ class CostContext:
     world_size: int = 1
     compute_bytes: int = FP32_BYTES  # 2 under bf16/fp16: what FSDP2 gathers per parameter
     links: tuple[LinkFit, ...] = ()
+    # Step times of similar earlier runs, scaled to this model (tuning/transfer.py): fitted with
+    # the launches, at their wider noise.
+    prior: tuple["Observation", ...] = ()
 
     def link(self, op: str) -> LinkFit | None:
         found = {link.op: link for link in self.links}

@@ -118,6 +118,29 @@ class History:
             self._report(f"history: not recorded from here on ({type(err).__name__}: {detail}) at {self.url}; "
                          "every result is still in the experiments' exp.json files")
 
+    def record_signature(self, signature) -> None:
+        """The workload's signature (tuning/transfer.py), by which later runs find this one."""
+        if self._off or self._study is None:
+            return
+        try:
+            self._study.set_user_attr("signature", signature.to_json())
+        except Exception as err:  # noqa: BLE001
+            self._off = True
+            self._report(f"history: the workload signature was not recorded ({type(err).__name__}) at {self.url}")
+
+    def prior_runs(self, signature) -> list:
+        """Similar earlier runs in this storage (tuning/transfer.py); none, with one line, when it
+        cannot be read."""
+        from autotuner.tuning.transfer import load_prior_runs
+
+        if self._off:
+            return []
+        try:
+            return load_prior_runs(open_storage(self.url), signature, self.study_name)
+        except Exception as err:  # noqa: BLE001 - transfer is an optimisation: tune cold instead
+            self._report(f"transfer: earlier runs not read ({type(err).__name__}) at {self.url}; tuning cold")
+            return []
+
     def record_pick(self, best: TrialResult | None) -> None:
         """The run's final pick (after re-measuring, the best median: not optuna's best single
         trial), kept on the study for `launcher --history`."""

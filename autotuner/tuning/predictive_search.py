@@ -93,7 +93,8 @@ class _SearchedPredictive(PredictiveTuner):
         self.memory_ruled_out: set[Experiment] = set()
         self.variant_ruled_out: set[Experiment] = set()  # its variant failed, or cannot pay at its stage
         self.asked: list[PredictedCandidate] = []
-        self.checked = False
+        # A prior from earlier runs was already checked against this run's profile launches.
+        self.checked = bool(context.prior)
 
     def ask(self) -> Experiment | None:
         for candidate in self.space:

@@ -66,7 +66,7 @@ class PredictiveTuner(Tuner):
     # ----- the model -----
     def model(self) -> StepTimeModel:
         if self._model is None or self._model[0] != len(self.results):
-            observations = []
+            observations = list(self.context.prior)
             for result in self.results.values():
                 step_time = self._step_time(result)
                 if step_time is None:
