@@ -10,8 +10,9 @@ another size, reads those studies' measured step times and scales each to its ow
     launches, and must agree with the FLOPs ratio within a factor of PHYSICS_FACTOR);
     communication is costed afresh from this model's bytes (cost_model.CostContext).
 
-The scaled steps enter the step-time model as observations with a wider noise (PRIOR_NOISE)
-than a launch's, so this run's own launches outweigh them. The profile still runs: it is what
+The scaled steps enter the step-time model as observations with a wider noise than a launch's
+(the spread of the ratios the profile launches measured, or PRIOR_NOISE when one launch did), so
+this run's own launches outweigh them. The profile still runs: it is what
 checks the prior. A prior whose scaled curve disagrees with the profile launches beyond their
 uncertainty is dropped, with one line. Nothing is launched here.
 """
@@ -25,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from autotuner.boundary import ModelInfo
-from autotuner.tuning.cost_model import BOUND_Z, CostContext, Observation, StepTimeModel
+from autotuner.tuning.cost_model import BOUND_Z, NOISE_FLOOR, CostContext, Observation, StepTimeModel
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 
@@ -164,12 +165,16 @@ def scale_prior(prior: PriorRun, signature: WorkloadSignature, context: CostCont
     if max(ratios) / min(ratios) - 1 > tolerance:
         return (), (f"its curve disagrees with the profile launches: compute ratios "
                     f"{', '.join(f'{r:.2f}' for r in ratios)} differ by more than {tolerance:.0%}")
+    # How far one ratio scales the whole curve, as the profile launches show it: their ratios'
+    # spread (beside the earlier run's own noise); with one launch to show it, PRIOR_NOISE.
+    shape = max(ratios) / min(ratios) - 1 if len(ratios) > 1 else PRIOR_NOISE
+    noise = math.hypot(NOISE_FLOOR, shape)
     scaled = tuple(Observation(o.experiment, _compute_part(o.step_time_s, their_context, o.experiment) * ratio
                                + context.communication_s(o.experiment.zero_stage,
                                                          o.experiment.gradient_accumulation_steps),
-                               PRIOR_NOISE)
+                               noise)
                    for o in prior.steps)
-    return scaled, f"compute {ratio:.2f}x (its {basis}: {expected:.2f}x)"
+    return scaled, f"compute {ratio:.2f}x (its {basis}: {expected:.2f}x), each step within {noise:.0%}"
 
 
 def transfer_prior(priors: list[PriorRun], signature: WorkloadSignature, context: CostContext,

@@ -169,3 +169,34 @@ def test_full_mode_with_the_bayes_tuner(tmp_path, no_orphans):
     assert 1 <= len(knob_runs) <= 3 and knob_runs.name.is_unique
     assert (knob_runs.state == "ok").all()
     assert (tmp_path / "autotuning_results" / "ds_config_optimal.json").exists()
+
+
+@pytest.mark.slow
+def test_a_deeper_model_of_the_same_family_is_tuned_from_the_shallower_ones_run(tmp_path, no_orphans):
+    """Two real predictive tunes sharing a history: the second (twice the blocks) reads the first's
+    study, scales it to its own model and checks it against its profile launches: used or
+    dropped, one line names it, and the summary says so."""
+    optuna = pytest.importorskip("optuna")
+    from conftest import MINIMAL
+
+    storage = f"sqlite:///{tmp_path / 'history.db'}"
+    autotuning = {"tuner_type": "predictive", "history": True, "storage": storage, "max_train_batch_size": 32,
+                  "max_train_micro_batch_size_per_gpu": 16}
+    runs = {}
+    for depth in (2, 4):
+        cwd = tmp_path / f"depth{depth}"
+        cwd.mkdir()
+        config = write_config(cwd / "ds.json", autotuning)
+        result = tune(cwd, config, "--width", "128", "--depth", str(depth), "--steps", "20", script=MINIMAL)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        runs[depth] = result
+    studies = {s.study_name: s.user_attrs for s in optuna.get_all_study_summaries(storage)}
+    assert len(studies) == 2
+    (first, first_attrs), (_, second_attrs) = sorted(studies.items(), key=lambda kv: kv[1]["last_run_unix"])
+    assert first_attrs["signature"]["family"] == second_attrs["signature"]["family"] != ""
+    assert second_attrs["signature"]["num_params"] > first_attrs["signature"]["num_params"]
+    assert not any(line.startswith("autotuner: transfer:") for line in runs[2].stdout.splitlines())
+    said = [line for line in runs[4].stdout.splitlines() if line.startswith("autotuner: transfer:")]
+    assert len(said) == 1 and first in said[0] and ("using" in said[0] or "dropped" in said[0]), runs[4].stdout
+    summary = (tmp_path / "depth4" / "autotuning_results" / "summary.txt").read_text()
+    assert said[0].removeprefix("autotuner: ") in summary

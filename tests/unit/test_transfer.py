@@ -106,7 +106,7 @@ def test_a_prior_that_agrees_with_the_profile_is_scaled_to_this_model():
         e = old.experiment
         expected = step_time(e.zero_stage, e.micro_batch_size, e.gradient_accumulation_steps, 4.0)
         assert new.step_time_s == pytest.approx(expected, rel=0.15)  # the stage offset is not scaled apart
-        assert new.relative_noise > 0.03  # wider than a launch's
+        assert new.relative_noise >= 0.03  # never narrower than a launch's
 
 
 @pytest.mark.parametrize("profile, says", [

@@ -1,0 +1,120 @@
+"""Transfer: tuning a GPT-2 family at growing depth, with the history's earlier runs against cold.
+
+    python benchmarks/transfer.py [--layers 2,4,8] [--rounds 3]
+
+The GPT-2 example (examples/hf_gpt2/train.py, the "tiny" preset's width, --n_layer blocks) on 2
+CPU ranks, tuner_type predictive in fast mode, every stage, a global batch of 64:
+1. the smallest depth is tuned cold, its launches recorded in a history (SQLite);
+2. each larger depth is tuned twice, as a user would run `launcher --autotuning tune`: with that
+   history (autotuning.transfer, the default) and cold (a history of its own, empty);
+3. when the two picks differ they are re-measured interleaved (A B A B ..., `--rounds`), and the
+   pick ratio is transfer's median over cold's.
+Results: benchmarks/results/transfer.csv and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from autotuner.app.measure import Experiment, TrialState, measure_once, measurement_settings, run_command
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+WORK = ROOT / "output" / "bench_transfer"
+SCRIPT = ROOT / "examples" / "hf_gpt2" / "train.py"
+MAPPINGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+
+
+def script_args(layers: int) -> tuple[str, ...]:
+    return ("--model_size", "tiny", "--n_layer", str(layers), "--max_steps", "50",
+            "--output_dir", str(WORK / f"train_{layers}"))
+
+
+def config(storage: str) -> dict:
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}, "zero_optimization": {"stage": "all"},
+            "autotuning": {"enabled": True, "fast": True, "tuner_type": "predictive", "arg_mappings": MAPPINGS,
+                           "start_profile_step": 3, "end_profile_step": 8, "max_train_batch_size": 64,
+                           "max_train_micro_batch_size_per_gpu": 32, "storage": storage, "exp_timeout_s": 300}}
+
+
+def tune(name: str, layers: int, storage: str) -> dict:
+    directory = WORK / name
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "ds.json").write_text(json.dumps(config(storage)))
+    command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2", str(SCRIPT),
+               *script_args(layers), "--deepspeed", "ds.json"]
+    started = time.monotonic()
+    outcome = run_command(command, directory, timeout_s=1800)
+    wall = time.monotonic() - started
+    stdout = (directory / "stdout.log").read_text()
+    if outcome.returncode != 0:
+        raise SystemExit(f"{name}: the tune failed ({outcome.returncode}); see {directory}/stderr.log")
+    launches = int(re.search(r"Launches: (\d+)", stdout).group(1))
+    table = pd.read_csv(directory / "autotuning_results" / "experiments.csv")
+    chosen = table[table.chosen].iloc[0]
+    lines = [line for line in stdout.splitlines() if line.startswith("autotuner: transfer:")]
+    return {"name": name, "layers": layers, "launches": launches, "wall_s": round(wall, 1), "pick": chosen["name"],
+            "pick_value": round(float(chosen.metric_value if "metric_value" in chosen else chosen.value), 2),
+            "transfer": " | ".join(line.removeprefix("autotuner: ") for line in lines)}
+
+
+def experiment_from(name: str) -> Experiment:
+    stage, gas, micro = re.match(r"z(\d)_gas(\d+)_mbs(\d+)$", name).groups()
+    return Experiment(int(stage), int(micro), int(gas))
+
+
+def remeasure(layers: int, names: list[str], rounds: int) -> dict[str, float]:
+    settings = measurement_settings(SCRIPT, script_args(layers), {k: v for k, v in config("").items()},
+                                    start_profile_step=3, end_profile_step=8, arg_mappings=MAPPINGS)
+    values: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        for name in names:
+            result = measure_once(experiment_from(name), settings, WORK / f"remeasure_{layers}_{name}_{index}",
+                                  reuse=False)
+            if result.state is TrialState.OK:
+                values[name].append(result.value)
+    return {name: statistics.median(v) if v else float("nan") for name, v in values.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="2,4,8")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.layers.split(",")]
+    WORK.mkdir(parents=True, exist_ok=True)
+    shared = f"sqlite:///{WORK / 'history.db'}"
+    rows = [tune(f"cold_{sizes[0]}", sizes[0], shared) | {"mode": "cold (seeds the history)"}]
+    for layers in sizes[1:]:
+        warm = tune(f"transfer_{layers}", layers, shared) | {"mode": "transfer"}
+        cold = tune(f"cold_{layers}", layers, f"sqlite:///{WORK / f'cold_{layers}.db'}") | {"mode": "cold"}
+        if warm["pick"] != cold["pick"]:
+            medians = remeasure(layers, [warm["pick"], cold["pick"]], args.rounds)
+            ratio = medians[warm["pick"]] / medians[cold["pick"]]
+        else:
+            ratio = 1.0
+        warm["pick_ratio_vs_cold"] = round(ratio, 3)
+        warm["launch_ratio_vs_cold"] = round(warm["launches"] / cold["launches"], 2)
+        rows += [warm, cold]
+    frame = pd.DataFrame(rows)
+    frame.insert(0, "date", time.strftime("%Y-%m-%d"))
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(RESULTS / "transfer.csv", index=False)
+    print(frame.drop(columns=["transfer"]).to_markdown(index=False))
+    for row in rows:
+        if row.get("transfer"):
+            print(f"- {row['name']}: {row['transfer']}")
+
+
+if __name__ == "__main__":
+    main()
