@@ -37,6 +37,7 @@ from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search, vari
 from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.transfer import TransferPrior, signature_of, transfer_prior
+from autotuner.tuning.tuners.predictive import Prediction
 
 
 # The first profile launch's largest gas: each accumulation step is a whole forward/backward pass.
@@ -93,6 +94,7 @@ class Autotuner:
         self.predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
         self.history = make_history(config.autotuning, results_dir, fingerprint, self.objective, report)
         self._prior = TransferPrior()  # earlier similar runs' steps, once the profile has checked them
+        self._asked_predictions: dict[Experiment, Prediction] = {}  # the predictive search's, at each ask
 
     # ----- set-up -----
     def _prepare_dirs(self) -> None:
@@ -140,7 +142,8 @@ class Autotuner:
             write_entry(trial.directory, result, self.fingerprint)
         if self.history is not None:
             phase = "profile" if trial.profile else "remeasure" if "_remeasure" in trial.directory.name else "search"
-            self.history.record(result, phase)
+            self.history.record(result, phase, self._asked_predictions.get(trial.experiment) if phase == "search"
+                                else None)
 
     def _profile_launch(self, stage: int, micro_batch_size: int) -> TrialResult:
         """A profile launch is the experiment at that stage and size (with its own gas), which also
@@ -418,7 +421,8 @@ class Autotuner:
         if self.policy.tuner_type == "predictive":
             outcome = run_predictive_search(self.space, self.policy, largest, ParallelLaunches(self), self._prune,
                                             self.cost_context(), list(self._results.values()), self.memory.fits,
-                                            self.memory.offload_fallback, self.report)
+                                            self.memory.offload_fallback, self.report,
+                                            on_ask=self._asked_predictions.__setitem__)
             self.predictions = outcome
         else:
             run_search(self.space, self.policy, largest, ParallelLaunches(self), self._prune, self.memory.fits,

@@ -5,7 +5,8 @@ another SQLAlchemy URL), so runs can be compared across time, and viewed with op
 - One study per workload: its name holds the script's name and a hash of the run's fingerprint
   (script, arguments, config, ranks, torch, device), which the study's user attributes spell out.
 - A trial's params are the experiment's dimensions; its user attributes what was measured and
-  predicted (throughput, latency, memory), the phase and the error.
+  predicted before the launch (throughput, latency, memory; the predictive tuner's metric and
+  its range), the phase and the error.
 - The file journal stays the source of truth for resuming. A storage that is locked, unreachable
   or of a newer schema gets one line, and tuning goes on without it: nothing is lost.
 """
@@ -104,13 +105,15 @@ class History:
         study.set_user_attr("metric", self._objective.metric)
         return study
 
-    def record(self, result: TrialResult, phase: str) -> None:
+    def record(self, result: TrialResult, phase: str, prediction=None) -> None:
+        """One launch's result; `prediction` (tuners/predictive.py Prediction): what the
+        predictive tuner expected of it when it asked for it."""
         if self._off:
             return
         try:
             if self._study is None:
                 self._study = self._open()
-            self._study.add_trial(self._trial(result, phase))
+            self._study.add_trial(self._trial(result, phase, prediction))
             self.recorded += 1
         except Exception as err:  # noqa: BLE001 - any storage failure: the journal holds everything
             self._off = True
@@ -154,7 +157,7 @@ class History:
             self._off = True
             self._report(f"history: the pick was not recorded ({type(err).__name__}) at {self.url}")
 
-    def _trial(self, result: TrialResult, phase: str):
+    def _trial(self, result: TrialResult, phase: str, prediction=None):
         import optuna
 
         experiment = result.experiment
@@ -171,6 +174,9 @@ class History:
             "measured_memory_bytes": result.measured_memory_bytes,
             "predicted_memory_bytes": result.predicted_memory_bytes,
             "wall_time_s": result.wall_time_s, "error": result.error, "run_started_unix": self._started,
+            "predicted_metric": prediction.value if prediction else None,
+            "predicted_metric_low": prediction.low if prediction else None,
+            "predicted_metric_high": prediction.high if prediction else None,
         }
         ok = result.state is TrialState.OK and result.value is not None
         distributions = {name: _distribution(name, value) for name, value in params.items()}

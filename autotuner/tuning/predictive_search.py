@@ -84,8 +84,9 @@ class _SearchedPredictive(PredictiveTuner):
     alone, it has never been tested)."""
 
     def __init__(self, candidates: list[Experiment], policy: SearchPolicy, context: CostContext, fits: Fits,
-                 failed: FailedVariants):
+                 failed: FailedVariants, on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None):
         super().__init__(candidates, policy.objective, policy.seed, context)
+        self.on_ask = on_ask  # told each launch's prediction before it is launched (the history keeps it)
         self.fits = fits
         self.failed = failed
         self.search_space = failed.space
@@ -109,7 +110,9 @@ class _SearchedPredictive(PredictiveTuner):
                 self.tell(TrialResult(candidate, TrialState.PRUNED, error="memory model, refitted"))
         experiment = super().ask()
         if experiment is not None:
-            self.asked.append(PredictedCandidate(experiment, self.predict(experiment), launched=True))
+            prediction = self.predict(experiment)
+            self.asked.append(PredictedCandidate(experiment, prediction, launched=True))
+            self.on_ask(experiment, prediction)
         return experiment
 
     def _choose(self, untried: list[Experiment]) -> Experiment:
@@ -166,11 +169,12 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
                           evaluate: Evaluate, prune: Callable[..., None], context: CostContext,
                           known: list[TrialResult], fits: Fits = _always_fits,
                           offload_fallback: OffloadFallback = _no_fallback,
-                          report: Callable[[str], None] = lambda line: None) -> PredictiveOutcome:
+                          report: Callable[[str], None] = lambda line: None,
+                          on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None) -> PredictiveOutcome:
     """The candidates' search through the one driver (tuners/base.py `drive`): an evaluate with
     `capacity` slots (a Ray cluster) gets the k most optimistic bounds at once."""
     candidates = candidate_space(space, predicted_largest, fits, prune, offload_fallback, report)
-    tuner = _SearchedPredictive(candidates, policy, context, fits, FailedVariants(space))
+    tuner = _SearchedPredictive(candidates, policy, context, fits, FailedVariants(space), on_ask)
     for result in known:
         if result.experiment in tuner.results or result.experiment not in tuner.space:
             continue

@@ -118,6 +118,16 @@ def test_every_tuner_records_each_of_its_launches(tmp_path, tuner_type):
     trials = optuna.load_study(study_name=study_name(fingerprint()), storage=default_url(tmp_path / "results")).trials
     assert sorted(t.user_attrs["name"] for t in trials) == sorted(runner.names) != []
     assert {t.user_attrs["tuner_type"] for t in trials} == {tuner_type}
+    searched = [t for t in trials if t.user_attrs["phase"] == "search"]
+    predicted = [t for t in searched if t.user_attrs["predicted_metric"] is not None]
+    if tuner_type == "predictive":  # what the model expected of each launch, before it ran
+        assert predicted == searched != []
+        for t in predicted:
+            attrs = t.user_attrs
+            assert attrs["predicted_metric_low"] <= attrs["predicted_metric"] <= attrs["predicted_metric_high"]
+    else:
+        assert predicted == []
+    assert all(t.user_attrs["predicted_metric"] is None for t in trials if t.user_attrs["phase"] == "profile")
 
 
 def test_a_dimensions_param_keeps_one_distribution_whatever_form_the_value_takes():
