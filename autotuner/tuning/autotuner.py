@@ -11,7 +11,7 @@ from typing import Callable
 from autotuner.atomic import sweep_partial_writes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
-from autotuner.tuning.config_space import base_config, engine_dimensions, search_space
+from autotuner.tuning.config_space import base_config, engine_dimensions, search_space, untuned_offload_lines
 from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory
 from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_config, rescored, script_config,
                                          with_user_keys)
@@ -22,7 +22,6 @@ from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext, Observation
 from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile, engine_family
 from autotuner.tuning.memory_book import SAFETY_MARGIN, MemoryBook
 from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive_search
-from autotuner.tuning import dimensions
 from autotuner.tuning.profiling import profile_from_config, profile_model
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.final_pick import final_pick_rounds
@@ -276,24 +275,6 @@ class Autotuner:
                         "autotuning.planned_steps (or pass the script --max_steps) to score by the time to finish "
                         "the run")
 
-    def _report_untuned_offload(self) -> None:
-        """Device "auto" in an offload section the search has no value to try for: one line why;
-        every experiment then runs without offload (the base config's "none")."""
-        searched = {k for variants in self.space.variants.values() for v in variants for k, _ in v}
-        for offload in self.config.zero_optimization.tuned_offloads:
-            if offload in searched:
-                continue
-            if visible_gpu_memory() is None:
-                why = "this machine has no GPU, so parameters and optimizer state already live in host memory"
-            elif self.settings.engine == "autotuner" and offload == "offload_param":
-                why = ("on our engine FSDP2's CPUOffloadPolicy moves parameters together with the optimizer: "
-                       "offload_optimizer.device \"auto\" tunes it")
-            else:
-                offered = sorted(dimensions.dimension(offload).values.get(self.settings.engine, {}))
-                why = f"it is searched at ZeRO {', '.join(map(str, offered))} only, and no such stage is searched here"
-            self.report(f"zero_optimization.{offload}.device: \"auto\" not tuned: {why}; every experiment runs "
-                        "without it")
-
     def _settle_checkpointing_variants(self) -> None:
         """A tuned activation checkpointing policy is searched only where the profile measured what
         each policy holds; else one line says why, and every experiment runs without it."""
@@ -411,7 +392,9 @@ class Autotuner:
     def tune(self) -> TuningOutcome:
         self._prepare_dirs()
         self._report_objective()
-        self._report_untuned_offload()
+        for line in untuned_offload_lines(self.config, self.space, self.settings.engine,
+                                          visible_gpu_memory() is not None):
+            self.report(line)
         self._measure_model()
         self._prior = self._transfer()
         largest = self.memory.predicted_largest()

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning.dimensions import finish_values, full_mode_values, settle_variants, variant_values
+from autotuner.tuning.dimensions import (dimension, finish_values, full_mode_values, settle_variants,
+                                         variant_values)
 from autotuner.tuning.search import SearchSpace
 
 
@@ -61,3 +62,24 @@ def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str =
         num_micro_batch_sizes=tuning.num_tuning_micro_batch_sizes,
         **engine_dimensions(config, engine, cuda),
     )
+
+
+def untuned_offload_lines(config: DeepSpeedConfig, space: SearchSpace, engine: str, cuda: bool) -> list[str]:
+    """One line for each offload section whose device is "auto" but which the space has no value
+    to try for, saying why; every experiment then runs without offload (the base config's "none")."""
+    searched = {k for variants in space.variants.values() for v in variants for k, _ in v}
+    lines = []
+    for offload in config.zero_optimization.tuned_offloads:
+        if offload in searched:
+            continue
+        if not cuda:
+            why = "this machine has no GPU, so parameters and optimizer state already live in host memory"
+        elif engine == "autotuner" and offload == "offload_param":
+            why = ("on our engine FSDP2's CPUOffloadPolicy moves parameters together with the optimizer: "
+                   "offload_optimizer.device \"auto\" tunes it")
+        else:
+            offered = sorted(dimension(offload).values.get(engine, {}))
+            why = f"it is searched at ZeRO {', '.join(map(str, offered))} only, and no such stage is searched here"
+        lines.append(f"zero_optimization.{offload}.device: \"auto\" not tuned: {why}; every experiment runs "
+                     "without it")
+    return lines
