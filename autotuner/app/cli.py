@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import traceback
+from contextlib import contextmanager
 
 from autotuner.errors import AutotunerError, ConfigError, UsageError
 from autotuner.execution.placement import EXCLUSIVE, PLACEMENT_POLICIES
@@ -251,10 +252,43 @@ def _bench(args: argparse.Namespace) -> int:
     return bench(args)
 
 
-def _autotune(args: argparse.Namespace) -> int:
-    from autotuner.app.tune import autotune
+@contextmanager
+def _early_forkserver(args: argparse.Namespace):
+    """The warm path's forkserver, started before this process imports torch, so the two imports
+    run side by side. Only for a config that loads and asks for warm local launches; anything the
+    config gets wrong is left for `settle` to report. Stopped on the way out whoever ends up with it."""
+    from autotuner.config import load_config
+    from autotuner.execution.forkserver import Forkserver, WarmStartBroken
+    from autotuner.launch.script_args import config_path
 
-    return autotune(args)
+    forkserver = None
+    source = config_path(tuple(args.script_args))
+    try:
+        tuning = load_config(source).autotuning if source and getattr(args, "backend", "local") == "local" else None
+    except AutotunerError:
+        tuning = None
+    if tuning is not None and tuning.warm_start:
+        forkserver = Forkserver(args.script, tuple(tuning.warm_preload))
+        try:
+            forkserver.start()
+        except WarmStartBroken:  # the runner starts its own at the first launch, and reports why not
+            forkserver.close()
+            forkserver = None
+        else:
+            logging.getLogger("autotuner").info("warm start: forkserver %s started early (torch imported here "
+                                                "already: %s)", forkserver.pid, "torch" in sys.modules)
+    try:
+        yield forkserver
+    finally:
+        if forkserver is not None:
+            forkserver.close()
+
+
+def _autotune(args: argparse.Namespace) -> int:
+    with _early_forkserver(args) as forkserver:
+        from autotuner.app.tune import autotune
+
+        return autotune(args, forkserver)
 
 
 def main(argv: list[str] | None = None) -> int:

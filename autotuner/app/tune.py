@@ -14,6 +14,7 @@ from autotuner.app.settle import SettledJob, say as _say, settle
 from autotuner.errors import UsageError
 from autotuner.launch.stopping import Stopped
 from autotuner.tuning.autotuner import Autotuner, TuningFailed
+from autotuner.execution.forkserver import Forkserver
 from autotuner.execution.warm import make_runner
 
 
@@ -38,10 +39,10 @@ def exclusive_lock(results_dir: Path):
 
 
 @contextmanager
-def _runner(args: argparse.Namespace, job: SettledJob):
+def _runner(args: argparse.Namespace, job: SettledJob, forkserver: Forkserver | None):
     """The launches' runner: local (warm or cold) unless --backend ray."""
     if getattr(args, "backend", "local") != "ray":
-        with make_runner(job.config.autotuning, job.settings, _say) as runner:
+        with make_runner(job.config.autotuning, job.settings, _say, forkserver) as runner:
             yield runner
         return
     from autotuner.execution.ray_runner import RayOptions, RayRunner
@@ -56,10 +57,11 @@ def _runner(args: argparse.Namespace, job: SettledJob):
         runner.close()
 
 
-def autotune(args: argparse.Namespace) -> int:
+def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> int:
+    """`forkserver`: the warm path's, started early by the command line (it preloads meanwhile)."""
     job = settle(args)
     results_dir, exps_dir = job.results_dir, job.exps_dir
-    with _runner(args, job) as runner:
+    with _runner(args, job, forkserver) as runner:
         with exclusive_lock(results_dir):
             try:
                 outcome = Autotuner(job.config, job.settings, results_dir, exps_dir, runner, job.fingerprint,

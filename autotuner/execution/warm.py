@@ -15,9 +15,6 @@ and the same trial launched cold does not.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-import json
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -26,18 +23,15 @@ import signal
 import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Callable, Iterator
-
-import psutil
 
 from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, write_record
 from autotuner.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
-from autotuner.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
-from autotuner.launch.plan import build_plan, rank_launch
-from autotuner.launch.stopping import (GRACE_S, descendants, end_processes, make_temporary_dir,
-                                       remove_temporary_dir)
+from autotuner.execution.cold import ColdRunner
+from autotuner.execution.forkserver import Forkserver, WarmStartBroken, script_imports  # noqa: F401 - re-exported
 from autotuner.launch.elastic import exit_status, failure_lines, failure_report
+from autotuner.launch.plan import build_plan, rank_launch
+from autotuner.launch.stopping import GRACE_S, descendants, end_processes
 from autotuner.launch.warm_rank import UNSAFE_FORK_EXIT, WarmRankSpec
 from autotuner.launch.warm_rank import main as warm_rank_main
 from autotuner.parent_death import LAUNCHED_BY_PID_ENV
@@ -45,59 +39,9 @@ from autotuner.rank_setup import QUIET_ERRORS_ENV
 from autotuner.tuning.experiment import (RANK_ERRORS_DIR, WARM_RANKS_FILE, Trial, judge, launch_options, prepare,
                                          trial_environment)
 from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.execution.cold import ColdRunner
 from autotuner.tuning.runner import OneSlot, Runner
 
 POLL_S = 0.05
-PRELOAD_TIMEOUT_S = 600.0
-
-
-class WarmStartBroken(Exception):
-    """The warm path cannot serve this run; the runner switches to cold launches."""
-
-
-def script_imports(script: str) -> list[str]:
-    """Modules the script imports, as "module" or "module:name": at any depth (a library imported
-    inside main() is imported by every launch all the same), and those of the script's own modules
-    beside it, which are read but never preloaded themselves (they may do work at import)."""
-    script_dir = Path(script).resolve().parent
-    found: list[str] = []
-    pending, seen = [Path(script).resolve()], set()
-    while pending:
-        path = pending.pop(0)
-        if path in seen:
-            continue
-        seen.add(path)
-        try:
-            tree = ast.parse(path.read_text(), filename=str(path))
-        except (OSError, SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names = [node.module, *(f"{node.module}:{alias.name}" for alias in node.names if alias.name != "*")]
-            for name in names:
-                local = script_dir / (name.split(":")[0].split(".")[0] + ".py")
-                if local.is_file():
-                    pending.append(local)
-                elif name not in found:
-                    found.append(name)
-    return [name for name in found if _installed(name.split(":")[0].split(".")[0], script_dir)]
-
-
-def _installed(top_level: str, script_dir: Path) -> bool:
-    if top_level == "__future__":
-        return False
-    try:
-        spec = importlib.util.find_spec(top_level)
-    except (ImportError, ValueError):
-        return False
-    if spec is None:
-        return False
-    origin = spec.origin or (list(spec.submodule_search_locations or [""])[0])
-    return not origin or script_dir not in Path(origin).resolve().parents
 
 
 # A forked process that inherited state it should not have (threads, locks, a device) dies by one of
@@ -119,68 +63,19 @@ class WarmRunner(OneSlot):
 
     name = "warm"
 
-    def __init__(self, script: str, extra_modules: tuple[str, ...] = (), report: Callable[[str], None] = print):
+    def __init__(self, script: str, extra_modules: tuple[str, ...] = (), report: Callable[[str], None] = print,
+                 forkserver: Forkserver | None = None):
+        """`forkserver`: one the launcher started early for this script (it preloads meanwhile);
+        the runner owns it from here. Without one, the runner starts its own at the first launch."""
         super().__init__()
         self._report = report
         self._cold = ColdRunner()
         self._cold_only = False
-        self._preload = [*script_imports(script), *extra_modules]
-        self._preload_report = Path(make_temporary_dir("warm")) / "preload.json"
-        self._started = False
-        self._server_pid: int | None = None
+        self._forkserver = forkserver or Forkserver(script, extra_modules)
 
-    # ----- the forkserver -----
-    def _start(self) -> None:
-        if self._started:
-            return
-        os.environ[PRELOAD_ENV] = json.dumps(self._preload)
-        os.environ[REPORT_ENV] = str(self._preload_report)
-        os.environ[LAUNCHED_BY_PID_ENV] = str(os.getpid())  # the forkserver dies with this process
-        _multiprocessing_temp_dir_of_ours()
-        try:
-            # The forkserver takes this process's environment when it starts, and keeps it.
-            multiprocessing.set_forkserver_preload(["__main__", "autotuner.launch.warm_preload"])
-            from multiprocessing import forkserver
-
-            forkserver.ensure_running()
-        except Exception as err:  # noqa: BLE001
-            raise WarmStartBroken(f"the forkserver did not start ({type(err).__name__}: {err})") from None
-        finally:
-            os.environ.pop(PRELOAD_ENV, None)
-            os.environ.pop(REPORT_ENV, None)
-            os.environ.pop(LAUNCHED_BY_PID_ENV, None)
-        self._started = True
-        self._server_pid = forkserver._forkserver._forkserver_pid  # noqa: SLF001 - its pid, to watch it
-        self._await_preload(self._server_pid)
-        self._check_preload()
-
-    def _await_preload(self, server_pid: int | None) -> None:
-        """The forkserver preloads before it serves: wait for its report, so a preload that touched
-        CUDA is known before any rank is forked."""
-        deadline = time.monotonic() + PRELOAD_TIMEOUT_S
-        while not self._preload_report.exists():
-            try:
-                alive = server_pid is not None and psutil.Process(server_pid).status() != psutil.STATUS_ZOMBIE
-            except psutil.NoSuchProcess:
-                alive = False
-            if not alive:
-                raise WarmStartBroken("the forkserver exited while preloading")
-            if time.monotonic() > deadline:
-                raise WarmStartBroken(f"preloading took over {PRELOAD_TIMEOUT_S:.0f} s")
-            time.sleep(POLL_S)
-
-    def _check_preload(self) -> None:
-        try:
-            preload = json.loads(self._preload_report.read_text())
-        except (OSError, ValueError):
-            raise WarmStartBroken("the forkserver's preload report is unreadable") from None
-        if preload.get("cuda_initialized"):
-            raise WarmStartBroken("importing the script's modules initialised CUDA in the forkserver")
-        for name, error in preload.get("failed", {}).items():
-            self._report(f"warm start: could not preload {name} ({error}); ranks import it themselves")
-        self._report(f"warm start: forkserver preloaded {len(preload.get('loaded', []))} modules in "
-                     f"{preload.get('seconds', 0):.1f} s")
-        self._preload_report.unlink(missing_ok=True)
+    @property
+    def _server_pid(self) -> int | None:
+        return self._forkserver.pid
 
     # ----- one trial -----
     def run(self, trial: Trial) -> TrialResult:
@@ -210,27 +105,10 @@ class WarmRunner(OneSlot):
             end_processes(descendants(self._server_pid), GRACE_S)
 
     def _stop_forkserver(self) -> None:
-        """Ranks first (the forkserver only exits once every process holding its pipe has),
-        then the forkserver, then the resource tracker: each waited for with a bound."""
-        if not self._started:
-            return
-        self._started = False
+        """Ranks first (the forkserver only exits once every process holding its pipe has), then
+        the forkserver and its resource tracker."""
         self._end_ranks()
-        from multiprocessing import forkserver
-
-        server = forkserver._forkserver  # noqa: SLF001 - multiprocessing's _stop waits without a bound
-        if server._forkserver_alive_fd is not None:  # noqa: SLF001
-            os.close(server._forkserver_alive_fd)  # noqa: SLF001 - closing it asks the server to exit
-            server._forkserver_alive_fd = None  # noqa: SLF001
-        if server._forkserver_pid is not None:  # noqa: SLF001
-            _reap(server._forkserver_pid)  # noqa: SLF001
-            server._forkserver_pid = None  # noqa: SLF001
-        address = server._forkserver_address  # noqa: SLF001
-        server._forkserver_address = None  # noqa: SLF001
-        if address and not address.startswith("\0") and os.path.exists(address):
-            os.unlink(address)
-        self._server_pid = None
-        _stop_resource_tracker()
+        self._forkserver.stop()
 
     def _run_warm(self, trial: Trial) -> tuple[TrialResult, LaunchReport | None]:
         import torch.multiprocessing as torch_mp
@@ -248,7 +126,7 @@ class WarmRunner(OneSlot):
         stdout, stderr = trial.directory / "stdout.log", trial.directory / "stderr.log"
         stdout.write_bytes(b"")
         stderr.write_bytes(b"")
-        self._start()
+        self._forkserver.ready(self._report)
         # Hosted here, as elastic's agent hosts its store; the ranks connect as clients.
         store = TCPStore("127.0.0.1", options.master_port or 0, None, True, wait_for_workers=False)
         specs = []
@@ -312,72 +190,27 @@ class WarmRunner(OneSlot):
 
     def close(self) -> None:
         try:
-            self._stop_forkserver()
+            self._end_ranks()
         finally:
-            remove_temporary_dir(self._preload_report.parent)
-
-
-def _reap(pid: int, wait_s: float = 5.0) -> None:
-    """Wait for a child of ours to exit, at most `wait_s`, then SIGKILL it."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            done, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if done:
-            return
-        if time.monotonic() > deadline:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            deadline = float("inf")
-            os.waitpid(pid, 0)
-            return
-        time.sleep(POLL_S)
-
-
-def _stop_resource_tracker() -> None:
-    """multiprocessing's resource tracker, started for the forkserver, exits once every holder of
-    its pipe has: the ranks and the forkserver are gone now, so closing ours ends it."""
-    from multiprocessing import resource_tracker
-
-    tracker = resource_tracker._resource_tracker  # noqa: SLF001
-    with tracker._lock:  # noqa: SLF001
-        if tracker._fd is None:  # noqa: SLF001
-            return
-        os.close(tracker._fd)  # noqa: SLF001
-        tracker._fd = None  # noqa: SLF001
-        if tracker._pid is not None:  # noqa: SLF001
-            _reap(tracker._pid)  # noqa: SLF001
-            tracker._pid = None  # noqa: SLF001
-
-
-def _multiprocessing_temp_dir_of_ours() -> None:
-    """multiprocessing keeps the forkserver's socket in a pymp-* directory that it removes at exit;
-    one of ours instead, so a launcher killed outright leaves a directory the next start sweeps
-    (and a short one where TMPDIR is too long for a socket's path: warm start keeps working)."""
-    from multiprocessing import process
-
-    config = process.current_process()._config  # noqa: SLF001 - where util.get_temp_dir caches it
-    if config.get("tempdir") is None:
-        path = make_temporary_dir("mp", holds_sockets=True)
-        config["tempdir"] = path
-        from multiprocessing import util
-
-        util.Finalize(None, remove_temporary_dir, args=(path,), exitpriority=-100)
+            self._forkserver.close()
 
 
 @contextmanager
-def make_runner(tuning, settings, report: Callable[[str], None]) -> Iterator[Runner]:
-    """The runner a tuning run uses: warm unless `autotuning.warm_start` is false."""
+def make_runner(tuning, settings, report: Callable[[str], None],
+                forkserver: Forkserver | None = None) -> Iterator[Runner]:
+    """The runner a tuning run uses: warm unless `autotuning.warm_start` is false (`forkserver`:
+    one started early for it, stopped here whichever runner is made)."""
     if not tuning.warm_start:
         report("warm start off (autotuning.warm_start: false): each experiment starts cold")
         runner: Runner = ColdRunner()
     else:
-        runner = WarmRunner(settings.script, tuple(tuning.warm_preload), report)
+        runner = WarmRunner(settings.script, tuple(tuning.warm_preload), report, forkserver)
+        forkserver = None
     try:
         yield runner
     finally:
-        runner.close()
+        try:
+            runner.close()
+        finally:
+            if forkserver is not None:
+                forkserver.close()

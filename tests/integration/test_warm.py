@@ -8,9 +8,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pandas as pd
+import psutil
 import pytest
 
 from autotuner.launch.plan import LaunchOptions, build_plan, rank_launch
@@ -19,10 +21,6 @@ from autotuner.execution.warm import script_imports
 from conftest import WORKERS, launcher_env, tune, write_config
 
 WARM_TUNING = {"model_info": {"num_params": 1000}}
-
-
-
-
 
 
 def table(tmp_path: Path) -> pd.DataFrame:
@@ -169,3 +167,22 @@ def test_closing_the_runner_ends_a_rank_the_forkserver_forked_but_the_runner_nev
     assert result.returncode == 0, result.stderr[-3000:]
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
     assert outcome["closed_in_s"] < 15 and not outcome["rank_alive"] and not outcome["forkserver_alive"]
+
+
+def test_the_forkserver_starts_before_the_launcher_imports_torch_and_a_later_config_error_ends_it(tmp_path):
+    """The early start (both torch imports side by side), and a config error that `settle` finds
+    after it: exit 2 in one line, the forkserver ended and its directories removed."""
+    config = write_config(tmp_path / "ds.json", {"mp_size": 3})  # loads, but cannot divide 2 ranks
+    launcher = subprocess.Popen([sys.executable, "-m", "autotuner", "--debug", "--autotuning", "tune",
+                                 "--nproc_per_node", "2", str(WORKERS / "toy_train.py"), "--deepspeed", str(config)],
+                                cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    stdout, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 2, stdout + stderr
+    started = [line for line in stderr.splitlines() if "warm start: forkserver" in line]
+    assert len(started) == 1 and started[0].endswith("started early (torch imported here already: False)"), stderr
+    server_pid = int(started[0].split("forkserver ")[1].split()[0])
+    assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+    assert "launcher: error: " in stderr and "autotuning.mp_size: got 3" in stderr
+    left = [path for root in {tempfile.gettempdir(), "/tmp"} for path in Path(root).glob(f"autotuner-*-{launcher.pid}-*")]
+    assert not left, left

@@ -17,7 +17,7 @@ from autotuner.execution.warm import WarmRunner
 
 def main() -> None:
     runner = WarmRunner(sys.argv[1], report=lambda line: None)
-    runner._start()  # noqa: SLF001 - the forkserver, as the first trial starts it
+    runner._forkserver.ready(lambda line: None)  # noqa: SLF001 - the forkserver, as the first trial starts it
     from multiprocessing import forkserver
 
     server = psutil.Process(forkserver._forkserver._forkserver_pid)  # noqa: SLF001
