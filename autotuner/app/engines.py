@@ -37,7 +37,7 @@ def _top_level(name: str) -> str:
 
 
 def imports_deepspeed(script: str) -> bool:
-    from autotuner.execution.warm import script_imports
+    from autotuner.execution.forkserver import script_imports
 
     return any(_top_level(name) == "deepspeed" for name in script_imports(script))
 
@@ -45,7 +45,7 @@ def imports_deepspeed(script: str) -> bool:
 def deepspeed_through_library(script: str) -> str | None:
     """The first import by which the script reaches DeepSpeed's engine through a library (e.g.
     "transformers:Trainer"), unless it imports autotuner; else None."""
-    from autotuner.execution.warm import script_imports
+    from autotuner.execution.forkserver import script_imports
 
     names = script_imports(script)
     if any(_top_level(name) == "autotuner" for name in names):
@@ -55,7 +55,7 @@ def deepspeed_through_library(script: str) -> str | None:
 
 def trains_on_ours(script: str) -> bool:
     """The script imports autotuner and nothing that would put it on DeepSpeed's engine."""
-    from autotuner.execution.warm import script_imports
+    from autotuner.execution.forkserver import script_imports
 
     names = script_imports(script)
     return any(_top_level(name) == "autotuner" for name in names) and not imports_deepspeed(script)

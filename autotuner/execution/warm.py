@@ -28,7 +28,7 @@ from typing import Callable, Iterator
 from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, write_record
 from autotuner.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
 from autotuner.execution.cold import ColdRunner
-from autotuner.execution.forkserver import Forkserver, WarmStartBroken, script_imports  # noqa: F401 - re-exported
+from autotuner.execution.forkserver import Forkserver, WarmStartBroken
 from autotuner.launch.elastic import exit_status, failure_lines, failure_report
 from autotuner.launch.plan import build_plan, rank_launch
 from autotuner.launch.stopping import GRACE_S, descendants, end_processes

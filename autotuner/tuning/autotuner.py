@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -13,26 +13,26 @@ from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import AutotunerError
 from autotuner.tuning.config_space import base_config, engine_dimensions, search_space, untuned_offload_lines
 from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory
-from autotuner.tuning.experiment import (ExperimentSettings, Trial, experiment_config, rescored, script_config,
-                                         with_user_keys)
+from autotuner.tuning.experiment import ExperimentSettings, Trial, rescored
 from autotuner.tuning.history import HISTORY_FILE, make_history
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.comm_fit import fit_collectives
 from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext, Observation
-from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile, engine_family
+from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile
 from autotuner.tuning.memory_book import SAFETY_MARGIN, MemoryBook
 from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive_search
-from autotuner.tuning.profiling import profile_from_config, profile_model
+from autotuner.tuning.profiling import profile_from_config, profile_lines, profile_model
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.final_pick import final_pick_rounds
 from autotuner.tuning.interference import interference_share
-from autotuner.tuning.results import Explanation, PredictedPoint, write_results
+from autotuner.tuning.outcome import SearchRecord, TuningOutcome, write_outcome
 from autotuner.tuning.runner import Runner
 from autotuner.tuning.parallel_launches import ParallelLaunches
-from autotuner.tuning.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
 from autotuner.launch.stopping import mark_work_started
-from autotuner.tuning.planned_run import compile_lines
-from autotuner.tuning.search import SearchPolicy, ladder_sizes, run_search, variant_text
+from autotuner.tuning.planned_run import objective_line
+from autotuner.tuning.search import run_search
+from autotuner.tuning.variant_rules import checkpointing_settled, variant_text
+from autotuner.tuning.search_space import SearchPolicy, ladder_sizes
 from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.transfer import TransferPrior, signature_of, transfer_prior
@@ -47,17 +47,6 @@ class TuningFailed(AutotunerError):
     """Nothing to choose from: the model did not run, or every experiment failed."""
 
     exit_code = 1
-
-
-@dataclass(frozen=True)
-class TuningOutcome:
-    results: tuple[TrialResult, ...]
-    best: TrialResult | None
-    summary: str
-    optimal_config_path: Path | None
-    optimal_script_args: tuple[str, ...] | None
-    optimal_command: tuple[str, ...] | None
-    deepspeed_command: tuple[str, ...] | None = None  # the same training with DeepSpeed's own launcher
 
 
 class Autotuner:
@@ -247,51 +236,16 @@ class Autotuner:
             self._profiled = True
             device_memory = outcome.device_memory_bytes
             self.memory.device_type = "cuda" if device_memory else "cpu"
-            by_policy = dict(self.memory.profile.activation_bytes_per_sample_by_policy)
-            checkpointed = (f" (with activation checkpointing: full {by_policy['full'] / 2**20:.2f}, selective "
-                            f"{by_policy['selective'] / 2**20:.2f})"
-                            if {"full", "selective"} <= by_policy.keys() else "")
-            self.report(f"profile: {self.memory.profile.num_params:,} parameters, "
-                        f"{self.memory.profile.activation_bytes_per_sample / 2**20:.2f} MiB activations per sample"
-                        f"{checkpointed}, baseline {self.memory.profile.baseline_bytes / 2**20:.0f} MiB per rank")
-            for fit in self.memory.profile.peak_fits:
-                self.report(f"profile: {engine_family(fit.zero_stage, self.memory.engine)} measured peaks: forward+backward "
-                            f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.1f} MiB per sample, "
-                            f"optimizer step {fit.optimizer_step_bytes / 2**20:.0f} MiB")
-        self._settle_checkpointing_variants()
+            for line in profile_lines(self.memory.profile, self.memory.engine):
+                self.report(line)
+        by_policy = dict(self.memory.profile.activation_bytes_per_sample_by_policy)
+        self.space, line = checkpointing_settled(self.space, by_policy, self._profiled)
+        if line:
+            self.report(line)
+            self.memory.space = self.space
         self.memory.settle_budget(device_memory)
         self.report(f"memory budget: {self.memory.budget_bytes / 2**20:.0f} MiB per rank "
                     f"(safety margin {SAFETY_MARGIN:.0%})")
-
-    def _report_objective(self) -> None:
-        planned = self.settings.planned_steps
-        if planned:
-            source = ("autotuning.planned_steps" if self.config.autotuning.planned_steps
-                      else "the script's --max_steps; autotuning.planned_steps overrides it")
-            self.report(f"objective: the time to run the {planned} planned steps ({source}), one-off costs such as "
-                        "compiling included")
-        elif self.space.finishes:
-            self.report("objective: the steady metric, so compiling's one-off cost is not counted; set "
-                        "autotuning.planned_steps (or pass the script --max_steps) to score by the time to finish "
-                        "the run")
-
-    def _settle_checkpointing_variants(self) -> None:
-        """A tuned activation checkpointing policy is searched only where the profile measured what
-        each policy holds; else one line says why, and every experiment runs without it."""
-        dimension = "activation_checkpointing"
-        if not any(dimension in dict(v) for variants in self.space.variants.values() for v in variants):
-            return
-        if self.memory.profile.activation_bytes_per_sample_by_policy:
-            return
-        why = ("the model has no repeated blocks (no nn.ModuleList) to checkpoint" if self._profiled
-               else "autotuning.model_info is given, so no profile measured what each policy holds")
-        self.report(f"activation_checkpointing.policy: not tuned: {why}; every experiment runs without it")
-        # Kept at "none" rather than dropped: the profile launches already ran (and are named) so.
-        kept = {stage: tuple(dict.fromkeys(tuple((k, "none" if k == dimension else v) for k, v in variant)
-                                           for variant in variants))
-                for stage, variants in self.space.variants.items()}
-        self.space = replace(self.space, variants=kept)
-        self.memory.space = self.space
 
     def _settle_engine(self, measured: str) -> None:
         """The profile launch says whose engine the script trained on; the memory model and the
@@ -391,7 +345,10 @@ class Autotuner:
 
     def tune(self) -> TuningOutcome:
         self._prepare_dirs()
-        self._report_objective()
+        line = objective_line(self.settings.planned_steps, bool(self.config.autotuning.planned_steps),
+                              bool(self.space.finishes))
+        if line:
+            self.report(line)
         for line in untuned_offload_lines(self.config, self.space, self.settings.engine,
                                           visible_gpu_memory() is not None):
             self.report(line)
@@ -410,33 +367,16 @@ class Autotuner:
         else:
             run_search(self.space, self.policy, largest, ParallelLaunches(self), self._prune, self.memory.fits,
                        self.memory.offload_fallback, self.report)
-        # Every launch, the profile launches included (they are experiments too).
-        everything = list(self._results.values()) + self._pruned
         best, remeasurements, pick_lines = self._final_pick(list(self._results.values()))
-        optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
-        if best is not None:
-            config = with_user_keys(self.settings.user_config, experiment_config(best.experiment, self.settings))
-            optimal_path = (self.results_dir / "ds_config_optimal.json").resolve()
-            optimal_args = optimal_script_args(self.settings, config, optimal_path)
-            optimal_cmd = optimal_command(self.settings, optimal_args)
-            if self.settings.engine == "deepspeed":
-                deepspeed_cmd = deepspeed_command(self.settings, optimal_args)
-            config = script_config(config, self.settings.engine)  # what the mapped flags carry stays out
-        compiled = compile_lines(list(self._results.values()), self.settings.planned_steps)
-        for line in compiled:
-            self.report(line)
-        explanation = Explanation(frozenset(self._profile_names), tuple(remeasurements),
-                                  tuple(compiled) + self._prior.lines + tuple(pick_lines),
-                                  *self._predicted_points(), chosen=best)
-        summary = write_results(self.results_dir, everything, self.objective, time.monotonic() - self._started,
-                                config, list(optimal_cmd) if optimal_cmd else None, explanation,
-                                list(deepspeed_cmd) if deepspeed_cmd else None)
+        record = SearchRecord(tuple(self._results.values()), tuple(self._pruned), frozenset(self._profile_names), best,
+                              tuple(remeasurements), self._prior.lines + tuple(pick_lines), self.predictions,
+                              time.monotonic() - self._started)
+        outcome = write_outcome(record, self.settings, self.objective, self.results_dir, self.report)
         if self.history is not None and self.history.recorded:
             self.history.record_pick(best)
             self.report(f"history: {self.history.recorded} launches recorded in study {self.history.study_name}; "
                         f"list the runs with: launcher --history {self.history.url}")
-        return TuningOutcome(tuple(everything), best, summary, optimal_path, optimal_args, optimal_cmd, deepspeed_cmd)
-
+        return outcome
 
     # ----- the final pick -----
     def _final_pick(self, results: list[TrialResult]) -> tuple[TrialResult | None, list, list[str]]:
@@ -457,15 +397,3 @@ class Autotuner:
         tag = " (from an earlier run)" if reused else ""
         self.report(f"[re-measure {run}] {experiment.name}: {result.state.value}{tag}: {value}")
         return result
-
-    def _predicted_points(self) -> tuple[tuple[PredictedPoint, ...], tuple[PredictedPoint, ...]]:
-        if self.predictions is None:
-            return (), ()
-
-        def point(candidate) -> PredictedPoint:
-            e, p = candidate.experiment, candidate.prediction
-            return PredictedPoint(e.name, e.zero_stage, e.micro_batch_size, p.value, p.low, p.high,
-                                  candidate.launched, candidate.ruled_out_by)
-
-        return (tuple(point(c) for c in self.predictions.at_launch),
-                tuple(point(c) for c in self.predictions.final))

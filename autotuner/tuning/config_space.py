@@ -8,7 +8,7 @@ from typing import Any
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.dimensions import (dimension, finish_values, full_mode_values, settle_variants,
                                          variant_values)
-from autotuner.tuning.search import SearchSpace
+from autotuner.tuning.search_space import SearchSpace
 
 
 def _zero_settings(config: DeepSpeedConfig) -> dict[str, Any]:

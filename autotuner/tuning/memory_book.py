@@ -15,7 +15,7 @@ from autotuner.tuning.memory import (ModelProfile, StageSettings, engine_familie
                                      usable_bytes)
 from autotuner.tuning.memory_fit import PeakObservation, ResidualFit, fit_residuals
 from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.search import SearchSpace
+from autotuner.tuning.search_space import SearchSpace
 from autotuner.tuning.space import Experiment
 
 SAFETY_MARGIN = 0.1

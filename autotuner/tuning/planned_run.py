@@ -62,3 +62,17 @@ def compile_lines(results: list[TrialResult], planned_steps: int | None) -> list
             line += "never pays back (no faster once compiled)"
         lines.append(line)
     return lines
+
+
+def objective_line(planned_steps: int | None, from_config: bool, finishes_searched: bool) -> str | None:
+    """What the run is scored by, said once before the search: the planned run's time, or a hint
+    where compiling is tuned and only the steady metric scores it."""
+    if planned_steps:
+        source = "autotuning.planned_steps" if from_config else \
+            "the script's --max_steps; autotuning.planned_steps overrides it"
+        return (f"objective: the time to run the {planned_steps} planned steps ({source}), one-off costs such as "
+                "compiling included")
+    if finishes_searched:
+        return ("objective: the steady metric, so compiling's one-off cost is not counted; set "
+                "autotuning.planned_steps (or pass the script --max_steps) to score by the time to finish the run")
+    return None

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from autotuner.boundary import ModelInfo
 from autotuner.tuning.experiment import ExperimentSettings
-from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, calibrate_baseline
+from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, calibrate_baseline, engine_family
 from autotuner.tuning.records import TrialResult, TrialState
 
 # Runs one profile launch (stage, micro-batch) and returns its result, with model_info when it ran.
@@ -198,3 +198,18 @@ def profile_from_config(model_info: Any) -> ModelProfile:
         baseline_bytes=model_info.baseline_bytes or 0,
         num_shard_units=model_info.num_layers or 0,
     )
+
+
+def profile_lines(profile: ModelProfile, engine: str) -> list[str]:
+    """What the profile measured, said once: the model's size and activations (per checkpointing
+    policy where they were measured), then each engine family's fitted peaks."""
+    by_policy = dict(profile.activation_bytes_per_sample_by_policy)
+    checkpointed = (f" (with activation checkpointing: full {by_policy['full'] / 2**20:.2f}, selective "
+                    f"{by_policy['selective'] / 2**20:.2f})" if {"full", "selective"} <= by_policy.keys() else "")
+    lines = [f"profile: {profile.num_params:,} parameters, {profile.activation_bytes_per_sample / 2**20:.2f} MiB "
+             f"activations per sample{checkpointed}, baseline {profile.baseline_bytes / 2**20:.0f} MiB per rank"]
+    for fit in profile.peak_fits:
+        lines.append(f"profile: {engine_family(fit.zero_stage, engine)} measured peaks: forward+backward "
+                     f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.1f} MiB per sample, "
+                     f"optimizer step {fit.optimizer_step_bytes / 2**20:.0f} MiB")
+    return lines

@@ -14,116 +14,18 @@ from __future__ import annotations
 import itertools
 import math
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable
 
-from autotuner.config.models import AutotuningConfig
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.config.batch import gas_for, train_batch_size
+from autotuner.tuning.records import TrialResult, TrialState
+from autotuner.tuning.search_space import (Evaluate, Fits, SearchPolicy, SearchSpace, fitting_micro_batch_sizes,
+                                           spread_micro_batch_sizes)
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.tuners import drive, make_tuner
 from autotuner.tuning.tuners.base import slots
 from autotuner.tuning.variant_rules import (FailedVariants, Knobs, _always_fits, not_memory_bound,  # noqa: F401
                                             prune_variant, search_finishes, variant_measured, variant_of,
                                             variant_text)
-
-Evaluate = Callable[[Experiment], TrialResult]
-Fits = Callable[[Experiment], bool]  # the memory model's verdict on one experiment, asked before each launch
-
-
-@dataclass(frozen=True)
-class SearchSpace:
-    stages: tuple[int, ...]
-    data_parallel_size: int
-    min_micro_batch_size: int = 1
-    max_micro_batch_size: int = 1024
-    fixed_micro_batch_sizes: tuple[int, ...] = ()  # the user's int or list: not searched
-    fixed_gradient_accumulation_steps: int | None = None
-    global_batch_size: int | None = None  # fixed train_batch_size, or max_train_batch_size
-    global_batch_exact: bool = False  # True when train_batch_size is fixed
-    num_micro_batch_sizes: int = 3
-    knob_values: dict[int, dict[str, list[Any]]] = field(default_factory=dict, hash=False)
-    stage_knobs: tuple[tuple[str, Any], ...] = ()  # set on every experiment (offload, when it is needed)
-    # Per stage, the variants searched beside it (tuning/dimensions.py `variant_values`: activation
-    # checkpointing policies, say), least memory-saving first; a stage without any has one, ().
-    variants: dict[int, tuple[Knobs, ...]] = field(default_factory=dict, hash=False)
-    # Per stage, the finishing dimensions' values (compile), tried last on the best configurations.
-    finishes: dict[int, dict[str, list[Any]]] = field(default_factory=dict, hash=False)
-
-    def variants_for(self, stage: int) -> tuple[Knobs, ...]:
-        return self.variants.get(stage) or ((),)
-
-    def gas(self, micro_batch_size: int) -> int | None:
-        if self.fixed_gradient_accumulation_steps is not None:
-            gas = self.fixed_gradient_accumulation_steps
-            total = train_batch_size(micro_batch_size, gas, self.data_parallel_size)
-            if self.global_batch_size is not None and (
-                total > self.global_batch_size or (self.global_batch_exact and total != self.global_batch_size)
-            ):
-                return None
-            return gas
-        return gas_for(micro_batch_size, self.data_parallel_size, self.global_batch_size, self.global_batch_exact)
-
-    def valid_micro_batch_sizes(self, upper: int) -> list[int]:
-        """Micro-batch sizes from the minimum up to `upper` that give a valid gas."""
-        upper = min(upper, self.max_micro_batch_size)
-        return [m for m in range(self.min_micro_batch_size, upper + 1) if self.gas(m) is not None]
-
-    def experiment(self, stage: int, micro_batch_size: int) -> Experiment:
-        return Experiment(stage, micro_batch_size, self.gas(micro_batch_size) or 1, self.stage_knobs)
-
-
-@dataclass(frozen=True)
-class SearchPolicy:
-    """How the search goes. No defaults of its own: they are the config's (from_tuning)."""
-
-    objective: Objective
-    tuner_type: str
-    early_stopping: int
-    num_trials: int
-    seed: int
-    fast: bool
-
-    @classmethod
-    def from_tuning(cls, objective: Objective, tuning: AutotuningConfig) -> "SearchPolicy":
-        return cls(objective, tuning.tuner_type, tuning.tuner_early_stopping, tuning.tuner_num_trials,
-                   tuning.tuner_seed, tuning.fast)
-
-
-def spread_micro_batch_sizes(valid: list[int], largest: int, count: int) -> list[int]:
-    """`count` sizes from `valid` up to `largest`, spaced geometrically (largest, ~half, ~quarter, ...)."""
-    pool = [m for m in valid if m <= largest]
-    if not pool:
-        return []
-    chosen: list[int] = []
-    for k in range(count):
-        target = largest / 2**k
-        nearest = min(pool, key=lambda m: (abs(math.log(m) - math.log(target)), -m))
-        if nearest not in chosen:
-            chosen.append(nearest)
-    return sorted(chosen, reverse=True)
-
-
-def fitting_micro_batch_sizes(space: SearchSpace, stage: int, upper: int, fits: Fits) -> list[int]:
-    """Valid sizes up to `upper` whose experiment (with its own gas) the memory model lets run.
-    Not monotonic in the size: a smaller micro-batch has a larger gas, which can cost more."""
-    return [m for m in space.valid_micro_batch_sizes(upper) if fits(space.experiment(stage, m))]
-
-
-def ladder_sizes(valid: list[int]) -> list[int]:
-    """The geometric candidate sizes among `valid`: the one nearest each power of two in its range,
-    and its largest (the memory limit), ascending."""
-    if not valid:
-        return []
-    low, high = min(valid), max(valid)
-    chosen = {high}
-    power = 1
-    while power <= 2 * high:
-        if power >= low / 2:
-            chosen.add(min(valid, key=lambda m: (abs(math.log(m) - math.log(power)), m)))
-        power *= 2
-    return sorted(chosen)
-
 
 BISECTION_TOLERANCE = 0.1  # stop once the largest running and smallest failing sizes are this close
 

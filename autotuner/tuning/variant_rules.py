@@ -12,7 +12,7 @@ from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 
 if TYPE_CHECKING:
-    from autotuner.tuning.search import Evaluate, Fits, SearchPolicy, SearchSpace
+    from autotuner.tuning.search_space import Evaluate, Fits, SearchPolicy, SearchSpace
 
 Knobs = tuple[tuple[str, Any], ...]
 
@@ -121,3 +121,21 @@ def variant_measured(results, space: SearchSpace, variant: Knobs) -> bool:
     then fitted on its own peaks."""
     return any(variant_of(space, r.experiment) == variant and r.state in (TrialState.OK, TrialState.OOM)
                for r in results)
+
+
+def checkpointing_settled(space: SearchSpace, by_policy: dict[str, int], profiled: bool) -> tuple[SearchSpace, str | None]:
+    """A tuned activation checkpointing policy is searched only where the profile measured what
+    each policy holds; else every variant keeps "none", and the line says why."""
+    from dataclasses import replace
+
+    dimension = "activation_checkpointing"
+    if by_policy or not any(dimension in dict(v) for variants in space.variants.values() for v in variants):
+        return space, None
+    why = ("the model has no repeated blocks (no nn.ModuleList) to checkpoint" if profiled
+           else "autotuning.model_info is given, so no profile measured what each policy holds")
+    # Kept at "none" rather than dropped: the profile launches already ran (and are named) so.
+    kept = {stage: tuple(dict.fromkeys(tuple((k, "none" if k == dimension else v) for k, v in variant)
+                                       for variant in variants))
+            for stage, variants in space.variants.items()}
+    return replace(space, variants=kept), (f"activation_checkpointing.policy: not tuned: {why}; every experiment runs "
+                                           "without it")

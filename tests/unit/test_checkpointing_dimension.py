@@ -17,7 +17,8 @@ from autotuner.tuning.dimensions import full_mode_values, settle_variants, varia
 from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, estimate
 from autotuner.tuning.predictive_search import candidate_space
 from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search import SearchPolicy, SearchSpace, run_search
+from autotuner.tuning.search import run_search
+from autotuner.tuning.search_space import SearchPolicy, SearchSpace
 from autotuner.tuning.space import Experiment
 
 AC = "activation_checkpointing"

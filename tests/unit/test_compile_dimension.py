@@ -16,7 +16,8 @@ from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.config_space import base_config, search_space
 from autotuner.tuning.planned_run import compile_lines, planned_value
 from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search import SearchPolicy, SearchSpace, run_search
+from autotuner.tuning.search import run_search
+from autotuner.tuning.search_space import SearchPolicy, SearchSpace
 from autotuner.tuning.space import Experiment
 
 THROUGHPUT, LATENCY = Objective("throughput"), Objective("latency")

@@ -9,7 +9,8 @@ from autotuner.tuning.autotuner import Autotuner
 from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, estimate, model_state_bytes
 from autotuner.tuning.profiling import peak_fit
 from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search import SearchPolicy, run_search
+from autotuner.tuning.search import run_search
+from autotuner.tuning.search_space import SearchPolicy
 from autotuner.tuning.space import Experiment
 from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called
 

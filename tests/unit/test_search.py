@@ -9,14 +9,8 @@ from typing import Callable
 import pytest
 
 from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search import (
-    BISECTION_TOLERANCE,
-    SearchPolicy,
-    SearchSpace,
-    confirm_largest,
-    run_search,
-    spread_micro_batch_sizes,
-)
+from autotuner.tuning.search import BISECTION_TOLERANCE, confirm_largest, run_search
+from autotuner.tuning.search_space import SearchPolicy, SearchSpace, spread_micro_batch_sizes
 from autotuner.tuning.dimensions import full_mode_values, tag
 from autotuner.tuning.space import Experiment
 

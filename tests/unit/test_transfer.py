@@ -15,7 +15,7 @@ from autotuner.runtime.model_family import model_family
 from autotuner.tuning.cost_model import CostContext, Observation
 from autotuner.tuning.predictive_search import run_predictive_search
 from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search import SearchPolicy, SearchSpace
+from autotuner.tuning.search_space import SearchPolicy, SearchSpace
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.transfer import (PriorRun, WorkloadSignature, experiment_of, scale_prior, transfer_prior)
 
