@@ -119,16 +119,32 @@ def derives_train_batch_size(settings: ExperimentSettings) -> bool:
 
 def with_user_keys(user_config: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]:
     """The tuned config laid over the user's file, so keys we accept but do not act on (DeepSpeed's
-    own) stay and DeepSpeed can train with the result. The autotuning section is left out, and the
-    batch keys are the tuned config's alone (an "auto" of the user's is settled there, or derived)."""
+    own) stay and DeepSpeed can train with the result: merged at every depth (a user's
+    offload_optimizer.ratio stays beside the tuned device), the tuned value winning. The autotuning
+    section is left out, and the batch keys are the tuned config's alone (an "auto" of the user's is
+    settled there, or derived)."""
     merged = {key: copy.deepcopy(value) for key, value in user_config.items()
               if key != "autotuning" and key not in BATCH_KEYS}
-    for key, value in tuned.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **copy.deepcopy(value)}
+    return _laid_over(merged, tuned)
+
+
+def _laid_over(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = _laid_over(base[key], value)
         else:
-            merged[key] = copy.deepcopy(value)
-    return merged
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+def launched_config(experiment: Experiment, settings: ExperimentSettings) -> dict[str, Any]:
+    """The config file an experiment's ranks read, and the pick's: on DeepSpeed's engine with the
+    user's DeepSpeed-only keys (DeepSpeed acts on them, so what is measured is what the pick trains
+    with), less what the script applies through its mapped flags."""
+    config = experiment_config(experiment, settings)
+    if settings.engine == "deepspeed":
+        config = with_user_keys(settings.user_config, config)
+    return script_config(config, settings.engine)
 
 
 @dataclass(frozen=True)
@@ -218,8 +234,7 @@ def prepare(trial: Trial) -> None:
     for path in [*stale, *directory.glob(f"{METRICS_FILE}.oom-rank*")]:
         path.unlink(missing_ok=True)
     shutil.rmtree(directory / RANK_ERRORS_DIR, ignore_errors=True)
-    write_json_atomic(directory / CONFIG_FILE,
-                      script_config(experiment_config(trial.experiment, trial.settings), trial.settings.engine))
+    write_json_atomic(directory / CONFIG_FILE, launched_config(trial.experiment, trial.settings))
     write_record(trial.request_path, trial.request())
     (directory / "cmd.txt").write_text(reproduce_line(trial))
 

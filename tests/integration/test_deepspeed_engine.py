@@ -297,3 +297,48 @@ def test_a_script_that_checks_for_deepspeed_before_importing_it_is_measured(tmp_
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert faults.record(tmp_path, "z0_gas1_mbs2")["state"] == "ok"
     assert faults.table(tmp_path).engine.iloc[0] == "deepspeed"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_script_checkpointing_through_deepspeed_checkpointing_is_tuned_through_its_flag(tmp_path, no_orphans):
+    """Megatron-DeepSpeed's way: the script recomputes its blocks with deepspeed.checkpointing behind
+    a flag of its own, mapped to activation_checkpointing.policy. Each experiment passes the policy
+    there; DeepSpeed's own keys of the section reach the config the script configures from, ours
+    do not; and the pick trains to the same losses as the script without checkpointing."""
+    config = {"train_micro_batch_size_per_gpu": [4, 8], "gradient_accumulation_steps": 1, "steps_per_print": 1000,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 0},
+              "activation_checkpointing": {"policy": "full", "synchronize_checkpoint_boundary": False},
+              "autotuning": {"enabled": True, "arg_mappings": {"activation_checkpointing.policy":
+                                                               "--checkpoint_activations"},
+                             "tuner_type": "gridsearch", "start_profile_step": 2, "end_profile_step": 3,
+                             "remeasure_rounds": 0, "history": False, "exp_timeout_s": 120}}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    model = ("--width", "64", "--depth", "3", "--steps", "6")
+    env = {**launcher_env(), "OMP_NUM_THREADS": "1"}
+    tuned = subprocess.run([sys.executable, "-m", "autotuner", "--autotuning", "run", "--nproc_per_node", "2",
+                            str(DS_EXAMPLE), *model, "--losses_out", str(tmp_path / "tuned.json"), "--deepspeed",
+                            "--deepspeed_config", str(tmp_path / "ds.json")],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert tuned.returncode == 0, tuned.stdout[-3000:] + tuned.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    ran = table[table.state == "ok"]
+    assert len(ran) == 2 and (ran.engine == "deepspeed").all()  # a policy set, not tuned: no tag in the names
+    for name in ran.name:
+        command = shlex.split((tmp_path / "autotuning_exps" / name / "cmd.txt").read_text())
+        assert command[command.index("--checkpoint_activations") + 1] == "true"
+        written = json.loads((tmp_path / "autotuning_exps" / name / "ds_config.json").read_text())
+        assert written["activation_checkpointing"] == {"synchronize_checkpoint_boundary": False}
+    best = table[table.chosen].iloc[0]
+    plain_config = {key: value for key, value in config.items() if key not in ("autotuning", "activation_checkpointing")}
+    plain_config["train_micro_batch_size_per_gpu"] = int(best.micro_batch_size)
+    (tmp_path / "plain.json").write_text(json.dumps(plain_config))
+    plain = subprocess.run([sys.executable, "-m", "autotuner", "--nproc_per_node", "2", str(DS_EXAMPLE), *model,
+                            "--checkpoint_activations", "false", "--losses_out", str(tmp_path / "plain.json.losses"),
+                            "--deepspeed", "--deepspeed_config", str(tmp_path / "plain.json")],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    checkpointed = json.loads((tmp_path / "tuned.json").read_text())
+    assert len(checkpointed) == 6
+    assert checkpointed == pytest.approx(json.loads((tmp_path / "plain.json.losses").read_text()), rel=1e-5)

@@ -580,3 +580,29 @@ def test_a_timed_out_launch_names_a_torch_extension_build_lock_left_behind(tmp_p
     lock.touch()
     result = judge(trial, None, True, 31.0)
     assert result.state is TrialState.TIMEOUT and str(lock) in result.error and "delete it" in result.error
+
+
+def test_on_deepspeeds_engine_each_experiment_keeps_the_users_deepspeed_only_keys_at_every_depth():
+    """DeepSpeed acts on keys our engine does not (sub_group_size, an offload's ratio, the
+    checkpointing section's own keys): an experiment measured without them would not be the config
+    the pick trains with. Our engine's ranks get only what it acts on."""
+    from fakes import experiment_settings
+
+    from autotuner.tuning.experiment import launched_config
+    from autotuner.tuning.space import Experiment
+
+    user = {"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": [2, 3], "sub_group_size": 1e8,
+                                  "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+            "activation_checkpointing": {"policy": "full", "number_checkpoints": 4},
+            "autotuning": {"arg_mappings": {"activation_checkpointing.policy": "--checkpoint_activations"}}}
+    config = load_config(user)
+    experiment = Experiment(3, 4, 1)
+    on_deepspeed = launched_config(experiment, experiment_settings(config, engine="deepspeed", user_config=user))
+    zero = on_deepspeed["zero_optimization"]
+    assert zero["stage"] == 3 and zero["sub_group_size"] == 1e8
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_optimizer"]["ratio"] == 0.5
+    assert on_deepspeed["activation_checkpointing"] == {"number_checkpoints": 4}  # the policy goes to the flag
+    assert on_deepspeed["train_micro_batch_size_per_gpu"] == 4 and "autotuning" not in on_deepspeed
+    ours = launched_config(experiment, experiment_settings(config, user_config=user))
+    assert "sub_group_size" not in ours["zero_optimization"] and ours["activation_checkpointing"] == {"policy": "full"}
