@@ -241,6 +241,7 @@ class ModelInfo:
     # module types and block structure, sizes left out, and the device's name.
     model_family: str = ""
     device_name: str = ""
+    sequence_length: int = 0  # of the model's first input, 0 where it has none (runtime/profile.py)
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:

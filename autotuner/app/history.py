@@ -7,6 +7,7 @@ from pathlib import Path
 
 from autotuner.errors import UsageError
 from autotuner.tuning.history import STUDY_PREFIX, default_url, open_storage
+from autotuner.tuning.transfer import WorkloadSignature, size_text
 
 DEFAULT_RESULTS_DIR = "autotuning_results"
 
@@ -24,8 +25,10 @@ def history_rows(url: str) -> list[dict]:
         pick = summary.user_attrs.get("pick")  # the last run's final pick, not optuna's best single trial
         args = " ".join(fingerprint.get("script_args", []))
         ranks = fingerprint.get("nproc_per_node", 0) * fingerprint.get("num_nodes", 1)
+        signature = summary.user_attrs.get("signature")
         rows.append({
             "workload": f"{Path(fingerprint.get('script', '?')).name} {args}".strip()[:60],
+            "model": _model_text(signature),
             "hardware": f"{fingerprint.get('device', '?')}, {ranks} ranks",
             "pick": pick["name"] if pick else "(none succeeded)",
             summary.user_attrs.get("metric", "metric"): f"{pick['value']:.4g} {pick['unit']}" if pick else "",
@@ -34,6 +37,14 @@ def history_rows(url: str) -> list[dict]:
             if "last_run_unix" in summary.user_attrs else "",
         })
     return rows
+
+
+def _model_text(signature) -> str:
+    """The model's size from the study's workload signature; empty for a run recorded before it."""
+    try:
+        return size_text(WorkloadSignature.from_json(signature)) if isinstance(signature, dict) else ""
+    except TypeError:
+        return ""
 
 
 def show_history(url: str | None) -> int:

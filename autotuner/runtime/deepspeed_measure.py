@@ -143,13 +143,15 @@ class DeepSpeedView:
     name = ENGINE_NAME
 
     def __init__(self, engine: Any, engines: list[Any], activation_bytes: Callable[[], int],
-                 activation_bytes_by_policy: Callable[[], dict[str, int]] = dict):
+                 activation_bytes_by_policy: Callable[[], dict[str, int]] = dict,
+                 sequence_length: Callable[[], int] = int):
         import torch
 
         self._engine = engine
         self._engines = engines
         self._activation_bytes = activation_bytes
         self._activation_bytes_by_policy = activation_bytes_by_policy
+        self._sequence_length = sequence_length
         self.device = torch.device(engine.device)
         self.rank = int(engine.global_rank)
 
@@ -223,6 +225,9 @@ class DeepSpeedView:
         its repeated blocks are found as our engine finds them."""
         return self._activation_bytes_by_policy()
 
+    def sequence_length(self) -> int:
+        return self._sequence_length()
+
     def flops_per_micro_step(self) -> None:
         return None  # not counted inside DeepSpeed's engine
 
@@ -239,7 +244,8 @@ class DeepSpeedMeasurement:
 
         self.engine = engine
         self.request = request
-        self.view = DeepSpeedView(engine, engines, self._activation_bytes, self._activation_bytes_by_policy)
+        self.view = DeepSpeedView(engine, engines, self._activation_bytes, self._activation_bytes_by_policy,
+                                  lambda: self.activation_probe.sequence_length if self.activation_probe else 0)
         self.device = self.view.device
         self.rank = self.view.rank
         self.window = ProfileWindow(request.start_profile_step, request.end_profile_step, request.min_window_s,
@@ -327,7 +333,8 @@ class DeepSpeedMeasurement:
         from autotuner.runtime.activation_checkpointing import repeated_blocks
         from autotuner.runtime.profile import ActivationProbe
 
-        self.activation_probe = ActivationProbe(list(self.engine.module.parameters()), repeated_blocks(self.engine.module))
+        self.activation_probe = ActivationProbe(list(self.engine.module.parameters()), repeated_blocks(self.engine.module),
+                                                model=self.engine.module)
         self.activation_probe.start()
 
     @contextlib.contextmanager

@@ -96,8 +96,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._flop_probe = FlopProbe() if count_flops else None
         want_model_info = request is not None and request.model_info_path is not None
         # The blocks let the probe say what each checkpointing policy would hold (the tuner's memory term).
-        self._activation_probe = ActivationProbe(list(self.wrapped.parameters()),
-                                                 repeated_blocks(unwrap(self.wrapped))) if want_model_info else None
+        self._activation_probe = ActivationProbe(list(self.wrapped.parameters()), repeated_blocks(unwrap(self.wrapped)),
+                                                 model=self.wrapped) if want_model_info else None
         # On CUDA the profile reads the allocator's peaks of step 2 apart for forward+backward and for
         # the optimizer step: the steady state, with optimizer states allocated. The CPU's resident
         # set cannot be split by phase, so there the profile stays at step 1.

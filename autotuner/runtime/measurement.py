@@ -90,6 +90,9 @@ class OurEngineView:
     def activation_bytes_by_policy(self) -> dict[str, int]:
         return self._engine._activation_probe.bytes_by_policy()
 
+    def sequence_length(self) -> int:
+        return self._engine._activation_probe.sequence_length
+
     def flops_per_micro_step(self) -> int | None:
         probe = self._engine._flop_probe
         return probe.total if probe is not None else None

@@ -84,8 +84,11 @@ class ActivationProbe:
     in its backward, recomputes its own activations one block at a time; under "selective" it
     keeps its matmul outputs too and recomputes the rest one block at a time."""
 
-    def __init__(self, parameters: list[torch.Tensor], blocks: list[nn.Module] | None = None):
+    def __init__(self, parameters: list[torch.Tensor], blocks: list[nn.Module] | None = None,
+                 model: nn.Module | None = None):
         self._param_keys = {_storage_key(_local(p)) for p in parameters}
+        self._model = model
+        self.sequence_length = 0  # of the model's first input (the workload signature's), 0 if none
         self._seen: set[tuple[str, int]] = set()
         self.bytes_saved = 0
         self._hooks = None
@@ -125,8 +128,14 @@ class ActivationProbe:
             self._handles.append(block.register_forward_pre_hook(entering(index)))
             self._handles.append(block.register_forward_hook(leaving))
 
+    def _see_input(self, module, args, kwargs) -> None:
+        if not self.sequence_length:
+            self.sequence_length = sequence_length_of([*args, *kwargs.values()])
+
     def start(self) -> None:
         self._watch_blocks()
+        if self._model is not None:
+            self._handles.append(self._model.register_forward_pre_hook(self._see_input, with_kwargs=True))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._hooks.__enter__()
 
@@ -155,6 +164,16 @@ class ActivationProbe:
         recomputed = [inside - matmul for inside, matmul in zip(self._inside, self._matmul_inside)]
         return {"none": held["none"], "full": held["full"] + max(self._inside),
                 "selective": held["selective"] + max(recomputed)}
+
+
+def sequence_length_of(inputs: list) -> int:
+    """Dim 1 of a model's first tensor input where that is a sequence: token ids (batch, positions)
+    or embeddings (batch, positions, features). 0 for anything else, such as an MLP's
+    (batch, features)."""
+    tensor = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+    if tensor is None or tensor.dim() < 2 or (tensor.dim() == 2 and tensor.is_floating_point()):
+        return 0
+    return int(tensor.shape[1])
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -205,6 +224,7 @@ def write_model_info(
     parameter_counts: tuple[int, int] | None = None,
     engine: str = "autotuner",
     activation_bytes_by_policy: dict[str, int] | None = None,
+    sequence_length: int = 0,
 ) -> ModelInfo:
     total, trainable = parameter_counts or count_parameters(zero_stage_module)
     from autotuner.runtime.model_family import device_name, model_family
@@ -235,6 +255,7 @@ def write_model_info(
         activation_bytes_by_policy=tuple(sorted((activation_bytes_by_policy or {}).items())),
         model_family=model_family(zero_stage_module),
         device_name=device_name(),
+        sequence_length=sequence_length,
     )
     write_record(path, info)
     return info

@@ -53,6 +53,9 @@ class EngineView(Protocol):
     def activation_bytes_by_policy(self) -> dict[str, int]:
         """What each activation checkpointing policy would hold on this rank; empty if unknown."""
 
+    def sequence_length(self) -> int:
+        """Of the model's first input in the first micro-step; 0 if it has none or it was not seen."""
+
     def flops_per_micro_step(self) -> int | None: ...
 
 
@@ -136,6 +139,7 @@ class RankMeasurement:
                 collective_timings=timings,
                 engine=view.name,
                 activation_bytes_by_policy=by_policy,
+                sequence_length=view.sequence_length(),
             )
         if self.request.exit_after_model_info:
             self.leave()

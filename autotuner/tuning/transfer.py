@@ -47,6 +47,7 @@ class WorkloadSignature:
     num_params: int
     activation_bytes_per_sample: int
     flops_per_sample: float | None = None
+    sequence_length: int = 0  # of the model's input; a change is a change of size (FLOPs, activations)
 
     def similar(self, other: "WorkloadSignature") -> bool:
         """Same family, engine, device, ranks and precision: the size may differ."""
@@ -74,7 +75,8 @@ def flops_per_sample(results: list[TrialResult]) -> float | None:
 def signature_of(info: ModelInfo, engine: str, activation_bytes_per_sample: int,
                  profile_results: list[TrialResult]) -> WorkloadSignature:
     return WorkloadSignature(info.model_family, engine, info.device_name, info.world_size, info.precision,
-                             info.num_params, int(activation_bytes_per_sample), flops_per_sample(profile_results))
+                             info.num_params, int(activation_bytes_per_sample), flops_per_sample(profile_results),
+                             info.sequence_length)
 
 
 @dataclass(frozen=True)
@@ -177,12 +179,18 @@ def scale_prior(prior: PriorRun, signature: WorkloadSignature, context: CostCont
     return scaled, f"compute {ratio:.2f}x (its {basis}: {expected:.2f}x), each step within {noise:.0%}"
 
 
+def size_text(signature: WorkloadSignature) -> str:
+    """A workload's size as a line names it: its parameters, and its sequence length where it has one."""
+    length = f", sequence length {signature.sequence_length}" if signature.sequence_length else ""
+    return f"{signature.num_params:,} parameters{length}"
+
+
 def transfer_prior(priors: list[PriorRun], signature: WorkloadSignature, context: CostContext,
                    measured: list[Observation], report: Callable[[str], None]) -> TransferPrior:
     observations: list[Observation] = []
     used, lines = [], []
     for prior in priors:
-        size = f"{prior.signature.num_params:,} parameters"
+        size = size_text(prior.signature)
         scaled, why = scale_prior(prior, signature, context, measured)
         if scaled:
             observations += scaled

@@ -43,6 +43,9 @@ def test_tune_the_gpt2_example_then_train_with_the_optimal_command(tmp_path, no_
     assert len(ok[ok.phase != "remeasure"]) >= 2, table.to_string()
     # The measurements are real: positive throughput and a measured peak per experiment.
     assert (ok.throughput_samples_s > 0).all() and (ok.measured_memory_mib > 0).all()
+    # The profile read the sequence length (the workload signature's) from the model's input_ids.
+    infos = [json.loads(path.read_text()) for path in (tmp_path / "autotuning_exps").glob("*/model_info.json")]
+    assert infos and {info["sequence_length"] for info in infos} == {64}
     # The pick is the marked row: the best single run, or the best median once re-measured.
     best = table[table.chosen].iloc[0]
     assert table.chosen.sum() == 1

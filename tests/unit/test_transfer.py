@@ -157,6 +157,22 @@ def test_with_an_agreeing_prior_the_search_after_the_profile_launches_less_and_p
     assert picks["transfer"].experiment == picks["cold"].experiment
 
 
+def test_the_sequence_length_is_read_from_the_models_first_input_where_it_has_one():
+    from autotuner.runtime.profile import ActivationProbe, sequence_length_of
+
+    assert sequence_length_of([torch.zeros(4, 128, dtype=torch.long)]) == 128  # token ids
+    assert sequence_length_of([None, torch.zeros(4, 64, 16)]) == 64  # embeddings, after a non-tensor
+    assert sequence_length_of([torch.zeros(4, 32)]) == 0 and sequence_length_of([3, "x"]) == 0  # an MLP's features
+    model = Gpt(2, 8)
+    model.forward = lambda input_ids: model.head(model.embed(input_ids))  # noqa: E731 - a GPT called by keyword
+    probe = ActivationProbe(list(model.parameters()), list(model.blocks), model=model)
+    probe.start()
+    model(input_ids=torch.zeros(2, 24, dtype=torch.long))
+    probe.stop()
+    model(input_ids=torch.zeros(2, 7, dtype=torch.long))  # after the probe: not seen
+    assert probe.sequence_length == 24
+
+
 # ----- through the orchestrator and the history -----
 def test_a_larger_model_of_the_same_family_starts_from_the_smaller_ones_run_in_the_history(tmp_path):
     optuna = pytest.importorskip("optuna")
@@ -175,7 +191,8 @@ def test_a_larger_model_of_the_same_family_starts_from_the_smaller_ones_run_in_t
                 throughput=result.value, latency=t, FLOPS_per_gpu=flops / t, peak_memory_bytes=200 * 2**20))
             if trial.profile:
                 info = model_info(e.micro_batch_size, e.zero_stage, num_params=num_params, model_family="fam",
-                                  device_name="cpu: test", activation_bytes=e.micro_batch_size * 2**20)
+                                  device_name="cpu: test", activation_bytes=e.micro_batch_size * 2**20,
+                                  sequence_length=128)
                 result = dataclasses.replace(result, model_info=info)
             return result
         return FakeRunner(answer)
@@ -192,11 +209,17 @@ def test_a_larger_model_of_the_same_family_starts_from_the_smaller_ones_run_in_t
                   train_micro_batch_size_per_gpu=[2, 4, 8, 16])
     large.tune()
     used = [line for line in lines if line.startswith("transfer: using")]
-    assert len(used) == 1 and small.history.study_name in used[0] and "1,000,000 parameters" in used[0], lines
+    assert len(used) == 1 and small.history.study_name in used[0], lines
+    assert "(1,000,000 parameters, sequence length 128)" in used[0]
     summary = (tmp_path / "large" / "results" / "summary.txt").read_text()
     assert used[0] in summary  # the summary says which earlier run was used
     study = optuna.load_study(study_name=large.history.study_name, storage=storage)
     assert study.user_attrs["signature"]["family"] == "fam" and study.user_attrs["signature"]["num_params"] == 4_000_000
+    assert study.user_attrs["signature"]["sequence_length"] == 128
+    from autotuner.app.history import history_rows
+
+    models = {row["model"] for row in history_rows(storage)}  # launcher --history's column
+    assert models == {"1,000,000 parameters, sequence length 128", "4,000,000 parameters, sequence length 128"}
     # Off in the config: the same history, no prior.
     lines.clear()
     tuner(tmp_path / "cold", runner(4_000_000, 4.0), autotuning={**autotuning, "transfer": False}, print_to=lines,
