@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -103,6 +104,9 @@ class History:
                                     direction=direction, load_if_exists=True)
         study.set_user_attr("fingerprint", self._fingerprint.to_json())
         study.set_user_attr("metric", self._objective.metric)
+        with warnings.catch_warnings():  # experimental in some optuna releases; the name is what the dashboard shows
+            warnings.simplefilter("ignore")
+            study.set_metric_names([f"{self._objective.metric} ({self._objective.unit})"])
         return study
 
     def record(self, result: TrialResult, phase: str, prediction=None) -> None:

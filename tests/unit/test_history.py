@@ -27,6 +27,7 @@ def test_every_launch_is_a_trial_of_the_workloads_study_readable_by_optuna(tmp_p
     url = default_url(tmp_path / "results")
     study = optuna.load_study(study_name=study_name(fingerprint()), storage=url)
     assert study.direction == optuna.study.StudyDirection.MAXIMIZE
+    assert study.metric_names == ["throughput (samples/s)"]  # the dashboard's axis name
     trials = study.get_trials()
     assert [t.user_attrs["name"] for t in trials] == ["z0_gas1_mbs2", "z0_gas1_mbs4"]
     assert [t.user_attrs["phase"] for t in trials] == ["profile", "search"]
