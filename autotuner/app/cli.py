@@ -263,10 +263,14 @@ def _early_forkserver(args: argparse.Namespace):
 
     forkserver = None
     source = config_path(tuple(args.script_args))
+    loader_log = logging.getLogger("autotuner.config.loader")
+    loader_log.disabled = True  # its one warning is settle's to give, when it loads the file again
     try:
         tuning = load_config(source).autotuning if source and getattr(args, "backend", "local") == "local" else None
     except AutotunerError:
         tuning = None
+    finally:
+        loader_log.disabled = False
     if tuning is not None and tuning.warm_start:
         forkserver = Forkserver(args.script, tuple(tuning.warm_preload))
         try:

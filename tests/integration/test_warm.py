@@ -172,7 +172,8 @@ def test_closing_the_runner_ends_a_rank_the_forkserver_forked_but_the_runner_nev
 def test_the_forkserver_starts_before_the_launcher_imports_torch_and_a_later_config_error_ends_it(tmp_path):
     """The early start (both torch imports side by side), and a config error that `settle` finds
     after it: exit 2 in one line, the forkserver ended and its directories removed."""
-    config = write_config(tmp_path / "ds.json", {"mp_size": 3})  # loads, but cannot divide 2 ranks
+    config = write_config(tmp_path / "ds.json", {"mp_size": 3},  # loads, but cannot divide 2 ranks
+                          zero_optimization={"stage": 0, "sub_group_size": 1e9})  # DeepSpeed's: one warning
     launcher = subprocess.Popen([sys.executable, "-m", "autotuner", "--debug", "--autotuning", "tune",
                                  "--nproc_per_node", "2", str(WORKERS / "toy_train.py"), "--deepspeed", str(config)],
                                 cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -184,5 +185,6 @@ def test_the_forkserver_starts_before_the_launcher_imports_torch_and_a_later_con
     server_pid = int(started[0].split("forkserver ")[1].split()[0])
     assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
     assert "launcher: error: " in stderr and "autotuning.mp_size: got 3" in stderr
+    assert stderr.count("accepted but not used by autotuner: zero_optimization.sub_group_size") == 1, stderr
     left = [path for root in {tempfile.gettempdir(), "/tmp"} for path in Path(root).glob(f"autotuner-*-{launcher.pid}-*")]
     assert not left, left
