@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -186,5 +188,49 @@ def test_the_forkserver_starts_before_the_launcher_imports_torch_and_a_later_con
     assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
     assert "launcher: error: " in stderr and "autotuning.mp_size: got 3" in stderr
     assert stderr.count("accepted but not used by autotuner: zero_optimization.sub_group_size") == 1, stderr
+    left = [path for root in {tempfile.gettempdir(), "/tmp"} for path in Path(root).glob(f"autotuner-*-{launcher.pid}-*")]
+    assert not left, left
+
+
+def children_of(pid: int) -> list[tuple[psutil.Process, str]]:
+    """Each live descendant of `pid` with its command line; none once `pid` is gone."""
+    found = []
+    try:
+        for process in psutil.Process(pid).children(recursive=True):
+            try:
+                found.append((process, " ".join(process.cmdline())))
+            except psutil.Error:  # it ended meanwhile
+                pass
+    except psutil.Error:
+        pass
+    return found
+
+
+def test_ctrl_c_while_the_early_forkserver_preloads_ends_it_and_leaves_nothing(tmp_path):
+    """A stop in the window the early start opens: the forkserver runs while the launcher is still
+    importing torch. Exit 130 in one line; the forkserver, its resource tracker and their
+    directories are gone."""
+    config = write_config(tmp_path / "ds.json")
+    launcher = subprocess.Popen([sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "2",
+                                 str(WORKERS / "toy_train.py"), "--deepspeed", str(config)],
+                                cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    started, seen = time.monotonic(), []
+    try:
+        while time.monotonic() - started < 60 and launcher.poll() is None:
+            if any("multiprocessing.forkserver" in line for _, line in children_of(launcher.pid)):
+                break
+            time.sleep(0.01)
+        found = [(p, line) for p, line in children_of(launcher.pid) if "multiprocessing." in line]  # + its tracker
+        assert any("forkserver" in line for _, line in found), "no forkserver appeared"
+        seen = [p for p, _ in found]
+        launcher.send_signal(signal.SIGINT)
+        _, stderr = launcher.communicate(timeout=60)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGINT, stderr
+    assert "stopped by SIGINT" in stderr and "Traceback" not in stderr
+    for process in seen:
+        assert not process.is_running() or process.status() == psutil.STATUS_ZOMBIE, process
     left = [path for root in {tempfile.gettempdir(), "/tmp"} for path in Path(root).glob(f"autotuner-*-{launcher.pid}-*")]
     assert not left, left
