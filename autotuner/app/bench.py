@@ -25,7 +25,7 @@ from autotuner.launch.script_args import config_path
 from autotuner.tuning.config_space import base_config
 from autotuner.launch.stopping import Stopped
 from autotuner.app.settle import check_arg_mappings
-from autotuner.config.models import AutotuningConfig
+from autotuner.config.autotuning import AutotuningConfig
 from autotuner.tuning.experiment import ExperimentSettings, Trial
 from autotuner.tuning.runner import Runner
 from autotuner.execution.warm import make_runner

@@ -3,8 +3,8 @@
 from autotuner.config.batch import BatchSizes, resolve_batch
 from autotuner.config.fill import fill_auto
 from autotuner.config.loader import load_config, read_config_file
+from autotuner.config.autotuning import AutotuningConfig
 from autotuner.config.models import (
-    AutotuningConfig,
     DeepSpeedConfig,
     OffloadConfig,
     OptimizerConfig,

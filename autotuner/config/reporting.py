@@ -6,12 +6,9 @@ runtime/config.py at 0.19.8), so a user's config keeps its curves when the impor
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeFloat
+from pydantic import Field, NonNegativeFloat
 
-
-class Section(BaseModel):
-    # Unknown keys are caught earlier by keys.check_keys, with suggestions; "forbid" is the backstop.
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+from autotuner.config.base import Section
 
 
 class TensorBoardConfig(Section):

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from autotuner.config.batch import gas_for, train_batch_size
-from autotuner.config.models import AutotuningConfig
+from autotuner.config.autotuning import AutotuningConfig
 from autotuner.tuning.records import Objective, TrialResult
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.variant_rules import Knobs

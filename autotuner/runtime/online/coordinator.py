@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from autotuner.config.models import OnlineConfig
+from autotuner.config.autotuning import OnlineConfig
 from autotuner.runtime.online.knobs import KnobPlan
 from autotuner.runtime.online.log import CsvLog, OnlinePaths, RankRecord, write_best_knobs
 from autotuner.runtime.online.schedule import Decision, OnlineSchedule, Phase, ScheduleSettings, point_of

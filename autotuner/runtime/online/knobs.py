@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from autotuner.config.models import OnlineConfig, ZeroConfig
+from autotuner.config.models import ZeroConfig
+from autotuner.config.autotuning import OnlineConfig
 from autotuner.errors import ConfigError
 
 DDP_DEFAULT_BUCKET_CAP_MB = 25  # torch's DistributedDataParallel default

@@ -1,0 +1,26 @@
+"""What every config section shares: frozen pydantic models that refuse unknown keys, and the
+value types the sections use ("auto", counts that refuse booleans)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+Auto = Literal["auto"]
+
+
+def _no_bool(value: Any) -> Any:
+    # JSON true is not a count; pydantic's lax mode would read it as 1.
+    if isinstance(value, bool):
+        raise ValueError("a boolean is not a count; expected a positive integer")
+    return value
+
+
+PositiveInt = Annotated[int, BeforeValidator(_no_bool), Field(gt=0)]
+NonNegativeInt = Annotated[int, BeforeValidator(_no_bool), Field(ge=0)]
+
+
+class Section(BaseModel):
+    # Unknown keys are caught earlier by keys.check_keys, with suggestions; "forbid" is the backstop.
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
