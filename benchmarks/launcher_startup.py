@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,7 +63,7 @@ def commands(workdir: Path) -> dict[str, list[str]]:
 def timed(command: list[str], package_root: Path, workdir: Path) -> tuple[float, int | None]:
     """Wall seconds of one command, and the launches its summary reports (tune only)."""
     for results in ("autotuning_results", "autotuning_exps"):
-        subprocess.run(["rm", "-rf", str(workdir / results)], check=True)
+        shutil.rmtree(workdir / results, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": f"{package_root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     started = time.monotonic()
     done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=600)

@@ -137,13 +137,17 @@ def _laid_over(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return base
 
 
+def picked_config(experiment: Experiment, settings: ExperimentSettings) -> dict[str, Any]:
+    """The config the user trains with once `experiment` is picked: theirs, with its values."""
+    return with_user_keys(settings.user_config, experiment_config(experiment, settings))
+
+
 def launched_config(experiment: Experiment, settings: ExperimentSettings) -> dict[str, Any]:
-    """The config file an experiment's ranks read, and the pick's: on DeepSpeed's engine with the
-    user's DeepSpeed-only keys (DeepSpeed acts on them, so what is measured is what the pick trains
-    with), less what the script applies through its mapped flags."""
-    config = experiment_config(experiment, settings)
-    if settings.engine == "deepspeed":
-        config = with_user_keys(settings.user_config, config)
+    """The config file an experiment's ranks read: on DeepSpeed's engine the picked config
+    (DeepSpeed acts on the user's DeepSpeed-only keys, so what is measured is what the pick trains
+    with), on ours only what it acts on; less what the script applies through its mapped flags."""
+    config = picked_config(experiment, settings) if settings.engine == "deepspeed" else \
+        experiment_config(experiment, settings)
     return script_config(config, settings.engine)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from autotuner.tuning.experiment import ExperimentSettings, experiment_config, script_config, with_user_keys
+from autotuner.tuning.experiment import ExperimentSettings, picked_config, script_config
 from autotuner.tuning.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
 from autotuner.tuning.planned_run import compile_lines
 from autotuner.tuning.predictive_search import PredictiveOutcome
@@ -45,7 +45,7 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
     best = record.best
     optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
     if best is not None:
-        config = with_user_keys(settings.user_config, experiment_config(best.experiment, settings))
+        config = picked_config(best.experiment, settings)
         optimal_path = (results_dir / "ds_config_optimal.json").resolve()
         optimal_args = optimal_script_args(settings, config, optimal_path)
         optimal_cmd = optimal_command(settings, optimal_args)
