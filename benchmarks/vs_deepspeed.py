@@ -216,6 +216,13 @@ def run_deepspeed(args, work: Path, venv: Path) -> dict:
     log("DeepSpeed: " + shlex.join(command))
     env = ds_env(venv, ROOT / "output" / "torch_extensions")
     code, wall = run_bounded(command, work, env, args.tuner_timeout_s, "deepspeed_tune")
+    return deepspeed_outcome(work, command, code, wall)
+
+
+def deepspeed_outcome(work: Path, command: list[str], code: int | None, wall: float) -> dict:
+    """What DeepSpeed's autotuner did in `work`, read from its results folder and logs (its exit
+    status says nothing: it exits 0 even when every experiment failed)."""
+    results = work / "autotuning_results"
     stdout = (work / "deepspeed_tune.stdout.log").read_text(errors="replace")
     stderr = (work / "deepspeed_tune.stderr.log").read_text(errors="replace")
     experiments, problems = [], []
@@ -245,6 +252,13 @@ def run_deepspeed(args, work: Path, venv: Path) -> dict:
                             int(optimal.get("gradient_accumulation_steps", 1)))
     elif best_name:
         chosen = parse_ds_name(best_name)
+    elif code is None:
+        # Stopped at its cap before it wrote a pick: its best experiment so far, by its own metric.
+        measured = [e for e in experiments if e["throughput"] and parse_ds_name(e["name"])]
+        if measured:
+            best = max(measured, key=lambda e: e["throughput"])
+            chosen, reported = parse_ds_name(best["name"]), best["throughput"]
+            problems.append(f"stopped at its time cap: its best experiment so far, {best['name']}, stands for its pick")
     # every DeepSpeed experiment the log says it launched, including the stale-metric refinement probes
     logged = re.findall(r"(?:metric_val|throughput)[^\n]*", stdout)
     no_metrics = [e["name"] for e in experiments if not e["has_metrics"]]
@@ -282,6 +296,12 @@ def run_ours(args, work: Path, tuner_type: str, engine: str) -> dict:
     log(f"{name}: " + shlex.join(command))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", DS_ACCELERATOR="cpu")
     code, wall = run_bounded(command, work, env, args.tuner_timeout_s, "ours_tune")
+    return our_outcome(work, name, command, code, wall, engine)
+
+
+def our_outcome(work: Path, name: str, command: list[str], code: int | None, wall: float, engine: str) -> dict:
+    """What our tuner did in `work`, read from its experiments.csv."""
+    results = work / "autotuning_results"
     problems, chosen, reported, launched_count, failed = [], None, None, 0, 0
     csv_path = results / "experiments.csv"
     per_experiment = []
@@ -295,7 +315,9 @@ def run_ours(args, work: Path, tuner_type: str, engine: str) -> dict:
             best = picked.iloc[0]
             chosen = Experiment(int(best.zero_stage), int(best.micro_batch_size), int(best.gradient_accumulation_steps))
             reported = float(best.metric_value)
-        per_experiment = launched[["name", "phase", "state", "metric_value"]].to_dict("records")
+        columns = [c for c in ("name", "phase", "state", "metric_value", "predicted_memory_mib",
+                               "measured_memory_mib") if c in launched.columns]
+        per_experiment = launched[columns].to_dict("records")
         engines = set(launched.get("engine", pd.Series(dtype=str)).dropna())
         if engines and engines != {engine}:
             problems.append(f"launches ran on {sorted(engines)}, expected {engine}")
