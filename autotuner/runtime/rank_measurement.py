@@ -6,8 +6,6 @@ the records written and the order of the collectives are the same whichever engi
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 from typing import Protocol
 
 import torch
@@ -16,6 +14,7 @@ import torch.nn as nn
 
 from autotuner.boundary import CollectiveTiming, MeasurementRequest, ModelInfo, write_record
 from autotuner.runtime.comm_probe import probe_collectives
+from autotuner.runtime.leaving import leave_now
 from autotuner.runtime.memory_probes import PhasePeaks
 from autotuner.runtime.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
 from autotuner.runtime.profile import device_memory_bytes, write_model_info
@@ -192,6 +191,4 @@ class RankMeasurement:
         # once the barrier shows every rank is done.
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        leave_now(0)

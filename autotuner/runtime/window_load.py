@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import atexit
 import os
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import psutil
+
+from autotuner.runtime.leaving import leave_now
 
 GROUP_RANK_ENV = "GROUP_RANK"  # torch elastic: this node's index
 
@@ -107,7 +108,7 @@ class WindowWatch:
             write_so_far()
             # If the script's own loop ends first, the ranks leave as a measurement launch always
             # does, without the interpreter teardown that can hang on DDP's reducer (measurement.py).
-            atexit.register(_leave_now)
+            atexit.register(leave_now)
         return True
 
     def others_share(self) -> float | None:
@@ -124,9 +125,3 @@ class WindowWatch:
         gathered = [torch.zeros_like(tensor) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, tensor)
         return others_share([t.tolist() for t in gathered])
-
-
-def _leave_now() -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)

@@ -29,3 +29,43 @@ def test_an_experiment_is_measured_once_and_its_kept_result_is_read_back(tmp_pat
     assert again == first and not (tmp_path / "exp" / "stdout.log").exists()
     other = measure_once(Experiment(0, 4, 2), settings, tmp_path / "exp")  # another experiment: launched
     assert other.state is TrialState.OK and other.experiment == Experiment(0, 4, 2)
+
+
+def orphans_marked(marker: str) -> list:
+    """Live processes whose environment carries this test's marker but which are no longer under
+    this test's process tree: orphans of the launch (a warm runner's forkserver stays a child)."""
+    import psutil
+
+    ours = {child.pid for child in psutil.Process().children(recursive=True)}
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if (process.pid not in ours and process.environ().get("AUTOTUNER_TEST_MARK") == marker
+                    and process.status() != psutil.STATUS_ZOMBIE):
+                found.append((process.pid, process.ppid(), " ".join(process.cmdline())[:120]))
+        except psutil.Error:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("runner_kind", ["cold", "warm"])
+def test_a_measured_rank_ends_its_dataloader_workers_before_the_result_is_returned(
+        tmp_path, monkeypatch, no_orphans, runner_kind):
+    # A measurement rank leaves with os._exit, which skips the finalizer that stops DataLoader
+    # workers. Orphaned, they held the rank's CUDA memory for seconds, and on an H200 the next
+    # experiment failed for want of it. They must be gone when the result comes back.
+    from autotuner.app.measure import measure, warm_runner
+
+    marker = f"{runner_kind}-{tmp_path.name}"
+    monkeypatch.setenv("AUTOTUNER_TEST_MARK", marker)
+    settings = measurement_settings(TOY, ("--loader_workers", "2"), {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+                                    start_profile_step=2, end_profile_step=3, arg_mappings=TOY_MAPPINGS)
+    runner = warm_runner(TOY) if runner_kind == "warm" else None
+    try:
+        result = measure(Experiment(0, 2, 1), settings, tmp_path / "exp", runner)
+        left = orphans_marked(marker)
+    finally:
+        if runner is not None:
+            runner.close()
+    assert result.state is TrialState.OK, result.error
+    assert not left, f"processes of the launch still alive after its result: {left}"

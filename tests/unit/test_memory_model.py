@@ -316,6 +316,20 @@ def test_a_measured_overrun_is_allowed_for_in_later_launches_of_that_engine(tmp_
                         "(none)")
 
 
+def test_on_a_gpu_a_measured_fit_keeps_the_whole_margin(tmp_path):
+    # The fit is of allocated bytes; the caching allocator's reserved slack is what runs out. On an
+    # H200 a ZeRO-0 launch predicted at 94% of the room (inside half the margin) ran out of memory.
+    tuner, _ = calibrating_tuner(tmp_path)
+    tuner.memory.device_type = "cuda"
+    probe = Experiment(0, 8)
+    tuner.memory.learn(measured(tuner, probe, tuner.memory.predicted_memory(probe)))
+    whole, half = (usable_bytes(tuner.memory.budget_bytes, margin) for margin in (0.1, 0.05))
+    between = [m for m in range(1, 2000) if whole < tuner.memory.predicted_memory(Experiment(0, m)) <= half]
+    assert between and not any(tuner.memory.fits(Experiment(0, m)) for m in between)
+    tuner.memory.device_type = "cpu"  # where the fitted RSS is itself the limited quantity
+    assert all(tuner.memory.fits(Experiment(0, m)) for m in between)
+
+
 def test_peaks_at_two_sizes_fit_the_per_sample_growth_the_analytic_model_misses(tmp_path):
     tuner, lines = calibrating_tuner(tmp_path)
     truth = lambda e: tuner.memory.analytic_memory(e) + 30 * MiB + 3 * MiB * e.micro_batch_size  # noqa: E731

@@ -77,6 +77,9 @@ def main() -> None:
     parser.add_argument("--echo_args_to", default=None, help="rank 0 writes sys.argv here")
     parser.add_argument("--echo_start_method_to", default=None,
                         help="rank 0 appends multiprocessing's start method here (what a DataLoader's workers use)")
+    parser.add_argument("--loader_workers", type=int, default=0,
+                        help="hold a DataLoader iterator with this many worker processes through the run "
+                             "(DeepSpeed's own loader starts two per GPU)")
     parser.add_argument("--note", default=None, help="any string; ignored (tests that arguments pass unmangled)")
     parser.add_argument("--fault_at_micro", action="append", default=[], metavar="MICRO:FAULT",
                         help="fire FAULT (fail, kill, exit or hang) only at this micro-batch (repeatable); "
@@ -124,6 +127,10 @@ def main() -> None:
     else:
         engine, *_ = autotuner.initialize(model=model, config=config)
     micro = engine.train_micro_batch_size_per_gpu()
+    if args.loader_workers:
+        side_loader = torch.utils.data.DataLoader(range(64), num_workers=args.loader_workers, persistent_workers=True)
+        held_batches = iter(side_loader)
+        next(held_batches)  # the workers are running from here on
     if args.fail_if_micro_batch_at_least and micro >= args.fail_if_micro_batch_at_least:
         raise ValueError(f"refusing micro-batch {micro}")
     if args.pid_dir:
