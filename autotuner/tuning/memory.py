@@ -69,7 +69,14 @@ class ModelProfile:
 
     def peak_fit(self, stage: int) -> PeakFit | None:
         family = engine_family(stage, self.engine)
-        return next((f for f in self.peak_fits if engine_family(f.zero_stage, self.engine) == family), None)
+        own = next((f for f in self.peak_fits if engine_family(f.zero_stage, self.engine) == family), None)
+        if own is not None or self.engine != "deepspeed":
+            return own
+        # DeepSpeed's engine runs the same module in the same precision at every stage, so the
+        # activations a fit measured at one stage hold at all (on an H200, a ZeRO-0 fit moved to
+        # ZeRO-1 met 4 measured peaks within 0.1%, where the analytic activations were 20% short).
+        # Ours differ: FSDP2 computes in pure bf16 where DDP runs under autocast.
+        return next(iter(self.peak_fits), None)
 
 
 @dataclass(frozen=True)

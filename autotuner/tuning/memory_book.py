@@ -199,8 +199,9 @@ class MemoryBook:
         fit = self._residual_fits.get(family)
         if fit is not None:
             self.report(f"memory model: {family} fitted on {fit.measured_points} measured peak(s): analytic + "
-                        f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.2f} MiB per sample "
-                        f"({fit.slope_source})")
+                        f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.2f} MiB per sample"
+                        + (f", {fit.slope_above_pivot / 2**20:.2f} MiB per sample above micro-batch {fit.pivot}"
+                           if fit.slope_above_pivot is not None else "") + f" ({fit.slope_source})")
 
     def _peak_observations(self) -> list[PeakObservation]:
         """The measured peaks against the analytic model as it stands now (the profile refines it)."""

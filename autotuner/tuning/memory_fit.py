@@ -14,6 +14,8 @@ functions; the orchestrator keeps the observations.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,9 +42,17 @@ class ResidualFit:
     per_sample_bytes: float
     measured_points: int  # launches that ran (lower bounds excluded)
     slope_source: str  # "fitted", "borrowed from DDP/FSDP2", "none" (one size: a constant), or "raised by OOM"
+    # An OOM above a measured size bends the line upward from that size on only: a line tilted
+    # through both would predict too little (on an H200, below zero) for every smaller size.
+    pivot: int = 0
+    slope_above_pivot: float | None = None
 
     def bytes_at(self, micro_batch_size: int) -> int:
-        return int(round(self.fixed_bytes + self.per_sample_bytes * micro_batch_size))
+        line = self.fixed_bytes + self.per_sample_bytes * micro_batch_size
+        if self.slope_above_pivot is not None and micro_batch_size > self.pivot:
+            at_pivot = self.fixed_bytes + self.per_sample_bytes * self.pivot
+            line = max(line, at_pivot + self.slope_above_pivot * (micro_batch_size - self.pivot))
+        return int(round(line))
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float] | None:
@@ -120,9 +130,11 @@ def _raise_to_lower_bounds(fit: ResidualFit, observations: list[PeakObservation]
                               fit.measured_points, "raised by OOM")
         elif below:
             pivot = max(below)
-            at_pivot = fit.fixed_bytes + fit.per_sample_bytes * pivot
+            at_pivot = fit.bytes_at(pivot)
             slope = (needed - at_pivot) / (bound.micro_batch_size - pivot)
-            fit = ResidualFit(fit.family, at_pivot - slope * pivot, slope, fit.measured_points, "raised by OOM")
+            base = ResidualFit(fit.family, fit.fixed_bytes, fit.per_sample_bytes, fit.measured_points, "raised by OOM")
+            fit = dataclasses.replace(base, fixed_bytes=at_pivot - fit.per_sample_bytes * pivot, pivot=pivot,
+                                      slope_above_pivot=slope)
         else:
             fit = ResidualFit(fit.family, needed - fit.per_sample_bytes * bound.micro_batch_size,
                               fit.per_sample_bytes, fit.measured_points, "raised by OOM")

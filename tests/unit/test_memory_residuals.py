@@ -69,3 +69,16 @@ def test_without_known_per_sample_bytes_a_lone_peak_is_taken_as_per_sample():
     fit = fit_residuals([seen(32, 320)], per_sample_when_alone=True)["DDP"]
     assert fit.per_sample_bytes == pytest.approx(10 * MiB) and fit.slope_source == "through the origin"
     assert fit.bytes_at(16) == pytest.approx(160 * MiB, abs=1)
+
+
+def test_an_oom_just_above_a_measured_size_bends_the_line_there_and_leaves_smaller_sizes_as_measured():
+    # An H200 grid search (DeepSpeed ZeRO-0, gpt2-medium): allocated peaks 8,186 / 69,917 / 124,865 MiB
+    # at micro-batch 1 / 32 / 59, out of memory at 63 (budget 141,831 MiB). The line tilted through
+    # (59, measured) and (63, budget) predicted 1,850 MiB at micro-batch 30 and -61,771 MiB at 15,
+    # where 65,852 and 35,325 MiB were then measured.
+    fit = fit_residuals([seen(1, 8186, modelled_mib=0), seen(32, 69917, modelled_mib=0),
+                         seen(59, 124865, modelled_mib=0), seen(63, 141831, modelled_mib=0, lower_bound=True)])["DDP"]
+    assert fit.slope_source == "raised by OOM" and fit.pivot == 59
+    for micro, measured_mib in ((15, 35325), (30, 65852)):
+        assert fit.bytes_at(micro) / MiB == pytest.approx(measured_mib, rel=0.05)
+    assert fit.bytes_at(63) >= 141831 * MiB and fit.bytes_at(61) > fit.bytes_at(59)
