@@ -1,12 +1,15 @@
 """The seed's table on our engine, one GPU: baseline, hand-tuned, and `launcher --autotuning tune`.
 
 - baseline: micro-batch 1, ZeRO 0, no tuning;
-- hand-tuned: micro-batch doubled from 1 at ZeRO 0 until the first CUDA OOM;
+- hand-tuned: micro-batch doubled from 1 at ZeRO 0 until the first out-of-memory (the seed's rule);
 - autotuned: the tuner's own run (every stage, micro-batch searched), its wall time and launches;
-then the three picks re-measured by one harness, interleaved, and the MFU of the best against
-the bf16 matrix-product rate measured in the same call.
+then the three picks re-measured by one harness, interleaved, with tokens/s and MFU (analytic
+FLOPs per token against the bf16 matrix-product rate measured in the same call).
 
-    python benchmarks/gpu/seed_table.py --preset gpt2-large --out_dir $OUT
+    python benchmarks/gpu/seed_table.py --preset gpt2-large --out_dir $OUT [--deadline_s 560]
+
+Every launch goes through the tuner's public measuring API (autotuner.app.measure). What the
+deadline leaves out (hand-tuned sizes, re-measurement rounds) is said, not guessed.
 """
 
 from __future__ import annotations
@@ -20,100 +23,122 @@ import sys
 import time
 from pathlib import Path
 
-from common import ROOT, SCRIPT, gpt2_config, script_args, settings_for
+import pandas as pd
+from common import ROOT, SCRIPT, flops_per_token, gpt2_config, matmul_flops, script_args, settings_for
 
-from autotuner.tuning.experiment import run_experiment
-from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.app.measure import Experiment, TrialState, measure
 
-MATMUL = """
-import torch, time
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
-for _ in range(3): a @ b
-torch.cuda.synchronize(); start = time.perf_counter()
-for _ in range(20): a @ b
-torch.cuda.synchronize(); print(20 * 2 * 8192**3 / (time.perf_counter() - start))
-"""
+STARTED = time.monotonic()
 
 
-def matmul_flops() -> float:
-    """bf16 8192^3 matrix products per second, in a child so this process never holds a CUDA context."""
-    child = subprocess.run([sys.executable, "-c", MATMUL], capture_output=True, text=True)
-    return float(child.stdout) if child.returncode == 0 else float("nan")  # no GPU: no MFU
+def log(message: str) -> None:
+    print(f"[seed_table +{time.monotonic() - STARTED:4.0f}s] {message}", flush=True)
+
+
+def remaining(args) -> float:
+    return args.deadline_s - (time.monotonic() - STARTED)
+
+
+def hand_tuned(args, work: Path) -> tuple[list, float]:
+    """ZeRO 0, micro-batch 1, 2, 4, ... until the first launch that does not run."""
+    config = gpt2_config(work / "hand", start_step=3, end_step=8, precision=args.precision)
+    config_file = work / "hand.json"
+    config_file.write_text(json.dumps(config))
+    settings = settings_for(config, script_args(args.preset, args.seq_len, work / "hand", config_file), 3, 8)
+    results, micro, started = [], 1, time.monotonic()
+    while micro <= args.max_micro and remaining(args) > args.tune_cap_s + 120:
+        result = measure(Experiment(0, micro, 1), settings, work / "hand" / f"z0_mbs{micro}")
+        results.append(result)
+        log(f"hand-tuned z0 micro {micro}: {result.state.value} {result.value}")
+        if result.state is not TrialState.OK:
+            break
+        micro *= 2
+    return results, time.monotonic() - started
+
+
+def autotuned(args, work: Path) -> dict:
+    tune_dir = work / "tune"
+    config = gpt2_config(tune_dir, start_step=3, end_step=8, precision=args.precision, overwrite=True)
+    tune_file = work / "tune.json"
+    tune_file.write_text(json.dumps(config))
+    command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "1", str(SCRIPT),
+               *script_args(args.preset, args.seq_len, tune_dir, tune_file)]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.tune_cap_s)
+        output, code = done.stdout + "\n--- stderr ---\n" + done.stderr[-20000:], done.returncode
+    except subprocess.TimeoutExpired as stopped:  # subprocess.run kills the launcher, which ends its ranks
+        output, code = str(stopped.stdout or "") + "\n(stopped at the cap)", None
+    wall = time.monotonic() - started
+    (args.out_dir / "seed_tune.log").write_text(output)
+    table_path = tune_dir / "results" / "experiments.csv"
+    table = pd.read_csv(table_path) if table_path.exists() else pd.DataFrame(columns=["state", "chosen"])
+    launched = table[table.state != "pruned"]
+    chosen = table[table.chosen == True]  # noqa: E712 (a pandas mask)
+    pick = None
+    if len(chosen):
+        row = chosen.iloc[0]
+        pick = Experiment(int(row.zero_stage), int(row.micro_batch_size), int(row.gradient_accumulation_steps))
+    log(f"autotuned: exit {code} in {wall:.0f} s, {len(launched)} launches, pick {pick.name if pick else None}")
+    return {"pick": pick, "wall_s": wall, "launches": len(launched),
+            "oom_launches": int((launched.state == "oom").sum()), "exit": code}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2-large")
     parser.add_argument("--seq_len", type=int, default=1024)
+    parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="fp32: a CPU dry run")
     parser.add_argument("--max_micro", type=int, default=1024, help="stop doubling here even without an OOM")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved re-measurement rounds")
+    parser.add_argument("--tune_cap_s", type=float, default=300, help="the autotuner's time cap")
+    parser.add_argument("--deadline_s", type=float, default=560, help="whole-run budget")
     parser.add_argument("--work_dir", type=Path, default=Path("output/gpu_seed"))
     parser.add_argument("--out_dir", type=Path, required=True)
     args = parser.parse_args()
     work = args.work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    peak = matmul_flops()
-    print(f"bf16 matmul: {peak / 1e12:.0f} TFLOP/s", flush=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    peak, per_token = matmul_flops(), flops_per_token(args.preset, args.seq_len)
+    log(f"bf16 matmul {peak / 1e12:.0f} TFLOP/s; {per_token / 1e9:.2f} GFLOP per token")
 
-    # Baseline and hand-tuned, through the tuner's experiment runner (same measurement as the tuner).
-    config = gpt2_config(work / "hand", start_step=3, end_step=8)
-    config_file = work / "hand.json"
+    # The tuner first: it is the row the table exists for; the hand rule gets what is left.
+    tune = autotuned(args, work)
+    hand, hand_wall = hand_tuned(args, work)
+    contenders = {}
+    if hand:
+        contenders["baseline"] = hand[0].experiment
+        ran = [r for r in hand if r.state is TrialState.OK]
+        if ran:
+            contenders["hand-tuned"] = max(ran, key=lambda r: r.value).experiment
+    if tune["pick"] is not None:
+        contenders["autotuned"] = tune["pick"]
+
+    config = gpt2_config(work / "remeasure", start_step=3, end_step=13, precision=args.precision)
+    config_file = work / "remeasure.json"
     config_file.write_text(json.dumps(config))
-    settings = settings_for(config, script_args(args.preset, args.seq_len, work / "hand", config_file), 3, 8)
-    hand, micro, started = [], 1, time.monotonic()
-    while True:
-        result = run_experiment(Experiment(0, micro, 1), work / "hand" / f"z0_mbs{micro}", settings)
-        hand.append(result)
-        print(f"hand-tuned z0 micro {micro}: {result.state.value} {result.value}", flush=True)
-        if result.state is not TrialState.OK or micro * 2 > args.max_micro:
-            break
-        micro *= 2
-    hand_wall = time.monotonic() - started
-    baseline = hand[0]
-    hand_best = max((r for r in hand if r.state is TrialState.OK), key=lambda r: r.value)
-
-    # The autotuner, as a user runs it.
-    tune_dir = work / "tune"
-    tune_config = gpt2_config(tune_dir, start_step=3, end_step=8, overwrite=True)
-    tune_file = work / "tune.json"
-    tune_file.write_text(json.dumps(tune_config))
-    command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "1", str(SCRIPT),
-               *script_args(args.preset, args.seq_len, tune_dir, tune_file)]
-    started = time.monotonic()
-    tuned = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
-    tune_wall = time.monotonic() - started
-    (args.out_dir / "seed_tune_stdout.log").write_text(tuned.stdout + "\n--- stderr ---\n" + tuned.stderr[-20000:])
-    records = [TrialResult.from_json(json.loads(p.read_text())) for p in (tune_dir / "exps").glob("*/exp.json")]
-    profile_runs = len(list((tune_dir / "exps").glob("profile_*")))
-    pick_line = [line for line in tuned.stdout.splitlines() if "is the optimal setup" in line]
-    pick_name = pick_line[-1].split("autotuner: ")[1].split(" is the optimal")[0] if pick_line else None
-    pick = next((r.experiment for r in records if r.name == pick_name), None)
-
-    # Re-measure the three, interleaved, by one harness with a longer window.
-    long_settings = settings_for(config, settings.script_args, 3, 13)
-    contenders = {"baseline": baseline.experiment, "hand-tuned": hand_best.experiment}
-    if pick is not None:
-        contenders["autotuned"] = pick
+    settings = settings_for(config, script_args(args.preset, args.seq_len, work / "remeasure", config_file), 3, 13)
     remeasured: dict[str, list[float]] = {name: [] for name in contenders}
-    flops: dict[str, float] = {}
     for round_index in range(args.rounds):
         for name, experiment in contenders.items():
-            result = run_experiment(experiment, work / "remeasure" / f"{name}_{round_index}", long_settings)
+            if remaining(args) < 40:
+                log(f"re-measure {round_index} {name}: skipped, out of time")
+                continue
+            result = measure(experiment, settings, work / "remeasure" / f"{name}_{round_index}")
             if result.state is TrialState.OK:
                 remeasured[name].append(result.value)
-                flops[name] = result.metrics.get("FLOPS_per_gpu", 0.0)
-            print(f"re-measure {round_index} {name} {experiment.name}: {result.state.value} {result.value}", flush=True)
+            log(f"re-measure {round_index} {name} {experiment.name}: {result.state.value} {result.value}")
 
     rows = []
     for name, experiment in contenders.items():
         values = remeasured[name]
         median = statistics.median(values) if values else None
+        tokens = median * args.seq_len if median else None
         row = {"preset": args.preset, "seq_len": args.seq_len, "setup": name, "config": experiment.name,
-               "throughput_samples_s_median": round(median, 3) if median else None,
-               "throughput_values": ";".join(f"{v:.3f}" for v in values),
-               "tflops_per_gpu": round(flops.get(name, 0) / 1e12, 1),
-               "mfu_pct": round(100 * flops.get(name, 0) / peak, 1),
+               "samples_s_median": round(median, 3) if median else None,
+               "samples_s_values": ";".join(f"{v:.3f}" for v in values),
+               "tokens_s": round(tokens) if tokens else None,
+               "mfu_pct": round(100 * tokens * per_token / peak, 1) if tokens else None,
                "matmul_tflops": round(peak / 1e12, 1)}
         if name == "baseline":
             row.update(launches=1, tuning_wall_s=None, oom_launches=0)
@@ -121,14 +146,16 @@ def main() -> None:
             row.update(launches=len(hand), tuning_wall_s=round(hand_wall, 1),
                        oom_launches=sum(r.state is TrialState.OOM for r in hand))
         else:
-            row.update(launches=len(records) + profile_runs, tuning_wall_s=round(tune_wall, 1),
-                       oom_launches=sum(r.state is TrialState.OOM for r in records))
+            row.update(launches=tune["launches"], tuning_wall_s=round(tune["wall_s"], 1),
+                       oom_launches=tune["oom_launches"])
         rows.append(row)
         print(json.dumps(row), flush=True)
-    with (args.out_dir / "gpu_seed_table.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    if rows:
+        with (args.out_dir / "gpu_seed_table.csv").open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    log("done")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from vs_deepspeed import deepspeed_outcome, our_outcome, run_bounded  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+from common import flops_per_token, matmul_flops  # noqa: E402
+
 sys.path.insert(0, str(ROOT / "examples" / "hf_gpt2"))
 from train import PRESETS  # noqa: E402
 
@@ -49,14 +52,6 @@ from tuning_quality import measure_rounds  # noqa: E402
 
 SCRIPT = ROOT / "benchmarks" / "workloads" / "gpt2_dual_engine.py"
 STARTED = time.monotonic()
-MATMUL = """
-import torch, time
-a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
-for _ in range(3): a @ b
-torch.cuda.synchronize(); start = time.perf_counter()
-for _ in range(20): a @ b
-torch.cuda.synchronize(); print(20 * 2 * 8192**3 / (time.perf_counter() - start))
-"""
 
 
 def log(message: str) -> None:
@@ -129,19 +124,6 @@ def run_tuner(tuner: str, args, cap_s: float) -> dict:
     return outcome
 
 
-def flops_per_token(args) -> float:
-    """6 x parameters + 12 x layers x width x sequence (attention), the model built on the meta device."""
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    layers, width, heads, vocab = PRESETS[args.preset]
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=heads,
-                                           n_positions=max(args.seq_len, 1024), vocab_size=max(vocab, 4096)))
-    parameters = sum(p.numel() for p in model.parameters())
-    return 6 * parameters + 12 * layers * width * args.seq_len
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="gpt2-medium", choices=sorted(PRESETS))
@@ -165,9 +147,8 @@ def main() -> None:
     prepare = ("import sys; sys.path.insert(0, 'examples/hf_gpt2'); from pathlib import Path; from data import load_tokens; "
                f"load_tokens(Path({str(args.work_dir / 'data' / 'cache')!r}), 4096, 8.0)")
     subprocess.run([sys.executable, "-c", prepare], cwd=ROOT, env=env, check=True)
-    peak = subprocess.run([sys.executable, "-c", MATMUL], capture_output=True, text=True, env=env)
-    peak_flops = float(peak.stdout) if peak.returncode == 0 else float("nan")
-    per_token = flops_per_token(args)
+    peak_flops = matmul_flops(env)
+    per_token = flops_per_token(args.preset, args.seq_len)
     log(f"bf16 matmul {peak_flops / 1e12:.0f} TFLOP/s; {per_token / 1e9:.2f} GFLOP per token")
 
     runs: dict[str, dict] = {}

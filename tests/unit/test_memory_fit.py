@@ -150,7 +150,7 @@ def test_the_search_launches_only_offloaded_experiments_when_nothing_else_fits(t
     assert "_oocpu" in launched[0].name
 
 
-# ----- regression against what an H100 measured (benchmarks/gpu/memory_error.py, offload_demo.py) -----
+# ----- regression against what an H100 measured (benchmarks/gpu/memory_error.py, since removed, and offload_demo.py) -----
 # Per preset: parameters, transformer blocks, and the fits the profile launches printed
 # (MiB: forward+backward fixed, per sample, optimizer step) for DDP (ZeRO 0) and FSDP2 (ZeRO 3).
 H100_FITS = {
