@@ -123,7 +123,7 @@ class MemoryBook:
     def fits(self, experiment: Experiment) -> bool:
         """The verdict before a launch. Until peaks of the experiment's own engine were measured it
         keeps the whole safety margin; on a CPU, once its fit rests on them, half the margin is left
-        for the noise in measured peaks. A micro-batch no smaller than one that ran out of memory at the
+        for the noise in measured peaks up to the largest size measured. A micro-batch no smaller than one that ran out of memory at the
         same stage and knobs never fits, whatever a fit over several launches says: activations
         only grow with it (a smaller gas frees nothing at the peak)."""
         if any(r.state is TrialState.OOM and r.experiment.zero_stage == experiment.zero_stage
@@ -132,15 +132,24 @@ class MemoryBook:
             return False
         # A checkpointing policy not launched yet stands on its engine's measured fit (its share of
         # the bytes was measured on the same profile step).
-        fit = self._residual_fits.get(self.fit_family(experiment)) or self._residual_fits.get(
-            self.family(experiment.zero_stage))
+        family = next((f for f in (self.fit_family(experiment), self.family(experiment.zero_stage))
+                       if f in self._residual_fits), None)
         # On a CPU the fitted quantity (the RSS) is the limited one, so half the margin covers the
-        # noise. On a GPU the fit is of allocated bytes while the caching allocator's reserved slack
-        # is what runs out: a ZeRO-0 launch predicted at 94% of an H200's room (within half the
-        # margin) ran out of memory, so a GPU keeps the whole margin.
-        measured_fit = fit is not None and fit.measured_points and self.device_type == "cpu"
-        margin = SAFETY_MARGIN / 2 if measured_fit else SAFETY_MARGIN
+        # noise where the fit interpolates. Beyond the largest size it measured it extrapolates, and
+        # the RSS noise (~10% here) made a launch predicted at 94% of the budget peak 1% over it. On a
+        # GPU the fit is of allocated bytes while the caching allocator's reserved slack is what runs
+        # out: a ZeRO-0 launch predicted at 94% of an H200's room ran out of memory. Both keep the
+        # whole margin.
+        interpolated = (family is not None and self._residual_fits[family].measured_points
+                        and self.device_type == "cpu"
+                        and experiment.micro_batch_size <= self._largest_measured(family))
+        margin = SAFETY_MARGIN / 2 if interpolated else SAFETY_MARGIN
         return self.predicted_memory(experiment) <= usable_bytes(self.budget_bytes, margin)
+
+    def _largest_measured(self, family: str) -> int:
+        """The largest micro-batch whose peak was measured in this fit family (0: none)."""
+        return max((r.experiment.micro_batch_size for r in self._peak_results
+                    if r.measured_memory_bytes is not None and self.fit_family(r.experiment) == family), default=0)
 
     def predicted_largest(self) -> dict[Any, int]:
         """Per stage, the largest micro-batch whose experiment (with its own gas) is predicted to
