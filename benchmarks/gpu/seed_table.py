@@ -46,7 +46,7 @@ def hand_tuned(args, work: Path) -> tuple[list, float]:
     config_file.write_text(json.dumps(config))
     settings = settings_for(config, script_args(args.preset, args.seq_len, work / "hand", config_file), 3, 8)
     results, micro, started = [], 1, time.monotonic()
-    while micro <= args.max_micro and remaining(args) > args.tune_cap_s + 120:
+    while micro <= args.max_micro and remaining(args) > 60 * args.rounds + 30:  # keep the re-measurement's time
         result = measure(Experiment(0, micro, 1), settings, work / "hand" / f"z0_mbs{micro}")
         results.append(result)
         log(f"hand-tuned z0 micro {micro}: {result.state.value} {result.value}")
@@ -58,7 +58,8 @@ def hand_tuned(args, work: Path) -> tuple[list, float]:
 
 def autotuned(args, work: Path) -> dict:
     tune_dir = work / "tune"
-    config = gpt2_config(tune_dir, start_step=3, end_step=8, precision=args.precision, overwrite=True)
+    config = gpt2_config(tune_dir, start_step=3, end_step=8, precision=args.precision, overwrite=True,
+                         max_train_micro_batch_size_per_gpu=args.max_micro)
     tune_file = work / "tune.json"
     tune_file.write_text(json.dumps(config))
     command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "1", str(SCRIPT),
@@ -68,7 +69,8 @@ def autotuned(args, work: Path) -> dict:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=args.tune_cap_s)
         output, code = done.stdout + "\n--- stderr ---\n" + done.stderr[-20000:], done.returncode
     except subprocess.TimeoutExpired as stopped:  # subprocess.run kills the launcher, which ends its ranks
-        output, code = str(stopped.stdout or "") + "\n(stopped at the cap)", None
+        partial = stopped.stdout.decode(errors="replace") if isinstance(stopped.stdout, bytes) else stopped.stdout
+        output, code = (partial or "") + "\n(stopped at the cap)", None
     wall = time.monotonic() - started
     (args.out_dir / "seed_tune.log").write_text(output)
     table_path = tune_dir / "results" / "experiments.csv"
