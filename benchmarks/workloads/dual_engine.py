@@ -10,8 +10,6 @@ With an `autotuning` section enabled, both engines stop by themselves after end_
 and write their metrics.
 """
 
-import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -20,30 +18,17 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # examples/ from a checkout
 from examples.minimal.train import MLP, teacher_dataset  # noqa: E402
-from training_loop import train_engine  # noqa: E402
+from training_loop import engine_parser, parse_engine_args, train_engine  # noqa: E402
 
 
 def parse_args():
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--engine", choices=("deepspeed", "autotuner"), default="autotuner")
-    engine_name = pre.parse_known_args()[0].engine
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--engine", choices=("deepspeed", "autotuner"), default="autotuner")
+    parser, engine_name = engine_parser(__doc__)
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps (autotuning stops earlier)")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--samples", type=int, default=16384)
     parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))  # deepspeed's launcher
-    if engine_name == "deepspeed":
-        import deepspeed
-
-        parser = deepspeed.add_config_arguments(parser)
-    else:
-        import autotuner
-
-        autotuner.add_config_arguments(parser)
-    return parser.parse_args(), engine_name
+    return parse_engine_args(parser, engine_name), engine_name
 
 
 def main() -> None:
@@ -51,16 +36,13 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model = MLP(args.width, args.depth)
     data = teacher_dataset(args.samples)
+    # Imported by name here: the launcher reads a script's own imports to tell its engine.
     if engine_name == "deepspeed":
-        import deepspeed
-
-        engine, _, loader, _ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                    training_data=data)
+        import deepspeed as engine_module
     else:
-        import autotuner
-
-        engine, _, loader, _ = autotuner.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                    training_data=data)
+        import autotuner as engine_module
+    engine, _, loader, _ = engine_module.initialize(args=args, model=model,
+                                                                 model_parameters=model.parameters(), training_data=data)
     loss = train_engine(engine, loader, args.steps, nn.functional.mse_loss)
     if engine.global_rank == 0:
         print(f"done ({engine_name}): {engine.global_steps} steps, last loss {loss.item():.4f}", flush=True)

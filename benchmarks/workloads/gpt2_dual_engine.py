@@ -24,13 +24,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from data import TokenBlocks, load_tokens  # noqa: E402
 from train import PRESETS, build_model  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks" / "workloads"))
+from training_loop import engine_parser, parse_engine_args, train_batches  # noqa: E402
+
 
 def parse_args() -> tuple[argparse.Namespace, str]:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--engine", choices=("deepspeed", "autotuner"), default="autotuner")
-    engine_name = pre.parse_known_args()[0].engine
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--engine", choices=("deepspeed", "autotuner"), default="autotuner")
+    parser, engine_name = engine_parser(__doc__)
     parser.add_argument("--model_size", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--seq_len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=1000, help="optimizer steps (autotuning stops earlier)")
@@ -38,16 +37,7 @@ def parse_args() -> tuple[argparse.Namespace, str]:
     parser.add_argument("--corpus_mb", type=float, default=8.0)
     parser.add_argument("--tokenizer_vocab", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))  # deepspeed's launcher
-    if engine_name == "deepspeed":
-        import deepspeed
-
-        parser = deepspeed.add_config_arguments(parser)
-    else:
-        import autotuner
-
-        autotuner.add_config_arguments(parser)
-    return parser.parse_args(), engine_name
+    return parse_engine_args(parser, engine_name), engine_name
 
 
 def main() -> None:
@@ -58,26 +48,19 @@ def main() -> None:
     tokens, vocab = load_tokens(Path(args.output_dir) / "cache", args.tokenizer_vocab, args.corpus_mb)
     model = build_model(args.model_size, args.seq_len, vocab)
     data = TokenBlocks(tokens, args.seq_len)
+    # Imported by name here: the launcher reads a script's own imports to tell its engine.
     if engine_name == "deepspeed":
         import deepspeed as engine_module
     else:
         import autotuner as engine_module
-    engine, _, loader, _ = engine_module.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                                    training_data=data)
-    epoch, loss = 0, None
-    while engine.global_steps < args.steps:
-        # Ours exposes the DistributedSampler as .sampler; DeepSpeed's loader as .data_sampler.
-        sampler = getattr(loader, "sampler", None) or getattr(loader, "data_sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        for batch in loader:
-            batch = batch.to(engine.device)
-            loss = engine(input_ids=batch, labels=batch).loss
-            engine.backward(loss)
-            engine.step()
-            if engine.global_steps >= args.steps:
-                break
-        epoch += 1
+    engine, _, loader, _ = engine_module.initialize(args=args, model=model,
+                                                                 model_parameters=model.parameters(), training_data=data)
+
+    def batch_loss(batch):
+        batch = batch.to(engine.device)
+        return engine(input_ids=batch, labels=batch).loss
+
+    loss = train_batches(engine, loader, args.steps, batch_loss)
     if engine.global_rank == 0:
         print(f"done ({engine_name}): {engine.global_steps} steps, last loss {loss.item():.4f}", flush=True)
 
