@@ -71,10 +71,12 @@ def _installed(top_level: str, script_dir: Path) -> bool:
         spec = importlib.util.find_spec(top_level)  # a top-level name only: finding it imports nothing
     except (ImportError, ValueError):
         return False
-    if spec is None:
+    if spec is None or spec.origin is None:
+        # None for a namespace package too: a folder found on the tuner's path (a `data/` beside
+        # the working directory) is no sign of what the script, with the paths it adds itself,
+        # imports under that name. Preloaded, it shadowed the script's own data.py in every rank.
         return False
-    origin = spec.origin or (list(spec.submodule_search_locations or [""])[0])
-    return not origin or script_dir not in Path(origin).resolve().parents
+    return script_dir not in Path(spec.origin).resolve().parents
 
 
 class Forkserver:

@@ -43,6 +43,19 @@ def test_script_imports_are_read_from_the_source_and_its_own_modules_which_are_n
         "os", "json", "torch.nn", "torch.utils.data", "torch.utils.data:DataLoader", "pandas", "tabulate", "psutil"])
 
 
+def test_a_folder_on_the_tuners_path_named_like_a_scripts_module_is_not_preloaded(tmp_path, monkeypatch):
+    # A `data/` folder in the working directory and the script's own data.py in a folder it puts on
+    # sys.path itself: preloaded, the folder (an empty namespace package) shadowed data.py in every
+    # warm rank ("cannot import name 'TokenBlocks' from 'data' (unknown location)").
+    (tmp_path / "work" / "data").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(tmp_path / "work"))
+    (tmp_path / "code" / "lib").mkdir(parents=True)
+    (tmp_path / "code" / "lib" / "data.py").write_text("ANSWER = 42\n")
+    script = tmp_path / "code" / "train.py"
+    script.write_text("import sys\nsys.path.insert(0, 'lib')\nfrom data import ANSWER\nimport json\n")
+    assert script_imports(str(script)) == ["sys", "json"]
+
+
 def test_a_warm_rank_gets_the_cold_ranks_command_and_elastics_variables(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("")
