@@ -6,11 +6,16 @@ DeepSpeed's own loader starts two per GPU. Orphaned, those workers outlived the 
 (their watchdog's poll interval). On a GPU they hold the rank's CUDA file descriptors, so the rank's
 device memory was not freed: on an H200 the next experiment failed with "Process N has 137.96 GiB
 memory in use". So the rank ends its descendants first, and reaps them.
+
+os._exit and SIGKILL also skip the finalizer that removes multiprocessing's pymp-* directory, where
+a DataLoader worker that shares tensors keeps its socket: every such launch left one per worker in
+/tmp. The rank removes its own, and those whose sockets its descendants were listening on.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 
@@ -33,20 +38,54 @@ def end_descendants(timeout_s: float = REAP_TIMEOUT_S) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     except ValueError:  # not the main thread: no Python handler can run here either
         pass
+    left_behind = _multiprocessing_dirs_of(descendants)
     for process in descendants:
         try:
             process.kill()
         except psutil.Error:
             pass
     psutil.wait_procs(descendants, timeout=timeout_s)
+    for path in left_behind:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _multiprocessing_dirs_of(processes: list[psutil.Process]) -> set[str]:
+    """The pymp-* directories holding the sockets these processes listen on."""
+    found = set()
+    for process in processes:
+        try:
+            sockets = process.net_connections(kind="unix")
+        except psutil.Error:
+            continue
+        for sock in sockets:
+            folder = os.path.dirname(sock.laddr) if isinstance(sock.laddr, str) else ""
+            if os.path.basename(folder).startswith("pymp-"):
+                found.add(folder)
+    return found
+
+
+def remove_multiprocessing_temp_dir() -> None:
+    """Run the finalizer multiprocessing registered for this process's temporary directory (it
+    checks the pid, so a directory inherited through fork is left to its owner)."""
+    util = sys.modules.get("multiprocessing.util")
+    if util is None:
+        return
+    for finalizer in list(util._finalizer_registry.values()):  # noqa: SLF001 - the one os._exit skips
+        if getattr(finalizer, "_callback", None) is util._remove_temp_dir:  # noqa: SLF001
+            try:
+                finalizer()
+            except OSError:
+                pass
 
 
 def leave_now(status: int = 0) -> None:
-    """Flush, end what this rank started, and exit without interpreter teardown."""
+    """Flush, end what this rank started, remove what it left in /tmp, and exit without
+    interpreter teardown."""
     try:
         sys.stdout.flush()
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
     end_descendants()
+    remove_multiprocessing_temp_dir()
     os._exit(status)

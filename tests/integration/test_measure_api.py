@@ -58,6 +58,9 @@ def test_a_measured_rank_ends_its_dataloader_workers_before_the_result_is_return
 
     marker = f"{runner_kind}-{tmp_path.name}"
     monkeypatch.setenv("AUTOTUNER_TEST_MARK", marker)
+    temp = tmp_path / "tmp"  # the ranks' temporary directory: they leave nothing in it
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
     settings = measurement_settings(TOY, ("--loader_workers", "2"), {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
                                     start_profile_step=2, end_profile_step=3, arg_mappings=TOY_MAPPINGS)
     runner = warm_runner(TOY) if runner_kind == "warm" else None
@@ -69,3 +72,4 @@ def test_a_measured_rank_ends_its_dataloader_workers_before_the_result_is_return
             runner.close()
     assert result.state is TrialState.OK, result.error
     assert not left, f"processes of the launch still alive after its result: {left}"
+    assert not list(temp.glob("pymp-*")), "a rank left multiprocessing's temporary directory behind"
