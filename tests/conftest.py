@@ -91,6 +91,21 @@ def run_engine_check(check: str, tmp_path: Path, nproc_per_node: int = 2) -> dic
     return data
 
 
+def orphans_marked(marker: str) -> list:
+    """Live processes whose environment carries this test's marker but which are no longer under
+    this test's process tree: orphans of the launch (a warm runner's forkserver stays a child)."""
+    ours = {child.pid for child in psutil.Process().children(recursive=True)}
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if (process.pid not in ours and process.environ().get("AUTOTUNER_TEST_MARK") == marker
+                    and process.status() != psutil.STATUS_ZOMBIE):
+                found.append((process.pid, process.ppid(), " ".join(process.cmdline())[:120]))
+        except psutil.Error:
+            continue
+    return found
+
+
 def assert_no_children_left() -> None:
     """Every process this test started (and theirs) has ended."""
     alive = [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

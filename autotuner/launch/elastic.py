@@ -14,6 +14,7 @@ import traceback
 
 from autotuner.errors import UsageError
 from autotuner.launch.plan import LaunchPlan
+from autotuner.launch.rank_groups import children_groups_ended
 from autotuner.launch.stopping import (GRACE_S, Stopped, install_stop_handlers, make_temporary_dir,
                                        remove_temporary_dir)
 from autotuner.parent_death import LAUNCHED_BY_PID_ENV
@@ -96,7 +97,8 @@ def _run_plan(plan: LaunchPlan, quiet: bool) -> int:
         print(f"launcher: {who}: waiting for every node at {plan.rdzv_endpoint} ({plan.rdzv_backend} rendezvous)",
               file=sys.stderr, flush=True)
     try:
-        elastic_launch(config, program)(*args)
+        with children_groups_ended():  # what a rank killed outright left behind
+            elastic_launch(config, program)(*args)
         report = LaunchReport(exit_code=0)
     except (RendezvousError, DistStoreError) as failed:
         # No traceback: which rendezvous failed and what the nodes must agree on.

@@ -63,7 +63,7 @@ class Autotuner:
         self.report = report
         self.objective = settings.objective
         tuning = config.autotuning
-        self.policy = SearchPolicy.from_tuning(self.objective, tuning)
+        self.policy = SearchPolicy.from_tuning(self.objective, tuning, settings.planned_steps)
         self.space = search_space(config, settings.data_parallel_size, settings.engine,
                                   visible_gpu_memory() is not None)
         self._results: dict[Experiment, TrialResult] = {}

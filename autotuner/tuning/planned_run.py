@@ -8,8 +8,12 @@ becomes the planned samples over that time, latency that time per step; FLOPS st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from autotuner.boundary import Measurement
 from autotuner.tuning.records import Objective, TrialResult, TrialState
+
+FINISH_NOISE = 0.06  # twice the run-to-run spread of a step (cost_model.NOISE_FLOOR): a prediction's slack
 
 
 def planned_run_s(measurement: Measurement, planned_steps: int) -> float:
@@ -25,6 +29,46 @@ def planned_value(measurement: Measurement, objective: Objective, planned_steps:
     if objective.metric == "latency":
         return total_s / planned_steps
     return planned_steps * (measurement.train_batch_size or steady * measurement.latency) / total_s
+
+
+@dataclass(frozen=True)
+class FinishEffect:
+    """What finishing (compiling) did to one configuration measured both ways: its steady step
+    time's ratio, the one-off it added, and the ratio of the objective's values (for results
+    without measurements)."""
+
+    step_ratio: float | None
+    extra_one_off_s: float | None
+    value_ratio: float
+
+    @classmethod
+    def measured(cls, finished: TrialResult, plain: TrialResult) -> "FinishEffect":
+        f, p = finished.measurement, plain.measurement
+        value_ratio = finished.value / plain.value if plain.value else 1.0
+        if f is None or p is None or p.latency <= 0:
+            return cls(None, None, value_ratio)
+        return cls(f.latency / p.latency, f.one_off_s() - p.one_off_s(), value_ratio)
+
+
+def predicted_finished_value(plain: TrialResult, effect: FinishEffect, objective: Objective,
+                             planned_steps: int | None) -> float:
+    """The objective's value `plain`'s configuration would reach finished, as `effect` says
+    finishing changed another: its steady step scaled by the same ratio and, over a planned run,
+    the same one-off added (compiling takes about as long whatever the micro-batch)."""
+    m = plain.measurement
+    if effect.step_ratio is None or m is None or m.latency <= 0 or not planned_steps or objective.metric == "FLOPS":
+        return plain.value * effect.value_ratio
+    latency = m.latency * effect.step_ratio
+    total_s = max(0.0, m.one_off_s() + effect.extra_one_off_s) + planned_steps * latency
+    if objective.metric == "latency":
+        return total_s / planned_steps
+    return planned_steps * (m.train_batch_size or plain.value * m.latency) / total_s
+
+
+def could_beat(predicted: float, incumbent: float, objective: Objective) -> bool:
+    """Whether a prediction, given the slack of the measurements it rests on, could beat the best."""
+    optimistic = predicted * (1 + FINISH_NOISE) if objective.maximize else predicted / (1 + FINISH_NOISE)
+    return objective.better(optimistic, incumbent)
 
 
 def _uncompiled_twin(result: TrialResult, results: list[TrialResult]) -> TrialResult | None:

@@ -197,5 +197,5 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
     if not policy.fast:
         results += search_knobs(space, policy, everything, evaluate, fits=fits)
     measured = {r.experiment: r for r in everything + results}  # the knobs' results joined, once each
-    results += search_finishes(space, policy, list(measured.values()), evaluate, fits=fits)
+    results += search_finishes(space, policy, list(measured.values()), evaluate, fits=fits, report=report)
     return PredictiveOutcome(tuple(results), tuple(at_launch), tuple(final))

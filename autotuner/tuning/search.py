@@ -299,7 +299,7 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
                 largest_so_far = max(largest_so_far, largest)
     if not policy.fast:
         search_knobs(space, policy, list(measured.values()), evaluate_once, fits=fits)
-    search_finishes(space, policy, list(measured.values()), evaluate_once, fits=fits)
+    search_finishes(space, policy, list(measured.values()), evaluate_once, fits=fits, report=report)
     return list(measured.values())
 
 

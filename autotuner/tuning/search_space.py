@@ -70,11 +70,13 @@ class SearchPolicy:
     num_trials: int
     seed: int
     fast: bool
+    planned_steps: int | None = None  # the run's length, settled (ExperimentSettings); None: the steady metric
 
     @classmethod
-    def from_tuning(cls, objective: Objective, tuning: AutotuningConfig) -> "SearchPolicy":
+    def from_tuning(cls, objective: Objective, tuning: AutotuningConfig,
+                    planned_steps: int | None) -> "SearchPolicy":
         return cls(objective, tuning.tuner_type, tuning.tuner_early_stopping, tuning.tuner_num_trials,
-                   tuning.tuner_seed, tuning.fast)
+                   tuning.tuner_seed, tuning.fast, planned_steps)
 
 
 def spread_micro_batch_sizes(valid: list[int], largest: int, count: int) -> list[int]:

@@ -67,16 +67,21 @@ FINISH_TOP = 2  # at most this many of the best configurations are tried finishe
 
 
 def search_finishes(space: SearchSpace, policy: SearchPolicy, results: list[TrialResult], evaluate: Evaluate,
-                    fits: Fits = _always_fits, top: int = FINISH_TOP) -> list[TrialResult]:
+                    fits: Fits = _always_fits, top: int = FINISH_TOP,
+                    report: Callable[[str], None] = lambda line: None) -> list[TrialResult]:
     """The finishing dimensions (compile) last, on the best configurations measured, best first:
     each with every other combination of the finishing values. They change speed, not what fits,
     so the search above needs none of them, and their one-off costs count through the objective.
-    The next best is tried only while finishing beat the configuration as measured: compiling's
-    gain is about the same ratio on every configuration of one model, so one that did not pay on
-    the best will not pay on the next (at most `top` are tried)."""
+    What finishing did to the best (its steady step's ratio, the one-off it added) predicts what
+    it would do to the next: that is launched only where the prediction, with the measurements'
+    slack, could beat the best so far (at most `top` configurations are tried)."""
+    from autotuner.tuning.planned_run import FinishEffect, could_beat, predicted_finished_value
+
+    objective = policy.objective
     ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
-    best_first = sorted(ok, key=lambda r: r.value, reverse=policy.objective.maximize)
+    best_first = sorted(ok, key=lambda r: r.value, reverse=objective.maximize)
     finished: list[TrialResult] = []
+    effects: dict[Knobs, FinishEffect] = {}  # per finishing combination, from the best it was tried on
     tried = 0
     for result in best_first:
         values = space.finishes.get(result.experiment.zero_stage, {})
@@ -85,19 +90,32 @@ def search_finishes(space: SearchSpace, policy: SearchPolicy, results: list[Tria
             continue  # a finished configuration itself (compiled already)
         if tried == top:
             break
-        tried += 1
         names = sorted(values)
+        best_so_far = objective.best(ok + finished)
         these = []
         for combo in itertools.product(*(values[n] for n in names)):
-            knobs = dict(zip(names, combo))
-            if all(value == values[name][0] for name, value in knobs.items()):
+            knobs = tuple(zip(names, combo))
+            if all(value == values[name][0] for name, value in knobs):
                 continue  # the configuration as measured
-            candidate = result.experiment.with_knobs(knobs)
+            effect = effects.get(knobs)
+            if effect is not None:
+                predicted = predicted_finished_value(result, effect, objective, policy.planned_steps)
+                if not could_beat(predicted, best_so_far.value, objective):
+                    report(f"{variant_text(knobs)}: not tried on {result.name}: predicted {predicted:.4g} "
+                           f"{objective.unit} from what it did to the best, which cannot beat {best_so_far.name} "
+                           f"({best_so_far.value:.4g})")
+                    continue
+            candidate = result.experiment.with_knobs(dict(knobs))
             if fits(candidate):
-                these.append(evaluate(candidate))
+                outcome = evaluate(candidate)
+                these.append(outcome)
+                if outcome.state is TrialState.OK and outcome.value is not None and knobs not in effects:
+                    effects[knobs] = FinishEffect.measured(outcome, result)
+        if these:
+            tried += 1
         finished += these
-        if not any(r.state is TrialState.OK and policy.objective.better(r.value, result.value) for r in these):
-            break
+        if not any(r.state is TrialState.OK and objective.better(r.value, result.value) for r in these):
+            break  # finishing did not pay on this one: by the same ratio it will not on the next
     return finished
 
 

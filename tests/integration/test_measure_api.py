@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from autotuner.app.measure import Experiment, TrialState, measure_once, measurement_settings
-from conftest import TOY, TOY_MAPPINGS
+from conftest import TOY, TOY_MAPPINGS, orphans_marked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -29,23 +29,6 @@ def test_an_experiment_is_measured_once_and_its_kept_result_is_read_back(tmp_pat
     assert again == first and not (tmp_path / "exp" / "stdout.log").exists()
     other = measure_once(Experiment(0, 4, 2), settings, tmp_path / "exp")  # another experiment: launched
     assert other.state is TrialState.OK and other.experiment == Experiment(0, 4, 2)
-
-
-def orphans_marked(marker: str) -> list:
-    """Live processes whose environment carries this test's marker but which are no longer under
-    this test's process tree: orphans of the launch (a warm runner's forkserver stays a child)."""
-    import psutil
-
-    ours = {child.pid for child in psutil.Process().children(recursive=True)}
-    found = []
-    for process in psutil.process_iter():
-        try:
-            if (process.pid not in ours and process.environ().get("AUTOTUNER_TEST_MARK") == marker
-                    and process.status() != psutil.STATUS_ZOMBIE):
-                found.append((process.pid, process.ppid(), " ".join(process.cmdline())[:120]))
-        except psutil.Error:
-            continue
-    return found
 
 
 @pytest.mark.parametrize("runner_kind", ["cold", "warm"])

@@ -12,7 +12,7 @@ from conftest import launcher_env, tune, write_config
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 # A model of 8 blocks over 1024 positions holds ~40-50 MiB per sample for backward without
-# checkpointing and ~10 MiB with it (the profile measures both); a fixed 400 ms per micro-step
+# checkpointing and ~10 MiB with it (the profile measures both); a fixed 100 ms per micro-step
 # rewards fewer, larger micro-steps. Under a 1 GiB budget per rank (the process itself holds
 # ~300 MiB) only checkpointing reaches the larger micro-batches. Whether that wins depends on the
 # machine: the blocks are elementwise, so recomputing them costs about a forward, and on a loaded
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 # the profile's size-8 launch peaked at 638 MiB in one run, 822 in another and over 1 GiB in CI.
 # Fixing the threshold (freed tensors go back to the system) makes the budget measure what is held.
 STEADY_HEAP = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-BLOCKS = ("--blocks", "8", "--width", "128", "--seq_len", "1024", "--ms_per_micro_step", "400")
+BLOCKS = ("--blocks", "8", "--width", "128", "--seq_len", "1024", "--ms_per_micro_step", "100")
 BUDGET = {"memory_per_rank_bytes": 2**30, "max_train_batch_size": 64, "max_train_micro_batch_size_per_gpu": 32,
           "tuner_type": "predictive"}
 

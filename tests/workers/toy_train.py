@@ -80,6 +80,8 @@ def main() -> None:
     parser.add_argument("--loader_workers", type=int, default=0,
                         help="hold a DataLoader iterator with this many worker processes through the run "
                              "(DeepSpeed's own loader starts two per GPU)")
+    parser.add_argument("--child_process", action="store_true",
+                        help="start a process of our own that outlives this rank unless it is ended")
     parser.add_argument("--note", default=None, help="any string; ignored (tests that arguments pass unmangled)")
     parser.add_argument("--fault_at_micro", action="append", default=[], metavar="MICRO:FAULT",
                         help="fire FAULT (fail, kill, exit or hang) only at this micro-batch (repeatable); "
@@ -131,6 +133,10 @@ def main() -> None:
         side_loader = torch.utils.data.DataLoader(range(64), num_workers=args.loader_workers, persistent_workers=True)
         held_batches = iter(side_loader)
         next(held_batches)  # the workers are running from here on
+    if args.child_process:
+        import subprocess
+
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # noqa: F841
     if args.fail_if_micro_batch_at_least and micro >= args.fail_if_micro_batch_at_least:
         raise ValueError(f"refusing micro-batch {micro}")
     if args.pid_dir:

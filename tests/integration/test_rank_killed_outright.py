@@ -1,0 +1,45 @@
+"""A rank killed outright (the OOM killer, a segfault) leaves its own children behind: reparented,
+they are no longer under the launcher, and torch elastic signals only ranks still running. The
+launcher ends them through the rank's process group, cold (elastic) and warm (forkserver) alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from autotuner.app.measure import Experiment, TrialState, measure, measurement_settings, warm_runner
+from conftest import TOY, TOY_MAPPINGS, launcher_env, orphans_marked, run_launcher
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+KILLED_WITH_A_CHILD = ("--child_process", "--kill_rank", "0", "--fail_at_step", "2")
+
+
+def test_a_plain_launch_ends_what_a_killed_rank_started(tmp_path, no_orphans):
+    marker = f"plain-{tmp_path.name}"
+    env = {**launcher_env(), "AUTOTUNER_TEST_MARK": marker}
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}')
+    result = run_launcher("--nproc_per_node", "2", TOY, *KILLED_WITH_A_CHILD, "--deepspeed", config, env=env)
+    left = orphans_marked(marker)
+    assert result.returncode == 128 + 9, result.stderr[-2000:]  # SIGKILL, as a shell reports it
+    assert "rank 0 exited with status 137" in result.stderr
+    assert not left, f"what the killed rank (or its peer) started outlived the launch: {left}"
+
+
+@pytest.mark.parametrize("runner_kind", ["cold", "warm"])
+def test_a_measured_launch_ends_what_a_killed_rank_started(tmp_path, monkeypatch, no_orphans, runner_kind):
+    marker = f"{runner_kind}-{tmp_path.name}"
+    monkeypatch.setenv("AUTOTUNER_TEST_MARK", marker)
+    settings = measurement_settings(TOY, KILLED_WITH_A_CHILD,
+                                    {"train_micro_batch_size_per_gpu": 2,
+                                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+                                    start_profile_step=2, end_profile_step=3, arg_mappings=TOY_MAPPINGS)
+    runner = warm_runner(TOY) if runner_kind == "warm" else None
+    try:
+        result = measure(Experiment(0, 2, 1), settings, tmp_path / "exp", runner)
+        left = orphans_marked(marker)
+    finally:
+        if runner is not None:
+            runner.close()
+    assert result.state is TrialState.FAILED, result
+    assert not left, f"what the killed rank (or its peer) started outlived the launch: {left}"
