@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -113,6 +114,24 @@ def assert_no_children_left() -> None:
 
 
 UNIT_TIER = ROOT / "tests" / "unit"
+ORPHAN_GRACE_S = 3.0  # a process killed as its launcher exits is gone within this
+
+
+@pytest.fixture(autouse=True)
+def _no_marked_orphans(request, monkeypatch):
+    """Every integration test marks its processes (an environment variable every launch inherits)
+    and fails if a marked process outlives it outside this process's tree: an orphan, reparented
+    when what started it died, which a look at our own descendants cannot see."""
+    if Path(str(request.node.path)).is_relative_to(UNIT_TIER):
+        yield
+        return
+    marker = f"{os.getpid()}:{request.node.nodeid}"
+    monkeypatch.setenv("AUTOTUNER_TEST_MARK", marker)
+    yield
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while (left := orphans_marked(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes this test started outlived it, orphaned: {left}"
 
 
 @pytest.fixture(autouse=True)
