@@ -23,7 +23,10 @@ from typing import Iterable, Iterator
 
 import psutil
 
-WATCH_INTERVAL_S = 0.1
+# Ranks start together at the launch's start (no restarts): look often then, rarely later, so a
+# training run of hours pays nothing for the watch (each look scans the process table).
+FIRST_WATCH_INTERVAL_S = 0.05
+LAST_WATCH_INTERVAL_S = 5.0
 REAP_WAIT_S = 5.0
 
 
@@ -101,8 +104,10 @@ def children_groups_ended(parent_pid: int | None = None) -> Iterator[None]:
                 seen[child.pid] = group
 
     def watch() -> None:
-        while not stop.wait(WATCH_INTERVAL_S):
+        interval = FIRST_WATCH_INTERVAL_S
+        while not stop.wait(interval):
             note_children()
+            interval = min(LAST_WATCH_INTERVAL_S, interval * 1.5)
 
     watcher = threading.Thread(target=watch, name="rank-groups", daemon=True)
     watcher.start()
