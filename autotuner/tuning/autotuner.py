@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from dataclasses import replace
@@ -246,6 +247,8 @@ class Autotuner:
         self.memory.settle_budget(device_memory)
         self.report(f"memory budget: {self.memory.budget_bytes / 2**20:.0f} MiB per rank "
                     f"(safety margin {SAFETY_MARGIN:.0%})")
+        if (note := self.memory.budget_note(dict(os.environ))) is not None:
+            self.report(note)
 
     def _settle_engine(self, measured: str) -> None:
         """The profile launch says whose engine the script trained on; the memory model and the

@@ -86,6 +86,18 @@ class MemoryBook:
         else:
             self.budget_bytes = psutil.virtual_memory().total // self.nproc_per_node
 
+    def budget_note(self, environ: dict[str, str]) -> str | None:
+        """On a CPU under a given budget, what makes the resident set predictable, when it is not set:
+        glibc's moving mmap threshold put one launch's peak at 638, 822 and over 1,024 MiB in three
+        runs; with it fixed, the model predicted every launch within 4% (docs/autotuning.md)."""
+        if self.device_type != "cpu" or not self.config.autotuning.memory_per_rank_bytes:
+            return None
+        if "MALLOC_MMAP_THRESHOLD_" in environ:
+            return None
+        return ("note: on a CPU a rank's resident set follows glibc's heap, which varies by tens of percent run to "
+                "run; for a memory_per_rank_bytes budget the memory model can hold to, run the launcher with "
+                "MALLOC_MMAP_THRESHOLD_=131072 (allocation gets slower)")
+
     def stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
                        knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
         # Ranks on a CPU-only machine drop offload (everything is host memory already).

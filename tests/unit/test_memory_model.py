@@ -381,3 +381,26 @@ def test_an_allocator_oom_without_a_measured_peak_counts_as_the_whole_budget(tmp
     oom = Experiment(1, 64)
     tuner.memory.learn(measured(tuner, oom, None, TrialState.OOM))
     assert not tuner.memory.fits(oom)
+
+
+def test_a_cpu_budget_says_once_how_to_make_the_resident_set_predictable_unless_it_is():
+    from autotuner.config.models import DeepSpeedConfig
+    from autotuner.tuning.memory_book import MemoryBook
+    from autotuner.tuning.search_space import SearchSpace
+
+    def book(autotuning: dict) -> MemoryBook:
+        config = DeepSpeedConfig.model_validate({"train_micro_batch_size_per_gpu": "auto",
+                                                 "autotuning": {"enabled": True, **autotuning}})
+        return MemoryBook(config, SearchSpace(stages=(0,), data_parallel_size=2, max_micro_batch_size=8), 2,
+                          True, lambda line: None)
+
+    budgeted = book({"memory_per_rank_bytes": 2**30})
+    budgeted.settle_budget(None)
+    assert "MALLOC_MMAP_THRESHOLD_=131072" in budgeted.budget_note({})
+    assert budgeted.budget_note({"MALLOC_MMAP_THRESHOLD_": "131072"}) is None
+    unbudgeted = book({})
+    unbudgeted.settle_budget(None)  # the machine's RAM: nothing to hold to
+    assert unbudgeted.budget_note({}) is None
+    on_gpu = book({"memory_per_rank_bytes": 2**30})
+    on_gpu.settle_budget(80 * 2**30)
+    assert on_gpu.budget_note({}) is None
