@@ -86,6 +86,14 @@ def end_rank_groups(groups: Iterable[RankGroup], wait_s: float = REAP_WAIT_S) ->
     return left
 
 
+def _groups_of_children(parent: int) -> list[RankGroup]:
+    try:
+        children = psutil.Process(parent).children()
+    except psutil.Error:
+        return []
+    return [group for child in children if (group := group_led_by(child)) is not None]
+
+
 @contextmanager
 def children_groups_ended(parent_pid: int | None = None) -> Iterator[None]:
     """While the block runs, note every group a child of `parent_pid` (default: this process)
@@ -93,15 +101,14 @@ def children_groups_ended(parent_pid: int | None = None) -> Iterator[None]:
     of this process that it starts and reaps out of our sight."""
     seen: dict[int, RankGroup] = {}
     stop = threading.Event()
+    parent = parent_pid or os.getpid()
+    # Only what the block starts: the caller's other children (a Ray node, say) are not ranks.
+    before = {(group.pgid, group.started) for group in _groups_of_children(parent)}
 
     def note_children() -> None:
-        try:
-            children = psutil.Process(parent_pid or os.getpid()).children()
-        except psutil.Error:
-            return
-        for child in children:
-            if child.pid not in seen and (group := group_led_by(child)) is not None:
-                seen[child.pid] = group
+        for group in _groups_of_children(parent):
+            if group.pgid not in seen and (group.pgid, group.started) not in before:
+                seen[group.pgid] = group
 
     def watch() -> None:
         interval = FIRST_WATCH_INTERVAL_S
