@@ -31,7 +31,7 @@ from autotuner.execution.cold import ColdRunner
 from autotuner.execution.forkserver import Forkserver, WarmStartBroken
 from autotuner.launch.elastic import exit_status, failure_lines, failure_report
 from autotuner.launch.plan import build_plan, rank_launch
-from autotuner.launch.rank_groups import children_groups_ended
+from autotuner.launch.rank_groups import end_rank_groups, group_of_rank
 from autotuner.launch.stopping import GRACE_S, descendants, end_processes
 from autotuner.launch.warm_rank import UNSAFE_FORK_EXIT, WarmRankSpec
 from autotuner.launch.warm_rank import main as warm_rank_main
@@ -137,19 +137,21 @@ class WarmRunner(OneSlot):
             specs.append(WarmRankSpec(command, env, os.getcwd(), str(stdout), str(stderr), self._server_pid))
         (trial.directory / WARM_RANKS_FILE).write_text("".join(shlex.join(spec.command) + "\n" for spec in specs))
         started = time.monotonic()
-        # What a rank killed outright left in its session (reparented, so no longer a descendant).
-        with children_groups_ended(self._server_pid):
+        ranks: list = []  # their groups, known from the fork on
+        try:
             try:
-                try:
-                    context = torch_mp.start_processes(warm_rank_main, args=(tuple(specs),), nprocs=len(specs),
-                                                       join=False, start_method="forkserver")
-                except Exception as err:  # noqa: BLE001 - the forkserver is gone or refused
-                    raise WarmStartBroken(f"ranks could not be forked ({type(err).__name__}: {err})") from None
-                timed_out, statuses, first_failed = self._wait(context, trial.settings.timeout_s, started)
-            finally:
-                # Every rank the forkserver forked, also one forked as a stop came (its pid not yet ours).
-                self._end_ranks()
-                del store
+                context = torch_mp.start_processes(warm_rank_main, args=(tuple(specs),), nprocs=len(specs),
+                                                   join=False, start_method="forkserver")
+            except Exception as err:  # noqa: BLE001 - the forkserver is gone or refused
+                raise WarmStartBroken(f"ranks could not be forked ({type(err).__name__}: {err})") from None
+            ranks = [group_of_rank(process.pid) for process in context.processes]
+            timed_out, statuses, first_failed = self._wait(context, trial.settings.timeout_s, started)
+        finally:
+            # Every rank the forkserver forked, also one forked as a stop came (its pid not yet ours).
+            self._end_ranks()
+            # What a rank killed outright left in its session (reparented, no longer a descendant).
+            end_rank_groups(ranks)
+            del store
         wall = time.monotonic() - started
         if timed_out:
             return judge(trial, None, True, wall), None

@@ -97,8 +97,9 @@ def _run_plan(plan: LaunchPlan, quiet: bool) -> int:
         print(f"launcher: {who}: waiting for every node at {plan.rdzv_endpoint} ({plan.rdzv_backend} rendezvous)",
               file=sys.stderr, flush=True)
     try:
-        with children_groups_ended():  # what a rank killed outright left behind
+        with children_groups_ended(os.getpid()) as ranks:  # what a rank killed outright left behind
             elastic_launch(config, program)(*args)
+            ranks.succeeded()
         report = LaunchReport(exit_code=0)
     except (RendezvousError, DistStoreError) as failed:
         # No traceback: which rendezvous failed and what the nodes must agree on.

@@ -50,16 +50,22 @@ def end_descendants(timeout_s: float = REAP_TIMEOUT_S) -> None:
 
 
 def _multiprocessing_dirs_of(processes: list[psutil.Process]) -> set[str]:
-    """The pymp-* directories holding the sockets these processes listen on."""
+    """The pymp-* directories holding the sockets these processes listen on, less the one this
+    process has (its own, or inherited through fork from its parent: a forked worker puts its
+    socket there too, and the directory is not ours to remove)."""
+    from multiprocessing import process as mp_process
+
+    inherited = mp_process.current_process()._config.get("tempdir")  # noqa: SLF001 - get_temp_dir's cache
     found = set()
     for process in processes:
         try:
-            sockets = process.net_connections(kind="unix")
-        except psutil.Error:
+            listing = getattr(process, "net_connections", None) or process.connections  # psutil < 6
+            sockets = listing(kind="unix")
+        except Exception:  # noqa: BLE001 - a clean-up on the way out: never in the rank's way
             continue
         for sock in sockets:
             folder = os.path.dirname(sock.laddr) if isinstance(sock.laddr, str) else ""
-            if os.path.basename(folder).startswith("pymp-"):
+            if os.path.basename(folder).startswith("pymp-") and folder != inherited:
                 found.add(folder)
     return found
 

@@ -92,7 +92,7 @@ class MemoryBook:
         runs; with it fixed, the model predicted every launch within 4% (docs/autotuning.md)."""
         if self.device_type != "cpu" or not self.config.autotuning.memory_per_rank_bytes:
             return None
-        if "MALLOC_MMAP_THRESHOLD_" in environ:
+        if "MALLOC_MMAP_THRESHOLD_" in environ or "glibc.malloc.mmap_threshold" in environ.get("GLIBC_TUNABLES", ""):
             return None
         return ("note: on a CPU a rank's resident set follows glibc's heap, which varies by tens of percent run to "
                 "run; for a memory_per_rank_bytes budget the memory model can hold to, run the launcher with "

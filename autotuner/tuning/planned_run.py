@@ -62,7 +62,7 @@ def predicted_finished_value(plain: TrialResult, effect: FinishEffect, objective
     total_s = max(0.0, m.one_off_s() + effect.extra_one_off_s) + planned_steps * latency
     if objective.metric == "latency":
         return total_s / planned_steps
-    return planned_steps * (m.train_batch_size or plain.value * m.latency) / total_s
+    return planned_steps * (m.train_batch_size or m.throughput * m.latency) / total_s
 
 
 def could_beat(predicted: float, incumbent: float, objective: Objective) -> bool:

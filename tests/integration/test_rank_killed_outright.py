@@ -26,6 +26,26 @@ def test_a_plain_launch_ends_what_a_killed_rank_started(tmp_path, no_orphans):
     assert not left, f"what the killed rank (or its peer) started outlived the launch: {left}"
 
 
+def test_what_the_ranks_of_a_launch_that_succeeded_left_running_is_theirs_as_under_torchrun(tmp_path):
+    import psutil
+
+    marker = f"kept-{tmp_path.name}"  # not the test's own marker: these are meant to outlive the launch
+    env = {**launcher_env(), "AUTOTUNER_TEST_MARK": marker}
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.001}}}')
+    result = run_launcher("--nproc_per_node", "2", TOY, "--child_process", "--steps", "2", "--deepspeed", config, env=env)
+    left = orphans_marked(marker)
+    try:
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert len(left) == 2, left  # one per rank: an upload a rank starts at its end, say
+    finally:
+        for pid, _, _ in left:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+
 @pytest.mark.parametrize("runner_kind", ["cold", "warm"])
 def test_a_measured_launch_ends_what_a_killed_rank_started(tmp_path, monkeypatch, no_orphans, runner_kind):
     marker = f"{runner_kind}-{tmp_path.name}"

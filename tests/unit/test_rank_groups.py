@@ -27,3 +27,11 @@ def test_only_a_group_leader_is_noted():
     me = psutil.Process()
     led = group_led_by(me)
     assert (led is not None) == (os.getpgid(me.pid) == me.pid)
+
+
+def test_a_rank_is_known_by_its_pid_and_start_time_and_one_gone_already_by_its_pid():
+    from autotuner.launch.rank_groups import group_of_rank
+
+    me = psutil.Process()
+    assert group_of_rank(me.pid) == RankGroup(me.pid, me.create_time())
+    assert group_of_rank(2**22 + 12345).started is None  # above any pid the kernel hands out by default

@@ -136,7 +136,8 @@ def main() -> None:
     if args.child_process:
         import subprocess
 
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])  # noqa: F841
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],  # noqa: F841
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if args.fail_if_micro_batch_at_least and micro >= args.fail_if_micro_batch_at_least:
         raise ValueError(f"refusing micro-batch {micro}")
     if args.pid_dir:
