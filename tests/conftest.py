@@ -107,6 +107,25 @@ def orphans_marked(marker: str) -> list:
     return found
 
 
+def measure_toy_marked(tmp_path: Path, monkeypatch, runner_kind: str, *script_args: str):
+    """One measured launch of the toy (micro-batch 2, ZeRO 0), cold or warm, its processes marked:
+    the result, and the marked processes still alive outside this test's tree right after it."""
+    from autotuner.app.measure import Experiment, measure, measurement_settings, warm_runner
+
+    marker = f"{runner_kind}-{tmp_path.name}"
+    monkeypatch.setenv("AUTOTUNER_TEST_MARK", marker)
+    settings = measurement_settings(TOY, script_args, {"train_micro_batch_size_per_gpu": 2,
+                                                       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
+                                    start_profile_step=2, end_profile_step=3, arg_mappings=TOY_MAPPINGS)
+    runner = warm_runner(TOY) if runner_kind == "warm" else None
+    try:
+        result = measure(Experiment(0, 2, 1), settings, tmp_path / "exp", runner)
+        return result, orphans_marked(marker)
+    finally:
+        if runner is not None:
+            runner.close()
+
+
 def assert_no_children_left() -> None:
     """Every process this test started (and theirs) has ended."""
     alive = [p for p in psutil.Process().children(recursive=True) if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

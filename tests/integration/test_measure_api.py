@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from autotuner.app.measure import Experiment, TrialState, measure_once, measurement_settings
-from conftest import TOY, TOY_MAPPINGS, orphans_marked
+from conftest import TOY, TOY_MAPPINGS, measure_toy_marked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -37,22 +37,10 @@ def test_a_measured_rank_ends_its_dataloader_workers_before_the_result_is_return
     # A measurement rank leaves with os._exit, which skips the finalizer that stops DataLoader
     # workers. Orphaned, they held the rank's CUDA memory for seconds, and on an H200 the next
     # experiment failed for want of it. They must be gone when the result comes back.
-    from autotuner.app.measure import measure, warm_runner
-
-    marker = f"{runner_kind}-{tmp_path.name}"
-    monkeypatch.setenv("AUTOTUNER_TEST_MARK", marker)
     temp = tmp_path / "tmp"  # the ranks' temporary directory: they leave nothing in it
     temp.mkdir()
     monkeypatch.setenv("TMPDIR", str(temp))
-    settings = measurement_settings(TOY, ("--loader_workers", "2"), {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
-                                    start_profile_step=2, end_profile_step=3, arg_mappings=TOY_MAPPINGS)
-    runner = warm_runner(TOY) if runner_kind == "warm" else None
-    try:
-        result = measure(Experiment(0, 2, 1), settings, tmp_path / "exp", runner)
-        left = orphans_marked(marker)
-    finally:
-        if runner is not None:
-            runner.close()
+    result, left = measure_toy_marked(tmp_path, monkeypatch, runner_kind, "--loader_workers", "2")
     assert result.state is TrialState.OK, result.error
     assert not left, f"processes of the launch still alive after its result: {left}"
     assert not list(temp.glob("pymp-*")), "a rank left multiprocessing's temporary directory behind"

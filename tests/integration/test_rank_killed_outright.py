@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotuner.app.measure import Experiment, TrialState, measure, measurement_settings, warm_runner
-from conftest import TOY, TOY_MAPPINGS, launcher_env, orphans_marked, run_launcher
+from autotuner.app.measure import TrialState
+from conftest import TOY, launcher_env, measure_toy_marked, orphans_marked, run_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -48,18 +48,6 @@ def test_what_the_ranks_of_a_launch_that_succeeded_left_running_is_theirs_as_und
 
 @pytest.mark.parametrize("runner_kind", ["cold", "warm"])
 def test_a_measured_launch_ends_what_a_killed_rank_started(tmp_path, monkeypatch, no_orphans, runner_kind):
-    marker = f"{runner_kind}-{tmp_path.name}"
-    monkeypatch.setenv("AUTOTUNER_TEST_MARK", marker)
-    settings = measurement_settings(TOY, KILLED_WITH_A_CHILD,
-                                    {"train_micro_batch_size_per_gpu": 2,
-                                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}},
-                                    start_profile_step=2, end_profile_step=3, arg_mappings=TOY_MAPPINGS)
-    runner = warm_runner(TOY) if runner_kind == "warm" else None
-    try:
-        result = measure(Experiment(0, 2, 1), settings, tmp_path / "exp", runner)
-        left = orphans_marked(marker)
-    finally:
-        if runner is not None:
-            runner.close()
+    result, left = measure_toy_marked(tmp_path, monkeypatch, runner_kind, *KILLED_WITH_A_CHILD)
     assert result.state is TrialState.FAILED, result
     assert not left, f"what the killed rank (or its peer) started outlived the launch: {left}"
