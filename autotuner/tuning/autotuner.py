@@ -20,7 +20,7 @@ from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.comm_fit import fit_collectives
 from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext, Observation
 from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile
-from autotuner.tuning.memory_book import SAFETY_MARGIN, MemoryBook
+from autotuner.tuning.memory_book import MemoryBook
 from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive_search
 from autotuner.tuning.profiling import profile_from_config, profile_lines, profile_model
 from autotuner.tuning.records import TrialResult, TrialState
@@ -245,10 +245,7 @@ class Autotuner:
             self.report(line)
             self.memory.space = self.space
         self.memory.settle_budget(device_memory)
-        self.report(f"memory budget: {self.memory.budget_bytes / 2**20:.0f} MiB per rank "
-                    f"(safety margin {SAFETY_MARGIN:.0%})")
-        if (note := self.memory.budget_note(dict(os.environ))) is not None:
-            self.report(note)
+        self.memory.report_budget(dict(os.environ))
 
     def _settle_engine(self, measured: str) -> None:
         """The profile launch says whose engine the script trained on; the memory model and the

@@ -86,6 +86,12 @@ class MemoryBook:
         else:
             self.budget_bytes = psutil.virtual_memory().total // self.nproc_per_node
 
+    def report_budget(self, environ: dict[str, str]) -> None:
+        """The settled budget, said once, with the CPU note where it applies."""
+        self.report(f"memory budget: {self.budget_bytes / 2**20:.0f} MiB per rank (safety margin {SAFETY_MARGIN:.0%})")
+        if (note := self.budget_note(environ)) is not None:
+            self.report(note)
+
     def budget_note(self, environ: dict[str, str]) -> str | None:
         """On a CPU under a given budget, what makes the resident set predictable, when it is not set:
         glibc's moving mmap threshold put one launch's peak at 638, 822 and over 1,024 MiB in three
