@@ -1,7 +1,8 @@
 """The seed's table on our engine, one GPU: baseline, hand-tuned, and `launcher --autotuning tune`.
 
 - baseline: micro-batch 1, ZeRO 0, no tuning;
-- hand-tuned: micro-batch doubled from 1 at ZeRO 0 until the first out-of-memory (the seed's rule);
+- hand-tuned: micro-batch doubled from 1 until the first out-of-memory (the seed's rule), at the best
+  stage: the autotuned pick's (--hand_stage pick), or a stage given;
 - autotuned: the tuner's own run (every stage, micro-batch searched), its wall time and launches;
 then the three picks re-measured by one harness, interleaved, with tokens/s and MFU (analytic
 FLOPs per token against the bf16 matrix-product rate measured in the same call).
@@ -39,17 +40,17 @@ def remaining(args) -> float:
     return args.deadline_s - (time.monotonic() - STARTED)
 
 
-def hand_tuned(args, work: Path) -> tuple[list, float]:
-    """ZeRO 0, micro-batch 1, 2, 4, ... until the first launch that does not run."""
+def hand_tuned(args, work: Path, stage: int) -> tuple[list, float]:
+    """At one stage, micro-batch 1, 2, 4, ... until the first launch that does not run."""
     config = gpt2_config(work / "hand", start_step=3, end_step=8, precision=args.precision)
     config_file = work / "hand.json"
     config_file.write_text(json.dumps(config))
     settings = settings_for(config, script_args(args.preset, args.seq_len, work / "hand", config_file), 3, 8)
     results, micro, started = [], 1, time.monotonic()
     while micro <= args.max_micro and remaining(args) > 60 * args.rounds + 30:  # keep the re-measurement's time
-        result = measure(Experiment(0, micro, 1), settings, work / "hand" / f"z0_mbs{micro}")
+        result = measure(Experiment(stage, micro, 1), settings, work / "hand" / f"z{stage}_mbs{micro}")
         results.append(result)
-        log(f"hand-tuned z0 micro {micro}: {result.state.value} {result.value}")
+        log(f"hand-tuned z{stage} micro {micro}: {result.state.value} {result.value}")
         if result.state is not TrialState.OK:
             break
         micro *= 2
@@ -75,6 +76,8 @@ def autotuned(args, work: Path) -> dict:
     (args.out_dir / "seed_tune.log").write_text(output)
     table_path = tune_dir / "results" / "experiments.csv"
     table = pd.read_csv(table_path) if table_path.exists() else pd.DataFrame(columns=["state", "chosen"])
+    if table_path.exists():  # every launch with its predicted and measured memory
+        (args.out_dir / "seed_experiments.csv").write_text(table_path.read_text())
     launched = table[table.state != "pruned"]
     chosen = table[table.chosen == True]  # noqa: E712 (a pandas mask)
     pick = None
@@ -92,6 +95,8 @@ def main() -> None:
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="fp32: a CPU dry run")
     parser.add_argument("--max_micro", type=int, default=1024, help="stop doubling here even without an OOM")
+    parser.add_argument("--hand_stage", default="pick",
+                        help="the stage the hand rule doubles at: 'pick' (the autotuned pick's, the best) or 0-3")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved re-measurement rounds")
     parser.add_argument("--tune_cap_s", type=float, default=300, help="the autotuner's time cap")
     parser.add_argument("--deadline_s", type=float, default=560, help="whole-run budget")
@@ -106,10 +111,13 @@ def main() -> None:
 
     # The tuner first: it is the row the table exists for; the hand rule gets what is left.
     tune = autotuned(args, work)
-    hand, hand_wall = hand_tuned(args, work)
-    contenders = {}
+    if args.hand_stage != "pick":
+        hand_stage = int(args.hand_stage)
+    else:
+        hand_stage = tune["pick"].zero_stage if tune["pick"] is not None else 0
+    hand, hand_wall = hand_tuned(args, work, hand_stage)
+    contenders = {"baseline": Experiment(0, 1, 1)}  # no tuning: ZeRO 0, micro-batch 1
     if hand:
-        contenders["baseline"] = hand[0].experiment
         ran = [r for r in hand if r.state is TrialState.OK]
         if ran:
             contenders["hand-tuned"] = max(ran, key=lambda r: r.value).experiment
@@ -143,7 +151,7 @@ def main() -> None:
                "mfu_pct": round(100 * tokens * per_token / peak, 1) if tokens else None,
                "matmul_tflops": round(peak / 1e12, 1)}
         if name == "baseline":
-            row.update(launches=1, tuning_wall_s=None, oom_launches=0)
+            row.update(launches=0, tuning_wall_s=None, oom_launches=0)
         elif name == "hand-tuned":
             row.update(launches=len(hand), tuning_wall_s=round(hand_wall, 1),
                        oom_launches=sum(r.state is TrialState.OOM for r in hand))
