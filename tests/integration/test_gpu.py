@@ -236,8 +236,16 @@ def test_warm_and_cold_tuning_on_cuda_agree(tmp_path):
         table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
         picks[warm] = table
         print(f"warm={warm}:\n{table[['name', 'state', 'metric_value', 'wall_time_s']].to_string()}")
-    searched = {warm: set(table[table.phase != "remeasure"].name) for warm, table in picks.items()}
-    assert searched[True] == searched[False]
+    # The profile and the memory model's verdicts follow from the config and measured memory, so they
+    # must agree. Which candidate the search launches next follows measured throughput, which differs
+    # between any two runs (an H200 run chose z1_gas32_mbs8 warm, z0_gas32_mbs8 cold), so that part is
+    # compared on its outcome: every launch ran, warm as cold.
+    for phase_or_state in ("profile", "pruned"):
+        column = "phase" if phase_or_state == "profile" else "state"
+        agreed = {warm: set(table[table[column] == phase_or_state].name) for warm, table in picks.items()}
+        assert agreed[True] == agreed[False], phase_or_state
+    for table in picks.values():
+        assert set(table[table.state != "pruned"].state) == {"ok"}
 
 
 def test_a_preload_that_initialises_cuda_falls_back_to_cold_launches(tmp_path):
