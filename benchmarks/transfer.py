@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import sys
 import time
@@ -73,7 +74,8 @@ def experiment_from(name: str) -> Experiment:
     return Experiment(int(stage), int(micro), int(gas))
 
 
-def remeasure(layers: int, names: list[str], rounds: int) -> dict[str, float]:
+def remeasure(layers: int, names: list[str], rounds: int) -> tuple[dict[str, float], str]:
+    """Each pick's median over `rounds` interleaved launches, and every value (the spread)."""
     settings = measurement_settings(SCRIPT, script_args(layers), {k: v for k, v in config("").items()},
                                     start_profile_step=3, end_profile_step=8, arg_mappings=MAPPINGS)
     values: dict[str, list[float]] = {name: [] for name in names}
@@ -83,7 +85,8 @@ def remeasure(layers: int, names: list[str], rounds: int) -> dict[str, float]:
                                   reuse=False)
             if result.state is TrialState.OK:
                 values[name].append(result.value)
-    return {name: statistics.median(v) if v else float("nan") for name, v in values.items()}
+    spread = "; ".join(f"{name}: {', '.join(f'{v:.1f}' for v in vs)}" for name, vs in values.items())
+    return {name: statistics.median(v) if v else float("nan") for name, v in values.items()}, spread
 
 
 def main() -> None:
@@ -92,17 +95,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     sizes = [int(n) for n in args.layers.split(",")]
-    WORK.mkdir(parents=True, exist_ok=True)
+    # From nothing: an earlier run's history would be a prior, its journals would be resumed.
+    shutil.rmtree(WORK, ignore_errors=True)
+    WORK.mkdir(parents=True)
     shared = f"sqlite:///{WORK / 'history.db'}"
     rows = [tune(f"cold_{sizes[0]}", sizes[0], shared) | {"mode": "cold (seeds the history)"}]
     for layers in sizes[1:]:
         warm = tune(f"transfer_{layers}", layers, shared) | {"mode": "transfer"}
         cold = tune(f"cold_{layers}", layers, f"sqlite:///{WORK / f'cold_{layers}.db'}") | {"mode": "cold"}
         if warm["pick"] != cold["pick"]:
-            medians = remeasure(layers, [warm["pick"], cold["pick"]], args.rounds)
+            medians, warm["remeasured"] = remeasure(layers, [warm["pick"], cold["pick"]], args.rounds)
             ratio = medians[warm["pick"]] / medians[cold["pick"]]
         else:
-            ratio = 1.0
+            ratio, warm["remeasured"] = 1.0, "same pick"
         warm["pick_ratio_vs_cold"] = round(ratio, 3)
         warm["launch_ratio_vs_cold"] = round(warm["launches"] / cold["launches"], 2)
         rows += [warm, cold]
@@ -110,10 +115,12 @@ def main() -> None:
     frame.insert(0, "date", time.strftime("%Y-%m-%d"))
     RESULTS.mkdir(parents=True, exist_ok=True)
     frame.to_csv(RESULTS / "transfer.csv", index=False)
-    print(frame.drop(columns=["transfer"]).to_markdown(index=False))
+    print(frame.drop(columns=["transfer", "remeasured"]).to_markdown(index=False))
     for row in rows:
         if row.get("transfer"):
             print(f"- {row['name']}: {row['transfer']}")
+        if row.get("remeasured"):
+            print(f"- {row['name']} picks re-measured (samples/s): {row['remeasured']}")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from autotuner.tuning.variant_rules import checkpointing_settled, variant_text
 from autotuner.tuning.search_space import SearchPolicy, ladder_sizes
 from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
 from autotuner.tuning.space import Experiment
-from autotuner.tuning.transfer import TransferPrior, signature_of, transfer_prior
+from autotuner.tuning.transfer import TransferPrior, prior_best, signature_of, transfer_prior
 from autotuner.tuning.tuners.predictive import Prediction
 
 
@@ -176,11 +176,38 @@ class Autotuner:
             self.memory.profile = None
             if not fitting:
                 return None
+            preferred = self._prior_second_size(profile, stage, fitting)
+            if preferred is not None:
+                return preferred
             target = max(fitting) / 2
             below = [m for m in ladder_sizes(fitting) if m <= target] or [min(fitting)]
             return max(below)
 
         return first_sizes, second
+
+    def _prior_second_size(self, profile: ModelProfile, stage: int, fitting: list[int]) -> int | None:
+        """With similar earlier runs in the history (transfer), the second profile size is the one
+        they predict to run fastest, at least twice the first so the memory line keeps a span."""
+        first = next(r for r in self._results.values() if r.model_info is not None)
+        sizes = [m for m in ladder_sizes(fitting) if m >= 2 * first.experiment.micro_batch_size]
+        if (not sizes or self.history is None or not self.history.recorded or first.measurement is None
+                or self.policy.tuner_type != "predictive" or not self.config.autotuning.transfer):
+            return None
+        signature = signature_of(first.model_info, profile.engine, profile.activation_bytes_per_sample, [first])
+        priors = self.history.prior_runs(signature)
+        if not priors:
+            return None
+        # The cost context reads the model's size and precision from the memory book.
+        self.memory.profile, self.memory.precision = profile, first.model_info.precision
+        context = self.cost_context(quiet=True)
+        self.memory.profile = None
+        best = prior_best(priors, signature, context, Observation(first.experiment, first.measurement.latency),
+                          [self.space.experiment(stage, m) for m in sizes])
+        if best is None:
+            return None
+        self.report(f"profile: micro-batch {best.micro_batch_size} next, where similar earlier runs predict the "
+                    "most samples/s (transfer)")
+        return best.micro_batch_size
 
     def _size_pool(self) -> list[int]:
         space = self.space
