@@ -188,7 +188,9 @@ class Autotuner:
     def _prior_second_size(self, profile: ModelProfile, stage: int, fitting: list[int]) -> int | None:
         """With similar earlier runs in the history (transfer), the second profile size is the one
         they predict to run fastest, at least twice the first so the memory line keeps a span."""
-        first = next(r for r in self._results.values() if r.model_info is not None)
+        # This stage's first profile launch: the latest that ran (one at a lower stage may have run out of memory).
+        first = next(r for r in reversed(self._results.values())
+                     if r.model_info is not None and r.state is TrialState.OK)
         sizes = [m for m in ladder_sizes(fitting) if m >= 2 * first.experiment.micro_batch_size]
         if (not sizes or self.history is None or not self.history.recorded or first.measurement is None
                 or self.policy.tuner_type != "predictive" or not self.config.autotuning.transfer):
