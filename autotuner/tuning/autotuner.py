@@ -153,7 +153,8 @@ class Autotuner:
 
     def _profile_sizes(self) -> tuple[tuple[int, ...], Callable[[ModelProfile, int], int | None]]:
         """The first profile sizes to try, in order, and how the second size is chosen: about half
-        the largest size the first launch predicts to fit, on the candidate ladder.
+        the largest size the first launch predicts to fit, on the candidate ladder (with a prior
+        from similar earlier runs, the size it predicts fastest: _prior_second_size).
 
         The first is the smallest ladder size whose gas is at most PROFILE_MAX_GAS: with a global
         batch, the smallest valid size has the largest gas (micro-batch 1 x gas 64 runs 64

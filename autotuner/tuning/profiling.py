@@ -7,7 +7,8 @@ any experiment, so its throughput and steady-state peak count as a measured cand
 Sizes are far apart, so the memory model's per-sample line is fitted on a real span: a small
 micro-batch first (the orchestrator's first choice; should it run out of memory at every stage,
 the next, down to the smallest valid size: if that does not fit, nothing does), then the size
-the orchestrator chooses from what the first showed (about half the largest predicted to fit). The sharded
+the orchestrator chooses from what the first showed (about half the largest predicted to fit; with
+similar earlier runs in the history, the size they predict fastest, at least twice the first). The sharded
 engine (FSDP2) gets one launch at that size too, since its process overhead differs from DDP's;
 unless the orchestrator says sharding cannot win (sharding_gain.py), in which case ZeRO 2 and 3
 are left out of the search.
