@@ -18,7 +18,7 @@ from autotuner.tuning.experiment import ExperimentSettings, Trial, rescored
 from autotuner.tuning.history import HISTORY_FILE, make_history
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
 from autotuner.tuning.comm_fit import fit_collectives
-from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext, Observation
+from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext
 from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile
 from autotuner.tuning.memory_book import MemoryBook
 from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive_search
@@ -36,7 +36,8 @@ from autotuner.tuning.variant_rules import checkpointing_settled, variant_text
 from autotuner.tuning.search_space import SearchPolicy, ladder_sizes
 from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
 from autotuner.tuning.space import Experiment
-from autotuner.tuning.transfer import TransferPrior, prior_best, signature_of, transfer_prior
+from autotuner.tuning.similar_runs import SimilarRuns
+from autotuner.tuning.transfer import TransferPrior
 from autotuner.tuning.tuners.predictive import Prediction
 
 
@@ -82,6 +83,8 @@ class Autotuner:
         self._profile_names: set[str] = set()
         self.predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
         self.history = make_history(config.autotuning, results_dir, fingerprint, self.objective, report)
+        self._similar_runs = SimilarRuns(self.history, self.policy.tuner_type == "predictive"
+                                         and bool(config.autotuning.transfer))
         self._prior = TransferPrior()  # earlier similar runs' steps, once the profile has checked them
         self._asked_predictions: dict[Experiment, Prediction] = {}  # the predictive search's, at each ask
 
@@ -154,7 +157,7 @@ class Autotuner:
     def _profile_sizes(self) -> tuple[tuple[int, ...], Callable[[ModelProfile, int], int | None]]:
         """The first profile sizes to try, in order, and how the second size is chosen: about half
         the largest size the first launch predicts to fit, on the candidate ladder (with a prior
-        from similar earlier runs, the size it predicts fastest: _prior_second_size).
+        from similar earlier runs, the size it predicts fastest).
 
         The first is the smallest ladder size whose gas is at most PROFILE_MAX_GAS: with a global
         batch, the smallest valid size has the largest gas (micro-batch 1 x gas 64 runs 64
@@ -169,15 +172,23 @@ class Autotuner:
         first_sizes = (cheap, pool[0]) if cheap != pool[0] else (pool[0],)
 
         def second(profile: ModelProfile, stage: int) -> int | None:
-            first_info = next(r.model_info for r in self._results.values() if r.model_info is not None)
-            self.memory.settle_budget(first_info.device_memory_bytes)
+            # This stage's first launch: the latest that ran (one at a lower stage may have run out of memory).
+            first = next(r for r in reversed(self._results.values())
+                         if r.model_info is not None and r.state is TrialState.OK)
+            self.memory.settle_budget(first.model_info.device_memory_bytes)
             self.memory.profile = profile
             self.memory.refit()
             fitting = [m for m in pool if self.memory.fits(space.experiment(stage, m))]
             self.memory.profile = None
             if not fitting:
                 return None
-            preferred = self._prior_second_size(profile, stage, fitting)
+            # With similar earlier runs (transfer): the size they predict fastest, at least twice the
+            # first so the memory line keeps a span.
+            spanning = [space.experiment(stage, m) for m in ladder_sizes(fitting)
+                        if m >= 2 * first.experiment.micro_batch_size]
+            preferred = self._similar_runs.second_size(
+                profile, first, spanning, lambda: self._profiling_context(profile, first.model_info.precision),
+                self.report)
             if preferred is not None:
                 return preferred
             target = max(fitting) / 2
@@ -185,32 +196,6 @@ class Autotuner:
             return max(below)
 
         return first_sizes, second
-
-    def _prior_second_size(self, profile: ModelProfile, stage: int, fitting: list[int]) -> int | None:
-        """With similar earlier runs in the history (transfer), the second profile size is the one
-        they predict to run fastest, at least twice the first so the memory line keeps a span."""
-        # This stage's first profile launch: the latest that ran (one at a lower stage may have run out of memory).
-        first = next(r for r in reversed(self._results.values())
-                     if r.model_info is not None and r.state is TrialState.OK)
-        sizes = [m for m in ladder_sizes(fitting) if m >= 2 * first.experiment.micro_batch_size]
-        if (not sizes or self.history is None or not self.history.recorded or first.measurement is None
-                or self.policy.tuner_type != "predictive" or not self.config.autotuning.transfer):
-            return None
-        signature = signature_of(first.model_info, profile.engine, profile.activation_bytes_per_sample, [first])
-        priors = self.history.prior_runs(signature)
-        if not priors:
-            return None
-        # The cost context reads the model's size and precision from the memory book.
-        self.memory.profile, self.memory.precision = profile, first.model_info.precision
-        context = self.cost_context(quiet=True)
-        self.memory.profile = None
-        best = prior_best(priors, signature, context, Observation(first.experiment, first.measurement.latency),
-                          [self.space.experiment(stage, m) for m in sizes])
-        if best is None:
-            return None
-        self.report(f"profile: micro-batch {best.micro_batch_size} next, where similar earlier runs predict the "
-                    "most samples/s (transfer)")
-        return best.micro_batch_size
 
     def _size_pool(self) -> list[int]:
         space = self.space
@@ -230,9 +215,16 @@ class Autotuner:
         unsharded = [s for s in self.space.stages if s < 2]
         fits_all = all(any(self.memory.fits(self.space.experiment(s, m)) for s in unsharded)
                        for m in self._size_pool())
+        context = self._profiling_context(profile, infos[0].precision)
+        return sharding_cannot_win(self.space.stages, fits_all, context, min(steps), NOISE_FLOOR)
+
+    def _profiling_context(self, profile: ModelProfile, precision: str) -> CostContext:
+        """The cost context while profiling, before the memory book holds the model (it reads the
+        model's size and precision from there)."""
+        self.memory.profile, self.memory.precision = profile, precision
         context = self.cost_context(quiet=True)
         self.memory.profile = None
-        return sharding_cannot_win(self.space.stages, fits_all, context, min(steps), NOISE_FLOOR)
+        return context
 
     def _leave_out_sharding(self, reason: str) -> None:
         for stage in [s for s in self.space.stages if s >= 2]:
@@ -290,26 +282,6 @@ class Autotuner:
             cuda = visible_gpu_memory() is not None
             self.space = replace(self.space, **engine_dimensions(self.config, measured, cuda))
             self.memory.space = self.space
-
-    def _transfer(self) -> TransferPrior:
-        """The workload's signature goes on its study; under tuner_type predictive, similar earlier
-        runs become the step-time model's prior, each checked against the profile launches."""
-        info = next((r.model_info for r in self._results.values() if r.model_info is not None), None)
-        if self.history is None or info is None or not self.history.recorded:
-            return TransferPrior()
-        profile = self.memory.profile
-        signature = signature_of(info, profile.engine, profile.activation_bytes_per_sample,
-                                 [self._results[e] for e in self._results if e.name in self._profile_names])
-        self.history.record_signature(signature)
-        if self.policy.tuner_type != "predictive" or not self.config.autotuning.transfer:
-            return TransferPrior()
-        priors = self.history.prior_runs(signature)
-        if not priors:
-            return TransferPrior()
-        measured = [Observation(r.experiment, r.measurement.latency) for r in self._results.values()
-                    if r.name in self._profile_names and r.state is TrialState.OK and r.measurement is not None
-                    and r.measurement.latency > 0]
-        return transfer_prior(priors, signature, self.cost_context(quiet=True), measured, self.report)
 
     def cost_context(self, quiet: bool = False) -> CostContext:
         """What the throughput model knows before timing a step: the model's size and the links the
@@ -383,7 +355,9 @@ class Autotuner:
                                           visible_gpu_memory() is not None):
             self.report(line)
         self._measure_model()
-        self._prior = self._transfer()
+        self._prior = self._similar_runs.prior(  # the step-time model's prior, checked against the profile
+            self.memory.profile, [r for r in self._results.values() if r.name in self._profile_names],
+            lambda: self.cost_context(quiet=True), self.report)
         largest = self.memory.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " + ", ".join(
             f"z{key}={m}" if isinstance(key, int) else f"z{key[0]} {variant_text(key[1])}={m}"
