@@ -1,6 +1,6 @@
 """Transfer: tuning a GPT-2 family at growing depth, with the history's earlier runs against cold.
 
-    python benchmarks/transfer.py [--layers 2,4,8] [--rounds 3]
+    python benchmarks/transfer.py [--layers 4,8,12] [--rounds 3] [--csv transfer.csv]
 
 The GPT-2 example (examples/hf_gpt2/train.py, the "tiny" preset's width, --n_layer blocks) on 2
 CPU ranks, tuner_type predictive in fast mode, every stage, a global batch of 64:
@@ -60,11 +60,14 @@ def tune(name: str, layers: int, storage: str) -> dict:
     stdout = (directory / "stdout.log").read_text()
     if outcome.returncode != 0:
         raise SystemExit(f"{name}: the tune failed ({outcome.returncode}); see {directory}/stderr.log")
-    launches = int(re.search(r"Launches: (\d+)", stdout).group(1))
+    counts = re.search(r"Launches: (\d+)(?: \((\d+) of them profile launches(?:, (\d+) re-measurements?)?\))?", stdout)
+    launches, profile, remeasured = (int(n or 0) for n in counts.groups())
     table = pd.read_csv(directory / "autotuning_results" / "experiments.csv")
     chosen = table[table.chosen].iloc[0]
     lines = [line for line in stdout.splitlines() if line.startswith("autotuner: transfer:")]
-    return {"name": name, "layers": layers, "launches": launches, "wall_s": round(wall, 1), "pick": chosen["name"],
+    return {"name": name, "layers": layers, "launches": launches, "profile": profile,
+            "search": launches - profile - remeasured, "remeasured": remeasured, "wall_s": round(wall, 1),
+            "pick": chosen["name"],
             "pick_value": round(float(chosen.metric_value if "metric_value" in chosen else chosen.value), 2),
             "transfer": " | ".join(line.removeprefix("autotuner: ") for line in lines)}
 
@@ -91,7 +94,8 @@ def remeasure(layers: int, names: list[str], rounds: int) -> tuple[dict[str, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", default="2,4,8")
+    parser.add_argument("--layers", default="4,8,12")  # the issue's sizes: 4, 8 and 12 blocks
+    parser.add_argument("--csv", default="transfer.csv", help="file name under benchmarks/results")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     sizes = [int(n) for n in args.layers.split(",")]
@@ -104,23 +108,23 @@ def main() -> None:
         warm = tune(f"transfer_{layers}", layers, shared) | {"mode": "transfer"}
         cold = tune(f"cold_{layers}", layers, f"sqlite:///{WORK / f'cold_{layers}.db'}") | {"mode": "cold"}
         if warm["pick"] != cold["pick"]:
-            medians, warm["remeasured"] = remeasure(layers, [warm["pick"], cold["pick"]], args.rounds)
+            medians, warm["picks_remeasured"] = remeasure(layers, [warm["pick"], cold["pick"]], args.rounds)
             ratio = medians[warm["pick"]] / medians[cold["pick"]]
         else:
-            ratio, warm["remeasured"] = 1.0, "same pick"
+            ratio, warm["picks_remeasured"] = 1.0, "same pick"
         warm["pick_ratio_vs_cold"] = round(ratio, 3)
         warm["launch_ratio_vs_cold"] = round(warm["launches"] / cold["launches"], 2)
         rows += [warm, cold]
     frame = pd.DataFrame(rows)
     frame.insert(0, "date", time.strftime("%Y-%m-%d"))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    frame.to_csv(RESULTS / "transfer.csv", index=False)
-    print(frame.drop(columns=["transfer", "remeasured"]).to_markdown(index=False))
+    frame.to_csv(RESULTS / args.csv, index=False)
+    print(frame.drop(columns=["transfer", "picks_remeasured"], errors="ignore").to_markdown(index=False))
     for row in rows:
         if row.get("transfer"):
             print(f"- {row['name']}: {row['transfer']}")
-        if row.get("remeasured"):
-            print(f"- {row['name']} picks re-measured (samples/s): {row['remeasured']}")
+        if row.get("picks_remeasured"):
+            print(f"- {row['name']} picks re-measured (samples/s): {row['picks_remeasured']}")
 
 
 if __name__ == "__main__":

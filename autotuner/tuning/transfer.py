@@ -11,8 +11,9 @@ another size, reads those studies' measured step times and scales each to its ow
     communication is costed afresh from this model's bytes (cost_model.CostContext).
 
 The scaled steps enter the step-time model as observations with a wider noise than a launch's
-(the spread of the ratios the profile launches measured, or PRIOR_NOISE when one launch did), so
-this run's own launches outweigh them. The profile still runs: it is what
+(the spread of the ratios the profile launches measured, or PRIOR_NOISE when one launch did,
+beside the earlier run's own run-to-run spread as its re-measurements show it), so this run's own
+launches outweigh them. The profile still runs: it is what
 checks the prior. A prior whose scaled curve disagrees with the profile launches beyond their
 uncertainty is dropped, with one line. Nothing is launched here.
 """
@@ -134,6 +135,17 @@ def load_prior_runs(storage, signature: WorkloadSignature, own_study: str) -> li
     return sorted(found, key=lambda run: -run.last_run_unix)[:MAX_PRIOR_RUNS]
 
 
+def run_noise(steps: tuple[Observation, ...]) -> float:
+    """An earlier run's relative run-to-run spread: the median over the configurations it measured
+    more than once (its final pick's re-measurements), never below a launch's NOISE_FLOOR."""
+    by_experiment: dict[Experiment, list[float]] = {}
+    for observation in steps:
+        by_experiment.setdefault(observation.experiment, []).append(observation.step_time_s)
+    spreads = [statistics.stdev(times) / statistics.fmean(times) for times in by_experiment.values()
+               if len(times) >= 2]
+    return max(NOISE_FLOOR, statistics.median(spreads)) if spreads else NOISE_FLOOR
+
+
 def _compute_part(step_s: float, context: CostContext, experiment: Experiment) -> float:
     communication = context.communication_s(experiment.zero_stage, experiment.gradient_accumulation_steps)
     return max(step_s - communication, 0.05 * step_s)
@@ -168,9 +180,10 @@ def scale_prior(prior: PriorRun, signature: WorkloadSignature, context: CostCont
         return (), (f"its curve disagrees with the profile launches: compute ratios "
                     f"{', '.join(f'{r:.2f}' for r in ratios)} differ by more than {tolerance:.0%}")
     # How far one ratio scales the whole curve, as the profile launches show it: their ratios'
-    # spread (beside the earlier run's own noise); with one launch to show it, PRIOR_NOISE.
+    # spread; with one launch to show it, PRIOR_NOISE. Beside it, the earlier run's own noise, as
+    # its repeated launches measured it: a stage's lead there within that noise is no lead here.
     shape = max(ratios) / min(ratios) - 1 if len(ratios) > 1 else PRIOR_NOISE
-    noise = math.hypot(NOISE_FLOOR, shape)
+    noise = math.hypot(run_noise(prior.steps), shape)
     scaled = tuple(Observation(o.experiment, _compute_part(o.step_time_s, their_context, o.experiment) * ratio
                                + context.communication_s(o.experiment.zero_stage,
                                                          o.experiment.gradient_accumulation_steps),

@@ -17,8 +17,8 @@ from autotuner.tuning.predictive_search import run_predictive_search
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.search_space import SearchPolicy, SearchSpace
 from autotuner.tuning.space import Experiment
-from autotuner.tuning.transfer import (PriorRun, WorkloadSignature, experiment_of, prior_best, scale_prior,
-                                       transfer_prior)
+from autotuner.tuning.transfer import (PriorRun, WorkloadSignature, experiment_of, prior_best, run_noise,
+                                       scale_prior, transfer_prior)
 
 
 # ----- the model family -----
@@ -108,6 +108,18 @@ def test_a_prior_that_agrees_with_the_profile_is_scaled_to_this_model():
         expected = step_time(e.zero_stage, e.micro_batch_size, e.gradient_accumulation_steps, 4.0)
         assert new.step_time_s == pytest.approx(expected, rel=0.15)  # the stage offset is not scaled apart
         assert new.relative_noise >= 0.03  # never narrower than a launch's
+
+
+def test_an_earlier_run_that_measured_itself_noisy_gives_a_wider_prior():
+    """Its re-measurements (one configuration launched more than once) show its run-to-run spread;
+    a stage's lead there within that spread is no lead here, so every scaled step carries it."""
+    quiet, _ = scale_prior(PRIOR, SIGNATURE, CostContext(), measured(4.0))
+    again = [Observation(o.experiment, o.step_time_s * factor) for o in OLD[:2] for factor in (0.9, 1.1)]
+    noisy_run = PriorRun(PRIOR.study_name, PRIOR.signature, (*OLD, *again))
+    noisy, _ = scale_prior(noisy_run, SIGNATURE, CostContext(), measured(4.0))
+    assert run_noise(OLD) == 0.03  # nothing measured twice: a launch's floor
+    assert run_noise(noisy_run.steps) == pytest.approx(0.10)  # steps x (1, 0.9, 1.1)
+    assert min(o.relative_noise for o in noisy) > max(o.relative_noise for o in quiet) + 0.04
 
 
 @pytest.mark.parametrize("profile, says", [
