@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, for one call of a lent GPU machine. Logs and CSVs go to $OUT (at most 8 files come back).
-#   benchmarks/gpu/run_all.sh [env] [nccl2] [tests] [vs_deepspeed] [seed] [offload]
+#   benchmarks/gpu/run_all.sh [env] [nccl2] [tests] [vs_deepspeed] [seed] [offload] [transfer]
 # With carried wheels in .whl/ (hjson, pydantic, and DeepSpeed built with DS_BUILD_OPS=0: not on
 # that machine) they are installed first; their console scripts (deepspeed) go on PATH.
 set -uo pipefail
@@ -35,5 +35,9 @@ for part in $parts; do
         --deadline_s ${SEED_DEADLINE_S:-545} 2>&1 | tee "$OUT/seed.log" | tail -30 ;;
     offload)
       timeout 300 python3 benchmarks/gpu/offload_demo.py --out_dir "$OUT" 2>&1 | tail -40 ;;
+    transfer)
+      # Transfer across sizes (issue 33's GPU run): gpt2 cold, then medium and large with the history and cold.
+      timeout ${TRANSFER_TIMEOUT_S:-570} python3 benchmarks/transfer.py --models ${TRANSFER_MODELS:-gpt2,gpt2-medium,gpt2-large} \
+        --nproc 1 --precision bf16 --seq_len 1024 --out_dir "$OUT" --csv gpu_transfer.csv 2>&1 | tee "$OUT/gpu_transfer.log" | tail -30 ;;
   esac
 done
