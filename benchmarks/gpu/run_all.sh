@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, for one call of a lent GPU machine. Logs and CSVs go to $OUT (at most 8 files come back).
-#   benchmarks/gpu/run_all.sh [env] [nccl2] [tests] [vs_deepspeed] [seed] [offload] [transfer]
+#   benchmarks/gpu/run_all.sh [env] [nccl2] [tests | tests_engine tests_deepspeed] [vs_deepspeed] [seed] [offload] [transfer]
 # With carried wheels in .whl/ (hjson, pydantic, and DeepSpeed built with DS_BUILD_OPS=0: not on
 # that machine) they are installed first; their console scripts (deepspeed) go on PATH.
 set -uo pipefail
@@ -26,6 +26,10 @@ for part in $parts; do
       echo "nccl2 exit ${PIPESTATUS[0]}" | tee -a "$OUT/env.txt" ;;
     tests)
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -s tests/integration 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 ;;
+    tests_engine|tests_deepspeed)
+      # The suite in two calls: our engine's tests, then DeepSpeed's engine's (the whole suite outran one 480 s cap).
+      file=tests/integration/test_gpu.py; [ "$part" = tests_deepspeed ] && file=tests/integration/test_gpu_deepspeed.py
+      timeout ${TESTS_TIMEOUT_S:-540} python3 -m pytest -m gpu -q -p no:cacheprovider -s "$file" 2>&1 | tee "$OUT/pytest_$part.log" | tail -40 ;;
     vs_deepspeed)
       # DeepSpeed's autotuner against ours, gpt2-medium on DeepSpeed's engine (docs/gpu.md).
       timeout 570 python3 benchmarks/gpu/vs_deepspeed_gpu.py --preset ${VS_PRESET:-gpt2-medium} --out_dir "$OUT" \
