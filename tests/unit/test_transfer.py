@@ -261,3 +261,21 @@ def test_a_larger_model_of_the_same_family_starts_from_the_smaller_ones_run_in_t
           ).tune()
     assert not any(line.startswith("transfer:") for line in lines)
     assert "profile: ZeRO 0, micro-batch 8 ..." in lines and not any("(transfer)" in line for line in lines)
+
+
+def test_in_simulation_transfer_searches_less_than_cold_and_its_picks_stay_close():
+    """benchmarks/transfer_simulated.py: the real search, prior and final pick on a known surface
+    with noisy launches. With a prior from the smaller model, the search after the profile
+    launches fewer configurations than cold, and the picks stay within the surface's near ties."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "transfer_simulated.py"
+    spec = importlib.util.spec_from_file_location("transfer_simulated", path)
+    simulated = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(simulated)
+    outcomes = [simulated.one_seed(seed, 0.02, 0.0) for seed in range(30)]
+    searched = {arm: sum(o[arm][0] for o in outcomes) / len(outcomes) for arm in outcomes[0]}
+    assert set(searched) == {"cold", "launch floor", "run spread"}
+    assert searched["run spread"] < 0.6 * searched["cold"], searched
+    assert max(o["run spread"][2] for o in outcomes) < 0.05  # no pick more than 5% behind the true best

@@ -1,0 +1,180 @@
+"""Transfer in simulation: how a prior step's noise is set, A/B, on a known surface with noisy launches.
+
+    python benchmarks/transfer_simulated.py [--seeds 300] [--noise 0.02,0.05]
+
+The predictive search (tuning/predictive_search.py) and the prior (tuning/transfer.py) as the
+tuner runs them, with each launch replaced by a draw: a known step-time surface (a saturating
+curve per micro-step, a ZeRO 1 offset of about 5% and a ZeRO 2 offset of about 20%, as flat as
+the GPT-2 family on 2 CPU ranks) times log-normal noise of the given spread. Per seed:
+1. the smaller model (compute x1) is tuned cold: the profile (ZeRO 0 at micro-batch 4 and 16),
+   the search, and one re-measurement of its best two (what a real run's history holds);
+2. the larger model (compute x2) is tuned three ways from the same first launch (ZeRO 0,
+   micro-batch 4): cold; with that run as a prior at a launch's noise for every step ("launch
+   floor", before 2026-11-26); and at that run's own re-measured spread ("run spread", run_noise,
+   now). The prior chooses the profile's second size, as the tuner's does; then the search, then
+   the final pick's re-measurements (final_pick.py, the config's defaults).
+Reported per arm: the search's launches after the profile (mean) and the pick's true regret
+(the best configuration's true samples/s over the pick's, less one: mean, 90th percentile, worst).
+Pure computation: nothing is launched, so this isolates the model from a machine's noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from autotuner.tuning import transfer  # noqa: E402
+from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext, Observation  # noqa: E402
+from autotuner.tuning.final_pick import final_pick_rounds  # noqa: E402
+from autotuner.tuning.predictive_search import run_predictive_search  # noqa: E402
+from autotuner.boundary import Measurement  # noqa: E402
+from autotuner.tuning.records import Objective, TrialResult, TrialState  # noqa: E402
+from autotuner.tuning.search_space import SearchPolicy, SearchSpace  # noqa: E402
+from autotuner.tuning.space import Experiment  # noqa: E402
+
+GLOBAL_BATCH, RANKS = 64, 2
+SPACE = SearchSpace(stages=(0, 1, 2), data_parallel_size=RANKS, max_micro_batch_size=32,
+                    global_batch_size=GLOBAL_BATCH)
+POLICY = SearchPolicy(Objective("throughput"), "predictive", 50, 50, 0, True)
+LARGEST = {stage: 32 for stage in SPACE.stages}
+SMALL = transfer.WorkloadSignature("gpt", "autotuner", "cpu", RANKS, "fp32", 1_000_000, 4096, 1.0e9)
+LARGE = transfer.WorkloadSignature("gpt", "autotuner", "cpu", RANKS, "fp32", 2_000_000, 8192, 2.0e9)
+STAGE_OFFSET_S = {0: 0.0, 1: 0.011, 2: 0.045}  # of a step near 0.22 s at compute x1
+
+
+CURVATURE = {16: 0.00005, 8: 0.0002}  # per-sample time's rise with the micro-batch: the fastest size it leaves
+
+
+def true_step_s(experiment: Experiment, compute: float, fastest: int | None = None) -> float:
+    m, g = experiment.micro_batch_size, experiment.gradient_accumulation_steps
+    q = CURVATURE[fastest or FASTEST[0]]
+    return g * compute * (0.02 + 0.004 * m + q * m * m) + STAGE_OFFSET_S[experiment.zero_stage] * compute
+
+
+FASTEST = [16]  # set from --fastest: the surface's best micro-batch (16: the cold profile's second size; 8: not)
+
+
+def samples_per_s(experiment: Experiment, step_s: float) -> float:
+    return experiment.train_batch_size(RANKS) / step_s
+
+
+class Launches:
+    """Noisy launches of one model: each a draw around the true step time; now and then (`outliers`)
+    a window disturbed by another process, 10-30% slower."""
+
+    def __init__(self, compute: float, noise: float, rng: np.random.Generator, outliers: float):
+        self.compute, self.noise, self.rng, self.outliers, self.count = compute, noise, rng, outliers, 0
+
+    def __call__(self, experiment: Experiment, run: int = 0) -> TrialResult:
+        self.count += 1
+        step = true_step_s(experiment, self.compute) * math.exp(self.rng.normal(0.0, self.noise))
+        if self.rng.random() < self.outliers:
+            step *= self.rng.uniform(1.1, 1.3)
+        value = samples_per_s(experiment, step)
+        return TrialResult(experiment, TrialState.OK, value=value, measurement=Measurement(value, step))
+
+
+def profile(launch: Launches) -> list[TrialResult]:
+    return [launch(SPACE.experiment(0, m)) for m in (4, 16)]
+
+
+def search(launch: Launches, known: list[TrialResult], prior: tuple[Observation, ...]) -> list[TrialResult]:
+    context = CostContext(num_params=0, world_size=RANKS, prior=prior)
+    outcome = run_predictive_search(SPACE, POLICY, LARGEST, launch, lambda *a, **k: None, context, known)
+    return [r for r in outcome.results if r.state is TrialState.OK]
+
+
+def final_pick(launch: Launches, results: list[TrialResult]) -> tuple[Experiment, list[TrialResult]]:
+    """The tuner's final pick (final_pick.py, the config's defaults: top 3, at most 3 rounds)."""
+    pick, remeasured, _ = final_pick_rounds(results, POLICY.objective, 3, 3, launch, lambda line: None)
+    return pick.experiment, [result for _, result in remeasured]
+
+
+def prior_run(noise: float, rng: np.random.Generator, outliers: float) -> transfer.PriorRun:
+    """The smaller model tuned cold, re-measurements included, as the history keeps it."""
+    launch = Launches(1.0, noise, rng, outliers)
+    known = profile(launch)
+    results = known + search(launch, known, ())
+    results += final_pick(launch, results)[1]
+    steps = tuple(Observation(r.experiment, r.measurement.latency) for r in results)
+    return transfer.PriorRun("small", SMALL, steps)
+
+
+def regret(pick: Experiment) -> float:
+    best_true = max(samples_per_s(e, true_step_s(e, 2.0)) for e in candidates())
+    return best_true / samples_per_s(pick, true_step_s(pick, 2.0)) - 1
+
+
+def candidates() -> list[Experiment]:
+    return [SPACE.experiment(s, m) for s in SPACE.stages for m in (2, 4, 8, 16, 32)]
+
+
+def one_seed(seed: int, noise: float, outliers: float) -> dict[str, tuple[int, int, float]]:
+    """Each arm's (search launches, re-measurements, regret); the profile's second launch is the
+    prior's choice under transfer (similar_runs.py `second_size`), half the largest size cold."""
+    rng = np.random.default_rng(seed)
+    earlier = prior_run(noise, rng, outliers)
+    first = Launches(2.0, noise, rng, outliers)(SPACE.experiment(0, 4))
+    first_observed = Observation(first.experiment, first.measurement.latency)
+    context = CostContext(world_size=RANKS)
+    arms = {}
+    for arm in ("cold", "launch floor", "run spread"):
+        run_noise = (lambda steps: NOISE_FLOOR) if arm == "launch floor" else transfer.run_noise
+        arm_launch = Launches(2.0, noise, np.random.default_rng(seed + 10_000), outliers)  # each arm: the same stream
+        prior: tuple[Observation, ...] = ()
+        with mock.patch.object(transfer, "run_noise", run_noise):
+            second = SPACE.experiment(0, 16)
+            if arm != "cold":
+                sizes = [SPACE.experiment(0, m) for m in (8, 16, 32)]  # at least twice the first
+                second = transfer.prior_best([earlier], LARGE, context, first_observed, sizes) or second
+            known = [first, arm_launch(second)]
+            if arm != "cold":
+                measured = [Observation(r.experiment, r.measurement.latency) for r in known]
+                prior = transfer.transfer_prior([earlier], LARGE, context, measured, lambda line: None).observations
+        profiled = arm_launch.count
+        results = known + search(arm_launch, known, prior)
+        searched = arm_launch.count - profiled
+        pick, _ = final_pick(arm_launch, results)
+        arms[arm] = (searched, arm_launch.count - profiled - searched, regret(pick))
+    return arms
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, default=300)
+    parser.add_argument("--noise", default="0.02,0.05", help="launches' log-normal spreads, one table row each")
+    parser.add_argument("--outliers", type=float, default=0.05, help="share of disturbed windows (10-30%% slower)")
+    parser.add_argument("--fastest", type=int, choices=sorted(CURVATURE), default=16,
+                        help="the true surface's fastest micro-batch (16 is where a cold profile's second launch goes)")
+    args = parser.parse_args()
+    FASTEST[0] = args.fastest
+    print(f"{args.seeds} seeds, {args.outliers:.0%} disturbed windows, fastest micro-batch {args.fastest}; "
+          "launches after the profile's 2, means")
+    print("| launch noise | arm | search | re-measured | all (with the profile's 2) | regret mean | regret p90 | "
+          "regret worst | picks 2%+ behind |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for noise in (float(n) for n in args.noise.split(",")):
+        per_arm: dict[str, list[tuple[int, int, float]]] = {}
+        for seed in range(args.seeds):
+            for arm, outcome in one_seed(seed, noise, args.outliers).items():
+                per_arm.setdefault(arm, []).append(outcome)
+        for arm, outcomes in per_arm.items():
+            searched = statistics.fmean(n for n, _, _ in outcomes)
+            remeasured = statistics.fmean(n for _, n, _ in outcomes)
+            regrets = sorted(r for _, _, r in outcomes)
+            p90 = regrets[int(0.9 * (len(regrets) - 1))]
+            behind = sum(r >= 0.02 for r in regrets) / len(regrets)
+            print(f"| {noise:.0%} | {arm} | {searched:.2f} | {remeasured:.2f} | {2 + searched + remeasured:.2f} | "
+                  f"{statistics.fmean(regrets):.2%} | {p90:.2%} | {regrets[-1]:.2%} | {behind:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
