@@ -53,9 +53,9 @@ STAGE_OFFSET_S = {0: 0.0, 1: 0.011, 2: 0.045}  # of a step near 0.22 s at comput
 CURVATURE = {16: 0.00005, 8: 0.0002}  # per-sample time's rise with the micro-batch: the fastest size it leaves
 
 
-def true_step_s(experiment: Experiment, compute: float, fastest: int | None = None) -> float:
+def true_step_s(experiment: Experiment, compute: float) -> float:
     m, g = experiment.micro_batch_size, experiment.gradient_accumulation_steps
-    q = CURVATURE[fastest or FASTEST[0]]
+    q = CURVATURE[FASTEST[0]]
     return g * compute * (0.02 + 0.004 * m + q * m * m) + STAGE_OFFSET_S[experiment.zero_stage] * compute
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from autotuner.boundary import ModelInfo
 from autotuner.tuning.cost_model import BOUND_Z, NOISE_FLOOR, CostContext, Observation, StepTimeModel
+from autotuner.tuning.final_pick import NoiseLevel
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 
@@ -136,14 +137,12 @@ def load_prior_runs(storage, signature: WorkloadSignature, own_study: str) -> li
 
 
 def run_noise(steps: tuple[Observation, ...]) -> float:
-    """An earlier run's relative run-to-run spread: the median over the configurations it measured
-    more than once (its final pick's re-measurements), never below a launch's NOISE_FLOOR."""
+    """An earlier run's relative run-to-run spread, as its final pick measured it (the configurations
+    it launched more than once), never below a launch's NOISE_FLOOR."""
     by_experiment: dict[Experiment, list[float]] = {}
     for observation in steps:
         by_experiment.setdefault(observation.experiment, []).append(observation.step_time_s)
-    spreads = [statistics.stdev(times) / statistics.fmean(times) for times in by_experiment.values()
-               if len(times) >= 2]
-    return max(NOISE_FLOOR, statistics.median(spreads)) if spreads else NOISE_FLOOR
+    return max(NOISE_FLOOR, NoiseLevel.of(by_experiment).relative)
 
 
 def _compute_part(step_s: float, context: CostContext, experiment: Experiment) -> float:
