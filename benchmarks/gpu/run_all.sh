@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks, for one call of a lent GPU machine. Logs and CSVs go to $OUT (at most 8 files come back).
-#   benchmarks/gpu/run_all.sh [env] [nccl2] [tests | tests_engine tests_deepspeed] [vs_deepspeed] [seed] [offload] [transfer]
+#   benchmarks/gpu/run_all.sh [env] [nccl2] [tests | tests_engine tests_deepspeed] [vs_deepspeed] [seed] [offload] [transfer] [memory_far]
 # With carried wheels in .whl/ (hjson, pydantic, and DeepSpeed built with DS_BUILD_OPS=0: not on
 # that machine) they are installed first; their console scripts (deepspeed) go on PATH.
 set -uo pipefail
@@ -43,5 +43,10 @@ for part in $parts; do
       # Transfer across sizes (issue 33's GPU run): gpt2 cold, then medium and large with the history and cold.
       timeout ${TRANSFER_TIMEOUT_S:-570} python3 benchmarks/transfer.py --models ${TRANSFER_MODELS:-gpt2,gpt2-medium,gpt2-large} \
         --nproc 1 --precision bf16 --seq_len 1024 --out_dir "$OUT" --csv gpu_transfer.csv 2>&1 | tee "$OUT/gpu_transfer.log" | tail -30 ;;
+    memory_far)
+      # Memory far from the profile (issue 49, 4.2): tunes with micro-batches up to 1024, then a measured sweep by phase.
+      timeout ${MEMORY_TIMEOUT_S:-540} python3 benchmarks/gpu/memory_far.py --out_dir "$OUT" --deadline_s ${MEMORY_DEADLINE_S:-500} \
+        --tune ${MEMORY_TUNES:-gpt2-medium:256 gpt2-large:256} --sweep ${MEMORY_SWEEPS:-gpt2-medium:256:0,3} 2>&1 \
+        | tee "$OUT/memory_far.log" | tail -30 ;;
   esac
 done
