@@ -100,8 +100,10 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--ray_gpus_per_rank", type=float, default=None,
                          help="GPUs each rank's bundle reserves (default: 1 when the cluster has GPUs, else 0)")
     parser.add_argument("--engine", choices=("auto", "deepspeed", "autotuner"), default="auto",
-                        help="--autotuning: whose engine the script trains on; auto: DeepSpeed's own when the script "
-                             "imports deepspeed, else ours (autotuner)")
+                        help="whose engine the script trains on, for the checks that depend on it; auto: DeepSpeed's "
+                             "own when the script imports deepspeed, ours (autotuner) when it imports autotuner, and "
+                             "for a script that imports both, with --autotuning, the one the profile launch's ranks "
+                             "build")
     parser.add_argument("--report_file", default=None, help=argparse.SUPPRESS)  # the tuner's launches: see LaunchReport
     parser.add_argument("--autotuning", choices=("tune", "run", "online"), default=None,
                         help="tune: search ZeRO stage x micro-batch x gas and write the optimum; run: tune, then "
@@ -121,10 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = False,
-                  script: str | None = None) -> None:
+                  script: str | None = None, engine: str = "auto") -> None:
     """Validate the script's config before starting anything, so a typo costs no launch. Hugging
     Face's "auto" values are refused here only for a script known to train on our engine; on
-    DeepSpeed's (the Trainer's) they are the script's to fill in."""
+    DeepSpeed's (the Trainer's) they are the script's to fill in. A script that imports both
+    engines is not refused on a guess."""
     from autotuner.config import load_config
     from autotuner.config.batch import check_fixed_triad
     from autotuner.launch.script_args import config_path
@@ -137,13 +140,12 @@ def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = 
     config = load_config(path)
     if script is not None:
         from autotuner.config.trainer_auto import refuse_trainer_autos
-        from autotuner.app.engines import (check_our_engine_sections, deepspeed_through_library,
-                                           imports_deepspeed, trains_on_ours)
+        from autotuner.app.engines import check_our_engine_sections, engine_choice, trains_on_ours
 
-        if trains_on_ours(script):
-            refuse_trainer_autos(config, path)
-        elif imports_deepspeed(script) or deepspeed_through_library(script):
-            check_our_engine_sections(config, "deepspeed", path)
+        choice = engine_choice(script, engine)
+        if choice.engine == "autotuner" and trains_on_ours(script):
+            refuse_trainer_autos(config, path, choice.why)
+        check_our_engine_sections(config, choice, path)  # only for a script settled on DeepSpeed's engine
     check_fixed_triad(config, world_size, path)
     stage = config.zero_optimization.stage
     if not isinstance(stage, int):
@@ -199,13 +201,13 @@ def _launch(args: argparse.Namespace) -> int:
     if nodes is not None:
         from autotuner.launch.node_runner import run_nodes
 
-        _check_config(tuple(args.script_args), nodes.world_size, args.autotuning == "online", args.script)
+        _check_config(tuple(args.script_args), nodes.world_size, args.autotuning == "online", args.script, args.engine)
         return run_nodes(nodes)
     if args.stop_with_stdin:
         _stop_when_stdin_closes()
     plan = build_plan(options, sys.executable)
     online = args.autotuning == "online"
-    _check_config(tuple(args.script_args), plan.world_size, online, args.script)
+    _check_config(tuple(args.script_args), plan.world_size, online, args.script, args.engine)
     if online:
         plan = dataclasses.replace(plan, env={**plan.env, ONLINE_ENV: "1"})
     return run_plan(config_checked(plan), quiet=not args.debug)

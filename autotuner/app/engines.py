@@ -1,20 +1,28 @@
 """Whose engine a script trains on: ours (`import autotuner`) or DeepSpeed's own (`import deepspeed`,
 or Hugging Face's Trainer or accelerate's DeepSpeed plugin given a DeepSpeed config).
 
-The tuner decides before anything starts, from the script's imports (and those of its own modules
-beside it) or the launcher's `--engine deepspeed`; the profile launch then confirms it from inside
-the ranks (ModelInfo.engine). A script that needs DeepSpeed where it is not installed is refused
-in one line, before any launch.
+The launcher's `--engine` settles it outright. Otherwise the script's imports (and those of its own
+modules beside it) settle it when they name one engine only; a script that needs DeepSpeed where
+it is not installed is then refused in one line, before any launch. A script that imports both
+(one behind an environment variable, or `try: import deepspeed` falling back to ours) chooses at
+run time, so nothing is refused on a guess: the profile launch's ranks report the engine they
+built (ModelInfo.engine), and what is wrong for that engine is refused then, before any other
+launch (app/settle.py `settle_built_engine`). Every refusal that depends on the engine says which
+engine and why (EngineChoice.why).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 from autotuner.errors import ConfigError, UsageError
+from autotuner.execution.script_imports import ImportSite, import_sites
 
 ENGINE_CHOICES = ("auto", "deepspeed", "autotuner")
+ENGINE_NAMES = {"deepspeed": "DeepSpeed's engine", "autotuner": "our engine"}
 INSTALL_HINT = ("pip install 'autotuner[deepspeed]' (on a CPU-only machine: DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "
                 "pip install --no-build-isolation deepspeed)")
 
@@ -32,56 +40,90 @@ DEEPSPEED_THROUGH = frozenset({
 })
 
 
-def _top_level(name: str) -> str:
-    return name.split(":")[0].split(".")[0]
+@dataclass(frozen=True)
+class EngineChoice:
+    """Whose engine the script trains on, how that was decided, and why, in words for messages."""
+
+    engine: str  # "deepspeed" or "autotuner"; while not settled, the one the profile launch expects
+    settled: bool  # False: the script imports both engines, and the profile launch's ranks settle it
+    decided_by: str  # "--engine", "imports" or "ranks"
+    reason: str  # the fact: "train.py imports deepspeed (line 3)", "--engine deepspeed was given"
+
+    @property
+    def why(self) -> str:
+        """A clause saying which engine and why, with the flag that changes it where a guess was made:
+        "train.py imports deepspeed (line 3), so it is taken to train on DeepSpeed's engine (pass
+        --engine autotuner if it trains on ours)"."""
+        if self.decided_by != "imports" or not self.settled:
+            return self.reason
+        other = "autotuner" if self.engine == "deepspeed" else "deepspeed"
+        other_name = "ours" if other == "autotuner" else "DeepSpeed's"
+        return (f"{self.reason}, so it is taken to train on {ENGINE_NAMES[self.engine]} (pass --engine {other} "
+                f"if it trains on {other_name})")
+
+    def built(self, engine: str) -> EngineChoice:
+        """Settled by the engine the profile launch's ranks built."""
+        if engine not in ENGINE_NAMES:
+            raise ValueError(f"unknown engine {engine!r}")
+        if not self.settled:
+            reason = f"{self.reason}, and the profile launch's ranks built {ENGINE_NAMES[engine]}"
+        elif engine == self.engine:
+            return self
+        else:
+            reason = f"the profile launch's ranks built {ENGINE_NAMES[engine]}, though {self.reason}"
+        return replace(self, engine=engine, settled=True, decided_by="ranks", reason=reason)
 
 
-def imports_deepspeed(script: str) -> bool:
-    from autotuner.execution.forkserver import script_imports
+def _site_text(site: ImportSite, script: str) -> str:
+    """"line 3", or "helper.py, line 3" for an import in one of the script's own modules."""
+    own = site.path == Path(script).resolve()
+    return f"line {site.line}" if own else f"{site.path.name}, line {site.line}"
 
-    return any(_top_level(name) == "deepspeed" for name in script_imports(script))
+
+def engine_choice(script: str, requested: str = "auto") -> EngineChoice:
+    """Whose engine the script trains on, from --engine or else the script's imports; unsettled
+    when it imports both engines."""
+    if requested not in ENGINE_CHOICES:
+        raise UsageError(f"--engine: got {requested!r}; choose one of {', '.join(ENGINE_CHOICES)}")
+    if requested != "auto":
+        return EngineChoice(requested, True, "--engine", f"--engine {requested} was given")
+    sites = import_sites(script)
+    deepspeed = next((site for site in sites if site.top_level == "deepspeed"), None)
+    ours = next((site for site in sites if site.top_level == "autotuner"), None)
+    if deepspeed is not None and ours is not None:
+        return EngineChoice("autotuner", False, "imports",
+                            f"{script} imports both deepspeed ({_site_text(deepspeed, script)}) and autotuner "
+                            f"({_site_text(ours, script)})")
+    if deepspeed is not None:
+        return EngineChoice("deepspeed", True, "imports",
+                            f"{script} imports deepspeed ({_site_text(deepspeed, script)})")
+    through = None if ours is not None else next((site for site in sites if site.name in DEEPSPEED_THROUGH), None)
+    if through is not None:
+        return EngineChoice("deepspeed", True, "imports",
+                            f"{script} imports {through.name.replace(':', '.')} ({_site_text(through, script)}), "
+                            "which trains on DeepSpeed's engine with --deepspeed")
+    reason = (f"{script} imports autotuner ({_site_text(ours, script)}) and not deepspeed" if ours is not None
+              else f"{script} imports neither deepspeed nor autotuner")
+    return EngineChoice("autotuner", True, "imports", reason)
 
 
-def deepspeed_through_library(script: str) -> str | None:
-    """The first import by which the script reaches DeepSpeed's engine through a library (e.g.
-    "transformers:Trainer"), unless it imports autotuner; else None."""
-    from autotuner.execution.forkserver import script_imports
-
-    names = script_imports(script)
-    if any(_top_level(name) == "autotuner" for name in names):
-        return None
-    return next((name for name in names if name in DEEPSPEED_THROUGH), None)
+def script_engine(script: str, requested: str = "auto") -> EngineChoice:
+    """`engine_choice`, refused in one line where it needs DeepSpeed and DeepSpeed is not
+    installed. A script that imports both engines is not refused: its fallback may be ours."""
+    choice = engine_choice(script, requested)
+    if choice.settled and choice.engine == "deepspeed" and not deepspeed_installed():
+        imports_deepspeed = any(site.top_level == "deepspeed" for site in import_sites(script))
+        instead = ("" if not imports_deepspeed or choice.decided_by != "imports" else ", or change the script's "
+                   "`import deepspeed` to `import autotuner as deepspeed` to train on our engine")
+        raise UsageError(f"{choice.why}, but DeepSpeed is not installed in this Python; {INSTALL_HINT}{instead}")
+    return choice
 
 
 def trains_on_ours(script: str) -> bool:
     """The script imports autotuner and nothing that would put it on DeepSpeed's engine."""
-    from autotuner.execution.forkserver import script_imports
-
-    names = script_imports(script)
-    return any(_top_level(name) == "autotuner" for name in names) and not imports_deepspeed(script)
-
-
-def script_engine(script: str, requested: str = "auto") -> str:
-    """"deepspeed" when the script trains on DeepSpeed's engine, else "autotuner"."""
-    if requested not in ENGINE_CHOICES:
-        raise UsageError(f"--engine: got {requested!r}; choose one of {', '.join(ENGINE_CHOICES)}")
-    if requested == "autotuner":  # a script that imports both engines behind its own flag
-        return "autotuner"
-    through = None
-    if requested == "deepspeed":
-        why = "--engine deepspeed was given"
-    elif imports_deepspeed(script):
-        why = f"{script} imports deepspeed"
-    else:
-        through = deepspeed_through_library(script)
-        if through is None:
-            return "autotuner"
-        why = f"{script} imports {through.replace(':', '.')}, which trains on DeepSpeed's engine with --deepspeed"
-    if not deepspeed_installed():
-        instead = ("" if through else ", or change the script's `import deepspeed` to `import autotuner as "
-                   "deepspeed` to train on our engine")
-        raise UsageError(f"{why}, but DeepSpeed is not installed in this Python; {INSTALL_HINT}{instead}")
-    return "deepspeed"
+    choice = engine_choice(script)
+    return choice.settled and choice.engine == "autotuner" and any(
+        site.top_level == "autotuner" for site in import_sites(script))
 
 
 def deepspeed_cpu_runs_fp16() -> bool:
@@ -95,17 +137,19 @@ def deepspeed_cpu_runs_fp16() -> bool:
         return False
 
 
-def check_deepspeed_precision(fp16_enabled: object, engine: str, script_args: tuple[str, ...], source: str) -> None:
-    """Refuse before any launch what DeepSpeed's engine would refuse in every rank: fp16 on a CPU
-    without fp16 kernels. On CUDA DeepSpeed decides per GPU, and our engine runs fp16 anywhere."""
+def check_deepspeed_precision(fp16_enabled: object, choice: EngineChoice, script_args: tuple[str, ...],
+                              source: str) -> None:
+    """Refuse what DeepSpeed's engine would refuse in every rank: fp16 on a CPU without fp16
+    kernels. On CUDA DeepSpeed decides per GPU, and our engine runs fp16 anywhere."""
     import torch
 
-    if engine != "deepspeed" or fp16_enabled is not True or torch.cuda.is_available() or deepspeed_cpu_runs_fp16():
+    if (not choice.settled or choice.engine != "deepspeed" or fp16_enabled is not True or torch.cuda.is_available()
+            or deepspeed_cpu_runs_fp16()):
         return
     flag = " and drop the script's --fp16" if "--fp16" in script_args else ""
     raise ConfigError(f"{source}: fp16.enabled: true, but DeepSpeed's engine refuses fp16 on this CPU (oneDNN has "
-                      "no fp16 kernels for it: it needs AVX512-FP16 or AMX-FP16); set \"fp16\": {\"enabled\": false}"
-                      f"{flag} to train in fp32, or \"bf16\": {{\"enabled\": true}} in its place")
+                      f"no fp16 kernels for it: it needs AVX512-FP16 or AMX-FP16), and {choice.why}; set \"fp16\": "
+                      f"{{\"enabled\": false}}{flag} to train in fp32, or \"bf16\": {{\"enabled\": true}} in its place")
 
 
 # Our keys a script on DeepSpeed's engine may carry when autotuning.arg_mappings maps them to a
@@ -115,43 +159,45 @@ SCRIPT_APPLIED = {"activation_checkpointing.policy": ("none", "full"), "compile.
 MAPPING_HINT = {"activation_checkpointing.policy": "--gradient_checkpointing", "compile.enabled": "--torch_compile"}
 
 
-def check_our_engine_sections(config, engine: str, source: str, arg_mappings: dict[str, str] | None = None) -> None:
-    """Keys only our engine acts on, for a script on DeepSpeed's engine: an activation
+def check_our_engine_sections(config, choice: EngineChoice, source: str,
+                              arg_mappings: dict[str, str] | None = None) -> None:
+    """Keys only our engine acts on, for a script settled on DeepSpeed's engine: an activation
     checkpointing policy (DeepSpeed never reads it, so it would be silently ignored) and our
     compile keys (DeepSpeed 0.16+ refuses them in its compile section). Refused in one line,
     unless arg_mappings hands the policy or compile.enabled to a flag of the script's own."""
-    if engine != "deepspeed":
+    if not choice.settled or choice.engine != "deepspeed":
         return
     mapped = arg_mappings or {}
     policy = config.activation_checkpointing.policy
-    _check_script_applied(source, "activation_checkpointing.policy", policy, mapped, policy != "none",
+    _check_script_applied(source, choice, "activation_checkpointing.policy", policy, mapped, policy != "none",
                           "the script checkpoints activations itself (deepspeed.checkpointing, or Hugging Face's "
                           "--gradient_checkpointing)")
     ours = sorted(config.compile.model_fields_set & {"enabled", "backend", "kwargs"})
     if "compile.enabled" in mapped:
         ours = [key for key in ours if key != "enabled"]
-        _check_script_applied(source, "compile.enabled", config.compile.enabled, mapped, True, "")
+        _check_script_applied(source, choice, "compile.enabled", config.compile.enabled, mapped, True, "")
     if ours:
-        raise ConfigError(f"{source}: compile.{ours[0]}: our engine's key; DeepSpeed's engine refuses it in its compile "
-                          "section (from 0.16 it compiles through engine.compile()); call engine.compile() in the "
-                          "script, map compile.enabled to its flag in autotuning.arg_mappings (Hugging Face's "
-                          "--torch_compile), or drop the key")
+        raise ConfigError(f"{source}: compile.{ours[0]}: our engine's key, but {choice.why}; DeepSpeed's engine "
+                          "refuses it in its compile section (from 0.16 it compiles through engine.compile()); call "
+                          "engine.compile() in the script, map compile.enabled to its flag in autotuning.arg_mappings "
+                          "(Hugging Face's --torch_compile), or drop the key")
 
 
-def _check_script_applied(source: str, key: str, value, mapped: dict[str, str], used: bool, how: str) -> None:
+def _check_script_applied(source: str, choice: EngineChoice, key: str, value, mapped: dict[str, str], used: bool,
+                          how: str) -> None:
     """A script-applied key on DeepSpeed's engine: mapped to the script's flag, with values the
     flag can express; else refused in one line."""
     allowed = SCRIPT_APPLIED[key]
     if key not in mapped:
         if used:
             verb = "tuned" if value == "auto" or isinstance(value, list) else "applied"
-            raise ConfigError(f"{source}: {key}: {json.dumps(value)} is {verb} by our engine only; on DeepSpeed's "
-                              f"engine {how or 'the script applies it'}: map it to the script's flag in "
-                              f"autotuning.arg_mappings (e.g. \"{key}\": \"{MAPPING_HINT[key]}\"), or set it to "
+            raise ConfigError(f"{source}: {key}: {json.dumps(value)} is {verb} by our engine only, but {choice.why}; "
+                              f"on DeepSpeed's engine {how or 'the script applies it'}: map it to the script's flag "
+                              f"in autotuning.arg_mappings (e.g. \"{key}\": \"{MAPPING_HINT[key]}\"), or set it to "
                               f"{json.dumps(allowed[0])} or leave it out")
         return
     values = value if isinstance(value, list) else [] if value == "auto" else [value]
     wrong = [v for v in values if v not in allowed]
     if wrong:
         raise ConfigError(f"{source}: {key}: {json.dumps(wrong[0])} cannot be passed through {mapped[key]} on "
-                          f"DeepSpeed's engine; allowed: {', '.join(json.dumps(v) for v in allowed)}")
+                          f"DeepSpeed's engine ({choice.why}); allowed: {', '.join(json.dumps(v) for v in allowed)}")

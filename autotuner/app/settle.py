@@ -1,7 +1,11 @@
 """The one settle step: from the command line and ds.json to a frozen job. Every check that can
 refuse the request runs here, before anything is launched or written, and every value the
 tuner's stages share (the launch plan, the data-parallel size, the engine, the experiment
-settings, the run's fingerprint) is settled here once."""
+settings, the run's fingerprint) is settled here once.
+
+One exception: a script that imports both engines chooses at run time, so the checks that depend
+on the engine wait for the profile launch's ranks to say which they built (`settle_built_engine`,
+which the orchestrator calls before any other launch)."""
 
 from __future__ import annotations
 
@@ -11,8 +15,8 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from autotuner.app.engines import (check_our_engine_sections, check_deepspeed_precision, script_engine,
-                                   trains_on_ours)
+from autotuner.app.engines import (EngineChoice, check_deepspeed_precision, check_our_engine_sections,
+                                   script_engine, trains_on_ours)
 from autotuner.config import DeepSpeedConfig, load_config
 from autotuner.config.batch import check_fixed_triad, train_batch_size
 from autotuner.config.keys import field_names, section_model
@@ -39,6 +43,7 @@ class SettledJob:
     options: LaunchOptions  # on Ray: one node's (the cluster places each experiment's nodes)
     plan: LaunchPlan
     num_nodes: int  # the nodes each experiment spans
+    engine: EngineChoice  # settled here, or (a script that imports both) by the profile launch's ranks
     settings: ExperimentSettings
     fingerprint: Fingerprint
     results_dir: Path
@@ -103,12 +108,15 @@ def check_some_batch_is_valid(config: DeepSpeedConfig, data_parallel_size: int, 
     raise ConfigError(f"{source}: {key}: no micro-batch size gives a valid global batch: {allowed}")
 
 
-def check_trainer_autos(config: DeepSpeedConfig, engine: str, script: str, source: str) -> None:
+def check_trainer_autos(config: DeepSpeedConfig, choice: EngineChoice, script: str, source: str) -> None:
     """Hugging Face's "auto" values: refused for a script on our engine; on DeepSpeed's, passed
     through, saying so. With model_info given no profile launch measures the precision the Trainer
     picks, so fp16/bf16 "auto" must be settled in the file then."""
-    if engine == "autotuner" and trains_on_ours(script):
-        refuse_trainer_autos(config, source)
+    if not choice.settled:
+        return
+    engine = choice.engine
+    if engine == "autotuner" and (choice.decided_by == "ranks" or trains_on_ours(script)):
+        refuse_trainer_autos(config, source, choice.why)
     note = passed_through_note(config, source) if engine == "deepspeed" else None
     if note:
         say(f"note: {note}")
@@ -183,9 +191,15 @@ def settle(args: argparse.Namespace) -> SettledJob:
     check_some_batch_is_valid(config, data_parallel_size, source)
     check_optimizer_and_scheduler(config, source)
     engine = script_engine(args.script, getattr(args, "engine", "auto"))
-    check_trainer_autos(config, engine, args.script, source)
-    check_deepspeed_precision(config.fp16.enabled, engine, script_args, source)
-    check_our_engine_sections(config, engine, source, dict(tuning.arg_mappings))
+    if engine.settled:
+        check_engine(config, engine, args.script, script_args, source)
+    elif tuning.model_info is not None and tuning.model_info.num_params:
+        raise UsageError(f"{engine.reason}, so only the profile launch's ranks can tell which engine it trains on, "
+                         f"and {source}'s autotuning.model_info skips that launch; pass --engine deepspeed or --engine "
+                         "autotuner, or drop autotuning.model_info.num_params")
+    else:
+        say(f"engine: {engine.reason}; the profile launch's ranks tell which engine it trains on, and what "
+            "depends on the engine is settled from them, before any other launch")
     if config.compile.tuned and tuning.start_profile_step < 2:
         raise ConfigError(f"{source}: autotuning.start_profile_step: got {tuning.start_profile_step}; with compile.enabled "
                           "\"auto\" it must be at least 2, so compiling (in the first step) falls before the timed "
@@ -206,7 +220,8 @@ def settle(args: argparse.Namespace) -> SettledJob:
         memory_budget_bytes=tuning.memory_per_rank_bytes,
         user_config=read_config_file(source),
         rank_flags=options.rank_flags(),
-        engine=engine,
+        engine=engine.engine,
+        engine_settled=engine.settled,
         planned_steps=tuning.planned_steps or script_max_steps(script_args),
     )
     fingerprint = fingerprint_of(script=args.script, script_args=script_args,
@@ -214,4 +229,21 @@ def settle(args: argparse.Namespace) -> SettledJob:
                                  nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if on_ray else 1,
                                  launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
                                  device=this_device())
-    return SettledJob(source, config, options, plan, num_nodes, settings, fingerprint, results_dir, exps_dir)
+    return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir)
+
+
+def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, script_args: tuple[str, ...],
+                 source: str) -> None:
+    """Refuse in one line what is wrong for the engine the script trains on, saying which and why."""
+    check_trainer_autos(config, engine, script, source)
+    check_deepspeed_precision(config.fp16.enabled, engine, script_args, source)
+    check_our_engine_sections(config, engine, source, dict(config.autotuning.arg_mappings))
+
+
+def settle_built_engine(job: SettledJob, built: str) -> str:
+    """The engine the profile launch's ranks built, for a script whose engine was not settled
+    before (or not as they built it): what is wrong for it is refused in one line (ConfigError,
+    exit code 2), else the line to report, saying which engine and why."""
+    engine = job.engine.built(built)
+    check_engine(job.config, engine, job.settings.script, job.settings.script_args, job.source)
+    return f"engine: {engine.why}; every experiment runs there"

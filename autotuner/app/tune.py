@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from autotuner.app.settle import SettledJob, say as _say, settle
+from autotuner.app.settle import SettledJob, say as _say, settle, settle_built_engine
 from autotuner.errors import UsageError
 from autotuner.launch.stopping import Stopped
 from autotuner.tuning.autotuner import Autotuner, TuningFailed
@@ -65,7 +65,7 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
         with exclusive_lock(results_dir):
             try:
                 outcome = Autotuner(job.config, job.settings, results_dir, exps_dir, runner, job.fingerprint,
-                                    report=_say).tune()
+                                    report=_say, settle_engine=lambda built: settle_built_engine(job, built)).tune()
             except Stopped as stop:  # the runner's exit below ends the running experiment
                 print(f"autotuner: stopped by {stop.name}; running experiment ended, finished records kept in "
                       f"{exps_dir}. Resume with the same command.", file=sys.stderr, flush=True)

@@ -1,7 +1,10 @@
-"""`deepspeed.compression.helper`: the model-surgery helpers, refused when used."""
+"""`deepspeed.compression.helper`: the dotted-name module helpers scripts import from here (DeepSpeed
+0.19 keeps them here for those scripts, defined in deepspeed.utils.module_utils). The compression
+library's own surgery is refused when used."""
 
 from autotuner.unsupported import unsupported_function
+from autotuner.utils.module_utils import recursive_getattr, recursive_setattr
 
 convert_conv1d_to_linear = unsupported_function("compression.helper.convert_conv1d_to_linear", "compression")
-recursive_getattr = unsupported_function("compression.helper.recursive_getattr", "compression")
-recursive_setattr = unsupported_function("compression.helper.recursive_setattr", "compression")
+
+__all__ = ["convert_conv1d_to_linear", "recursive_getattr", "recursive_setattr"]

@@ -7,7 +7,33 @@ from autotuner.config.models import DeepSpeedConfig
 from autotuner.errors import ConfigError
 
 
+# Sections DeepSpeed's engine acts on when enabled, changing what the model is fed or runs; ours does
+# not carry them. Enabled, they would train differently here: refused at initialize, before any step.
+_FEATURES = {
+    "curriculum_learning": "DeepSpeed's legacy curriculum learning (the engine passes a growing sequence length "
+                           "to the model's forward)",
+    "progressive_layer_drop": "progressive layer dropping (the engine passes a keep probability to the forward)",
+    "data_efficiency": "DeepSpeed's data efficiency library (curriculum sampling, random-LTD)",
+}
+
+
+def _enabled(section: object) -> bool:
+    """"enabled": true, and where sub-sections carry their own switch (data_efficiency nests them),
+    one of those enabled too; an explicit false turns everything below it off."""
+    if not isinstance(section, dict) or section.get("enabled") is False:
+        return False
+    switched = [value for value in section.values() if isinstance(value, dict) and "enabled" in value]
+    if switched:
+        return any(_enabled(value) for value in switched)
+    return section.get("enabled") is True
+
+
 def refuse_other_math(config: DeepSpeedConfig, source: str) -> None:
+    for key, what in _FEATURES.items():
+        if _enabled(config.set_aside.get(key)):
+            raise ConfigError(f"{source}: {key} is enabled: {what} is not carried by autotuner's engine, so the run "
+                              "would train differently from DeepSpeed; disable the section, or train on DeepSpeed's "
+                              "engine (import deepspeed, or --engine deepspeed)")
     if not config.managed_gradient_accumulation:
         raise ConfigError(f"{source}: managed_gradient_accumulation false (every step() is an optimizer step) is not "
                           "supported by autotuner's engine; remove it and set gradient_accumulation_steps instead")

@@ -121,6 +121,8 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
     if ignored:
         logger.warning("%s: accepted but not used by autotuner: %s", label, ", ".join(ignored))
     try:
-        return DeepSpeedConfig.model_validate(kept)
+        config = DeepSpeedConfig.model_validate(kept)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, label)) from err
+    config._set_aside = {key: raw[key] for key in ignored if key in raw}
+    return config

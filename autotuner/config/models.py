@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Union
 
-from pydantic import AliasChoices, Field, NonNegativeFloat, PositiveFloat, field_validator, model_validator
+from pydantic import AliasChoices, Field, NonNegativeFloat, PositiveFloat, PrivateAttr, field_validator, model_validator
 
 from autotuner.config.autotuning import AutotuningConfig
 from autotuner.config.base import Auto, NonNegativeInt, PositiveInt, Section
@@ -164,6 +164,14 @@ BatchValue = Union[PositiveInt, Auto, None]
 
 class DeepSpeedConfig(Section):
     """The whole config file. Batch values may be "auto" until `resolve_batch` runs."""
+
+    # DeepSpeed's sections we do not act on, as the file gave them (config/keys.py sets them aside):
+    # our engine reads them only to refuse those that would change its training (config/engine_math.py).
+    _set_aside: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def set_aside(self) -> dict[str, Any]:
+        return dict(self._set_aside)
 
     train_batch_size: BatchValue = Field(
         None, description="samples per optimizer step over all ranks = micro-batch x gas x data-parallel size")

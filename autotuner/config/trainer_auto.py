@@ -47,17 +47,19 @@ def trainer_auto_keys(config: DeepSpeedConfig) -> list[str]:
     return [key for key in TRAINER_FILLED if _value(data, key) == "auto"]
 
 
-def refuse_trainer_autos(config: DeepSpeedConfig, source: str) -> None:
+def refuse_trainer_autos(config: DeepSpeedConfig, source: str, why: str = "") -> None:
     """Our engine cannot train with values only Hugging Face's Trainer fills in: one line naming
-    each key and what to set."""
+    each key and what to set, and `why` the script is taken to train on ours where that was read
+    from it (a clause: "train.py imports autotuner (line 2) and not deepspeed, ...")."""
     keys = trainer_auto_keys(config)
     if not keys:
         return
     listed = ", ".join(keys)
     verb, what = ("is", "a value") if len(keys) == 1 else ("are", "values")
     settings = "; ".join(f"{key} to {TRAINER_FILLED[key]}" for key in keys)
-    raise ConfigError(f"{source}: {listed} {verb} \"auto\" ({what} Hugging Face's Trainer fills in); on autotuner's "
-                      f"engine set {settings}")
+    because = f", but {why}" if why else ""
+    raise ConfigError(f"{source}: {listed} {verb} \"auto\" ({what} Hugging Face's Trainer fills in){because}; on "
+                      f"autotuner's engine set {settings}")
 
 
 # What a check before launch puts where the Trainer will put its own value (never trained with).

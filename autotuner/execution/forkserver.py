@@ -9,8 +9,6 @@ stops the server.
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import json
 import os
 import signal
@@ -22,6 +20,7 @@ import psutil
 
 from autotuner.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
 from autotuner.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
+from autotuner.execution.script_imports import script_imports
 from autotuner.launch.stopping import make_temporary_dir, remove_temporary_dir
 from autotuner.parent_death import LAUNCHED_BY_PID_ENV
 
@@ -31,52 +30,6 @@ PRELOAD_TIMEOUT_S = 600.0
 
 class WarmStartBroken(Exception):
     """The warm path cannot serve this run; the runner switches to cold launches."""
-
-
-def script_imports(script: str) -> list[str]:
-    """Modules the script imports, as "module" or "module:name": at any depth (a library imported
-    inside main() is imported by every launch all the same), and those of the script's own modules
-    beside it, which are read but never preloaded themselves (they may do work at import)."""
-    script_dir = Path(script).resolve().parent
-    found: list[str] = []
-    pending, seen = [Path(script).resolve()], set()
-    while pending:
-        path = pending.pop(0)
-        if path in seen:
-            continue
-        seen.add(path)
-        try:
-            tree = ast.parse(path.read_text(), filename=str(path))
-        except (OSError, SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                names = [node.module, *(f"{node.module}:{alias.name}" for alias in node.names if alias.name != "*")]
-            for name in names:
-                local = script_dir / (name.split(":")[0].split(".")[0] + ".py")
-                if local.is_file():
-                    pending.append(local)
-                elif name not in found:
-                    found.append(name)
-    return [name for name in found if _installed(name.split(":")[0].split(".")[0], script_dir)]
-
-
-def _installed(top_level: str, script_dir: Path) -> bool:
-    if top_level == "__future__":
-        return False
-    try:
-        spec = importlib.util.find_spec(top_level)  # a top-level name only: finding it imports nothing
-    except (ImportError, ValueError):
-        return False
-    if spec is None or spec.origin is None:
-        # None for a namespace package too: a folder found on the tuner's path (a `data/` beside
-        # the working directory) is no sign of what the script, with the paths it adds itself,
-        # imports under that name. Preloaded, it shadowed the script's own data.py in every rank.
-        return False
-    return script_dir not in Path(spec.origin).resolve().parents
 
 
 class Forkserver:

@@ -12,7 +12,8 @@ def is_moe_param(param: Any) -> bool:
     return hasattr(param, "allreduce") and not param.allreduce
 
 
-def split_params_into_different_moe_groups_for_optimizer(param_groups: Any, max_group_size: int | None = None) -> Any:
+def split_params_into_different_moe_groups_for_optimizer(param_groups: Any,
+                                                          max_group_size: int | float = 178956971) -> Any:
     """DeepSpeed moves expert parameters into groups of their own. A model with none (every model
     here: MoE layers are refused) gets its groups back unchanged, as DeepSpeed returns them."""
     groups = [param_groups] if isinstance(param_groups, dict) else param_groups

@@ -7,7 +7,7 @@ has no torch equivalent, so it is refused.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
@@ -25,14 +25,14 @@ def _adam(name: str, params: Iterable, lr: float, bias_correction: bool, betas: 
 
 def FusedAdam(params: Iterable, lr: float = 1e-3, bias_correction: bool = True,  # noqa: N802 (DeepSpeed's name)
               betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-              weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True,
-              **_: Any) -> torch.optim.Optimizer:
+              weight_decay: float = 0.0, amsgrad: bool = False,
+              set_grad_none: bool = True) -> torch.optim.Optimizer:
     return _adam("FusedAdam", params, lr, bias_correction, betas, eps, weight_decay, amsgrad, adam_w_mode)
 
 
 def DeepSpeedCPUAdam(model_params: Iterable, lr: float = 1e-3, bias_correction: bool = True,  # noqa: N802
-                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                     amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True,
-                     **_: Any) -> torch.optim.Optimizer:
+                     betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0,
+                     amsgrad: bool = False, adamw_mode: bool = True,
+                     fp32_optimizer_states: bool = True) -> torch.optim.Optimizer:
     return _adam("DeepSpeedCPUAdam", model_params, lr, bias_correction, betas, eps, weight_decay, amsgrad,
                  adamw_mode)

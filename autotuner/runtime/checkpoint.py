@@ -10,7 +10,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -67,19 +67,24 @@ def save(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     engine_state: dict[str, Any],
+    *,
+    save_latest: bool = True,
+    exclude: set[str] = frozenset(),
 ) -> Path:
-    """Save model and optimizer with DCP under save_dir/tag; rank 0 writes engine state and `latest`."""
+    """Save model and optimizer with DCP under save_dir/tag; rank 0 writes engine state and, with
+    `save_latest`, `latest`. Model weights named in `exclude` are left out."""
     path = Path(save_dir) / tag
     state = {
-        "model": get_model_state_dict(model),
+        "model": {name: value for name, value in get_model_state_dict(model).items() if name not in exclude},
         "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
     }
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
     if dist.get_rank() == 0:
         write_json_atomic(path / ENGINE_STATE_FILE, engine_state)
-        tmp = Path(save_dir) / f".{LATEST_FILE}.tmp"
-        tmp.write_text(tag)
-        tmp.replace(Path(save_dir) / LATEST_FILE)
+        if save_latest:
+            tmp = Path(save_dir) / f".{LATEST_FILE}.tmp"
+            tmp.write_text(tag)
+            tmp.replace(Path(save_dir) / LATEST_FILE)
     dist.barrier()
     return path
 
@@ -92,9 +97,12 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> str | None:
 
 
 def load(
-    load_dir: str | Path, tag: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    load_dir: str | Path, tag: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+    *, strict: bool = True, custom_load_fn: Callable[..., Any] | None = None,
 ) -> dict[str, Any]:
-    """Load into model (and optimizer) in place; returns the saved engine state."""
+    """Load into model (and optimizer) in place; returns the saved engine state. With `strict`,
+    the checkpoint's weights and the model's must name the same tensors (load_state_dict's rule);
+    without it, weights the checkpoint lacks keep their values and extra ones are ignored."""
     path = Path(load_dir) / tag
     if not (path / ENGINE_STATE_FILE).exists():
         raise AutotunerError(f"{path}: not a checkpoint written by save_checkpoint ({ENGINE_STATE_FILE} missing)")
@@ -102,9 +110,15 @@ def load(
     if optimizer is not None:
         _ensure_optimizer_state(model, optimizer)
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
-    stateless = _parameters_saved_without_state(path, state)
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    _check_module_keys(path, set(state["model"]), saved, strict)
+    state["model"] = {name: value for name, value in state["model"].items() if f"model.{name}" in saved}
+    stateless = _parameters_saved_without_state(path, state, saved)
     dcp.load(state, checkpoint_id=str(path), planner=_WeightsOnlyLoadPlanner())
-    set_model_state_dict(model, state["model"])
+    if custom_load_fn is not None:
+        custom_load_fn(src=state["model"], dst=model)
+    else:
+        set_model_state_dict(model, state["model"], options=StateDictOptions(strict=False))
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIM_OPTIONS)
         # Parameters that never had a gradient had no optimizer state when saved (Adam makes it at
@@ -117,10 +131,23 @@ def load(
     return json.loads((path / ENGINE_STATE_FILE).read_text())
 
 
-def _parameters_saved_without_state(path: Path, state: dict[str, Any]) -> set[str]:
+def _check_module_keys(path: Path, model_keys: set[str], saved: set[str], strict: bool) -> None:
+    """load_module_strict: the checkpoint's weights are exactly the model's."""
+    if not strict:
+        return
+    saved_model = {key[len("model."):] for key in saved if key.startswith("model.")}
+    missing, unexpected = sorted(model_keys - saved_model), sorted(saved_model - model_keys)
+    if missing or unexpected:
+        what = (f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else
+                f"unexpected {', '.join(unexpected[:3])}{' ...' if len(unexpected) > 3 else ''}")
+        raise AutotunerError(f"{path}: the checkpoint's weights do not match this model ({what}); pass "
+                             "load_module_strict=False to load what matches (as for a checkpoint saved with "
+                             "exclude_frozen_parameters=True)")
+
+
+def _parameters_saved_without_state(path: Path, state: dict[str, Any], saved: set[str]) -> set[str]:
     """Names of parameters whose optimizer state the checkpoint lacks. Any other missing key (a
-    model weight, a hyperparameter) means the checkpoint does not fit this model: refused."""
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    hyperparameter) means the checkpoint does not fit this optimizer: refused."""
     missing = {f"{section}.{key}" for section, part in state.items() for key in part} - saved
     stateless, other = set(), []
     prefix = "optim.state."

@@ -2,8 +2,10 @@
 
 Each is torch.distributed underneath, with DeepSpeed's names, argument names and defaults
 (`all_gather_into_tensor(output_tensor, tensor)`, `get_local_rank()` from the launcher's
-environment, a default timeout from DEEPSPEED_TIMEOUT minutes). `ReduceOp` is torch's, so
-`ReduceOp.SUM` reads the same either way.
+environment, a default timeout from DEEPSPEED_TIMEOUT minutes). The collectives take DeepSpeed's
+`prof`, `log_name` and `debug`, which label its communication log; we keep no such log, so they
+change nothing. `ReduceOp` is torch's, so `ReduceOp.SUM` reads the same either way. Where a
+signature still differs from DeepSpeed 0.19.8's, docs/deepspeed_signatures.md says why.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ __all__ = [
     "barrier", "broadcast", "broadcast_object_list", "destroy_process_group", "gather", "get_global_rank",
     "get_local_rank", "get_rank", "get_world_group", "get_world_size", "init_distributed", "irecv", "is_available",
     "is_initialized", "isend", "monitored_barrier", "new_group", "recv", "reduce", "reduce_scatter_tensor", "scatter",
-    "send",
+    "send", "allgather_fn", "has_all_gather_into_tensor",
 ]
 
 
@@ -97,79 +99,111 @@ def destroy_process_group(group: Any = None) -> None:
     dist.destroy_process_group(group)
 
 
-def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None) -> Any:
+def barrier(group: Any = None, async_op: bool = False, device_ids: Any = None, prof: bool = False,
+            log_name: str = "barrier", debug: str | None = None) -> Any:
     # DeepSpeed's barrier drops device_ids; so do we.
     _require()
     return dist.barrier(group=group, async_op=async_op)
 
 
 def monitored_barrier(group: Any = None, timeout: datetime.timedelta | None = None,
-                      wait_all_ranks: bool = False) -> Any:
+                      wait_all_ranks: bool = False, prof: bool = False,
+                      log_name: str = "monitored_barrier", debug: str | None = None) -> Any:
     _require()
     return dist.monitored_barrier(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False) -> Any:
+def broadcast(tensor: torch.Tensor, src: int, group: Any = None, async_op: bool = False, prof: bool = False,
+              log_name: str = "broadcast", debug: str | None = None) -> Any:
     return dist.broadcast(tensor, src, group=group, async_op=async_op)
 
 
-def broadcast_object_list(object_list: list, src: int, group: Any = None, device: Any = None) -> None:
+def broadcast_object_list(object_list: list, src: int, group: Any = None, device: Any = None, prof: bool = False,
+                          log_name: str = "broadcast_object_list", debug: str | None = None) -> None:
     dist.broadcast_object_list(object_list, src, group=group, device=device)
 
 
-def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+def all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False,
+               prof: bool = False,
+               log_name: str = "all_reduce", debug: str | None = None) -> Any:
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False) -> Any:
+def reduce(tensor: torch.Tensor, dst: int, op: Any = ReduceOp.SUM, group: Any = None, async_op: bool = False,
+           prof: bool = False,
+           log_name: str = "reduce", debug: str | None = None) -> Any:
     return dist.reduce(tensor, dst, op=op, group=group, async_op=async_op)
 
 
-def all_gather(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+def all_gather(tensor_list: list, tensor: torch.Tensor, group: Any = None, async_op: bool = False, prof: bool = False,
+               log_name: str = "all_gather", debug: str | None = None) -> Any:
     return dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
 
-def all_gather_object(object_list: list, obj: Any, group: Any = None) -> None:
+def all_gather_object(object_list: list, obj: Any, group: Any = None, prof: bool = False,
+                      log_name: str = "all_gather_object", debug: str | None = None) -> None:
     dist.all_gather_object(object_list, obj, group=group)
 
 
 def all_gather_into_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, group: Any = None,
-                           async_op: bool = False) -> Any:
+                           async_op: bool = False, prof: bool = False,
+                           log_name: str = "all_gather_into_tensor", debug: str | None = None) -> Any:
     return dist.all_gather_into_tensor(output_tensor, tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output_tensor: torch.Tensor, tensor: torch.Tensor, op: Any = ReduceOp.SUM,
-                          group: Any = None, async_op: bool = False) -> Any:
+                          group: Any = None, async_op: bool = False, prof: bool = False,
+                          log_name: str = "reduce_scatter_tensor", debug: str | None = None) -> Any:
     return dist.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_sizes: list | None = None,
-                      input_split_sizes: list | None = None, group: Any = None, async_op: bool = False) -> Any:
+                      input_split_sizes: list | None = None, group: Any = None, async_op: bool = False,
+                      prof: bool = False, log_name: str = "all_to_all_single", debug: str | None = None) -> Any:
     return dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
                                   async_op=async_op)
 
 
 def gather(tensor: torch.Tensor, gather_list: list | None = None, dst: int = 0, group: Any = None,
-           async_op: bool = False) -> Any:
+           async_op: bool = False, prof: bool = False,
+           log_name: str = "gather", debug: str | None = None) -> Any:
     return dist.gather(tensor, gather_list, dst, group=group, async_op=async_op)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list | None = None, src: int = 0, group: Any = None,
-            async_op: bool = False) -> Any:
+            async_op: bool = False, prof: bool = False,
+            log_name: str = "scatter", debug: str | None = None) -> Any:
     return dist.scatter(tensor, scatter_list, src, group=group, async_op=async_op)
 
 
-def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> None:
+def send(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, prof: bool = False,
+         log_name: str = "send", debug: str | None = None) -> None:
     dist.send(tensor, dst, group=group, tag=tag)
 
 
-def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> int:
+def recv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, prof: bool = False,
+         log_name: str = "recv", debug: str | None = None) -> int:
     return dist.recv(tensor, src, group=group, tag=tag)
 
 
-def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0) -> Any:
+def isend(tensor: torch.Tensor, dst: int, group: Any = None, tag: int = 0, prof: bool = False,
+          log_name: str = "isend", debug: str | None = None) -> Any:
     return dist.isend(tensor, dst, group=group, tag=tag)
 
 
-def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0) -> Any:
+def irecv(tensor: torch.Tensor, src: int | None = None, group: Any = None, tag: int = 0, prof: bool = False,
+          log_name: str = "irecv", debug: str | None = None) -> Any:
     return dist.irecv(tensor, src, group=group, tag=tag)
+
+
+def has_all_gather_into_tensor() -> bool:
+    """Whether all_gather_into_tensor exists: it does in every torch this runs on."""
+    _require()
+    return hasattr(dist, "all_gather_into_tensor")
+
+
+def allgather_fn(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False,
+                 debug: str | None = None) -> Any:
+    """DeepSpeed's gather of equal shards into one flat tensor: all_gather_into_tensor."""
+    _require()
+    return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)

@@ -47,6 +47,13 @@ def warn_once(message: str) -> None:
         print(f"autotuner: warning: {message}", file=sys.stderr, flush=True)
 
 
+def dist_timeout_s(timeout_s: float = 1800.0) -> float:
+    """How long a wait on another rank may last: the tuner's limit for its launches, else `timeout_s`."""
+    if os.environ.get(DIST_TIMEOUT_ENV):  # a tuner's launch: no wait outlives the experiment's time limit
+        return min(timeout_s, float(os.environ[DIST_TIMEOUT_ENV]))
+    return timeout_s
+
+
 def select_device(local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -63,8 +70,7 @@ def init_distributed(timeout_s: float = 1800.0, *, default_port: int = 29500, ba
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched and "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
-    if os.environ.get(DIST_TIMEOUT_ENV):  # a tuner's launch: no wait outlives the experiment's time limit
-        timeout_s = min(timeout_s, float(os.environ[DIST_TIMEOUT_ENV]))
+    timeout_s = dist_timeout_s(timeout_s)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = select_device(local_rank)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")

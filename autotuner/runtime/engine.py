@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,10 +21,12 @@ from autotuner.runtime.grad_reduction import GradientReduction
 from autotuner.runtime.measurement import OurEngineView, measurement_request
 from autotuner.runtime.metrics import is_out_of_memory
 from autotuner.runtime.profile import ActivationProbe, FlopProbe
+from autotuner.runtime.rank_zero_gather import StepGate
 from autotuner.runtime.rank_measurement import RankMeasurement
 from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, write_oom_marker
 from autotuner.runtime.online import start_online
 from autotuner.runtime.online.apply import apply_fsdp_prefetch, fsdp_prefetch_depths, fsdp_units, read_applied, rewrap_ddp
+from autotuner.runtime.optim import step_scheduler
 from autotuner.runtime.sharding import average_gradients, gradient_norm, unwrap, wrap_ddp
 from autotuner.runtime.reporting import RunReporter
 from autotuner.runtime.timers import ProfileWindow, Stopwatch
@@ -113,6 +115,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._reshard_after_backward_set = True
         self._online = start_online(self, len(fsdp_units(self.wrapped)) if self._fsdp else 0)
         self.reporter = RunReporter(self)  # monitors, tput_timer, wall-clock timers, flops profiler
+        self.step_gate = StepGate()
 
     # ----- training -----
     def _set_gradient_sync(self, sync: bool) -> None:
@@ -153,23 +156,28 @@ class Engine(DeepSpeedAccessors, nn.Module):
             self._activation_probe.stop()
         return output
 
-    def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of loss / gas; gradients are synchronised only at the accumulation boundary."""
-        scaled = loss / self.batch.gradient_accumulation_steps if self.batch.gradient_accumulation_steps > 1 else loss
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of loss / gas (of loss itself with `scale_wrt_gas=False`, as in DeepSpeed);
+        gradients are synchronised only at the accumulation boundary. Returns the loss as scaled
+        for accumulation, as DeepSpeed's engine does."""
+        gas = self.batch.gradient_accumulation_steps
+        scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
+        gas_scaled = scaled
         if self._grad_scaler is not None:
             scaled = self._grad_scaler.scale(scaled)
         self._backward_watch.start()
         with self._oom_guard():
-            scaled.backward()
+            scaled.backward(retain_graph=retain_graph)
         backward_s = self._backward_watch.stop()
         if self._flop_probe is not None and self.micro_steps == 0:
             self._flop_probe.stop()
         self._window.record_micro(self.global_steps + 1, self._pending_forward_s, backward_s)
         self.reporter.backward_done(loss, backward_s)
-        return loss
+        return gas_scaled
 
-    def step(self) -> None:
-        """Call on every micro-batch. At the boundary: clip, optimizer step, zero grad, scheduler step."""
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Call on every micro-batch. At the boundary: clip, optimizer step, zero grad, scheduler step
+        (with `lr_kwargs` as keywords, as DeepSpeed passes them)."""
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._step_applied = False
@@ -180,9 +188,10 @@ class Engine(DeepSpeedAccessors, nn.Module):
         if measure_phases:
             self._phase_peaks.end_forward_backward(self.ctx.device)
         rewrap = self._reduce_what_ddp_missed()
+        self.step_gate.enter_step()  # another thread reading the shards waits for the update to finish
         self._step_watch.start()
         with self._oom_guard():
-            self._optimizer_step()
+            self._optimizer_step(lr_kwargs)
         if rewrap:
             self._rewrap_for_unused_parameters()
         step_s = self._step_watch.stop()
@@ -195,6 +204,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._last_boundary_end = now
         self.global_steps += 1
         self.global_samples += self.batch.train_batch_size
+        self.step_gate.leave_step(self.global_steps)
         self._window.record_step(self.global_steps, step_s, wall)
         self._window_watch.note_steps_done(self.global_steps)
         self.reporter.step_done(step_s, boundary=True)
@@ -261,7 +271,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         """The knobs in effect, read from the wrapper."""
         return read_applied(self.wrapped, self._reshard_after_backward)
 
-    def _optimizer_step(self) -> None:
+    def _optimizer_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         if self._grad_scaler is not None:
             self._grad_scaler.unscale_(self.optimizer)
         self._global_grad_norm = gradient_norm(list(self.wrapped.parameters()), self.config.gradient_clipping)
@@ -277,8 +287,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
         if not self._step_applied:
             self.skipped_steps += 1
-        elif self.lr_scheduler is not None:
-            self.lr_scheduler.step()  # DeepSpeed does not advance the schedule on a skipped step
+        elif self.lr_scheduler is not None:  # DeepSpeed does not advance the schedule on a skipped step
+            step_scheduler(self.lr_scheduler, lr_kwargs, self.batch.train_batch_size)
 
     @contextlib.contextmanager
     def _oom_guard(self):
@@ -295,8 +305,12 @@ class Engine(DeepSpeedAccessors, nn.Module):
     def _checkpoint_model(self) -> nn.Module:
         return self.module
 
-    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None) -> Path:
-        """Save with torch.distributed.checkpoint; ZeRO-2/3 checkpoints are sharded. Collective."""
+    def save_checkpoint(self, save_dir: str | Path, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> Path:
+        """Save with torch.distributed.checkpoint; ZeRO-2/3 checkpoints are sharded. Collective.
+        `save_latest`: point the `latest` file at this tag; `exclude_frozen_parameters`: leave out
+        the weights of parameters that do not train (such a checkpoint loads with
+        load_module_strict=False, as in DeepSpeed)."""
         from autotuner.runtime import checkpoint  # DCP imports DTensor: ~1 s, paid only when used
 
         tag = tag or f"global_step{self.global_steps}"
@@ -304,6 +318,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
             "global_steps": self.global_steps,
             "micro_steps": self.micro_steps,
             "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps,
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "grad_scaler": self._grad_scaler.state_dict() if self._grad_scaler is not None else None,
             "client_state": client_state or {},
@@ -311,29 +326,41 @@ class Engine(DeepSpeedAccessors, nn.Module):
             "zero_stage": self.zero_stage,
             "world_size": self.ctx.world_size,
         }
-        return checkpoint.save(save_dir, tag, self._checkpoint_model(), self._local_optimizer, state)
+        frozen = ({name for name, param in self._checkpoint_model().named_parameters() if not param.requires_grad}
+                  if exclude_frozen_parameters else set())
+        return checkpoint.save(save_dir, tag, self._checkpoint_model(), self._local_optimizer, state,
+                               save_latest=save_latest, exclude=frozen)
 
-    def load_checkpoint(
-        self, load_dir: str | Path, tag: str | None = None, load_optimizer_states: bool = True
-    ) -> tuple[str | None, dict | None]:
-        """Returns (path, client_state) like DeepSpeed, or (None, None) when there is no checkpoint."""
+    def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False,
+                        custom_load_fn: Callable[..., Any] | None = None) -> tuple[str | None, dict | None]:
+        """Returns (path, client_state) like DeepSpeed, or (None, None) when there is no checkpoint.
+        As in DeepSpeed: `load_module_only` loads the weights alone (no optimizer, schedule or step
+        counts); `custom_load_fn(src=state_dict, dst=module)` loads the weights in place of
+        load_state_dict (under FSDP2 the state dict holds this rank's DTensor shards)."""
         from autotuner.runtime import checkpoint
 
         resolved = checkpoint.resolve_tag(load_dir, tag)
         if resolved is None:
             logger.warning("%s: no 'latest' file and no tag given; nothing loaded", load_dir)
             return None, None
-        optimizer = self._local_optimizer if load_optimizer_states else None
-        state = checkpoint.load(load_dir, resolved, self._checkpoint_model(), optimizer)
+        optimizer = self._local_optimizer if load_optimizer_states and not load_module_only else None
+        state = checkpoint.load(load_dir, resolved, self._checkpoint_model(), optimizer, strict=load_module_strict,
+                                custom_load_fn=custom_load_fn)
         if optimizer is not None:
             # ZeRO-1 copies its global groups' hyperparameters into the local optimizer at each
             # step, so they are restored from the engine state, not from the local optimizer.
             for group, saved in zip(self.optimizer.param_groups, state.get("param_groups", [])):
                 group.update(saved)
+        if load_module_only:
+            return str(Path(load_dir) / resolved), state.get("client_state", {})
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
         self.global_samples = state["global_samples"]
-        if self.lr_scheduler is not None and state.get("lr_scheduler"):
+        self.skipped_steps = state.get("skipped_steps", self.skipped_steps)
+        self.step_gate.leave_step(self.global_steps)
+        if load_lr_scheduler_states and self.lr_scheduler is not None and state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         if self._grad_scaler is not None and state.get("grad_scaler"):
             self._grad_scaler.load_state_dict(state["grad_scaler"])

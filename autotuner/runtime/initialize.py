@@ -19,10 +19,11 @@ from autotuner.config.trainer_auto import refuse_trainer_autos
 from autotuner.errors import ConfigError, UnsupportedError
 from autotuner.runtime.activation_checkpointing import apply_activation_checkpointing
 from autotuner.runtime.compiling import compile_blocks
-from autotuner.runtime.distributed import init_distributed, warn_once
+from autotuner.runtime.distributed import dist_timeout_s, init_distributed, warn_once
 from autotuner.runtime.engine import Engine
 from autotuner.runtime.grad_reduction import GradientReduction
 from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
+from autotuner.runtime.rank_zero_gather import arm_if_wanted
 from autotuner.runtime.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
 
 OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Optimizer], None]
@@ -147,11 +148,32 @@ def _build_scheduler(client: Any, config: DeepSpeedConfig, optimizer: torch.opti
     if callable(client) and not hasattr(client, "step"):
         return client(optimizer)
     if stage == 1 and getattr(client, "optimizer", None) is not optimizer:
-        raise ConfigError(
-            "lr_scheduler: under ZeRO stage 1 the optimizer is rebuilt as ZeroRedundancyOptimizer, so a scheduler "
-            "instance would drive the old one; pass a callable optimizer -> scheduler, or use the config's 'scheduler'"
-        )
+        _drive(client, optimizer)
     return client
+
+
+def _drive(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Point a scheduler built on the client's optimizer at the ZeroRedundancyOptimizer that replaced
+    it at stage 1 (same groups, same order), as DeepSpeed's ZeRO optimizer keeps the client's groups."""
+    old = getattr(scheduler, "optimizer", None)
+    if not isinstance(old, torch.optim.Optimizer) or len(old.param_groups) != len(optimizer.param_groups):
+        raise ConfigError("lr_scheduler: under ZeRO stage 1 the optimizer is rebuilt as ZeroRedundancyOptimizer and "
+                          "this scheduler's optimizer does not match it group for group; pass a callable optimizer "
+                          "-> scheduler, or use the config's 'scheduler'")
+    for group, was in zip(optimizer.param_groups, old.param_groups):
+        group.update({key: value for key, value in was.items() if key != "params"})
+    scheduler.optimizer = optimizer
+    # torch's schedulers check, at their first step, that the optimizer's step is the one they
+    # wrapped to note it was called; the new optimizer's is marked the same way.
+    step = optimizer.step
+
+    def noted_step(*args: Any, **kwargs: Any) -> Any:
+        optimizer._opt_called = True
+        return step(*args, **kwargs)
+
+    noted_step._wrapped_by_lr_sched = True
+    optimizer._opt_called = getattr(old, "_opt_called", False)
+    optimizer.step = noted_step
 
 
 def _grad_scaler(config: DeepSpeedConfig, device: torch.device, stage: int):
@@ -245,4 +267,5 @@ def initialize(
         training_dataloader=loader,
         client_optimizer=optimizer is not None,
     )
+    arm_if_wanted(unwrap(wrapped), stage, ctx.world_size, engine.step_gate, dist_timeout_s())
     return engine, opt, loader, scheduler

@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from autotuner.config.models import DeepSpeedConfig, OptimizerConfig, SchedulerConfig
 from autotuner.config.trainer_auto import with_stand_ins
 from autotuner.errors import ConfigError
+from autotuner.runtime.distributed import warn_once
 
 # DeepSpeed-only optimizer params: they choose its fused kernels, which we do not use.
 _DEEPSPEED_ONLY_OPTIMIZER_PARAMS = {"torch_adam", "adam_w_mode"}
@@ -138,12 +139,34 @@ class DeepSpeedStyleLR(LRScheduler):
     def get_lr(self) -> list[float]:
         return [self.lr_fn(max(0, self.last_epoch), base) for base in self.base_lrs]
 
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        """DeepSpeed's schedules' step: the next position, or the one given (torch's `epoch`
+        argument, without its deprecation path)."""
+        self.last_epoch = self.last_epoch + 1 if last_batch_iteration is None else int(last_batch_iteration)
+        for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
+            group["lr"] = lr
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
     def state_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "lr_fn")}
 
 
 def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer) -> LRScheduler:
     return DeepSpeedStyleLR(optimizer, lr_function(config))
+
+
+def step_scheduler(scheduler: Any, lr_kwargs: dict[str, Any] | None, train_batch_size: int) -> None:
+    """DeepSpeed's scheduler step: `step(**lr_kwargs)`; a scheduler whose step refuses those keywords
+    (TypeError) is stepped with the train batch size as its position instead. That fallback is
+    DeepSpeed's own (kept for Megatron's schedulers): scripts trained on it get the same schedule here.
+    It is said once, since it pins a position-based schedule to that step."""
+    try:
+        scheduler.step(**(lr_kwargs or {}))
+    except TypeError:
+        if lr_kwargs:
+            warn_once(f"{type(scheduler).__name__}.step() does not take lr_kwargs {sorted(lr_kwargs)}; as DeepSpeed's "
+                      f"engine does, it is stepped to the train batch size ({train_batch_size}) instead")
+        scheduler.step(train_batch_size)
 
 
 @contextlib.contextmanager

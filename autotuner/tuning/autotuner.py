@@ -51,12 +51,22 @@ class TuningFailed(AutotunerError):
     exit_code = 1
 
 
+def follow_the_launch(built: str) -> str:
+    """The default for a script whose engine the command line did not settle: the launch's."""
+    return f"engine: the profile launch's ranks built {built}'s engine; every experiment runs there"
+
+
 class Autotuner:
-    """Runs one tuning job. `report` receives progress lines."""
+    """Runs one tuning job. `report` receives progress lines. `settle_engine` is given the engine
+    the profile launch's ranks built when the settings had not settled it (or expected the other):
+    it refuses what is wrong for that engine (raising a ConfigError), else returns the line to
+    report, saying which engine and why."""
 
     def __init__(self, config: DeepSpeedConfig, settings: ExperimentSettings, results_dir: Path, exps_dir: Path,
-                 runner: Runner, fingerprint: Fingerprint, report: Callable[[str], None] = print):
+                 runner: Runner, fingerprint: Fingerprint, report: Callable[[str], None] = print,
+                 settle_engine: Callable[[str], str] = follow_the_launch):
         self.config = config
+        self.settle_engine = settle_engine
         self.settings = settings
         self.runner = runner
         self.fingerprint = fingerprint
@@ -151,6 +161,8 @@ class Autotuner:
         self._results[experiment] = result
         self._profile_names.add(experiment.name)
         self._progress(result, reused is result)
+        if result.model_info is not None:  # settled at the first launch that ran, before any other
+            self._follow_engine(result.model_info.engine)
         self.memory.learn(result)
         return result
 
@@ -252,7 +264,9 @@ class Autotuner:
             self.memory.profile = outcome.profile
             if outcome.sharding_left_out:
                 self._leave_out_sharding(outcome.sharding_left_out)
-            self._settle_engine(outcome.profile.engine)
+            if outcome.profile.engine == "deepspeed":
+                self.report("engine: the script trains on DeepSpeed's own engine (DeepSpeedEngine); every experiment "
+                            "runs there, costed by DeepSpeed's ZeRO memory model")
             self.memory.refit()
             self.memory.report_fits()
             self.memory.precision = outcome.runs[0].precision
@@ -269,19 +283,19 @@ class Autotuner:
         self.memory.settle_budget(device_memory)
         self.memory.report_budget(dict(os.environ))
 
-    def _settle_engine(self, measured: str) -> None:
-        """The profile launch says whose engine the script trained on; the memory model and the
-        full-mode knobs follow it (a script may reach deepspeed through another module)."""
-        if measured == "deepspeed":
-            self.report("engine: the script trains on DeepSpeed's own engine (DeepSpeedEngine); every experiment "
-                        "runs there, costed by DeepSpeed's ZeRO memory model")
-        if measured != self.settings.engine:
-            self.report(f"engine: expected {self.settings.engine}'s, but the profile launch ran on {measured}'s; "
-                        "following the launch")
-            self.settings = replace(self.settings, engine=measured)
+    def _follow_engine(self, built: str) -> None:
+        """The profile launch's ranks say whose engine the script trains on. Where the settings had
+        not settled it (a script that imports both engines) or expected the other (one that reaches
+        deepspeed through a module not read), `settle_engine` refuses what is wrong for it, and the
+        experiments' configs, the memory model and the searched dimensions follow it."""
+        if self.settings.engine_settled and built == self.settings.engine:
+            return
+        self.report(self.settle_engine(built))
+        if built != self.settings.engine:
             cuda = visible_gpu_memory() is not None
-            self.space = replace(self.space, **engine_dimensions(self.config, measured, cuda))
+            self.space = replace(self.space, **engine_dimensions(self.config, built, cuda))
             self.memory.space = self.space
+        self.settings = replace(self.settings, engine=built, engine_settled=True)
 
     def cost_context(self, quiet: bool = False) -> CostContext:
         """What the throughput model knows before timing a step: the model's size and the links the
@@ -351,10 +365,11 @@ class Autotuner:
                               bool(self.space.finishes))
         if line:
             self.report(line)
+        self._measure_model()
+        # After the profile: the dimensions offered follow the engine its ranks built.
         for line in untuned_offload_lines(self.config, self.space, self.settings.engine,
                                           visible_gpu_memory() is not None):
             self.report(line)
-        self._measure_model()
         self._prior = self._similar_runs.prior(  # the step-time model's prior, checked against the profile
             self.memory.profile, [r for r in self._results.values() if r.name in self._profile_names],
             lambda: self.cost_context(quiet=True), self.report)

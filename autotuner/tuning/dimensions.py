@@ -172,6 +172,11 @@ def applied_by_the_script(engine: Engine) -> tuple[tuple[str, ...], ...]:
     return tuple(d.path for d in REGISTRY.values() if d.applied_by_script_on_deepspeed)
 
 
+def neutral_at(path: tuple[str, ...]) -> Any:
+    """The neutral value of the dimension written at `path` (what the profile launches run)."""
+    return next(d.neutral_value() for d in REGISTRY.values() if d.path == path)
+
+
 def dimension(name: str) -> Dimension:
     return REGISTRY[name]
 

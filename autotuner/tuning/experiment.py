@@ -62,6 +62,9 @@ class ExperimentSettings:
     user_config: dict[str, Any] = field(default_factory=dict, hash=False)  # the file as the user wrote it
     python: str = sys.executable
     engine: str = "autotuner"  # whose engine the script trains on: "autotuner" or "deepspeed" (engines.py)
+    # False for a script that imports both engines, until the profile launch's ranks say which they
+    # built; meanwhile `engine` is the one expected, and launches get a config either engine reads.
+    engine_settled: bool = True
     planned_steps: int | None = None  # the run's length: experiments are scored over it (planned_run.py)
 
 
@@ -95,7 +98,20 @@ def experiment_config(experiment: Experiment, settings: ExperimentSettings) -> d
 def script_config(config: dict[str, Any], engine: str) -> dict[str, Any]:
     """The config file the script reads: on DeepSpeed's engine without the dimensions the script
     applies itself through their mapped flags (a section left empty goes too)."""
-    paths = dimensions.applied_by_the_script(engine)
+    return _without(config, dimensions.applied_by_the_script(engine))
+
+
+def either_engine_config(config: dict[str, Any]) -> dict[str, Any]:
+    """For a launch before the engine is settled: without the dimensions DeepSpeed's engine leaves
+    to the script where they hold their neutral value (no checkpointing, not compiled), which is
+    also how our engine runs without them. DeepSpeed refuses our compile keys; a value that is not
+    neutral stays, for the engine the ranks build to act on or for the tuner to refuse then."""
+    neutral = [path for path in dimensions.applied_by_the_script("deepspeed")
+               if dimensions.lookup(config, path)[1] == dimensions.neutral_at(path)]
+    return _without(config, tuple(neutral))
+
+
+def _without(config: dict[str, Any], paths: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
     if not paths:
         return config
     config = copy.deepcopy(config)
@@ -145,7 +161,10 @@ def picked_config(experiment: Experiment, settings: ExperimentSettings) -> dict[
 def launched_config(experiment: Experiment, settings: ExperimentSettings) -> dict[str, Any]:
     """The config file an experiment's ranks read: on DeepSpeed's engine the picked config
     (DeepSpeed acts on the user's DeepSpeed-only keys, so what is measured is what the pick trains
-    with), on ours only what it acts on; less what the script applies through its mapped flags."""
+    with), on ours only what it acts on; less what the script applies through its mapped flags.
+    Before the engine is settled, the picked config as either engine reads it."""
+    if not settings.engine_settled:
+        return either_engine_config(picked_config(experiment, settings))
     config = picked_config(experiment, settings) if settings.engine == "deepspeed" else \
         experiment_config(experiment, settings)
     return script_config(config, settings.engine)

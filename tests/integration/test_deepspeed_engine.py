@@ -35,15 +35,17 @@ MiB = 2**20
 
 # ----- which engine, before anything starts -----
 def test_the_engine_follows_the_scripts_imports_or_the_flag():
-    assert script_engine(str(DS_EXAMPLE)) == "deepspeed"
-    assert script_engine(str(ROOT / "examples" / "minimal" / "train.py")) == "autotuner"
+    assert script_engine(str(DS_EXAMPLE)).engine == "deepspeed"
+    assert script_engine(str(ROOT / "examples" / "minimal" / "train.py")).engine == "autotuner"
     # The toy imports deepspeed by name at run time only: the flag says so.
-    assert script_engine(str(WORKERS / "toy_train.py")) == "autotuner"
-    assert script_engine(str(WORKERS / "toy_train.py"), "deepspeed") == "deepspeed"
-    # A script importing both behind its own flag: `--engine autotuner` forces ours.
+    assert script_engine(str(WORKERS / "toy_train.py")).engine == "autotuner"
+    assert script_engine(str(WORKERS / "toy_train.py"), "deepspeed").engine == "deepspeed"
+    # A script importing both behind its own flag: the profile launch's ranks settle it, unless
+    # `--engine` does.
     dual = ROOT / "benchmarks" / "workloads" / "dual_engine.py"
-    assert script_engine(str(dual)) == "deepspeed"
-    assert script_engine(str(dual), "autotuner") == "autotuner"
+    assert not script_engine(str(dual)).settled
+    assert script_engine(str(dual), "autotuner") == engines.EngineChoice("autotuner", True, "--engine",
+                                                                        "--engine autotuner was given")
 
 
 def test_a_deepspeed_script_without_deepspeed_installed_is_refused_in_one_line(monkeypatch):
@@ -52,7 +54,8 @@ def test_a_deepspeed_script_without_deepspeed_installed_is_refused_in_one_line(m
         script_engine(str(DS_EXAMPLE))
     message = str(caught.value)
     assert caught.value.exit_code == 2 and "\n" not in message
-    assert "train.py imports deepspeed" in message and "autotuner[deepspeed]" in message
+    assert "train.py imports deepspeed (line " in message and "autotuner[deepspeed]" in message
+    assert "pass --engine autotuner if it trains on ours" in message
 
 
 # ----- DeepSpeed's ZeRO memory, as its formulas cost it -----

@@ -13,7 +13,7 @@ STAGES = ("0", "1", "2", "3")
 
 
 # One launch runs every engine check in turn (each launch costs seconds of start-up on 2 cores).
-ENGINE_CHECKS = ("parity", "gas", "checkpoint", "bf16", "activation_checkpointing", "compile")
+ENGINE_CHECKS = ("parity", "gas", "checkpoint", "bf16", "activation_checkpointing", "compile", "deepspeed_signatures")
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,26 @@ def test_checkpoint_round_trip_gives_identical_losses(checks):
         assert record["client_state"] == {"note": "three steps"}
         assert record["global_steps"] == 5
         assert record["lr"] == record["lr_continued"]
+
+
+def test_deepspeeds_keyword_arguments_are_honoured_at_every_stage(checks):
+    result = run_check("deepspeed_signatures", checks)
+    for stage in STAGES:
+        record = result[stage]
+        returned, loss = record["backward_returns"]
+        assert returned == pytest.approx(loss / 2), f"stage {stage}"  # gas 2: the accumulation-scaled loss
+        # lr_kwargs reach the schedule at the accumulation boundary only, as in DeepSpeed.
+        assert record["lr_kwargs_received"] == [[1, 128]]
+        # A schedule that takes no keywords is stepped to the train batch size (DeepSpeed's fallback).
+        assert record["fallback_last_epoch"] == record["train_batch_size"] == 8
+        assert record["latest"] == "first"  # save_latest=False left it at the earlier tag
+        assert "load_module_strict=False" in record["strict_refused"] and "stem.weight" in record["strict_refused"]
+        assert record["client_state"] == {"k": 1}
+        assert record["non_strict_loaded_trained"] and record["frozen_kept_fresh"] == [True, True]
+        assert record["steps_and_schedule_after_load"] == [3, 0, 3]  # load_lr_scheduler_states=False
+        assert record["module_only"] == [0, 0, True]  # weights only: no steps, no optimizer state
+        calls, equal = record["custom_load_fn"]
+        assert len(calls) == 1 and "stem.weight" in calls[0] and equal
 
 
 def test_metrics_written_and_ranks_exit_at_end_profile_step(tmp_path, no_orphans):

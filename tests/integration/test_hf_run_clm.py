@@ -223,7 +223,7 @@ def test_hugging_faces_auto_config_tunes_and_trains_with_the_autos_passed_throug
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_an_accelerate_deepspeed_plugin_script_is_tuned_and_trained_on_deepspeeds_engine(tmp_path, shm_before):
-    assert script_engine(str(ACCELERATE_SCRIPT)) == "deepspeed"
+    assert script_engine(str(ACCELERATE_SCRIPT)).engine == "deepspeed"
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": 1},
               "autotuning": {"enabled": True, "arg_mappings": MAPPINGS, **TEST_SIZED}}
@@ -236,13 +236,14 @@ def test_an_accelerate_deepspeed_plugin_script_is_tuned_and_trained_on_deepspeed
 
 
 def test_run_clm_is_tuned_on_deepspeeds_engine_and_refused_in_one_line_without_deepspeed(monkeypatch):
-    assert script_engine(str(RUN_CLM)) == "deepspeed"
+    assert script_engine(str(RUN_CLM)).engine == "deepspeed"
     monkeypatch.setattr(engines, "deepspeed_installed", lambda: False)
     with pytest.raises(UsageError) as caught:
         script_engine(str(RUN_CLM))
     message = str(caught.value)
     assert caught.value.exit_code == 2 and "\n" not in message
-    assert "imports transformers.Trainer, which trains on DeepSpeed's engine with --deepspeed" in message
+    assert "imports transformers.Trainer (line " in message
+    assert "), which trains on DeepSpeed's engine with --deepspeed" in message
     assert "autotuner[deepspeed]" in message and "import autotuner as deepspeed" not in message
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from autotuner.launch.plan import LaunchOptions, build_plan, rank_launch
 from autotuner.launch.warm_rank import script_argv
-from autotuner.execution.forkserver import script_imports
+from autotuner.execution.script_imports import script_imports
 from conftest import WORKERS, launcher_env, tune, write_config
 
 WARM_TUNING = {"model_info": {"num_params": 1000}}

@@ -5,6 +5,7 @@ All in-process and fast: no process is started here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -543,6 +544,10 @@ def test_bfloat16_is_deepspeeds_older_name_of_bf16():
     ({"gradient_allreduce_op": "sum"}, "gradient_allreduce_op 'sum'"),
     ({"managed_gradient_accumulation": False}, "managed_gradient_accumulation false"),
     ({"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}, "torch_autocast.enabled"),
+    ({"curriculum_learning": {"enabled": True, "curriculum_type": "seqlen"}}, "curriculum_learning is enabled"),
+    ({"progressive_layer_drop": {"enabled": True, "theta": 0.5}}, "progressive_layer_drop is enabled"),
+    ({"data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {"enabled": True}}}},
+     "data_efficiency is enabled"),
 ])
 def test_our_engine_refuses_deepspeed_keys_that_would_change_the_math(raw, named):
     from autotuner.config.engine_math import refuse_other_math
@@ -551,6 +556,11 @@ def test_our_engine_refuses_deepspeed_keys_that_would_change_the_math(raw, named
     with pytest.raises(ConfigError, match="ds.json: " + named.replace("(", r"\(")):
         refuse_other_math(loaded, "ds.json")
     refuse_other_math(load_config({"gradient_allreduce_op": "mean", "torch_autocast": {"enabled": False}}), "ds.json")
+    # Switched off, at the top or below, the sections change nothing: accepted, as DeepSpeed's engine ignores them.
+    for off in ({"curriculum_learning": {"enabled": False}},
+                {"data_efficiency": {"enabled": False, "data_routing": {"enabled": True}}},
+                {"data_efficiency": {"enabled": True, "data_sampling": {"enabled": False}}}):
+        refuse_other_math(load_config(off), "ds.json")
 
 
 def test_fp16_on_deepspeeds_cpu_engine_is_refused_in_one_line_where_this_cpu_has_no_fp16_kernels(monkeypatch):
@@ -558,20 +568,25 @@ def test_fp16_on_deepspeeds_cpu_engine_is_refused_in_one_line_where_this_cpu_has
 
     from autotuner.app import engines
 
+    deepspeed = engines.EngineChoice("deepspeed", True, "imports", "train.py imports deepspeed (line 1)")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(engines, "deepspeed_cpu_runs_fp16", lambda: False)
     with pytest.raises(ConfigError) as caught:
-        engines.check_deepspeed_precision(True, "deepspeed", ("--fp16",), "ds.json")
+        engines.check_deepspeed_precision(True, deepspeed, ("--fp16",), "ds.json")
     message = str(caught.value)
     assert caught.value.exit_code == 2 and "\n" not in message
     assert message.startswith("ds.json: fp16.enabled: true, but DeepSpeed's engine refuses fp16 on this CPU")
     assert "drop the script's --fp16" in message and '"bf16": {"enabled": true}' in message
-    # Nothing to refuse: our engine, fp16 off or "auto" (the Trainer decides), or a CPU with fp16 kernels.
-    engines.check_deepspeed_precision(True, "autotuner", (), "ds.json")
-    engines.check_deepspeed_precision("auto", "deepspeed", (), "ds.json")
-    engines.check_deepspeed_precision(False, "deepspeed", (), "ds.json")
+    assert ("train.py imports deepspeed (line 1), so it is taken to train on DeepSpeed's engine (pass --engine "
+            "autotuner if it trains on ours)") in message
+    # Nothing to refuse: our engine, an engine not settled yet, fp16 off or "auto" (the Trainer
+    # decides), or a CPU with fp16 kernels.
+    engines.check_deepspeed_precision(True, dataclasses.replace(deepspeed, engine="autotuner"), (), "ds.json")
+    engines.check_deepspeed_precision(True, dataclasses.replace(deepspeed, settled=False), (), "ds.json")
+    engines.check_deepspeed_precision("auto", deepspeed, (), "ds.json")
+    engines.check_deepspeed_precision(False, deepspeed, (), "ds.json")
     monkeypatch.setattr(engines, "deepspeed_cpu_runs_fp16", lambda: True)
-    engines.check_deepspeed_precision(True, "deepspeed", ("--fp16",), "ds.json")
+    engines.check_deepspeed_precision(True, deepspeed, ("--fp16",), "ds.json")
 
 
 def test_deepspeeds_activation_checkpointing_keys_are_set_aside_with_one_warning_and_the_policy_is_kept(

@@ -16,6 +16,7 @@ from autotuner.config import load_config
 from autotuner.config.trainer_auto import TRAINER_FILLED, refuse_trainer_autos, trainer_auto_keys
 from autotuner.errors import ConfigError
 from autotuner.runtime.optim import check_optimizer_and_scheduler
+from autotuner.app.engines import EngineChoice
 from autotuner.app.settle import check_trainer_autos
 from autotuner.tuning.deepspeed_memory import DEFAULTS, deepspeed_state_bytes, zero_knob
 from autotuner.tuning.experiment import ExperimentSettings, experiment_config, with_user_keys
@@ -23,6 +24,8 @@ from autotuner.tuning.records import Objective
 from autotuner.tuning.space import Experiment
 from conftest import MINIMAL
 from hf_configs import HF_ZERO2, HF_ZERO3, MAPPINGS
+
+ON_DEEPSPEED = EngineChoice("deepspeed", True, "imports", "run_clm.py imports transformers.Trainer (line 1)")
 
 
 @pytest.mark.parametrize("documented", [HF_ZERO2, HF_ZERO3], ids=["zero2", "zero3"])
@@ -95,7 +98,7 @@ def test_a_script_on_our_engine_is_refused_before_any_launch(in_tmp, capsys, tun
 
 # ----- on DeepSpeed's engine: what the tuner does with them -----
 def test_on_deepspeeds_engine_the_tuner_says_it_passes_them_through(capsys):
-    check_trainer_autos(load_config(HF_ZERO3), "deepspeed", "run_clm.py", "ds.json")
+    check_trainer_autos(load_config(HF_ZERO3), ON_DEEPSPEED, "run_clm.py", "ds.json")
     out = capsys.readouterr().out
     assert 'gradient_clipping, fp16.enabled, bf16.enabled, optimizer.params.lr' in out
     assert "passed to the script unchanged" in out and "the profile launch measures the precision" in out
@@ -105,7 +108,7 @@ def test_on_deepspeeds_engine_the_tuner_says_it_passes_them_through(capsys):
 def test_with_model_info_given_a_precision_left_to_the_trainer_is_refused(key):
     config = load_config({key: {"enabled": "auto"}, "autotuning": {"model_info": {"num_params": 1000}}})
     with pytest.raises(ConfigError, match=rf'{key}.enabled is "auto" and autotuning.model_info is given'):
-        check_trainer_autos(config, "deepspeed", "run_clm.py", "ds.json")
+        check_trainer_autos(config, ON_DEEPSPEED, "run_clm.py", "ds.json")
 
 
 def test_deepspeeds_memory_model_costs_an_auto_bucket_at_deepspeeds_default():
@@ -156,4 +159,4 @@ def test_engine_detection_keeps_the_gpt2_example_on_ours():
     from autotuner.app.engines import script_engine, trains_on_ours
 
     example = Path(MINIMAL).parents[1] / "hf_gpt2" / "train.py"  # imports transformers and autotuner
-    assert script_engine(str(example)) == "autotuner" and trains_on_ours(str(example))
+    assert script_engine(str(example)).engine == "autotuner" and trains_on_ours(str(example))

@@ -163,6 +163,123 @@ def check_checkpoint(directory: str, model_cls=Net) -> dict:
     return result
 
 
+class KeywordLR(torch.optim.lr_scheduler.LRScheduler):
+    """A schedule that takes DeepSpeed's lr_kwargs (Megatron's `increment`, a token count) and records them."""
+
+    def __init__(self, optimizer):
+        self.received = []
+        super().__init__(optimizer)
+
+    def step(self, increment=None, consumed_tokens=None):
+        if increment is not None:
+            self.received.append([increment, consumed_tokens])
+        super().step()
+
+    def get_lr(self):
+        return [0.01 for _ in self.base_lrs]
+
+
+class NetWithFrozen(Net):
+    def __init__(self):
+        super().__init__()
+        self.stem.requires_grad_(False)
+
+
+def check_deepspeed_signatures(directory: str) -> dict:
+    """DeepSpeed's keyword arguments, honoured: step(lr_kwargs), backward(retain_graph, scale_wrt_gas)
+    and its return value, save_checkpoint(save_latest, exclude_frozen_parameters) and
+    load_checkpoint(load_module_strict, load_lr_scheduler_states, load_module_only, custom_load_fn)."""
+    from autotuner.errors import AutotunerError
+
+    result = {}
+    for stage in STAGES:
+        record = {}
+        torch.manual_seed(0)
+        model = Net()
+        schedule = None
+
+        def keyword_schedule(optimizer):
+            nonlocal schedule
+            schedule = KeywordLR(optimizer)
+            return schedule
+
+        settings = config(stage, micro=2, gas=2)
+        del settings["scheduler"]
+        engine, *_ = autotuner.initialize(model=model, config=settings, lr_scheduler=keyword_schedule)
+        x, y = (t.to(engine.device) for t in batch(0, 0, 2))
+        loss = nn.functional.mse_loss(engine(x), y)
+        returned = engine.backward(loss, retain_graph=True)
+        record["backward_returns"] = [returned.item(), loss.item()]
+        engine.backward(loss, scale_wrt_gas=False)  # retain_graph kept the graph for a second backward
+        engine.step(lr_kwargs={"increment": 1, "consumed_tokens": 64})
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step(lr_kwargs={"increment": 1, "consumed_tokens": 128})
+        record["lr_kwargs_received"] = schedule.received
+
+        # A schedule whose step takes no keywords: DeepSpeed steps it with the train batch size.
+        torch.manual_seed(0)
+        engine, *_ = autotuner.initialize(model=Net(), config=config(stage))
+        train_steps(engine, 0, 1)
+        x, y = (t.to(engine.device) for t in batch(1, 0, 4))
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step(lr_kwargs={"increment": 1})
+        record["fallback_last_epoch"] = engine.lr_scheduler.last_epoch
+        record["train_batch_size"] = engine.train_batch_size()
+
+        # Frozen weights left out of a checkpoint; `latest` kept at the earlier tag.
+        torch.manual_seed(0)
+        engine, *_ = autotuner.initialize(model=NetWithFrozen(), config=config(stage))
+        train_steps(engine, 0, 2)
+        save_dir = f"{directory}/z{stage}"
+        engine.save_checkpoint(save_dir, tag="first")
+        train_steps(engine, 2, 1)
+        engine.save_checkpoint(save_dir, tag="second", save_latest=False, exclude_frozen_parameters=True,
+                               client_state={"k": 1})
+        record["latest"] = open(f"{save_dir}/latest").read().strip()
+        trained = full_parameters(engine)
+        torch.manual_seed(99)
+        fresh, *_ = autotuner.initialize(model=NetWithFrozen(), config=config(stage))
+        fresh_params = full_parameters(fresh)
+        try:
+            fresh.load_checkpoint(save_dir, tag="second")
+            record["strict_refused"] = None
+        except AutotunerError as err:
+            record["strict_refused"] = str(err)
+        path, client_state = fresh.load_checkpoint(save_dir, tag="second", load_module_strict=False,
+                                                   load_lr_scheduler_states=False)
+        loaded = full_parameters(fresh)
+        record["client_state"] = client_state
+        frozen = ("stem.weight", "stem.bias")
+        record["non_strict_loaded_trained"] = all(loaded[name] == trained[name] for name in trained if name not in frozen)
+        record["frozen_kept_fresh"] = [loaded[name] == fresh_params[name] for name in frozen]
+        # The schedule's own position stays the fresh one's (the step count is the checkpoint's).
+        record["steps_and_schedule_after_load"] = [fresh.global_steps, fresh.lr_scheduler.last_epoch,
+                                                   engine.lr_scheduler.last_epoch]
+
+        # Weights alone: no step count, no optimizer state.
+        torch.manual_seed(99)
+        weights_only, *_ = autotuner.initialize(model=Net(), config=config(stage))
+        torch.manual_seed(0)
+        engine, *_ = autotuner.initialize(model=Net(), config=config(stage))
+        train_steps(engine, 0, 2)
+        engine.save_checkpoint(f"{directory}/w{stage}")
+        weights_only.load_checkpoint(f"{directory}/w{stage}", load_module_only=True)
+        record["module_only"] = [weights_only.global_steps, len(weights_only.optimizer.state),
+                                 full_parameters(weights_only) == full_parameters(engine)]
+        calls = []
+
+        def custom_load_fn(src, dst):
+            calls.append(sorted(src))
+            dst.load_state_dict(src)
+
+        torch.manual_seed(99)
+        custom, *_ = autotuner.initialize(model=Net(), config=config(stage))
+        custom.load_checkpoint(f"{directory}/w{stage}", custom_load_fn=custom_load_fn)
+        record["custom_load_fn"] = [calls, full_parameters(custom) == full_parameters(engine)]
+        result[stage] = record
+    return result
+
+
 def checkpointed_blocks(model) -> int:
     """How many of the model's blocks carry torch's composable checkpoint."""
     from torch.distributed._composable.contract import _get_registry
@@ -304,7 +421,7 @@ def check_unused() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     names = ("parity", "gas", "checkpoint", "bf16", "offload", "raw_forward", "unused", "checkpoint_unused",
-             "activation_checkpointing", "compile")
+             "activation_checkpointing", "compile", "deepspeed_signatures")
     parser.add_argument("--check", required=True,
                         help=f"one of {', '.join(names)}, or several joined by commas (one launch runs them in turn)")
     parser.add_argument("--out", required=True)
@@ -320,7 +437,8 @@ def main() -> None:
               "unused": check_unused,
               "checkpoint_unused": lambda: check_checkpoint(args.out + ".unused.ckpt", NetWithUnused),
               "activation_checkpointing": lambda: check_activation_checkpointing(args.out + ".ac.ckpt"),
-              "compile": check_compile}
+              "compile": check_compile,
+              "deepspeed_signatures": lambda: check_deepspeed_signatures(args.out + ".sig.ckpt")}
     if len(wanted) == 1:
         result = checks[wanted[0]]()
     else:

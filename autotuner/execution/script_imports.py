@@ -1,0 +1,88 @@
+"""What a training script imports, read from its source (nothing is run): at any depth (a library
+imported inside main() is imported by every launch all the same), and through the script's own
+modules beside it, which are read in its place.
+
+Two readers of the same walk: the warm path preloads the installed modules (`script_imports`),
+and the engine decision (app/engines.py) reads where each engine is imported (`import_sites`),
+installed or not: a `try: import deepspeed` falls back where DeepSpeed is missing.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ImportSite:
+    """Where a module (or a name from one) is first imported."""
+
+    name: str  # "module" or "module:name", as `from module import name` imports it
+    path: Path  # the file that imports it: the script, or one of its own modules beside it
+    line: int  # 1-based
+
+    @property
+    def top_level(self) -> str:
+        return top_level(self.name)
+
+
+def top_level(name: str) -> str:
+    """The package a "module.sub:name" import belongs to ("module")."""
+    return name.split(":")[0].split(".")[0]
+
+
+def import_sites(script: str) -> list[ImportSite]:
+    """Every module the script and its own modules import, each at its first site (files in the
+    order they are reached, lines in order within a file); installed or not."""
+    script_dir = Path(script).resolve().parent
+    found: dict[str, ImportSite] = {}
+    pending, seen = [Path(script).resolve()], set()
+    while pending:
+        path = pending.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            tree = ast.parse(path.read_text(), filename=str(path))
+        except (OSError, SyntaxError, ValueError):
+            continue
+        nodes = sorted((node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))),
+                       key=lambda node: (node.lineno, node.col_offset))
+        for node in nodes:
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif node.module and not node.level:
+                names = [node.module, *(f"{node.module}:{alias.name}" for alias in node.names if alias.name != "*")]
+            for name in names:
+                local = script_dir / (top_level(name) + ".py")
+                if local.is_file():
+                    pending.append(local)
+                elif name not in found:
+                    found[name] = ImportSite(name, path, node.lineno)
+    return list(found.values())
+
+
+def script_imports(script: str) -> list[str]:
+    """The installed modules the script imports, as "module" or "module:name": what the warm path
+    preloads. The script's own modules beside it are read, never preloaded (they may do work at
+    import)."""
+    script_dir = Path(script).resolve().parent
+    return [site.name for site in import_sites(script) if _installed(site.top_level, script_dir)]
+
+
+def _installed(top_level: str, script_dir: Path) -> bool:
+    if top_level == "__future__":
+        return False
+    try:
+        spec = importlib.util.find_spec(top_level)  # a top-level name only: finding it imports nothing
+    except (ImportError, ValueError):
+        return False
+    if spec is None or spec.origin is None:
+        # None for a namespace package too: a folder found on the tuner's path (a `data/` beside
+        # the working directory) is no sign of what the script, with the paths it adds itself,
+        # imports under that name. Preloaded, it shadowed the script's own data.py in every rank.
+        return False
+    return script_dir not in Path(spec.origin).resolve().parents

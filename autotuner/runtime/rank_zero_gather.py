@@ -1,0 +1,192 @@
+"""Whole weights on rank 0 alone, for scripts that save from one rank under FSDP2.
+
+DeepSpeedExamples' scripts end with `if rank == 0: torch.save(save_without_random_ltd(model), f)`.
+Under DeepSpeed's ZeRO 0-2 each rank holds the whole parameters, so one rank can read them; under
+our stages 2 and 3 (FSDP2) each holds a shard, and gathering them is a collective the other ranks
+never join. So, armed at initialize for such a script (it binds one of the rank-0 savers), every
+other rank serves its shards to rank 0 from a thread on a process group of its own:
+
+- rank 0 asks with its optimizer-step count; a serving rank waits until its engine has taken as
+  many steps and is between steps, so the shards it sends belong to the same step as rank 0's;
+- shards go point to point (gloo, on the host), in the state dict's order as it was at initialize;
+  rank 0 concatenates them along dim 0, FSDP2's sharding (torch.chunk's sizes). The serving thread
+  reads the sharded parameters it noted then, never the module: a forward on the main thread
+  (waiting for rank 0 in its all-gather) may be swapping the module's parameters, never the shards;
+- a serving rank does not leave at the end of the script until rank 0 says it is done (rank 0
+  says so at its own exit), so a save at the very end still finds every rank.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import sys
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autotuner.errors import UnsupportedError
+
+_GATHER, _DONE = 1, 0
+
+
+class StepGate:
+    """Lets another thread read the parameters only between optimizer steps, once a given number
+    of steps is done."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._steps = 0
+        self._in_step = False
+
+    def enter_step(self) -> None:
+        with self._condition:
+            self._in_step = True
+
+    def leave_step(self, steps_done: int) -> None:
+        with self._condition:
+            self._steps, self._in_step = steps_done, False
+            self._condition.notify_all()
+
+    @property
+    def steps_done(self) -> int:
+        return self._steps
+
+    def hold_after(self, steps: int, timeout_s: float) -> "threading.Condition":
+        """The gate's lock, held, once `steps` steps are done and none is in progress."""
+        self._condition.acquire()
+        if not self._condition.wait_for(lambda: self._steps >= steps and not self._in_step, timeout=timeout_s):
+            self._condition.release()
+            raise TimeoutError(f"the engine did not reach optimizer step {steps} within {timeout_s:.0f} s")
+        return self._condition
+
+
+class RankZeroGather:
+    """One job's gather service: `whole_state_dict` on rank 0, `serve` on a thread elsewhere."""
+
+    def __init__(self, module: torch.nn.Module, gate: StepGate, timeout_s: float):
+        self.module, self.gate, self.timeout_s = module, gate, timeout_s
+        # The sharded parameters themselves (the optimizer updates them in place), by state-dict key.
+        self.shards = [(key, value) for key, value in module.state_dict(keep_vars=True).items() if is_dtensor(value)]
+        check_dim0_shards(dict(self.shards))
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        # Its own group: requests must not be matched against the script's collectives.
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._done = threading.Event()
+        self._exiting_cleanly = True
+        if self.rank == 0:
+            atexit.register(self._release)
+        else:
+            threading.Thread(target=self._serve, name="autotuner-rank-zero-gather", daemon=True).start()
+            previous = sys.excepthook
+
+            def failed(kind, err, traceback):  # a rank that failed must not wait for rank 0 at exit
+                self._exiting_cleanly = False
+                previous(kind, err, traceback)
+
+            sys.excepthook = failed
+            atexit.register(self._wait_for_rank_zero)
+
+    # ----- rank 0 -----
+    def whole_state_dict(self, state: dict) -> dict:
+        """`state` (this rank's, with DTensor shards) with every shard replaced by the whole tensor."""
+        dist.broadcast(torch.tensor([_GATHER, self.gate.steps_done]), src=0, group=self.group)
+        whole = {key: self._gathered(value) for key, value in self.shards}
+        out = OrderedDict()
+        for key, value in state.items():
+            if is_dtensor(value) and key not in whole:
+                raise UnsupportedError(f"save_without_random_ltd: {key} was not a parameter at initialize; one rank "
+                                       "can gather only those; save with engine.save_16bit_model(dir) on every rank")
+            out[key] = whole[key] if is_dtensor(value) else value
+        return out
+
+    def _gathered(self, value: Any) -> torch.Tensor:
+        pieces = []
+        for rank, rows in enumerate(_chunk_rows(value.shape[0], self.world_size)):
+            if rows == 0:
+                continue
+            if rank == 0:
+                pieces.append(value.to_local().detach().cpu())
+            else:
+                piece = torch.empty((rows, *value.shape[1:]), dtype=value.dtype)
+                dist.recv(piece, src=rank, group=self.group)
+                pieces.append(piece)
+        return torch.cat(pieces, dim=0) if pieces else torch.empty(value.shape, dtype=value.dtype)
+
+    def _release(self) -> None:
+        if dist.is_initialized():
+            try:
+                dist.broadcast(torch.tensor([_DONE, 0]), src=0, group=self.group)
+            except Exception:  # the others are gone already: nothing to release
+                pass
+
+    # ----- every other rank -----
+    def _serve(self) -> None:
+        try:
+            while True:
+                request = torch.zeros(2, dtype=torch.int64)
+                dist.broadcast(request, src=0, group=self.group)
+                if int(request[0]) == _DONE:
+                    return
+                lock = self.gate.hold_after(int(request[1]), self.timeout_s)
+                try:
+                    for _key, value in self.shards:
+                        local = value.to_local().detach()
+                        if local.numel():
+                            dist.send(local.contiguous().cpu(), dst=0, group=self.group)
+                finally:
+                    lock.release()
+        except Exception:  # the group ended (the job is over, or rank 0 failed): stop serving
+            return
+        finally:
+            self._done.set()
+
+    def _wait_for_rank_zero(self) -> None:
+        if self._exiting_cleanly:
+            self._done.wait(self.timeout_s)
+
+
+def is_dtensor(value: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(value, DTensor)
+
+
+def _chunk_rows(rows: int, world_size: int) -> list[int]:
+    """Rows of each rank's shard: torch.chunk's sizes, then empty shards."""
+    sizes = [len(chunk) for chunk in torch.chunk(torch.empty(rows, 0), world_size)] if rows else []
+    return sizes + [0] * (world_size - len(sizes))
+
+
+def check_dim0_shards(state: dict[str, Any]) -> None:
+    """The gather assumes FSDP2's default: every DTensor sharded along dim 0 of a one-dimensional mesh."""
+    from torch.distributed.tensor import Shard
+
+    for key, value in state.items():
+        if is_dtensor(value) and (value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),)):
+            raise UnsupportedError(f"{key}: sharded as {value.placements} on a {value.device_mesh.ndim}-D mesh; "
+                                   "one rank can gather only FSDP2's dim-0 shards; save with "
+                                   "engine.save_16bit_model(dir) on every rank")
+
+
+_service: RankZeroGather | None = None
+# Modules whose functions save one rank's state dict; a script that imported one before initialize
+# gets the service. (Our own code never imports them, so their presence is the script's doing.)
+RANK_ZERO_SAVERS = ("autotuner.runtime.data_pipeline.data_routing.helper",)
+
+
+def arm_if_wanted(module: torch.nn.Module, stage: int, world_size: int, gate: StepGate, timeout_s: float) -> None:
+    """Start the service when the script may save from one rank while FSDP2 shards the weights
+    (collective: every rank of the job calls initialize alike)."""
+    global _service
+    if stage >= 2 and world_size > 1 and any(name in sys.modules for name in RANK_ZERO_SAVERS):
+        _service = RankZeroGather(module, gate, timeout_s)
+
+
+def service_for(module: torch.nn.Module) -> RankZeroGather | None:
+    return _service if _service is not None and _service.module is module else None
