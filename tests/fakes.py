@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
 from typing import Callable
 
 from autotuner.boundary import Measurement, ModelInfo
-from autotuner.config import DeepSpeedConfig
+from autotuner.config import DeepSpeedConfig, load_config
 from autotuner.tuning.config_space import base_config
 from autotuner.tuning.experiment import ExperimentSettings, Trial
 from autotuner.tuning.journal import Fingerprint
 from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.autotuner import Autotuner
 from autotuner.tuning.runner import OneSlot
 
 
@@ -89,3 +92,47 @@ class ParallelFakeRunner(FakeRunner):
         trial = self.held.pop()
         self.finished_order.append(trial.directory.name)
         return trial, self.answer(trial)
+
+
+# ----- an orchestrator over a fake runner, shared by the orchestrator, history and transfer tests -----
+MiB = 2**20
+
+
+def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, print_to: list | None = None,
+          print_fingerprint=None, **top) -> Autotuner:
+    config = load_config({"train_micro_batch_size_per_gpu": [2, 4], "zero_optimization": {"stage": 0}, **top,
+                          "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30,
+                                                         "tuner_type": "gridsearch", "history": False,
+                                                         **(autotuning or {})}})
+    settings = experiment_settings(config, objective=Objective(config.autotuning.metric),
+                                   memory_budget_bytes=config.autotuning.memory_per_rank_bytes)
+    lines = print_to if print_to is not None else []
+    return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner,
+                     print_fingerprint or fingerprint(), report=lines.append)
+
+
+def profiled(answer):
+    """Every trial gets `answer(trial)`; a profile trial (an experiment that also measures the
+    model) gets a model info too."""
+    def run(trial: Trial) -> TrialResult:
+        result = answer(trial)
+        if trial.profile and result.state is TrialState.OK:
+            info = model_info(trial.experiment.micro_batch_size, trial.experiment.zero_stage,
+                              activation_bytes=trial.experiment.micro_batch_size * MiB)
+            return dataclasses.replace(result, model_info=info)
+        return result
+    return run
+
+
+def by_micro(values: dict[int, float]):
+    return profiled(lambda trial: ok(trial, values[trial.experiment.micro_batch_size], 200 * MiB))
+
+
+# Full mode's values before the registry existed, written out: the registry must give exactly these.
+BUCKETS = [1_000_000, 6_553_600, 50_000_000]
+OUR_ENGINE_KNOBS = {
+    0: {"reduce_bucket_size": BUCKETS, "contiguous_gradients": [False, True]},
+    1: {"reduce_bucket_size": BUCKETS, "contiguous_gradients": [False, True]},
+    2: {"overlap_comm": [False, True]},
+    3: {"overlap_comm": [False, True], "stage3_param_persistence_threshold": [0, 100_000]},
+}

@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-import test_faults as faults
+import process_checks as faults
 from autotuner.app import engines
 from autotuner.app.engines import script_engine
 from autotuner.errors import UsageError

@@ -17,6 +17,7 @@ import pytest
 
 from autotuner.config import read_config_file
 from conftest import CONFIGS, MINIMAL, ROOT, launcher_env, run_launcher
+from process_checks import assert_pids_dead, pids_in, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 GPT2 = ROOT / "examples" / "hf_gpt2"
@@ -184,8 +185,6 @@ def toy_args(tmp_path: Path, *extra: str) -> tuple:
 
 
 def test_a_failed_node_stops_the_others_and_nothing_is_left(tmp_path, fake_ssh, no_orphans):
-    from test_faults import assert_pids_dead
-
     head = run_launcher("--hostfile", two_host_file(tmp_path), "--master_port", free_port(),
                         *toy_args(tmp_path, "--steps", "400", "--ms_per_step", "50", "--fail_rank", "1",
                                   "--fail_at_step", "3"), cwd=tmp_path, timeout=240)
@@ -200,8 +199,6 @@ def test_a_failed_node_stops_the_others_and_nothing_is_left(tmp_path, fake_ssh, 
 def test_stopping_the_head_ends_every_node(how, tmp_path, fake_ssh, no_orphans):
     """Ctrl-C reaches the head alone (it runs in its own session here); even SIGKILL of the head
     ends every node, as their agents stop when the head's pipe closes."""
-    from test_faults import assert_pids_dead, pids_in, wait_for
-
     head = subprocess.Popen([sys.executable, "-m", "autotuner", "--hostfile", str(two_host_file(tmp_path)),
                              "--master_port", str(free_port()),
                              *map(str, toy_args(tmp_path, "--steps", "2000", "--ms_per_step", "50"))],

@@ -19,16 +19,8 @@ from autotuner.tuning.experiment import Trial, experiment_config
 from autotuner.tuning.memory import StageSettings
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.space import Experiment
-from fakes import FakeRunner, experiment_settings, fingerprint, model_info, ok
+from fakes import OUR_ENGINE_KNOBS, FakeRunner, experiment_settings, fingerprint, model_info, ok
 
-# Full mode's values before the registry existed, written out: the registry must give exactly these.
-BUCKETS = [1_000_000, 6_553_600, 50_000_000]
-OUR_ENGINE_KNOBS = {
-    0: {"reduce_bucket_size": BUCKETS, "contiguous_gradients": [False, True]},
-    1: {"reduce_bucket_size": BUCKETS, "contiguous_gradients": [False, True]},
-    2: {"overlap_comm": [False, True]},
-    3: {"overlap_comm": [False, True], "stage3_param_persistence_threshold": [0, 100_000]},
-}
 DS_BUCKETS = [50_000_000, 500_000_000]
 DEEPSPEED_KNOBS = {
     0: {},

@@ -30,7 +30,7 @@ from autotuner.tuning.experiment import (
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning import results as results_module
 from autotuner.tuning.results import summary_text, write_results
-from test_dimensions import OUR_ENGINE_KNOBS
+from fakes import OUR_ENGINE_KNOBS
 from autotuner.tuning.space import Experiment
 
 THROUGHPUT = Objective("throughput")

@@ -12,8 +12,7 @@ from autotuner.tuning.history import default_url, study_name
 
 optuna = pytest.importorskip("optuna")
 
-from test_orchestrator import by_micro, tuner as plain_tuner  # noqa: E402
-from fakes import FakeRunner, fingerprint  # noqa: E402
+from fakes import FakeRunner, by_micro, fingerprint, profiled, tuner as plain_tuner  # noqa: E402
 
 
 def tuner(tmp_path, runner, autotuning=None, **kwargs):
@@ -62,8 +61,6 @@ def test_a_failed_launch_is_a_failed_trial(tmp_path):
 
 
 def by_micro_answer(answer):
-    from test_orchestrator import profiled
-
     return profiled(answer)
 
 

@@ -3,51 +3,18 @@ the first-failure rule, memory calibration and the progress lines."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
-from autotuner.config import load_config
-from autotuner.tuning.autotuner import Autotuner, TuningFailed
-from autotuner.tuning.experiment import Trial
+from autotuner.tuning.autotuner import TuningFailed
 from autotuner.tuning.journal import fingerprint_of, load_journal, unmapped_args, write_entry
-from autotuner.tuning.records import Objective, TrialResult, TrialState
+from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.space import Experiment
-from fakes import FakeRunner, ParallelFakeRunner, experiment_settings, fingerprint, model_info, never_called, ok
+from fakes import FakeRunner, ParallelFakeRunner, by_micro, fingerprint, model_info, never_called, ok, profiled, tuner
 
 MiB = 2**20
-
-
-def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, print_to: list | None = None,
-          print_fingerprint=None, **top) -> Autotuner:
-    config = load_config({"train_micro_batch_size_per_gpu": [2, 4], "zero_optimization": {"stage": 0}, **top,
-                          "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30,
-                                                         "tuner_type": "gridsearch", "history": False,
-                                                         **(autotuning or {})}})
-    settings = experiment_settings(config, objective=Objective(config.autotuning.metric),
-                                   memory_budget_bytes=config.autotuning.memory_per_rank_bytes)
-    lines = print_to if print_to is not None else []
-    return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner,
-                     print_fingerprint or fingerprint(), report=lines.append)
-
-
-def profiled(answer):
-    """Every trial gets `answer(trial)`; a profile trial (an experiment that also measures the
-    model) gets a model info too."""
-    def run(trial: Trial) -> TrialResult:
-        result = answer(trial)
-        if trial.profile and result.state is TrialState.OK:
-            info = model_info(trial.experiment.micro_batch_size, trial.experiment.zero_stage,
-                              activation_bytes=trial.experiment.micro_batch_size * MiB)
-            return dataclasses.replace(result, model_info=info)
-        return result
-    return run
-
-
-def by_micro(values: dict[int, float]):
-    return profiled(lambda trial: ok(trial, values[trial.experiment.micro_batch_size], 200 * MiB))
 
 
 def test_the_profile_and_the_search_go_through_the_runner_and_are_journaled(tmp_path):

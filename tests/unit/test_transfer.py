@@ -206,8 +206,7 @@ def test_the_sequence_length_is_read_from_the_models_first_input_where_it_has_on
 # ----- through the orchestrator and the history -----
 def test_a_larger_model_of_the_same_family_starts_from_the_smaller_ones_run_in_the_history(tmp_path):
     optuna = pytest.importorskip("optuna")
-    from fakes import FakeRunner, fingerprint, model_info, ok
-    from test_orchestrator import tuner
+    from fakes import FakeRunner, fingerprint, model_info, ok, tuner
 
     from autotuner.boundary import Measurement
 
