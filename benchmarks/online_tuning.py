@@ -34,7 +34,7 @@ WORKLOAD = ROOT / "benchmarks" / "workloads" / "wide_mlp.py"
 BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1,
         "optimizer": {"type": "SGD", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0}}
 ONLINE = {"warmup_samples": 2, "steps_per_sample": 5, "max_samples": 12, "sampling_confidence_time": 0.5,
-          "remeasure_top": 3, "remeasure_rounds": 3}
+          "remeasure_top": 3, "remeasure_windows": 3}
 
 
 def launch(workdir: Path, config: dict, *args: str, online: bool = False) -> subprocess.CompletedProcess:

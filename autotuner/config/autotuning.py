@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal, Union
 
-from pydantic import Field, NonNegativeFloat, field_validator, model_validator
+from pydantic import AliasChoices, Field, NonNegativeFloat, field_validator, model_validator
 
 from autotuner.config.base import NonNegativeInt, PositiveInt, Section
 
@@ -49,13 +49,27 @@ class OnlineConfig(Section):
                           "time to run them, one-off costs (compiling) included; unset: the script's --max_steps "
                           "when it has one, else the steady metric alone")
     remeasure_top: PositiveInt = Field(3, description="best points re-measured, interleaved, before the final pick")
-    remeasure_rounds: PositiveInt = Field(3, description="windows per re-measured point; the pick is by median")
+    remeasure_windows: PositiveInt = Field(
+        3, validation_alias=AliasChoices("remeasure_windows", "remeasure_rounds"),
+        description="windows per re-measured point, interleaved; the pick is by median (the old name "
+                    "remeasure_rounds is read, with a warning)")
     sampler: Literal["gp", "tpe"] = Field("gp", description="optuna's GPSampler or TPESampler")
     seed: int = Field(0, description="the sampler's seed")
     log_file: str | None = Field(None, description="CSV log (default: <results_dir>/online_log.csv)")
     best_knobs_file: str | None = Field(None, description="the pick (default: <results_dir>/best_knobs.json)")
     knobs: Union[dict[str, Union[bool, int, float]], str] = Field(
         default_factory=dict, description="knobs fixed by the user, not tuned; or the path of a best_knobs.json")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_remeasure_name(cls, data: Any) -> Any:
+        # Here it always meant windows per point; autotuning.remeasure_rounds counts rounds of launches.
+        if isinstance(data, dict) and "remeasure_rounds" in data:
+            if "remeasure_windows" in data:
+                raise ValueError("give remeasure_windows only (remeasure_rounds is its old name)")
+            logger.warning("autotuning.online.remeasure_rounds is deprecated: it is the windows per re-measured point, "
+                           "now autotuning.online.remeasure_windows")
+        return data
 
 
 class AutotuningConfig(Section):

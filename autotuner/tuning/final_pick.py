@@ -17,6 +17,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from autotuner.interleaved_pick import by_median, round_order
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 
@@ -106,10 +107,13 @@ class FinalPick:
 
 
 def pick(contenders_with_runs: list[Contender], objective: Objective, noise: float = TIE_FLOOR) -> FinalPick:
-    """The best median; a contender that failed a re-measurement cannot win over one that did not.
-    Ties: ranges that overlap the chosen one's, or medians within twice the noise of it."""
-    ranked = sorted(contenders_with_runs, key=lambda c: (c.failed_runs, -c.median if objective.maximize
-                                                          else c.median))
+    """The best median; a contender that failed a re-measurement cannot win over one that did not
+    (the shared rule, interleaved_pick.by_median). Ties: ranges that overlap the chosen one's, or
+    medians within twice the noise of it."""
+    by_experiment = {c.experiment: c for c in contenders_with_runs}
+    ranked = [by_experiment[e] for e in by_median({c.experiment: c.values for c in contenders_with_runs},
+                                                  objective.maximize,
+                                                  {c.experiment: c.failed_runs for c in contenders_with_runs})]
     chosen = ranked[0]
     ties = []
     for other in ranked[1:]:
@@ -178,10 +182,8 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
         for experiment in chosen:
             values.setdefault(experiment, [first[experiment]])
             failed.setdefault(experiment, 0)
-        # In the order they first became contenders, rotated by one each round: none always goes first.
-        ordered = [e for e in values if e in chosen]
-        shift = round_index % len(ordered)
-        for experiment in ordered[shift:] + ordered[:shift]:
+        # In the order they first became contenders, rotated by one each round (the shared rule).
+        for experiment in round_order([e for e in values if e in chosen], round_index):
             result = remeasure(experiment, round_index + 1)
             remeasurements.append((round_index + 1, result))
             if result.state is TrialState.OK and result.value is not None:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 40
 QUICK = {"warmup_samples": 1, "steps_per_sample": 2, "max_samples": 4, "sampling_confidence_time": 0,
-         "remeasure_top": 2, "remeasure_rounds": 2}
+         "remeasure_top": 2, "remeasure_windows": 2}
 
 
 def write_online_config(path: Path, stage: int = 0, gas: int = 1, zero: dict | None = None, online: dict | None = None) -> Path:

@@ -601,3 +601,13 @@ def test_deepspeeds_activation_checkpointing_keys_are_set_aside_with_one_warning
     assert len(warnings) == 1
     assert "activation_checkpointing.partition_activations" in warnings[0]
     assert "activation_checkpointing.number_checkpoints" in warnings[0] and "policy" not in warnings[0]
+
+
+def test_the_online_sections_old_remeasure_name_is_read_with_one_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="autotuner.config"):
+        online = load_config({"autotuning": {"online": {"remeasure_rounds": 5}}}).autotuning.online
+    assert online.remeasure_windows == 5
+    warned = [r.message for r in caplog.records if "remeasure_rounds is deprecated" in r.message]
+    assert len(warned) == 1 and "remeasure_windows" in warned[0]
+    with pytest.raises(ConfigError, match="give remeasure_windows only"):
+        load_config({"autotuning": {"online": {"remeasure_rounds": 5, "remeasure_windows": 2}}})

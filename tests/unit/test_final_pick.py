@@ -201,3 +201,17 @@ def test_on_a_machine_that_stays_busy_windows_are_measured_again_only_until_that
     first = runner.names[0]
     assert runner.names.count(first) == 2 and len(runner.names) == len(set(runner.names)) + 1  # one retry in all
     assert sum("this machine stays busy" in line for line in lines) == 1
+
+
+def test_one_interleaved_rule_serves_the_final_pick_and_the_online_tuner():
+    # Both import the rule (the online tuner's order and ranking are tested in test_online_schedule.py).
+    import autotuner.runtime.online.schedule as online
+    import autotuner.tuning.final_pick as final
+    from autotuner.interleaved_pick import by_median, round_order
+
+    assert online.round_order is final.round_order is round_order and online.by_median is final.by_median
+    assert [round_order("abc", r) for r in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]
+    values = {"a": [10, 30, 11], "b": [12, 12, 13], "c": [20, 20, 20]}
+    assert by_median(values) == ["c", "b", "a"] and by_median(values, maximize=False) == ["a", "b", "c"]
+    assert by_median(values, failed={"c": 1}) == ["b", "a", "c"]  # a failed run ranks behind every clean one
+

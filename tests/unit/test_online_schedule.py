@@ -108,7 +108,7 @@ class ScriptedOptimizer:
 
 A, B, C = {"bucket_cap_mb": 25}, {"bucket_cap_mb": 4}, {"bucket_cap_mb": 64}
 SETTINGS = ScheduleSettings(warmup_samples=2, steps_per_sample=5, max_samples=3, sampling_confidence_time=0.0,
-                            remeasure_top=2, remeasure_rounds=3)
+                            remeasure_top=2, remeasure_windows=3)
 
 
 def run(schedule: OnlineSchedule, seconds_of) -> tuple[list, list]:
@@ -153,7 +153,7 @@ def test_phases_in_order_and_the_pick_is_by_median_of_interleaved_remeasurements
 
 
 def test_short_windows_are_extended_to_the_confidence_time():
-    settings = ScheduleSettings(0, 4, 1, sampling_confidence_time=2.0, remeasure_top=1, remeasure_rounds=1)
+    settings = ScheduleSettings(0, 4, 1, sampling_confidence_time=2.0, remeasure_top=1, remeasure_windows=1)
     schedule = OnlineSchedule(settings, point_of(A), ScriptedOptimizer([A]), window_samples=8)
     first = schedule.first()
     assert first.phase is Phase.SAMPLE and first.steps == 4

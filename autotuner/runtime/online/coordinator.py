@@ -27,7 +27,7 @@ class KnobTarget(Protocol):
 
 def schedule_settings(online: OnlineConfig) -> ScheduleSettings:
     return ScheduleSettings(online.warmup_samples, online.steps_per_sample, online.max_samples,
-                            online.sampling_confidence_time, online.remeasure_top, online.remeasure_rounds)
+                            online.sampling_confidence_time, online.remeasure_top, online.remeasure_windows)
 
 
 class OnlineTuning:

@@ -3,8 +3,9 @@
 The run goes through four phases:
 - warmup: `warmup_samples` windows at the starting knobs, logged and not scored;
 - sample: `max_samples` windows at points the optimiser asks for (the starting knobs first);
-- remeasure: the best few points by median (and the starting knobs), `remeasure_rounds` windows
-  each, interleaved, so slow drift in the machine hits them alike;
+- remeasure: the best few points by median (and the starting knobs), `remeasure_windows` windows
+  each, interleaved and rotated each round, so slow drift in the machine hits them alike (the
+  final-pick rule the offline tuner uses too: autotuner/interleaved_pick.py);
 - final: the point with the best median of its re-measurements is applied for the rest of training.
 
 A window lasts `steps_per_sample` optimizer steps, extended until it has lasted
@@ -18,6 +19,8 @@ import statistics
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
+
+from autotuner.interleaved_pick import by_median, round_order
 
 
 class Phase(str, Enum):
@@ -47,7 +50,7 @@ class ScheduleSettings:
     max_samples: int
     sampling_confidence_time: float
     remeasure_top: int
-    remeasure_rounds: int
+    remeasure_windows: int
 
 
 @dataclass(frozen=True)
@@ -168,16 +171,12 @@ class OnlineSchedule:
             candidates.append(self.start)  # the pick must beat where training started, measured alike
         if len(candidates) < 2:
             return []
-        order = []
-        for round_index in range(self.settings.remeasure_rounds):
-            shift = round_index % len(candidates)
-            order.extend(candidates[shift:] + candidates[:shift])
-        return order
+        return [point for round_index in range(self.settings.remeasure_windows)
+                for point in round_order(candidates, round_index)]
 
     def _finish(self, scores: dict[Point, list[float]], train_iter: int) -> Decision:
-        ranking = tuple(sorted(
-            (Ranked(p, statistics.median(s), min(s), max(s), len(s)) for p, s in scores.items()),
-            key=lambda r: r.median, reverse=True))
+        ranking = tuple(Ranked(p, statistics.median(scores[p]), min(scores[p]), max(scores[p]), len(scores[p]))
+                        for p in by_median(scores))  # the tuner's final-pick rule, samples/s: higher is better
         best = ranking[0]
         self.pick = Pick(best.knobs, best.median, train_iter, self.start, ranking)
         self._current = best.knobs
