@@ -21,6 +21,14 @@ def train_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, da
     return micro_batch_size * gradient_accumulation_steps * data_parallel_size
 
 
+def missing_factor(total: int, known_factors: int, exact: bool = True) -> int | None:
+    """The triad solved backwards, the one place it is: the member that makes `known_factors` x it
+    equal `total` (`exact`), or the largest that stays within `total` (a cap); None when none
+    is 1 or more, or `exact` and `total` is no multiple of `known_factors`."""
+    factor, rest = divmod(total, known_factors)
+    return None if factor < 1 or (exact and rest) else factor
+
+
 def gas_for(micro_batch_size: int, data_parallel_size: int, global_batch: int | None, exact: bool) -> int | None:
     """Gas that makes micro × gas × dp reach `global_batch`.
 
@@ -29,11 +37,7 @@ def gas_for(micro_batch_size: int, data_parallel_size: int, global_batch: int | 
     """
     if global_batch is None:
         return 1
-    per_step = train_batch_size(micro_batch_size, 1, data_parallel_size)
-    gas, rest = divmod(global_batch, per_step)
-    if gas < 1 or (exact and rest):
-        return None
-    return gas
+    return missing_factor(global_batch, train_batch_size(micro_batch_size, 1, data_parallel_size), exact)
 
 
 def _given(value) -> int | None:
@@ -62,15 +66,15 @@ def resolve_batch(config: DeepSpeedConfig, data_parallel_size: int) -> BatchSize
                 f"{train_batch_size(micro, gas, dp)}; fix one of them or set it to \"auto\""
             )
     elif total is not None and micro is not None:
-        gas, rest = divmod(total, micro * dp)
-        if rest or gas == 0:
+        gas = missing_factor(total, train_batch_size(micro, 1, dp))
+        if gas is None:
             raise ConfigError(
                 f"batch triad is inconsistent: train_batch_size ({total}) is not a multiple of "
                 f"train_micro_batch_size_per_gpu ({micro}) * data-parallel world size ({dp})"
             )
     elif total is not None and gas is not None:
-        micro, rest = divmod(total, gas * dp)
-        if rest or micro == 0:
+        micro = missing_factor(total, train_batch_size(1, gas, dp))
+        if micro is None:
             raise ConfigError(
                 f"batch triad is inconsistent: train_batch_size ({total}) is not a multiple of "
                 f"gradient_accumulation_steps ({gas}) * data-parallel world size ({dp})"
@@ -80,8 +84,8 @@ def resolve_batch(config: DeepSpeedConfig, data_parallel_size: int) -> BatchSize
         total = train_batch_size(micro, gas, dp)
     elif total is not None:
         gas = 1
-        micro, rest = divmod(total, dp)
-        if rest or micro == 0:
+        micro = missing_factor(total, dp)
+        if micro is None:
             raise ConfigError(
                 f"batch triad is inconsistent: train_batch_size ({total}) is not a multiple of the "
                 f"data-parallel world size ({dp})"
