@@ -3,21 +3,23 @@
 `import autotuner as deepspeed` gives a training script the parts of DeepSpeed's API it uses:
 initialize, init_distributed, add_config_arguments, get_accelerator, and the comm, utils,
 accelerator, runtime.utils and ops.adam modules, and deepspeed.checkpointing. Every module path
-DeepSpeedExamples' scripts import imports here too; using a feature we do not carry (zero.Init,
-an MoE layer, a PipelineModule, init_inference, ...) fails with one line saying what to do instead.
+DeepSpeedExamples' scripts import imports here too (autotuner/deepspeed_paths/, at their DeepSpeed
+paths through its aliases.py); using a feature we do not carry (an MoE layer, a PipelineModule,
+init_inference, ...) fails with one line saying what to do instead.
 """
 
 __version__ = "0.1.0"
 
 import importlib
 
+from autotuner.deepspeed_paths import aliases as _aliases
 from autotuner.rank_setup import setup_rank as _setup_rank
 
+_aliases.install()  # autotuner.moe.layer, autotuner.runtime.zero, ...: DeepSpeed's paths, the same modules
 _setup_rank()  # in ranks: one line per error of ours rather than a traceback per rank; warnings once
 
 _RUNTIME = ("initialize", "add_config_arguments", "Engine")
-_SUBMODULES = ("accelerator", "checkpointing", "comm", "compression", "inference", "module_inject", "moe", "monitor",
-               "ops", "pipe", "profiling", "runtime", "utils", "zero")
+_SUBMODULES = ("runtime", *_aliases.TOP_LEVEL)
 _REFUSED = {"PipelineModule": "pipe", "init_inference": "init_inference",
             "DeepSpeedTransformerLayer": "transformer_kernel", "DeepSpeedTransformerConfig": "transformer_kernel",
             "replace_transformer_layer": "module_inject"}
@@ -40,7 +42,7 @@ def __getattr__(name: str):
     if name in _SUBMODULES:
         return importlib.import_module(f"autotuner.{name}")
     if name in _REFUSED:  # importable; refused when used
-        from autotuner.unsupported import unsupported_class, unsupported_function
+        from autotuner.deepspeed_paths.unsupported import unsupported_class, unsupported_function
 
         make = unsupported_function if name[0].islower() else unsupported_class
         return make(name, _REFUSED[name])

@@ -44,7 +44,7 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
         {"nvme_path", "buffer_count", "pipeline_read", "pipeline_write", "fast_init", "ratio"}
     ),
     "zero_optimization.offload_param": frozenset({"nvme_path", "buffer_count", "buffer_size", "max_in_cpu"}),
-    # DeepSpeed's own: read only by deepspeed.checkpointing.configure (autotuner/checkpointing.py).
+    # DeepSpeed's own: read only by deepspeed.checkpointing.configure (autotuner/deepspeed_paths/checkpointing.py).
     "activation_checkpointing": frozenset({"partition_activations", "contiguous_memory_optimization",
                                            "cpu_checkpointing", "number_checkpoints",
                                            "synchronize_checkpoint_boundary", "profile"}),

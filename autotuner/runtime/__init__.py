@@ -7,7 +7,8 @@ __all__ = ["Engine", "add_config_arguments", "initialize"]
 
 
 def __getattr__(name: str):
-    # DeepSpeed scripts reach these as attributes (deepspeed.runtime.config.LAMB_OPTIMIZER, ...).
+    # DeepSpeed scripts reach these as attributes (deepspeed.runtime.config.LAMB_OPTIMIZER, ...): DeepSpeed's
+    # paths, not the engine's modules; they live in autotuner/deepspeed_paths/runtime/ (its aliases.py).
     if name in ("config", "data_pipeline", "domino", "pipe", "utils", "zero"):
         import importlib
 

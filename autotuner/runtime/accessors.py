@@ -80,14 +80,10 @@ class DeepSpeedAccessors:
         self._boundary_override = is_boundary
 
     def train_batch(self, *_args: Any, **_kwargs: Any) -> Any:
-        from autotuner.unsupported import refuse
-
-        raise refuse("train_batch")
+        raise _no_pipeline_engine()
 
     def eval_batch(self, *_args: Any, **_kwargs: Any) -> Any:
-        from autotuner.unsupported import refuse
-
-        raise refuse("train_batch")
+        raise _no_pipeline_engine()
 
     def get_lr(self) -> list[float]:
         return [group["lr"] for group in self.optimizer.param_groups]
@@ -190,3 +186,12 @@ class DeepSpeedAccessors:
         """True right after a micro-step that stepped the optimizer: False between accumulation
         boundaries and when fp16 overflow skipped the step (DeepSpeed's semantics)."""
         return self._step_applied
+
+
+def _no_pipeline_engine() -> Exception:
+    # The engine's own refusal (the DeepSpeed import paths' refusals are autotuner/deepspeed_paths/unsupported.py).
+    from autotuner.errors import UnsupportedError
+
+    return UnsupportedError("deepspeed.train_batch is not supported by autotuner: engine.train_batch/eval_batch drive "
+                            "a pipeline engine, which is not supported; call engine(batch), engine.backward(loss) and "
+                            "engine.step() in your own loop")

@@ -176,8 +176,9 @@ def check_dim0_shards(state: dict[str, Any]) -> None:
 
 _service: RankZeroGather | None = None
 # Modules whose functions save one rank's state dict; a script that imported one before initialize
-# gets the service. (Our own code never imports them, so their presence is the script's doing.)
-RANK_ZERO_SAVERS = ("autotuner.runtime.data_pipeline.data_routing.helper",)
+# gets the service. (Our own code never imports them, so their presence is the script's doing.) The
+# real name: an import at the DeepSpeed path (autotuner.runtime.data_pipeline..., an alias) puts it there too.
+RANK_ZERO_SAVERS = ("autotuner.deepspeed_paths.runtime.data_pipeline.data_routing.helper",)
 
 
 def arm_if_wanted(module: torch.nn.Module, stage: int, world_size: int, gate: StepGate, timeout_s: float) -> None:

@@ -1,6 +1,0 @@
-"""`deepspeed.compression.compress`: importable, refused when used."""
-
-from autotuner.unsupported import unsupported_function
-
-init_compression = unsupported_function("compression.compress.init_compression", "compression")
-redundancy_clean = unsupported_function("compression.compress.redundancy_clean", "compression")

@@ -1,6 +1,0 @@
-"""`deepspeed.inference`: importable; inference engines are refused when configured."""
-
-from autotuner.unsupported import unsupported_class
-
-RaggedInferenceEngineConfig = unsupported_class("inference.RaggedInferenceEngineConfig", "init_inference")
-DeepSpeedTPConfig = unsupported_class("inference.DeepSpeedTPConfig", "init_inference")

@@ -1,6 +1,0 @@
-"""`deepspeed.module_inject`: importable; kernel injection is refused when used."""
-
-from autotuner.module_inject import replace_policy  # noqa: F401 - reachable as an attribute
-from autotuner.unsupported import unsupported_function
-
-replace_transformer_layer = unsupported_function("module_inject.replace_transformer_layer", "module_inject")

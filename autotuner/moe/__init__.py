@@ -1,3 +1,0 @@
-"""`deepspeed.moe`: importable; building a mixture-of-experts layer is refused (moe/layer.py)."""
-
-from autotuner.moe import layer, utils  # noqa: F401 - reachable as attributes, as in DeepSpeed

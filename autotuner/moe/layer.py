@@ -1,5 +1,0 @@
-"""`deepspeed.moe.layer`: `MoE` is importable and refused when built."""
-
-from autotuner.unsupported import unsupported_class
-
-MoE = unsupported_class("moe.layer.MoE", "moe")

@@ -1,1 +1,0 @@
-"""deepspeed.monitor: TensorBoard, CSV and Weights & Biases monitors, written by rank 0 (monitor.py)."""

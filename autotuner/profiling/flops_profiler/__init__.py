@@ -1,3 +1,0 @@
-"""deepspeed.profiling.flops_profiler: FlopsProfiler and get_model_profile, on torch's FlopCounterMode."""
-
-from autotuner.profiling.flops_profiler.profiler import FlopsProfiler, get_model_profile  # noqa: F401

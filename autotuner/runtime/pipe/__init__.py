@@ -1,7 +1,0 @@
-"""`deepspeed.runtime.pipe`: the pipeline engine's names, importable and refused when used."""
-
-from autotuner.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: F401
-from autotuner.unsupported import unsupported_class
-
-PipelineEngine = unsupported_class("runtime.pipe.PipelineEngine", "pipe")
-ProcessTopology = unsupported_class("runtime.pipe.ProcessTopology", "pipe")

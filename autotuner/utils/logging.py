@@ -1,3 +1,0 @@
-"""`deepspeed.utils.logging`: the script logger and log_dist (autotuner.utils's)."""
-
-from autotuner.utils import log_dist, logger  # noqa: F401
