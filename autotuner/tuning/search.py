@@ -20,10 +20,10 @@ from typing import Any, Callable
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.search_space import (Evaluate, Fits, SearchPolicy, SearchSpace, fitting_micro_batch_sizes,
                                            spread_micro_batch_sizes)
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space import Experiment, Knobs
 from autotuner.tuning.tuners import drive, make_tuner
 from autotuner.tuning.tuners.base import slots
-from autotuner.tuning.variant_rules import (FailedVariants, Knobs, _always_fits, not_memory_bound,  # noqa: F401
+from autotuner.tuning.variant_rules import (FailedVariants, _always_fits, not_memory_bound,  # noqa: F401
                                             prune_variant, search_finishes, variant_measured, variant_of,
                                             variant_text)
 
