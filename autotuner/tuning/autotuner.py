@@ -85,8 +85,8 @@ class Autotuner:
         stores = [JournalStore(exps_dir, fingerprint, report)] + ([HistoryStore(self.history)] if self.history else [])
         self.ledger = TrialLedger(stores)  # what has been tried: every phase reads and writes it
         self.ledger.on_record(self._recorded)
-        self.launches = RunnerLaunches(runner, self.ledger, self._trial, report)
-        self.evaluator = Evaluator(self.ledger, self.launches)
+        self.launcher = RunnerLaunches(runner, self.ledger, self._trial, report)
+        self.evaluator = Evaluator(self.ledger, self.launcher)
         self._similar_runs = SimilarRuns(self.history, self.policy.tuner_type == "predictive"
                                          and bool(config.autotuning.transfer))
         self._prior = TransferPrior()  # earlier similar runs' steps, once the profile has checked them
