@@ -11,12 +11,13 @@ from typing import Callable
 
 from autotuner.atomic import sweep_partial_writes
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.errors import AutotunerError
 from autotuner.tuning.config_space import base_config, engine_dimensions, search_space, untuned_offload_lines
 from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory
 from autotuner.tuning.experiment import ExperimentSettings, Trial, rescored
+from autotuner.tuning.evaluator import Evaluator, RunnerLaunches, TuningFailed
 from autotuner.tuning.history import HISTORY_FILE, make_history
-from autotuner.tuning.journal import Fingerprint, load_journal, write_entry
+from autotuner.tuning.journal import Fingerprint
+from autotuner.tuning.ledger import TrialLedger
 from autotuner.tuning.comm_fit import fit_collectives
 from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext
 from autotuner.tuning.memory import COMPUTE_BYTES, ModelProfile
@@ -25,10 +26,8 @@ from autotuner.tuning.predictive_search import PredictiveOutcome, run_predictive
 from autotuner.tuning.profiling import profile_from_config, profile_lines, profile_model
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.final_pick import final_pick_rounds
-from autotuner.tuning.interference import interference_share
 from autotuner.tuning.outcome import SearchRecord, TuningOutcome, write_outcome
 from autotuner.tuning.runner import Runner
-from autotuner.tuning.parallel_launches import ParallelLaunches
 from autotuner.launch.stopping import mark_work_started
 from autotuner.tuning.planned_run import objective_line
 from autotuner.tuning.search import run_search
@@ -38,17 +37,11 @@ from autotuner.tuning.sharding_gain import REASON_PREFIX, sharding_cannot_win
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.similar_runs import SimilarRuns
 from autotuner.tuning.transfer import TransferPrior
-from autotuner.tuning.tuners.predictive import Prediction
+from autotuner.tuning.trial_store import HistoryStore, JournalStore
 
 
 # The first profile launch's largest gas: each accumulation step is a whole forward/backward pass.
 PROFILE_MAX_GAS = 8
-
-
-class TuningFailed(AutotunerError):
-    """Nothing to choose from: the model did not run, or every experiment failed."""
-
-    exit_code = 1
 
 
 def follow_the_launch(built: str) -> str:
@@ -78,11 +71,7 @@ class Autotuner:
         self.policy = SearchPolicy.from_tuning(self.objective, tuning, settings.planned_steps)
         self.space = search_space(config, settings.data_parallel_size, settings.engine,
                                   visible_gpu_memory() is not None)
-        self._results: dict[Experiment, TrialResult] = {}
         self._pruned: list[TrialResult] = []
-        self._journal: dict[str, TrialResult] = {}  # finished records of this same run, by directory name
-        self._launched = 0
-        self._always_busy = False  # two disturbed windows in a row: stop measuring windows again
         self._started = time.monotonic()
         self._profiled = False  # a profile launch has shown the script runs
         # Bytes per rank for any experiment: the analytic model plus per engine a line fitted to
@@ -93,10 +82,14 @@ class Autotuner:
         self._profile_names: set[str] = set()
         self.predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
         self.history = make_history(config.autotuning, results_dir, fingerprint, self.objective, report)
+        stores = [JournalStore(exps_dir, fingerprint, report)] + ([HistoryStore(self.history)] if self.history else [])
+        self.ledger = TrialLedger(stores)  # what has been tried: every phase reads and writes it
+        self.ledger.on_record(self._recorded)
+        self.launcher = RunnerLaunches(runner, self.ledger, self._trial, report)
+        self.evaluator = Evaluator(self.ledger, self.launcher)
         self._similar_runs = SimilarRuns(self.history, self.policy.tuner_type == "predictive"
                                          and bool(config.autotuning.transfer))
         self._prior = TransferPrior()  # earlier similar runs' steps, once the profile has checked them
-        self._asked_predictions: dict[Experiment, Prediction] = {}  # the predictive search's, at each ask
 
     # ----- set-up -----
     def _prepare_dirs(self) -> None:
@@ -111,60 +104,16 @@ class Autotuner:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         for directory in (self.exps_dir, self.results_dir):  # ours alone: the tuner holds the lock
             sweep_partial_writes(directory)
-        journal = load_journal(self.exps_dir, self.fingerprint)
-        if journal.notice:
-            self.report(journal.notice)
-        # Scored again: the objective and budget may have changed since (they are not fingerprinted).
-        self._journal = {name: rescored(result, self.settings) for name, result in journal.reusable.items()}
-
-    def _launch(self, trial: Trial) -> TrialResult:
-        """Run one trial through the runner and journal its result (with this run's fingerprint).
-        A window another process disturbed is measured once more (interference.py)."""
-        result = self.runner.run(trial)
-        share = interference_share(result)
-        if share is not None and not self._always_busy:
-            self.report(f"{trial.experiment.name}: other processes took {share:.0%} of the CPUs during its profile "
-                        "window; measuring it again")
-            result = self.runner.run(trial)
-            self._launched += 1
-            again = interference_share(result)
-            if again is not None:
-                # The machine stays busy: a third window would be disturbed too. Every experiment is
-                # then measured alike, and the interleaved final re-measurement compares them.
-                self._always_busy = True
-                self.report(f"other processes still took {again:.0%} of the CPUs; this machine stays busy, so "
-                            "windows are no longer measured again (the final pick re-measures interleaved)")
-        self._journal_result(trial, result)
-        return result
-
-    def _journal_result(self, trial: Trial, result: TrialResult) -> None:
-        # Every process of the trial has ended: a write one was killed in the middle of is garbage.
-        sweep_partial_writes(trial.directory)
-        if result.state.finished:
-            write_entry(trial.directory, result, self.fingerprint)
-        if self.history is not None:
-            phase = "profile" if trial.profile else "remeasure" if "_remeasure" in trial.directory.name else "search"
-            self.history.record(result, phase, self._asked_predictions.get(trial.experiment) if phase == "search"
-                                else None)
+        # Rescored: the objective and budget may have changed since (they are not fingerprinted).
+        self.ledger.resume(lambda result: rescored(result, self.settings))
 
     def _profile_launch(self, stage: int, micro_batch_size: int) -> TrialResult:
         """A profile launch is the experiment at that stage and size (with its own gas), which also
         records the model; it counts as that experiment's measurement (under the stage's first
         variant, which the base config holds)."""
         experiment = self.space.experiment(stage, micro_batch_size).with_knobs(dict(self.space.variants_for(stage)[0]))
-        reused = self._journal.get(experiment.name)
-        if reused is not None and reused.model_info is not None:
-            result = reused
-        else:
-            result = self._launch(Trial(experiment, self.exps_dir / experiment.name, self.settings, profile=True))
-            self._launched += 1
-        self._results[experiment] = result
         self._profile_names.add(experiment.name)
-        self._progress(result, reused is result)
-        if result.model_info is not None:  # settled at the first launch that ran, before any other
-            self._follow_engine(result.model_info.engine)
-        self.memory.learn(result)
-        return result
+        return self.evaluator.profile(experiment)
 
     def _profile_sizes(self) -> tuple[tuple[int, ...], Callable[[ModelProfile, int], int | None]]:
         """The first profile sizes to try, in order, and how the second size is chosen: about half
@@ -185,7 +134,7 @@ class Autotuner:
 
         def second(profile: ModelProfile, stage: int) -> int | None:
             # This stage's first launch: the latest that ran (one at a lower stage may have run out of memory).
-            first = next(r for r in reversed(self._results.values())
+            first = next(r for r in reversed(self.ledger.results())
                          if r.model_info is not None and r.state is TrialState.OK)
             self.memory.settle_budget(first.model_info.device_memory_bytes)
             self.memory.profile = profile
@@ -217,8 +166,8 @@ class Autotuner:
     def _sharding_cannot_win(self, profile: ModelProfile, stage: int) -> str | None:
         """sharding_gain.py's verdict from the unsharded profile launches: does every size fit
         unsharded, and what do the probe's links cost FSDP2's collectives at."""
-        infos = [r.model_info for r in self._results.values() if r.model_info is not None]
-        steps = [r.measurement.latency for r in self._results.values()
+        infos = [r.model_info for r in self.ledger.results() if r.model_info is not None]
+        steps = [r.measurement.latency for r in self.ledger.results()
                  if r.state is TrialState.OK and r.measurement is not None and r.measurement.latency > 0]
         if not steps:
             return None
@@ -300,7 +249,7 @@ class Autotuner:
     def cost_context(self, quiet: bool = False) -> CostContext:
         """What the throughput model knows before timing a step: the model's size and the links the
         profile launches timed on the job's process group."""
-        timings = [t for r in self._results.values() if r.model_info is not None
+        timings = [t for r in self.ledger.results() if r.model_info is not None
                    for t in r.model_info.collective_timings]
         links = tuple(fit_collectives(timings).values())
         if not links and self.settings.data_parallel_size > 1 and not quiet:
@@ -310,35 +259,20 @@ class Autotuner:
         return CostContext(profile.num_params if profile else 0, self.settings.data_parallel_size,
                            COMPUTE_BYTES.get(self.memory.precision, 4), links, self._prior.observations)
 
-    # ----- the loop -----
-    def _trial(self, experiment: Experiment) -> Trial:
-        return Trial(experiment, self.exps_dir / experiment.name, self.settings,
-                     predicted_memory_bytes=self.memory.predicted_memory(experiment))
+    # ----- the ledger's trials -----
+    def _trial(self, experiment: Experiment, directory_name: str = "", profile: bool = False) -> Trial:
+        """The launch of `experiment` in exps_dir/<directory_name, else its name>, with the settings
+        as they stand (the profile may settle the engine); a profile launch carries no prediction."""
+        predicted = None if profile else self.memory.predicted_memory(experiment)
+        return Trial(experiment, self.exps_dir / (directory_name or experiment.name), self.settings,
+                     profile=profile, predicted_memory_bytes=predicted)
 
-    def _evaluate(self, experiment: Experiment) -> TrialResult:
-        if experiment in self._results:
-            return self._results[experiment]
-        reused = self._journal.get(experiment.name)
-        if reused is not None:
-            result = reused
-        else:
-            result = self._launch(self._trial(experiment))
-            self._launched += 1
-            self._first_launch_check(result)
-        self._record(result, reused is not None)
-        return result
-
-    def _first_launch_check(self, result: TrialResult) -> None:
-        if (self._launched == 1 and not self._profiled and result.state is TrialState.FAILED
-                and not any(r.state is TrialState.OK for r in self._results.values())):
-            # Without a profile run, a crash (not OOM) on the first launch is the script or its
-            # arguments, not the configuration: every other experiment would fail the same way.
-            raise TuningFailed(f"the first experiment {result.name} failed: {result.error}; "
-                               f"see {self.exps_dir / result.name}/stderr.log")
-
-    def _record(self, result: TrialResult, reused: bool) -> None:
-        self._results[result.experiment] = result
+    def _recorded(self, result: TrialResult, reused: bool) -> None:
+        """Told of every result the ledger records: the progress line, the engine the first profile
+        launch that ran built, and the memory model's refit."""
         self._progress(result, reused)
+        if result.model_info is not None and result.name in self._profile_names:
+            self._follow_engine(result.model_info.engine)  # settled at the first launch that ran, before any other
         self.memory.learn(result)
 
     def _prune(self, stage: int, reason: str, variant: tuple = ()) -> None:
@@ -351,12 +285,12 @@ class Autotuner:
         self.report(f"ZeRO {stage}: pruned, {searched} ({reason})")
 
     def _progress(self, result: TrialResult, reused: bool) -> None:
-        best = self.objective.best(list(self._results.values()))
+        best = self.ledger.best(self.objective)
         value = f"{result.value:.4g} {self.objective.unit}" if result.value is not None else result.error
         best_text = f"{best.name} {best.value:.4g}" if best else "none yet"
         elapsed = time.strftime("%H:%M:%S", time.gmtime(time.monotonic() - self._started))
         tag = " (from an earlier run)" if reused else ""
-        self.report(f"[{len(self._results)}] {result.name}: {result.state.value}{tag}: {value} | best {best_text} | "
+        self.report(f"[{len(self.ledger)}] {result.name}: {result.state.value}{tag}: {value} | best {best_text} | "
                     f"elapsed {elapsed}")
 
     def tune(self) -> TuningOutcome:
@@ -371,23 +305,23 @@ class Autotuner:
                                           visible_gpu_memory() is not None):
             self.report(line)
         self._prior = self._similar_runs.prior(  # the step-time model's prior, checked against the profile
-            self.memory.profile, [r for r in self._results.values() if r.name in self._profile_names],
+            self.memory.profile, [r for r in self.ledger.results() if r.name in self._profile_names],
             lambda: self.cost_context(quiet=True), self.report)
         largest = self.memory.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " + ", ".join(
             f"z{key}={m}" if isinstance(key, int) else f"z{key[0]} {variant_text(key[1])}={m}"
             for key, m in largest.items()))
         if self.policy.tuner_type == "predictive":
-            outcome = run_predictive_search(self.space, self.policy, largest, ParallelLaunches(self), self._prune,
-                                            self.cost_context(), list(self._results.values()), self.memory.fits,
+            outcome = run_predictive_search(self.space, self.policy, largest, self.evaluator, self._prune,
+                                            self.cost_context(), list(self.ledger.results()), self.memory.fits,
                                             self.memory.offload_fallback, self.report,
-                                            on_ask=self._asked_predictions.__setitem__)
+                                            on_ask=self.ledger.note_prediction)
             self.predictions = outcome
         else:
-            run_search(self.space, self.policy, largest, ParallelLaunches(self), self._prune, self.memory.fits,
+            run_search(self.space, self.policy, largest, self.evaluator, self._prune, self.memory.fits,
                        self.memory.offload_fallback, self.report)
-        best, remeasurements, pick_lines = self._final_pick(list(self._results.values()))
-        record = SearchRecord(tuple(self._results.values()), tuple(self._pruned), frozenset(self._profile_names), best,
+        best, remeasurements, pick_lines = self._final_pick(list(self.ledger.results()))
+        record = SearchRecord(self.ledger.results(), tuple(self._pruned), frozenset(self._profile_names), best,
                               tuple(remeasurements), self._prior.lines + tuple(pick_lines), self.predictions,
                               time.monotonic() - self._started)
         outcome = write_outcome(record, self.settings, self.objective, self.results_dir, self.report)
@@ -405,13 +339,7 @@ class Autotuner:
                                  self._remeasure, self.report)
 
     def _remeasure(self, experiment: Experiment, run: int) -> TrialResult:
-        directory = self.exps_dir / f"{experiment.name}_remeasure{run}"
-        result = self._journal.get(directory.name)
-        reused = result is not None
-        if result is None:
-            result = self._launch(Trial(experiment, directory, self.settings,
-                                        predicted_memory_bytes=self.memory.predicted_memory(experiment)))
-            self._launched += 1
+        result, reused = self.evaluator.remeasure(experiment, run)
         value = f"{result.value:.4g} {self.objective.unit}" if result.value is not None else result.error
         tag = " (from an earlier run)" if reused else ""
         self.report(f"[re-measure {run}] {experiment.name}: {result.state.value}{tag}: {value}")

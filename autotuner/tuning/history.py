@@ -87,7 +87,7 @@ class History:
                  report: Callable[[str], None]):
         self.url = url
         self.study_name = study_name(fingerprint)
-        self._fingerprint = fingerprint
+        self.fingerprint = fingerprint
         self._objective = objective
         self._tuner_type = tuner_type
         self._report = report
@@ -102,7 +102,7 @@ class History:
         direction = "minimize" if self._objective.metric == "latency" else "maximize"
         study = optuna.create_study(storage=open_storage(self.url), study_name=self.study_name,
                                     direction=direction, load_if_exists=True)
-        study.set_user_attr("fingerprint", self._fingerprint.to_json())
+        study.set_user_attr("fingerprint", self.fingerprint.to_json())
         study.set_user_attr("metric", self._objective.metric)
         with warnings.catch_warnings():  # experimental in some optuna releases; the name is what the dashboard shows
             warnings.simplefilter("ignore")

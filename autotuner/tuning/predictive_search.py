@@ -15,12 +15,12 @@ from typing import Callable
 
 from autotuner.tuning.cost_model import CostContext
 from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.search import (FailedVariants, Knobs, not_memory_bound, variant_measured, variant_of,
+from autotuner.tuning.search import (FailedVariants, not_memory_bound, variant_measured, variant_of,
                                      OffloadFallback, PredictedLargest, _always_fits, _no_fallback, prune_variant,
                                      beyond_previous_variant, search_finishes, search_knobs, stage_space_for)
 from autotuner.tuning.search_space import (Evaluate, Fits, SearchPolicy, SearchSpace, fitting_micro_batch_sizes,
                                            ladder_sizes)
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space import Experiment, Knobs
 from autotuner.tuning.tuners import drive
 from autotuner.tuning.tuners.predictive import Prediction, PredictiveTuner
 

@@ -1,7 +1,8 @@
 """The search over ZeRO stage × micro-batch × gas (and, in full mode, ZeRO knobs).
 
-Experiments are measured through an injected `evaluate`, so this module launches nothing
-and can be tested with a fake. Order of work, per stage in 0..3:
+Experiments are measured through an injected `evaluate` (in `run_search`, through an evaluator
+over it, evaluator.py: what was measured is not launched again, a failed variant is refused), so this module launches
+nothing and can be tested with a fake. Order of work, per stage in 0..3:
 1. prune what the memory model says cannot fit; a stage that fits no larger micro-batch than
    a lower one gets one probe at the best micro-batch so far, and is skipped unless it wins;
 2. confirm the predicted largest micro-batch, bisecting down on OOM;
@@ -13,17 +14,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import deque
 from dataclasses import replace
 from typing import Any, Callable
 
+from autotuner.tuning.evaluator import Evaluator, evaluator_of
 from autotuner.tuning.records import TrialResult, TrialState
 from autotuner.tuning.search_space import (Evaluate, Fits, SearchPolicy, SearchSpace, fitting_micro_batch_sizes,
                                            spread_micro_batch_sizes)
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space import Experiment, Knobs
 from autotuner.tuning.tuners import drive, make_tuner
-from autotuner.tuning.tuners.base import slots
-from autotuner.tuning.variant_rules import (FailedVariants, Knobs, _always_fits, not_memory_bound,  # noqa: F401
+from autotuner.tuning.variant_rules import (FailedVariants, _always_fits, not_memory_bound,  # noqa: F401
                                             prune_variant, search_finishes, variant_measured, variant_of,
                                             variant_text)
 
@@ -216,48 +216,6 @@ def beyond_previous_variant(stage_space: SearchSpace, stage: int, variant: Knobs
     return replace(stage_space, min_micro_batch_size=max(stage_space.min_micro_batch_size, reached + 1))
 
 
-class MeasuredOnce:
-    """`evaluate`, at most once per experiment, keeping its parallel side (capacity, submit,
-    next_result) when it has one; an experiment of a variant that failed is not launched."""
-
-    def __init__(self, evaluate: Evaluate, failed: FailedVariants | None = None):
-        self._evaluate = evaluate
-        self.capacity = slots(evaluate)
-        self.measured: dict[Experiment, TrialResult] = {}
-        self._ready: deque[TrialResult] = deque()
-        self._failed = failed
-
-    def _refusal(self, experiment: Experiment) -> TrialResult | None:
-        return self._failed.refusal(experiment) if self._failed is not None else None
-
-    def _learn(self, result: TrialResult) -> TrialResult:
-        if self._failed is not None:
-            self._failed.learn(result)
-        return result
-
-    def __call__(self, experiment: Experiment) -> TrialResult:
-        if experiment not in self.measured:
-            refused = self._refusal(experiment)
-            self.measured[experiment] = refused or self._learn(self._evaluate(experiment))
-        return self.measured[experiment]
-
-    def submit(self, experiment: Experiment) -> None:
-        refused = None if experiment in self.measured else self._refusal(experiment)
-        if refused is not None:
-            self.measured[experiment] = refused
-        if experiment in self.measured:
-            self._ready.append(self.measured[experiment])
-        else:
-            self._evaluate.submit(experiment)  # type: ignore[attr-defined]
-
-    def next_result(self) -> TrialResult:
-        if self._ready:
-            return self._ready.popleft()
-        result = self._learn(self._evaluate.next_result())  # type: ignore[attr-defined]
-        self.measured[result.experiment] = result
-        return result
-
-
 def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: PredictedLargest, evaluate: Evaluate,
                prune: Callable[..., None], fits: Fits = _always_fits,
                offload_fallback: OffloadFallback = _no_fallback,
@@ -268,8 +226,7 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
     (it may learn from each launch's measured peak). A stage that fits nothing is searched with
     `offload_fallback`'s knobs when it offers some. Each stage's variants are searched in turn,
     each above the sizes the ones before it reached."""
-    evaluate_once = MeasuredOnce(evaluate, FailedVariants(space))
-    measured = evaluate_once.measured
+    evaluate_once = evaluator_of(evaluate).for_search(FailedVariants(space))
 
     largest_so_far = 0
     for stage in sorted(space.stages):
@@ -283,10 +240,10 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
             if searched is None:
                 continue
             later = variant_of(space, stage_space.experiment(stage, 1))
-            if later and (reason := not_memory_bound(policy.objective, stage, measured.values())):
+            if later and (reason := not_memory_bound(policy.objective, stage, evaluate_once.answered())):
                 prune_variant(prune, stage, variant, reason)
                 continue
-            if later and not variant_measured(measured.values(), space, variant):
+            if later and not variant_measured(evaluate_once.answered(), space, variant):
                 predicted = first_of_variant(searched, stage, predicted, evaluate_once, fits)
                 if predicted is None:
                     prune_variant(prune, stage, variant, "its first launch, at its smallest size, did not run")
@@ -298,9 +255,9 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
             if largest is not None:
                 largest_so_far = max(largest_so_far, largest)
     if not policy.fast:
-        search_knobs(space, policy, list(measured.values()), evaluate_once, fits=fits)
-    search_finishes(space, policy, list(measured.values()), evaluate_once, fits=fits, report=report)
-    return list(measured.values())
+        search_knobs(space, policy, evaluate_once.answered(), evaluate_once, fits=fits)
+    search_finishes(space, policy, evaluate_once.answered(), evaluate_once, fits=fits, report=report)
+    return evaluate_once.answered()
 
 
 def first_of_variant(space: SearchSpace, stage: int, predicted: int, evaluate: Evaluate, fits: Fits) -> int | None:
@@ -318,12 +275,12 @@ def first_of_variant(space: SearchSpace, stage: int, predicted: int, evaluate: E
 
 
 def search_rung(space: SearchSpace, policy: SearchPolicy, stage: int, variant: Knobs, predicted: int,
-                largest_so_far: int, evaluate: MeasuredOnce, prune: Callable[..., None], fits: Fits) -> int | None:
+                largest_so_far: int, evaluate: Evaluator, prune: Callable[..., None], fits: Fits) -> int | None:
     """One stage under one variant: probed once when it fits no larger micro-batch than the
     rungs before it, searched otherwise. Returns the largest micro-batch that ran."""
     must_beat = largest_so_far  # a rung's smaller sizes are only worth trying if it fits more
     if not space.fixed_micro_batch_sizes and largest_so_far and predicted <= largest_so_far:
-        reason = probe_stage(space, policy, stage, list(evaluate.measured.values()), evaluate, fits)
+        reason = probe_stage(space, policy, stage, evaluate.answered(), evaluate, fits)
         if reason is not None:
             before = "an earlier stage or variant's" if variant else "a lower stage's"
             prune_variant(prune, stage, variant, f"cannot help: its largest micro-batch ({predicted}) is no larger "

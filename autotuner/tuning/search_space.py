@@ -11,8 +11,7 @@ from typing import Any, Callable
 from autotuner.config.batch import gas_for, train_batch_size
 from autotuner.config.autotuning import AutotuningConfig
 from autotuner.tuning.records import Objective, TrialResult
-from autotuner.tuning.space import Experiment
-from autotuner.tuning.variant_rules import Knobs
+from autotuner.tuning.space import Experiment, Knobs
 
 Evaluate = Callable[[Experiment], TrialResult]
 Fits = Callable[[Experiment], bool]  # the memory model's verdict on one experiment, asked before each launch

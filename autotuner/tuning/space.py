@@ -18,6 +18,10 @@ def _format_knob(value: Any) -> str:
     return str(value)
 
 
+# A set of dimension values by name, sorted: an experiment's knobs, or a variant of a stage.
+Knobs = tuple[tuple[str, Any], ...]
+
+
 @dataclass(frozen=True, order=True)
 class Experiment:
     """One training configuration to measure: a ZeRO stage, the batch triad, and a value for each
@@ -26,7 +30,7 @@ class Experiment:
     zero_stage: int
     micro_batch_size: int
     gradient_accumulation_steps: int = 1
-    knobs: tuple[tuple[str, Any], ...] = field(default=())
+    knobs: Knobs = field(default=())
 
     @property
     def name(self) -> str:

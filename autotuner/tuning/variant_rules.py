@@ -6,15 +6,11 @@ the predictive one (predictive_search.py); nothing here launches."""
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Callable
 
 from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.space import Experiment
-
-if TYPE_CHECKING:
-    from autotuner.tuning.search_space import Evaluate, Fits, SearchPolicy, SearchSpace
-
-Knobs = tuple[tuple[str, Any], ...]
+from autotuner.tuning.search_space import Evaluate, Fits, SearchPolicy, SearchSpace
+from autotuner.tuning.space import Experiment, Knobs
 
 
 def _always_fits(experiment: Experiment) -> bool:
