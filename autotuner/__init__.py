@@ -13,7 +13,7 @@ __version__ = "0.1.0"
 import importlib
 
 from autotuner.deepspeed_paths import aliases as _aliases
-from autotuner.rank_setup import setup_rank as _setup_rank
+from autotuner.core.rank_setup import setup_rank as _setup_rank
 
 _aliases.install()  # autotuner.moe.layer, autotuner.runtime.zero, ...: DeepSpeed's paths, the same modules
 _setup_rank()  # in ranks: one line per error of ours rather than a traceback per rank; warnings once

@@ -35,7 +35,7 @@ from autotuner.tuning import transfer  # noqa: E402
 from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext, Observation  # noqa: E402
 from autotuner.tuning.final_pick import final_pick_rounds  # noqa: E402
 from autotuner.tuning.predictive_search import run_predictive_search  # noqa: E402
-from autotuner.boundary import Measurement  # noqa: E402
+from autotuner.core.boundary import Measurement  # noqa: E402
 from autotuner.tuning.records import Objective, TrialResult, TrialState  # noqa: E402
 from autotuner.tuning.search_space import SearchPolicy, SearchSpace  # noqa: E402
 from autotuner.tuning.space import Experiment  # noqa: E402

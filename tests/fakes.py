@@ -6,7 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import Callable
 
-from autotuner.boundary import Measurement, ModelInfo
+from autotuner.core.boundary import Measurement, ModelInfo
 from autotuner.config import DeepSpeedConfig, load_config
 from autotuner.tuning.config_space import base_config
 from autotuner.tuning.experiment import ExperimentSettings, Trial

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autotuner.config import DeepSpeedConfig, load_config
-from autotuner.errors import ConfigError, UsageError
+from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import RankFlags, default_nproc_per_node
 from autotuner.launch.script_args import config_path

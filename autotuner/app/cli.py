@@ -12,7 +12,7 @@ import threading
 import traceback
 from contextlib import contextmanager
 
-from autotuner.errors import AutotunerError, ConfigError, UsageError
+from autotuner.core.errors import AutotunerError, ConfigError, UsageError
 from autotuner.execution.placement import EXCLUSIVE, PLACEMENT_POLICIES
 from autotuner.launch.nodes import STOP_WITH_STDIN_FLAG
 
@@ -181,7 +181,7 @@ def _check_online(config, path: str, online: bool) -> None:
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from None
     if online or config.autotuning.online.enabled:
-        from autotuner.bayes import require_optuna
+        from autotuner.core.bayes import require_optuna
 
         how = "--autotuning online" if online else f"{path}: autotuning.online.enabled"
         require_optuna(how)
@@ -190,7 +190,7 @@ def _check_online(config, path: str, online: bool) -> None:
 def _launch(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from autotuner.boundary import ONLINE_ENV
+    from autotuner.core.boundary import ONLINE_ENV
     from autotuner.launch import LaunchOptions, build_plan, run_plan
     from autotuner.launch.plan import config_checked, nodes_plan
 
@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     script_at = next((i for i, arg in enumerate(argv) if arg.endswith(".py")), len(argv))
     if "--report_file" in argv[:script_at]:  # a tuner's launch: it ends (and ends its ranks) with the tuner
-        from autotuner.parent_death import die_with_parent
+        from autotuner.core.parent_death import die_with_parent
 
         die_with_parent(death_signal=signal.SIGTERM)
     sweep_stale_temporary_dirs()

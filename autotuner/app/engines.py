@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from autotuner.errors import ConfigError, UsageError
+from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.script_imports import ImportSite, import_sites
 
 ENGINE_CHOICES = ("auto", "deepspeed", "autotuner")

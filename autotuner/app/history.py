@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from autotuner.tuning.history import STUDY_PREFIX, default_url, open_storage
 from autotuner.tuning.transfer import WorkloadSignature, size_text
 

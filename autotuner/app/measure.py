@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-from autotuner.atomic import write_json_atomic
+from autotuner.core.atomic import write_json_atomic
 from autotuner.config import load_config
 from autotuner.execution.cold import ColdRunner
 from autotuner.execution.warm import WarmRunner

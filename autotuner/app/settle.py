@@ -22,7 +22,7 @@ from autotuner.config.batch import check_fixed_triad, train_batch_size
 from autotuner.config.keys import field_names, section_model
 from autotuner.config.loader import read_config_file
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
-from autotuner.errors import ConfigError, UsageError
+from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import LaunchPlan
 from autotuner.launch.script_args import config_path, find_flag
@@ -165,7 +165,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
         say(f"{source}: autotuning.enabled is false; tuning anyway because --autotuning {args.autotuning} was given")
     check_arg_mappings(config, source)
     if tuning.tuner_type == "bayes":
-        from autotuner.bayes import require_optuna
+        from autotuner.core.bayes import require_optuna
 
         require_optuna(f"{source}: autotuning.tuner_type \"bayes\"")
     options = LaunchOptions.from_args(args, rdzv_endpoint=None, rdzv_id=None)

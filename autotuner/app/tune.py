@@ -11,7 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from autotuner.app.settle import SettledJob, say as _say, settle, settle_built_engine
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from autotuner.launch.stopping import Stopped
 from autotuner.tuning.autotuner import Autotuner, TuningFailed
 from autotuner.execution.forkserver import Forkserver

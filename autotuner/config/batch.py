@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ honours them; ours would train differently, so it refuses them in one line rathe
 from __future__ import annotations
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 
 
 # Sections DeepSpeed's engine acts on when enabled, changing what the model is fed or runs; ours does

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import AliasChoices, BaseModel
 
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 
 # DeepSpeed keys that are real but have no effect in our engine, by section.
 # "" is the top level. They are accepted so a user's existing file still loads.

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from autotuner.config.keys import check_keys
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 
 # Dotted key -> what to set on our engine instead, with an example.
 TRAINER_FILLED: dict[str, str] = {

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import torch.utils.checkpoint
 
-from autotuner.errors import UnsupportedError
+from autotuner.core.errors import UnsupportedError
 
 _configured = False
 _num_checkpoints: int | None = None

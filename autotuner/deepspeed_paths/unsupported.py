@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from autotuner.errors import UnsupportedError
+from autotuner.core.errors import UnsupportedError
 
 DATA_PARALLEL = "every rank is data parallel here"
 REASONS = {

@@ -18,11 +18,11 @@ from typing import Callable
 
 import psutil
 
-from autotuner.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
-from autotuner.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
+from autotuner.core.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
+from autotuner.core.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
 from autotuner.execution.script_imports import script_imports
 from autotuner.launch.stopping import make_temporary_dir, remove_temporary_dir
-from autotuner.parent_death import LAUNCHED_BY_PID_ENV
+from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
 
 POLL_S = 0.05
 PRELOAD_TIMEOUT_S = 600.0

@@ -8,12 +8,12 @@ import os
 import sys
 from dataclasses import replace
 
-from autotuner.boundary import ERROR_DIR_ENV, REQUEST_ENV
+from autotuner.core.boundary import ERROR_DIR_ENV, REQUEST_ENV
 from autotuner.execution.placement import Layout, Placement, RankPlace, RankShape, rank_variables
 from autotuner.execution.ray_worker import RankRun
 from autotuner.launch.nodes import exported_env
 from autotuner.launch.plan import LaunchPlan, build_plan
-from autotuner.rank_setup import QUIET_ERRORS_ENV
+from autotuner.core.rank_setup import QUIET_ERRORS_ENV
 from autotuner.tuning.experiment import (CONFIG_FILE, METRICS_FILE, MODEL_INFO_FILE, RANK_ERRORS_DIR, REQUEST_FILE,
                                          Trial, launch_options, trial_environment)
 

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import autotuner
-from autotuner.atomic import write_json_atomic
-from autotuner.boundary import LaunchReport, write_record
+from autotuner.core.atomic import write_json_atomic
+from autotuner.core.boundary import LaunchReport, write_record
 from autotuner.execution.placement import (EXCLUSIVE, ClusterNode, Layout, Placement, RankShape, concurrency, feasible,
                                          place, taken)
 from autotuner.execution.rank_runs import rank_run, trial_rank_runs
 from autotuner.execution.ray_worker import TOKEN_FILE, RankOutcome, RankWorker
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from autotuner.launch.plan import LaunchOptions, build_plan
 from autotuner.launch.elastic import failure_lines, failure_report
 from autotuner.launch.stopping import GRACE_S, install_stop_handlers, mark_work_started

@@ -56,7 +56,7 @@ class RankOutcome:
 
 
 def _die_with_actor() -> None:
-    from autotuner.parent_death import die_with_parent
+    from autotuner.core.parent_death import die_with_parent
 
     die_with_parent()
 

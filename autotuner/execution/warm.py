@@ -25,8 +25,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from autotuner.boundary import ERROR_DIR_ENV, LaunchReport, write_record
-from autotuner.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
+from autotuner.core.boundary import ERROR_DIR_ENV, LaunchReport, write_record
+from autotuner.core.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
 from autotuner.execution.cold import ColdRunner
 from autotuner.execution.forkserver import Forkserver, WarmStartBroken
 from autotuner.launch.elastic import exit_status, failure_lines, failure_report
@@ -35,8 +35,8 @@ from autotuner.launch.rank_groups import end_rank_groups, group_of_rank
 from autotuner.launch.stopping import GRACE_S, descendants, end_processes
 from autotuner.launch.warm_rank import UNSAFE_FORK_EXIT, WarmRankSpec
 from autotuner.launch.warm_rank import main as warm_rank_main
-from autotuner.parent_death import LAUNCHED_BY_PID_ENV
-from autotuner.rank_setup import QUIET_ERRORS_ENV
+from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
+from autotuner.core.rank_setup import QUIET_ERRORS_ENV
 from autotuner.tuning.experiment import (RANK_ERRORS_DIR, WARM_RANKS_FILE, Trial, judge, launch_options, prepare,
                                          trial_environment)
 from autotuner.tuning.records import TrialResult, TrialState

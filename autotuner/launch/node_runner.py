@@ -19,7 +19,7 @@ import time
 
 import psutil
 
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from autotuner.launch.nodes import NodesPlan
 from autotuner.launch.elastic import exit_status
 from autotuner.launch.stopping import GRACE_S, Stopped, end_processes

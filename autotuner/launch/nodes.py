@@ -25,7 +25,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from autotuner.launch.resources import parse_hostfile, select_slots
 
 EXPORT_PREFIXES = ("PYTHON", "MLFLOW", "MV2", "UCX", "NCCL")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from autotuner.launch.nodes import NodesPlan, active_hosts, plan_nodes
 from autotuner.launch.resources import cores_for_ranks, is_this_host, parse_core_list, parse_hostfile, select_slots
 
@@ -361,7 +361,7 @@ def nodes_plan(options: LaunchOptions, python: str, cwd: str, environ: dict[str,
 
 def config_checked(plan: LaunchPlan) -> LaunchPlan:
     """The launcher has printed the config's warnings: the ranks need not repeat them."""
-    from autotuner.rank_setup import CONFIG_CHECKED_ENV
+    from autotuner.core.rank_setup import CONFIG_CHECKED_ENV
 
     return replace(plan, env={**plan.env, CONFIG_CHECKED_ENV: "1"})
 

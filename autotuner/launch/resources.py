@@ -7,7 +7,7 @@ import re
 import socket
 from pathlib import Path
 
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 
 DEFAULT_HOSTFILE = "/job/hostfile"
 _HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")

@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-from autotuner.boundary import ERROR_DIR_ENV, RankError, error_message, write_record
-from autotuner.parent_death import die_with_parent
-from autotuner.rank_setup import QUIET_ERRORS_ENV, setup_rank
+from autotuner.core.boundary import ERROR_DIR_ENV, RankError, error_message, write_record
+from autotuner.core.parent_death import die_with_parent
+from autotuner.core.rank_setup import QUIET_ERRORS_ENV, setup_rank
 
 
 def _record(kind: str, message: str, exit_code: int, ours: bool = False) -> None:
@@ -77,7 +77,7 @@ def _end_process_group() -> None:
 
 def _measure_deepspeed_engine() -> None:
     """In a tuner's launch: should the script train on DeepSpeed's own engine, measure it there."""
-    from autotuner.boundary import request_from_env
+    from autotuner.core.boundary import request_from_env
 
     request = request_from_env()
     if request is not None:
@@ -109,7 +109,7 @@ def run(argv: list[str]) -> int:
         _record("KeyboardInterrupt", "", 128 + signal.SIGINT)
         raise
     except BaseException as err:  # noqa: BLE001 - recorded, then reported as Python would
-        from autotuner.errors import AutotunerError
+        from autotuner.core.errors import AutotunerError
 
         ours = isinstance(err, AutotunerError)
         status = err.exit_code if ours else 1

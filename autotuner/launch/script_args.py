@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 
 CONFIG_FLAGS = ("--deepspeed", "--deepspeed_config")
 

@@ -16,9 +16,9 @@ import json
 import os
 import time
 
-from autotuner.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
-from autotuner.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
-from autotuner.parent_death import die_with_parent
+from autotuner.core.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
+from autotuner.core.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
+from autotuner.core.parent_death import die_with_parent
 
 die_with_parent()  # before the preload: a tuner killed outright takes the forkserver (and so its ranks) along
 
@@ -56,7 +56,7 @@ def _run() -> None:
     report = preload(names)
     path = os.environ.get(REPORT_ENV)
     if path:
-        from autotuner.atomic import write_json_atomic
+        from autotuner.core.atomic import write_json_atomic
 
         write_json_atomic(path, report)
 

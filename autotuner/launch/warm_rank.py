@@ -17,7 +17,7 @@ import random
 import sys
 from dataclasses import dataclass
 
-from autotuner.parent_death import die_with_parent
+from autotuner.core.parent_death import die_with_parent
 
 RUN_SCRIPT = "autotuner.launch.run_script"
 RANK_ENTRY = "autotuner.launch.rank_entry"

@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import torch
 
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 
 
 class _Accelerator:

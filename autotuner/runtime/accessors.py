@@ -162,7 +162,7 @@ class DeepSpeedAccessors:
         """DeepSpeed's `engine.compile()`: compile the model's repeated blocks in place (the model
         whole if it has none), as the `compile` section does before wrapping. DeepCompile's
         `schedule` and compiled autograd are DeepSpeed's own and refused."""
-        from autotuner.errors import UnsupportedError
+        from autotuner.core.errors import UnsupportedError
         from autotuner.runtime.compiling import compile_blocks, is_compiled
 
         if schedule is not None or compiled_autograd_enabled:
@@ -190,7 +190,7 @@ class DeepSpeedAccessors:
 
 def _no_pipeline_engine() -> Exception:
     # The engine's own refusal (the DeepSpeed import paths' refusals are autotuner/deepspeed_paths/unsupported.py).
-    from autotuner.errors import UnsupportedError
+    from autotuner.core.errors import UnsupportedError
 
     return UnsupportedError("deepspeed.train_batch is not supported by autotuner: engine.train_batch/eval_batch drive "
                             "a pipeline engine, which is not supported; call engine(batch), engine.backward(loss) and "

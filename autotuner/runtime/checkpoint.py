@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from autotuner.errors import AutotunerError
+from autotuner.core.errors import AutotunerError
 from autotuner.runtime.metrics import write_json_atomic
 
 LATEST_FILE = "latest"

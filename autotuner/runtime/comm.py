@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from autotuner.runtime.distributed import init_distributed as _join
 
 __all__ = [

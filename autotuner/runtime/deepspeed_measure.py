@@ -24,7 +24,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from autotuner.boundary import MeasurementRequest
+from autotuner.core.boundary import MeasurementRequest
 
 ENGINE_NAME = "deepspeed"
 

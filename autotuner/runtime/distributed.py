@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from autotuner.boundary import DIST_TIMEOUT_ENV
-from autotuner.parent_death import die_with_parent
+from autotuner.core.boundary import DIST_TIMEOUT_ENV
+from autotuner.core.parent_death import die_with_parent
 
 
 @dataclass(frozen=True)

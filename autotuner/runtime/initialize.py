@@ -16,7 +16,7 @@ from autotuner.config.loader import ConfigSource, load_config
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.config.engine_math import refuse_other_math
 from autotuner.config.trainer_auto import refuse_trainer_autos
-from autotuner.errors import ConfigError, UnsupportedError
+from autotuner.core.errors import ConfigError, UnsupportedError
 from autotuner.runtime.activation_checkpointing import apply_activation_checkpointing
 from autotuner.runtime.compiling import compile_blocks
 from autotuner.runtime.distributed import dist_timeout_s, init_distributed, warn_once

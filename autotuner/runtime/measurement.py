@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from autotuner.boundary import MeasurementRequest, request_from_env
+from autotuner.core.boundary import MeasurementRequest, request_from_env
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.runtime.memory_probes import optimizer_state_bytes
 from autotuner.runtime.sharding import shard_units

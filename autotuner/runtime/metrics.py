@@ -6,8 +6,8 @@ import resource
 
 import torch
 
-from autotuner.atomic import write_json_atomic  # noqa: F401  (re-exported for the engine)
-from autotuner.boundary import Measurement, Summary
+from autotuner.core.atomic import write_json_atomic  # noqa: F401  (re-exported for the engine)
+from autotuner.core.boundary import Measurement, Summary
 from autotuner.runtime.timers import ProfileWindow
 
 

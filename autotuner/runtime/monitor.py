@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from autotuner.config.reporting import CSVConfig, TensorBoardConfig, WandbConfig
-from autotuner.errors import UnsupportedError
+from autotuner.core.errors import UnsupportedError
 
 Event = tuple[str, float, int]
 

@@ -14,7 +14,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from autotuner.config.models import DeepSpeedConfig, OptimizerConfig, SchedulerConfig
 from autotuner.config.trainer_auto import with_stand_ins
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 from autotuner.runtime.distributed import warn_once
 
 # DeepSpeed-only optimizer params: they choose its fused kernels, which we do not use.

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from autotuner.boundary import CollectiveTiming, ModelInfo, write_record
+from autotuner.core.boundary import CollectiveTiming, ModelInfo, write_record
 
 
 class FlopProbe:

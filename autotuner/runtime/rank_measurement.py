@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autotuner.boundary import CollectiveTiming, MeasurementRequest, ModelInfo, write_record
+from autotuner.core.boundary import CollectiveTiming, MeasurementRequest, ModelInfo, write_record
 from autotuner.runtime.comm_probe import probe_collectives
 from autotuner.runtime.leaving import leave_now
 from autotuner.runtime.memory_probes import PhasePeaks

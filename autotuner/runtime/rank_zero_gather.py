@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autotuner.errors import UnsupportedError
+from autotuner.core.errors import UnsupportedError
 
 _GATHER, _DONE = 1, 0
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from autotuner.config.models import ZeroConfig
-from autotuner.errors import UnsupportedError
+from autotuner.core.errors import UnsupportedError
 from autotuner.runtime.distributed import DistributedContext, warn_once
 from autotuner.runtime.grad_reduction import GradientReduction, ddp_reduction_hook
 

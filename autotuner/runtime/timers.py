@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from autotuner.boundary import Summary  # noqa: F401  (re-exported)
+from autotuner.core.boundary import Summary  # noqa: F401  (re-exported)
 
 
 class Stopwatch:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
-from autotuner.atomic import sweep_partial_writes
+from autotuner.core.atomic import sweep_partial_writes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.config_space import base_config, engine_dimensions, search_space, untuned_offload_lines
 from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Protocol
 
-from autotuner.errors import AutotunerError
+from autotuner.core.errors import AutotunerError
 from autotuner.tuning.experiment import Trial
 from autotuner.tuning.interference import interference_share
 from autotuner.tuning.ledger import TrialLedger

@@ -18,13 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autotuner.atomic import write_json_atomic
-from autotuner.boundary import (DIST_TIMEOUT_ENV, REQUEST_ENV, LaunchReport, Measurement, MeasurementRequest, ModelInfo, RecordError,
+from autotuner.core.atomic import write_json_atomic
+from autotuner.core.boundary import (DIST_TIMEOUT_ENV, REQUEST_ENV, LaunchReport, Measurement, MeasurementRequest, ModelInfo, RecordError,
                                 read_record, write_record)
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 from autotuner.launch.plan import LaunchOptions, RankFlags
 from autotuner.launch.script_args import replace_config, set_flag
-from autotuner.parent_death import LAUNCHED_BY_PID_ENV
+from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.tuning.journal import RECORD_FILE
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning import dimensions

@@ -17,7 +17,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from autotuner.interleaved_pick import by_median, round_order
+from autotuner.core.interleaved_pick import by_median, round_order
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space import Experiment
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from autotuner.atomic import write_json_atomic
+from autotuner.core.atomic import write_json_atomic
 from autotuner.launch.script_args import CONFIG_FLAGS, find_flag
 from autotuner.tuning.records import TrialResult
 

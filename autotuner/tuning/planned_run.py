@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotuner.boundary import Measurement
+from autotuner.core.boundary import Measurement
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 
 FINISH_NOISE = 0.06  # twice the run-to-run spread of a step (cost_model.NOISE_FLOOR): a prediction's slack

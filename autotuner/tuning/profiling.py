@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from autotuner.boundary import ModelInfo
+from autotuner.core.boundary import ModelInfo
 from autotuner.tuning.experiment import ExperimentSettings
 from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, calibrate_baseline, engine_family
 from autotuner.tuning.records import TrialResult, TrialState

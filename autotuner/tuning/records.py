@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from autotuner.boundary import Measurement, ModelInfo
+from autotuner.core.boundary import Measurement, ModelInfo
 from autotuner.tuning.space import Experiment
 
 

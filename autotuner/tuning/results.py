@@ -9,8 +9,8 @@ from typing import Any
 
 from tabulate import tabulate
 
-from autotuner.atomic import write_json_atomic
-from autotuner.boundary import Summary
+from autotuner.core.atomic import write_json_atomic
+from autotuner.core.boundary import Summary
 from autotuner.tuning.records import Objective, TrialResult, TrialState
 
 

@@ -26,7 +26,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from autotuner.boundary import ModelInfo
+from autotuner.core.boundary import ModelInfo
 from autotuner.tuning.cost_model import BOUND_Z, NOISE_FLOOR, CostContext, Observation, StepTimeModel
 from autotuner.tuning.final_pick import NoiseLevel
 from autotuner.tuning.records import TrialResult, TrialState

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable, Protocol
 
-from autotuner.atomic import sweep_partial_writes
+from autotuner.core.atomic import sweep_partial_writes
 from autotuner.tuning.experiment import Trial
 from autotuner.tuning.history import History
 from autotuner.tuning.journal import Fingerprint, load_journal, write_entry

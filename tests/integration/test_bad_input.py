@@ -397,7 +397,7 @@ def test_debug_after_the_script_is_the_scripts(in_tmp, capsys):
 
 # ----- atomic records (unit) -----
 def test_write_json_atomic_keeps_the_old_file_when_the_write_fails_midway(tmp_path, monkeypatch):
-    from autotuner import atomic
+    from autotuner.core import atomic
 
     path = tmp_path / "exp.json"
     atomic.write_json_atomic(path, {"state": "ok", "value": 1.0})
@@ -420,7 +420,7 @@ def test_write_json_atomic_keeps_the_old_file_when_the_write_fails_midway(tmp_pa
 
 
 def test_write_json_atomic_keeps_the_old_file_on_keyboard_interrupt(tmp_path, monkeypatch):
-    from autotuner import atomic
+    from autotuner.core import atomic
 
     path = tmp_path / "exp.json"
     atomic.write_json_atomic(path, [1, 2, 3])

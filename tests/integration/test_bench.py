@@ -83,7 +83,7 @@ def test_failed_sizes_are_not_a_baseline_and_keep_their_error_in_the_csv(tmp_pat
 
 
 def test_measurement_carries_per_step_times_and_round_trips():
-    from autotuner.boundary import Measurement
+    from autotuner.core.boundary import Measurement
     from autotuner.runtime.metrics import build_measurement
     from autotuner.runtime.timers import ProfileWindow
 

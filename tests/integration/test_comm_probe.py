@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autotuner.boundary import CollectiveTiming, ModelInfo, RecordError, read_record
+from autotuner.core.boundary import CollectiveTiming, ModelInfo, RecordError, read_record
 from autotuner.runtime.comm_probe import probe_collectives
 from autotuner.tuning.comm_fit import fit_collectives
 

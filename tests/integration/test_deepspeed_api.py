@@ -18,7 +18,7 @@ import torch
 
 import autotuner
 from autotuner.app.cli import main
-from autotuner.errors import ConfigError, UnsupportedError, UsageError
+from autotuner.core.errors import ConfigError, UnsupportedError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.resources import cores_for_ranks, parse_core_list, select_slots
 from conftest import TOY, WORKERS, run_launcher

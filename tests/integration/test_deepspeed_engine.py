@@ -22,7 +22,7 @@ import pytest
 import process_checks as faults
 from autotuner.app import engines
 from autotuner.app.engines import script_engine
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from autotuner.tuning.deepspeed_memory import deepspeed_state_bytes
 from conftest import ROOT, WORKERS, assert_no_children_left, launcher_env, tune_command
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import autotuner
-from autotuner.errors import UnsupportedError
+from autotuner.core.errors import UnsupportedError
 from conftest import run_launcher
 
 # Imported with `import` / `from ... import` somewhere in DeepSpeedExamples.
@@ -203,7 +203,7 @@ def test_a_script_with_unused_feature_imports_runs_and_the_feature_is_refused_wh
 ENGINE_MEMBERS = textwrap.dedent("""
     import json, sys, torch
     import autotuner as deepspeed
-    from autotuner.errors import UnsupportedError
+    from autotuner.core.errors import UnsupportedError
 
     engine, *_ = deepspeed.initialize(model=torch.nn.Linear(4, 1), config={
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4,
@@ -241,7 +241,7 @@ def test_engine_boundary_override_and_pipeline_batches(tmp_path):
 
 
 def test_a_ranks_multi_line_error_keeps_every_line_bounded():
-    from autotuner.boundary import MESSAGE_LIMIT, error_message
+    from autotuner.core.boundary import MESSAGE_LIMIT, error_message
 
     # Hugging Face's batch-size mismatch puts the useful part on an earlier line.
     hf = ("Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"

@@ -30,7 +30,7 @@ import pytest
 
 from autotuner.app import engines
 from autotuner.app.engines import deepspeed_cpu_runs_fp16, script_engine
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from conftest import ROOT, WORKERS, launcher_env
 from hf_configs import HF_ZERO2, MAPPINGS
 

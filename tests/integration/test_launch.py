@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from autotuner.app.cli import main
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import DEFAULT_MASTER_PORT, LOOPBACK
 from autotuner.launch.elastic import exit_status
@@ -407,7 +407,7 @@ def test_the_launchers_config_check_builds_the_optimizer_without_importing_dynam
     probe = textwrap.dedent("""
         import sys, torch
         from autotuner.config import load_config
-        from autotuner.errors import ConfigError
+        from autotuner.core.errors import ConfigError
         from autotuner.runtime.optim import check_optimizer_and_scheduler
         ok = load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}})

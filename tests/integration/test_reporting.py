@@ -158,7 +158,7 @@ def test_tuning_experiments_leave_the_users_curves_alone_and_the_tuned_run_write
 @pytest.mark.parametrize("section, module", [("tensorboard", "torch.utils.tensorboard"), ("wandb", "wandb")])
 def test_a_monitor_whose_package_is_missing_is_refused_in_one_line(monkeypatch, tmp_path, section, module):
     from autotuner.config.loader import load_config
-    from autotuner.errors import UnsupportedError
+    from autotuner.core.errors import UnsupportedError
     from autotuner.monitor.monitor import MonitorMaster
 
     monkeypatch.setitem(__import__("sys").modules, module, None)  # as if not installed: import raises

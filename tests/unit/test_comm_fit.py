@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from autotuner.boundary import CollectiveTiming, RecordError
+from autotuner.core.boundary import CollectiveTiming, RecordError
 from autotuner.tuning.comm_fit import LinkFit, fit_collectives
 
 SIZES = (2**16, 2**20, 2**22, 2**24)

@@ -11,7 +11,7 @@ import pytest
 
 from autotuner.app.cli import build_parser
 from autotuner.app.settle import script_max_steps, settle
-from autotuner.boundary import Measurement
+from autotuner.core.boundary import Measurement
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.config_space import base_config, search_space
 from autotuner.tuning.planned_run import (FinishEffect, compile_lines, could_beat, planned_value,

@@ -15,7 +15,7 @@ from autotuner.app.cli import build_parser
 from autotuner.app.engines import EngineChoice, check_our_engine_sections, engine_choice, script_engine
 from autotuner.app.settle import settle, settle_built_engine
 from autotuner.config import load_config
-from autotuner.errors import ConfigError, UsageError
+from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.script_imports import import_sites
 from autotuner.tuning.autotuner import Autotuner
 from autotuner.tuning.experiment import launched_config

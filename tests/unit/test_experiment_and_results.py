@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from autotuner.config import load_config
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 from autotuner.tuning.config_space import base_config, knob_values, search_space
-from autotuner.boundary import LaunchReport, Measurement, RankError, write_record
+from autotuner.core.boundary import LaunchReport, Measurement, RankError, write_record
 from autotuner.launch.elastic import failure_report
 from autotuner.launch.plan import RankFlags
 from autotuner.tuning.experiment import (

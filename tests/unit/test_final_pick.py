@@ -129,7 +129,7 @@ def test_a_tie_the_first_round_confirms_is_not_measured_again(tmp_path):
 
 
 def test_the_band_uses_the_windows_standard_error_not_the_spread_of_single_steps():
-    from autotuner.boundary import Measurement
+    from autotuner.core.boundary import Measurement
     # 10% spread of single steps over 16 steps: the mean is known to 2.5%, under the 3% floor,
     # so 88 (12% off) is no contender; with the step count unknown the spread itself counts.
     window = Measurement(throughput=100.0, latency=0.01, throughput_std=10.0, start_profile_step=3,
@@ -207,7 +207,7 @@ def test_one_interleaved_rule_serves_the_final_pick_and_the_online_tuner():
     # Both import the rule (the online tuner's order and ranking are tested in test_online_schedule.py).
     import autotuner.runtime.online.schedule as online
     import autotuner.tuning.final_pick as final
-    from autotuner.interleaved_pick import by_median, round_order
+    from autotuner.core.interleaved_pick import by_median, round_order
 
     assert online.round_order is final.round_order is round_order and online.by_median is final.by_median
     assert [round_order("abc", r) for r in range(4)] == [list("abc"), list("bca"), list("cab"), list("abc")]

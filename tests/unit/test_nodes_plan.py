@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autotuner.errors import UsageError
+from autotuner.core.errors import UsageError
 from autotuner.launch.nodes import STOP_WITH_STDIN_FLAG, active_hosts, exported_env, plan_nodes
 from autotuner.launch.plan import LaunchOptions, nodes_plan
 

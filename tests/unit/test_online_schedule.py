@@ -9,7 +9,7 @@ import pytest
 
 from autotuner.config.models import ZeroConfig
 from autotuner.config.autotuning import OnlineConfig
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 from autotuner.runtime.online.knobs import plan_knobs, user_fixed
 from autotuner.runtime.online.schedule import OnlineSchedule, Phase, ScheduleSettings, point_of
 

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from autotuner.boundary import Measurement
+from autotuner.core.boundary import Measurement
 from autotuner.tuning.comm_fit import LinkFit
 from autotuner.tuning.cost_model import CostContext, Observation, StepTimeModel
 from autotuner.tuning.records import Objective, TrialResult, TrialState

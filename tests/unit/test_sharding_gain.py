@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from autotuner.boundary import CollectiveTiming, Measurement
+from autotuner.core.boundary import CollectiveTiming, Measurement
 from autotuner.config import load_config
 from autotuner.tuning.autotuner import Autotuner
 from autotuner.tuning.comm_fit import LinkFit

@@ -208,7 +208,7 @@ def test_a_larger_model_of_the_same_family_starts_from_the_smaller_ones_run_in_t
     optuna = pytest.importorskip("optuna")
     from fakes import FakeRunner, fingerprint, model_info, ok, tuner
 
-    from autotuner.boundary import Measurement
+    from autotuner.core.boundary import Measurement
 
     def runner(num_params: int, compute_scale: float) -> FakeRunner:
         def answer(trial):

@@ -189,7 +189,7 @@ def check_deepspeed_signatures(directory: str) -> dict:
     """DeepSpeed's keyword arguments, honoured: step(lr_kwargs), backward(retain_graph, scale_wrt_gas)
     and its return value, save_checkpoint(save_latest, exclude_frozen_parameters) and
     load_checkpoint(load_module_strict, load_lr_scheduler_states, load_module_only, custom_load_fn)."""
-    from autotuner.errors import AutotunerError
+    from autotuner.core.errors import AutotunerError
 
     result = {}
     for stage in STAGES:

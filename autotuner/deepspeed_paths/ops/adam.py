@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from autotuner.errors import UnsupportedError
+from autotuner.core.errors import UnsupportedError
 
 
 def _adam(name: str, params: Iterable, lr: float, bias_correction: bool, betas: tuple[float, float], eps: float,

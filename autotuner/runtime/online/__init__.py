@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from autotuner.boundary import ONLINE_ENV
+from autotuner.core.boundary import ONLINE_ENV
 from autotuner.runtime.online.knobs import KnobPlan, plan_knobs
 
 

@@ -53,7 +53,7 @@ class OnlineTuning:
             return
         first = None
         if rank == 0:
-            from autotuner.bayes import BayesianOptimizer
+            from autotuner.core.bayes import BayesianOptimizer
 
             optimizer = BayesianOptimizer(plan.dimensions(), seed=online.seed, sampler=online.sampler,
                                           startup_trials=max(2, min(10, online.max_samples // 4)))

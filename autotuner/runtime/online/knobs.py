@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from autotuner.config.models import ZeroConfig
 from autotuner.config.autotuning import OnlineConfig
-from autotuner.errors import ConfigError
+from autotuner.core.errors import ConfigError
 
 DDP_DEFAULT_BUCKET_CAP_MB = 25  # torch's DistributedDataParallel default
 BUCKET_CAP_MB_CHOICES = tuple(2**p for p in range(0, 9))  # 2^20 .. 2^28 bytes, in MiB

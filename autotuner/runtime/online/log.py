@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autotuner.atomic import write_json_atomic
+from autotuner.core.atomic import write_json_atomic
 from autotuner.runtime.online.knobs import KNOB_UNITS, KnobPlan
 from autotuner.runtime.online.schedule import LogRow, Pick
 

@@ -5,7 +5,7 @@ The run goes through four phases:
 - sample: `max_samples` windows at points the optimiser asks for (the starting knobs first);
 - remeasure: the best few points by median (and the starting knobs), `remeasure_windows` windows
   each, interleaved and rotated each round, so slow drift in the machine hits them alike (the
-  final-pick rule the offline tuner uses too: autotuner/interleaved_pick.py);
+  final-pick rule the offline tuner uses too: autotuner/core/interleaved_pick.py);
 - final: the point with the best median of its re-measurements is applied for the rest of training.
 
 A window lasts `steps_per_sample` optimizer steps, extended until it has lasted
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
-from autotuner.interleaved_pick import by_median, round_order
+from autotuner.core.interleaved_pick import by_median, round_order
 
 
 class Phase(str, Enum):

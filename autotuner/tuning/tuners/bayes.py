@@ -4,12 +4,12 @@ Each feature of the experiments (stage, log2 micro-batch, log2 gas, knobs) is an
 its distinct values. optuna proposes a point from the results so far; the untried experiment
 nearest to it (in each axis's index, scaled to [0, 1]) is the one asked. A failed experiment is
 scored as the worst outcome, so the sampler learns to avoid its region. Same optimiser as the
-online tuner (`autotuner.bayes`); optuna is an extra: pip install 'autotuner[bayes]'.
+online tuner (`autotuner.core.bayes`); optuna is an extra: pip install 'autotuner[bayes]'.
 """
 
 from __future__ import annotations
 
-from autotuner.bayes import BayesianOptimizer
+from autotuner.core.bayes import BayesianOptimizer
 from autotuner.tuning.records import TrialState
 from autotuner.tuning.space import Experiment
 from autotuner.tuning.tuners.base import Tuner

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from autotuner.errors import UnsupportedError
+from autotuner.core.errors import UnsupportedError
 from autotuner.deepspeed_paths.unsupported import unsupported_function
 
 _RANDOM_LTD_PART = ".random_ltd_layer"

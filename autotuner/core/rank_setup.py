@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from autotuner.errors import ERROR_DIR_ENV
+from autotuner.core.errors import ERROR_DIR_ENV
 
 if TYPE_CHECKING:
-    from autotuner.boundary import RankError
+    from autotuner.core.boundary import RankError
 
 QUIET_ERRORS_ENV = "AUTOTUNER_QUIET_ERRORS"  # our errors exit as one line (unset under --debug)
 CONFIG_CHECKED_ENV = "AUTOTUNER_CONFIG_CHECKED"
@@ -50,8 +50,8 @@ def install_rank_excepthook() -> None:
     quiet = os.environ.get(QUIET_ERRORS_ENV) == "1"
 
     def hook(kind, err, traceback):
-        from autotuner.boundary import RankError, error_message, write_record
-        from autotuner.errors import AutotunerError
+        from autotuner.core.boundary import RankError, error_message, write_record
+        from autotuner.core.errors import AutotunerError
 
         ours = isinstance(err, AutotunerError)
         exit_code = err.exit_code if ours else 1
@@ -78,7 +78,7 @@ def install_rank_excepthook() -> None:
 
 def read_rank_error(directory: str | os.PathLike, rank: int | None) -> RankError | None:
     """The error `rank` recorded, else the earliest one, else None."""
-    from autotuner.boundary import rank_errors
+    from autotuner.core.boundary import rank_errors
 
     errors = rank_errors(directory)
     own = [error for error in errors if error.rank == rank]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Literal, Mapping
 
-from autotuner.errors import UnsupportedError
+from autotuner.core.errors import UnsupportedError
 
 SamplerName = Literal["gp", "tpe"]
 INSTALL_HINT = "pip install 'autotuner[bayes]' (optuna and scipy)"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from autotuner.atomic import write_json_atomic
+from autotuner.core.atomic import write_json_atomic
 
 VERSION = 1
 REQUEST_ENV = "AUTOTUNER_MEASUREMENT_REQUEST"  # the MeasurementRequest file for this launch
@@ -30,7 +30,7 @@ DIST_TIMEOUT_ENV = "AUTOTUNER_DIST_TIMEOUT_S"
 WARM_PRELOAD_ENV = "AUTOTUNER_WARM_PRELOAD"
 WARM_PRELOAD_REPORT_ENV = "AUTOTUNER_WARM_PRELOAD_REPORT"
 LAUNCH_REPORT_ENV = "AUTOTUNER_LAUNCH_REPORT"  # where the launcher writes its LaunchReport
-from autotuner.errors import ERROR_DIR_ENV  # noqa: E402,F401 - where each rank records its uncaught exception
+from autotuner.core.errors import ERROR_DIR_ENV  # noqa: E402,F401 - where each rank records its uncaught exception
 ONLINE_ENV = "AUTOTUNER_ONLINE"  # "1": tune communication knobs online (launcher --autotuning online)
 
 Record = TypeVar("Record")
