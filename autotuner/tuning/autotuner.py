@@ -12,7 +12,7 @@ from typing import Callable
 from autotuner.core.atomic import sweep_partial_writes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.config_space import base_config, engine_dimensions, search_space, untuned_offload_lines
-from autotuner.tuning.devices import cuda_bf16, visible_gpu_memory
+from autotuner.tuning.devices import DeviceFacts, read_device_facts
 from autotuner.tuning.experiment import ExperimentSettings, Trial, rescored
 from autotuner.tuning.evaluator import Evaluator, RunnerLaunches, TuningFailed
 from autotuner.tuning.history import HISTORY_FILE, make_history
@@ -57,7 +57,7 @@ class Autotuner:
 
     def __init__(self, config: DeepSpeedConfig, settings: ExperimentSettings, results_dir: Path, exps_dir: Path,
                  runner: Runner, fingerprint: Fingerprint, report: Callable[[str], None] = print,
-                 settle_engine: Callable[[str], str] = follow_the_launch):
+                 settle_engine: Callable[[str], str] = follow_the_launch, devices: DeviceFacts | None = None):
         self.config = config
         self.settle_engine = settle_engine
         self.settings = settings
@@ -69,8 +69,8 @@ class Autotuner:
         self.objective = settings.objective
         tuning = config.autotuning
         self.policy = SearchPolicy.from_tuning(self.objective, tuning, settings.planned_steps)
-        self.space = search_space(config, settings.data_parallel_size, settings.engine,
-                                  visible_gpu_memory() is not None)
+        self.devices = devices or read_device_facts()  # read once: the run's every check uses these
+        self.space = search_space(config, settings.data_parallel_size, settings.engine, self.devices.on_gpu)
         self._pruned: list[TrialResult] = []
         self._started = time.monotonic()
         self._profiled = False  # a profile launch has shown the script runs
@@ -197,8 +197,8 @@ class Autotuner:
         tuning = self.config.autotuning
         if tuning.model_info is not None and tuning.model_info.num_params:
             self.memory.profile = replace(profile_from_config(tuning.model_info), engine=self.settings.engine)
-            self.memory.precision = self.config.with_device_precision(cuda_bf16()).precision
-            device_memory = visible_gpu_memory()
+            self.memory.precision = self.config.with_device_precision(self.devices.cuda_bf16).precision
+            device_memory = self.devices.gpu_memory_bytes
             self.memory.device_type = "cuda" if device_memory else "cpu"
             self.report(f"model_info given: {self.memory.profile.num_params:,} parameters; no profile run")
         else:
@@ -241,8 +241,7 @@ class Autotuner:
             return
         self.report(self.settle_engine(built))
         if built != self.settings.engine:
-            cuda = visible_gpu_memory() is not None
-            self.space = replace(self.space, **engine_dimensions(self.config, built, cuda))
+            self.space = replace(self.space, **engine_dimensions(self.config, built, self.devices.on_gpu))
             self.memory.space = self.space
         self.settings = replace(self.settings, engine=built, engine_settled=True)
 
@@ -301,8 +300,7 @@ class Autotuner:
             self.report(line)
         self._measure_model()
         # After the profile: the dimensions offered follow the engine its ranks built.
-        for line in untuned_offload_lines(self.config, self.space, self.settings.engine,
-                                          visible_gpu_memory() is not None):
+        for line in untuned_offload_lines(self.config, self.space, self.settings.engine, self.devices.on_gpu):
             self.report(line)
         self._prior = self._similar_runs.prior(  # the step-time model's prior, checked against the profile
             self.memory.profile, [r for r in self.ledger.results() if r.name in self._profile_names],
@@ -324,7 +322,8 @@ class Autotuner:
         record = SearchRecord(self.ledger.results(), tuple(self._pruned), frozenset(self._profile_names), best,
                               tuple(remeasurements), self._prior.lines + tuple(pick_lines), self.predictions,
                               time.monotonic() - self._started)
-        outcome = write_outcome(record, self.settings, self.objective, self.results_dir, self.report)
+        outcome = write_outcome(record, self.settings, self.objective, self.results_dir, self.report,
+                                self.devices.on_gpu)
         if self.history is not None and self.history.recorded:
             self.history.record_pick(best)
             self.report(f"history: {self.history.recorded} launches recorded in study {self.history.study_name}; "

@@ -2,6 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """The GPU facts a tuning run uses, read once at its start (read_device_facts)."""
+
+    gpu_memory_bytes: int | None  # the first visible GPU's total memory; None without a GPU
+    cuda_bf16: bool
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.gpu_memory_bytes is not None
+
+
+def read_device_facts() -> DeviceFacts:
+    return DeviceFacts(visible_gpu_memory(), cuda_bf16())
+
 
 def visible_gpu_memory() -> int | None:
     """The first visible GPU's total memory, or None without one. Reads the device's properties

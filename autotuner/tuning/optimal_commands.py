@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.launch.script_args import replace_config
-from autotuner.tuning.devices import visible_gpu_memory
 from autotuner.tuning.experiment import ExperimentSettings, mapped_script_args, rank_count_flags
 
 
@@ -24,11 +23,11 @@ def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tupl
     return (*prefix, *rank_count_flags(settings), *settings.rank_flags.to_argv(), settings.script, *args)
 
 
-def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tuple[str, ...]:
+def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gpu: bool) -> tuple[str, ...]:
     """The optimum as DeepSpeed's own launcher runs it: `deepspeed --num_gpus N script args`, with
     the user's DeepSpeed launcher flags (--include and friends set the count themselves). On a
     CPU-only machine DeepSpeed counts CPU slots from LOCAL_SIZE, so the command sets it."""
     count = rank_count_flags(settings)
     rank_flags = ("--num_gpus", count[1]) if count else ()
-    env = () if visible_gpu_memory() is not None else ("env", f"LOCAL_SIZE={settings.nproc_per_node}")
+    env = () if on_gpu else ("env", f"LOCAL_SIZE={settings.nproc_per_node}")
     return (*env, "deepspeed", *rank_flags, *settings.rank_flags.to_argv(), settings.script, *args)

@@ -41,7 +41,7 @@ class SearchRecord:
 
 
 def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective: Objective, results_dir: Path,
-                  report: Callable[[str], None]) -> TuningOutcome:
+                  report: Callable[[str], None], on_gpu: bool) -> TuningOutcome:
     best = record.best
     optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
     if best is not None:
@@ -50,7 +50,7 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
         optimal_args = optimal_script_args(settings, config, optimal_path)
         optimal_cmd = optimal_command(settings, optimal_args)
         if settings.engine == "deepspeed":
-            deepspeed_cmd = deepspeed_command(settings, optimal_args)
+            deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu)
         config = script_config(config, settings.engine)  # what the mapped flags carry stays out
     compiled = compile_lines(list(record.launched), settings.planned_steps)
     for line in compiled:
