@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autotuner.config import DeepSpeedConfig, load_config
+from autotuner.config.batch import data_parallel_size
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import RankFlags, default_nproc_per_node
@@ -186,7 +187,7 @@ def setup(args: argparse.Namespace) -> BenchSetup:
 
 
 def for_world_size(settings: ExperimentSettings, world_size: int) -> ExperimentSettings:
-    return replace(settings, nproc_per_node=world_size, data_parallel_size=world_size)
+    return replace(settings, nproc_per_node=world_size, data_parallel_size=data_parallel_size(world_size))
 
 
 def run_world_size(bench_setup: BenchSetup, world_size: int, results_dir: Path, runner: Runner) -> BenchResult:

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from autotuner.core.atomic import write_json_atomic
 from autotuner.config import load_config
+from autotuner.config.batch import data_parallel_size
 from autotuner.execution.cold import ColdRunner
 from autotuner.execution.warm import WarmRunner
 from autotuner.launch.processes import ProcessOutcome, run_to_completion
@@ -39,7 +40,7 @@ def measurement_settings(script: str | Path, script_args: tuple[str, ...], confi
     checked = load_config({key: value for key, value in config.items() if key != "autotuning"})
     args = tuple(script_args) if config_path(tuple(script_args)) else (*script_args, "--deepspeed", "ds.json")
     return ExperimentSettings(script=str(script), script_args=args, base_config=base_config(checked),
-                              nproc_per_node=nproc_per_node, data_parallel_size=nproc_per_node,
+                              nproc_per_node=nproc_per_node, data_parallel_size=data_parallel_size(nproc_per_node),
                               objective=Objective("throughput"), timeout_s=timeout_s,
                               start_profile_step=start_profile_step, end_profile_step=end_profile_step,
                               arg_mappings=dict(arg_mappings or {}), memory_budget_bytes=memory_budget_bytes,

@@ -18,7 +18,7 @@ from pathlib import Path
 from autotuner.app.engines import (EngineChoice, check_deepspeed_precision, check_our_engine_sections,
                                    script_engine, trains_on_ours)
 from autotuner.config import DeepSpeedConfig, load_config
-from autotuner.config.batch import check_fixed_triad, train_batch_size
+from autotuner.config.batch import check_fixed_triad, data_parallel_size as data_parallel_size_of, train_batch_size
 from autotuner.config.keys import field_names, section_model
 from autotuner.config.loader import read_config_file
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
@@ -183,10 +183,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
     results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
-    data_parallel_size = world_size // tuning.mp_size
-    if data_parallel_size < 1 or world_size % tuning.mp_size:
-        raise ConfigError(f"{source}: autotuning.mp_size: got {tuning.mp_size}; it must divide the world size "
-                          f"({world_size})")
+    data_parallel_size = data_parallel_size_of(world_size, tuning.mp_size, source)
     check_fixed_triad(config, data_parallel_size, source)
     check_some_batch_is_valid(config, data_parallel_size, source)
     check_optimizer_and_scheduler(config, source)

@@ -21,6 +21,16 @@ def train_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, da
     return micro_batch_size * gradient_accumulation_steps * data_parallel_size
 
 
+def data_parallel_size(world_size: int, model_parallel_size: int = 1, source: str = "config") -> int:
+    """The ranks that each hold a replica's batch: the world over the model-parallel size (the one
+    place it is derived; every rank is data parallel here, so mp_size 1 gives the world size)."""
+    size, rest = divmod(world_size, model_parallel_size)
+    if size < 1 or rest:
+        raise ConfigError(f"{source}: autotuning.mp_size: got {model_parallel_size}; it must divide the world size "
+                          f"({world_size})")
+    return size
+
+
 def missing_factor(total: int, known_factors: int, exact: bool = True) -> int | None:
     """The triad solved backwards, the one place it is: the member that makes `known_factors` x it
     equal `total` (`exact`), or the largest that stays within `total` (a cap); None when none
