@@ -1,7 +1,10 @@
-"""The one settle step: from the command line and ds.json to a frozen job. Every check that can
-refuse the request runs here, before anything is launched or written, and every value the
-tuner's stages share (the launch plan, the data-parallel size, the engine, the experiment
-settings, the run's fingerprint) is settled here once.
+"""The settle step: from the command line and ds.json to a frozen job. Every check that can
+refuse the request runs here, before anything is launched or written, and the launch plan, the
+data-parallel size, the engine (where the imports say), the experiment settings and the run's
+fingerprint are settled here. Not yet everything: the tuned dimensions' "auto" values are still
+settled where they are used (the search space, built here for the batch check and again by the
+orchestrator; the memory book's budget; an experiment's config), which issue 47's one settle
+pass is to gather.
 
 One exception: a script that imports both engines chooses at run time, so the checks that depend
 on the engine wait for the profile launch's ranks to say which they built (`settle_built_engine`,
