@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from autotuner.core.errors import UnsupportedError
+from autotuner.runtime.sharding import is_dtensor
 
 _GATHER, _DONE = 1, 0
 
@@ -147,14 +148,6 @@ class RankZeroGather:
     def _wait_for_rank_zero(self) -> None:
         if self._exiting_cleanly:
             self._done.wait(self.timeout_s)
-
-
-def is_dtensor(value: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(value, DTensor)
 
 
 def _chunk_rows(rows: int, world_size: int) -> list[int]:

@@ -190,3 +190,12 @@ def gradient_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tens
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm)
     norm = torch.nn.utils.get_total_norm(grads)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether `value` is a DTensor: an FSDP2 parameter's shard (or its state-dict entry)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(value, DTensor)

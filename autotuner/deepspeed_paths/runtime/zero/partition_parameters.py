@@ -42,18 +42,12 @@ class Init:
         return None
 
 
-def _is_sharded(param: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(param, DTensor)
-
-
 class GatheredParameters:
     def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True):
         params = [params] if not isinstance(params, (list, tuple)) and not hasattr(params, "__next__") else list(params)
-        if enabled and any(_is_sharded(p) for p in params):
+        from autotuner.runtime.sharding import is_dtensor
+
+        if enabled and any(is_dtensor(p) for p in params):
             raise refuse("zero.GatheredParameters")
 
     def __enter__(self) -> None:

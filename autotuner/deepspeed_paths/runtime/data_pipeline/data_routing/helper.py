@@ -40,7 +40,8 @@ def save_without_random_ltd(model):
 
 def _whole_tensors(module, state: dict) -> dict:
     """FSDP2's shards as whole tensors: local on one rank, served by the others on several."""
-    from autotuner.runtime.rank_zero_gather import is_dtensor, service_for
+    from autotuner.runtime.rank_zero_gather import service_for
+    from autotuner.runtime.sharding import is_dtensor
 
     sharded = [key for key, value in state.items() if is_dtensor(value)]
     if not sharded:
