@@ -2,7 +2,7 @@
 
     python benchmarks/transfer_simulated.py [--seeds 300] [--noise 0.02,0.05]
 
-The predictive search (tuning/predictive_search.py) and the prior (tuning/transfer.py) as the
+The predictive search (tuning/searches/predictive_search.py) and the prior (tuning/models/transfer.py) as the
 tuner runs them, with each launch replaced by a draw: a known step-time surface (a saturating
 curve per micro-step, a ZeRO 1 offset of about 5% and a ZeRO 2 offset of about 20%, as flat as
 the GPT-2 family on 2 CPU ranks) times log-normal noise of the given spread. Per seed:
@@ -31,14 +31,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotuner.tuning import transfer  # noqa: E402
-from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext, Observation  # noqa: E402
-from autotuner.tuning.final_pick import final_pick_rounds  # noqa: E402
-from autotuner.tuning.predictive_search import run_predictive_search  # noqa: E402
+from autotuner.tuning.models import transfer  # noqa: E402
+from autotuner.tuning.models.cost_model import NOISE_FLOOR, CostContext, Observation  # noqa: E402
+from autotuner.tuning.searches.final_pick import final_pick_rounds  # noqa: E402
+from autotuner.tuning.searches.predictive_search import run_predictive_search  # noqa: E402
 from autotuner.core.boundary import Measurement  # noqa: E402
-from autotuner.tuning.records import Objective, TrialResult, TrialState  # noqa: E402
-from autotuner.tuning.search_space import SearchPolicy, SearchSpace  # noqa: E402
-from autotuner.tuning.space import Experiment  # noqa: E402
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState  # noqa: E402
+from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace  # noqa: E402
+from autotuner.tuning.space.experiment import Experiment  # noqa: E402
 
 GLOBAL_BATCH, RANKS = 64, 2
 SPACE = SearchSpace(stages=(0, 1, 2), data_parallel_size=RANKS, max_micro_batch_size=32,

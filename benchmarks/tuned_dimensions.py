@@ -29,8 +29,8 @@ from pathlib import Path
 import pandas as pd
 
 from autotuner.app.measure import journaled_result, measure_once, measurement_settings
-from autotuner.tuning.planned_run import planned_value
-from autotuner.tuning.records import Objective, TrialState
+from autotuner.tuning.space.planned_run import planned_value
+from autotuner.tuning.space.records import Objective, TrialState
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "hf_gpt2" / "train.py"

@@ -8,12 +8,12 @@ from typing import Callable
 
 from autotuner.core.boundary import Measurement, ModelInfo
 from autotuner.config import DeepSpeedConfig, load_config
-from autotuner.tuning.config_space import base_config
-from autotuner.tuning.experiment import ExperimentSettings, Trial
-from autotuner.tuning.journal import Fingerprint
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.runner import OneSlot
+from autotuner.tuning.space.config_space import base_config
+from autotuner.tuning.trials.trial import ExperimentSettings, Trial
+from autotuner.tuning.trials.journal import Fingerprint
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.orchestrator import Autotuner
+from autotuner.tuning.trials.runner import OneSlot
 
 
 def model_info(micro_batch_size: int = 1, zero_stage: int = 0, precision: str = "fp32", **values) -> ModelInfo:

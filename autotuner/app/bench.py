@@ -23,15 +23,15 @@ from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import RankFlags, default_nproc_per_node
 from autotuner.launch.script_args import config_path
-from autotuner.tuning.config_space import base_config
+from autotuner.tuning.space.config_space import base_config
 from autotuner.launch.stopping import Stopped
 from autotuner.app.settle import check_arg_mappings
 from autotuner.config.autotuning import AutotuningConfig
-from autotuner.tuning.experiment import ExperimentSettings, Trial
-from autotuner.tuning.runner import Runner
+from autotuner.tuning.trials.trial import ExperimentSettings, Trial
+from autotuner.tuning.trials.runner import Runner
 from autotuner.execution.warm import make_runner
-from autotuner.tuning.records import Objective, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.records import Objective, TrialState
+from autotuner.tuning.space.experiment import Experiment
 
 RESULTS_DIR = Path("bench_results")
 CSV_FILE = "bench.csv"

@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 
 from autotuner.core.errors import UsageError
-from autotuner.tuning.history import STUDY_PREFIX, default_url, open_storage
-from autotuner.tuning.transfer import WorkloadSignature, size_text
+from autotuner.tuning.trials.history import STUDY_PREFIX, default_url, open_storage
+from autotuner.tuning.models.transfer import WorkloadSignature, size_text
 
 DEFAULT_RESULTS_DIR = "autotuning_results"
 

@@ -16,12 +16,12 @@ from autotuner.execution.cold import ColdRunner
 from autotuner.execution.warm import WarmRunner
 from autotuner.launch.processes import ProcessOutcome, run_to_completion
 from autotuner.launch.script_args import config_path
-from autotuner.tuning.config_space import base_config
-from autotuner.tuning.experiment import ExperimentSettings, Trial
-from autotuner.tuning.journal import RECORD_FILE
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.runner import Runner
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.config_space import base_config
+from autotuner.tuning.trials.trial import ExperimentSettings, Trial
+from autotuner.tuning.trials.journal import RECORD_FILE
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.trials.runner import Runner
+from autotuner.tuning.space.experiment import Experiment
 
 RESULT_FILE = "result.json"  # a measured result, as measure_once writes it
 

@@ -30,11 +30,11 @@ from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import LaunchPlan
 from autotuner.launch.script_args import config_path, find_flag
 from autotuner.runtime.optim import check_optimizer_and_scheduler
-from autotuner.tuning.config_space import base_config, search_space
-from autotuner.tuning.experiment import ExperimentSettings, config_value
-from autotuner.tuning.journal import Fingerprint, fingerprint_of, this_device, torch_version
-from autotuner.tuning.records import Objective
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.config_space import base_config, search_space
+from autotuner.tuning.trials.trial import ExperimentSettings, config_value
+from autotuner.tuning.trials.journal import Fingerprint, fingerprint_of, this_device, torch_version
+from autotuner.tuning.space.records import Objective
+from autotuner.tuning.space.experiment import Experiment
 
 
 @dataclass(frozen=True)

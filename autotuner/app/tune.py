@@ -13,7 +13,7 @@ from pathlib import Path
 from autotuner.app.settle import SettledJob, say as _say, settle, settle_built_engine
 from autotuner.core.errors import UsageError
 from autotuner.launch.stopping import Stopped
-from autotuner.tuning.autotuner import Autotuner, TuningFailed
+from autotuner.tuning.orchestrator import Autotuner, TuningFailed
 from autotuner.execution.forkserver import Forkserver
 from autotuner.execution.warm import make_runner
 

@@ -237,7 +237,7 @@ class ModelInfo:
     # from the first micro-step run without checkpointing (runtime/profile.py); empty when the
     # model has no repeated blocks, ran checkpointed, or on DeepSpeed's engine.
     activation_bytes_by_policy: tuple[tuple[str, int], ...] = ()
-    # The workload signature's model family and device (tuning/transfer.py): a hash of the model's
+    # The workload signature's model family and device (tuning/models/transfer.py): a hash of the model's
     # module types and block structure, sizes left out, and the device's name.
     model_family: str = ""
     device_name: str = ""

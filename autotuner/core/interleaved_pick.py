@@ -1,5 +1,5 @@
 """The one rule for picking among close contenders, shared by the tuner's final pick
-(tuning/final_pick.py) and the online tuner (runtime/online/schedule.py): measure them
+(tuning/searches/final_pick.py) and the online tuner (runtime/online/schedule.py): measure them
 interleaved, each round in the same order rotated by one so none is always measured first (slow
 drift in the machine then hits them alike), and rank by the median of their measurements, a
 contender that failed a measurement behind every one that did not."""

@@ -1,2 +1,2 @@
 """How experiments run: the cold, warm and Ray runners (the Runner protocol they implement is
-tuning/runner.py), and placement on a cluster."""
+tuning/trials/runner.py), and placement on a cluster."""

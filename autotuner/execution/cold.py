@@ -11,9 +11,10 @@ import sys
 from autotuner.launch.elastic import run_plan
 from autotuner.launch.plan import LaunchOptions, build_plan, config_checked
 from autotuner.launch.processes import run_to_completion
-from autotuner.tuning.experiment import Trial, cold_launch, judge, prepare
-from autotuner.tuning.records import TrialResult
-from autotuner.tuning.runner import OneSlot
+from autotuner.tuning.trials.trial import Trial
+from autotuner.execution.trial_launch import cold_launch, judge, prepare
+from autotuner.tuning.space.records import TrialResult
+from autotuner.tuning.trials.runner import OneSlot
 
 
 class ColdRunner(OneSlot):

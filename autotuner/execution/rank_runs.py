@@ -14,8 +14,8 @@ from autotuner.execution.ray_worker import RankRun
 from autotuner.launch.nodes import exported_env
 from autotuner.launch.plan import LaunchPlan, build_plan
 from autotuner.core.rank_setup import QUIET_ERRORS_ENV
-from autotuner.tuning.experiment import (CONFIG_FILE, METRICS_FILE, MODEL_INFO_FILE, RANK_ERRORS_DIR, REQUEST_FILE,
-                                         Trial, launch_options, trial_environment)
+from autotuner.tuning.trials.trial import CONFIG_FILE, METRICS_FILE, MODEL_INFO_FILE, RANK_ERRORS_DIR, REQUEST_FILE, Trial
+from autotuner.execution.trial_launch import launch_options, trial_environment
 
 RANK_OUTPUTS = (METRICS_FILE, f"{METRICS_FILE}.oom-rank*", MODEL_INFO_FILE, f"{RANK_ERRORS_DIR}/*")
 # The tuner's variables a rank needs wherever it runs (the rest of this machine's are not sent).

@@ -35,8 +35,9 @@ from autotuner.core.errors import UsageError
 from autotuner.launch.plan import LaunchOptions, build_plan
 from autotuner.launch.elastic import failure_lines, failure_report
 from autotuner.launch.stopping import GRACE_S, install_stop_handlers, mark_work_started
-from autotuner.tuning.experiment import RANK_ERRORS_DIR, Trial, judge, prepare
-from autotuner.tuning.records import TrialResult
+from autotuner.tuning.trials.trial import RANK_ERRORS_DIR, Trial
+from autotuner.execution.trial_launch import judge, prepare
+from autotuner.tuning.space.records import TrialResult
 
 POLL_S = 0.2
 PLACEMENT_TIMEOUT_S = 120.0  # a placement group the cluster said it can hold must be ready by then

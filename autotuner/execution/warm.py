@@ -37,10 +37,10 @@ from autotuner.launch.warm_rank import UNSAFE_FORK_EXIT, WarmRankSpec
 from autotuner.launch.warm_rank import main as warm_rank_main
 from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.core.rank_setup import QUIET_ERRORS_ENV
-from autotuner.tuning.experiment import (RANK_ERRORS_DIR, WARM_RANKS_FILE, Trial, judge, launch_options, prepare,
-                                         trial_environment)
-from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.runner import OneSlot, Runner
+from autotuner.tuning.trials.trial import RANK_ERRORS_DIR, WARM_RANKS_FILE, Trial
+from autotuner.execution.trial_launch import judge, launch_options, prepare, trial_environment
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.trials.runner import OneSlot, Runner
 
 POLL_S = 0.05
 

@@ -1,7 +1,7 @@
 """A short timed probe of the collectives ZeRO uses, on the job's own process group.
 
 Run by every rank of a profile launch so the tuner can cost each ZeRO stage's communication
-from measured bandwidth (tuning/comm_fit.py fits latency + bytes / bandwidth per op): stage 0
+from measured bandwidth (tuning/models/comm_fit.py fits latency + bytes / bandwidth per op): stage 0
 and 1 all-reduce gradients, stage 2 reduce-scatters them, stage 3 also all-gathers parameters.
 
 Cost, measured on 2 CPU ranks with gloo over loopback (the project's 2-core machine, torch

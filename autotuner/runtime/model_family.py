@@ -1,4 +1,4 @@
-"""What a workload's signature says about its model and device (tuning/transfer.py): the model's
+"""What a workload's signature says about its model and device (tuning/models/transfer.py): the model's
 family, a hash of its module types and block structure with every size left out (a GPT-2 of 4
 blocks and one of 12, or of width 256 and 1024, are one family), and the device's name."""
 

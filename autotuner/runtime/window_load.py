@@ -4,7 +4,7 @@ Each rank samples its own CPU time, the node's busy CPU time and the wall clock 
 starts and ends. Rank 0 then has, for every node, the CPU time other processes took during the
 window as a share of all the node's CPUs: (node busy - our ranks there) / (wall x CPUs). A
 window in which another process took a large share did not measure what it set out to, and
-the tuner measures that experiment again (tuning/interference.py).
+the tuner measures that experiment again (tuning/trials/interference.py).
 """
 
 from __future__ import annotations

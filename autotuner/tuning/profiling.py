@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from autotuner.core.boundary import ModelInfo
-from autotuner.tuning.experiment import ExperimentSettings
-from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, calibrate_baseline, engine_family
-from autotuner.tuning.records import TrialResult, TrialState
+from autotuner.tuning.trials.trial import ExperimentSettings
+from autotuner.tuning.memory.estimate import ModelProfile, PeakFit, StageSettings, calibrate_baseline, engine_family
+from autotuner.tuning.space.records import TrialResult, TrialState
 
 # Runs one profile launch (stage, micro-batch) and returns its result, with model_info when it ran.
 ProfileLaunch = Callable[[int, int], TrialResult]

@@ -31,7 +31,7 @@ from common import ROOT, SCRIPT, gpt2_config, script_args, settings_for
 
 from autotuner.app.measure import Experiment, TrialState
 from autotuner.execution.cold import ColdRunner
-from autotuner.tuning.experiment import Trial
+from autotuner.tuning.trials.trial import Trial
 
 STARTED = time.monotonic()
 MIB = 2**20

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from autotuner.core.boundary import CollectiveTiming, ModelInfo, RecordError, read_record
 from autotuner.runtime.comm_probe import probe_collectives
-from autotuner.tuning.comm_fit import fit_collectives
+from autotuner.tuning.models.comm_fit import fit_collectives
 
 from autotuner.config import read_config_file
 
@@ -67,11 +67,11 @@ def test_one_rank_has_no_collectives_to_time():
 @pytest.mark.timeout(300)
 def test_a_two_rank_profile_launch_records_the_collectives_of_its_process_group(tmp_path, no_orphans):
     from autotuner.config import load_config
-    from autotuner.tuning.config_space import base_config
-    from autotuner.tuning.experiment import ExperimentSettings, Trial
-    from autotuner.tuning.records import Objective, TrialState
+    from autotuner.tuning.space.config_space import base_config
+    from autotuner.tuning.trials.trial import ExperimentSettings, Trial
+    from autotuner.tuning.space.records import Objective, TrialState
     from autotuner.execution.cold import ColdRunner
-    from autotuner.tuning.space import Experiment
+    from autotuner.tuning.space.experiment import Experiment
 
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {}}})
     settings = ExperimentSettings(script=str(MINIMAL), script_args=("--deepspeed", "unused.json", "--width", "64"),

@@ -23,7 +23,7 @@ import process_checks as faults
 from autotuner.app import engines
 from autotuner.app.engines import script_engine
 from autotuner.core.errors import UsageError
-from autotuner.tuning.deepspeed_memory import deepspeed_state_bytes
+from autotuner.tuning.memory.deepspeed_states import deepspeed_state_bytes
 from conftest import ROOT, WORKERS, assert_no_children_left, launcher_env, tune_command
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -89,7 +89,7 @@ def test_bigger_buckets_and_overlap_cost_memory_and_offload_frees_it():
 
 def test_full_mode_sweeps_deepspeeds_knobs_and_offload_only_on_cuda():
     from autotuner.config import load_config
-    from autotuner.tuning.config_space import knob_values
+    from autotuner.tuning.space.config_space import knob_values
 
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "Adam", "params": {}},
                           "zero_optimization": {"stage": "all", "overlap_comm": False}})

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.experiment import Experiment
 from conftest import TOY, TOY_MAPPINGS as MAPPINGS, assert_no_children_left, tune
 from process_checks import (EXPS, HANG_ONCE, RESULTS, assert_no_tmp_files, assert_pids_dead,
                             assert_processes_ended, launchers_of, output, pids_in, record, start_tuner, stop, table,
@@ -162,8 +162,8 @@ def write_record(tmp_path: Path, config: Path, script_args: tuple[str, ...], exp
                  state: TrialState, value: float | None) -> None:
     """A finished record of an earlier run of the same command (its fingerprint is this run's)."""
     from autotuner.config import load_config
-    from autotuner.tuning.config_space import base_config
-    from autotuner.tuning.journal import fingerprint_of, this_device, torch_version, write_entry
+    from autotuner.tuning.space.config_space import base_config
+    from autotuner.tuning.trials.journal import fingerprint_of, this_device, torch_version, write_entry
 
     fingerprint = fingerprint_of(script=str(TOY), script_args=(*script_args, "--deepspeed", str(config)),
                                  mapped_flags=tuple(MAPPINGS.values()), base_config=base_config(load_config(str(config))),

@@ -194,10 +194,10 @@ def test_warm_ranks_initialise_cuda_themselves_and_the_forkserver_never_does(tmp
     from multiprocessing import forkserver
 
     from autotuner.config import load_config
-    from autotuner.tuning.config_space import base_config
-    from autotuner.tuning.experiment import ExperimentSettings, Trial
-    from autotuner.tuning.records import Objective, TrialState
-    from autotuner.tuning.space import Experiment
+    from autotuner.tuning.space.config_space import base_config
+    from autotuner.tuning.trials.trial import ExperimentSettings, Trial
+    from autotuner.tuning.space.records import Objective, TrialState
+    from autotuner.tuning.space.experiment import Experiment
     from autotuner.execution.warm import WarmRunner
 
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "AdamW", "params": {}}})

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning.config_space import base_config, search_space
-from autotuner.tuning.cost_model import CostContext, Observation, StepTimeModel
-from autotuner.tuning.dimensions import full_mode_values, settle_variants, variant_values
-from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, estimate
-from autotuner.tuning.predictive_search import candidate_space
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search import run_search
-from autotuner.tuning.search_space import SearchPolicy, SearchSpace
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.config_space import base_config, search_space
+from autotuner.tuning.models.cost_model import CostContext, Observation, StepTimeModel
+from autotuner.tuning.space.dimensions import full_mode_values, settle_variants, variant_values
+from autotuner.tuning.memory.estimate import ModelProfile, PeakFit, StageSettings, estimate
+from autotuner.tuning.searches.predictive_search import candidate_space
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.searches.stage_search import run_search
+from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace
+from autotuner.tuning.space.experiment import Experiment
 
 AC = "activation_checkpointing"
 POLICIES = (((AC, "none"),), ((AC, "selective"),), ((AC, "full"),))
@@ -178,7 +178,7 @@ class FailingSelective(FakeRun):
 
 @pytest.mark.parametrize("tuner", ["gridsearch", "predictive"])
 def test_a_policy_that_fails_other_than_by_memory_is_launched_once(tuner):
-    from autotuner.tuning.predictive_search import run_predictive_search
+    from autotuner.tuning.searches.predictive_search import run_predictive_search
 
     space = SearchSpace(stages=(0, 1), data_parallel_size=1, max_micro_batch_size=32,
                         variants={0: POLICIES, 1: POLICIES})
@@ -199,7 +199,7 @@ def test_a_policy_that_fails_other_than_by_memory_is_launched_once(tuner):
 def test_a_policy_is_first_launched_at_its_smallest_size_then_as_its_refitted_model_allows(tuner):
     """The profile's figures under-count a policy's peak (on a CPU, by a factor ~2 for selective
     on GPT-2): until one of its launches is fitted, it is not trusted beyond its smallest size."""
-    from autotuner.tuning.predictive_search import run_predictive_search
+    from autotuner.tuning.searches.predictive_search import run_predictive_search
 
     run = FakeRun()
 
@@ -224,7 +224,7 @@ def test_a_policy_is_first_launched_at_its_smallest_size_then_as_its_refitted_mo
 def test_a_policy_is_not_launched_where_larger_micro_batches_do_not_pay(tuner):
     """Throughput that falls with the micro-batch (a CPU, often): memory bought with recompute
     buys nothing, and no checkpointing launch is made once the stage's curve shows it."""
-    from autotuner.tuning.predictive_search import run_predictive_search
+    from autotuner.tuning.searches.predictive_search import run_predictive_search
 
     def falling(experiment: Experiment) -> float:
         return 100.0 / (1 + 0.05 * experiment.micro_batch_size) / SLOWER_BY[policy_of(experiment)]
@@ -254,7 +254,8 @@ def test_a_policy_is_not_launched_where_larger_micro_batches_do_not_pay(tuner):
 def test_on_deepspeeds_engine_the_mapped_flags_carry_the_policy_and_compile_and_the_config_does_not():
     from fakes import experiment_settings
 
-    from autotuner.tuning.experiment import Trial, experiment_config, script_config, trial_script_args
+    from autotuner.execution.trial_launch import trial_script_args
+    from autotuner.tuning.trials.trial import Trial, experiment_config, script_config
 
     user = DeepSpeedConfig.model_validate({**config("auto"), "compile": {"enabled": "auto"}})
     # Hugging Face's --gradient_checkpointing checkpoints whole blocks: "none" and "full" only.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from autotuner.core.boundary import CollectiveTiming, RecordError
-from autotuner.tuning.comm_fit import LinkFit, fit_collectives
+from autotuner.tuning.models.comm_fit import LinkFit, fit_collectives
 
 SIZES = (2**16, 2**20, 2**22, 2**24)
 

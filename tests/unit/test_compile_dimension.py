@@ -13,13 +13,13 @@ from autotuner.app.cli import build_parser
 from autotuner.app.settle import script_max_steps, settle
 from autotuner.core.boundary import Measurement
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning.config_space import base_config, search_space
-from autotuner.tuning.planned_run import (FinishEffect, compile_lines, could_beat, planned_value,
+from autotuner.tuning.space.config_space import base_config, search_space
+from autotuner.tuning.space.planned_run import (FinishEffect, compile_lines, could_beat, planned_value,
                                            predicted_finished_value)
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search import run_search
-from autotuner.tuning.search_space import SearchPolicy, SearchSpace
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.searches.stage_search import run_search
+from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace
+from autotuner.tuning.space.experiment import Experiment
 
 THROUGHPUT, LATENCY = Objective("throughput"), Objective("latency")
 

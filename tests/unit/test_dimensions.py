@@ -12,13 +12,13 @@ import pytest
 from autotuner.config import load_config
 from autotuner.config.keys import check_keys
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning import dimensions
-from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.dimensions import Dimension, full_mode_values
-from autotuner.tuning.experiment import Trial, experiment_config
-from autotuner.tuning.memory import StageSettings
-from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space import dimensions
+from autotuner.tuning.orchestrator import Autotuner
+from autotuner.tuning.space.dimensions import Dimension, full_mode_values
+from autotuner.tuning.trials.trial import Trial, experiment_config
+from autotuner.tuning.memory.estimate import StageSettings
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.experiment import Experiment
 from fakes import OUR_ENGINE_KNOBS, FakeRunner, experiment_settings, fingerprint, model_info, ok
 
 DS_BUCKETS = [50_000_000, 500_000_000]

@@ -17,9 +17,9 @@ from autotuner.app.settle import settle, settle_built_engine
 from autotuner.config import load_config
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.script_imports import import_sites
-from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.experiment import launched_config
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.orchestrator import Autotuner
+from autotuner.tuning.trials.trial import launched_config
+from autotuner.tuning.space.experiment import Experiment
 from fakes import FakeRunner, experiment_settings, fingerprint, model_info, ok
 
 MiB = 2**20

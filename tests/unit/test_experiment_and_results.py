@@ -14,24 +14,17 @@ import pytest
 
 from autotuner.config import load_config
 from autotuner.core.errors import ConfigError
-from autotuner.tuning.config_space import base_config, knob_values, search_space
+from autotuner.tuning.space.config_space import base_config, knob_values, search_space
 from autotuner.core.boundary import LaunchReport, Measurement, RankError, write_record
 from autotuner.launch.elastic import failure_report
 from autotuner.launch.plan import RankFlags
-from autotuner.tuning.experiment import (
-    ExperimentSettings,
-    Trial,
-    cold_launch,
-    config_value,
-    experiment_config,
-    judge,
-    mapped_script_args,
-)
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning import results as results_module
-from autotuner.tuning.results import summary_text, write_results
+from autotuner.tuning.trials.trial import ExperimentSettings, Trial, config_value, experiment_config, mapped_script_args
+from autotuner.execution.trial_launch import cold_launch, judge
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.reports import results as results_module
+from autotuner.tuning.reports.results import summary_text, write_results
 from fakes import OUR_ENGINE_KNOBS
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.experiment import Experiment
 
 THROUGHPUT = Objective("throughput")
 
@@ -567,7 +560,7 @@ def test_no_successful_result_writes_no_optimal_files(tmp_path, plots):
 def test_a_timed_out_launch_names_a_torch_extension_build_lock_left_behind(tmp_path, monkeypatch):
     """A rank killed while DeepSpeed JIT-built an op leaves the build's lock; every later launch
     that builds it waits until its own time limit (seen on DeepSpeed's CPU engine)."""
-    from autotuner.tuning.experiment import Trial
+    from autotuner.tuning.trials.trial import Trial
     from fakes import experiment_settings
 
     extensions = tmp_path / "torch_extensions"
@@ -588,8 +581,8 @@ def test_on_deepspeeds_engine_each_experiment_keeps_the_users_deepspeed_only_key
     the pick trains with. Our engine's ranks get only what it acts on."""
     from fakes import experiment_settings
 
-    from autotuner.tuning.experiment import launched_config
-    from autotuner.tuning.space import Experiment
+    from autotuner.tuning.trials.trial import launched_config
+    from autotuner.tuning.space.experiment import Experiment
 
     user = {"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": [2, 3], "sub_group_size": 1e8,

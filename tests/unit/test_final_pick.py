@@ -1,4 +1,4 @@
-"""The noise-aware final pick (autotuner/tuning/final_pick.py), and the orchestrator re-measuring
+"""The noise-aware final pick (autotuner/tuning/searches/final_pick.py), and the orchestrator re-measuring
 contenders interleaved with a fake runner. No processes."""
 
 from __future__ import annotations
@@ -8,11 +8,12 @@ import dataclasses
 import pandas as pd
 
 from autotuner.config import load_config
-from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.experiment import Trial
-from autotuner.tuning.final_pick import Contender, NoiseLevel, contenders, pick, stands_apart
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.orchestrator import Autotuner
+from autotuner.tuning.trials.trial import Trial
+from autotuner.tuning.models.noise import NoiseLevel
+from autotuner.tuning.searches.final_pick import Contender, contenders, pick, stands_apart
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.experiment import Experiment
 from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called, ok
 
 THROUGHPUT = Objective("throughput")
@@ -206,7 +207,7 @@ def test_on_a_machine_that_stays_busy_windows_are_measured_again_only_until_that
 def test_one_interleaved_rule_serves_the_final_pick_and_the_online_tuner():
     # Both import the rule (the online tuner's order and ranking are tested in test_online_schedule.py).
     import autotuner.runtime.online.schedule as online
-    import autotuner.tuning.final_pick as final
+    import autotuner.tuning.searches.final_pick as final
     from autotuner.core.interleaved_pick import by_median, round_order
 
     assert online.round_order is final.round_order is round_order and online.by_median is final.by_median

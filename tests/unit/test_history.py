@@ -8,7 +8,7 @@ import sqlite3
 import pytest
 
 from autotuner.app.history import history_rows
-from autotuner.tuning.history import default_url, study_name
+from autotuner.tuning.trials.history import default_url, study_name
 
 optuna = pytest.importorskip("optuna")
 
@@ -47,7 +47,7 @@ def test_every_launch_is_a_trial_of_the_workloads_study_readable_by_optuna(tmp_p
 def test_a_failed_launch_is_a_failed_trial(tmp_path):
     from fakes import ok
 
-    from autotuner.tuning.records import TrialResult, TrialState
+    from autotuner.tuning.space.records import TrialResult, TrialState
 
     def answer(trial):
         if trial.experiment.micro_batch_size == 4:
@@ -133,7 +133,7 @@ def test_a_dimensions_param_keeps_one_distribution_whatever_form_the_value_takes
     # must record alike, and a categorical dimension's choices must not depend on the run's value.
     from optuna.distributions import check_distribution_compatibility
 
-    from autotuner.tuning.history import _distribution
+    from autotuner.tuning.trials.history import _distribution
 
     check_distribution_compatibility(_distribution("reduce_bucket_size", 5e8),
                                      _distribution("reduce_bucket_size", 50_000_000))
@@ -147,10 +147,10 @@ def test_a_dimensions_param_keeps_one_distribution_whatever_form_the_value_takes
 def test_an_experiments_dimensions_are_its_trials_params(tmp_path):
     from fakes import ok
 
-    from autotuner.tuning.experiment import Trial
-    from autotuner.tuning.history import History
-    from autotuner.tuning.records import Objective
-    from autotuner.tuning.space import Experiment
+    from autotuner.tuning.trials.trial import Trial
+    from autotuner.tuning.trials.history import History
+    from autotuner.tuning.space.records import Objective
+    from autotuner.tuning.space.experiment import Experiment
 
     knobs = (("activation_checkpointing", "full"), ("compile", True), ("reduce_bucket_size", 5e8))
     trial = Trial(Experiment(1, 4, 2, knobs), tmp_path / "exp", None)  # type: ignore[arg-type]

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from autotuner.tuning.evaluator import Evaluator, FunctionLaunches, evaluator_of
-from autotuner.tuning.experiment import Trial
-from autotuner.tuning.ledger import TrialLedger
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search_space import SearchSpace
-from autotuner.tuning.space import Experiment
-from autotuner.tuning.variant_rules import FailedVariants
+from autotuner.tuning.trials.evaluator import Evaluator, FunctionLaunches, evaluator_of
+from autotuner.tuning.trials.trial import Trial
+from autotuner.tuning.trials.ledger import TrialLedger
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.search_space import SearchSpace
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.searches.variant_rules import FailedVariants
 from fakes import fingerprint
 
 FULL = (("activation_checkpointing", "full"),)

@@ -7,13 +7,13 @@ from dataclasses import replace
 import pytest
 
 from autotuner.config import load_config
-from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.memory import ModelProfile, PeakFit, StageSettings, estimate, model_state_bytes
+from autotuner.tuning.orchestrator import Autotuner
+from autotuner.tuning.memory.estimate import ModelProfile, PeakFit, StageSettings, estimate, model_state_bytes
 from autotuner.tuning.profiling import peak_fit
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search import run_search
-from autotuner.tuning.search_space import SearchPolicy
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.searches.stage_search import run_search
+from autotuner.tuning.space.search_space import SearchPolicy
+from autotuner.tuning.space.experiment import Experiment
 from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called
 
 MiB = 2**20

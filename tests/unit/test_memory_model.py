@@ -8,8 +8,8 @@ import math
 import pytest
 
 from autotuner.config import load_config
-from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.memory import (
+from autotuner.tuning.orchestrator import Autotuner
+from autotuner.tuning.memory.estimate import (
     MemoryEstimate,
     ModelProfile,
     StageSettings,
@@ -19,8 +19,8 @@ from autotuner.tuning.memory import (
     model_state_bytes,
     usable_bytes,
 )
-from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.experiment import Experiment
 from fakes import FakeRunner, experiment_settings, fingerprint, never_called
 
 P = 1_000_000  # parameters
@@ -376,7 +376,7 @@ def test_an_oom_raises_the_fitted_line_to_the_budget_there(tmp_path):
 
 
 def test_an_allocator_oom_without_a_measured_peak_counts_as_the_whole_budget(tmp_path):
-    from autotuner.tuning.records import TrialState
+    from autotuner.tuning.space.records import TrialState
     tuner, _ = calibrating_tuner(tmp_path)
     oom = Experiment(1, 64)
     tuner.memory.learn(measured(tuner, oom, None, TrialState.OOM))
@@ -385,8 +385,8 @@ def test_an_allocator_oom_without_a_measured_peak_counts_as_the_whole_budget(tmp
 
 def test_a_cpu_budget_says_once_how_to_make_the_resident_set_predictable_unless_it_is():
     from autotuner.config.models import DeepSpeedConfig
-    from autotuner.tuning.memory_book import MemoryBook
-    from autotuner.tuning.search_space import SearchSpace
+    from autotuner.tuning.models.memory_book import MemoryBook
+    from autotuner.tuning.space.search_space import SearchSpace
 
     def book(autotuning: dict) -> MemoryBook:
         config = DeepSpeedConfig.model_validate({"train_micro_batch_size_per_gpu": "auto",

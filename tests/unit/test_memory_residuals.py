@@ -1,10 +1,10 @@
-"""The residual line fitted to measured peaks (autotuner/tuning/memory_fit.py). Pure."""
+"""The residual line fitted to measured peaks (autotuner/tuning/memory/peak_fit.py). Pure."""
 
 from __future__ import annotations
 
 import pytest
 
-from autotuner.tuning.memory_fit import PeakObservation, fit_residuals, model_error
+from autotuner.tuning.memory.peak_fit import PeakObservation, fit_residuals, model_error
 
 MiB = 2**20
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from autotuner.tuning.autotuner import TuningFailed
-from autotuner.tuning.journal import fingerprint_of, load_journal, unmapped_args, write_entry
-from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.orchestrator import TuningFailed
+from autotuner.tuning.trials.journal import fingerprint_of, load_journal, unmapped_args, write_entry
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.experiment import Experiment
 from fakes import FakeRunner, ParallelFakeRunner, by_micro, fingerprint, model_info, never_called, ok, profiled, tuner
 
 MiB = 2**20

@@ -9,10 +9,10 @@ import random
 import pytest
 
 from autotuner.core.boundary import Measurement
-from autotuner.tuning.comm_fit import LinkFit
-from autotuner.tuning.cost_model import CostContext, Observation, StepTimeModel
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.models.comm_fit import LinkFit
+from autotuner.tuning.models.cost_model import CostContext, Observation, StepTimeModel
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.tuners import PredictiveTuner, drive, make_tuner
 
 THROUGHPUT = Objective("throughput")

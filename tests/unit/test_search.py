@@ -8,11 +8,11 @@ from typing import Callable
 
 import pytest
 
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search import BISECTION_TOLERANCE, confirm_largest, run_search
-from autotuner.tuning.search_space import SearchPolicy, SearchSpace, spread_micro_batch_sizes
-from autotuner.tuning.dimensions import full_mode_values, tag
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.searches.stage_search import BISECTION_TOLERANCE, confirm_largest, run_search
+from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace, spread_micro_batch_sizes
+from autotuner.tuning.space.dimensions import full_mode_values, tag
+from autotuner.tuning.space.experiment import Experiment
 
 DEFAULT_KNOBS = full_mode_values({}, "autotuner")
 

@@ -1,4 +1,4 @@
-"""Leaving the sharded engine out when it cannot win (autotuner/tuning/sharding_gain.py), and the
+"""Leaving the sharded engine out when it cannot win (autotuner/tuning/models/sharding_gain.py), and the
 orchestrator skipping its profile launch and its search. No processes."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ from pathlib import Path
 
 from autotuner.core.boundary import CollectiveTiming, Measurement
 from autotuner.config import load_config
-from autotuner.tuning.autotuner import Autotuner
-from autotuner.tuning.comm_fit import LinkFit
-from autotuner.tuning.cost_model import CostContext
-from autotuner.tuning.experiment import Trial
-from autotuner.tuning.records import TrialResult, TrialState
-from autotuner.tuning.sharding_gain import sharding_cannot_win
+from autotuner.tuning.orchestrator import Autotuner
+from autotuner.tuning.models.comm_fit import LinkFit
+from autotuner.tuning.models.cost_model import CostContext
+from autotuner.tuning.trials.trial import Trial
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.models.sharding_gain import sharding_cannot_win
 from fakes import FakeRunner, experiment_settings, fingerprint, model_info
 
 MiB = 2**20

@@ -18,10 +18,10 @@ from autotuner.core.errors import ConfigError
 from autotuner.runtime.optim import check_optimizer_and_scheduler
 from autotuner.app.engines import EngineChoice
 from autotuner.app.settle import check_trainer_autos
-from autotuner.tuning.deepspeed_memory import DEFAULTS, deepspeed_state_bytes, zero_knob
-from autotuner.tuning.experiment import ExperimentSettings, experiment_config, with_user_keys
-from autotuner.tuning.records import Objective
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.memory.deepspeed_states import DEFAULTS, deepspeed_state_bytes, zero_knob
+from autotuner.tuning.trials.trial import ExperimentSettings, experiment_config, with_user_keys
+from autotuner.tuning.space.records import Objective
+from autotuner.tuning.space.experiment import Experiment
 from conftest import MINIMAL
 from hf_configs import HF_ZERO2, HF_ZERO3, MAPPINGS
 

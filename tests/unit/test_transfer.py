@@ -12,12 +12,12 @@ import torch
 from torch import nn
 
 from autotuner.runtime.model_family import model_family
-from autotuner.tuning.cost_model import CostContext, Observation
-from autotuner.tuning.predictive_search import run_predictive_search
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.search_space import SearchPolicy, SearchSpace
-from autotuner.tuning.space import Experiment
-from autotuner.tuning.transfer import (PriorRun, WorkloadSignature, experiment_of, prior_best, run_noise,
+from autotuner.tuning.models.cost_model import CostContext, Observation
+from autotuner.tuning.searches.predictive_search import run_predictive_search
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.models.transfer import (PriorRun, WorkloadSignature, experiment_of, prior_best, run_noise,
                                        scale_prior, transfer_prior)
 
 

@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.tuners import TUNERS, ModelBasedTuner, Tuner, drive, make_tuner
 
 try:

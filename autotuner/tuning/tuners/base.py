@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Protocol, Sequence, runtime_checkable
+from typing import Callable, Sequence
 
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.search_space import ParallelEvaluate, slots
 
 
 class Tuner(ABC):
@@ -61,23 +62,8 @@ class Tuner(ABC):
         return self.objective.best(list(self.results.values()))
 
 
-@runtime_checkable
-class ParallelEvaluate(Protocol):
-    """An evaluate that can run several experiments at once: `capacity` of them."""
-
-    capacity: int
-
-    def __call__(self, experiment: Experiment) -> TrialResult: ...
-
-    def submit(self, experiment: Experiment) -> None: ...
-
-    def next_result(self) -> TrialResult:
-        """The next submitted experiment to finish, in the order they finish."""
 
 
-def slots(evaluate: Callable[[Experiment], TrialResult]) -> int:
-    """How many experiments `evaluate` runs at once: a plain function, one."""
-    return max(1, int(evaluate.capacity)) if isinstance(evaluate, ParallelEvaluate) else 1
 
 
 def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_stopping: int,

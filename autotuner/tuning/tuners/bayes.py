@@ -10,8 +10,8 @@ online tuner (`autotuner.core.bayes`); optuna is an extra: pip install 'autotune
 from __future__ import annotations
 
 from autotuner.core.bayes import BayesianOptimizer
-from autotuner.tuning.records import TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.records import TrialState
+from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.tuners.base import Tuner
 
 

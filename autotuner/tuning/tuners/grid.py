@@ -1,6 +1,6 @@
 """Grid search: the space in the order it was given."""
 
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.tuners.base import Tuner
 
 

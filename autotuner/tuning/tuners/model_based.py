@@ -14,8 +14,8 @@ import random
 
 import numpy as np
 
-from autotuner.tuning.records import TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.records import TrialState
+from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.tuners.base import Tuner
 
 

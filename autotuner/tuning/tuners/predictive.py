@@ -11,22 +11,14 @@ tuner still orders the rest, so it meets the same contract as every tuner.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from typing import Sequence
 
-from autotuner.tuning.cost_model import NOISE_FLOOR, CostContext, Observation, StepTimeModel
-from autotuner.tuning.records import Objective, TrialResult, TrialState
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.models.cost_model import NOISE_FLOOR, CostContext, Observation, Prediction, StepTimeModel
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.tuners.base import Tuner
 
 
-@dataclass(frozen=True)
-class Prediction:
-    """The objective's predicted value for one experiment, and its plausible range (same units)."""
-
-    value: float
-    low: float
-    high: float
 
 
 class PredictiveTuner(Tuner):

@@ -2,7 +2,7 @@
 
 import random
 
-from autotuner.tuning.space import Experiment
+from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.tuners.base import Tuner
 
 

@@ -1,0 +1,201 @@
+"""The throughput model behind tuner_type "predictive": step time with an uncertainty. Pure.
+
+Step time of one optimizer step, for ZeRO stage s, micro-batch m and gas g:
+
+    T = g x compute(m) + communication(s, g) + offset(group)
+
+- compute(m) = a + b m + q m^2 is the time of one micro-step's forward and backward. a + b m
+  alone is the saturating curve (throughput m / (a + b m) rises to 1/b); q lets the per-sample
+  time turn up again (caches spill on a CPU), so the knee can sit anywhere.
+- communication(s, g) is costed from the bytes each stage moves per step and the links the
+  profile timed on the real process group (comm_fit.LinkFit): DDP all-reduces the fp32
+  gradients; ZeRO 1 then also gathers the updated parameters; FSDP2 gathers the compute copy
+  of the parameters (stage 2 once per step, stage 3 before forward and backward of every
+  micro-step) and reduce-scatters the gradients.
+- under activation checkpointing, g x r_p m adds policy p's recompute, learned per policy from
+  its launches (its prior: zero, within half the compute per sample).
+- offset(group) is what the costing misses for one stage and knob setting (overlap with
+  backward, the optimizer step, sharding's bookkeeping), learned from its launches; ZeRO 2 and 3,
+  one sharded engine, lend each other theirs until their own is measured.
+
+All parameters are fitted at once by Bayesian linear regression with known noise: measured
+steps vary by NOISE_FLOOR at least (run to run, on these machines), the curvature q and the
+offsets have priors scaled to the times measured, so with few launches the prediction is
+uncertain exactly where it extrapolates.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from autotuner.tuning.models.comm_fit import LinkFit
+from autotuner.tuning.space.experiment import Experiment
+
+NOISE_FLOOR = 0.03  # relative run-to-run spread of one measured step time
+BOUND_Z = 1.64  # one-sided 95%: a candidate is launched while its bound could beat the best
+CURVATURE_PRIOR = 3.0  # q m^2 at the largest size: a few times the compute time a line would give there
+OFFSET_PRIOR = 0.5  # an unmeasured group's offset: within this fraction of its costed communication
+OFFSET_FLOOR = 0.05  # ... and of the step time (the optimizer step, overlap: not costed)
+RECOMPUTE_PRIOR = 0.5  # checkpointing's recompute per sample: within half the compute per sample (a forward's share)
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class CostContext:
+    """What the model knows without timing a step: the model's size and the links' speed."""
+
+    num_params: int = 0
+    world_size: int = 1
+    compute_bytes: int = FP32_BYTES  # 2 under bf16/fp16: what FSDP2 gathers per parameter
+    links: tuple[LinkFit, ...] = ()
+    # Step times of similar earlier runs, scaled to this model (tuning/models/transfer.py): fitted with
+    # the launches, at their wider noise.
+    prior: tuple["Observation", ...] = ()
+
+    def link(self, op: str) -> LinkFit | None:
+        found = {link.op: link for link in self.links}
+        # gloo has no reduce_scatter on CPU; an all_reduce moves at least as much.
+        return found.get(op) or (found.get("all_reduce") if op == "reduce_scatter" else None)
+
+    def communication_s(self, stage: int, gradient_accumulation_steps: int) -> float:
+        """Seconds of collectives per optimizer step, as the stage runs them."""
+        if self.world_size <= 1 or self.num_params <= 0:
+            return 0.0
+        gradients = FP32_BYTES * self.num_params
+        weights = self.compute_bytes * self.num_params
+        calls: list[tuple[str, float, int]] = []
+        if stage <= 1:
+            calls.append(("all_reduce", gradients, 1))
+            if stage == 1:
+                calls.append(("all_gather", FP32_BYTES * self.num_params, 1))
+        else:
+            gathers = 1 if stage == 2 else 2 * gradient_accumulation_steps
+            calls += [("all_gather", weights, gathers), ("reduce_scatter", gradients, 1)]
+        total = 0.0
+        for op, nbytes, count in calls:
+            link = self.link(op)
+            if link is not None:
+                total += count * link.seconds(nbytes)
+        return total
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One measured launch: its experiment and step time in seconds."""
+
+    experiment: Experiment
+    step_time_s: float
+    relative_noise: float = NOISE_FLOOR
+
+
+@dataclass(frozen=True)
+class StepTimePrediction:
+    mean_s: float
+    std_s: float  # the model's uncertainty about the mean, plus one measurement's noise
+
+    def bounds(self, z: float = BOUND_Z) -> tuple[float, float]:
+        """(fastest, slowest) plausible step time; the fastest never below a tenth of the mean."""
+        return max(self.mean_s - z * self.std_s, 0.1 * self.mean_s), self.mean_s + z * self.std_s
+
+
+# Knobs whose cost grows with the micro-batch rather than per step: they get a per-sample term
+# of their own (below), not an offset group.
+PER_SAMPLE_KNOBS = ("activation_checkpointing",)
+
+
+def group_of(experiment: Experiment) -> tuple:
+    """Experiments that share an offset: one stage with one knob setting."""
+    return (experiment.zero_stage, tuple(kv for kv in experiment.knobs if kv[0] not in PER_SAMPLE_KNOBS))
+
+
+def recompute_of(experiment: Experiment) -> str | None:
+    """The activation checkpointing policy whose recompute the step pays, or None."""
+    policy = dict(experiment.knobs).get("activation_checkpointing", "none")
+    return None if policy == "none" else str(policy)
+
+
+class StepTimeModel:
+    """Fitted once from observations; predicts any experiment of the candidate space."""
+
+    def __init__(self, observations: list[Observation], context: CostContext, largest_micro_batch: int):
+        self.context = context
+        self.scale_m = float(max(1, largest_micro_batch))
+        self.groups = sorted({group_of(o.experiment) for o in observations}, key=repr)
+        # Recompute under checkpointing: a per-sample time per policy, learned from its launches;
+        # unmeasured, it is only a prior (zero mean: the bound stays optimistic, its spread wide).
+        self.recomputes = sorted({r for o in observations if (r := recompute_of(o.experiment)) is not None})
+        times = [o.step_time_s for o in observations]
+        self.typical_s = float(np.median(times)) if times else 1.0
+        per_sample = [o.step_time_s / (o.experiment.gradient_accumulation_steps * o.experiment.micro_batch_size)
+                      for o in observations]
+        compute_at_largest = (float(np.median(per_sample)) if per_sample else 1.0) * self.scale_m
+        wide = (100.0 * self.typical_s) ** 2
+        self._prior_var = np.array([wide, wide, (CURVATURE_PRIOR * compute_at_largest) ** 2])
+        self._recompute_var = (RECOMPUTE_PRIOR * compute_at_largest) ** 2
+        if not observations:
+            self._mean = np.zeros(3)
+            self._cov = np.diag(self._prior_var)
+            return
+        rows = np.array([self._features(o.experiment, fitted_groups=True) for o in observations])
+        targets = np.array([o.step_time_s - self._costed_s(o.experiment) for o in observations])
+        noise = np.array([max(o.relative_noise, NOISE_FLOOR) * o.step_time_s for o in observations])
+        prior_var = np.concatenate([self._prior_var, [self._offset_var(g) for g in self.groups],
+                                    [self._recompute_var] * len(self.recomputes)])
+        self._fit(rows, targets, noise, prior_var)
+        if self._mean[0] < 0:
+            # A micro-step's fixed cost is never negative; pinned at 0, the curvature explains the data.
+            prior_var[0] = (1e-9 * self.typical_s) ** 2
+            self._fit(rows, targets, noise, prior_var)
+
+    def _fit(self, rows: np.ndarray, targets: np.ndarray, noise: np.ndarray, prior_var: np.ndarray) -> None:
+        precision = np.diag(1.0 / prior_var) + rows.T @ (rows / noise[:, None] ** 2)
+        self._cov = np.linalg.inv(precision)
+        self._mean = self._cov @ (rows.T @ (targets / noise**2))
+
+    def _costed_s(self, experiment: Experiment) -> float:
+        return self.context.communication_s(experiment.zero_stage, experiment.gradient_accumulation_steps)
+
+    def _offset_var(self, group: tuple) -> float:
+        costed = self.context.communication_s(group[0], 1)
+        return (OFFSET_PRIOR * costed + OFFSET_FLOOR * self.typical_s) ** 2
+
+    def _features(self, experiment: Experiment, fitted_groups: bool) -> np.ndarray:
+        g = float(experiment.gradient_accumulation_steps)
+        m = experiment.micro_batch_size / self.scale_m
+        base = [g, g * m, g * m * m]
+        if fitted_groups:
+            base += [1.0 if group_of(experiment) == group else 0.0 for group in self.groups]
+            base += [g * m if recompute_of(experiment) == policy else 0.0 for policy in self.recomputes]
+        return np.array(base)
+
+    def predict(self, experiment: Experiment) -> StepTimePrediction:
+        x = self._features(experiment, fitted_groups=True) if self.groups else self._features(experiment, False)
+        mean = float(x @ self._mean) + self._costed_s(experiment)
+        variance = float(x @ self._cov @ x)
+        group = group_of(experiment)
+        if group not in self.groups:
+            variance += self._offset_var(group)  # an offset never measured: its prior
+            # ZeRO 2 and 3 run one sharded engine (its bookkeeping, its sharded optimizer step): an
+            # unmeasured one starts from the other's measured offset rather than from nothing.
+            twin = (5 - group[0], group[1]) if group[0] >= 2 else None
+            if twin in self.groups:
+                mean += float(self._mean[3 + self.groups.index(twin)])
+        policy = recompute_of(experiment)
+        if policy is not None and policy not in self.recomputes:
+            # A policy never launched: its recompute per sample is the prior's.
+            g, m = experiment.gradient_accumulation_steps, experiment.micro_batch_size / self.scale_m
+            variance += (g * m) ** 2 * self._recompute_var
+        noise = NOISE_FLOOR * max(mean, 1e-12)
+        mean = max(mean, 1e-9)
+        return StepTimePrediction(mean, math.sqrt(max(variance, 0.0) + noise**2))
+
+@dataclass(frozen=True)
+class Prediction:
+    """The objective's predicted value for one experiment, and its plausible range (same units)."""
+
+    value: float
+    low: float
+    high: float

@@ -1,0 +1,243 @@
+"""The tuner's memory bookkeeping: the analytic model for the profiled model, the per-rank budget,
+and per engine the residual line fitted to every measured peak (memory_fit.py), refitted after
+each launch. The orchestrator asks it one question before every launch: does this fit?"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Callable
+
+import psutil
+
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.tuning.space import dimensions
+from autotuner.tuning.memory.estimate import (ModelProfile, StageSettings, engine_families, engine_family, estimate,
+                                     usable_bytes)
+from autotuner.tuning.memory.peak_fit import PeakObservation, ResidualFit, fit_residuals
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.search_space import SearchSpace
+from autotuner.tuning.space.experiment import Experiment
+
+SAFETY_MARGIN = 0.1
+
+
+def offload_sections(config: DeepSpeedConfig) -> tuple[bool, bool]:
+    """Whether the user wrote each offload section at all (any device): then it is not tuned."""
+    zero = config.zero_optimization
+    return zero.offload_optimizer is not None, zero.offload_param is not None
+
+
+def _offloads(config: DeepSpeedConfig) -> tuple[bool, bool]:
+    zero = config.zero_optimization
+    return (bool(zero.offload_optimizer and zero.offload_optimizer.device == "cpu"),
+            bool(zero.offload_param and zero.offload_param.device == "cpu"))
+
+
+def _policy(experiment: Experiment) -> str:
+    return str(dict(experiment.knobs).get("activation_checkpointing", "none"))
+
+
+class MemoryBook:
+    """Bytes per rank for any experiment, as well as the launches so far let us know them.
+
+    `profile`, `precision` and the device type are settled by the profile (or the config's
+    model_info); `budget_bytes` by the config, the GPU, or the host's memory per rank."""
+
+    def __init__(self, config: DeepSpeedConfig, space: SearchSpace, nproc_per_node: int,
+                 contiguous_gradients: bool, report: Callable[[str], None], zero_settings: dict[str, Any] | None = None,
+                 engine: str = "autotuner"):
+        self.config = config
+        self.zero_settings = {k: v for k, v in (zero_settings or {}).items()
+                              if k != "stage" and isinstance(v, (bool, int, float, str))}
+        self._engine = engine  # until the profile says whose engine ran
+        self.space = space
+        self.nproc_per_node = nproc_per_node
+        self.contiguous_gradients = contiguous_gradients
+        self.report = report
+        self.profile: ModelProfile | None = None
+        self.precision = "fp32"
+        self.budget_bytes: int | None = None
+        self.device_type = "cpu"  # where the ranks run
+        self._peak_results: list[TrialResult] = []  # launches with a peak (or an OOM), in order
+        self._residual_fits: dict[str, ResidualFit] = {}
+
+    # ----- what is known -----
+    @property
+    def engine(self) -> str:
+        return self.profile.engine if self.profile is not None else self._engine
+
+    def family(self, stage: int) -> str:
+        return engine_family(stage, self.engine)
+
+    def fit_family(self, experiment: Experiment) -> str:
+        """The residual line an experiment's peak joins: its engine's, apart under activation
+        checkpointing (a policy keeps its own share of each sample's bytes)."""
+        policy = _policy(experiment)
+        family = self.family(experiment.zero_stage)
+        return family if policy == "none" else f"{family}, {policy} checkpointing"
+
+    def settle_budget(self, device_memory: int | None) -> None:
+        tuning = self.config.autotuning
+        self.device_type = "cuda" if device_memory else "cpu"
+        if tuning.memory_per_rank_bytes:
+            self.budget_bytes = tuning.memory_per_rank_bytes
+        elif device_memory:
+            self.budget_bytes = device_memory
+        else:
+            self.budget_bytes = psutil.virtual_memory().total // self.nproc_per_node
+
+    def report_budget(self, environ: dict[str, str]) -> None:
+        """The settled budget, said once, with the CPU note where it applies."""
+        self.report(f"memory budget: {self.budget_bytes / 2**20:.0f} MiB per rank (safety margin {SAFETY_MARGIN:.0%})")
+        if (note := self.budget_note(environ)) is not None:
+            self.report(note)
+
+    def budget_note(self, environ: dict[str, str]) -> str | None:
+        """On a CPU under a given budget, what makes the resident set predictable, when it is not set:
+        glibc's moving mmap threshold put one launch's peak at 638, 822 and over 1,024 MiB in three
+        runs; with it fixed, the model predicted every launch within 4% (docs/autotuning.md)."""
+        if self.device_type != "cpu" or not self.config.autotuning.memory_per_rank_bytes:
+            return None
+        if "MALLOC_MMAP_THRESHOLD_" in environ or "glibc.malloc.mmap_threshold" in environ.get("GLIBC_TUNABLES", ""):
+            return None
+        return ("note: on a CPU a rank's resident set follows glibc's heap, which varies by tens of percent run to "
+                "run; for a memory_per_rank_bytes budget the memory model can hold to, run the launcher with "
+                "MALLOC_MMAP_THRESHOLD_=131072 (allocation gets slower)")
+
+    def stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
+                       knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
+        # Ranks on a CPU-only machine drop offload (everything is host memory already).
+        offload_optimizer, offload_param = _offloads(self.config) if self.device_type == "cuda" else (False, False)
+        settings = StageSettings(stage, self.precision, self.space.data_parallel_size, offload_optimizer,
+                                 offload_param, self.contiguous_gradients, gradient_accumulation_steps,
+                                 tuple(sorted(self.zero_settings.items())))
+        for name, value in knobs:
+            settings = dimensions.memory_term(settings, name, value)
+        return settings
+
+    # ----- predictions -----
+    def analytic_memory(self, experiment: Experiment) -> int:
+        """The analytic model's bytes per rank for `experiment`, before any fitted correction."""
+        settings = self.stage_settings(experiment.zero_stage, experiment.gradient_accumulation_steps,
+                                       experiment.knobs)
+        return estimate(self.profile, settings, experiment.micro_batch_size).total
+
+    def _residual_fit(self, experiment: Experiment) -> ResidualFit | None:
+        """The experiment's own fit; under a checkpointing policy not measured yet, its engine's
+        whole (what the saved bytes miss, backward's gradient temporaries and allocator slack,
+        does not shrink with the policy: measured on CPU, scaling it by the policy's share
+        under-predicted by 17-28%); else the other engine's (an engine not measured yet borrows
+        it: allocator slack and under-counted activations are alike in both)."""
+        return (self._residual_fits.get(self.fit_family(experiment))
+                or self._residual_fits.get(self.family(experiment.zero_stage))
+                or next(iter(self._residual_fits.values()), None))
+
+    def predicted_memory(self, experiment: Experiment) -> int:
+        """Bytes per rank: the analytic model plus the residual line fitted to measured peaks."""
+        fit = self._residual_fit(experiment)
+        correction = fit.bytes_at(experiment.micro_batch_size) if fit is not None else 0
+        return self.analytic_memory(experiment) + correction
+
+    def fits(self, experiment: Experiment) -> bool:
+        """The verdict before a launch. Until peaks of the experiment's own engine were measured it
+        keeps the whole safety margin; on a CPU, once its fit rests on them, half the margin is left
+        for the noise in measured peaks up to the largest size measured. A micro-batch no smaller than one that ran out of memory at the
+        same stage and knobs never fits, whatever a fit over several launches says: activations
+        only grow with it (a smaller gas frees nothing at the peak)."""
+        if any(r.state is TrialState.OOM and r.experiment.zero_stage == experiment.zero_stage
+               and r.experiment.knobs == experiment.knobs and r.experiment.micro_batch_size <= experiment.micro_batch_size
+               for r in self._peak_results):
+            return False
+        # A checkpointing policy not launched yet stands on its engine's measured fit (its share of
+        # the bytes was measured on the same profile step).
+        family = next((f for f in (self.fit_family(experiment), self.family(experiment.zero_stage))
+                       if f in self._residual_fits), None)
+        # On a CPU the fitted quantity (the RSS) is the limited one, so half the margin covers the
+        # noise where the fit interpolates. Beyond the largest size it measured it extrapolates, and
+        # the RSS noise (~10% here) made a launch predicted at 94% of the budget peak 1% over it. On a
+        # GPU the fit is of allocated bytes while the caching allocator's reserved slack is what runs
+        # out: a ZeRO-0 launch predicted at 94% of an H200's room ran out of memory. Both keep the
+        # whole margin.
+        interpolated = (family is not None and self._residual_fits[family].measured_points
+                        and self.device_type == "cpu"
+                        and experiment.micro_batch_size <= self._largest_measured(family))
+        margin = SAFETY_MARGIN / 2 if interpolated else SAFETY_MARGIN
+        return self.predicted_memory(experiment) <= usable_bytes(self.budget_bytes, margin)
+
+    def _largest_measured(self, family: str) -> int:
+        """The largest micro-batch whose peak was measured in this fit family (0: none)."""
+        return max((r.experiment.micro_batch_size for r in self._peak_results
+                    if r.measured_memory_bytes is not None and self.fit_family(r.experiment) == family), default=0)
+
+    def predicted_largest(self) -> dict[Any, int]:
+        """Per stage, the largest micro-batch whose experiment (with its own gas) is predicted to
+        fit; per (stage, variant) too, for each variant searched beside a stage (search.py)."""
+        largest: dict[Any, int] = {}
+        for stage in self.space.stages:
+            for variant in self.space.variants_for(stage):
+                space = replace(self.space, stage_knobs=variant)
+                fitting = [m for m in space.valid_micro_batch_sizes(space.max_micro_batch_size)
+                           if self.fits(space.experiment(stage, m))]
+                largest[(stage, variant) if variant else stage] = max(fitting, default=0)
+        return largest
+
+    def offload_fallback(self, stage: int, variant: tuple[tuple[str, Any], ...] = ()) -> tuple[dict[str, Any], int] | None:
+        """For a ZeRO 2/3 stage that fits nothing on the GPU: CPU offload and the largest micro-batch
+        it allows. Not offered when the user configured offload (their choice stands) or off CUDA
+        (torch's CPUOffloadPolicy needs a GPU). DeepSpeed offloads parameters only at stage 3, and
+        on its own engine the optimizer from stage 1 on."""
+        lowest = 1 if self.engine == "deepspeed" else 2
+        if stage < lowest or self.device_type != "cuda" or any(offload_sections(self.config)):
+            return None
+        knobs = {"offload_optimizer": "cpu"} if stage < 3 else {"offload_optimizer": "cpu", "offload_param": "cpu"}
+        usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
+        space = replace(self.space, stage_knobs=tuple(sorted({**dict(variant), **knobs}.items())))
+        fitting = [m for m in space.valid_micro_batch_sizes(self.space.max_micro_batch_size)
+                   if self.predicted_memory(space.experiment(stage, m)) <= usable]
+        return (knobs, max(fitting)) if fitting else None
+
+    # ----- learning from launches -----
+    def learn(self, result: TrialResult) -> None:
+        """Keep the launch's peak (an OOM without one is a lower bound: the whole budget) and refit."""
+        if result.measured_memory_bytes is None and result.state is not TrialState.OOM:
+            return
+        self._peak_results.append(result)
+        if self.profile is None:
+            return  # the profile launches are fitted once the profile exists
+        self.refit()
+        self.report_fit(self.fit_family(result.experiment))
+
+    def refit(self) -> None:
+        # The total per-sample cost never goes negative: the analytic activations bound the slope
+        # (a checkpointing policy's own bytes per sample bound its family's).
+        floors = {family: -float(self.profile.activation_bytes_per_sample) for family in engine_families(self.engine)}
+        for result in self._peak_results:
+            policy = _policy(result.experiment)
+            floors[self.fit_family(result.experiment)] = -float(self.profile.activation_bytes_per_sample_for(policy))
+        # Without a profile's per-sample bytes (model_info given), a lone peak's excess is per-sample.
+        self._residual_fits = fit_residuals(self._peak_observations(), floors,
+                                            per_sample_when_alone=self.profile.activation_bytes_per_sample == 0)
+
+    def report_fits(self) -> None:
+        for family in sorted(self._residual_fits):
+            self.report_fit(family)
+
+    def report_fit(self, family: str) -> None:
+        fit = self._residual_fits.get(family)
+        if fit is not None:
+            self.report(f"memory model: {family} fitted on {fit.measured_points} measured peak(s): analytic + "
+                        f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.2f} MiB per sample"
+                        + (f", {fit.slope_above_pivot / 2**20:.2f} MiB per sample above micro-batch {fit.pivot}"
+                           if fit.slope_above_pivot is not None else "") + f" ({fit.slope_source})")
+
+    def _peak_observations(self) -> list[PeakObservation]:
+        """The measured peaks against the analytic model as it stands now (the profile refines it)."""
+        observations = []
+        for result in self._peak_results:
+            measured, lower_bound = result.measured_memory_bytes, False
+            if measured is None:
+                measured, lower_bound = self.budget_bytes, True
+            experiment = result.experiment
+            observations.append(PeakObservation(self.fit_family(experiment), experiment.micro_batch_size,
+                                                self.analytic_memory(experiment), measured, lower_bound))
+        return observations

@@ -1,0 +1,33 @@
+"""The optimum's commands: our launcher's, and DeepSpeed's own launcher's."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from autotuner.launch.script_args import replace_config
+from autotuner.tuning.trials.trial import ExperimentSettings, mapped_script_args, rank_count_flags
+
+
+def optimal_script_args(settings: ExperimentSettings, config: dict[str, Any], config_path: Path) -> tuple[str, ...]:
+    """The user's script arguments with the optimum's mapped values and config file."""
+    return replace_config(mapped_script_args(settings.script_args, settings.arg_mappings, config), str(config_path))
+
+
+def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tuple[str, ...]:
+    """The command that trains with the optimum: our launcher, the user's script, its arguments."""
+    launcher = shutil.which("launcher")
+    prefix = [launcher] if launcher else [sys.executable, "-m", "autotuner"]
+    return (*prefix, *rank_count_flags(settings), *settings.rank_flags.to_argv(), settings.script, *args)
+
+
+def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gpu: bool) -> tuple[str, ...]:
+    """The optimum as DeepSpeed's own launcher runs it: `deepspeed --num_gpus N script args`, with
+    the user's DeepSpeed launcher flags (--include and friends set the count themselves). On a
+    CPU-only machine DeepSpeed counts CPU slots from LOCAL_SIZE, so the command sets it."""
+    count = rank_count_flags(settings)
+    rank_flags = ("--num_gpus", count[1]) if count else ()
+    env = () if on_gpu else ("env", f"LOCAL_SIZE={settings.nproc_per_node}")
+    return (*env, "deepspeed", *rank_flags, *settings.rank_flags.to_argv(), settings.script, *args)

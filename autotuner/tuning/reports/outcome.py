@@ -1,0 +1,78 @@
+"""What a tuning run leaves behind once the search is over: the optimal config and commands, the
+summary table and its explanation. Reads the search's record; writes files; launches nothing."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from autotuner.tuning.trials.trial import ExperimentSettings, picked_config, script_config
+from autotuner.tuning.reports.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
+from autotuner.tuning.space.planned_run import compile_lines
+from autotuner.tuning.searches.predictive_search import PredictiveOutcome
+from autotuner.tuning.space.records import Objective, TrialResult
+from autotuner.tuning.reports.results import Explanation, PredictedPoint, write_results
+
+
+@dataclass(frozen=True)
+class TuningOutcome:
+    results: tuple[TrialResult, ...]
+    best: TrialResult | None
+    summary: str
+    optimal_config_path: Path | None
+    optimal_script_args: tuple[str, ...] | None
+    optimal_command: tuple[str, ...] | None
+    deepspeed_command: tuple[str, ...] | None = None  # the same training with DeepSpeed's own launcher
+
+
+@dataclass(frozen=True)
+class SearchRecord:
+    """What the profile, the search and the final pick produced."""
+
+    launched: tuple[TrialResult, ...]  # one per experiment, the profile launches included
+    pruned: tuple[TrialResult, ...]
+    profile_names: frozenset[str]
+    best: TrialResult | None  # with its re-measured median as value
+    remeasurements: tuple[TrialResult, ...]
+    lines: tuple[str, ...]  # for the summary: the transfer prior's, then the final pick's
+    predictions: PredictiveOutcome | None  # what tuner_type "predictive" predicted
+    elapsed_s: float
+
+
+def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective: Objective, results_dir: Path,
+                  report: Callable[[str], None], on_gpu: bool) -> TuningOutcome:
+    best = record.best
+    optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
+    if best is not None:
+        config = picked_config(best.experiment, settings)
+        optimal_path = (results_dir / "ds_config_optimal.json").resolve()
+        optimal_args = optimal_script_args(settings, config, optimal_path)
+        optimal_cmd = optimal_command(settings, optimal_args)
+        if settings.engine == "deepspeed":
+            deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu)
+        config = script_config(config, settings.engine)  # what the mapped flags carry stays out
+    compiled = compile_lines(list(record.launched), settings.planned_steps)
+    for line in compiled:
+        report(line)
+    explanation = Explanation(record.profile_names, record.remeasurements, tuple(compiled) + record.lines,
+                              *predicted_points(record.predictions), chosen=best)
+    everything = record.launched + record.pruned
+    summary = write_results(results_dir, list(everything), objective, record.elapsed_s, config,
+                            list(optimal_cmd) if optimal_cmd else None, explanation,
+                            list(deepspeed_cmd) if deepspeed_cmd else None)
+    return TuningOutcome(everything, best, summary, optimal_path, optimal_args, optimal_cmd, deepspeed_cmd)
+
+
+def predicted_points(predictions: PredictiveOutcome | None) -> tuple[tuple[PredictedPoint, ...],
+                                                                     tuple[PredictedPoint, ...]]:
+    """The predictive tuner's predictions, at each launch and at the end, for the summary."""
+    if predictions is None:
+        return (), ()
+
+    def point(candidate) -> PredictedPoint:
+        e, p = candidate.experiment, candidate.prediction
+        return PredictedPoint(e.name, e.zero_stage, e.micro_batch_size, p.value, p.low, p.high,
+                              candidate.launched, candidate.ruled_out_by)
+
+    return (tuple(point(c) for c in predictions.at_launch), tuple(point(c) for c in predictions.final))

@@ -1,0 +1,202 @@
+"""The search under tuner_type "predictive": one model over every stage, launching only what could win.
+
+Candidates are every stage at the geometric sizes (ladder_sizes) the memory model lets run.
+The results already measured (the profile launches) are told first; then the tuner asks for
+the candidate with the most optimistic predicted bound, and the search stops when even that
+bound cannot beat the best measured by more than the noise. The memory model is refitted after every launch (the
+orchestrator's `fits`), so a candidate it no longer lets run is dropped before it is asked.
+Nothing is launched here: `evaluate` does that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from autotuner.tuning.models.cost_model import CostContext
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.searches.stage_search import (FailedVariants, not_memory_bound, variant_measured, variant_of,
+                                     OffloadFallback, PredictedLargest, _always_fits, _no_fallback, prune_variant,
+                                     beyond_previous_variant, search_finishes, search_knobs, stage_space_for)
+from autotuner.tuning.space.search_space import (Evaluate, Fits, SearchPolicy, SearchSpace, fitting_micro_batch_sizes,
+                                           ladder_sizes)
+from autotuner.tuning.space.experiment import Experiment, Knobs
+from autotuner.tuning.tuners import drive
+from autotuner.tuning.models.cost_model import Prediction
+from autotuner.tuning.tuners.predictive import PredictiveTuner
+
+
+@dataclass(frozen=True)
+class PredictedCandidate:
+    """One candidate as the model saw it: at its launch (launched) or at the end of the search."""
+
+    experiment: Experiment
+    prediction: Prediction
+    launched: bool
+    ruled_out_by: str = ""  # "prediction" or "memory model" when never launched
+
+
+@dataclass(frozen=True)
+class PredictiveOutcome:
+    results: tuple[TrialResult, ...]
+    at_launch: tuple[PredictedCandidate, ...]  # the prediction each launch was made on
+    final: tuple[PredictedCandidate, ...]  # every candidate, predicted from all results
+
+
+def candidate_space(space: SearchSpace, predicted_largest: PredictedLargest, fits: Fits,
+                    prune: Callable[..., None], offload_fallback: OffloadFallback,
+                    report: Callable[[str], None]) -> list[Experiment]:
+    """Every stage (and variant of it) at its ladder sizes (or the user's fixed sizes) that the
+    memory model lets run; a variant only above the sizes the stage reaches without it."""
+    candidates: list[Experiment] = []
+    for stage in sorted(space.stages):
+        reached = 0
+        for variant in space.variants_for(stage):
+            settled = stage_space_for(space, stage, predicted_largest, prune, offload_fallback, report, variant)
+            if settled is None:
+                continue
+            stage_space, predicted = settled
+            searched = beyond_previous_variant(stage_space, stage, variant, predicted, reached, prune)
+            reached = max(reached, predicted)
+            if searched is None:
+                continue
+            candidates += _rung_candidates(searched, stage, variant, predicted, fits, prune)
+    return candidates
+
+
+def _rung_candidates(space: SearchSpace, stage: int, variant: Knobs, predicted: int, fits: Fits,
+                     prune: Callable[..., None]) -> list[Experiment]:
+    if space.fixed_micro_batch_sizes:
+        sizes = [m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
+    else:
+        sizes = ladder_sizes(fitting_micro_batch_sizes(space, stage, predicted, fits))
+        # Micro-batch 1 pays a micro-step's fixed cost for every sample: only when memory leaves nothing else.
+        sizes = [m for m in sizes if m > 1] or sizes
+    candidates = [c for c in (space.experiment(stage, m) for m in sizes) if fits(c)]
+    if not candidates:
+        prune_variant(prune, stage, variant, "memory model, with the peaks measured so far: no micro-batch fits")
+    return candidates
+
+
+class _SearchedPredictive(PredictiveTuner):
+    """The predictive tuner as the search drives it: before each ask the refitted memory model
+    drops what it no longer lets run, the prediction each launch is asked on is kept, and the stop
+    rule is trusted only once one of its predictions was checked by a launch (fitted on the profile
+    alone, it has never been tested)."""
+
+    def __init__(self, candidates: list[Experiment], policy: SearchPolicy, context: CostContext, fits: Fits,
+                 failed: FailedVariants, on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None):
+        super().__init__(candidates, policy.objective, policy.seed, context)
+        self.on_ask = on_ask  # told each launch's prediction before it is launched (the history keeps it)
+        self.fits = fits
+        self.failed = failed
+        self.search_space = failed.space
+        self.stands_for: dict[Experiment, Experiment] = {}  # a variant's first launch: its most promising size
+        self.memory_ruled_out: set[Experiment] = set()
+        self.variant_ruled_out: set[Experiment] = set()  # its variant failed, or cannot pay at its stage
+        self.asked: list[PredictedCandidate] = []
+        # A prior from earlier runs was already checked against this run's profile launches.
+        self.checked = bool(context.prior)
+
+    def ask(self) -> Experiment | None:
+        for candidate in self.space:
+            if candidate in self.results or candidate in self.pending or candidate in self.memory_ruled_out:
+                continue
+            refused = self.failed.refusal(candidate) or self._not_memory_bound(candidate)
+            if refused is not None:
+                self.variant_ruled_out.add(candidate)
+                self.tell(refused)
+            elif not self.fits(candidate):
+                self.memory_ruled_out.add(candidate)
+                self.tell(TrialResult(candidate, TrialState.PRUNED, error="memory model, refitted"))
+        experiment = super().ask()
+        if experiment is not None:
+            prediction = self.predict(experiment)
+            self.asked.append(PredictedCandidate(experiment, prediction, launched=True))
+            self.on_ask(experiment, prediction)
+        return experiment
+
+    def _choose(self, untried: list[Experiment]) -> Experiment:
+        """A later variant waits for its stage's curve without it (two sizes measured), so the model
+        can rule it out. A variant never launched is launched first at its smallest size
+        (search.py `first_of_variant`), standing in for its most promising candidate: that one's
+        bound decides whether it is worth launching at all."""
+        waiting = set()
+        for candidate in untried:
+            stage = candidate.zero_stage
+            if variant_of(self.search_space, candidate) and len(self._first_variant_sizes(stage)) < 2 and any(
+                    c.zero_stage == stage and not variant_of(self.search_space, c) for c in untried):
+                waiting.add(candidate)
+        chosen = super()._choose([c for c in untried if c not in waiting] or untried)
+        variant = variant_of(self.search_space, chosen)
+        if variant and not variant_measured(self.results.values(), self.search_space, variant):
+            smallest = min((c for c in untried if variant_of(self.search_space, c) == variant),
+                           key=lambda c: (c.micro_batch_size, c.zero_stage))
+            if smallest != chosen:
+                self.stands_for[smallest] = chosen
+                return smallest
+        return chosen
+
+    def _not_memory_bound(self, candidate: Experiment) -> TrialResult | None:
+        """A later variant's candidate where its stage's best without it is below the largest size
+        the stage reaches without it (search.py `not_memory_bound`)."""
+        if not variant_of(self.search_space, candidate):
+            return None
+        stage = candidate.zero_stage
+        first = [c for c in self.space if c.zero_stage == stage and not variant_of(self.search_space, c)]
+        if not first:
+            return None
+        measured = [r for r in self.results.values() if r.experiment in first]
+        reason = not_memory_bound(self.objective, stage, measured)
+        return TrialResult(candidate, TrialState.PRUNED, error=reason) if reason else None
+
+    def _first_variant_sizes(self, stage: int) -> set[int]:
+        """Micro-batch sizes the stage ran under its first variant: a later variant (which only buys
+        larger sizes, at the price of time) waits for that curve, so the model can rule it out."""
+        return {r.experiment.micro_batch_size for r in self.results.values()
+                if r.experiment.zero_stage == stage and r.state is TrialState.OK
+                and not variant_of(self.search_space, r.experiment)}
+
+    def tell(self, result: TrialResult) -> None:
+        self.checked = self.checked or result.experiment in self.pending
+        self.failed.learn(result)
+        super().tell(result)
+
+    def could_improve(self, experiment: Experiment) -> bool:
+        return not self.checked or super().could_improve(self.stands_for.get(experiment, experiment))
+
+
+def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: PredictedLargest,
+                          evaluate: Evaluate, prune: Callable[..., None], context: CostContext,
+                          known: list[TrialResult], fits: Fits = _always_fits,
+                          offload_fallback: OffloadFallback = _no_fallback,
+                          report: Callable[[str], None] = lambda line: None,
+                          on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None) -> PredictiveOutcome:
+    """The candidates' search through the one driver (tuners/base.py `drive`): an evaluate with
+    `capacity` slots (a Ray cluster) gets the k most optimistic bounds at once."""
+    candidates = candidate_space(space, predicted_largest, fits, prune, offload_fallback, report)
+    tuner = _SearchedPredictive(candidates, policy, context, fits, FailedVariants(space), on_ask)
+    for result in known:
+        if result.experiment in tuner.results or result.experiment not in tuner.space:
+            continue
+        tuner.tell(result)
+    results = drive(tuner, evaluate, early_stopping=max(1, policy.num_trials), max_trials=policy.num_trials,
+                    trust_predictions=True)
+    launched = {r.experiment for r in results}
+    at_launch = [c for c in tuner.asked if c.experiment in launched]
+    final = []
+    for candidate in tuner.space:
+        was_launched = candidate in tuner.results and tuner.results[candidate].state is not TrialState.PRUNED
+        reason = "" if was_launched else ("memory model" if candidate in tuner.memory_ruled_out
+                                          else "variant rules" if candidate in tuner.variant_ruled_out
+                                          else "prediction")
+        final.append(PredictedCandidate(candidate, tuner.predict(candidate), was_launched, reason))
+    by_prediction = sum(1 for c in final if c.ruled_out_by == "prediction")
+    report(f"predictive: {len(results)} launched after the profile; of {len(final)} candidates, prediction "
+           f"ruled out {by_prediction} and the refitted memory model {len(tuner.memory_ruled_out)}")
+    everything = [r for r in tuner.results.values() if r.state is not TrialState.PRUNED]
+    if not policy.fast:
+        results += search_knobs(space, policy, everything, evaluate, fits=fits)
+    measured = {r.experiment: r for r in everything + results}  # the knobs' results joined, once each
+    results += search_finishes(space, policy, list(measured.values()), evaluate, fits=fits, report=report)
+    return PredictiveOutcome(tuple(results), tuple(at_launch), tuple(final))

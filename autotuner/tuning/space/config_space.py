@@ -1,0 +1,85 @@
+"""The user's config as the search sees it: the base every experiment starts from, and the space
+(stages, micro-batch sizes, gas, full mode's knobs per engine)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.tuning.space.dimensions import (dimension, finish_values, full_mode_values, settle_variants,
+                                         variant_values)
+from autotuner.tuning.space.search_space import SearchSpace
+
+
+def _zero_settings(config: DeepSpeedConfig) -> dict[str, Any]:
+    return config.to_dict().get("zero_optimization", {})
+
+
+def base_config(config: DeepSpeedConfig) -> dict[str, Any]:
+    """The user's config with every searchable value settled to a default; experiments set their own."""
+    base = config.to_dict()
+    zero = dict(base.get("zero_optimization", {}))
+    for knob, value in list(zero.items()):
+        if isinstance(value, list) and knob != "stage":
+            zero[knob] = value[0]
+    zero.pop("stage", None)
+    base["zero_optimization"] = zero
+    settle_variants(base)
+    return base
+
+
+def knob_values(config: DeepSpeedConfig, engine: str = "autotuner",
+                cuda: bool = False) -> dict[int, dict[str, list[Any]]]:
+    """Full-mode values per stage and dimension (tuning/space/dimensions.py) for the script's engine."""
+    return full_mode_values(config.to_dict(), engine, cuda)
+
+
+def engine_dimensions(config: DeepSpeedConfig, engine: str, cuda: bool) -> dict[str, Any]:
+    """The SearchSpace fields that follow the script's engine and device: full mode's knobs, the
+    variants searched beside each stage and the finishing dimensions."""
+    user = config.to_dict()
+    return {"knob_values": full_mode_values(user, engine, cuda), "variants": variant_values(user, engine, cuda),
+            "finishes": finish_values(user, engine, cuda)}
+
+
+def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str = "autotuner",
+                 cuda: bool = False) -> SearchSpace:
+    tuning = config.autotuning
+    micro = config.train_micro_batch_size_per_gpu
+    fixed_micro = tuple(micro) if isinstance(micro, list) else (micro,) if isinstance(micro, int) else ()
+    gas = config.gradient_accumulation_steps
+    exact = isinstance(config.train_batch_size, int)
+    global_batch = config.train_batch_size if exact else tuning.max_train_batch_size
+    return SearchSpace(
+        stages=config.zero_optimization.stages,
+        data_parallel_size=data_parallel_size,
+        min_micro_batch_size=tuning.min_train_micro_batch_size_per_gpu,
+        max_micro_batch_size=tuning.max_train_micro_batch_size_per_gpu,
+        fixed_micro_batch_sizes=fixed_micro,
+        fixed_gradient_accumulation_steps=gas if isinstance(gas, int) else None,
+        global_batch_size=global_batch,
+        global_batch_exact=exact,
+        num_micro_batch_sizes=tuning.num_tuning_micro_batch_sizes,
+        **engine_dimensions(config, engine, cuda),
+    )
+
+
+def untuned_offload_lines(config: DeepSpeedConfig, space: SearchSpace, engine: str, cuda: bool) -> list[str]:
+    """One line for each offload section whose device is "auto" but which the space has no value
+    to try for, saying why; every experiment then runs without offload (the base config's "none")."""
+    searched = {k for variants in space.variants.values() for v in variants for k, _ in v}
+    lines = []
+    for offload in config.zero_optimization.tuned_offloads:
+        if offload in searched:
+            continue
+        if not cuda:
+            why = "this machine has no GPU, so parameters and optimizer state already live in host memory"
+        elif engine == "autotuner" and offload == "offload_param":
+            why = ("on our engine FSDP2's CPUOffloadPolicy moves parameters together with the optimizer: "
+                   "offload_optimizer.device \"auto\" tunes it")
+        else:
+            offered = sorted(dimension(offload).values.get(engine, {}))
+            why = f"it is searched at ZeRO {', '.join(map(str, offered))} only, and no such stage is searched here"
+        lines.append(f"zero_optimization.{offload}.device: \"auto\" not tuned: {why}; every experiment runs "
+                     "without it")
+    return lines

@@ -1,0 +1,72 @@
+"""Experiments: frozen, hashable points of the search space, each with a canonical name."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotuner.config.batch import train_batch_size
+from autotuner.tuning.space import dimensions
+
+
+def _format_knob(value: Any) -> str:
+    if isinstance(value, bool):
+        return "T" if value else "F"
+    if isinstance(value, (int, float)) and value >= 10_000:
+        return f"{float(value):.1e}".replace("+", "")
+    return str(value)
+
+
+# A set of dimension values by name, sorted: an experiment's knobs, or a variant of a stage.
+Knobs = tuple[tuple[str, Any], ...]
+
+
+@dataclass(frozen=True, order=True)
+class Experiment:
+    """One training configuration to measure: a ZeRO stage, the batch triad, and a value for each
+    further dimension it sets (`knobs`, by name in tuning/space/dimensions.py)."""
+
+    zero_stage: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int = 1
+    knobs: Knobs = field(default=())
+
+    @property
+    def name(self) -> str:
+        tags = "".join(f"_{dimensions.tag(k)}{_format_knob(v)}" for k, v in self.knobs)
+        return f"z{self.zero_stage}{tags}_gas{self.gradient_accumulation_steps}_mbs{self.micro_batch_size}"
+
+    def train_batch_size(self, data_parallel_size: int) -> int:
+        return train_batch_size(self.micro_batch_size, self.gradient_accumulation_steps, data_parallel_size)
+
+    def with_knobs(self, knobs: dict[str, Any]) -> "Experiment":
+        """This experiment with `knobs` added (a knob it already has takes the new value)."""
+        merged = {**dict(self.knobs), **knobs}
+        return Experiment(self.zero_stage, self.micro_batch_size, self.gradient_accumulation_steps,
+                          tuple(sorted(merged.items())))
+
+    def features(self) -> dict[str, float]:
+        """Numeric description for cost models."""
+        import math
+
+        out = {
+            "zero_stage": float(self.zero_stage),
+            "log2_micro_batch_size": math.log2(self.micro_batch_size),
+            "log2_gradient_accumulation_steps": math.log2(self.gradient_accumulation_steps),
+        }
+        for key, value in self.knobs:
+            out[key] = dimensions.encode(key, value)
+        return out
+
+    def apply(self, base_config: dict[str, Any], data_parallel_size: int) -> dict[str, Any]:
+        """The base config with this experiment's stage, batch triad and dimensions set."""
+        config = copy.deepcopy(base_config)
+        config["zero_optimization"] = {**(config.get("zero_optimization") or {}), "stage": self.zero_stage}
+        for key, value in self.knobs:
+            dimensions.write(config, dimensions.dimension(key).path, value)
+        config["train_micro_batch_size_per_gpu"] = self.micro_batch_size
+        config["gradient_accumulation_steps"] = self.gradient_accumulation_steps
+        config["train_batch_size"] = self.train_batch_size(data_parallel_size)
+        return config
+

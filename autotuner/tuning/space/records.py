@@ -1,0 +1,126 @@
+"""Trial outcomes: a state enum and an immutable result record. Failures are recorded, never raised."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from autotuner.core.boundary import Measurement, ModelInfo
+from autotuner.tuning.space.experiment import Experiment
+
+
+class TrialState(str, enum.Enum):
+    OK = "ok"
+    OOM = "oom"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+    PRUNED = "pruned"
+
+    @property
+    def finished(self) -> bool:
+        """A state that a resumed run can reuse (it ran to a verdict)."""
+        return self is not TrialState.PRUNED
+
+
+METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "FLOPS": "FLOPS_per_gpu"}
+
+
+@dataclass(frozen=True)
+class Objective:
+    """Which metric decides, and whether larger is better (latency is minimised)."""
+
+    metric: Literal["throughput", "latency", "FLOPS"] = "throughput"
+
+    @property
+    def key(self) -> str:
+        return METRIC_KEYS[self.metric]
+
+    @property
+    def unit(self) -> str:
+        return {"throughput": "samples/s", "latency": "s per step", "FLOPS": "FLOP/s per rank"}[self.metric]
+
+    @property
+    def maximize(self) -> bool:
+        return self.metric != "latency"
+
+    def better(self, candidate: float, incumbent: float | None) -> bool:
+        if incumbent is None:
+            return True
+        return candidate > incumbent if self.maximize else candidate < incumbent
+
+    def best(self, results: list["TrialResult"]) -> "TrialResult | None":
+        ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
+        if not ok:
+            return None
+        return max(ok, key=lambda r: r.value) if self.maximize else min(ok, key=lambda r: r.value)
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What one launch gave. `value` is the objective's metric; None unless state is OK.
+    `measurement` is what the ranks measured, `model_info` what a profile launch recorded."""
+
+    experiment: Experiment
+    state: TrialState
+    value: float | None = None
+    value_std: float | None = None
+    measurement: Measurement | None = field(default=None, compare=False)
+    predicted_memory_bytes: int | None = None
+    measured_memory_bytes: int | None = None
+    wall_time_s: float = 0.0
+    error: str | None = None
+    model_info: ModelInfo | None = field(default=None, compare=False)
+
+    @property
+    def name(self) -> str:
+        return self.experiment.name
+
+    @property
+    def relative_error(self) -> float:
+        """How far the window's mean may be off, relative to it: the per-step spread over the
+        square root of the steps timed (the per-step spread itself where the count is unknown).
+        Not the run-to-run noise: callers floor it with that."""
+        if not self.value_std or not self.value:
+            return 0.0
+        spread = abs(self.value_std / self.value)
+        m = self.measurement
+        if m is None or m.start_profile_step is None or m.end_profile_step is None:
+            return spread
+        return spread / max(1, m.end_profile_step - m.start_profile_step + 1) ** 0.5
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "experiment": {"zero_stage": self.experiment.zero_stage,
+                           "micro_batch_size": self.experiment.micro_batch_size,
+                           "gradient_accumulation_steps": self.experiment.gradient_accumulation_steps,
+                           "knobs": [list(kv) for kv in self.experiment.knobs]},
+            "state": self.state.value,
+            "value": self.value,
+            "value_std": self.value_std,
+            "metrics": self.measurement.to_json() if self.measurement is not None else None,
+            "model_info": self.model_info.to_json() if self.model_info is not None else None,
+            "predicted_memory_bytes": self.predicted_memory_bytes,
+            "measured_memory_bytes": self.measured_memory_bytes,
+            "wall_time_s": self.wall_time_s,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "TrialResult":
+        exp = data["experiment"]
+        experiment = Experiment(exp["zero_stage"], exp["micro_batch_size"], exp["gradient_accumulation_steps"],
+                                tuple((k, v) for k, v in exp.get("knobs", [])))
+        return cls(
+            experiment=experiment,
+            state=TrialState(data["state"]),
+            value=data.get("value"),
+            value_std=data.get("value_std"),
+            measurement=Measurement.from_json(data["metrics"]) if data.get("metrics") else None,
+            predicted_memory_bytes=data.get("predicted_memory_bytes"),
+            measured_memory_bytes=data.get("measured_memory_bytes"),
+            wall_time_s=data.get("wall_time_s", 0.0),
+            error=data.get("error"),
+            model_info=ModelInfo.from_json(data["model_info"]) if data.get("model_info") else None,
+        )

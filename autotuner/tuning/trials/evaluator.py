@@ -1,0 +1,233 @@
+"""The evaluator: the one way an experiment is measured, over the trial ledger.
+
+An answer is, in order: the one this search gave before (a search's evaluator, `for_search`),
+a refusal (a variant that failed other than by memory: variant_rules.py `FailedVariants`), the
+ledger's result (this run's, or an earlier run's record under its name), else a launch. One at a
+time (`__call__`) or, with `capacity` above 1, in parallel (`submit`, then `next_result` as they
+finish: tuners/base.py `drive_parallel`). Every answer is written to the ledger.
+
+Only the launcher launches: `RunnerLaunches` builds the trial, hands it to the runner, measures a
+disturbed window once more (interference.py), counts the launch and keeps the result in the
+ledger's stores; `FunctionLaunches` stands a plain `evaluate` (a test's) in its place.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Protocol
+
+from autotuner.core.errors import AutotunerError
+from autotuner.tuning.trials.trial import Trial
+from autotuner.tuning.trials.interference import interference_share
+from autotuner.tuning.trials.ledger import TrialLedger
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.trials.runner import Runner
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.trials.trial_store import remeasure_directory_name
+from autotuner.tuning.space.search_space import slots
+
+# The trial of an experiment: (experiment, its directory's name ("": the experiment's), profile launch?).
+TrialFor = Callable[[Experiment, str, bool], Trial]
+
+
+class TuningFailed(AutotunerError):
+    """Nothing to choose from: the model did not run, or every experiment failed."""
+
+    exit_code = 1
+
+
+class Launcher(Protocol):
+    capacity: int
+
+    def launch(self, experiment: Experiment) -> TrialResult: ...
+
+    def submit(self, experiment: Experiment) -> None: ...
+
+    def next_result(self) -> TrialResult: ...
+
+
+class RunnerLaunches:
+    """Launches through a runner, each counted in the ledger and kept in its stores."""
+
+    def __init__(self, runner: Runner, ledger: TrialLedger, trial_for: TrialFor, report: Callable[[str], None]):
+        self._runner = runner
+        self._ledger = ledger
+        self.trial_for = trial_for
+        self._report = report
+        self.capacity = max(1, int(runner.capacity))
+        self._always_busy = False  # two disturbed windows in a row: stop measuring windows again
+
+    def run(self, trial: Trial) -> TrialResult:
+        """Run one trial and keep its result. A window another process disturbed is measured
+        once more (interference.py); each run counts as a launch."""
+        result = self._runner.run(trial)
+        self._ledger.count_launch()
+        share = interference_share(result)
+        if share is not None and not self._always_busy:
+            self._report(f"{trial.experiment.name}: other processes took {share:.0%} of the CPUs during its profile "
+                         "window; measuring it again")
+            result = self._runner.run(trial)
+            self._ledger.count_launch()
+            again = interference_share(result)
+            if again is not None:
+                # The machine stays busy: a third window would be disturbed too. Every experiment is
+                # then measured alike, and the interleaved final re-measurement compares them.
+                self._always_busy = True
+                self._report(f"other processes still took {again:.0%} of the CPUs; this machine stays busy, so "
+                             "windows are no longer measured again (the final pick re-measures interleaved)")
+        self._ledger.keep(trial, result)
+        return result
+
+    def launch(self, experiment: Experiment) -> TrialResult:
+        trial = self.trial_for(experiment, "", False)
+        result = self.run(trial)
+        if (self._ledger.launches == 1 and result.state is TrialState.FAILED
+                and not any(r.state is TrialState.OK for r in self._ledger.results())):
+            # No result ran, so no profile launch did: a crash (not OOM) on the first launch is the
+            # script or its arguments, not the configuration; every other experiment would fail alike.
+            raise TuningFailed(f"the first experiment {result.name} failed: {result.error}; "
+                               f"see {trial.directory}/stderr.log")
+        return result
+
+    def submit(self, experiment: Experiment) -> None:
+        self._runner.submit(self.trial_for(experiment, "", False))
+        self._ledger.count_launch()
+
+    def next_result(self) -> TrialResult:
+        trial, result = self._runner.next_result()
+        self._ledger.keep(trial, result)
+        return result
+
+
+class FunctionLaunches:
+    """A plain `evaluate` as the launcher, with its parallel side when it has one."""
+
+    def __init__(self, evaluate: Callable[[Experiment], TrialResult]):
+        self._evaluate = evaluate
+        self.capacity = slots(evaluate)
+
+    def launch(self, experiment: Experiment) -> TrialResult:
+        return self._evaluate(experiment)
+
+    def submit(self, experiment: Experiment) -> None:
+        self._evaluate.submit(experiment)  # type: ignore[attr-defined]
+
+    def next_result(self) -> TrialResult:
+        return self._evaluate.next_result()  # type: ignore[attr-defined]
+
+
+class Refusals(Protocol):
+    """What a search refuses to launch, learnt from its results (searches/variant_rules.py
+    `FailedVariants`): given here so the ledger's side need not know the search's rules."""
+
+    def learn(self, result: TrialResult) -> None: ...
+
+    def refusal(self, experiment: Experiment) -> TrialResult | None: ...
+
+
+class Evaluator:
+    """`__call__` and `submit` launch only an experiment the ledger holds no result for, so one asked for again is not
+    launched again (a parallel search submits only what its tuner asked, which it never asks twice:
+    tuners/base.py `ask`). A search's evaluator (`for_search`) also refuses a failed variant, and
+    gives an answer it gave before again as it was."""
+
+    def __init__(self, ledger: TrialLedger, launcher: Launcher, refusals: Refusals | None = None):
+        self.ledger = ledger
+        self._launcher = launcher
+        self._refusals = refusals
+        self._since = ledger.mark()
+        self.capacity = max(1, int(launcher.capacity))
+        self._given: deque[TrialResult] = deque()  # submitted, answered by this search already or refused
+        self._known: deque[TrialResult] = deque()  # submitted, answered by the ledger
+
+    def for_search(self, refusals: Refusals) -> "Evaluator":
+        """This evaluator for one search: its answers from here on, refusing what `refusals` refuses."""
+        return Evaluator(self.ledger, self._launcher, refusals)
+
+    def answered(self) -> list[TrialResult]:
+        """The answers given since this evaluator was made, one per experiment, in the order given."""
+        return list(self.ledger.answered(self._since).values())
+
+    def _given_or_refused(self, experiment: Experiment) -> TrialResult | None:
+        if self._refusals is None:
+            return None
+        given = self.ledger.answered(self._since).get(experiment)
+        if given is not None:
+            return given
+        refused = self._refusals.refusal(experiment)
+        return self.ledger.answer(refused) if refused is not None else None
+
+    def _learn(self, result: TrialResult) -> TrialResult:
+        if self._refusals is not None:
+            self._refusals.learn(result)
+        return self.ledger.answer(result)
+
+    def _reuse(self, experiment: Experiment) -> TrialResult | None:
+        known = self.ledger.known(experiment)
+        if known is not None and experiment not in self.ledger:
+            self.ledger.record(known, reused=True)
+        return known
+
+    def __call__(self, experiment: Experiment) -> TrialResult:
+        given = self._given_or_refused(experiment)
+        if given is not None:
+            return given
+        result = self._reuse(experiment)
+        if result is None:
+            result = self._launcher.launch(experiment)
+            self.ledger.record(result)
+        return self._learn(result)
+
+    def submit(self, experiment: Experiment) -> None:
+        given = self._given_or_refused(experiment)
+        if given is not None:
+            self._given.append(given)
+            return
+        known = self._reuse(experiment)
+        if known is not None:
+            self._known.append(known)
+        else:
+            self._launcher.submit(experiment)
+
+    def next_result(self) -> TrialResult:
+        """The next answer: those given at submit first, then the ledger's, then launches as they finish."""
+        if self._given:
+            return self._given.popleft()
+        if self._known:
+            return self._learn(self._known.popleft())
+        result = self._launcher.next_result()
+        self.ledger.record(result)
+        return self._learn(result)
+
+    # ----- the orchestrator's launches outside the search (a runner's evaluator) -----
+    def _runner_launches(self) -> RunnerLaunches:
+        if not isinstance(self._launcher, RunnerLaunches):
+            raise TypeError("profile and re-measurement launches need a runner (RunnerLaunches)")
+        return self._launcher
+
+    def profile(self, experiment: Experiment) -> TrialResult:
+        """A profile launch (it also records the model): an earlier run's record of it when that
+        holds the model, else launched; recorded either way, as its experiment's measurement."""
+        launcher = self._runner_launches()
+        earlier = self.ledger.earlier(experiment.name)
+        reused = earlier is not None and earlier.model_info is not None
+        result = earlier if reused else launcher.run(launcher.trial_for(experiment, "", True))
+        self.ledger.record(result, reused)
+        return result
+
+    def remeasure(self, experiment: Experiment, run: int) -> tuple[TrialResult, bool]:
+        """The final pick's `run`th re-measurement of `experiment`, in its own directory: an earlier
+        run's record of it, else launched. Returns (the result, whether it is an earlier run's);
+        not recorded as the experiment's result, which stays its first measurement."""
+        launcher = self._runner_launches()
+        name = remeasure_directory_name(experiment.name, run)
+        earlier = self.ledger.earlier(name)
+        if earlier is not None:
+            return earlier, True
+        return launcher.run(launcher.trial_for(experiment, name, False)), False
+
+
+def evaluator_of(evaluate: Callable[[Experiment], TrialResult]) -> Evaluator:
+    """`evaluate` when it is an evaluator, else one over a ledger of its own that launches through
+    it (a test's plain function, say)."""
+    return evaluate if isinstance(evaluate, Evaluator) else Evaluator(TrialLedger(), FunctionLaunches(evaluate))

@@ -1,0 +1,102 @@
+"""The trial ledger: what this run has tried, in one place (as an optuna study holds its frozen
+trials, which samplers read and keep no copy of).
+
+It holds this run's result per experiment, the records an earlier run under the same fingerprint
+left (reused, not launched again), the launch count, the prediction each search launch was asked
+on, and every answer an evaluator gave (evaluator.py), so a search reads what it asked for from
+here. Launches reach the stores (trial_store.py: the journal and the history) through `keep`.
+Nothing here launches.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from autotuner.tuning.trials.trial import Trial
+from autotuner.tuning.space.records import Objective, TrialResult
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.trials.trial_store import TrialStore
+from autotuner.tuning.models.cost_model import Prediction
+
+# Told of each result recorded: (the result, whether it is an earlier run's record).
+RecordListener = Callable[[TrialResult, bool], None]
+
+
+class TrialLedger:
+    def __init__(self, stores: Sequence[TrialStore] = ()):
+        self._stores = tuple(stores)
+        self._results: dict[Experiment, TrialResult] = {}
+        self._earlier: dict[str, TrialResult] = {}  # by directory name
+        self._predictions: dict[Experiment, Prediction] = {}
+        self._answers: list[TrialResult] = []
+        self._listeners: list[RecordListener] = []
+        self.launches = 0
+
+    # ----- an earlier run's records -----
+    def resume(self, rescore: Callable[[TrialResult], TrialResult] = lambda result: result) -> None:
+        """Read what the stores kept of an earlier run under this fingerprint, each through `rescore`."""
+        for store in self._stores:
+            self._earlier.update({name: rescore(result) for name, result in store.earlier().items()})
+
+    def earlier(self, directory_name: str) -> TrialResult | None:
+        """An earlier run's record of the launch in that directory (a re-measurement's, say)."""
+        return self._earlier.get(directory_name)
+
+    # ----- this run's results -----
+    def known(self, experiment: Experiment) -> TrialResult | None:
+        """This run's result for `experiment`, else an earlier run's record under its name (which
+        is this run's once recorded), else None: it has to be launched."""
+        return self._results.get(experiment) or self._earlier.get(experiment.name)
+
+    def __contains__(self, experiment: Experiment) -> bool:
+        return experiment in self._results
+
+    def __len__(self) -> int:
+        return len(self._results)
+
+    def record(self, result: TrialResult, reused: bool = False) -> None:
+        """The result of its experiment in this run (`reused`: an earlier run's record); the
+        listeners are told after it is in."""
+        self._results[result.experiment] = result
+        for listener in self._listeners:
+            listener(result, reused)
+
+    def on_record(self, listener: RecordListener) -> None:
+        self._listeners.append(listener)
+
+    def results(self) -> tuple[TrialResult, ...]:
+        """One result per experiment, in the order each experiment was first recorded."""
+        return tuple(self._results.values())
+
+    def best(self, objective: Objective) -> TrialResult | None:
+        return objective.best(list(self._results.values()))
+
+    # ----- launches -----
+    def count_launch(self) -> None:
+        self.launches += 1
+
+    def note_prediction(self, experiment: Experiment, prediction: Prediction) -> None:
+        """What the predictive tuner expected of `experiment` when it asked for it (kept with its launch)."""
+        self._predictions[experiment] = prediction
+
+    def keep(self, trial: Trial, result: TrialResult) -> None:
+        """A launch's result into every store, with the prediction it was asked on."""
+        for store in self._stores:
+            store.keep(trial, result, self._predictions.get(trial.experiment))
+
+    # ----- answers -----
+    def answer(self, result: TrialResult) -> TrialResult:
+        """An evaluator's answer (a result, or a refusal that is recorded nowhere else); returned."""
+        self._answers.append(result)
+        return result
+
+    def mark(self) -> int:
+        """Where the answers stand now: `answered(since=mark)` gives those after it."""
+        return len(self._answers)
+
+    def answered(self, since: int = 0) -> dict[Experiment, TrialResult]:
+        """The answers given after `since`, the first per experiment, in the order given."""
+        first: dict[Experiment, TrialResult] = {}
+        for result in self._answers[since:]:
+            first.setdefault(result.experiment, result)
+        return first

@@ -1,0 +1,54 @@
+"""What the tuner asks of a runner, the one way it launches anything: a Trial in, a TrialResult
+out. The profile, the search, the final re-measurement and `--bench` all go through one. The
+runners themselves (cold, warm, Ray) are in autotuner/execution/.
+
+Every runner declares its parallel side: `capacity` slots, `submit` and `next_result`. A runner
+with one slot gets them from `OneSlot`, which runs the trial at `next_result`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Protocol
+
+from autotuner.launch.plan import LaunchOptions
+from autotuner.tuning.trials.trial import Trial
+from autotuner.tuning.space.records import TrialResult
+
+
+class Runner(Protocol):
+    name: str
+    capacity: int  # trials it can hold at once; the search submits up to this many
+
+    def run(self, trial: Trial) -> TrialResult:
+        """Launch the trial's ranks, wait (at most the trial's timeout), end every process it started,
+        and return the verdict. Never raises for a failed launch: failures are results."""
+
+    def submit(self, trial: Trial) -> None:
+        """Start the trial in a free slot (at most `capacity` held at once)."""
+
+    def next_result(self) -> tuple[Trial, TrialResult]:
+        """Wait for one held trial to finish, whichever finishes first."""
+
+    def train(self, options: LaunchOptions, quiet: bool) -> int:
+        """Train with the optimum (`--autotuning run`): the user's job, to its end, output to the
+        terminal. Returns the job's exit status."""
+
+    def close(self) -> None:
+        """Release what the runner holds (a forkserver, say)."""
+
+
+class OneSlot:
+    """The parallel side of a runner with one slot: a submitted trial runs at `next_result`."""
+
+    capacity = 1
+
+    def __init__(self) -> None:
+        self._submitted: deque[Trial] = deque()
+
+    def submit(self, trial: Trial) -> None:
+        self._submitted.append(trial)
+
+    def next_result(self) -> tuple[Trial, TrialResult]:
+        trial = self._submitted.popleft()
+        return trial, self.run(trial)  # type: ignore[attr-defined]

@@ -1,0 +1,223 @@
+"""One launch of the tuner's, as data: its settings, its config, its measurement request and the
+files of its directory, and how a measurement is scored under the run's budget and objective.
+How a trial is started and judged is execution/trial_launch.py."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autotuner.core.boundary import Measurement, MeasurementRequest
+from autotuner.core.errors import ConfigError
+from autotuner.launch.plan import RankFlags
+from autotuner.launch.script_args import set_flag
+from autotuner.tuning.space import dimensions
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.planned_run import planned_value
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+
+METRICS_FILE = "metrics.json"
+MODEL_INFO_FILE = "model_info.json"
+CONFIG_FILE = "ds_config.json"
+REQUEST_FILE = "request.json"
+LAUNCH_REPORT_FILE = "launch_report.json"
+RANK_ERRORS_DIR = "rank_errors"
+WARM_RANKS_FILE = "warm_ranks.txt"  # what each rank of a warm launch ran
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+@dataclass(frozen=True)
+class ExperimentSettings:
+    """Everything fixed across experiments of one tuning run."""
+
+    script: str
+    script_args: tuple[str, ...]
+    base_config: dict[str, Any] = field(hash=False)
+    nproc_per_node: int
+    data_parallel_size: int
+    objective: Objective
+    timeout_s: float
+    start_profile_step: int = 3
+    end_profile_step: int = 5
+    min_window_s: float = 0.0  # profile windows are extended until they last this long ...
+    max_steps_per_window: int = 0  # ... or hold this many steps
+    arg_mappings: dict[str, str] = field(default_factory=dict, hash=False)
+    rank_flags: RankFlags = RankFlags()  # the user's launcher flags every launch carries over
+    memory_budget_bytes: int | None = None  # per rank; above it a CPU run counts as OOM
+    user_config: dict[str, Any] = field(default_factory=dict, hash=False)  # the file as the user wrote it
+    python: str = sys.executable
+    engine: str = "autotuner"  # whose engine the script trains on: "autotuner" or "deepspeed" (engines.py)
+    # False for a script that imports both engines, until the profile launch's ranks say which they
+    # built; meanwhile `engine` is the one expected, and launches get a config either engine reads.
+    engine_settled: bool = True
+    planned_steps: int | None = None  # the run's length: experiments are scored over it (planned_run.py)
+
+
+def config_value(config: dict[str, Any], dotted_key: str) -> Any:
+    value: Any = config
+    for part in dotted_key.split("."):
+        if not isinstance(value, dict) or part not in value:
+            raise ConfigError(f"autotuning.arg_mappings: '{dotted_key}' is not a key of the experiment config")
+        value = value[part]
+    return value
+
+
+def mapped_script_args(script_args: tuple[str, ...], arg_mappings: dict[str, str], config: dict[str, Any]) -> tuple[str, ...]:
+    """The user's arguments with each mapped flag set to the experiment's value (added if absent)."""
+    args = tuple(script_args)
+    for key, flag in arg_mappings.items():
+        args = set_flag(args, flag, dimensions.flag_text(key, config_value(config, key)))
+    return args
+
+
+def experiment_config(experiment: Experiment, settings: ExperimentSettings) -> dict[str, Any]:
+    """The config a rank sees: the user's, with this experiment's values, without the autotuning
+    section (what to measure travels in the request file). Also the optimum's training config."""
+    config = experiment.apply(settings.base_config, settings.data_parallel_size)
+    config.pop("autotuning", None)
+    if derives_train_batch_size(settings):
+        config.pop("train_batch_size")
+    return config
+
+
+def script_config(config: dict[str, Any], engine: str) -> dict[str, Any]:
+    """The config file the script reads: on DeepSpeed's engine without the dimensions the script
+    applies itself through their mapped flags (a section left empty goes too)."""
+    return _without(config, dimensions.applied_by_the_script(engine))
+
+
+def either_engine_config(config: dict[str, Any]) -> dict[str, Any]:
+    """For a launch before the engine is settled: without the dimensions DeepSpeed's engine leaves
+    to the script where they hold their neutral value (no checkpointing, not compiled), which is
+    also how our engine runs without them. DeepSpeed refuses our compile keys; a value that is not
+    neutral stays, for the engine the ranks build to act on or for the tuner to refuse then."""
+    neutral = [path for path in dimensions.applied_by_the_script("deepspeed")
+               if dimensions.lookup(config, path)[1] == dimensions.neutral_at(path)]
+    return _without(config, tuple(neutral))
+
+
+def _without(config: dict[str, Any], paths: tuple[tuple[str, ...], ...]) -> dict[str, Any]:
+    if not paths:
+        return config
+    config = copy.deepcopy(config)
+    for path in paths:
+        parent = dimensions.lookup(config, path[:-1])[1]
+        if isinstance(parent, dict):
+            parent.pop(path[-1], None)
+            if not parent and len(path) == 2:
+                config.pop(path[0], None)
+    return config
+
+
+def derives_train_batch_size(settings: ExperimentSettings) -> bool:
+    """On DeepSpeed's engine, unless the user fixed train_batch_size (or maps it to a flag), the
+    experiment's config leaves it out and DeepSpeed derives it: micro-batch x gas x its world size.
+    Written out, Hugging Face's Trainer checks it against its own product, whose world size on a
+    CPU-only machine is 1 (accelerate sees no distributed backend) while DeepSpeed's is not."""
+    return (settings.engine == "deepspeed" and not isinstance(settings.base_config.get("train_batch_size"), int)
+            and "train_batch_size" not in settings.arg_mappings)
+
+
+def with_user_keys(user_config: dict[str, Any], tuned: dict[str, Any]) -> dict[str, Any]:
+    """The tuned config laid over the user's file, so keys we accept but do not act on (DeepSpeed's
+    own) stay and DeepSpeed can train with the result: merged at every depth (a user's
+    offload_optimizer.ratio stays beside the tuned device), the tuned value winning. The autotuning
+    section is left out, and the batch keys are the tuned config's alone (an "auto" of the user's is
+    settled there, or derived)."""
+    merged = {key: copy.deepcopy(value) for key, value in user_config.items()
+              if key != "autotuning" and key not in BATCH_KEYS}
+    return _laid_over(merged, tuned)
+
+
+def _laid_over(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = _laid_over(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+def picked_config(experiment: Experiment, settings: ExperimentSettings) -> dict[str, Any]:
+    """The config the user trains with once `experiment` is picked: theirs, with its values."""
+    return with_user_keys(settings.user_config, experiment_config(experiment, settings))
+
+
+def launched_config(experiment: Experiment, settings: ExperimentSettings) -> dict[str, Any]:
+    """The config file an experiment's ranks read: on DeepSpeed's engine the picked config
+    (DeepSpeed acts on the user's DeepSpeed-only keys, so what is measured is what the pick trains
+    with), on ours only what it acts on; less what the script applies through its mapped flags.
+    Before the engine is settled, the picked config as either engine reads it."""
+    if not settings.engine_settled:
+        return either_engine_config(picked_config(experiment, settings))
+    config = picked_config(experiment, settings) if settings.engine == "deepspeed" else \
+        experiment_config(experiment, settings)
+    return script_config(config, settings.engine)
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One launch the tuner asks a runner for: an experiment in its directory. `profile`: also
+    record the model's profile (ModelInfo) after its first optimizer step; the launch still times
+    the profile window, so a profile launch is an experiment like any other."""
+
+    experiment: Experiment
+    directory: Path
+    settings: ExperimentSettings
+    profile: bool = False
+    predicted_memory_bytes: int | None = None
+
+    @property
+    def request_path(self) -> Path:
+        return self.directory / REQUEST_FILE
+
+    @property
+    def report_path(self) -> Path:
+        return self.directory / LAUNCH_REPORT_FILE
+
+    def request(self) -> MeasurementRequest:
+        settings = self.settings
+        model_info = str(self.directory / MODEL_INFO_FILE) if self.profile else None
+        return MeasurementRequest(settings.start_profile_step, settings.end_profile_step,
+                                  metrics_path=str(self.directory / METRICS_FILE), model_info_path=model_info,
+                                  oom_marker_prefix=str(self.directory / METRICS_FILE),
+                                  min_window_s=settings.min_window_s,
+                                  max_steps_per_window=settings.max_steps_per_window)
+
+
+def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
+    """--nproc_per_node N, unless the user's --include/--exclude/--hostfile already set the count."""
+    return () if settings.rank_flags.picks_ranks_itself else ("--nproc_per_node", str(settings.nproc_per_node))
+
+
+def scored(measurement: Measurement, settings: ExperimentSettings, common: dict) -> TrialResult:
+    """A measured launch judged under this run's budget and objective (`common`: the result's
+    other fields)."""
+    common = dict(common, measured_memory_bytes=measurement.peak_memory_bytes)
+    measured = measurement.peak_memory_bytes
+    if settings.memory_budget_bytes and measured and measured > settings.memory_budget_bytes:
+        return TrialResult(state=TrialState.OOM, measurement=measurement, error=f"peak {measured / 2**20:.0f} MiB "
+                           f"over the per-rank budget of {settings.memory_budget_bytes / 2**20:.0f} MiB", **common)
+    value = measurement.value(settings.objective.key)
+    if value is None:
+        return TrialResult(state=TrialState.FAILED, measurement=measurement,
+                           error=f"metrics.json has no '{settings.objective.key}'", **common)
+    spread = measurement.throughput_std if settings.objective.metric == "throughput" else None
+    planned = planned_value(measurement, settings.objective, settings.planned_steps, float(value))
+    if spread is not None and value:
+        spread *= planned / float(value)
+    return TrialResult(state=TrialState.OK, value=planned, value_std=spread, measurement=measurement, **common)
+
+
+def rescored(result: TrialResult, settings: ExperimentSettings) -> TrialResult:
+    """A journaled result judged again under this run's budget, metric and planned steps, which
+    sit in the autotuning section outside the fingerprint: a value scored under another objective
+    must never be compared with this run's. Results without a measurement stay as they are."""
+    if result.measurement is None or result.state not in (TrialState.OK, TrialState.OOM):
+        return result
+    common = dict(experiment=result.experiment, predicted_memory_bytes=result.predicted_memory_bytes,
+                  wall_time_s=result.wall_time_s, model_info=result.model_info)
+    return scored(result.measurement, settings, common)
