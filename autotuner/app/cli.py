@@ -13,10 +13,10 @@ import traceback
 from contextlib import contextmanager
 
 from autotuner.core.errors import AutotunerError, ConfigError, UsageError
-from autotuner.execution.placement import EXCLUSIVE, PLACEMENT_POLICIES
+from autotuner.core.plugins import load_plugins
+from autotuner.execution.backends import BACKENDS, add_backend_flags, check_backend
 from autotuner.launch.nodes import STOP_WITH_STDIN_FLAG
 
-BACKENDS = ("local", "ray")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -84,21 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--no_ssh_check", action="store_true",
                     help="multi-host --hostfile: do not check that every host answers ssh before starting")
     parser.add_argument(STOP_WITH_STDIN_FLAG, action="store_true", help=argparse.SUPPRESS)  # see launch/nodes.py
-    cluster = parser.add_argument_group("--autotuning on a Ray cluster (pip install 'autotuner[ray]')")
-    cluster.add_argument("--backend", choices=BACKENDS, default="local",
-                         help="local: experiments launched here, one at a time (the default); ray: each experiment "
-                              "a placement group on a Ray cluster, several at once when they fit")
-    cluster.add_argument("--ray_address", default=None,
-                         help="an existing cluster (auto, or HOST:PORT of its head); default: RAY_ADDRESS if set, "
-                              "else a Ray instance started for this run")
-    cluster.add_argument("--ray_placement", choices=PLACEMENT_POLICIES, default=EXCLUSIVE,
-                         help="exclusive: an experiment takes whole nodes, so timings do not interfere (default); "
-                              "shared: experiments share nodes' free slots")
-    cluster.add_argument("--ray_max_concurrent", type=int, default=None,
-                         help="at most this many experiments at once (default: as many as the cluster holds)")
-    cluster.add_argument("--ray_cpus_per_rank", type=float, default=1.0, help="CPUs each rank's bundle reserves")
-    cluster.add_argument("--ray_gpus_per_rank", type=float, default=None,
-                         help="GPUs each rank's bundle reserves (default: 1 when the cluster has GPUs, else 0)")
+    add_backend_flags(parser)
     parser.add_argument("--engine", choices=("auto", "deepspeed", "autotuner"), default="auto",
                         help="whose engine the script trains on, for the checks that depend on it; auto: DeepSpeed's "
                              "own when the script imports deepspeed, ours (autotuner) when it imports autotuner, and "
@@ -213,26 +199,6 @@ def _launch(args: argparse.Namespace) -> int:
     return run_plan(config_checked(plan), quiet=not args.debug)
 
 
-def _check_backend(args: argparse.Namespace) -> None:
-    ray_flags = [f"--{name}" for name in ("ray_address", "ray_max_concurrent", "ray_gpus_per_rank")
-                 if getattr(args, name) is not None]
-    ray_flags += ["--ray_placement"] * (args.ray_placement != EXCLUSIVE) + ["--ray_cpus_per_rank"] * (
-        args.ray_cpus_per_rank != 1.0)
-    if args.backend != "ray":
-        if ray_flags:
-            raise UsageError(f"{ray_flags[0]}: only with --backend ray")
-        return
-    if args.autotuning not in ("tune", "run"):
-        raise UsageError("--backend ray: runs the experiments of --autotuning tune|run on a cluster; add "
-                         "--autotuning tune, or drop --backend to launch here")
-    if args.hostfile or args.include or args.exclude:
-        raise UsageError("--backend ray: the cluster places the ranks; drop --hostfile/--include/--exclude")
-    if args.ray_max_concurrent is not None and args.ray_max_concurrent < 1:
-        raise UsageError(f"--ray_max_concurrent: got {args.ray_max_concurrent}; expected at least 1")
-    if args.ray_cpus_per_rank <= 0 or (args.ray_gpus_per_rank is not None and args.ray_gpus_per_rank < 0):
-        raise UsageError("--ray_cpus_per_rank must be above 0 and --ray_gpus_per_rank at least 0")
-
-
 def _stop_when_stdin_closes() -> None:
     """A node started by the head (launch/nodes.py): its stdin is the head's pipe. When that closes,
     stop as on SIGTERM, so torch elastic ends this node's ranks."""
@@ -268,7 +234,8 @@ def _early_forkserver(args: argparse.Namespace):
     loader_log = logging.getLogger("autotuner.config.loader")
     loader_log.disabled = True  # its one warning is settle's to give, when it loads the file again
     try:
-        tuning = load_config(source).autotuning if source and getattr(args, "backend", "local") == "local" else None
+        uses_forkserver = BACKENDS[getattr(args, "backend", "local")].uses_forkserver
+        tuning = load_config(source).autotuning if source and uses_forkserver else None
     except AutotunerError:
         tuning = None
     finally:
@@ -341,10 +308,11 @@ def _main(argv: list[str], script_at: int) -> int:
     try:
         if "--history" in argv[:script_at]:
             return _history(argv)
+        load_plugins()  # before parsing: a plugin's backend adds --backend choices and flags
         args = build_parser().parse_args(argv)
         debug = args.debug
         logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(name)s: %(message)s")
-        _check_backend(args)
+        check_backend(args)
         if args.bench:
             return _bench(args)
         args.nproc_per_node = _single_rank_count(args.nproc_per_node)

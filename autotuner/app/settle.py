@@ -26,6 +26,7 @@ from autotuner.config.keys import field_names, section_model
 from autotuner.config.loader import read_config_file
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
 from autotuner.core.errors import ConfigError, UsageError
+from autotuner.execution.backends import BACKENDS, backend_spec
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import LaunchPlan
 from autotuner.launch.script_args import config_path, find_flag
@@ -35,6 +36,7 @@ from autotuner.tuning.trials.trial import ExperimentSettings, config_value
 from autotuner.tuning.trials.journal import Fingerprint, fingerprint_of, this_device, torch_version
 from autotuner.tuning.space.records import Objective
 from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.tuners import TUNERS
 
 
 @dataclass(frozen=True)
@@ -167,22 +169,20 @@ def settle(args: argparse.Namespace) -> SettledJob:
         # The flag states the intent; DeepSpeed would silently do nothing here.
         say(f"{source}: autotuning.enabled is false; tuning anyway because --autotuning {args.autotuning} was given")
     check_arg_mappings(config, source)
-    if tuning.tuner_type == "bayes":
-        from autotuner.core.bayes import require_optuna
-
-        require_optuna(f"{source}: autotuning.tuner_type \"bayes\"")
+    check_tuner_type(tuning.tuner_type, source)
     options = LaunchOptions.from_args(args, rdzv_endpoint=None, rdzv_id=None)
-    on_ray = getattr(args, "backend", "local") == "ray"
+    placed = backend_spec(getattr(args, "backend", "local")).places_nodes
     num_nodes = options.num_nodes
-    if on_ray:  # the cluster places each experiment's nodes: one node's plan describes the ranks
+    if placed:  # the cluster places each experiment's nodes: one node's plan describes the ranks
         options = replace(options, num_nodes=1, node_rank=0, master_addr=None)
     plan = build_plan(options, sys.executable)  # validates the launch options before anything starts
     for note in plan.notes:
         say(f"note: {note}")
     if plan.num_nodes > 1:
-        raise UsageError("--autotuning runs on one node, or on a Ray cluster (--backend ray); drop --num_nodes "
-                         "or add --backend ray")
-    world_size = plan.world_size * (num_nodes if on_ray else 1)
+        placing = " or ".join(name for name, spec in BACKENDS.items() if spec.places_nodes)
+        raise UsageError(f"--autotuning runs on one node, or on a cluster whose backend places the nodes (--backend "
+                         f"{placing}); drop --num_nodes or add --backend")
+    world_size = plan.world_size * (num_nodes if placed else 1)
     results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
@@ -226,7 +226,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
     )
     fingerprint = fingerprint_of(script=args.script, script_args=script_args,
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
-                                 nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if on_ray else 1,
+                                 nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if placed else 1,
                                  launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
                                  device=this_device())
     return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir)
@@ -247,3 +247,14 @@ def settle_built_engine(job: SettledJob, built: str) -> str:
     engine = job.engine.built(built)
     check_engine(job.config, engine, job.settings.script, job.settings.script_args, job.source)
     return f"engine: {engine.why}; every experiment runs there"
+
+
+def check_tuner_type(name: str, source: str) -> None:
+    """autotuning.tuner_type names a registered tuner (built in, or a plugin's) whose needs are installed."""
+    spec = TUNERS.get(name)
+    if spec is None:
+        allowed = ", ".join(f'"{known}"' for known in TUNERS)
+        raise ConfigError(f'{source}: autotuning.tuner_type: got "{name}"; expected one of {allowed} '
+                          "(or a plugin's tuner: entry point group autotuner.plugins)")
+    if spec.check is not None:
+        spec.check(f'{source}: autotuning.tuner_type "{name}"')

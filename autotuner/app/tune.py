@@ -10,12 +10,12 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from autotuner.app.settle import SettledJob, say as _say, settle, settle_built_engine
+from autotuner.app.settle import say as _say, settle, settle_built_engine
 from autotuner.core.errors import UsageError
 from autotuner.launch.stopping import Stopped
 from autotuner.tuning.orchestrator import Autotuner, TuningFailed
 from autotuner.execution.forkserver import Forkserver
-from autotuner.execution.warm import make_runner
+from autotuner.execution.backends import RunnerRequest, backend_spec
 
 
 @contextmanager
@@ -38,30 +38,12 @@ def exclusive_lock(results_dir: Path):
         handle.close()
 
 
-@contextmanager
-def _runner(args: argparse.Namespace, job: SettledJob, forkserver: Forkserver | None):
-    """The launches' runner: local (warm or cold) unless --backend ray."""
-    if getattr(args, "backend", "local") != "ray":
-        with make_runner(job.config.autotuning, job.settings, _say, forkserver) as runner:
-            yield runner
-        return
-    from autotuner.execution.ray_runner import RayOptions, RayRunner
-
-    options = RayOptions(address=args.ray_address, placement=args.ray_placement, max_concurrent=args.ray_max_concurrent,
-                         cpus_per_rank=args.ray_cpus_per_rank, gpus_per_rank=args.ray_gpus_per_rank,
-                         num_nodes=job.num_nodes)
-    runner = RayRunner(options, job.settings.nproc_per_node, _say)
-    try:
-        yield runner
-    finally:
-        runner.close()
-
-
 def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> int:
     """`forkserver`: the warm path's, started early by the command line (it preloads meanwhile)."""
     job = settle(args)
     results_dir, exps_dir = job.results_dir, job.exps_dir
-    with _runner(args, job, forkserver) as runner:
+    request = RunnerRequest(args, job.config.autotuning, job.settings, job.num_nodes, _say, forkserver)
+    with backend_spec(getattr(args, "backend", "local")).open_runner(request) as runner:
         with exclusive_lock(results_dir):
             try:
                 outcome = Autotuner(job.config, job.settings, results_dir, exps_dir, runner, job.fingerprint,

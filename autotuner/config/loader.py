@@ -98,7 +98,6 @@ _ALLOWED = {
     "stage3_param_persistence_threshold": 'expected an integer >= 0, a list of them, or "auto" (the Trainer fills it)',
     "device": 'expected "none", "cpu" or "auto" (tuned, on a GPU)',
     "metric": 'expected "throughput", "latency" or "FLOPS"',
-    "tuner_type": 'expected "gridsearch", "random", "model_based", "bayes" or "predictive"',
     "sampler": 'expected "gp" (optuna\'s GPSampler) or "tpe" (TPESampler)',
 }
 

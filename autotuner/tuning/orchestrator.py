@@ -13,6 +13,7 @@ from autotuner.core.atomic import sweep_partial_writes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.space.config_space import base_config, engine_dimensions, search_space, untuned_offload_lines
 from autotuner.tuning.space.devices import DeviceFacts, read_device_facts
+from autotuner.tuning.tuners import tuner_spec
 from autotuner.tuning.trials.trial import ExperimentSettings, Trial, rescored
 from autotuner.tuning.trials.evaluator import Evaluator, RunnerLaunches, TuningFailed
 from autotuner.tuning.trials.history import HISTORY_FILE, make_history
@@ -87,7 +88,7 @@ class Autotuner:
         self.ledger.on_record(self._recorded)
         self.launcher = RunnerLaunches(runner, self.ledger, self._trial, report)
         self.evaluator = Evaluator(self.ledger, self.launcher)
-        self._similar_runs = SimilarRuns(self.history, self.policy.tuner_type == "predictive"
+        self._similar_runs = SimilarRuns(self.history, tuner_spec(self.policy.tuner_type).uses_earlier_runs
                                          and bool(config.autotuning.transfer))
         self._prior = TransferPrior()  # earlier similar runs' steps, once the profile has checked them
 
@@ -309,7 +310,7 @@ class Autotuner:
         self.report("memory model, largest micro-batch per stage: " + ", ".join(
             f"z{key}={m}" if isinstance(key, int) else f"z{key[0]} {variant_text(key[1])}={m}"
             for key, m in largest.items()))
-        if self.policy.tuner_type == "predictive":
+        if tuner_spec(self.policy.tuner_type).search == "one_model":
             outcome = run_predictive_search(self.space, self.policy, largest, self.evaluator, self._prune,
                                             self.cost_context(), list(self.ledger.results()), self.memory.fits,
                                             self.memory.offload_fallback, self.report,

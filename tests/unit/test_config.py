@@ -208,7 +208,6 @@ INVALID = {
     "optimizer_type": ({"optimizer": {"type": "Lamb"}}, ["optimizer.type", '"Lamb"', "AdamW"]),
     "scheduler_type": ({"scheduler": {"type": "OneCycle"}}, ["scheduler.type", '"OneCycle"', "WarmupLR"]),
     "metric": ({"autotuning": {"metric": "accuracy"}}, ["autotuning.metric", '"accuracy"', "throughput"]),
-    "tuner_type": ({"autotuning": {"tuner_type": "bohb"}}, ["autotuning.tuner_type", '"bohb"', "bayes"]),
     "fp16_and_bf16": ({"fp16": {"enabled": True}, "bf16": {"enabled": True}},
                       ["fp16.enabled", "bf16.enabled", "both true"]),
     "profile_steps_equal": ({"autotuning": {"start_profile_step": 5, "end_profile_step": 5}},

@@ -94,9 +94,12 @@ def exhaust(tuner: Tuner, evaluate=evaluate_smooth) -> list[Experiment]:
 
 
 def test_registry_is_what_make_tuner_builds():
-    for name, cls in TUNERS.items():
+    expected = {"gridsearch": "GridSearchTuner", "random": "RandomTuner", "model_based": "ModelBasedTuner",
+                "bayes": "BayesTuner", "predictive": "PredictiveTuner"}
+    assert expected.items() <= {name: type(make_tuner(name, grid(), THROUGHPUT)).__name__ for name in TUNERS}.items()
+    for name, spec in TUNERS.items():
         tuner = make_tuner(name, grid(), THROUGHPUT, seed=3)
-        assert type(tuner) is cls and isinstance(tuner, Tuner)
+        assert spec.name == name and isinstance(tuner, Tuner)
         assert tuner.seed == 3
 
 

@@ -1,5 +1,19 @@
-"""Search strategies behind one ask/tell interface."""
+"""Search strategies behind one ask/tell interface, and the registry that names them.
 
+A tuner is a `TunerSpec` in `TUNERS`: its name (the config's `autotuning.tuner_type`), its
+factory, the search that drives it, and a check of what it needs installed. The config's allowed
+values, the settle pass's refusal and the docs read the registry; a plugin adds one with
+`register_tuner` (core/plugins.py), with no edit here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+from autotuner.tuning.models.cost_model import CostContext
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.records import Objective
 from autotuner.tuning.tuners.base import Tuner, drive
 from autotuner.tuning.tuners.bayes import BayesTuner  # optuna is imported only when it asks
 from autotuner.tuning.tuners.grid import GridSearchTuner
@@ -7,21 +21,71 @@ from autotuner.tuning.tuners.model_based import ModelBasedTuner
 from autotuner.tuning.tuners.predictive import PredictiveTuner
 from autotuner.tuning.tuners.random_search import RandomTuner
 
-TUNERS: dict[str, type[Tuner]] = {
-    "gridsearch": GridSearchTuner,
-    "random": RandomTuner,
-    "model_based": ModelBasedTuner,
-    "bayes": BayesTuner,
-    "predictive": PredictiveTuner,
-}
+
+@dataclass(frozen=True)
+class TunerArgs:
+    """What a factory gets: the candidates, the objective, the seed, and the step-time model's
+    context (model size, timed links) for tuners that cost experiments."""
+
+    space: Sequence[Experiment]
+    objective: Objective
+    seed: int = 0
+    cost_context: CostContext | None = None
 
 
-def make_tuner(tuner_type: str, space, objective, seed: int = 0, cost_context=None) -> Tuner:
-    """The tuner of that type over `space`; `cost_context` (model size, timed links) reaches the
-    tuners that cost experiments (predictive)."""
-    if tuner_type == "predictive":
-        return PredictiveTuner(space, objective, seed=seed, context=cost_context)
-    return TUNERS[tuner_type](space, objective, seed=seed)
+@dataclass(frozen=True)
+class TunerSpec:
+    name: str  # autotuning.tuner_type
+    factory: Callable[[TunerArgs], Tuner]
+    summary: str  # one line for the docs and the refusal of an unknown name
+    # "per_stage": the stage search asks it among each stage's micro-batch candidates (and, in
+    # full mode, the knobs); "one_model": the predictive search, one model over every stage.
+    search: Literal["per_stage", "one_model"] = "per_stage"
+    uses_earlier_runs: bool = False  # its model starts from similar earlier runs (autotuning.transfer)
+    check: Callable[[str], None] | None = None  # refuses (exit 2) what it needs and lacks; gets the key's label
 
 
-__all__ = ["TUNERS", "BayesTuner", "GridSearchTuner", "ModelBasedTuner", "PredictiveTuner", "RandomTuner", "Tuner", "drive", "make_tuner"]
+def _require_optuna(label: str) -> None:
+    from autotuner.core.bayes import require_optuna
+
+    require_optuna(label)
+
+
+TUNERS: dict[str, TunerSpec] = {}
+
+
+def register_tuner(spec: TunerSpec) -> TunerSpec:
+    """Add a tuner; a name already taken is refused, so a plugin cannot replace a built-in unseen."""
+    if spec.name in TUNERS and TUNERS[spec.name] is not spec:
+        raise ValueError(f"tuner_type {spec.name!r} is registered already ({TUNERS[spec.name].factory!r})")
+    TUNERS[spec.name] = spec
+    return spec
+
+
+for _spec in (
+    TunerSpec("gridsearch", lambda a: GridSearchTuner(a.space, a.objective, seed=a.seed),
+              "every candidate in order (DeepSpeed's default)"),
+    TunerSpec("random", lambda a: RandomTuner(a.space, a.objective, seed=a.seed), "candidates in random order"),
+    TunerSpec("model_based", lambda a: ModelBasedTuner(a.space, a.objective, seed=a.seed),
+              "a cost model fitted on the results so far (DeepSpeed's XGBoost-style tuner)"),
+    TunerSpec("bayes", lambda a: BayesTuner(a.space, a.objective, seed=a.seed),
+              "optuna's GP or TPE sampler (pip install 'autotuner[bayes]')", check=_require_optuna),
+    TunerSpec("predictive", lambda a: PredictiveTuner(a.space, a.objective, seed=a.seed, context=a.cost_context),
+              "one step-time model over every stage; launches only what could win (ours, the default)",
+              search="one_model", uses_earlier_runs=True),
+):
+    register_tuner(_spec)
+
+
+def tuner_spec(name: str) -> TunerSpec:
+    return TUNERS[name]
+
+
+def make_tuner(tuner_type: str, space: Sequence[Experiment], objective: Objective, seed: int = 0,
+               cost_context: Any = None) -> Tuner:
+    """The tuner of that type over `space`."""
+    return TUNERS[tuner_type].factory(TunerArgs(space, objective, seed, cost_context))
+
+
+__all__ = ["TUNERS", "BayesTuner", "GridSearchTuner", "ModelBasedTuner", "PredictiveTuner", "RandomTuner", "Tuner",
+           "TunerArgs", "TunerSpec", "drive", "make_tuner", "register_tuner", "tuner_spec"]

@@ -1,0 +1,34 @@
+"""Installed extensions: tuners, backends and dimensions that live outside this package.
+
+A distribution declares entry points in the group `autotuner.plugins` (in its pyproject.toml:
+`[project.entry-points."autotuner.plugins"] name = "module"` or `"module:function"`). The
+launcher imports each once before it parses its command line; a module registers what it
+carries at import (`register_tuner`, `register_backend`, `register_dimension`), and a function
+named by the entry point is called with no arguments. This is how pytest and optuna-integration
+find their plugins, and it means no edit to this package for a new tuner, backend or dimension.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from autotuner.core.errors import UsageError
+
+GROUP = "autotuner.plugins"
+_loaded: dict[str, str] = {}  # entry-point name -> its value, for the ones imported in this process
+
+
+def load_plugins() -> dict[str, str]:
+    """Import every plugin of GROUP not imported yet; a broken one is refused by name (exit 2)."""
+    for point in entry_points(group=GROUP):
+        if point.name in _loaded:
+            continue
+        try:
+            loaded = point.load()
+            if callable(loaded):
+                loaded()
+        except Exception as err:  # noqa: BLE001 - any failure of a third party's import is reported the same way
+            raise UsageError(f"plugin {point.name!r} ({point.value}, entry point group {GROUP}) failed to load: "
+                             f"{type(err).__name__}: {err}; fix or uninstall it") from err
+        _loaded[point.name] = point.value
+    return dict(_loaded)
