@@ -20,6 +20,7 @@ from pathlib import Path
 
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.script_imports import ImportSite, import_sites
+from autotuner.tuning.space.dimensions import REGISTRY, Dimension, dotted
 
 ENGINE_CHOICES = ("auto", "deepspeed", "autotuner")
 ENGINE_NAMES = {"deepspeed": "DeepSpeed's engine", "autotuner": "our engine"}
@@ -155,8 +156,14 @@ def check_deepspeed_precision(fp16_enabled: object, choice: EngineChoice, script
 # Our keys a script on DeepSpeed's engine may carry when autotuning.arg_mappings maps them to a
 # flag of its own: Hugging Face's Trainer checkpoints whole blocks with --gradient_checkpointing
 # and compiles with --torch_compile (accelerate then calls engine.compile()).
-SCRIPT_APPLIED = {"activation_checkpointing.policy": ("none", "full"), "compile.enabled": (False, True)}
-MAPPING_HINT = {"activation_checkpointing.policy": "--gradient_checkpointing", "compile.enabled": "--torch_compile"}
+# Read from the dimension registry: each such dimension's values on DeepSpeed's engine, and its flag.
+def _script_applied() -> dict[str, tuple]:
+    return {dotted(d): tuple(dict.fromkeys(v for per_stage in d.values.get("deepspeed", {}).values() for v in per_stage))
+            for d in REGISTRY.values() if d.applied_by_script_on_deepspeed}
+
+
+def _script_applier(key: str) -> Dimension:
+    return next(d for d in REGISTRY.values() if dotted(d) == key)
 
 
 def check_our_engine_sections(config, choice: EngineChoice, source: str,
@@ -169,13 +176,11 @@ def check_our_engine_sections(config, choice: EngineChoice, source: str,
         return
     mapped = arg_mappings or {}
     policy = config.activation_checkpointing.policy
-    _check_script_applied(source, choice, "activation_checkpointing.policy", policy, mapped, policy != "none",
-                          "the script checkpoints activations itself (deepspeed.checkpointing, or Hugging Face's "
-                          "--gradient_checkpointing)")
+    _check_script_applied(source, choice, "activation_checkpointing.policy", policy, mapped, policy != "none")
     ours = sorted(config.compile.model_fields_set & {"enabled", "backend", "kwargs"})
     if "compile.enabled" in mapped:
         ours = [key for key in ours if key != "enabled"]
-        _check_script_applied(source, choice, "compile.enabled", config.compile.enabled, mapped, True, "")
+        _check_script_applied(source, choice, "compile.enabled", config.compile.enabled, mapped, True)
     if ours:
         raise ConfigError(f"{source}: compile.{ours[0]}: our engine's key, but {choice.why}; DeepSpeed's engine "
                           "refuses it in its compile section (from 0.16 it compiles through engine.compile()); call "
@@ -183,17 +188,19 @@ def check_our_engine_sections(config, choice: EngineChoice, source: str,
                           "(Hugging Face's --torch_compile), or drop the key")
 
 
-def _check_script_applied(source: str, choice: EngineChoice, key: str, value, mapped: dict[str, str], used: bool,
-                          how: str) -> None:
+def _check_script_applied(source: str, choice: EngineChoice, key: str, value, mapped: dict[str, str],
+                          used: bool) -> None:
     """A script-applied key on DeepSpeed's engine: mapped to the script's flag, with values the
-    flag can express; else refused in one line."""
-    allowed = SCRIPT_APPLIED[key]
+    flag can express; else refused in one line (the dimension's own text and flag)."""
+    allowed = _script_applied()[key]
+    applier = _script_applier(key)
+    how, hint = applier.script_applies, applier.script_flag
     if key not in mapped:
         if used:
             verb = "tuned" if value == "auto" or isinstance(value, list) else "applied"
             raise ConfigError(f"{source}: {key}: {json.dumps(value)} is {verb} by our engine only, but {choice.why}; "
                               f"on DeepSpeed's engine {how or 'the script applies it'}: map it to the script's flag "
-                              f"in autotuning.arg_mappings (e.g. \"{key}\": \"{MAPPING_HINT[key]}\"), or set it to "
+                              f"in autotuning.arg_mappings (e.g. \"{key}\": \"{hint}\"), or set it to "
                               f"{json.dumps(allowed[0])} or leave it out")
         return
     values = value if isinstance(value, list) else [] if value == "auto" else [value]

@@ -1,9 +1,10 @@
-"""A tuner and a backend added from outside the package, as a third party would ship them: a module
+"""A tuner, a backend and a dimension added from outside the package, as a third party would ship them: a module
 and its entry point (group autotuner.plugins) in a dist-info on PYTHONPATH, no edit to autotuner.
 Each is run from the launcher's entry point with real launches of the toy script."""
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from pathlib import Path
@@ -22,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from autotuner.execution.backends import BackendSpec, Flag, register_backend
+from autotuner.tuning.space.dimensions import Dimension, register_dimension
 from autotuner.tuning.tuners import Tuner, TunerSpec, register_tuner
 
 
@@ -59,6 +61,10 @@ def register():
                              "the largest micro-batch first"))
     register_backend(BackendSpec("marking", "cold launches that mark each experiment's directory",
                                  open_marking_runner, flags=(Flag("--toy_label", {"default": None}),)))
+    # A knob our engine already honours (it divides the gradients before the all-reduce and
+    # multiplies after: the same mean), tuned in full mode at ZeRO 0.
+    register_dimension(Dimension("predivide", ("gradient_predivide_factor",), "pdf",
+                                 {"autotuner": {0: (1.0, 2.0)}}, lambda settings, value: settings))
 '''
 
 
@@ -130,3 +136,19 @@ def test_a_plugin_that_fails_to_import_is_named_in_one_line(tmp_path, plugin_env
     assert result.returncode == 2
     line = result.stderr.strip().splitlines()[-1]
     assert "plugin 'toy'" in line and "toy_plugin:register" in line and "needs a library that is not here" in line
+
+
+def test_a_plugins_dimension_is_searched_named_written_and_picked_from(tmp_path, plugin_env, no_orphans):
+    result = _tune(tmp_path, plugin_env, {"fast": False, "max_train_micro_batch_size_per_gpu": 4})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    tuned = table[table.name.str.contains("_pdf") & (table.state == "ok")]
+    values = {float(name.rsplit("_pdf", 1)[1].split("_")[0]) for name in tuned.name}
+    assert values == {1.0, 2.0}, table.name.tolist()  # both of the plugin's values were launched
+    for name in tuned.name:
+        written = json.loads((tmp_path / "autotuning_exps" / name / "ds_config.json").read_text())
+        assert written["gradient_predivide_factor"] == float(name.rsplit("_pdf", 1)[1].split("_")[0])
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    best = table[table.chosen].iloc[0]["name"]
+    if "_pdf" in best:
+        assert optimal["gradient_predivide_factor"] == float(best.rsplit("_pdf", 1)[1].split("_")[0])

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autotuner.tuning.models.comm_fit import LinkFit
+from autotuner.tuning.space import dimensions
 from autotuner.tuning.space.experiment import Experiment
 
 NOISE_FLOOR = 0.03  # relative run-to-run spread of one measured step time
@@ -101,20 +102,19 @@ class StepTimePrediction:
         return max(self.mean_s - z * self.std_s, 0.1 * self.mean_s), self.mean_s + z * self.std_s
 
 
-# Knobs whose cost grows with the micro-batch rather than per step: they get a per-sample term
-# of their own (below), not an offset group.
-PER_SAMPLE_KNOBS = ("activation_checkpointing",)
-
-
 def group_of(experiment: Experiment) -> tuple:
-    """Experiments that share an offset: one stage with one knob setting."""
-    return (experiment.zero_stage, tuple(kv for kv in experiment.knobs if kv[0] not in PER_SAMPLE_KNOBS))
+    """Experiments that share an offset: one stage with one setting of the offset dimensions (a
+    dimension whose cost grows with the micro-batch has a per-sample term instead: below)."""
+    per_sample = dimensions.per_sample_names()
+    return (experiment.zero_stage, tuple(kv for kv in experiment.knobs if kv[0] not in per_sample))
 
 
-def recompute_of(experiment: Experiment) -> str | None:
-    """The activation checkpointing policy whose recompute the step pays, or None."""
-    policy = dict(experiment.knobs).get("activation_checkpointing", "none")
-    return None if policy == "none" else str(policy)
+def recompute_of(experiment: Experiment) -> tuple | None:
+    """The per-sample dimensions' values whose time per sample the step pays (activation
+    checkpointing's recompute), or None at their neutral values."""
+    paid = tuple((name, value) for name, value in experiment.knobs if name in dimensions.per_sample_names()
+                 and value != dimensions.dimension(name).neutral_value())
+    return paid or None
 
 
 class StepTimeModel:

@@ -34,7 +34,8 @@ def _offloads(config: DeepSpeedConfig) -> tuple[bool, bool]:
 
 
 def _policy(experiment: Experiment) -> str:
-    return str(dict(experiment.knobs).get("activation_checkpointing", "none"))
+    """The activation figure the experiment selects (its checkpointing policy; dimensions.py)."""
+    return dimensions.activation_value(experiment.knobs)
 
 
 class MemoryBook:
@@ -186,10 +187,9 @@ class MemoryBook:
         it allows. Not offered when the user configured offload (their choice stands) or off CUDA
         (torch's CPUOffloadPolicy needs a GPU). DeepSpeed offloads parameters only at stage 3, and
         on its own engine the optimizer from stage 1 on."""
-        lowest = 1 if self.engine == "deepspeed" else 2
-        if stage < lowest or self.device_type != "cuda" or any(offload_sections(self.config)):
+        knobs = dimensions.fallback_knobs(stage, self.engine)
+        if knobs is None or self.device_type != "cuda" or any(offload_sections(self.config)):
             return None
-        knobs = {"offload_optimizer": "cpu"} if stage < 3 else {"offload_optimizer": "cpu", "offload_param": "cpu"}
         usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
         space = replace(self.space, stage_knobs=tuple(sorted({**dict(variant), **knobs}.items())))
         fitting = [m for m in space.valid_micro_batch_sizes(self.space.max_micro_batch_size)

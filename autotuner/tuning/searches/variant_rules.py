@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
+from autotuner.tuning.space import dimensions
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.search_space import Evaluate, Fits, SearchPolicy, SearchSpace
 from autotuner.tuning.space.experiment import Experiment, Knobs
@@ -138,18 +139,21 @@ def variant_measured(results, space: SearchSpace, variant: Knobs) -> bool:
 
 
 def checkpointing_settled(space: SearchSpace, by_policy: dict[str, int], profiled: bool) -> tuple[SearchSpace, str | None]:
-    """A tuned activation checkpointing policy is searched only where the profile measured what
-    each policy holds; else every variant keeps "none", and the line says why."""
+    """A tuned dimension that selects the activation figure (the checkpointing policy) is searched
+    only where the profile measured that figure for each value; else every variant keeps its
+    neutral value, and the line says why (the dimension's own reason)."""
     from dataclasses import replace
 
-    dimension = "activation_checkpointing"
-    if by_policy or not any(dimension in dict(v) for variants in space.variants.values() for v in variants):
+    selector = dimensions.activation_selector()
+    if selector is None:
         return space, None
-    why = ("the model has no repeated blocks (no nn.ModuleList) to checkpoint" if profiled
-           else "autotuning.model_info is given, so no profile measured what each policy holds")
-    # Kept at "none" rather than dropped: the profile launches already ran (and are named) so.
-    kept = {stage: tuple(dict.fromkeys(tuple((k, "none" if k == dimension else v) for k, v in variant)
+    name, neutral = selector.name, selector.neutral_value()
+    if by_policy or not any(name in dict(v) for variants in space.variants.values() for v in variants):
+        return space, None
+    why = selector.unmeasured_reasons[0 if profiled else 1]
+    # Kept at the neutral value rather than dropped: the profile launches already ran (and are named) so.
+    kept = {stage: tuple(dict.fromkeys(tuple((k, neutral if k == name else v) for k, v in variant)
                                        for variant in variants))
             for stage, variants in space.variants.items()}
-    return replace(space, variants=kept), (f"activation_checkpointing.policy: not tuned: {why}; every experiment runs "
+    return replace(space, variants=kept), (f"{dimensions.dotted(selector)}: not tuned: {why}; every experiment runs "
                                            "without it")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning.space.dimensions import (dimension, finish_values, full_mode_values, settle_variants,
+from autotuner.tuning.space.dimensions import (dimension, dotted, finish_values, full_mode_values, settle_variants,
                                          variant_values)
 from autotuner.tuning.space.search_space import SearchSpace
 
@@ -72,14 +72,13 @@ def untuned_offload_lines(config: DeepSpeedConfig, space: SearchSpace, engine: s
     for offload in config.zero_optimization.tuned_offloads:
         if offload in searched:
             continue
-        if not cuda:
+        dim = dimension(offload)
+        if not cuda and dim.cuda_only:
             why = "this machine has no GPU, so parameters and optimizer state already live in host memory"
-        elif engine == "autotuner" and offload == "offload_param":
-            why = ("on our engine FSDP2's CPUOffloadPolicy moves parameters together with the optimizer: "
-                   "offload_optimizer.device \"auto\" tunes it")
+        elif engine in dim.untuned_reasons:
+            why = dim.untuned_reasons[engine]
         else:
-            offered = sorted(dimension(offload).values.get(engine, {}))
+            offered = sorted(dim.values.get(engine, {}))
             why = f"it is searched at ZeRO {', '.join(map(str, offered))} only, and no such stage is searched here"
-        lines.append(f"zero_optimization.{offload}.device: \"auto\" not tuned: {why}; every experiment runs "
-                     "without it")
+        lines.append(f"{dotted(dim)}: \"auto\" not tuned: {why}; every experiment runs without it")
     return lines

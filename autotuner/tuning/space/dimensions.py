@@ -1,19 +1,21 @@
-"""The tuned dimensions beyond stage × micro-batch × gas.
+"""The tuned dimensions beyond stage × micro-batch × gas: the dimension registry.
 
-A dimension says where its value goes in the config (any section), which values full mode
-tries for a stage on an engine and device, its tag in experiment names, its encoding for the
-tuners and cost models, and its memory-model term. The space, experiment names and configs and
-the tuners' features read this table. Adding a dimension is not yet one entry: the existing
-ones are still named by hand in the step-time model (cost_model.py), the memory book, the planned
-run's one-off costs (planned_run.py), the variant rules, the config space, the engine choice
-(app/engines.py) and the engine's initialize; issue 47's registry is to make it one.
+A dimension declares what the tuner needs of it: where its value goes in the config (any
+section), which values full mode tries for a stage on an engine and device, its tag in experiment
+names, its encoding for the tuners and cost models, its memory-model term, its term in the
+step-time model, its role in the search and the final pick, its script flag on DeepSpeed's
+engine, and the text of its refusals. The space, experiment names and configs, the tuners'
+features, the memory book, the step-time model, the planned run, the variant rules, the config
+space and the engine choice read this table and name no dimension themselves. A plugin adds one
+with `register_dimension` (core/plugins.py); the engine inside the ranks honours its config key
+(its engine code: runtime/ for ours, DeepSpeed reads its own).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
 from autotuner.tuning.memory.estimate import StageSettings
@@ -94,6 +96,24 @@ class Dimension:
     # A variant also swept as a knob in full mode on these engines when the user left it out.
     full_mode_engines: tuple[Engine, ...] = ()
     neutral: Any = None  # the value the profile launches run ("off"); None: the first value offered
+    # Its term in the step-time model: "offset", a fixed time per step for each value (a group of
+    # its own); "per_sample", a time per sample for each value other than the neutral one (the
+    # recompute of activation checkpointing grows with the micro-batch).
+    step_time: str = "offset"
+    # Its value selects which activation figure the profile measured applies (one per value, as
+    # the profile's activation probe measures for each checkpointing policy); unmeasured, it is
+    # not tuned, and `unmeasured_reason(profiled)` says why.
+    selects_activations: bool = False
+    unmeasured_reasons: tuple[str, str] = ("", "")  # (after a profile, without one: model_info given)
+    # When a ZeRO stage fits nothing on the GPU, the memory book tries this value at these stages
+    # (CPU offload), the first stages gated by where the engine offers the dimension.
+    fallback: Mapping[int, Any] = field(default_factory=dict)
+    # On DeepSpeed's engine, the flag of the script that applies it (Hugging Face's), for the
+    # refusal that asks for an arg_mappings entry, and what the script does with it.
+    script_flag: str = ""
+    script_applies: str = ""
+    # Why "auto" at its path is not tuned on an engine that offers it no value (per engine).
+    untuned_reasons: Mapping[Engine, str] = field(default_factory=dict)
 
     def neutral_value(self) -> Any:
         if self.neutral is not None:
@@ -136,18 +156,25 @@ REGISTRY: dict[str, Dimension] = {d.name: d for d in (
               {"deepspeed": {1: ("none", "cpu"), 2: ("none", "cpu"), 3: ("none", "cpu")},
                "autotuner": {2: ("none", "cpu"), 3: ("none", "cpu")}},
               _offload_optimizer, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS, role="variant",
-              full_mode_engines=("deepspeed",), neutral="none"),
+              full_mode_engines=("deepspeed",), neutral="none", fallback={1: "cpu", 2: "cpu", 3: "cpu"}),
     Dimension("offload_param", ("zero_optimization", "offload_param", "device"), "op",
               {"deepspeed": {3: ("none", "cpu")}},
               _offload_param, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS, role="variant",
-              full_mode_engines=("deepspeed",), neutral="none"),
+              full_mode_engines=("deepspeed",), neutral="none", fallback={3: "cpu"},
+              untuned_reasons={"autotuner": "on our engine FSDP2's CPUOffloadPolicy moves parameters together with "
+                                            "the optimizer: offload_optimizer.device \"auto\" tunes it"}),
     # On DeepSpeed's engine the script checkpoints (Hugging Face's --gradient_checkpointing, whole
     # blocks): "none" or "full" through the mapped flag.
     Dimension("activation_checkpointing", ("activation_checkpointing", "policy"), "ac",
               {"autotuner": {stage: CHECKPOINT_POLICIES for stage in range(4)},
                "deepspeed": {stage: ("none", "full") for stage in range(4)}},
               _checkpoint_policy, _policy_rank, role="variant", flag_text=lambda policy: _bool_text(policy != "none"),
-              applied_by_script_on_deepspeed=True),
+              applied_by_script_on_deepspeed=True, step_time="per_sample", selects_activations=True,
+              unmeasured_reasons=("the model has no repeated blocks (no nn.ModuleList) to checkpoint",
+                                  "autotuning.model_info is given, so no profile measured what each policy holds"),
+              script_flag="--gradient_checkpointing",
+              script_applies="the script checkpoints activations itself (deepspeed.checkpointing, or Hugging "
+                             "Face's --gradient_checkpointing)"),
     # torch.compile of the blocks: the memory model keeps the eager figure (inductor's fusions
     # only lower it) and measured peaks refit it like any other launch.
     # On DeepSpeed's engine through the mapped flag (Hugging Face's --torch_compile, which has
@@ -155,8 +182,57 @@ REGISTRY: dict[str, Dimension] = {d.name: d for d in (
     Dimension("compile", ("compile", "enabled"), "c",
               {"autotuner": {stage: ON_OFF for stage in range(4)}, "deepspeed": {stage: ON_OFF for stage in range(4)}},
               _same_memory, role="finish", flag_text=lambda enabled: _bool_text(bool(enabled)),
-              applied_by_script_on_deepspeed=True),
+              applied_by_script_on_deepspeed=True, script_flag="--torch_compile"),
 )}
+
+
+def register_dimension(dim: Dimension) -> Dimension:
+    """Add a dimension (a plugin's); a name or tag already taken is refused, so none is replaced unseen."""
+    taken = {d.tag: d.name for d in REGISTRY.values() if d.name != dim.name}
+    if dim.name in REGISTRY and REGISTRY[dim.name] is not dim:
+        raise ValueError(f"dimension {dim.name!r} is registered already")
+    if dim.tag in taken:
+        raise ValueError(f"dimension {dim.name!r}: tag {dim.tag!r} belongs to {taken[dim.tag]!r}")
+    REGISTRY[dim.name] = dim
+    return dim
+
+
+def dotted(dim: Dimension) -> str:
+    return ".".join(dim.path)
+
+
+def per_sample_names() -> frozenset[str]:
+    """Dimensions whose step-time term is per sample, not an offset group."""
+    return frozenset(d.name for d in REGISTRY.values() if d.step_time == "per_sample")
+
+
+def activation_selector() -> Dimension | None:
+    """The dimension whose value selects the profile's activation figure, if one is registered."""
+    return next((d for d in REGISTRY.values() if d.selects_activations), None)
+
+
+def activation_value(knobs: tuple[tuple[str, Any], ...]) -> str:
+    """Which measured activation figure an experiment's knobs select ("none": the plain one)."""
+    selector = activation_selector()
+    if selector is None:
+        return "none"
+    return str(dict(knobs).get(selector.name, selector.neutral_value()))
+
+
+def finishing_names() -> frozenset[str]:
+    """Dimensions tried last on the best configurations, with a one-off cost (compiling)."""
+    return frozenset(d.name for d in REGISTRY.values() if d.role == "finish")
+
+
+def fallback_knobs(stage: int, engine: Engine) -> dict[str, Any] | None:
+    """What a stage that fits nothing on the GPU tries instead (CPU offload): each fallback
+    dimension's value at `stage`, from the first stage where the engine offers any of them."""
+    fallbacks = [d for d in REGISTRY.values() if d.fallback]
+    offered = [s for d in fallbacks for s in d.values.get(engine, {})]
+    if not offered or stage < min(offered):
+        return None
+    knobs = {d.name: d.fallback[stage] for d in fallbacks if stage in d.fallback}
+    return knobs or None
 
 
 def flag_text(dotted_key: str, value: Any) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autotuner.core.boundary import Measurement
+from autotuner.tuning.space import dimensions
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 
 FINISH_NOISE = 0.06  # twice the run-to-run spread of a step (cost_model.NOISE_FLOOR): a prediction's slack
@@ -71,11 +72,20 @@ def could_beat(predicted: float, incumbent: float, objective: Objective) -> bool
     return objective.better(optimistic, incumbent)
 
 
-def _uncompiled_twin(result: TrialResult, results: list[TrialResult]) -> TrialResult | None:
-    knobs = {k: v for k, v in result.experiment.knobs if k != "compile"}
+def _finished(result: TrialResult) -> dict:
+    """The finishing dimensions (compile) the result ran at a value other than their neutral one."""
+    return {name: value for name, value in result.experiment.knobs
+            if name in dimensions.finishing_names() and value != dimensions.dimension(name).neutral_value()}
+
+
+def _plain_twin(result: TrialResult, results: list[TrialResult]) -> TrialResult | None:
+    """The same configuration measured without its finishing dimensions (eager, for compile)."""
+    finishing = dimensions.finishing_names()
+    knobs = {k: v for k, v in result.experiment.knobs if k not in finishing}
     for other in results:
         other_knobs = dict(other.experiment.knobs)
-        if (other.state is TrialState.OK and not other_knobs.pop("compile", False) and other_knobs == knobs
+        if (other.state is TrialState.OK and not _finished(other)
+                and {k: v for k, v in other_knobs.items() if k not in finishing} == knobs
                 and other.experiment.zero_stage == result.experiment.zero_stage
                 and other.experiment.micro_batch_size == result.experiment.micro_batch_size
                 and other.experiment.gradient_accumulation_steps == result.experiment.gradient_accumulation_steps):
@@ -84,18 +94,19 @@ def _uncompiled_twin(result: TrialResult, results: list[TrialResult]) -> TrialRe
 
 
 def compile_lines(results: list[TrialResult], planned_steps: int | None) -> list[str]:
-    """For each compiled configuration measured beside its eager twin: its one-off cost, its
-    steady step against eager's, and the step count from which compiling pays back."""
+    """For each finished configuration (compiled) measured beside its plain twin: its one-off
+    cost, its steady step against the plain one's, and the step count from which it pays back."""
     lines = []
-    for compiled in results:
-        if compiled.state is not TrialState.OK or not dict(compiled.experiment.knobs).get("compile"):
+    for finished in results:
+        if finished.state is not TrialState.OK or not (done := _finished(finished)):
             continue
-        eager = _uncompiled_twin(compiled, results)
-        if eager is None or compiled.measurement is None or eager.measurement is None:
+        plain = _plain_twin(finished, results)
+        if plain is None or finished.measurement is None or plain.measurement is None:
             continue
-        c, e = compiled.measurement, eager.measurement
+        c, e = finished.measurement, plain.measurement
         extra_s = c.one_off_s() - e.one_off_s()
-        line = (f"compile: {compiled.name}: one-off {c.one_off_s():.1f} s (eager {e.one_off_s():.1f} s), steady step "
+        label = ", ".join(done)
+        line = (f"{label}: {finished.name}: one-off {c.one_off_s():.1f} s (eager {e.one_off_s():.1f} s), steady step "
                 f"{c.latency * 1e3:.1f} ms against {e.latency * 1e3:.1f} ms eager: ")
         if c.latency < e.latency:
             steps = max(0.0, extra_s) / (e.latency - c.latency)
