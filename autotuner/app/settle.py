@@ -35,7 +35,9 @@ from autotuner.tuning.space.config_space import base_config, search_space
 from autotuner.tuning.trials.trial import ExperimentSettings, config_value
 from autotuner.tuning.trials.journal import Fingerprint, fingerprint_of, this_device, torch_version
 from autotuner.tuning.space.records import Objective
+from autotuner.tuning.space.devices import DeviceFacts, read_device_facts
 from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.search_space import SearchSpace
 from autotuner.tuning.tuners import TUNERS
 
 
@@ -53,6 +55,9 @@ class SettledJob:
     fingerprint: Fingerprint
     results_dir: Path
     exps_dir: Path
+    devices: DeviceFacts  # read once, here
+    space: SearchSpace  # built once, here, for the engine settled here (the orchestrator swaps in the
+    # engine's dimensions after the profile only where the profile's ranks settle the engine)
 
 
 def say(line: str) -> None:
@@ -95,9 +100,8 @@ def check_arg_mappings(config: DeepSpeedConfig, source: str) -> None:
                               "(train_micro_batch_size_per_gpu, gradient_accumulation_steps, ...)")
 
 
-def check_some_batch_is_valid(config: DeepSpeedConfig, data_parallel_size: int, source: str) -> None:
+def check_some_batch_is_valid(space: SearchSpace, data_parallel_size: int, source: str) -> None:
     """At least one micro-batch size must give a valid global batch, or every launch is wasted."""
-    space = search_space(config, data_parallel_size)
     candidates = space.fixed_micro_batch_sizes or range(space.min_micro_batch_size, space.max_micro_batch_size + 1)
     if any(space.gas(micro) is not None for micro in candidates):
         return
@@ -188,9 +192,13 @@ def settle(args: argparse.Namespace) -> SettledJob:
     check_results_dir(exps_dir, "exps_dir")
     data_parallel_size = data_parallel_size_of(world_size, tuning.mp_size, source)
     check_fixed_triad(config, data_parallel_size, source)
-    check_some_batch_is_valid(config, data_parallel_size, source)
-    check_optimizer_and_scheduler(config, source)
     engine = script_engine(args.script, getattr(args, "engine", "auto"))
+    # The search space, built once for the run from the device facts read once (the engine's own
+    # dimensions are swapped in after the profile where only its ranks can tell the engine).
+    devices = read_device_facts()
+    space = search_space(config, data_parallel_size, engine.engine, devices.on_gpu)
+    check_some_batch_is_valid(space, data_parallel_size, source)
+    check_optimizer_and_scheduler(config, source)
     if engine.settled:
         check_engine(config, engine, args.script, script_args, source)
     elif tuning.model_info is not None and tuning.model_info.num_params:
@@ -229,7 +237,8 @@ def settle(args: argparse.Namespace) -> SettledJob:
                                  nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if placed else 1,
                                  launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
                                  device=this_device())
-    return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir)
+    return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir,
+                      devices, space)
 
 
 def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, script_args: tuple[str, ...],

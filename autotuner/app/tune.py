@@ -47,7 +47,8 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
         with exclusive_lock(results_dir):
             try:
                 outcome = Autotuner(job.config, job.settings, results_dir, exps_dir, runner, job.fingerprint,
-                                    report=_say, settle_engine=lambda built: settle_built_engine(job, built)).tune()
+                                    report=_say, settle_engine=lambda built: settle_built_engine(job, built),
+                                    devices=job.devices, space=job.space).tune()
             except Stopped as stop:  # the runner's exit below ends the running experiment
                 print(f"autotuner: stopped by {stop.name}; running experiment ended, finished records kept in "
                       f"{exps_dir}. Resume with the same command.", file=sys.stderr, flush=True)

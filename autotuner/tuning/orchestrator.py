@@ -33,7 +33,7 @@ from autotuner.launch.stopping import mark_work_started
 from autotuner.tuning.space.planned_run import objective_line
 from autotuner.tuning.searches.stage_search import run_search
 from autotuner.tuning.searches.variant_rules import checkpointing_settled, variant_text
-from autotuner.tuning.space.search_space import SearchPolicy, ladder_sizes
+from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace, ladder_sizes
 from autotuner.tuning.models.sharding_gain import REASON_PREFIX, sharding_cannot_win
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.trials.similar_runs import SimilarRuns
@@ -58,7 +58,8 @@ class Autotuner:
 
     def __init__(self, config: DeepSpeedConfig, settings: ExperimentSettings, results_dir: Path, exps_dir: Path,
                  runner: Runner, fingerprint: Fingerprint, report: Callable[[str], None] = print,
-                 settle_engine: Callable[[str], str] = follow_the_launch, devices: DeviceFacts | None = None):
+                 settle_engine: Callable[[str], str] = follow_the_launch, devices: DeviceFacts | None = None,
+                 space: SearchSpace | None = None):
         self.config = config
         self.settle_engine = settle_engine
         self.settings = settings
@@ -71,7 +72,8 @@ class Autotuner:
         tuning = config.autotuning
         self.policy = SearchPolicy.from_tuning(self.objective, tuning, settings.planned_steps)
         self.devices = devices or read_device_facts()  # read once: the run's every check uses these
-        self.space = search_space(config, settings.data_parallel_size, settings.engine, self.devices.on_gpu)
+        # Given by the settle pass, which built it once; built here for a caller that settles nothing.
+        self.space = space or search_space(config, settings.data_parallel_size, settings.engine, self.devices.on_gpu)
         self._pruned: list[TrialResult] = []
         self._started = time.monotonic()
         self._profiled = False  # a profile launch has shown the script runs
