@@ -246,6 +246,8 @@ def _check_backend(args: argparse.Namespace) -> None:
 def _stop_when_stdin_closes() -> None:
     """A node started by the head (launch/nodes.py): its stdin is the head's pipe. When that closes,
     stop as on SIGTERM, so torch elastic ends this node's ranks."""
+    from autotuner.launch.stopping import stop_in_progress
+
     def watch() -> None:
         # The raw fd, not sys.stdin: a daemon thread blocked in a buffered read aborts interpreter exit.
         try:
@@ -253,7 +255,10 @@ def _stop_when_stdin_closes() -> None:
                 pass
         except OSError:
             pass
-        os.kill(os.getpid(), signal.SIGTERM)
+        # Already stopping (scancel signals every process of a job step, and the pipe closes as srun
+        # goes): a second SIGTERM would cut the ranks' grace short.
+        if not stop_in_progress():
+            os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, daemon=True, name="stop-with-stdin").start()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -163,3 +164,29 @@ def test_scancel_ends_every_step_rank_and_the_launcher(slurm_cluster, tmp_path):
     assert job_left(job_id) == []
     assert_pids_dead(tmp_path / "pids", expected=2, grace_s=10)
     assert not launcher.is_running() or launcher.status() == psutil.STATUS_ZOMBIE
+
+
+@slow
+def test_scancel_of_a_batch_job_ends_everything_within_the_ranks_grace(slurm_cluster, tmp_path):
+    """Under sbatch the launcher runs in the batch step: scancel signals it, each srun and each
+    node's processes at once. Each agent stops once (its stdin closing as srun goes is no second
+    stop, which would cut the ranks' grace short), and nothing of the job is left."""
+    launcher = [sys.executable, "-m", "autotuner", "--launcher", "slurm", "--nproc_per_node", "1", "--master_port",
+                str(free_port()), *map(str, toy_args(tmp_path, "--steps", "4000", "--ms_per_step", "50"))]
+    output = tmp_path / "job.out"
+    submitted = slurm_cluster.command("sbatch", "--nodes=2", f"--chdir={tmp_path}", f"--output={output}",
+                                      "--job-name=autotuner-test", "--parsable", "--wrap", shlex.join(launcher))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        wait_for(lambda: len(pids_in(tmp_path / "pids")) == 2, 120, "both nodes' ranks")
+    finally:
+        cancelled = slurm_cluster.command("scancel", job_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert job_left(job_id) == []
+    assert_pids_dead(tmp_path / "pids", expected=2, grace_s=10)
+    wait_for(lambda: not slurm_cluster.command("squeue", "-h", "-j", job_id).stdout.strip(), 60, "the job's end")
+    lines = launcher_lines(output.read_text())
+    assert "launcher: stopped by SIGTERM; stopping every node" in lines, lines
+    assert lines.count("launcher: stopped by SIGTERM; all ranks ended") == 2, lines
+    assert not any("again" in line for line in lines), lines
