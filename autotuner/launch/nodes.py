@@ -198,7 +198,7 @@ def plan_nodes(*, hostfile: str | None, include: str | None, exclude: str | None
 
 def nodes_plan(options: LaunchOptions, python: str, cwd: str, environ: dict[str, str], num_nodes: int | None,
                agent_flags: tuple[str, ...] = (), allocation: Allocation | None = None) -> NodesPlan | None:
-    """The head's plan to start one agent per host (launch/nodes.py): with a hostfile naming other
+    """The head's plan to start one agent per host (plan_nodes): with a hostfile naming other
     hosts (or several), or with --launcher slurm, whose job steps run on the `allocation`'s nodes
     even when there is one (salloc's shell may be on a login node). None when the ranks start here."""
     slurm = uses_allocation(options.launcher)
@@ -229,7 +229,7 @@ def nodes_plan(options: LaunchOptions, python: str, cwd: str, environ: dict[str,
     if slurm:
         if options.hostfile is not None and hostfile is None:
             notes = (f"--hostfile {options.hostfile}: not found; using every node of the Slurm allocation",)
-        if hostfile is None:
+        if hostfile is None and options.nproc_per_node is None:
             # A node's slots: the GPUs per node Slurm gave the job, else what this launcher sees.
             slots_per_node = ranks_per_node(environ) or default_nproc_per_node()
         srun_args = srun_options(options)
