@@ -174,3 +174,26 @@ def _unit_tests_start_no_process(request, monkeypatch):
 def no_orphans():
     yield
     assert_no_children_left()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """A two-node Slurm cluster on this machine (tests/slurm_cluster.py), for the whole session;
+    its daemons are stopped at the end. Skips where Slurm is not installed or cannot start."""
+    import shutil
+    import tempfile
+
+    from slurm_cluster import ClusterUnavailable, start_cluster, stop_cluster
+
+    # A short directory: slurmstepd's sockets live in the spool directories (107-byte socket paths).
+    directory = Path(tempfile.mkdtemp(prefix="slurm-", dir="/tmp" if os.access("/tmp", os.W_OK) else None))
+    try:
+        cluster = start_cluster(directory)
+    except ClusterUnavailable as err:
+        shutil.rmtree(directory, ignore_errors=True)
+        pytest.skip(f"no Slurm cluster: {err}")
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)
+        shutil.rmtree(directory, ignore_errors=True)

@@ -77,8 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--enable_each_rank_log", default=None, metavar="DIR",
                     help="each rank's stdout and stderr go to DIR/<time>_rank<N>.log")
     ds.add_argument("--launcher", default="pdsh",
-                    help="multi-node backend name; on one node the ranks start locally whichever is named")
-    ds.add_argument("--launcher_args", default="", help=argparse.SUPPRESS)
+                    help="multi-node backend: pdsh/ssh with a --hostfile; slurm/srun: one job step per node of the "
+                         "Slurm allocation (inside salloc or sbatch); otherwise the ranks start locally whichever "
+                         "is named")
+    ds.add_argument("--launcher_args", default="",
+                    help="--launcher slurm: more srun options for every node's step, one quoted string")
+    ds.add_argument("--slurm_comment", default=None, help="--launcher slurm: srun's --comment on every node's step")
     ds.add_argument("--force_multi", action="store_true", help="refused: pdsh/MPI starts are not supported")
     ds.add_argument("--ssh_port", type=int, default=None, help="multi-host --hostfile over ssh: the remote port")
     ds.add_argument("--no_ssh_check", action="store_true",
@@ -178,12 +182,18 @@ def _launch(args: argparse.Namespace) -> int:
 
     from autotuner.core.boundary import ONLINE_ENV
     from autotuner.launch import LaunchOptions, build_plan, run_plan
-    from autotuner.launch.plan import config_checked, nodes_plan
+    from autotuner.launch.nodes import nodes_plan
+    from autotuner.launch.plan import config_checked
+    from autotuner.launch.slurm import read_allocation, uses_allocation
 
     options = LaunchOptions.from_args(args)
-    nodes = nodes_plan(options, sys.executable, os.getcwd(), dict(os.environ), num_nodes=args.num_nodes,
+    environ = dict(os.environ)
+    # --launcher slurm: the allocation's nodes, read once (scontrol) before the plan is built.
+    allocation = read_allocation(environ) if uses_allocation(options.launcher) else None
+    nodes = nodes_plan(options, sys.executable, os.getcwd(), environ, num_nodes=args.num_nodes,
                        agent_flags=(("--debug",) if args.debug else ()) + (
-                           ("--autotuning", "online") if args.autotuning == "online" else ()))
+                           ("--autotuning", "online") if args.autotuning == "online" else ()),
+                       allocation=allocation)
     if nodes is not None:
         from autotuner.launch.node_runner import run_nodes
 
@@ -202,6 +212,8 @@ def _launch(args: argparse.Namespace) -> int:
 def _stop_when_stdin_closes() -> None:
     """A node started by the head (launch/nodes.py): its stdin is the head's pipe. When that closes,
     stop as on SIGTERM, so torch elastic ends this node's ranks."""
+    from autotuner.launch.stopping import stop_in_progress
+
     def watch() -> None:
         # The raw fd, not sys.stdin: a daemon thread blocked in a buffered read aborts interpreter exit.
         try:
@@ -209,7 +221,10 @@ def _stop_when_stdin_closes() -> None:
                 pass
         except OSError:
             pass
-        os.kill(os.getpid(), signal.SIGTERM)
+        # Already stopping (scancel signals every process of a job step, and the pipe closes as srun
+        # goes): a second SIGTERM would cut the ranks' grace short.
+        if not stop_in_progress():
+            os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, daemon=True, name="stop-with-stdin").start()
 

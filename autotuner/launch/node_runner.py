@@ -29,7 +29,8 @@ def preflight(plan: NodesPlan, environ: dict[str, str]) -> None:
     """Every node reachable before anything starts (DeepSpeed checks its first host over ssh)."""
     tool = plan.nodes[0].cmd[0]
     if shutil.which(tool, path=environ.get("PATH")) is None:
-        raise UsageError(f"--hostfile: {tool} is not on PATH; it is needed to start the nodes "
+        flag = "--launcher slurm" if plan.backend == "srun" else "--hostfile"
+        raise UsageError(f"{flag}: {tool} is not on PATH; it is needed to start the nodes "
                          f"({', '.join(n.host for n in plan.nodes)}) with --launcher {plan.backend}")
     checks = [(cmd, subprocess.Popen(cmd, env=environ, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)) for cmd in plan.checks]
@@ -48,6 +49,8 @@ def run_nodes(plan: NodesPlan, environ: dict[str, str] | None = None) -> int:
     """Start the nodes, return the first failed node's status (0 when all succeed)."""
     environ = dict(os.environ) if environ is None else environ
     preflight(plan, environ)
+    for note in plan.notes:
+        print(f"launcher: note: {note}", file=sys.stderr, flush=True)
     hosts = ", ".join(f"{n.host} (node {n.node_rank}, {n.nproc} rank(s))" for n in plan.nodes)
     print(f"launcher: starting {len(plan.nodes)} nodes over {plan.backend}: {hosts}; rendezvous at "
           f"{plan.master_addr}:{plan.master_port}", file=sys.stderr, flush=True)

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.core.errors import UsageError
-from autotuner.launch.nodes import NodesPlan, active_hosts, plan_nodes
 from autotuner.launch.resources import cores_for_ranks, is_this_host, parse_core_list, parse_hostfile, select_slots
 
 DEFAULT_MASTER_PORT = 29500
@@ -74,6 +73,8 @@ class LaunchOptions:
     bind_core_list: str | None = None
     each_rank_log_dir: str | None = None
     launcher: str = "pdsh"
+    launcher_args: str = ""  # more srun options for --launcher slurm, one shell-quoted string (DeepSpeed's flag)
+    slurm_comment: str | None = None  # srun --comment on every node's job step
     force_multi: bool = False
     ssh_port: int | None = None
     ssh_check: bool = True
@@ -91,7 +92,9 @@ class LaunchOptions:
             rdzv_conf=getattr(args, "rdzv_conf", ""),
             hostfile=args.hostfile, include=args.include, exclude=args.exclude, no_local_rank=args.no_local_rank,
             bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list,
-            each_rank_log_dir=args.enable_each_rank_log, launcher=args.launcher, force_multi=args.force_multi,
+            each_rank_log_dir=args.enable_each_rank_log, launcher=args.launcher,
+            launcher_args=getattr(args, "launcher_args", ""), slurm_comment=getattr(args, "slurm_comment", None),
+            force_multi=args.force_multi,
             ssh_port=getattr(args, "ssh_port", None), ssh_check=not getattr(args, "no_ssh_check", False),
             report_file=args.report_file,
         )
@@ -115,9 +118,11 @@ class LaunchOptions:
                 ("--hostfile", self.hostfile, None), ("--include", self.include, None),
                 ("--exclude", self.exclude, None), ("--bind_core_list", self.bind_core_list, None),
                 ("--enable_each_rank_log", self.each_rank_log_dir, None), ("--launcher", self.launcher, "pdsh"),
+                ("--launcher_args", self.launcher_args, ""), ("--slurm_comment", self.slurm_comment, None),
                 ("--ssh_port", self.ssh_port, None), ("--report_file", self.report_file, None)):
             if value != default:
-                argv += [flag, str(value)]
+                # A value that starts with a dash (--launcher_args) would read as a flag of its own.
+                argv += [f"{flag}={value}"] if str(value).startswith("-") else [flag, str(value)]
         for flag, on in (("--no_local_rank", self.no_local_rank), ("--bind_cores_to_rank", self.bind_cores_to_rank),
                          ("--force_multi", self.force_multi), ("--no_ssh_check", not self.ssh_check)):
             if on:
@@ -186,7 +191,7 @@ def _pool(options: LaunchOptions, environ: dict[str, str], gpus: int) -> tuple[d
             pool = parse_hostfile(options.hostfile)
             others = [host for host in pool if not is_this_host(host)]
             if others:
-                # A plain launch starts every host from it (nodes_plan); the tuner and --bench run on one.
+                # A plain launch starts every host from it (nodes.py nodes_plan); the tuner and --bench run on one.
                 raise UsageError(f"--hostfile {options.hostfile}: lists other hosts ({', '.join(others)}); "
                                  "--autotuning and --bench run on one node for now: tune with a hostfile naming only "
                                  "this host, then train on every host with the optimal config")
@@ -328,35 +333,6 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
             raise UsageError("--rdzv_conf: rank is set by --node_rank")
         conf[key.strip()] = value.strip()
     return conf
-
-
-def nodes_plan(options: LaunchOptions, python: str, cwd: str, environ: dict[str, str], num_nodes: int | None,
-               agent_flags: tuple[str, ...] = ()) -> NodesPlan | None:
-    """With a hostfile naming other hosts (or several), the head's plan to start one agent per
-    host (launch/nodes.py); None when the ranks start here (no hostfile, or only this host)."""
-    if options.hostfile is None or not Path(options.hostfile).is_file():
-        return None
-    if not Path(options.script).is_file():
-        raise UsageError(f"training script not found: {options.script}")
-    hosts = active_hosts(options.hostfile, options.include, options.exclude, num_nodes, options.nproc_per_node)
-    if len(hosts) == 1 and is_this_host(next(iter(hosts))):
-        return None
-    if options.rdzv_endpoint or options.node_rank:
-        raise UsageError("--hostfile with other hosts starts every node itself: drop --node_rank/--rdzv_endpoint")
-    passthrough: list[str] = list(agent_flags)
-    for flag, value in (("--bind_core_list", options.bind_core_list), ("--enable_each_rank_log",
-                                                                       options.each_rank_log_dir),
-                        ("--rdzv_conf", options.rdzv_conf or None)):
-        if value is not None:
-            passthrough += [flag, value]
-    passthrough += [flag for flag, on in (("--no_local_rank", options.no_local_rank),
-                                          ("--bind_cores_to_rank", options.bind_cores_to_rank)) if on]
-    return plan_nodes(hostfile=options.hostfile, include=options.include, exclude=options.exclude,
-                      num_nodes=num_nodes, nproc_per_node=options.nproc_per_node, master_addr=options.master_addr,
-                      master_port=options.master_port or DEFAULT_MASTER_PORT, launcher=options.launcher,
-                      ssh_port=options.ssh_port, ssh_check_hosts=options.ssh_check, passthrough=tuple(passthrough),
-                      script=options.script, script_args=options.script_args, python=python, cwd=cwd,
-                      environ=environ)
 
 
 def config_checked(plan: LaunchPlan) -> LaunchPlan:

@@ -24,6 +24,7 @@ VALUES = {
     "rdzv_conf": ["", "timeout=60,join_timeout=30"], "hostfile": [None, "hosts"], "include": [None, "localhost:0,1"],
     "exclude": [None, "localhost:1"], "no_local_rank": [False, True], "bind_cores_to_rank": [False, True],
     "bind_core_list": [None, "0,2-5"], "each_rank_log_dir": [None, "logs"], "launcher": ["pdsh", "slurm"],
+    "launcher_args": ["", "--account=ml", "--qos high -p debug"], "slurm_comment": [None, "run 7"],
     "force_multi": [False, True], "ssh_port": [None, 2222], "ssh_check": [True, False],
     "report_file": [None, "r.json"],
 }

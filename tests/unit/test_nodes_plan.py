@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from autotuner.core.errors import UsageError
-from autotuner.launch.nodes import STOP_WITH_STDIN_FLAG, active_hosts, exported_env, plan_nodes
-from autotuner.launch.plan import LaunchOptions, nodes_plan
+from autotuner.launch.nodes import STOP_WITH_STDIN_FLAG, active_hosts, exported_env, nodes_plan, plan_nodes
+from autotuner.launch.plan import LaunchOptions
+from autotuner.launch.slurm import Allocation
 
 PY = "/opt/py/bin/python"
 
@@ -90,17 +91,24 @@ def test_exports_follow_deepspeeds_prefixes_and_deepspeed_env_files(hostfile, tm
         exported_env({}, str(tmp_path), str(tmp_path / "home"))
 
 
+WORKERS = Allocation("42", "worker-[0-2]", ("worker-0", "worker-1", "worker-2"),
+                     {"worker-0": "10.0.0.10", "worker-1": "10.0.0.11", "worker-2": "10.0.0.12"})
+
+
 def test_srun_starts_one_job_step_per_node_with_exports_in_its_environment(hostfile, tmp_path):
     environ = {"SLURM_JOB_ID": "42", "NCCL_DEBUG": "INFO"}
-    nodes = plan(hostfile, tmp_path, launcher="slurm", environ=environ)
+    nodes = plan(hostfile, tmp_path, launcher="slurm", environ=environ, allocation=WORKERS)
     assert nodes.backend == "srun"
     node = nodes.nodes[2]
-    assert node.cmd[:8] == ("srun", "--nodes=1", "--ntasks=1", "--nodelist=worker-2", "--export=ALL",
-                            f"--chdir={tmp_path}", "--kill-on-bad-exit=1", PY)
+    assert node.cmd[:9] == ("srun", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--nodelist=worker-2",
+                            "--export=ALL", f"--chdir={tmp_path}", "--kill-on-bad-exit=1", PY)
     assert node.cmd[node.cmd.index("--node_rank") + 1] == "2"
     assert node.env["NCCL_DEBUG"] == "INFO" and node.env["PYTHONPATH"] == str(tmp_path)
+    # Rendezvous at the first node's NodeAddr: a node's name need not resolve.
+    assert nodes.master_addr == "10.0.0.10"
+    assert node.cmd[node.cmd.index("--master_addr") + 1] == "10.0.0.10"
     with pytest.raises(UsageError, match="SLURM_JOB_ID"):
-        plan(hostfile, tmp_path, launcher="slurm", environ={})
+        plan(hostfile, tmp_path, launcher="slurm", environ={}, allocation=WORKERS)
 
 
 def test_every_host_is_checked_over_ssh_first_unless_told_not_to(hostfile, tmp_path):
@@ -108,7 +116,7 @@ def test_every_host_is_checked_over_ssh_first_unless_told_not_to(hostfile, tmp_p
     assert nodes.checks == tuple(("ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-p", "2222", host, "true")
                                  for host in ("worker-0", "worker-1", "worker-2"))
     assert plan(hostfile, tmp_path, ssh_check_hosts=False).checks == ()
-    assert plan(hostfile, tmp_path, launcher="slurm", environ={"SLURM_JOB_ID": "1"}).checks == ()
+    assert plan(hostfile, tmp_path, launcher="slurm", environ={"SLURM_JOB_ID": "42"}, allocation=WORKERS).checks == ()
 
 
 def test_ssh_port_and_unsupported_backends(hostfile, tmp_path):

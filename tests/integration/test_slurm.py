@@ -1,0 +1,192 @@
+"""`--launcher slurm` on a real Slurm cluster: two slurmd (node1, node2) on this machine
+(conftest's `slurm_cluster`). The launcher runs inside `salloc -N2`, reads the allocation's nodes
+and starts one job step per node; the losses must equal one node's with two ranks, and a stop
+(SIGTERM or Ctrl-C to the launcher, scancel of the job) must leave no process of the job."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import CONFIGS, MINIMAL, WORKERS, launcher_env, run_launcher
+from process_checks import assert_pids_dead, pids_in, wait_for
+from slurm_cluster import job_processes
+
+pytestmark = [pytest.mark.timeout(600)]
+slow = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def in_allocation(*launcher_args, nodes: int = 2) -> list[str]:
+    """`salloc -N2 python -m autotuner ARGS`: the launcher as the allocation's command."""
+    return ["salloc", f"--nodes={nodes}", "--job-name=autotuner-test", sys.executable, "-m", "autotuner",
+            *map(str, launcher_args)]
+
+
+def toy_args(tmp_path: Path, *extra: str) -> tuple:
+    config = tmp_path / "toy.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+                                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                                  "zero_optimization": {"stage": 0}}))
+    return (WORKERS / "toy_train.py", "--pid_dir", tmp_path / "pids", *extra, "--deepspeed", config)
+
+
+def launcher_lines(stderr: str) -> list[str]:
+    """The launcher's own lines (salloc and srun write theirs to the same stream)."""
+    return [line for line in stderr.splitlines() if line.startswith("launcher:")]
+
+
+def job_left(job_id: str, grace_s: float = 20.0) -> list:
+    """Processes of the job still alive after `grace_s`: none when everything ended."""
+    deadline = time.monotonic() + grace_s
+    while (left := job_processes(job_id)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [(p.pid, " ".join(p.cmdline())[:100]) for p in left if p.is_running()]
+
+
+def test_launcher_slurm_outside_an_allocation_is_refused_in_one_line(tmp_path):
+    env = {key: value for key, value in launcher_env().items() if not key.startswith("SLURM_")}
+    result = run_launcher("--launcher", "slurm", "--nproc_per_node", "1", *toy_args(tmp_path), cwd=tmp_path, env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "launcher: error: --launcher slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set); run it inside "
+        "salloc or sbatch, or use --launcher ssh with a --hostfile"]
+    assert not (tmp_path / "pids").exists()
+
+
+@slow
+def test_two_nodes_of_an_allocation_train_as_one_node_with_two_ranks(slurm_cluster, tmp_path):
+    args = (MINIMAL, "--deepspeed", CONFIGS / "zero1.json", "--steps", "8", "--losses_out")
+    single = run_launcher("--nproc_per_node", "2", *args, tmp_path / "one_node.json", cwd=tmp_path)
+    assert single.returncode == 0, single.stderr[-3000:]
+
+    two = subprocess.run(in_allocation("--launcher", "slurm", "--nproc_per_node", "1", "--master_port",
+                                       free_port(), *args, tmp_path / "two_nodes.json"),
+                         cwd=tmp_path, env=slurm_cluster.env(launcher_env()), capture_output=True, text=True,
+                         timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    # The nodes came from the allocation, and the rendezvous from node1's NodeAddr (its name does not resolve).
+    assert ("launcher: starting 2 nodes over srun: node1 (node 0, 1 rank(s)), node2 (node 1, 1 rank(s)); "
+            "rendezvous at 127.0.0.1:") in two.stderr
+    expected = json.loads((tmp_path / "one_node.json").read_text())
+    got = json.loads((tmp_path / "two_nodes.json").read_text())
+    assert len(got) == 8 and len(set(got)) > 1
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-7)
+    assert "Traceback" not in two.stderr
+
+
+@slow
+def test_more_nodes_than_the_allocation_holds_is_refused_in_one_line(slurm_cluster, tmp_path):
+    result = subprocess.run(in_allocation("--launcher", "slurm", "--num_nodes", "3",
+                                          "--nproc_per_node", "1", *toy_args(tmp_path)),
+                            cwd=tmp_path, env=slurm_cluster.env(launcher_env()), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = launcher_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith("launcher: error: --num_nodes: got 3, but the Slurm allocation "
+                                                   "(job "), lines
+    assert lines[0].endswith(") holds 2 host(s)")
+    assert not (tmp_path / "pids").exists()
+
+
+def start_training(cluster, tmp_path: Path) -> tuple[subprocess.Popen, psutil.Process, str]:
+    """salloc running the launcher on both nodes, once both ranks run: (salloc, launcher, job id)."""
+    salloc = subprocess.Popen(in_allocation("--launcher", "slurm", "--nproc_per_node", "1", "--master_port",
+                                            free_port(), *toy_args(tmp_path, "--steps", "4000", "--ms_per_step", "50")),
+                              cwd=tmp_path, env=cluster.env(launcher_env()), stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: len(pids_in(tmp_path / "pids")) == 2, 120, "both nodes' ranks", salloc)
+        launcher = next(p for p in psutil.Process(salloc.pid).children() if "autotuner" in p.cmdline())
+        return salloc, launcher, launcher.environ()["SLURM_JOB_ID"]
+    except BaseException:
+        finish(salloc, timeout=0)
+        raise
+
+
+def finish(salloc: subprocess.Popen, timeout: float = 90) -> tuple[int, str]:
+    """salloc's status and error output once it ends. Past `timeout` its session gets SIGTERM
+    (salloc then cancels the job, and Slurm ends the steps), then SIGKILL."""
+    try:
+        _, err = salloc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(salloc.pid, signal.SIGTERM)
+        try:
+            _, err = salloc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(salloc.pid, signal.SIGKILL)
+            _, err = salloc.communicate()
+    return salloc.returncode, err
+
+
+@slow
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda sig: sig.name)
+def test_stopping_the_launcher_ends_every_step_and_rank(how, slurm_cluster, tmp_path):
+    """The launcher (salloc's command) gets the signal: it stops every node's agent through its
+    step's stdin and exits as torchrun does, 128 + the signal. Even a SIGKILLed launcher leaves
+    nothing: the steps' stdin closes with it."""
+    salloc, launcher, job_id = start_training(slurm_cluster, tmp_path)
+    launcher.send_signal(how)
+    code, err = finish(salloc)
+    if how != signal.SIGKILL:
+        assert code == 128 + how, err[-3000:]
+        assert f"launcher: stopped by {how.name}; stopping every node" in err
+    assert job_left(job_id) == []
+    assert_pids_dead(tmp_path / "pids", expected=2, grace_s=10)
+    assert "Traceback" not in err
+
+
+@slow
+def test_scancel_ends_every_step_rank_and_the_launcher(slurm_cluster, tmp_path):
+    """scancel sends each step's processes SIGTERM (SIGKILL after KillWait): the agents end their
+    ranks, and the launcher, seeing its nodes end, ends too with the first node's status."""
+    salloc, launcher, job_id = start_training(slurm_cluster, tmp_path)
+    cancelled = slurm_cluster.command("scancel", job_id)
+    code, err = finish(salloc)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert code != 0, err[-3000:]
+    assert "exited with status" in err and "stopping the other nodes" in err, err[-3000:]
+    assert job_left(job_id) == []
+    assert_pids_dead(tmp_path / "pids", expected=2, grace_s=10)
+    assert not launcher.is_running() or launcher.status() == psutil.STATUS_ZOMBIE
+
+
+@slow
+def test_scancel_of_a_batch_job_ends_everything_within_the_ranks_grace(slurm_cluster, tmp_path):
+    """Under sbatch the launcher runs in the batch step: scancel signals it, each srun and each
+    node's processes at once. Each agent stops once (its stdin closing as srun goes is no second
+    stop, which would cut the ranks' grace short), and nothing of the job is left."""
+    launcher = [sys.executable, "-m", "autotuner", "--launcher", "slurm", "--nproc_per_node", "1", "--master_port",
+                str(free_port()), *map(str, toy_args(tmp_path, "--steps", "4000", "--ms_per_step", "50"))]
+    output = tmp_path / "job.out"
+    submitted = slurm_cluster.command("sbatch", "--nodes=2", f"--chdir={tmp_path}", f"--output={output}",
+                                      "--job-name=autotuner-test", "--parsable", "--wrap", shlex.join(launcher))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        wait_for(lambda: len(pids_in(tmp_path / "pids")) == 2, 120, "both nodes' ranks")
+    finally:
+        cancelled = slurm_cluster.command("scancel", job_id)
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert job_left(job_id) == []
+    assert_pids_dead(tmp_path / "pids", expected=2, grace_s=10)
+    wait_for(lambda: not slurm_cluster.command("squeue", "-h", "-j", job_id).stdout.strip(), 60, "the job's end")
+    lines = launcher_lines(output.read_text())
+    assert "launcher: stopped by SIGTERM; stopping every node" in lines, lines
+    assert lines.count("launcher: stopped by SIGTERM; all ranks ended") == 2, lines
+    assert not any("again" in line for line in lines), lines
