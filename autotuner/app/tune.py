@@ -60,6 +60,10 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
                                f"{results_dir}/experiments.csv and each experiment's stderr.log under {exps_dir}")
         _say(f"{outcome.best.name} is the optimal setup; config: {outcome.optimal_config_path}")
         _say(f"train with it: {(results_dir / 'cmd_optimal.txt').read_text().strip()}")
+        spec = backend_spec(getattr(args, "backend", "local"))
+        if spec.write_outputs is not None:
+            for line in spec.write_outputs(request, results_dir):
+                _say(line)
         if outcome.deepspeed_command is not None:
             _say(f"or with DeepSpeed's own launcher: {(results_dir / 'cmd_optimal_deepspeed.txt').read_text().strip()}")
         if args.autotuning == "tune":

@@ -10,8 +10,10 @@ another backend's flag, the settle pass and the tune read the registry; a plugin
 from __future__ import annotations
 
 import argparse
+import os
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 from autotuner.core.errors import UsageError
@@ -65,6 +67,9 @@ class BackendSpec:
     # the experiments run on this node, and --num_nodes above 1 is refused.
     places_nodes: bool = False
     uses_forkserver: bool = False  # warm launches from this process's forkserver (started early)
+    # Files of its own beside the optimal config, written after a tune (Slurm's sbatch script):
+    # gets the request and the results folder, returns the lines to print.
+    write_outputs: Callable[["RunnerRequest", Path], list[str]] | None = None
 
 
 BACKENDS: dict[str, BackendSpec] = {}
@@ -167,3 +172,42 @@ register_backend(BackendSpec(
                                      "help": "GPUs each rank's bundle reserves (default: 1 when the cluster has "
                                              "GPUs, else 0)"}),
     )))
+
+
+@contextmanager
+def _slurm_runner(request: RunnerRequest) -> Iterator[Runner]:
+    from autotuner.execution.slurm_runner import SlurmRunner
+    from autotuner.launch.slurm import read_allocation
+
+    allocation = read_allocation(dict(os.environ))
+    runner = SlurmRunner(allocation, request.num_nodes, request.settings.nproc_per_node, request.say)
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
+def _check_slurm(args: argparse.Namespace) -> None:
+    if not (os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")):
+        raise UsageError("--backend slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set); run the tune "
+                         "inside salloc or sbatch, or use --backend ray or the default local backend")
+    if args.hostfile or args.include or args.exclude:
+        raise UsageError("--backend slurm: the experiments run on the allocation's nodes; drop "
+                         "--hostfile/--include/--exclude and choose the nodes with salloc/sbatch (-w, -x, -N)")
+
+
+def _sbatch_script(request: RunnerRequest, results_dir: Path) -> list[str]:
+    from autotuner.execution.slurm_runner import sbatch_script
+
+    command = (results_dir / "cmd_optimal.txt").read_text().strip()
+    path = results_dir / "sbatch_optimal.sh"
+    path.write_text(sbatch_script(command, request.num_nodes, request.settings.nproc_per_node, os.getcwd(),
+                                  dict(os.environ)))
+    path.chmod(0o755)
+    return [f"or submit it as a batch job: sbatch {path}"]
+
+
+register_backend(BackendSpec(
+    "slurm", "each experiment job steps on nodes of this Slurm allocation (run inside salloc or sbatch), "
+    "several at once when the allocation holds more nodes than one needs", _slurm_runner, places_nodes=True,
+    check=_check_slurm, write_outputs=_sbatch_script))

@@ -261,8 +261,9 @@ class RayRunner:
         for rank in running.pending.values():
             running.lost.setdefault(rank, "did not end after its peers failed; its actor was killed")
         self._gather(trial, running)
+        hosts = tuple(dict.fromkeys(r.address for r in running.placement.ranks))  # the nodes, by address
         if running.timed_out:
-            self._finished.append((trial, judge(trial, None, True, wall)))
+            self._finished.append((trial, replace(judge(trial, None, True, wall), hosts=hosts)))
             return
         statuses = {rank: o.status for rank, o in running.outcomes.items() if o.status != 0}
         statuses.update({rank: 1 for rank in running.lost})
@@ -278,7 +279,7 @@ class RayRunner:
             with open(trial.directory / "stderr.log", "a") as log:
                 log.writelines(line + "\n" for line in failure_lines(error_dir, report, statuses, quiet=True))
         write_record(trial.report_path, report)
-        self._finished.append((trial, judge(trial, report.exit_code, False, wall)))
+        self._finished.append((trial, replace(judge(trial, report.exit_code, False, wall), hosts=hosts)))
 
     def _gather(self, trial: Trial, running: _Running) -> None:
         """Each rank's output, in rank order, the files ranks on other filesystems wrote, and

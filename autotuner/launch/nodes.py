@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autotuner.core.errors import UsageError
+from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.launch.plan import DEFAULT_MASTER_PORT, LaunchOptions, default_nproc_per_node
 from autotuner.launch.resources import is_this_host, parse_hostfile, select_slots
 from autotuner.launch.slurm import (Allocation, allocation_pool, check_whole_slots, ranks_per_node, require_job,
@@ -140,8 +141,10 @@ def srun_start(host: str, cwd: str, exports: dict[str, str], agent: tuple[str, .
     --ntasks-per-node=1 overrides an sbatch's SLURM_NTASKS_PER_NODE; the step gets the job's
     CPUs and devices on the node (srun's default without --exact). `srun_args`: --slurm_comment
     and --launcher_args, before the agent."""
+    # --export=ALL carries this head's whole environment: the tuner's pid that a tuner's launch
+    # dies with is not the agent's parent (slurmstepd is), so the agent takes its own parent.
     return ("srun", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", f"--nodelist={host}", "--export=ALL",
-            f"--chdir={cwd}", "--kill-on-bad-exit=1", *srun_args, *agent), dict(exports)
+            f"--chdir={cwd}", "--kill-on-bad-exit=1", *srun_args, *agent), {**exports, LAUNCHED_BY_PID_ENV: ""}
 
 
 def slurm_hosts(allocation: Allocation, hostfile: str | None, include: str | None, exclude: str | None,
@@ -160,7 +163,7 @@ def plan_nodes(*, hostfile: str | None, include: str | None, exclude: str | None
                ssh_port: int | None, ssh_check_hosts: bool = True, passthrough: tuple[str, ...], script: str,
                script_args: tuple[str, ...], python: str, cwd: str, environ: dict[str, str],
                home: str | None = None, allocation: Allocation | None = None, slots_per_node: int = 1,
-               srun_args: tuple[str, ...] = (), notes: tuple[str, ...] = ()) -> NodesPlan:
+               srun_args: tuple[str, ...] = (), notes: tuple[str, ...] = (), report_file: str | None = None) -> NodesPlan:
     """One agent per host. Over ssh the hosts are the hostfile's; over srun, the `allocation`'s
     nodes (read by launch/slurm.py), narrowed by the hostfile when one is given."""
     backend = BACKENDS.get(launcher.lower())
@@ -183,8 +186,10 @@ def plan_nodes(*, hostfile: str | None, include: str | None, exclude: str | None
     filtered = bool(include or exclude) and backend == "ssh"
     nodes = []
     for rank, (host, ids) in enumerate(hosts.items()):
-        agent = agent_command(python, rank, len(hosts), len(ids), master, master_port, passthrough, script,
-                              script_args)
+        # A tuner's launch: node 0's agent writes the report the tuner judges; each other node its own.
+        report = () if report_file is None else ("--report_file", report_file if rank == 0 else f"{report_file}.node{rank}")
+        agent = agent_command(python, rank, len(hosts), len(ids), master, master_port, (*report, *passthrough),
+                              script, script_args)
         # A filtered node sees only its chosen devices; slot ids count the GPUs it sees.
         node_exports = {**exports, **({"CUDA_VISIBLE_DEVICES": ",".join(map(str, ids))} if filtered else {})}
         if backend == "ssh":
@@ -239,7 +244,7 @@ def nodes_plan(options: LaunchOptions, python: str, cwd: str, environ: dict[str,
                       ssh_port=options.ssh_port, ssh_check_hosts=options.ssh_check, passthrough=tuple(passthrough),
                       script=options.script, script_args=options.script_args, python=python, cwd=cwd,
                       environ=environ, allocation=allocation, slots_per_node=slots_per_node, srun_args=srun_args,
-                      notes=notes)
+                      notes=notes, report_file=options.report_file)
 
 
 def srun_options(options: LaunchOptions) -> tuple[str, ...]:

@@ -190,3 +190,59 @@ def test_scancel_of_a_batch_job_ends_everything_within_the_ranks_grace(slurm_clu
     assert "launcher: stopped by SIGTERM; stopping every node" in lines, lines
     assert lines.count("launcher: stopped by SIGTERM; all ranks ended") == 2, lines
     assert not any("again" in line for line in lines), lines
+
+
+# ----- autotuning inside an allocation (--backend slurm) -----
+
+def tune_in_allocation(cluster, tmp_path: Path, mode: str = "tune", *extra: str, nodes: int = 2):
+    from conftest import write_config
+
+    config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 8, "tuner_type": "predictive",
+                                                 "warm_start": False})
+    return subprocess.run(in_allocation("--autotuning", mode, "--backend", "slurm", "--num_nodes", "1",
+                                        "--nproc_per_node", "1", *extra, WORKERS / "toy_train.py", "--ms_per_step",
+                                        "300", "--steps", "12", "--deepspeed", config, nodes=nodes),
+                          cwd=tmp_path, env=cluster.env(launcher_env()), capture_output=True, text=True, timeout=500)
+
+
+def _interval(exp_dir: Path) -> tuple[float, float]:
+    """When an experiment started (its command written) and when its window was measured."""
+    return (exp_dir / "cmd.txt").stat().st_mtime, (exp_dir / "metrics.json").stat().st_mtime
+
+
+@slow
+def test_a_tune_runs_experiments_on_both_nodes_two_at_once_then_trains_with_the_pick(slurm_cluster, tmp_path):
+    import pandas as pd
+
+    result = tune_in_allocation(slurm_cluster, tmp_path, "run")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "slurm: job " in result.stdout and "1 per experiment, up to 2 at once" in result.stdout
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    ok = table[table.state == "ok"]
+    assert set(ok.hosts) == {"node1", "node2"}, table[["name", "state", "hosts"]]
+    # Two experiments on different nodes overlapped in time.
+    spans = {name: _interval(tmp_path / "autotuning_exps" / name) for name in ok.name}
+    hosts = dict(zip(ok.name, ok.hosts))
+    assert any(hosts[a] != hosts[b] and spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]
+               for a in spans for b in spans if a < b), (spans, hosts)
+    # The sbatch script beside the optimal command, and the training run across the allocation.
+    script = (tmp_path / "autotuning_results" / "sbatch_optimal.sh").read_text()
+    assert "#SBATCH --nodes=1" in script and "--launcher slurm --num_nodes 1" in script
+    assert "ds_config_optimal.json" in script
+    assert "training with the optimal config" in result.stdout
+    assert "launcher: starting 1 nodes over srun: node1" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@slow
+def test_backend_slurm_outside_an_allocation_is_refused_in_one_line(tmp_path):
+    from conftest import write_config
+
+    env = {key: value for key, value in launcher_env().items() if not key.startswith("SLURM_")}
+    config = write_config(tmp_path / "ds.json")
+    result = run_launcher("--autotuning", "tune", "--backend", "slurm", "--nproc_per_node", "1",
+                          WORKERS / "toy_train.py", "--deepspeed", config, cwd=tmp_path, env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("launcher: error: --backend slurm: not inside a Slurm "
+                                                             "allocation"), result.stderr
+    assert not (tmp_path / "autotuning_exps").exists()

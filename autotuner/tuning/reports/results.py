@@ -149,6 +149,7 @@ def result_rows(results: list[TrialResult], objective: Objective,
             "measured_memory_mib": _mib(r.measured_memory_bytes),
             "memory_error_pct": _error_pct(r.predicted_memory_bytes, r.measured_memory_bytes),
             "wall_time_s": round(r.wall_time_s, 2),
+            "hosts": " ".join(r.hosts),
             "error": r.error,
         })
     return rows

@@ -71,6 +71,7 @@ class TrialResult:
     wall_time_s: float = 0.0
     error: str | None = None
     model_info: ModelInfo | None = field(default=None, compare=False)
+    hosts: tuple[str, ...] = field(default=(), compare=False)  # where it ran on a cluster (Slurm node names, Ray nodes)
 
     @property
     def name(self) -> str:
@@ -105,6 +106,7 @@ class TrialResult:
             "measured_memory_bytes": self.measured_memory_bytes,
             "wall_time_s": self.wall_time_s,
             "error": self.error,
+            "hosts": list(self.hosts),
         }
 
     @classmethod
@@ -123,4 +125,5 @@ class TrialResult:
             wall_time_s=data.get("wall_time_s", 0.0),
             error=data.get("error"),
             model_info=ModelInfo.from_json(data["model_info"]) if data.get("model_info") else None,
+            hosts=tuple(data.get("hosts", ())),
         )

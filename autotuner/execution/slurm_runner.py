@@ -1,0 +1,224 @@
+"""Experiments as job steps inside a Slurm allocation (`--backend slurm`).
+
+Each experiment takes `nodes_per_trial` of the allocation's nodes, and as many run at once as the
+free nodes allow. An experiment is our launcher as a head, run here: `python -m autotuner
+--report_file F --launcher slurm --hostfile <its nodes> ...`, which starts one agent per node as a
+job step (launch/nodes.py, launch/node_runner.py) and stops them all on every path. So a trial
+here is the cold launch with its nodes named: it is prepared and judged as on every runner.
+
+Before nodes are handed out, their state is read from Slurm (`scontrol show node`): a node that is
+DOWN, DRAINED or FAILED is not given to another experiment, and the experiment that was on it is
+recorded as failed. When no node is left for what waits, the wait ends with a failed result.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from autotuner.core.errors import UsageError
+from autotuner.execution.trial_launch import cold_launch, judge, prepare
+from autotuner.launch.plan import LaunchOptions
+from autotuner.launch.slurm import Allocation
+from autotuner.launch.stopping import GRACE_S, end_processes
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.trials.trial import Trial
+
+_STATE = re.compile(r"(?:^|\s)NodeName=(\S+).*?\sState=(\S+)")
+UNUSABLE = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN")
+FIRST_PORT = 29600  # the trials' rendezvous ports: FIRST_PORT + the job's slot, one per concurrent trial
+
+
+def unusable_nodes(show_node_output: str) -> set[str]:
+    """The nodes `scontrol show node -o` reports DOWN, draining, failed or not responding."""
+    return {name for name, state in _STATE.findall(show_node_output)
+            if any(word in state.upper() for word in UNUSABLE)}
+
+
+def trial_hostfile(hosts: tuple[str, ...], nproc_per_node: int) -> str:
+    return "".join(f"{host} slots={nproc_per_node}\n" for host in hosts)
+
+
+def slurm_trial_command(trial: Trial, hostfile: Path, port: int, environ: dict[str, str]) -> tuple[list[str], dict]:
+    """The cold launch of `trial` with its nodes: our launcher as the head of `--launcher slurm`."""
+    command, env = cold_launch(trial, environ)
+    flags = ["--launcher", "slurm", "--hostfile", str(hostfile), "--master_port", str(port)]
+    if "--nproc_per_node" in command:  # the hostfile's slots count the ranks
+        at = command.index("--nproc_per_node")
+        del command[at:at + 2]
+    return [*command[:3], *flags, *command[3:]], env
+
+
+@dataclass
+class _Running:
+    trial: Trial
+    hosts: tuple[str, ...]
+    port: int
+    process: subprocess.Popen
+    started: float
+
+
+class SlurmRunner:
+    """The Runner protocol (tuning/trials/runner.py) over the allocation's nodes."""
+
+    name = "slurm"
+
+    def __init__(self, allocation: Allocation, nodes_per_trial: int, nproc_per_node: int,
+                 say: Callable[[str], None], environ: dict[str, str] | None = None,
+                 run: Callable = subprocess.run):
+        if nodes_per_trial > len(allocation.nodes):
+            raise UsageError(f"--num_nodes: got {nodes_per_trial}, but the Slurm allocation (job {allocation.job_id}) "
+                             f"holds {len(allocation.nodes)} node(s)")
+        self.allocation = allocation
+        self.nodes_per_trial = nodes_per_trial
+        self.nproc_per_node = nproc_per_node
+        self.capacity = len(allocation.nodes) // nodes_per_trial
+        self._say = say
+        self._environ = dict(os.environ) if environ is None else environ
+        self._run = run
+        self._free = list(allocation.nodes)
+        self._lost: set[str] = set()  # nodes Slurm reported unusable
+        self._ports = [FIRST_PORT + (int(allocation.job_id) % 50) * 8 + slot for slot in range(self.capacity)]
+        self._waiting: deque[Trial] = deque()
+        self._running: dict[int, _Running] = {}
+        self._done: queue.Queue = queue.Queue()
+        say(f"slurm: job {allocation.job_id}, {len(allocation.nodes)} node(s) ({allocation.nodelist}); "
+            f"{nodes_per_trial} per experiment, up to {self.capacity} at once")
+
+    # ----- the Runner protocol -----
+    def run(self, trial: Trial) -> TrialResult:
+        self.submit(trial)
+        while True:
+            done, result = self.next_result()
+            if done is trial:
+                return result
+
+    def submit(self, trial: Trial) -> None:
+        self._waiting.append(trial)
+        self._start_waiting()
+
+    def next_result(self) -> tuple[Trial, TrialResult]:
+        while True:
+            if not self._running and self._waiting:  # nothing will free a node: refuse what waits
+                trial = self._waiting.popleft()
+                return trial, TrialResult(trial.experiment, TrialState.FAILED, error=(
+                    f"no usable node left in Slurm job {self.allocation.job_id} for {self.nodes_per_trial} node(s) "
+                    f"(unusable: {', '.join(sorted(self._lost)) or 'none'})"))
+            key, returncode, timed_out = self._done.get()
+            running = self._running.pop(key)
+            result = judge(running.trial, returncode, timed_out, time.monotonic() - running.started)
+            lost = self._unusable() & set(running.hosts)
+            if lost and result.state is TrialState.OK:
+                lost = set()
+            if lost:
+                self._lost |= lost
+                self._say(f"slurm: node(s) {', '.join(sorted(lost))} unusable; {running.trial.experiment.name} is "
+                          "recorded as failed and the tune goes on with the nodes left")
+                result = replace(result, state=TrialState.FAILED,
+                                 error=f"node(s) {', '.join(sorted(lost))} went down: {result.error or 'ended'}")
+            self._free += [h for h in running.hosts if h not in self._lost]
+            self._ports.append(running.port)
+            self._start_waiting()
+            return running.trial, replace(result, hosts=running.hosts)
+
+    def train(self, options: LaunchOptions, quiet: bool) -> int:
+        """The user's job across the allocation, as the experiments ran: our launcher with
+        --launcher slurm on `nodes_per_trial` nodes, to its end, output to the terminal."""
+        from autotuner.launch.node_runner import run_nodes
+        from autotuner.launch.nodes import nodes_plan
+
+        options = replace(options, launcher="slurm")
+        plan = nodes_plan(options, sys.executable, os.getcwd(), self._environ, num_nodes=self.nodes_per_trial,
+                          allocation=self.allocation)
+        assert plan is not None  # --launcher slurm always plans its nodes
+        return run_nodes(plan, self._environ)
+
+    def close(self) -> None:
+        """End every running experiment: its head stops its job steps (closing each agent's stdin)."""
+        self._waiting.clear()
+        heads = []
+        for running in self._running.values():
+            try:
+                heads.append(psutil.Process(running.process.pid))
+            except psutil.NoSuchProcess:
+                pass
+        end_processes(heads, grace_s=GRACE_S + 5.0)
+        for running in self._running.values():
+            running.process.wait()
+        self._running.clear()
+
+    # ----- placement -----
+    def _unusable(self) -> set[str]:
+        try:
+            shown = self._run(["scontrol", "show", "node", "-o", self.allocation.nodelist], capture_output=True,
+                              text=True, timeout=30, env=self._environ)
+        except (OSError, subprocess.TimeoutExpired):
+            return set()
+        return unusable_nodes(shown.stdout) if shown.returncode == 0 else set()
+
+    def _start_waiting(self) -> None:
+        if not self._waiting:
+            return
+        unusable = self._unusable()
+        if unusable - self._lost:
+            self._lost |= unusable
+            self._say(f"slurm: node(s) {', '.join(sorted(unusable))} unusable; not given to further experiments")
+        self._free = [h for h in self._free if h not in self._lost]
+        while self._waiting and len(self._free) >= self.nodes_per_trial and self._ports:
+            trial = self._waiting.popleft()
+            hosts, self._free = tuple(self._free[:self.nodes_per_trial]), self._free[self.nodes_per_trial:]
+            self._start(trial, hosts, self._ports.pop(0))
+
+    def _start(self, trial: Trial, hosts: tuple[str, ...], port: int) -> None:
+        prepare(trial)
+        hostfile = trial.directory / "hostfile"
+        hostfile.write_text(trial_hostfile(hosts, self.nproc_per_node))
+        command, env = slurm_trial_command(trial, hostfile, port, self._environ)
+        with open(trial.directory / "stdout.log", "wb") as out, open(trial.directory / "stderr.log", "wb") as err:
+            process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
+                                       start_new_session=True)
+        key = process.pid
+        self._running[key] = _Running(trial, hosts, port, process, time.monotonic())
+        threading.Thread(target=self._wait, args=(key, process, trial.settings.timeout_s), daemon=True).start()
+
+    def _wait(self, key: int, process: subprocess.Popen, timeout_s: float) -> None:
+        try:
+            returncode, timed_out = process.wait(timeout=timeout_s), False
+        except subprocess.TimeoutExpired:
+            end_processes([psutil.Process(process.pid)], grace_s=GRACE_S + 5.0)
+            returncode, timed_out = process.wait(), True
+        self._done.put((key, returncode, timed_out))
+
+
+def sbatch_script(command: str, num_nodes: int, nproc_per_node: int, cwd: str, environ: dict[str, str]) -> str:
+    """sbatch_optimal.sh: the optimal command as a batch job on `num_nodes` nodes, one agent per node
+    as a job step (--launcher slurm), from the folder the tune ran in."""
+    words = shlex.split(command)
+    at = 1 if not (len(words) > 2 and words[1:3] == ["-m", "autotuner"]) else 3
+    words[at:at] = ["--launcher", "slurm", "--num_nodes", str(num_nodes)]
+    gpus = [f"#SBATCH --gpus-per-node={nproc_per_node}"] if ("SLURM_GPUS_ON_NODE" in environ
+                                                              or "SLURM_GPUS_PER_NODE" in environ) else []
+    return "\n".join([
+        "#!/bin/bash",
+        "#SBATCH --job-name=autotuner-optimal",
+        f"#SBATCH --nodes={num_nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        *gpus,
+        f"# Written by launcher --autotuning --backend slurm: the optimal config on {num_nodes} node(s) x "
+        f"{nproc_per_node} rank(s).",
+        f"cd {shlex.quote(cwd)}",
+        shlex.join(words),
+        "",
+    ])
