@@ -50,8 +50,9 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
                                     report=_say, settle_engine=lambda built: settle_built_engine(job, built),
                                     devices=job.devices, space=job.space).tune()
             except Stopped as stop:  # the runner's exit below ends the running experiment
+                hint = getattr(stop, "resume_hint", "Resume with the same command.")
                 print(f"autotuner: stopped by {stop.name}; running experiment ended, finished records kept in "
-                      f"{exps_dir}. Resume with the same command.", file=sys.stderr, flush=True)
+                      f"{exps_dir}. {hint}", file=sys.stderr, flush=True)
                 stop.reported = True
                 raise
         print(outcome.summary, end="")

@@ -6,9 +6,13 @@ free nodes allow. An experiment is our launcher as a head, run here: `python -m 
 job step (launch/nodes.py, launch/node_runner.py) and stops them all on every path. So a trial
 here is the cold launch with its nodes named: it is prepared and judged as on every runner.
 
-Before nodes are handed out, their state is read from Slurm (`scontrol show node`): a node that is
-DOWN, DRAINED or FAILED is not given to another experiment, and the experiment that was on it is
-recorded as failed. When no node is left for what waits, the wait ends with a failed result.
+Before nodes are handed out, and when an experiment fails, Slurm is asked which nodes the job still
+holds and in what state (`scontrol show job`, `scontrol show node`): a node that went DOWN,
+DRAINED or FAILED, or that the job lost (a node failure under `salloc --no-kill`), is given to no
+further experiment. An experiment that failed on a lost node is launched again on the nodes
+left, once: the node's failure is not the configuration's. When no node is left for what waits,
+the wait ends with a failed result. When the job itself has ended (scancel, its time limit), the
+tune stops as on SIGTERM: nothing cut short is recorded, and a tune in a new allocation resumes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 import queue
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -32,11 +37,14 @@ from autotuner.core.errors import UsageError
 from autotuner.execution.trial_launch import cold_launch, judge, prepare
 from autotuner.launch.plan import LaunchOptions
 from autotuner.launch.slurm import Allocation
-from autotuner.launch.stopping import GRACE_S, end_processes
+from autotuner.launch.stopping import GRACE_S, Stopped, end_processes
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.trials.trial import Trial
 
 _STATE = re.compile(r"(?:^|\s)NodeName=(\S+).*?\sState=(\S+)")
+_JOB_STATE = re.compile(r"(?:^|\s)JobState=(\S+)")
+_JOB_NODES = re.compile(r"(?:^|\s)NodeList=(\S+)")
+LIVE_JOB_STATES = ("RUNNING", "CONFIGURING", "SUSPENDED")
 UNUSABLE = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN")
 FIRST_PORT = 29600  # the trials' rendezvous ports: FIRST_PORT + the job's slot, one per concurrent trial
 
@@ -45,6 +53,30 @@ def unusable_nodes(show_node_output: str) -> set[str]:
     """The nodes `scontrol show node -o` reports DOWN, draining, failed or not responding."""
     return {name for name, state in _STATE.findall(show_node_output)
             if any(word in state.upper() for word in UNUSABLE)}
+
+
+def job_end(show_job_output: str, returncode: int) -> str | None:
+    """None while `scontrol show job -o` says the job runs; else how it ended (CANCELLED, ...)."""
+    if returncode != 0:
+        return "no longer known to Slurm"
+    state = _JOB_STATE.search(show_job_output)
+    return None if state is None or state.group(1) in LIVE_JOB_STATES else state.group(1)
+
+
+class AllocationEnded(Stopped):
+    """The job the tune runs in ended under it (scancel, its time limit, a node failure without
+    --no-kill): a stop like SIGTERM, so no experiment it cut short is recorded, and a tune started
+    in a new allocation resumes from the records kept."""
+
+    def __init__(self, job_id: str, how: str):
+        super().__init__(signal.SIGTERM)
+        self.job_id, self.how = job_id, how
+
+    @property
+    def name(self) -> str:
+        return f"the end of Slurm job {self.job_id} ({self.how})"
+
+    resume_hint = "Resume with the same command in a new allocation."
 
 
 def trial_hostfile(hosts: tuple[str, ...], nproc_per_node: int) -> str:
@@ -92,6 +124,7 @@ class SlurmRunner:
         self._lost: set[str] = set()  # nodes Slurm reported unusable
         self._ports = [FIRST_PORT + (int(allocation.job_id) % 50) * 8 + slot for slot in range(self.capacity)]
         self._waiting: deque[Trial] = deque()
+        self._relaunched: set[Trial] = set()  # launched again after a node loss: not a second time
         self._running: dict[int, _Running] = {}
         self._done: queue.Queue = queue.Queue()
         say(f"slurm: job {allocation.job_id}, {len(allocation.nodes)} node(s) ({allocation.nodelist}); "
@@ -119,17 +152,23 @@ class SlurmRunner:
             key, returncode, timed_out = self._done.get()
             running = self._running.pop(key)
             result = judge(running.trial, returncode, timed_out, time.monotonic() - running.started)
-            lost = self._unusable() & set(running.hosts)
-            if lost and result.state is TrialState.OK:
-                lost = set()
-            if lost:
-                self._lost |= lost
-                self._say(f"slurm: node(s) {', '.join(sorted(lost))} unusable; {running.trial.experiment.name} is "
-                          "recorded as failed and the tune goes on with the nodes left")
-                result = replace(result, state=TrialState.FAILED,
-                                 error=f"node(s) {', '.join(sorted(lost))} went down: {result.error or 'ended'}")
-            self._free += [h for h in running.hosts if h not in self._lost]
             self._ports.append(running.port)
+            if result.state is not TrialState.OK and (ended := self._job_end()) is not None:
+                self.close()  # what still runs was cut short too: nothing of it is recorded
+                raise AllocationEnded(self.allocation.job_id, ended)
+            lost = self._lost_nodes() & set(running.hosts) if result.state is not TrialState.OK else set()
+            self._free += [h for h in running.hosts if h not in self._lost]
+            name = running.trial.experiment.name
+            if lost and running.trial not in self._relaunched:
+                self._relaunched.add(running.trial)
+                self._say(f"slurm: {name} failed on node(s) {', '.join(sorted(lost))}, which the job lost; "
+                          "launched again on the nodes left")
+                self._waiting.appendleft(running.trial)
+                self._start_waiting()
+                continue
+            if lost:
+                result = replace(result, state=TrialState.FAILED,
+                                 error=f"node(s) {', '.join(sorted(lost))} lost twice: {result.error or 'ended'}")
             self._start_waiting()
             return running.trial, replace(result, hosts=running.hosts)
 
@@ -160,21 +199,46 @@ class SlurmRunner:
         self._running.clear()
 
     # ----- placement -----
-    def _unusable(self) -> set[str]:
+    def _job_end(self) -> str | None:
         try:
-            shown = self._run(["scontrol", "show", "node", "-o", self.allocation.nodelist], capture_output=True,
+            shown = self._run(["scontrol", "show", "job", "-o", self.allocation.job_id], capture_output=True,
                               text=True, timeout=30, env=self._environ)
         except (OSError, subprocess.TimeoutExpired):
-            return set()
-        return unusable_nodes(shown.stdout) if shown.returncode == 0 else set()
+            return None
+        return job_end(shown.stdout, shown.returncode)
+
+
+    def _lost_nodes(self) -> set[str]:
+        """Nodes of the allocation no longer usable: DOWN, draining or failed, or no longer in the
+        job (a node failure under --no-kill); kept in `_lost` from then on."""
+        lost = set()
+        shown = self._scontrol("show", "node", "-o", self.allocation.nodelist)
+        if shown is not None:
+            lost |= unusable_nodes(shown)
+        job = self._scontrol("show", "job", "-o", self.allocation.job_id)
+        nodelist = _JOB_NODES.search(job) if job is not None else None
+        if nodelist is not None and nodelist.group(1) not in ("(null)", ""):
+            names = self._scontrol("show", "hostnames", nodelist.group(1))
+            if names is not None:
+                lost |= set(self.allocation.nodes) - {line.strip() for line in names.splitlines() if line.strip()}
+        new = lost - self._lost
+        if new:
+            self._say(f"slurm: node(s) {', '.join(sorted(new))} lost (down, or no longer in job "
+                      f"{self.allocation.job_id}); not given to further experiments")
+        self._lost |= lost
+        return self._lost
+
+    def _scontrol(self, *args: str) -> str | None:
+        try:
+            shown = self._run(["scontrol", *args], capture_output=True, text=True, timeout=30, env=self._environ)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return shown.stdout if shown.returncode == 0 else None
 
     def _start_waiting(self) -> None:
         if not self._waiting:
             return
-        unusable = self._unusable()
-        if unusable - self._lost:
-            self._lost |= unusable
-            self._say(f"slurm: node(s) {', '.join(sorted(unusable))} unusable; not given to further experiments")
+        self._lost_nodes()
         self._free = [h for h in self._free if h not in self._lost]
         while self._waiting and len(self._free) >= self.nodes_per_trial and self._ports:
             trial = self._waiting.popleft()

@@ -246,3 +246,87 @@ def test_backend_slurm_outside_an_allocation_is_refused_in_one_line(tmp_path):
     assert result.stderr.strip().splitlines()[-1].startswith("launcher: error: --backend slurm: not inside a Slurm "
                                                              "allocation"), result.stderr
     assert not (tmp_path / "autotuning_exps").exists()
+
+
+def start_tune(cluster, tmp_path: Path, *salloc_flags: str) -> subprocess.Popen:
+    """A slow tune (1.5 s a step) as salloc's command, its output to files."""
+    from conftest import write_config
+
+    config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 16, "tuner_type": "predictive",
+                                                 "warm_start": False})
+    command = ["salloc", *salloc_flags, "--nodes=2", "--job-name=autotuner-test", sys.executable, "-m", "autotuner",
+               "--autotuning", "tune", "--backend", "slurm", "--num_nodes", "1", "--nproc_per_node", "1",
+               str(WORKERS / "toy_train.py"), "--ms_per_step", "1500", "--steps", "12", "--deepspeed", str(config)]
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        return subprocess.Popen(command, cwd=tmp_path, env=cluster.env(launcher_env()), stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=err, start_new_session=True)
+
+
+def job_of(tmp_path: Path) -> str:
+    import re
+
+    wait_for(lambda: "slurm: job " in (tmp_path / "out.txt").read_text(), 60, "the tune's start")
+    return re.search(r"slurm: job (\d+)", (tmp_path / "out.txt").read_text()).group(1)
+
+
+@slow
+def test_scancel_mid_tune_keeps_the_finished_records_and_a_new_allocation_resumes(slurm_cluster, tmp_path):
+    tuner = start_tune(slurm_cluster, tmp_path)
+    try:
+        job_id = job_of(tmp_path)
+        wait_for(lambda: (tmp_path / "autotuning_exps" / "z0_gas1_mbs1" / "exp.json").exists(), 120,
+                 "the first record", tuner)
+        assert slurm_cluster.command("scancel", job_id).returncode == 0
+        status = tuner.wait(timeout=120)
+    finally:
+        if tuner.poll() is None:
+            os.killpg(tuner.pid, signal.SIGKILL)
+            tuner.wait()
+    err = (tmp_path / "err.txt").read_text()
+    assert status == 143, err[-3000:]
+    assert (f"autotuner: stopped by the end of Slurm job {job_id} (CANCELLED); running experiment ended, finished "
+            "records kept in autotuning_exps. Resume with the same command in a new allocation.") in err
+    assert job_left(job_id) == []
+    kept = sorted(p.parent.name for p in (tmp_path / "autotuning_exps").glob("*/exp.json"))
+    assert "z0_gas1_mbs1" in kept
+    # Nothing the cancellation cut short was recorded: every record kept is a measured one.
+    assert all(json.loads((tmp_path / "autotuning_exps" / n / "exp.json").read_text())["result"]["state"] == "ok"
+               for n in kept), kept
+    first = (tmp_path / "autotuning_exps" / "z0_gas1_mbs1" / "cmd.txt").stat().st_mtime
+
+    resumed = start_tune(slurm_cluster, tmp_path)
+    assert resumed.wait(timeout=400) == 0, (tmp_path / "err.txt").read_text()[-3000:]
+    out = (tmp_path / "out.txt").read_text()
+    assert "z0_gas1_mbs1: ok (from an earlier run)" in out
+    assert (tmp_path / "autotuning_exps" / "z0_gas1_mbs1" / "cmd.txt").stat().st_mtime == first  # not launched again
+    assert (tmp_path / "autotuning_results" / "ds_config_optimal.json").exists()
+
+
+@slow
+def test_a_node_lost_mid_tune_is_left_out_and_its_experiment_runs_again_on_the_nodes_left(slurm_cluster, tmp_path):
+    import pandas as pd
+
+    tuner = start_tune(slurm_cluster, tmp_path, "--no-kill")  # the job outlives a node's failure
+    try:
+        job_of(tmp_path)
+        wait_for(lambda: (tmp_path / "autotuning_exps" / "z0_gas1_mbs8" / "cmd.txt").exists(), 120,
+                 "the second profile launch", tuner)
+        host = (tmp_path / "autotuning_exps" / "z0_gas1_mbs8" / "hostfile").read_text().split()[0]
+        down = slurm_cluster.command("scontrol", "update", f"nodename={host}", "state=down", "reason=test")
+        assert down.returncode == 0, down.stderr
+        status = tuner.wait(timeout=400)
+    finally:
+        if tuner.poll() is None:
+            os.killpg(tuner.pid, signal.SIGKILL)
+            tuner.wait()
+        slurm_cluster.command("scontrol", "update", "nodename=node1,node2", "state=resume")
+        wait_for(lambda: slurm_cluster.command("sinfo", "-h", "-o", "%t").stdout.split() == ["idle"], 60,
+                 "both nodes idle again")
+    out = (tmp_path / "out.txt").read_text()
+    assert status == 0, out[-2000:] + (tmp_path / "err.txt").read_text()[-2000:]
+    assert f"slurm: z0_gas1_mbs8 failed on node(s) {host}, which the job lost; launched again on the nodes left" in out
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    other = ({"node1", "node2"} - {host}).pop()
+    later = table[table.name != "z0_gas1_mbs1"]
+    assert (table.state == "ok").all(), table[["name", "state", "hosts", "error"]]
+    assert set(later.hosts) == {other}, table[["name", "hosts"]]
