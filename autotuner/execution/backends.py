@@ -180,7 +180,8 @@ def _slurm_runner(request: RunnerRequest) -> Iterator[Runner]:
     from autotuner.launch.slurm import read_allocation
 
     allocation = read_allocation(dict(os.environ))
-    runner = SlurmRunner(allocation, request.num_nodes, request.settings.nproc_per_node, request.say)
+    runner = SlurmRunner(allocation, request.num_nodes, request.settings.nproc_per_node, request.say,
+                         max_concurrent=request.args.slurm_max_concurrent)
     try:
         yield runner
     finally:
@@ -194,6 +195,8 @@ def _check_slurm(args: argparse.Namespace) -> None:
     if args.hostfile or args.include or args.exclude:
         raise UsageError("--backend slurm: the experiments run on the allocation's nodes; drop "
                          "--hostfile/--include/--exclude and choose the nodes with salloc/sbatch (-w, -x, -N)")
+    if args.slurm_max_concurrent is not None and args.slurm_max_concurrent < 1:
+        raise UsageError(f"--slurm_max_concurrent: got {args.slurm_max_concurrent}; expected at least 1")
 
 
 def _sbatch_script(request: RunnerRequest, results_dir: Path) -> list[str]:
@@ -210,4 +213,8 @@ def _sbatch_script(request: RunnerRequest, results_dir: Path) -> list[str]:
 register_backend(BackendSpec(
     "slurm", "each experiment job steps on nodes of this Slurm allocation (run inside salloc or sbatch), "
     "several at once when the allocation holds more nodes than one needs", _slurm_runner, places_nodes=True,
-    check=_check_slurm, write_outputs=_sbatch_script))
+    check=_check_slurm, write_outputs=_sbatch_script, flags=(
+        Flag("--slurm_max_concurrent", {"type": int, "default": None,
+                                        "help": "at most this many experiments at once (default: as many as the "
+                                                "allocation's nodes hold, --num_nodes each)"}),
+    )))

@@ -109,14 +109,14 @@ class SlurmRunner:
 
     def __init__(self, allocation: Allocation, nodes_per_trial: int, nproc_per_node: int,
                  say: Callable[[str], None], environ: dict[str, str] | None = None,
-                 run: Callable = subprocess.run):
+                 run: Callable = subprocess.run, max_concurrent: int | None = None):
         if nodes_per_trial > len(allocation.nodes):
             raise UsageError(f"--num_nodes: got {nodes_per_trial}, but the Slurm allocation (job {allocation.job_id}) "
                              f"holds {len(allocation.nodes)} node(s)")
         self.allocation = allocation
         self.nodes_per_trial = nodes_per_trial
         self.nproc_per_node = nproc_per_node
-        self.capacity = len(allocation.nodes) // nodes_per_trial
+        self.capacity = min(len(allocation.nodes) // nodes_per_trial, max_concurrent or len(allocation.nodes))
         self._say = say
         self._environ = dict(os.environ) if environ is None else environ
         self._run = run

@@ -232,6 +232,18 @@ def test_a_tune_runs_experiments_on_both_nodes_two_at_once_then_trains_with_the_
     assert "training with the optimal config" in result.stdout
     assert "launcher: starting 1 nodes over srun: node1" in result.stderr
     assert "Traceback" not in result.stderr
+    # The script is ready to submit: as a batch job it trains with the pick.
+    output = tmp_path / "optimal.out"
+    submitted = slurm_cluster.command("sbatch", "--parsable", f"--output={output}", f"--chdir={tmp_path}",
+                                      str(tmp_path / "autotuning_results" / "sbatch_optimal.sh"))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    wait_for(lambda: not slurm_cluster.command("squeue", "-h", "-j", job_id).stdout.strip(), 180, "the batch job")
+    text = output.read_text()
+    assert "launcher: starting 1 nodes over srun" in text and "error" not in text.lower(), text[-3000:]
+    shown = slurm_cluster.command("scontrol", "show", "job", "-o", job_id)  # kept MinJobAge (300 s) after its end
+    assert shown.returncode != 0 or "ExitCode=0:0" in shown.stdout, shown.stdout
+    assert job_left(job_id) == []
 
 
 @slow
