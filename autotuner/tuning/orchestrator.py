@@ -316,7 +316,7 @@ class Autotuner:
             outcome = run_predictive_search(self.space, self.policy, largest, self.evaluator, self._prune,
                                             self.cost_context(), list(self.ledger.results()), self.memory.fits,
                                             self.memory.offload_fallback, self.report,
-                                            on_ask=self.ledger.note_prediction)
+                                            on_ask=self.ledger.note_prediction, family=self.memory.family)
             self.predictions = outcome
         else:
             run_search(self.space, self.policy, largest, self.evaluator, self._prune, self.memory.fits,

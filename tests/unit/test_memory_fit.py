@@ -213,3 +213,35 @@ def test_on_deepspeeds_engine_a_zero_0_fit_predicts_the_measured_zero_1_peaks():
         assert predicted / MiB == pytest.approx(mib, rel=0.02), micro
     # Our engine keeps fits per family: FSDP2 computes in pure bf16 where DDP runs under autocast.
     assert replace(profile, engine="autotuner").peak_fit(2) is None
+
+
+MIB = 2**20
+
+
+def test_a_negative_correction_learnt_on_small_sizes_is_not_carried_16x_further():
+    """Issue 49's H200 launch: FSDP2 at micro-batch 1024 after a profile at 1 and 64. The fit on
+    those two peaks said "analytic + 11 MiB - 11.00 MiB per sample", and carried to 1024 it
+    predicted 127,347 MiB where the launch peaked at 136,366 (6.6% short). Held at its value at
+    64, the correction leaves the analytic per-sample bytes to grow alone: within 2%, and above."""
+    from autotuner.tuning.memory.peak_fit import PeakObservation, fit_residuals
+
+    analytic = {1: 5_000 * MIB, 64: 13_300 * MIB, 1024: 138_600 * MIB}  # 132 MiB a sample over 64 -> 1024
+    residual = {1: 0, 64: (11 - 11 * 64) * MIB}  # the line through both: 11 MiB - 11 MiB per sample
+    fit = fit_residuals([PeakObservation("FSDP2", m, analytic[m], analytic[m] + residual[m]) for m in (1, 64)])["FSDP2"]
+    assert fit.per_sample_bytes / MIB == pytest.approx(-11.0)
+    carried = analytic[1024] + fit.fixed_bytes + fit.per_sample_bytes * 1024  # the old prediction
+    assert carried / MIB == pytest.approx(127_347, abs=1)
+    predicted = analytic[1024] + fit.bytes_at(1024)
+    measured = 136_366 * MIB
+    assert measured <= predicted <= 1.02 * measured
+    # Where it was measured the fit is unchanged.
+    assert fit.bytes_at(64) == residual[64] and fit.bytes_at(1) == residual[1]
+
+
+def test_a_positive_correction_is_still_carried_beyond_the_measured_sizes():
+    from autotuner.tuning.memory.peak_fit import PeakObservation, fit_residuals
+
+    fit = fit_residuals([PeakObservation("DDP", 2, 100 * MIB, 110 * MIB),
+                         PeakObservation("DDP", 8, 400 * MIB, 470 * MIB)])["DDP"]
+    assert fit.per_sample_bytes == pytest.approx(10 * MIB)
+    assert fit.bytes_at(64) == pytest.approx(fit.fixed_bytes + 10 * MIB * 64, abs=1)

@@ -176,3 +176,32 @@ def test_an_unmeasured_sharded_stage_starts_from_the_other_sharded_stages_offset
                                    measurement=Measurement(throughput=samples / step(e), latency=step(e))))
     z2 = next(e for e in space if e.zero_stage == 2 and e.micro_batch_size == 16)
     assert tuner.model().predict(z2).mean_s == pytest.approx(step(z2), abs=5e-3)
+
+
+def test_no_launch_runs_more_than_4x_beyond_its_engines_largest_measured_micro_batch():
+    """Issue 49: with the profile at micro-batches 1 and 4, the most promising candidate, 64, is 16x
+    beyond the profile. 16 (4x) is launched first, standing in for 64 (the stop rule still weighs
+    64's bound), then 64; a ZeRO 2 (FSDP2) candidate measured by nothing of its engine is not held."""
+    from autotuner.tuning.models.cost_model import CostContext
+    from autotuner.tuning.searches.predictive_search import run_predictive_search
+    from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+    from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace
+    from autotuner.tuning.space.experiment import Experiment
+
+    def throughput(e: Experiment) -> float:  # larger micro-batches always pay
+        return e.micro_batch_size / (0.01 + 0.001 * e.micro_batch_size)
+
+    launched: list[Experiment] = []
+
+    def evaluate(e: Experiment) -> TrialResult:
+        launched.append(e)
+        return TrialResult(e, TrialState.OK, value=throughput(e), measured_memory_bytes=2**20 * e.micro_batch_size)
+
+    space = SearchSpace(stages=(0,), data_parallel_size=1, max_micro_batch_size=64)
+    policy = SearchPolicy(Objective("throughput"), "predictive", 50, 50, 0, True)
+    profile = [evaluate(Experiment(0, m, 1)) for m in (1, 4)]
+    launched.clear()
+    run_predictive_search(space, policy, {0: 64}, evaluate, lambda *a, **k: None, CostContext(), profile)
+    sizes = [e.micro_batch_size for e in launched]
+    assert sizes and sizes[0] <= 16 and 64 in sizes
+    assert all(m <= 4 * max([1, 4, *sizes[:i]]) for i, m in enumerate(sizes)), sizes

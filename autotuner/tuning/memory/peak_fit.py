@@ -10,6 +10,13 @@ profile does not see the steady state. So per engine family (DDP, FSDP2) the res
 is fitted by least squares to every launch's measured peak, refitted after each launch. An OOM
 is a lower bound: the line is raised until it predicts at least the budget there. Pure
 functions; the orchestrator keeps the observations.
+
+Beyond the largest measured micro-batch a negative per-sample correction is not carried on: small
+sizes carry fixed costs (workspaces, allocator rounding, a floor of about 1 GB at micro-batch 1
+on an H200) that a line through them reads as a flatter slope, and that slope, carried 16x
+further, predicted an FSDP2 peak 6.6% short (issue 49). Past the last measured size the
+correction stays at its value there and the analytic per-sample bytes grow alone; a positive
+correction (the model missing bytes per sample) is kept, since it errs on the safe side.
 """
 
 from __future__ import annotations
@@ -46,9 +53,13 @@ class ResidualFit:
     # through both would predict too little (on an H200, below zero) for every smaller size.
     pivot: int = 0
     slope_above_pivot: float | None = None
+    largest_measured: int = 0  # past it, a negative per-sample correction is held at its value there
 
     def bytes_at(self, micro_batch_size: int) -> int:
-        line = self.fixed_bytes + self.per_sample_bytes * micro_batch_size
+        size = micro_batch_size
+        if self.per_sample_bytes < 0 and self.largest_measured and size > self.largest_measured:
+            size = self.largest_measured
+        line = self.fixed_bytes + self.per_sample_bytes * size
         if self.slope_above_pivot is not None and micro_batch_size > self.pivot:
             at_pivot = self.fixed_bytes + self.per_sample_bytes * self.pivot
             line = max(line, at_pivot + self.slope_above_pivot * (micro_batch_size - self.pivot))
@@ -107,7 +118,8 @@ def fit_residuals(observations: list[PeakObservation], min_slope: dict[str, floa
             fixed = float(np.mean([r - slope * m for m, r in own]))
         else:
             fixed = 0.0
-        fit = ResidualFit(family, fixed, float(slope), len(own), source if own else "none")
+        fit = ResidualFit(family, fixed, float(slope), len(own), source if own else "none",
+                          largest_measured=max((m for m, _ in own), default=0))
         fits[family] = _raise_to_lower_bounds(fit, [o for o in observations if o.family == family], own)
     return fits
 
@@ -127,17 +139,19 @@ def _raise_to_lower_bounds(fit: ResidualFit, observations: list[PeakObservation]
             # micro-batch. A constant would call every smaller size out of memory too, and leave
             # nothing to launch (seen on CUDA with model_info and no activations known).
             fit = ResidualFit(fit.family, 0.0, max(fit.per_sample_bytes, needed / bound.micro_batch_size),
-                              fit.measured_points, "raised by OOM")
+                              fit.measured_points, "raised by OOM", largest_measured=fit.largest_measured)
         elif below:
             pivot = max(below)
             at_pivot = fit.bytes_at(pivot)
             slope = (needed - at_pivot) / (bound.micro_batch_size - pivot)
-            base = ResidualFit(fit.family, fit.fixed_bytes, fit.per_sample_bytes, fit.measured_points, "raised by OOM")
+            base = ResidualFit(fit.family, fit.fixed_bytes, fit.per_sample_bytes, fit.measured_points, "raised by OOM",
+                               largest_measured=fit.largest_measured)
             fit = dataclasses.replace(base, fixed_bytes=at_pivot - fit.per_sample_bytes * pivot, pivot=pivot,
                                       slope_above_pivot=slope)
         else:
             fit = ResidualFit(fit.family, needed - fit.per_sample_bytes * bound.micro_batch_size,
-                              fit.per_sample_bytes, fit.measured_points, "raised by OOM")
+                              fit.per_sample_bytes, fit.measured_points, "raised by OOM",
+                              largest_measured=fit.largest_measured)
     return fit
 
 

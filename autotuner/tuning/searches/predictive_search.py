@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from autotuner.tuning.memory.estimate import engine_family
 from autotuner.tuning.models.cost_model import CostContext
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.searches.stage_search import (FailedVariants, not_memory_bound, variant_measured, variant_of,
@@ -78,6 +79,9 @@ def _rung_candidates(space: SearchSpace, stage: int, variant: Knobs, predicted: 
     return candidates
 
 
+EXTRAPOLATION_LIMIT = 4  # no launch this many times beyond its engine's largest measured micro-batch
+
+
 class _SearchedPredictive(PredictiveTuner):
     """The predictive tuner as the search drives it: before each ask the refitted memory model
     drops what it no longer lets run, the prediction each launch is asked on is kept, and the stop
@@ -85,8 +89,10 @@ class _SearchedPredictive(PredictiveTuner):
     alone, it has never been tested)."""
 
     def __init__(self, candidates: list[Experiment], policy: SearchPolicy, context: CostContext, fits: Fits,
-                 failed: FailedVariants, on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None):
+                 failed: FailedVariants, on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None,
+                 family: Callable[[int], str] = engine_family):
         super().__init__(candidates, policy.objective, policy.seed, context)
+        self.family = family  # the engine family of a stage (DDP, FSDP2, ...): whose measured sizes count
         self.on_ask = on_ask  # told each launch's prediction before it is launched (the history keeps it)
         self.fits = fits
         self.failed = failed
@@ -135,7 +141,27 @@ class _SearchedPredictive(PredictiveTuner):
             if smallest != chosen:
                 self.stands_for[smallest] = chosen
                 return smallest
-        return chosen
+        return self._stepping_stone(chosen, untried)
+
+    def _stepping_stone(self, chosen: Experiment, untried: list[Experiment]) -> Experiment:
+        """A candidate more than EXTRAPOLATION_LIMIT x beyond the largest micro-batch its engine has
+        measured is not launched before a size in between: the largest such candidate of the same
+        stage and knobs goes first, standing in for it (its bound still decides whether it is
+        worth a launch). Peaks far from every measured size were predicted several percent short
+        (issue 49); each stepping stone refits the memory line closer to them."""
+        family = self.family(chosen.zero_stage)
+        measured = [e.micro_batch_size for e, r in self.results.items()
+                    if r.state is TrialState.OK and r.measured_memory_bytes and self.family(e.zero_stage) == family]
+        if not measured or chosen.micro_batch_size <= EXTRAPOLATION_LIMIT * max(measured):
+            return chosen
+        reach = EXTRAPOLATION_LIMIT * max(measured)
+        between = [c for c in untried if c.zero_stage == chosen.zero_stage and c.knobs == chosen.knobs
+                   and max(measured) < c.micro_batch_size <= reach]
+        if not between:
+            return chosen  # no candidate in between to measure first: the refitted line is all there is
+        stone = max(between, key=lambda c: c.micro_batch_size)
+        self.stands_for[stone] = self.stands_for.get(chosen, chosen)
+        return stone
 
     def _not_memory_bound(self, candidate: Experiment) -> TrialResult | None:
         """A later variant's candidate where its stage's best without it is below the largest size
@@ -171,11 +197,12 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
                           known: list[TrialResult], fits: Fits = _always_fits,
                           offload_fallback: OffloadFallback = _no_fallback,
                           report: Callable[[str], None] = lambda line: None,
-                          on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None) -> PredictiveOutcome:
+                          on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None,
+                          family: Callable[[int], str] = engine_family) -> PredictiveOutcome:
     """The candidates' search through the one driver (tuners/base.py `drive`): an evaluate with
     `capacity` slots (a Ray cluster) gets the k most optimistic bounds at once."""
     candidates = candidate_space(space, predicted_largest, fits, prune, offload_fallback, report)
-    tuner = _SearchedPredictive(candidates, policy, context, fits, FailedVariants(space), on_ask)
+    tuner = _SearchedPredictive(candidates, policy, context, fits, FailedVariants(space), on_ask, family)
     for result in known:
         if result.experiment in tuner.results or result.experiment not in tuner.space:
             continue
