@@ -21,16 +21,26 @@ from autotuner.tuning.space.experiment import Experiment
 SAFETY_MARGIN = 0.1
 
 
-def offload_sections(config: DeepSpeedConfig) -> tuple[bool, bool]:
-    """Whether the user wrote each offload section at all (any device): then it is not tuned."""
-    zero = config.zero_optimization
-    return zero.offload_optimizer is not None, zero.offload_param is not None
+def _user_chose_a_fallback(config: DeepSpeedConfig) -> bool:
+    """Whether the user wrote a section of a fallback dimension (offload) at all, any value: then
+    their choice stands and no fallback is offered."""
+    written = config.model_dump(mode="json")
+    return any(dimensions.lookup(written, section)[1] is not None for dim in dimensions.REGISTRY.values()
+               if dim.fallback for section in dim.user_sections)
 
 
-def _offloads(config: DeepSpeedConfig) -> tuple[bool, bool]:
-    zero = config.zero_optimization
-    return (bool(zero.offload_optimizer and zero.offload_optimizer.device == "cpu"),
-            bool(zero.offload_param and zero.offload_param.device == "cpu"))
+def _fixed_values(config: DeepSpeedConfig, on_gpu: bool) -> tuple[tuple[str, object], ...]:
+    """The fallback dimensions' values the user fixed (offload "cpu"), folded into every estimate
+    through their memory terms; off a GPU those offered on CUDA only are dropped, as the ranks drop them."""
+    written = config.model_dump(mode="json")
+    fixed = []
+    for dim in dimensions.REGISTRY.values():
+        if not dim.fallback or (dim.cuda_only and not on_gpu):
+            continue
+        present, value = dimensions.lookup(written, dim.path)
+        if present and value is not None and value != "auto" and not isinstance(value, list):
+            fixed.append((dim.name, value))
+    return tuple(fixed)
 
 
 def _policy(experiment: Experiment) -> str:
@@ -61,6 +71,7 @@ class MemoryBook:
         self.device_type = "cpu"  # where the ranks run
         self._peak_results: list[TrialResult] = []  # launches with a peak (or an OOM), in order
         self._residual_fits: dict[str, ResidualFit] = {}
+        self._fixed: dict[bool, tuple[tuple[str, Any], ...]] = {}  # the user's fixed fallback values, per device kind
 
     # ----- what is known -----
     @property
@@ -108,11 +119,13 @@ class MemoryBook:
     def stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
                        knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
         # Ranks on a CPU-only machine drop offload (everything is host memory already).
-        offload_optimizer, offload_param = _offloads(self.config) if self.device_type == "cuda" else (False, False)
-        settings = StageSettings(stage, self.precision, self.space.data_parallel_size, offload_optimizer,
-                                 offload_param, self.contiguous_gradients, gradient_accumulation_steps,
+        settings = StageSettings(stage, self.precision, self.space.data_parallel_size, False, False,
+                                 self.contiguous_gradients, gradient_accumulation_steps,
                                  tuple(sorted(self.zero_settings.items())))
-        for name, value in knobs:
+        on_gpu = self.device_type == "cuda"
+        if on_gpu not in self._fixed:  # the config does not change: read once per device kind
+            self._fixed[on_gpu] = _fixed_values(self.config, on_gpu)
+        for name, value in (*self._fixed[on_gpu], *knobs):
             settings = dimensions.memory_term(settings, name, value)
         return settings
 
@@ -188,7 +201,7 @@ class MemoryBook:
         (torch's CPUOffloadPolicy needs a GPU). DeepSpeed offloads parameters only at stage 3, and
         on its own engine the optimizer from stage 1 on."""
         knobs = dimensions.fallback_knobs(stage, self.engine)
-        if knobs is None or self.device_type != "cuda" or any(offload_sections(self.config)):
+        if knobs is None or self.device_type != "cuda" or _user_chose_a_fallback(self.config):
             return None
         usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
         space = replace(self.space, stage_knobs=tuple(sorted({**dict(variant), **knobs}.items())))
