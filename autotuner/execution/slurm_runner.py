@@ -261,7 +261,10 @@ class SlurmRunner:
         try:
             returncode, timed_out = process.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:
-            end_processes([psutil.Process(process.pid)], grace_s=GRACE_S + 5.0)
+            try:  # the head stops its steps on SIGTERM (each agent's stdin closes), then the tree is killed
+                end_processes([psutil.Process(process.pid)], grace_s=GRACE_S + 5.0)
+            except psutil.NoSuchProcess:
+                pass  # it ended as the time ran out
             returncode, timed_out = process.wait(), True
         self._done.put((key, returncode, timed_out))
 
