@@ -273,9 +273,15 @@ def _early_forkserver(args: argparse.Namespace):
 
 
 def _autotune(args: argparse.Namespace) -> int:
-    with _early_forkserver(args) as forkserver:
-        from autotuner.app.tune import autotune
+    from autotuner.launch.stopping import Stopped, stop_signal
 
+    with _early_forkserver(args) as forkserver:
+        from autotuner.app.tune import autotune  # torch and the tuner: seconds of imports
+
+        # A stop during those imports raised inside a library, which may have swallowed it (a bare
+        # except around an optional import): the stop stands all the same.
+        if (signum := stop_signal()) is not None:
+            raise Stopped(signum)
         return autotune(args, forkserver)
 
 
