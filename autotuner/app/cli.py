@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from contextlib import contextmanager
 
@@ -222,9 +223,14 @@ def _stop_when_stdin_closes() -> None:
         except OSError:
             pass
         # Already stopping (scancel signals every process of a job step, and the pipe closes as srun
-        # goes): a second SIGTERM would cut the ranks' grace short.
-        if not stop_in_progress():
-            os.kill(os.getpid(), signal.SIGTERM)
+        # goes): a second SIGTERM would cut the ranks' grace short. The signal and the pipe's end
+        # race (seen once in a full suite run), so a signal on its way is given a second to register.
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            if stop_in_progress():
+                return
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, daemon=True, name="stop-with-stdin").start()
 
