@@ -33,7 +33,7 @@ from typing import Callable
 
 import psutil
 
-from autotuner.core.errors import UsageError
+from autotuner.core.errors import LaunchError, UsageError
 from autotuner.execution.trial_launch import cold_launch, judge, prepare
 from autotuner.launch.plan import LaunchOptions
 from autotuner.launch.slurm import Allocation
@@ -181,7 +181,8 @@ class SlurmRunner:
         options = replace(options, launcher="slurm")
         plan = nodes_plan(options, sys.executable, os.getcwd(), self._environ, num_nodes=self.nodes_per_trial,
                           allocation=self.allocation)
-        assert plan is not None  # --launcher slurm always plans its nodes
+        if plan is None:  # nodes_plan plans every --launcher slurm launch; None would be our bug
+            raise LaunchError("--backend slurm: no node plan for the training run")
         return run_nodes(plan, self._environ)
 
     def close(self) -> None:
