@@ -50,6 +50,9 @@ def launcher_env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("PYTHONWARNINGS", "ignore")
+    # A rank that aborts in C++ ("terminate called without an active exception", status 134; seen
+    # once in CI, never reproduced here) then prints every thread's Python stack, to find where.
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     return env
 
 
