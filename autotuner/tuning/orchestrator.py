@@ -259,7 +259,8 @@ class Autotuner:
                         "launches only")
         profile = self.memory.profile
         return CostContext(profile.num_params if profile else 0, self.settings.data_parallel_size,
-                           COMPUTE_BYTES.get(self.memory.precision, 4), links, self._prior.observations)
+                           COMPUTE_BYTES.get(self.memory.precision, 4), links, self._prior.observations,
+                           self.memory.engine)
 
     # ----- the ledger's trials -----
     def _trial(self, experiment: Experiment, directory_name: str = "", profile: bool = False) -> Trial:

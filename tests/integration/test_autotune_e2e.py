@@ -149,8 +149,11 @@ def test_the_predictive_tuner_launches_a_fraction_of_the_candidates_and_explains
     search = table[table.phase == "search"]
     assert len(search) and search.predicted_metric.notna().all()
     assert (search.predicted_metric_low <= search.predicted_metric_high).all()
+    assert search.why_launched.str.contains("predicted").all(), search.why_launched.tolist()
+    assert (table[table.phase == "profile"].why_launched.str.startswith("profile")).all()
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
     assert "Throughput model: 6 candidates; prediction ruled out" in summary
+    assert all(f"  {name}: " in summary for name in search.name), summary  # why each searched launch ran
     assert "Memory model, predicted before each launch: error" in summary
     assert (tmp_path / "autotuning_results" / "metric_vs_micro_batch.png").exists()
 

@@ -205,3 +205,100 @@ def test_no_launch_runs_more_than_4x_beyond_its_engines_largest_measured_micro_b
     sizes = [e.micro_batch_size for e in launched]
     assert sizes and sizes[0] <= 16 and 64 in sizes
     assert all(m <= 4 * max([1, 4, *sizes[:i]]) for i, m in enumerate(sizes)), sizes
+
+
+# ----- issue 49, section 3: no dominated launches (replayed from an H200 tune, gpt2-medium, sequence 256) -----
+H200_PROFILE = {(0, 1): 12.903, (0, 32): 230.14, (3, 1): 6.4475, (3, 32): 196.44}  # samples/s, 1 GPU
+H200_SWEEP = {"DDP": {1: 9.898, 4: 53.90, 16: 189.36, 64: 268.97, 128: 285.72},
+              "FSDP2": {1: 8.529, 4: 23.41, 16: 97.75, 64: 315.35, 128: 372.60, 256: 397.40}}
+H200_TUNE = {(0, 180): 298.36, (0, 128): 287.52, (1, 128): 283.98, (1, 2): 24.55, (2, 128): 378.86,
+             (2, 2): 15.43, (1, 64): 257.29}  # what that tune's searched launches measured
+
+
+def h200_samples_s(stage: int, micro_batch: int) -> float | None:
+    """The launch's measured throughput where one ran, else the family's sweep interpolated in
+    log-log; None where it ran out of memory (the tune's ZeRO 3 at 258; the sweep's 256 and 512)."""
+    import math
+
+    if (stage, micro_batch) in H200_PROFILE or (stage, micro_batch) in H200_TUNE:
+        return H200_PROFILE.get((stage, micro_batch)) or H200_TUNE[(stage, micro_batch)]
+    sweep = sorted(H200_SWEEP["DDP" if stage <= 1 else "FSDP2"].items())
+    if micro_batch > (180 if stage <= 1 else 256):
+        return None
+    low = max((p for p in sweep if p[0] <= micro_batch), default=sweep[0])
+    high = min((p for p in sweep if p[0] >= micro_batch), default=sweep[-1])
+    if low[0] == high[0]:
+        return low[1]
+    w = (math.log(micro_batch) - math.log(low[0])) / (math.log(high[0]) - math.log(low[0]))
+    return math.exp(math.log(low[1]) + w * (math.log(high[1]) - math.log(low[1])))
+
+
+def test_the_h200_replay_launches_nothing_dominated_and_finds_the_sharded_engines_lead():
+    """That tune launched micro-batch 2 at ZeRO 1 and 2 after 298 samples/s had been measured:
+    fitted without the profile's micro-batch 1, the model put a micro-step's fixed cost at zero.
+    And one slope for both engines predicted ZeRO 2-3 at 128 below ZeRO 0, where it ran 30% faster."""
+    from autotuner.tuning.searches.predictive_search import run_predictive_search
+    from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace
+
+    launched: list[tuple[Experiment, float | None]] = []  # each launch and what it measured
+
+    def evaluate(e: Experiment) -> TrialResult:
+        value = h200_samples_s(e.zero_stage, e.micro_batch_size)
+        launched.append((e, value))
+        if value is None:
+            return TrialResult(e, TrialState.OOM, error="out of memory")
+        step = e.micro_batch_size / value
+        return TrialResult(e, TrialState.OK, value=value, measured_memory_bytes=2**30,
+                           measurement=Measurement(throughput=value, latency=step))
+
+    space = SearchSpace(stages=(0, 1, 2, 3), data_parallel_size=1, max_micro_batch_size=1024)
+    policy = SearchPolicy(THROUGHPUT, "predictive", 50, 50, 0, True)
+    profile = [evaluate(Experiment(s, m, 1)) for s, m in H200_PROFILE]
+    outcome = run_predictive_search(space, policy, {0: 180, 1: 180, 2: 257, 3: 258}, evaluate, lambda *a, **k: None,
+                                    CostContext(num_params=354_823_168, world_size=1, compute_bytes=2), profile)
+    searched = launched[len(profile):]
+    measured_before = [max(v for _, v in launched[:len(profile) + i] if v is not None) for i in range(len(searched))]
+    for candidate, best in zip(outcome.at_launch, measured_before):
+        assert candidate.prediction.high >= best * (1 - 0.03), (candidate, best)  # its bound could beat the best
+        assert candidate.why, candidate
+    sizes = [(e.zero_stage, e.micro_batch_size) for e, _ in searched]
+    assert all(m > 4 for _, m in sizes), sizes  # no micro-batch a fixed cost per micro-step rules out
+    assert len(launched) <= 8, sizes  # the issue's goal, the profile included (that tune: 12)
+    pick = max(v for _, v in launched if v is not None)
+    reachable = max(v for e in outcome.final if (v := h200_samples_s(e.experiment.zero_stage,
+                                                                      e.experiment.micro_batch_size)) is not None)
+    assert pick >= 0.95 * reachable, (pick, reachable, sizes)
+
+
+def test_no_candidate_is_predicted_faster_than_a_measured_smaller_step_of_its_stage():
+    """More samples per micro-step never take less time: micro-batch 2's bound is at most twice
+    micro-batch 1's measured throughput (less its noise), whatever the fit says."""
+    space = candidates(stages=(0,), sizes=(1, 2, 32, 64))
+    tuner = PredictiveTuner(space, THROUGHPUT, context=CONTEXT)
+    step_1 = 0.080
+    tuner.tell(TrialResult(space[0], TrialState.OK, value=GLOBAL_BATCH / step_1,
+                           measurement=Measurement(throughput=GLOBAL_BATCH / step_1, latency=step_1)))
+    for e in space[2:]:  # larger sizes alone would put the fixed cost at zero
+        step = 0.004 * e.micro_batch_size * e.gradient_accumulation_steps
+        tuner.tell(TrialResult(e, TrialState.OK, value=GLOBAL_BATCH / step,
+                               measurement=Measurement(throughput=GLOBAL_BATCH / step, latency=step)))
+    two = Experiment(0, 2, GLOBAL_BATCH // (2 * WORLD))
+    one = Experiment(0, 1, GLOBAL_BATCH // WORLD)
+    assert tuner.step_floor_s(Experiment(0, 2, one.gradient_accumulation_steps)) >= step_1 * (1 - 1.64 * 0.03)
+    assert tuner.step_floor_s(two) == 0.0  # fewer micro-steps than any measured: nothing bounds it
+    assert tuner.predict(Experiment(0, 1, GLOBAL_BATCH // WORLD)).high <= GLOBAL_BATCH / (step_1 * (1 - 1.64 * 0.03)) + 1e-9
+
+
+def test_each_engine_family_gets_its_own_time_per_sample():
+    """DDP's step grows 2 ms per sample, FSDP2's 0.25 ms: profiled at 1 and 32 on each, the model
+    ranks ZeRO 3 above ZeRO 0 at 128 (a shared slope ranked them the other way)."""
+    def step(e: Experiment) -> float:
+        return 0.075 + 0.002 * e.micro_batch_size if e.zero_stage <= 1 else 0.155 + 0.00025 * e.micro_batch_size
+
+    observations = [Observation(Experiment(s, m), step(Experiment(s, m))) for s in (0, 3) for m in (1, 32)]
+    model = StepTimeModel(observations, CostContext(num_params=1000, world_size=1), 256)
+    for e in (Experiment(0, 128), Experiment(3, 128), Experiment(2, 64), Experiment(3, 256)):
+        fastest, slowest = model.predict(e).bounds()
+        assert fastest <= step(e) <= slowest, e  # 4-8x past the profile: inside the band, if not on the mean
+    assert model.predict(Experiment(0, 64)).mean_s == pytest.approx(step(Experiment(0, 64)), rel=0.05)
+    assert model.predict(Experiment(3, 128)).mean_s < model.predict(Experiment(0, 128)).mean_s

@@ -17,6 +17,10 @@ Step time of one optimizer step, for ZeRO stage s, micro-batch m and gas g:
 - offset(group) is what the costing misses for one stage and knob setting (overlap with
   backward, the optimizer step, sharding's bookkeeping), learned from its launches; ZeRO 2 and 3,
   one sharded engine, lend each other theirs until their own is measured.
+- g x d_f m is engine family f's own time per sample beside the shared b (DDP and FSDP2 run
+  different kernels and hooks per sample: on an H200, FSDP2's step grew 0.26 ms per sample where
+  DDP's grew 2 ms, and ZeRO 3 at micro-batch 128 ran 30% faster than ZeRO 0). Zero-mean prior,
+  so with one family measured it is the shared curve; the profile times both.
 
 All parameters are fitted at once by Bayesian linear regression with known noise: measured
 steps vary by NOISE_FLOOR at least (run to run, on these machines), the curvature q and the
@@ -41,6 +45,7 @@ CURVATURE_PRIOR = 3.0  # q m^2 at the largest size: a few times the compute time
 OFFSET_PRIOR = 0.5  # an unmeasured group's offset: within this fraction of its costed communication
 OFFSET_FLOOR = 0.05  # ... and of the step time (the optimizer step, overlap: not costed)
 RECOMPUTE_PRIOR = 0.5  # checkpointing's recompute per sample: within half the compute per sample (a forward's share)
+FAMILY_SLOPE_PRIOR = 0.5  # an engine family's own time per sample: within half the shared one
 FP32_BYTES = 4
 
 
@@ -55,6 +60,12 @@ class CostContext:
     # Step times of similar earlier runs, scaled to this model (tuning/models/transfer.py): fitted with
     # the launches, at their wider noise.
     prior: tuple["Observation", ...] = ()
+    engine: str = "autotuner"  # whose engine runs the launches: which stages share a family
+
+    def family(self, stage: int) -> str:
+        from autotuner.tuning.memory.estimate import engine_family
+
+        return engine_family(stage, self.engine)
 
     def link(self, op: str) -> LinkFit | None:
         found = {link.op: link for link in self.links}
@@ -127,6 +138,8 @@ class StepTimeModel:
         # Recompute under checkpointing: a per-sample time per policy, learned from its launches;
         # unmeasured, it is only a prior (zero mean: the bound stays optimistic, its spread wide).
         self.recomputes = sorted({r for o in observations if (r := recompute_of(o.experiment)) is not None})
+        families = sorted({context.family(o.experiment.zero_stage) for o in observations})
+        self.families = families if len(families) > 1 else []  # one family: the shared slope is its own
         times = [o.step_time_s for o in observations]
         self.typical_s = float(np.median(times)) if times else 1.0
         per_sample = [o.step_time_s / (o.experiment.gradient_accumulation_steps * o.experiment.micro_batch_size)
@@ -135,6 +148,7 @@ class StepTimeModel:
         wide = (100.0 * self.typical_s) ** 2
         self._prior_var = np.array([wide, wide, (CURVATURE_PRIOR * compute_at_largest) ** 2])
         self._recompute_var = (RECOMPUTE_PRIOR * compute_at_largest) ** 2
+        self._family_var = (FAMILY_SLOPE_PRIOR * compute_at_largest) ** 2
         if not observations:
             self._mean = np.zeros(3)
             self._cov = np.diag(self._prior_var)
@@ -143,7 +157,8 @@ class StepTimeModel:
         targets = np.array([o.step_time_s - self._costed_s(o.experiment) for o in observations])
         noise = np.array([max(o.relative_noise, NOISE_FLOOR) * o.step_time_s for o in observations])
         prior_var = np.concatenate([self._prior_var, [self._offset_var(g) for g in self.groups],
-                                    [self._recompute_var] * len(self.recomputes)])
+                                    [self._recompute_var] * len(self.recomputes),
+                                    [self._family_var] * len(self.families)])
         self._fit(rows, targets, noise, prior_var)
         if self._mean[0] < 0:
             # A micro-step's fixed cost is never negative; pinned at 0, the curvature explains the data.
@@ -169,6 +184,8 @@ class StepTimeModel:
         if fitted_groups:
             base += [1.0 if group_of(experiment) == group else 0.0 for group in self.groups]
             base += [g * m if recompute_of(experiment) == policy else 0.0 for policy in self.recomputes]
+            family = self.context.family(experiment.zero_stage)
+            base += [g * m if family == f else 0.0 for f in self.families]
         return np.array(base)
 
     def predict(self, experiment: Experiment) -> StepTimePrediction:
@@ -188,6 +205,9 @@ class StepTimeModel:
             # A policy never launched: its recompute per sample is the prior's.
             g, m = experiment.gradient_accumulation_steps, experiment.micro_batch_size / self.scale_m
             variance += (g * m) ** 2 * self._recompute_var
+        if self.families and self.context.family(experiment.zero_stage) not in self.families:
+            g, m = experiment.gradient_accumulation_steps, experiment.micro_batch_size / self.scale_m
+            variance += (g * m) ** 2 * self._family_var  # a family never launched: its prior
         noise = NOISE_FLOOR * max(mean, 1e-12)
         mean = max(mean, 1e-9)
         return StepTimePrediction(mean, math.sqrt(max(variance, 0.0) + noise**2))

@@ -73,6 +73,6 @@ def predicted_points(predictions: PredictiveOutcome | None) -> tuple[tuple[Predi
     def point(candidate) -> PredictedPoint:
         e, p = candidate.experiment, candidate.prediction
         return PredictedPoint(e.name, e.zero_stage, e.micro_batch_size, p.value, p.low, p.high,
-                              candidate.launched, candidate.ruled_out_by)
+                              candidate.launched, candidate.ruled_out_by, candidate.why)
 
     return (tuple(point(c) for c in predictions.at_launch), tuple(point(c) for c in predictions.final))

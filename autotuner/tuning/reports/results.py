@@ -26,6 +26,7 @@ class PredictedPoint:
     high: float
     launched: bool = True
     ruled_out_by: str = ""
+    why: str = ""  # why it was launched
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,9 @@ def prediction_lines(explanation: Explanation) -> list[str]:
             f"without launching them")
     if by_memory:
         line += f", the refitted memory model {len(by_memory)}"
-    return [line + ("" if not by_prediction else f" ({', '.join(by_prediction)})") + "."]
+    why = [f"  {p.name}: {p.why}" for p in explanation.at_launch if p.why]
+    return [line + ("" if not by_prediction else f" ({', '.join(by_prediction)})") + ".",
+            *(["Why each searched launch ran (experiments.csv: why_launched):", *why] if why else [])]
 
 
 def _value(result: TrialResult | None) -> float | None:
@@ -136,6 +139,7 @@ def result_rows(results: list[TrialResult], objective: Objective,
             "predicted_metric": _round(prediction.value) if prediction else None,
             "predicted_metric_low": _round(prediction.low) if prediction else None,
             "predicted_metric_high": _round(prediction.high) if prediction else None,
+            "why_launched": _why(phase, prediction),
             "throughput_samples_s": m.throughput if m else None,
             "latency_s": m.latency if m else None,
             "forward_ms": _ms(m.forward if m else None),
@@ -153,6 +157,14 @@ def result_rows(results: list[TrialResult], objective: Objective,
             "error": r.error,
         })
     return rows
+
+
+def _why(phase: str, prediction: PredictedPoint | None) -> str:
+    if phase == "profile":
+        return "profile: fits the memory and step-time models"
+    if phase == "remeasure":
+        return "re-measured for the final pick"
+    return prediction.why if prediction is not None and prediction.why else "the tuner's next candidate"
 
 
 def _round(value: float) -> float:

@@ -35,6 +35,7 @@ class PredictedCandidate:
     prediction: Prediction
     launched: bool
     ruled_out_by: str = ""  # "prediction" or "memory model" when never launched
+    why: str = ""  # when launched: why the search asked for it
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class _SearchedPredictive(PredictiveTuner):
         self.failed = failed
         self.search_space = failed.space
         self.stands_for: dict[Experiment, Experiment] = {}  # a variant's first launch: its most promising size
+        self.stand_in_kind: dict[Experiment, str] = {}  # why a stand-in went first
         self.memory_ruled_out: set[Experiment] = set()
         self.variant_ruled_out: set[Experiment] = set()  # its variant failed, or cannot pay at its stage
         self.asked: list[PredictedCandidate] = []
@@ -118,9 +120,26 @@ class _SearchedPredictive(PredictiveTuner):
         experiment = super().ask()
         if experiment is not None:
             prediction = self.predict(experiment)
-            self.asked.append(PredictedCandidate(experiment, prediction, launched=True))
+            self.asked.append(PredictedCandidate(experiment, prediction, launched=True, why=self._why(experiment)))
             self.on_ask(experiment, prediction)
         return experiment
+
+    def _why(self, experiment: Experiment) -> str:
+        """One line for the summary: what made this launch worth its time."""
+        target = self.stands_for.get(experiment, experiment)
+        prediction = self.predict(target)
+        bound = prediction.high if self.objective.maximize else prediction.low
+        incumbent = self.best
+        if incumbent is None:
+            why = f"first launch: predicted {prediction.value:.4g}"
+        else:
+            why = (f"predicted {prediction.value:.4g}, at best {bound:.4g}, against {incumbent.value:.4g} "
+                   f"measured ({incumbent.name})")
+        if target != experiment:
+            why = f"{self.stand_in_kind.get(experiment, 'stands in')} for {target.name}, which is " + why
+        if not self.checked:
+            why += "; no prediction checked by a launch yet, so none is trusted to rule it out"
+        return why
 
     def _choose(self, untried: list[Experiment]) -> Experiment:
         """A later variant waits for its stage's curve without it (two sizes measured), so the model
@@ -135,11 +154,12 @@ class _SearchedPredictive(PredictiveTuner):
                 waiting.add(candidate)
         chosen = super()._choose([c for c in untried if c not in waiting] or untried)
         variant = variant_of(self.search_space, chosen)
-        if variant and not variant_measured(self.results.values(), self.search_space, variant):
+        if variant and not variant_measured(self._measured(), self.search_space, variant):
             smallest = min((c for c in untried if variant_of(self.search_space, c) == variant),
                            key=lambda c: (c.micro_batch_size, c.zero_stage))
             if smallest != chosen:
                 self.stands_for[smallest] = chosen
+                self.stand_in_kind[smallest] = "its variant's first launch, at its smallest size,"
                 return smallest
         return self._stepping_stone(chosen, untried)
 
@@ -150,8 +170,8 @@ class _SearchedPredictive(PredictiveTuner):
         worth a launch). Peaks far from every measured size were predicted several percent short
         (issue 49); each stepping stone refits the memory line closer to them."""
         family = self.family(chosen.zero_stage)
-        measured = [e.micro_batch_size for e, r in self.results.items()
-                    if r.state is TrialState.OK and r.measured_memory_bytes and self.family(e.zero_stage) == family]
+        measured = [r.experiment.micro_batch_size for r in self._measured() if r.state is TrialState.OK
+                    and r.measured_memory_bytes and self.family(r.experiment.zero_stage) == family]
         if not measured or chosen.micro_batch_size <= EXTRAPOLATION_LIMIT * max(measured):
             return chosen
         reach = EXTRAPOLATION_LIMIT * max(measured)
@@ -161,6 +181,8 @@ class _SearchedPredictive(PredictiveTuner):
             return chosen  # no candidate in between to measure first: the refitted line is all there is
         stone = max(between, key=lambda c: c.micro_batch_size)
         self.stands_for[stone] = self.stands_for.get(chosen, chosen)
+        self.stand_in_kind[stone] = (f"stepping stone (at most {EXTRAPOLATION_LIMIT}x past micro-batch "
+                                     f"{max(measured)}, the largest its engine measured)")
         return stone
 
     def _not_memory_bound(self, candidate: Experiment) -> TrialResult | None:
@@ -172,14 +194,14 @@ class _SearchedPredictive(PredictiveTuner):
         first = [c for c in self.space if c.zero_stage == stage and not variant_of(self.search_space, c)]
         if not first:
             return None
-        measured = [r for r in self.results.values() if r.experiment in first]
+        measured = [r for r in self._measured() if r.experiment in first]
         reason = not_memory_bound(self.objective, stage, measured)
         return TrialResult(candidate, TrialState.PRUNED, error=reason) if reason else None
 
     def _first_variant_sizes(self, stage: int) -> set[int]:
         """Micro-batch sizes the stage ran under its first variant: a later variant (which only buys
         larger sizes, at the price of time) waits for that curve, so the model can rule it out."""
-        return {r.experiment.micro_batch_size for r in self.results.values()
+        return {r.experiment.micro_batch_size for r in self._measured()
                 if r.experiment.zero_stage == stage and r.state is TrialState.OK
                 and not variant_of(self.search_space, r.experiment)}
 
@@ -204,9 +226,8 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
     candidates = candidate_space(space, predicted_largest, fits, prune, offload_fallback, report)
     tuner = _SearchedPredictive(candidates, policy, context, fits, FailedVariants(space), on_ask, family)
     for result in known:
-        if result.experiment in tuner.results or result.experiment not in tuner.space:
-            continue
-        tuner.tell(result)
+        if result.experiment not in tuner.results:
+            tuner.observe(result)
     results = drive(tuner, evaluate, early_stopping=max(1, policy.num_trials), max_trials=policy.num_trials,
                     trust_predictions=True)
     launched = {r.experiment for r in results}

@@ -6,14 +6,20 @@ optimistic bound, and `could_improve` says whether that bound beats the best mea
 more than the noise level (a smaller gain is not worth a launch: measured, it would be a tie).
 The search stops when it does not (drive(..., trust_predictions=True)); asked further, the
 tuner still orders the rest, so it meets the same contract as every tuner.
+
+Launches outside the candidates (the profile's micro-batch 1, which no candidate repeats) are
+`observe`d: fitted and weighed as the best so far, never asked for. Left out, the fit had no point
+near a micro-step's fixed cost, put it at zero, and predicted micro-batch 2 tens of times faster
+than micro-batch 1 had measured: a launch no model of the step could have put ahead (issue 49).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from typing import Sequence
 
-from autotuner.tuning.models.cost_model import NOISE_FLOOR, CostContext, Observation, Prediction, StepTimeModel
+from autotuner.tuning.models.cost_model import BOUND_Z, NOISE_FLOOR, CostContext, Observation, Prediction, StepTimeModel
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.tuners.base import Tuner
@@ -29,6 +35,21 @@ class PredictiveTuner(Tuner):
         self.worthwhile_gain = worthwhile_gain  # relative: the least gain a launch must be able to bring
         self._largest = max((e.micro_batch_size for e in self.space), default=1)
         self._model: tuple[int, StepTimeModel] | None = None
+        self.observed: dict[Experiment, TrialResult] = {}  # measured, outside the candidates
+
+    def observe(self, result: TrialResult) -> None:
+        """A result outside the space: the model and the best so far count it."""
+        if result.experiment in self.space:
+            self.tell(result)
+        else:
+            self.observed[result.experiment] = result
+
+    def _measured(self) -> list[TrialResult]:
+        return [*self.observed.values(), *self.results.values()]
+
+    @property
+    def best(self) -> TrialResult | None:
+        return self.objective.best(self._measured())
 
     # ----- the objective <-> step time -----
     def _samples_per_step(self, experiment: Experiment) -> int:
@@ -45,7 +66,7 @@ class PredictiveTuner(Tuner):
         return self._samples_per_step(result.experiment) / float(result.value)
 
     def _flops_per_sample(self) -> float:
-        ratios = [r.value * t / self._samples_per_step(r.experiment) for r in self.results.values()
+        ratios = [r.value * t / self._samples_per_step(r.experiment) for r in self._measured()
                   if (t := self._step_time(r)) is not None]
         return statistics.median(ratios) if ratios else 1.0
 
@@ -57,19 +78,40 @@ class PredictiveTuner(Tuner):
 
     # ----- the model -----
     def model(self) -> StepTimeModel:
-        if self._model is None or self._model[0] != len(self.results):
+        measured = self._measured()
+        if self._model is None or self._model[0] != len(measured):
             observations = list(self.context.prior)
-            for result in self.results.values():
+            for result in measured:
                 step_time = self._step_time(result)
                 if step_time is None:
                     continue
                 observations.append(Observation(result.experiment, step_time, result.relative_error))
-            self._model = (len(self.results), StepTimeModel(observations, self.context, self._largest))
+            self._model = (len(measured), StepTimeModel(observations, self.context, self._largest))
         return self._model[1]
+
+    def step_floor_s(self, experiment: Experiment) -> float:
+        """The least step time `experiment` can take, whatever the model says: a step of the same
+        stage and knobs with no more micro-steps, each no larger, was measured, and more samples
+        take no less time (less that measurement's noise). 0 when nothing bounds it."""
+        floor = 0.0
+        for result in self._measured():
+            other = result.experiment
+            if (other.zero_stage, other.knobs) != (experiment.zero_stage, experiment.knobs) or \
+                    other.micro_batch_size > experiment.micro_batch_size or \
+                    other.gradient_accumulation_steps > experiment.gradient_accumulation_steps:
+                continue
+            step_time = self._step_time(result)
+            if step_time is not None:
+                noise = max(NOISE_FLOOR, result.relative_error or 0.0)
+                floor = max(floor, step_time * (1 - BOUND_Z * noise))
+        return floor
 
     def predict(self, experiment: Experiment) -> Prediction:
         step = self.model().predict(experiment)
         fastest, slowest = step.bounds()
+        floor = self.step_floor_s(experiment)
+        fastest, slowest = max(fastest, floor), max(slowest, floor)
+        step = dataclasses.replace(step, mean_s=max(step.mean_s, floor))
         at_fastest, at_slowest = self._value(experiment, fastest), self._value(experiment, slowest)
         return Prediction(self._value(experiment, step.mean_s), min(at_fastest, at_slowest),
                           max(at_fastest, at_slowest))
@@ -79,7 +121,7 @@ class PredictiveTuner(Tuner):
         return prediction.high if self.objective.maximize else prediction.low
 
     def _choose(self, untried: list[Experiment]) -> Experiment:
-        if not any(self._step_time(r) is not None for r in self.results.values()):
+        if not any(self._step_time(r) is not None for r in self._measured()):
             # Nothing measured yet: the lowest stage at its largest size (a model needs a point).
             return min(untried, key=lambda e: (e.zero_stage, -e.micro_batch_size, e.knobs))
         scored = [(self._optimistic(e), index) for index, e in enumerate(untried)]
