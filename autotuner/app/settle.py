@@ -32,6 +32,7 @@ from autotuner.launch.plan import LaunchPlan
 from autotuner.launch.script_args import config_path, find_flag
 from autotuner.runtime.optim import check_optimizer_and_scheduler
 from autotuner.tuning.space.config_space import base_config, search_space
+from autotuner.tuning.memory.varying_batches import declared_max_length
 from autotuner.tuning.trials.trial import ExperimentSettings, config_value
 from autotuner.tuning.trials.journal import Fingerprint, fingerprint_of, this_device, torch_version
 from autotuner.tuning.space.records import Objective
@@ -212,6 +213,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
         raise ConfigError(f"{source}: autotuning.start_profile_step: got {tuning.start_profile_step}; with compile.enabled "
                           "\"auto\" it must be at least 2, so compiling (in the first step) falls before the timed "
                           "window, where it is measured as a one-off")
+    max_length, max_length_from = declared_max_length(script_args, tuning.max_sequence_length)
     settings = ExperimentSettings(
         script=args.script,
         script_args=script_args,
@@ -231,6 +233,8 @@ def settle(args: argparse.Namespace) -> SettledJob:
         engine=engine.engine,
         engine_settled=engine.settled,
         planned_steps=tuning.planned_steps or script_max_steps(script_args),
+        max_sequence_length=max_length,
+        max_sequence_length_from=max_length_from,
     )
     fingerprint = fingerprint_of(script=args.script, script_args=script_args,
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,

@@ -115,6 +115,10 @@ class AutotuningConfig(Section):
     memory_per_rank_bytes: PositiveInt | None = Field(
         None, description="overrides the detected per-rank device memory budget"
     )
+    max_sequence_length: PositiveInt | None = Field(
+        None, description="ours: the longest sequence a batch can hold; where batches vary in length, every "
+                          "launch's memory is judged there. Unset: the script's --max_seq_length, --max_length, "
+                          "--block_size, --max_source_length or --seq_len, else the longest seen plus the spread")
     warm_start: bool = Field(True, description="fork experiment ranks from a forkserver that preloaded torch and the "
                              "script's imports; false starts every experiment's interpreters cold")
     warm_preload: list[str] = Field(default_factory=list, description="more modules for the forkserver to import, "

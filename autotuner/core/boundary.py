@@ -137,6 +137,10 @@ class Measurement:
     # Optimizer steps before the window and their wall time from the first forward (rank 0's).
     warmup_steps: int = 0
     warmup_s: float = 0.0
+    # Per rank, per window step: (the step's longest input, dim 1 of the first tensor input; the
+    # memory peak so far after it). Empty when the inputs are no sequences.
+    step_peaks: tuple[tuple[tuple[int, int], ...], ...] = ()
+    step_peaks_own: bool = False  # each step's peak is its own (CPU: the mark reset between steps); else so far
     version: int = VERSION
 
     def one_off_s(self) -> float:
@@ -152,6 +156,7 @@ class Measurement:
         data = dataclasses.asdict(self)
         data["step_wall_s_values"] = list(self.step_wall_s_values)
         data["peak_memory_bytes_per_rank"] = list(self.peak_memory_bytes_per_rank)
+        data["step_peaks"] = [[list(pair) for pair in rank] for rank in self.step_peaks]
         return data
 
     @classmethod
@@ -165,6 +170,8 @@ class Measurement:
             values[key] = Summary.from_json(values.get(key))
         values["step_wall_s_values"] = tuple(float(v) for v in values.get("step_wall_s_values") or ())
         values["peak_memory_bytes_per_rank"] = tuple(int(v) for v in values.get("peak_memory_bytes_per_rank") or ())
+        values["step_peaks"] = tuple(tuple((int(length), int(peak)) for length, peak in rank)
+                                     for rank in values.get("step_peaks") or ())
         return cls(**values)
 
 

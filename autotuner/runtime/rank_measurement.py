@@ -83,7 +83,7 @@ class RankMeasurement:
 
     def _peaks(self) -> tuple[list[int], list[int] | None]:
         device = self.view.device
-        peak = peak_memory_bytes(device)
+        peak = max(peak_memory_bytes(device), *self.window.step_peaks, 0)  # a reset mark: the steps keep the peak
         if self.phase_peaks is not None:
             peak = max(peak, self.phase_peaks.before_bytes, self.phase_peaks.forward_backward_bytes)
         reserved = peak_reserved_bytes(device)
@@ -153,6 +153,7 @@ class RankMeasurement:
         taken_by_others = self.window_watch.others_share()
         peak_per_rank, reserved_per_rank = self._peaks()
         flops = view.flops_per_micro_step()
+        step_peaks = self._step_peaks()
         if view.rank == 0:
             measurement = build_measurement(
                 self.window,
@@ -170,7 +171,22 @@ class RankMeasurement:
                 cpu_taken_by_others=taken_by_others,
                 load_average=load_average(),
             )
-            write_record(self.request.metrics_path, dataclasses.replace(measurement, engine=view.name))
+            write_record(self.request.metrics_path, dataclasses.replace(
+                measurement, engine=view.name, step_peaks=step_peaks, step_peaks_own=self.window.step_peaks_own))
+
+    def _step_peaks(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per rank, per window step: (its longest input, the peak so far). Collective. Every rank
+        holds the same steps (the window's end is agreed), so the rows line up."""
+        lengths, peaks = self.window.step_lengths, self.window.step_peaks
+        if not any(lengths):
+            return ()
+        local = torch.tensor([lengths, peaks], dtype=torch.int64, device=self.view.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(gathered, local)
+        else:
+            gathered = [local]
+        return tuple(tuple(zip(map(int, rows[0].tolist()), map(int, rows[1].tolist()))) for rows in gathered)
 
     def finish(self, done_line: str) -> None:
         """Rank 0 writes the metrics file; every rank then leaves with status 0."""

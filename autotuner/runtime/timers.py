@@ -54,6 +54,12 @@ class ProfileWindow:
     # a one-off the planned run pays too (torch.compile's compiling, above all).
     warmup_steps: int = 0
     warmup_s: float = 0.0
+    # Per window step: the longest input of its micro-steps (dim 1 of the first tensor input; 0
+    # when the input is no sequence) and the memory peak so far after it. A script whose batches
+    # vary in length (dynamic padding) shows its memory per position here.
+    step_lengths: list[int] = field(default_factory=list)
+    step_peaks: list[int] = field(default_factory=list)
+    step_peaks_own: bool = False  # each step's peak is its own (the mark was reset after the one before)
 
     def __post_init__(self) -> None:
         self.planned_end_step = self.planned_end_step or self.end_step
@@ -73,6 +79,11 @@ class ProfileWindow:
         if self.covers(step):
             self.step_s.append(optimizer_step)
             self.step_wall_s.append(wall)
+
+    def record_peak(self, step: int, length: int, peak_bytes: int) -> None:
+        if self.covers(step):
+            self.step_lengths.append(int(length))
+            self.step_peaks.append(int(peak_bytes))
 
     def extend_if_short(self, step: int, agreed_seconds: Callable[[float], float]) -> bool:
         """At the window's last step: lengthen it by one step while it has lasted less than

@@ -10,6 +10,7 @@ import importlib
 from importlib.util import find_spec
 import multiprocessing
 import os
+import random
 import signal
 import sys
 import time
@@ -96,6 +97,16 @@ def main() -> None:
     parser.add_argument("--segfault_if_forked", action="store_true",
                         help="rank 1 dies of SIGSEGV at step 2 when it was forked by multiprocessing (a warm launch)")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
+    parser.add_argument("--lengths", default=None, metavar="MIN:MAX",
+                        help="each step draws its batch's sequence length in MIN..MAX (dynamic padding); the memory "
+                             "held per sample (--mem_per_sample_mb) is for --seq_len positions and scales with it")
+    parser.add_argument("--late_length", type=int, default=0,
+                        help="with --lengths: from --late_from_step on, every batch has this length (the longest "
+                             "batches come late, after any profile window)")
+    parser.add_argument("--late_from_step", type=int, default=0)
+    parser.add_argument("--max_seq_length", type=int, default=None,
+                        help="the longest batch the data can make (declared, as Hugging Face's scripts do)")
+    parser.add_argument("--peak_to", default=None, help="each rank appends its peak resident set (bytes) here at the end")
     parser.add_argument("--check_deepspeed_first", action="store_true",
                         help="ask importlib.util.find_spec('deepspeed') before importing it, as transformers and "
                              "accelerate do")
@@ -173,21 +184,37 @@ def main() -> None:
             os.kill(os.getpid(), signal.SIGSEGV)
         if fires("kill") and step == args.fail_at_step and rank == args.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
+        length = args.seq_len
+        if args.lengths:
+            shortest, longest = (int(v) for v in args.lengths.split(":"))
+            drawn = random.Random(step * 1000 + rank).randint(shortest, longest)
+            length = args.late_length if args.late_length and step >= args.late_from_step else drawn
         for _ in range(engine.gradient_accumulation_steps()):
             held = None
             if args.mem_per_sample_mb:
                 # Resident (written); on a GPU this is where a real CUDA out-of-memory error comes from.
-                held = torch.ones(int(micro * args.mem_per_sample_mb * 2**20 / 4), device=engine.device)
-            shape = (micro, args.seq_len, 16) if args.blocks else (micro, 16)
-            x, y = torch.randn(*shape, device=engine.device), torch.randn(micro, 1, device=engine.device)
+                scale = length / args.seq_len if args.lengths else 1.0
+                held = torch.ones(int(micro * args.mem_per_sample_mb * scale * 2**20 / 4), device=engine.device)
+            shape = (micro, length, 16) if args.blocks or args.lengths else (micro, 16)
+            x = torch.randn(*shape, device=engine.device)
+            y = torch.randn(micro, length, 1, device=engine.device) if args.lengths and not args.blocks else \
+                torch.randn(micro, 1, device=engine.device)
             loss = nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             time.sleep(per_sample_s * micro + args.ms_per_micro_step / 1e3)
             del held
             engine.step()
         time.sleep(args.ms_per_step / 1e3)
+    if args.peak_to:
+        with open(args.peak_to, "a") as handle:
+            handle.write(f"{rank} {resident_peak_bytes()}\n")
     if rank == 0:
         print(f"done: {engine.global_steps} steps", flush=True)
+
+
+def resident_peak_bytes() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from typing import Callable
 
 from autotuner.tuning.trials.trial import ExperimentSettings, picked_config, script_config
 from autotuner.tuning.reports.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
+from autotuner.tuning.memory.varying_batches import varying_batch_lines
 from autotuner.tuning.space.planned_run import compile_lines
 from autotuner.tuning.searches.predictive_search import PredictiveOutcome
 from autotuner.tuning.space.records import Objective, TrialResult
@@ -53,6 +54,8 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
             deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu)
         config = script_config(config, settings.engine)  # what the mapped flags carry stays out
     compiled = compile_lines(list(record.launched), settings.planned_steps)
+    compiled += varying_batch_lines([r.measurement for r in record.launched if r.measurement is not None],
+                                    settings.max_sequence_length, settings.max_sequence_length_from)
     for line in compiled:
         report(line)
     explanation = Explanation(record.profile_names, record.remeasurements, tuple(compiled) + record.lines,

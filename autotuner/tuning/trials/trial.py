@@ -14,6 +14,7 @@ from autotuner.core.boundary import Measurement, MeasurementRequest
 from autotuner.core.errors import ConfigError
 from autotuner.launch.plan import RankFlags
 from autotuner.launch.script_args import set_flag
+from autotuner.tuning.memory.varying_batches import longest_batch
 from autotuner.tuning.space import dimensions
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.planned_run import planned_value
@@ -54,6 +55,10 @@ class ExperimentSettings:
     # built; meanwhile `engine` is the one expected, and launches get a config either engine reads.
     engine_settled: bool = True
     planned_steps: int | None = None  # the run's length: experiments are scored over it (planned_run.py)
+    # The longest sequence a batch can hold, where declared: a launch's memory is judged there
+    # when its batches vary in length (memory/varying_batches.py).
+    max_sequence_length: int | None = None
+    max_sequence_length_from: str = ""  # where it was read, for the summary
 
 
 def config_value(config: dict[str, Any], dotted_key: str) -> Any:
@@ -196,10 +201,15 @@ def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
 def scored(measurement: Measurement, settings: ExperimentSettings, common: dict) -> TrialResult:
     """A measured launch judged under this run's budget and objective (`common`: the result's
     other fields)."""
-    common = dict(common, measured_memory_bytes=measurement.peak_memory_bytes)
     measured = measurement.peak_memory_bytes
+    longest = longest_batch(measurement, settings.max_sequence_length)
+    at = ""
+    if longest is not None:  # batches vary in length: the run's peak is at its longest batch
+        measured = longest.planned_peak_bytes
+        at = f" at its longest batch ({longest.planned_length} positions; the window saw up to {longest.seen_max})"
+    common = dict(common, measured_memory_bytes=measured)
     if settings.memory_budget_bytes and measured and measured > settings.memory_budget_bytes:
-        return TrialResult(state=TrialState.OOM, measurement=measurement, error=f"peak {measured / 2**20:.0f} MiB "
+        return TrialResult(state=TrialState.OOM, measurement=measurement, error=f"peak {measured / 2**20:.0f} MiB{at} "
                            f"over the per-rank budget of {settings.memory_budget_bytes / 2**20:.0f} MiB", **common)
     value = measurement.value(settings.objective.key)
     if value is None:

@@ -1,0 +1,111 @@
+"""Memory when batches vary in length (dynamic padding): the peak planned at the longest batch.
+
+A launch's window records, per rank and optimizer step, the step's longest input (dim 1 of the
+model's first tensor input) and the memory peak (`Measurement.step_peaks`). On a CPU the resident
+set's mark is reset after each step, so every step's peak is its own and every step after the
+window's first is a (length, peak) point. On a GPU the peak is the allocator's so far, which rises
+only at a step whose batch is longer than every one before it on that rank: those record steps
+are the points. A line through them is the memory per position at this micro-batch. A pick sized on the profile's batches alone runs out of memory hours later, at the
+longest batch (torchtune #2830), so every launch is judged at the length the run will reach:
+the script's declared maximum (`--max_seq_length` and the like, or autotuning.max_sequence_length),
+else the longest seen plus the spread of the lengths seen, and the summary says which. Pure.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from autotuner.core.boundary import Measurement
+
+# The script flags that declare the longest sequence a batch can hold, as Hugging Face's example
+# scripts name them (run_clm: --block_size; run_glue/run_ner/run_qa: --max_seq_length; run_summarization:
+# --max_source_length; many others: --max_length).
+MAX_LENGTH_FLAGS = ("--max_seq_length", "--max_length", "--block_size", "--max_source_length", "--seq_len")
+SPREAD_NOTE = "the longest seen plus the spread of the lengths seen"
+
+
+@dataclass(frozen=True)
+class LongestBatch:
+    """One launch's memory at the run's longest batch."""
+
+    seen_min: int
+    seen_max: int
+    planned_length: int
+    peak_seen_bytes: int
+    planned_peak_bytes: int
+    bytes_per_position: float
+    fitted: bool  # from two or more record steps; else scaled in proportion (an upper bound)
+
+
+def longest_batch(measurement: Measurement, max_length: int | None) -> LongestBatch | None:
+    """The launch's peak at the planned longest batch; None when its window's lengths never varied."""
+    lengths = [length for rank in measurement.step_peaks for length, _ in rank if length > 0]
+    if len(set(lengths)) < 2:
+        return None
+    seen_max = max(lengths)
+    planned = max_length or seen_max + math.ceil(statistics.pstdev(lengths))
+    peak_seen = int(measurement.peak_memory_bytes or max(p for rank in measurement.step_peaks for _, p in rank))
+    records = [point for rank in measurement.step_peaks for point in _records(rank, measurement.step_peaks_own)]
+    slope = _slope(records)
+    fitted = slope is not None
+    at_peak = max(records, key=lambda point: point[1])[0] if records else seen_max
+    if slope is None:
+        slope = peak_seen / max(1, at_peak)  # every byte in proportion to the length: never short
+    extra = max(0.0, slope) * max(0, planned - at_peak)
+    return LongestBatch(min(lengths), seen_max, planned, peak_seen, int(peak_seen + extra), slope, fitted)
+
+
+def _records(rank: tuple[tuple[int, int], ...], own: bool) -> list[tuple[int, int]]:
+    """The steps whose peak is their own: every one (`own`), else those that set a new longest batch
+    and raised the peak. The window's first step is left out: its peak may have been set before."""
+    points: list[tuple[int, int]] = []
+    if not rank:
+        return points
+    if own:
+        return [point for point in rank[1:] if point[0] > 0]
+    longest, previous = rank[0]
+    for length, peak in rank[1:]:
+        if length > longest and peak > previous:
+            points.append((length, peak))
+        longest, previous = max(longest, length), max(previous, peak)
+    return points
+
+
+def _slope(points: list[tuple[int, int]]) -> float | None:
+    """Least-squares bytes per position through the record steps; None with fewer than two lengths."""
+    if len({length for length, _ in points}) < 2:
+        return None
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    covariance = sum((x - mean_x) * (y - mean_y) for x, y in points)
+    variance = sum((x - mean_x) ** 2 for x, _ in points)
+    return covariance / variance
+
+
+def declared_max_length(script_args: tuple[str, ...], configured: int | None) -> tuple[int | None, str]:
+    """(the longest sequence the run can see, where that was read), or (None, "") when undeclared."""
+    if configured:
+        return configured, "autotuning.max_sequence_length"
+    for index, arg in enumerate(script_args):
+        for flag in MAX_LENGTH_FLAGS:
+            value = arg.split("=", 1)[1] if arg.startswith(flag + "=") else (
+                script_args[index + 1] if arg == flag and index + 1 < len(script_args) else None)
+            if value is not None and value.isdigit() and int(value) > 0:
+                return int(value), f"the script's {flag}"
+    return None, ""
+
+
+def varying_batch_lines(measurements: list[Measurement], max_length: int | None, source: str) -> list[str]:
+    """The summary's line when the launches saw batches of varying length."""
+    found = [b for m in measurements if (b := longest_batch(m, max_length)) is not None]
+    if not found:
+        return []
+    low, high = min(b.seen_min for b in found), max(b.seen_max for b in found)
+    planned = max(b.planned_length for b in found)
+    why = source if max_length else SPREAD_NOTE + " (no maximum declared: pass --max_seq_length or set " \
+                                                  "autotuning.max_sequence_length to plan for the true one)"
+    rise = max(100.0 * (b.planned_peak_bytes - b.peak_seen_bytes) / b.peak_seen_bytes for b in found)
+    return [f"Batches vary in length: the launches saw {low} to {high} positions per sample; every launch's "
+            f"memory was judged at {planned} ({why}), up to {rise:.0f}% above its measured peak."]
