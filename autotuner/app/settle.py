@@ -199,6 +199,9 @@ def settle(args: argparse.Namespace) -> SettledJob:
     devices = read_device_facts()
     space = search_space(config, data_parallel_size, engine.engine, devices.on_gpu)
     check_some_batch_is_valid(space, data_parallel_size, source)
+    if tuning.metric == "goodput" and isinstance(config.train_batch_size, int):
+        raise ConfigError(f"{source}: train_batch_size: got {config.train_batch_size}; metric \"goodput\" picks the "
+                          "global batch, so leave it \"auto\" or absent (max_train_batch_size still caps it)")
     check_optimizer_and_scheduler(config, source)
     if engine.settled:
         check_engine(config, engine, args.script, script_args, source)
@@ -220,7 +223,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
         base_config=base_config(config),
         nproc_per_node=plan.nproc_per_node,
         data_parallel_size=data_parallel_size,
-        objective=Objective(tuning.metric),
+        objective=Objective(tuning.metric, reference_batch=tuning.reference_batch_size),
         timeout_s=tuning.exp_timeout_s,
         start_profile_step=tuning.start_profile_step,
         end_profile_step=tuning.end_profile_step,
@@ -235,6 +238,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
         planned_steps=tuning.planned_steps or script_max_steps(script_args),
         max_sequence_length=max_length,
         max_sequence_length_from=max_length_from,
+        lr_scaling=tuning.lr_scaling,
     )
     fingerprint = fingerprint_of(script=args.script, script_args=script_args,
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,

@@ -26,7 +26,7 @@ class ModelInfoSection(Section):
     baseline_bytes: int | None = Field(None, ge=0, description="ours: per-rank memory held before the model")
 
 
-MetricName = Literal["throughput", "latency", "FLOPS"]
+MetricName = Literal["throughput", "latency", "FLOPS", "goodput"]
 
 
 class OnlineConfig(Section):
@@ -86,7 +86,14 @@ class AutotuningConfig(Section):
                            "history (same model family, engine, device, ranks and precision, another size), scaled "
                            "to this model and checked against its profile; false tunes cold")
     overwrite: bool = Field(False, description="false resumes finished experiments; true starts afresh")
-    metric: MetricName = Field("throughput", description="throughput | latency (minimised) | FLOPS")
+    metric: MetricName = Field("throughput", description="throughput | latency (minimised) | FLOPS | goodput "
+                               "(ours: throughput x the statistical efficiency of the global batch, from the gradient "
+                               "noise scale the profile measures; needs reference_batch_size)")
+    reference_batch_size: PositiveInt | None = Field(
+        None, description="ours, with metric goodput: the global batch the config's learning rate was chosen for")
+    lr_scaling: Literal["linear", "sqrt", "none"] = Field(
+        "none", description="ours, with metric goodput: how the optimal config's learning rate follows its global "
+                            "batch against reference_batch_size (linear: Goyal et al.; sqrt: for Adam-like optimizers)")
     start_profile_step: PositiveInt = Field(3, description="the first optimizer step timed")
     end_profile_step: PositiveInt = Field(5, description="the last step timed (more with min_window_s)")
     min_window_s: NonNegativeFloat = Field(
@@ -166,6 +173,9 @@ class AutotuningConfig(Section):
                 f"start_profile_step ({self.start_profile_step}) must be less than "
                 f"end_profile_step ({self.end_profile_step})"
             )
+        if self.metric == "goodput" and self.reference_batch_size is None:
+            raise ValueError('metric "goodput" needs reference_batch_size: the global batch the learning rate was '
+                             "chosen for (efficiency is measured against it)")
         if self.min_train_micro_batch_size_per_gpu > self.max_train_micro_batch_size_per_gpu:
             raise ValueError(
                 f"min_train_micro_batch_size_per_gpu ({self.min_train_micro_batch_size_per_gpu}) is larger than "

@@ -88,6 +88,9 @@ class MeasurementRequest:
     oom_marker_prefix: str | None = None
     min_window_s: float = 0.0  # the window is extended, a step at a time, until it has lasted this long
     max_steps_per_window: int = 0  # ... or holds this many steps
+    # metric "goodput": read the gradient noise's raw figures (ZeRO 0/1, two ranks or more). Off
+    # otherwise: the reading costs a pass over the gradients and a scalar all-reduce per step.
+    gradient_noise: bool = False
     version: int = VERSION
 
     def oom_marker(self, rank: int) -> str | None:
@@ -141,6 +144,11 @@ class Measurement:
     # memory peak so far after it). Empty when the inputs are no sequences.
     step_peaks: tuple[tuple[tuple[int, int], ...], ...] = ()
     step_peaks_own: bool = False  # each step's peak is its own (CPU: the mark reset between steps); else so far
+    # Per step from step 2 (ZeRO 0/1, two ranks or more): (mean over ranks of each rank's gradient's
+    # squared norm before the all-reduce, the all-reduced gradient's), and the samples each
+    # averages (micro-batch x gas, that x ranks): the gradient noise scale's raw figures.
+    gradient_norms: tuple[tuple[float, float], ...] = ()
+    gradient_noise_batches: tuple[int, ...] = ()
     version: int = VERSION
 
     def one_off_s(self) -> float:
@@ -157,6 +165,8 @@ class Measurement:
         data["step_wall_s_values"] = list(self.step_wall_s_values)
         data["peak_memory_bytes_per_rank"] = list(self.peak_memory_bytes_per_rank)
         data["step_peaks"] = [[list(pair) for pair in rank] for rank in self.step_peaks]
+        data["gradient_norms"] = [list(pair) for pair in self.gradient_norms]
+        data["gradient_noise_batches"] = list(self.gradient_noise_batches)
         return data
 
     @classmethod
@@ -170,6 +180,8 @@ class Measurement:
             values[key] = Summary.from_json(values.get(key))
         values["step_wall_s_values"] = tuple(float(v) for v in values.get("step_wall_s_values") or ())
         values["peak_memory_bytes_per_rank"] = tuple(int(v) for v in values.get("peak_memory_bytes_per_rank") or ())
+        values["gradient_norms"] = tuple((float(a), float(b)) for a, b in values.get("gradient_norms") or ())
+        values["gradient_noise_batches"] = tuple(int(v) for v in values.get("gradient_noise_batches") or ())
         values["step_peaks"] = tuple(tuple((int(length), int(peak)) for length, peak in rank)
                                      for rank in values.get("step_peaks") or ())
         return cls(**values)

@@ -228,6 +228,9 @@ class DeepSpeedView:
     def sequence_length(self) -> int:
         return self._sequence_length()
 
+    def gradient_noise(self) -> None:
+        return None  # DeepSpeed's engine reduces its own buckets: no hook of ours reads them
+
     def flops_per_micro_step(self) -> None:
         return None  # not counted inside DeepSpeed's engine
 

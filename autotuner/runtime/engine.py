@@ -18,6 +18,7 @@ from autotuner.runtime.accessors import DeepSpeedAccessors
 from autotuner.runtime.activation_checkpointing import repeated_blocks
 from autotuner.runtime.distributed import DistributedContext
 from autotuner.runtime.grad_reduction import GradientReduction
+from autotuner.runtime.gradient_noise import GradientNoiseProbe
 from autotuner.runtime.measurement import OurEngineView, measurement_request
 from autotuner.runtime.metrics import is_out_of_memory, peak_memory_bytes, reset_resident_peak
 from autotuner.runtime.profile import ActivationProbe, FlopProbe, sequence_length_of
@@ -54,6 +55,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         grad_scaler: Any = None,
         training_dataloader: Any = None,
         client_optimizer: bool = False,
+        gradient_noise: GradientNoiseProbe | None = None,
     ):
         super().__init__()
         Engine.created_in_process += 1
@@ -79,7 +81,9 @@ class Engine(DeepSpeedAccessors, nn.Module):
         # Gradient reduction must not depend on how forward was called: DDP reduces only after its
         # own forward, and stalls on parameters that get no gradient. Counted per accumulation window.
         self._engine_forwards = 0
+        self._manually_averaged = False  # this step's gradients were averaged by us, not all by DDP
         self._find_unused_parameters = False
+        self._noise = gradient_noise  # a tuner's launch at ZeRO 0/1: the gradient noise's raw figures
         self._autocast = self.precision in _AUTOCAST_DTYPES and not self._fsdp
         request = measurement_request(config)
         self._request = request
@@ -191,6 +195,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         if measure_phases:
             self._phase_peaks.end_forward_backward(self.ctx.device)
         rewrap = self._reduce_what_ddp_missed()
+        if self._noise is not None:
+            self._noise.step_done(self.global_steps + 1, whole=not self._manually_averaged)
         self.step_gate.enter_step()  # another thread reading the shards waits for the update to finish
         self._step_watch.start()
         with self._oom_guard():
@@ -242,6 +248,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         flags = torch.tensor([float(forwards == 0), float(missing)], device=self.ctx.device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         raw_forward, unused = (bool(v) for v in flags.tolist())
+        self._manually_averaged = raw_forward or unused
         if raw_forward or unused:
             average_gradients(trainable, self.ctx.world_size)
         return unused
@@ -255,7 +262,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._find_unused_parameters = True
         self.wrapped = rewrap_ddp(self.wrapped, lambda module: wrap_ddp(
             module, self.config.zero_optimization, self.ctx, find_unused_parameters=True, knobs=self._ddp_knobs,
-            reduction=GradientReduction.from_config(self.config)))
+            reduction=GradientReduction.from_config(self.config), noise=self._noise))
 
     # ----- communication knobs (online tuning; between steps only) -----
     def apply_knobs(self, knobs: dict[str, Any]) -> None:
@@ -275,7 +282,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._ddp_knobs = wanted
         self.wrapped = rewrap_ddp(self.wrapped, lambda module: wrap_ddp(
             module, self.config.zero_optimization, self.ctx, find_unused_parameters=self._find_unused_parameters,
-            knobs=self._ddp_knobs, reduction=GradientReduction.from_config(self.config)))
+            knobs=self._ddp_knobs, reduction=GradientReduction.from_config(self.config), noise=self._noise))
 
     def applied_knobs(self) -> dict[str, Any]:
         """The knobs in effect, read from the wrapper."""

@@ -21,7 +21,9 @@ from autotuner.runtime.activation_checkpointing import apply_activation_checkpoi
 from autotuner.runtime.compiling import compile_blocks
 from autotuner.runtime.distributed import dist_timeout_s, init_distributed, warn_once
 from autotuner.runtime.engine import Engine
+from autotuner.runtime.measurement import measurement_request
 from autotuner.runtime.grad_reduction import GradientReduction
+from autotuner.runtime.gradient_noise import GradientNoiseProbe
 from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.rank_zero_gather import arm_if_wanted
 from autotuner.runtime.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
@@ -85,6 +87,16 @@ def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
     refuse_trainer_autos(loaded, str(source) if isinstance(source, (str, os.PathLike)) else "config")
     refuse_other_math(loaded, str(source) if isinstance(source, (str, os.PathLike)) else "config")
     return loaded
+
+
+def gradient_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: int) -> GradientNoiseProbe | None:
+    """In a tuner's launch that asks for it (metric goodput) at ZeRO 0 or 1 with two ranks or more:
+    each rank's gradient is whole before the all-reduce, so the noise scale can be read there
+    (gradient_noise.py). fp16's loss scale would scale the norms: not read there."""
+    request = measurement_request(cfg)
+    if stage > 1 or world_size < 2 or cfg.precision == "fp16" or request is None or not request.gradient_noise:
+        return None
+    return GradientNoiseProbe(None, batch.micro_batch_size * batch.gradient_accumulation_steps, world_size)
 
 
 def _remap_groups(params: Iterable, id_to_name: dict[int, str], new_by_name: dict[str, nn.Parameter]) -> list[dict]:
@@ -250,7 +262,9 @@ def initialize(
     apply_activation_checkpointing(model, cfg.activation_checkpointing.policy)  # before DDP/FSDP2 wrap
     if cfg.compile.enabled:
         compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs)  # after checkpointing, before sharding
-    wrapped = wrap_model(model, stage, cfg.zero_optimization, cfg.precision, ctx, GradientReduction.from_config(cfg))
+    noise = gradient_noise_probe(cfg, stage, batch, ctx.world_size)
+    wrapped = wrap_model(model, stage, cfg.zero_optimization, cfg.precision, ctx, GradientReduction.from_config(cfg),
+                         noise)
     groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
     opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage)
     scheduler = _build_scheduler(lr_scheduler, cfg, opt, stage)
@@ -266,6 +280,7 @@ def initialize(
         grad_scaler=_grad_scaler(cfg, ctx.device, stage),
         training_dataloader=loader,
         client_optimizer=optimizer is not None,
+        gradient_noise=noise,
     )
     arm_if_wanted(unwrap(wrapped), stage, ctx.world_size, engine.step_gate, dist_timeout_s())
     return engine, opt, loader, scheduler

@@ -93,6 +93,10 @@ class OurEngineView:
     def sequence_length(self) -> int:
         return self._engine._activation_probe.sequence_length
 
+    def gradient_noise(self):
+        """The gradient noise probe's figures (ZeRO 0/1 with two ranks or more), else None."""
+        return self._engine._noise
+
     def flops_per_micro_step(self) -> int | None:
         probe = self._engine._flop_probe
         return probe.total if probe is not None else None

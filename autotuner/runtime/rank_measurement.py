@@ -6,7 +6,7 @@ the records written and the order of the collectives are the same whichever engi
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,9 @@ class EngineView(Protocol):
         """Of the model's first input in the first micro-step; 0 if it has none or it was not seen."""
 
     def flops_per_micro_step(self) -> int | None: ...
+
+    def gradient_noise(self) -> Any:
+        """The gradient noise probe (runtime/gradient_noise.py) where this engine has one, else None."""
 
 
 class RankMeasurement:
@@ -171,8 +174,12 @@ class RankMeasurement:
                 cpu_taken_by_others=taken_by_others,
                 load_average=load_average(),
             )
+            noise = view.gradient_noise()
             write_record(self.request.metrics_path, dataclasses.replace(
-                measurement, engine=view.name, step_peaks=step_peaks, step_peaks_own=self.window.step_peaks_own))
+                measurement, engine=view.name, step_peaks=step_peaks, step_peaks_own=self.window.step_peaks_own,
+                gradient_norms=tuple(noise.steps) if noise else (),
+                gradient_noise_batches=(noise.samples_per_rank, noise.samples_per_rank * noise.world_size)
+                if noise else ()))
 
     def _step_peaks(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Per rank, per window step: (its longest input, the peak so far). Collective. Every rank

@@ -15,6 +15,7 @@ from autotuner.config.models import ZeroConfig
 from autotuner.core.errors import UnsupportedError
 from autotuner.runtime.distributed import DistributedContext, warn_once
 from autotuner.runtime.grad_reduction import GradientReduction, ddp_reduction_hook
+from autotuner.runtime.gradient_noise import GradientNoiseProbe, gradient_noise_hook
 
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -109,18 +110,19 @@ def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: 
 
 
 def wrap_model(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: DistributedContext,
-               reduction: GradientReduction | None = None) -> nn.Module:
+               reduction: GradientReduction | None = None, noise: GradientNoiseProbe | None = None) -> nn.Module:
     """Move `model` to the device and wrap it for `stage`. FSDP2 shards it in place."""
     check_supported(stage, zero, precision, ctx.device)
     model = model.to(ctx.device)
     if stage >= 2:
         return _fsdp2(model, stage, zero, precision, ctx, reduction)
-    return wrap_ddp(model, zero, ctx, reduction=reduction)
+    return wrap_ddp(model, zero, ctx, reduction=reduction, noise=noise)
 
 
 def wrap_ddp(model: nn.Module, zero: ZeroConfig, ctx: DistributedContext,
              find_unused_parameters: bool = False, knobs: dict[str, Any] | None = None,
-             reduction: GradientReduction | None = None) -> DistributedDataParallel:
+             reduction: GradientReduction | None = None,
+             noise: GradientNoiseProbe | None = None) -> DistributedDataParallel:
     """DDP with the ZeRO knobs that map onto it; `knobs` (bucket_cap_mb, gradient_as_bucket_view,
     from online tuning) take precedence. Collective: every rank must call it together."""
     kwargs: dict[str, Any] = {}
@@ -135,7 +137,10 @@ def wrap_ddp(model: nn.Module, zero: ZeroConfig, ctx: DistributedContext,
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=find_unused_parameters,
                                   **kwargs)
-    if reduction is not None:
+    if noise is not None:  # reads the gradient noise around the same reduction (DDP takes one hook)
+        noise.reduction = reduction
+        ddp.register_comm_hook(noise, gradient_noise_hook)
+    elif reduction is not None:
         ddp.register_comm_hook(reduction, ddp_reduction_hook)
     return ddp
 

@@ -19,13 +19,14 @@ from autotuner.tuning.trials.evaluator import Evaluator, RunnerLaunches, TuningF
 from autotuner.tuning.trials.history import HISTORY_FILE, make_history
 from autotuner.tuning.trials.journal import Fingerprint
 from autotuner.tuning.trials.ledger import TrialLedger
+from autotuner.tuning.models import gradient_noise
 from autotuner.tuning.models.comm_fit import fit_collectives
 from autotuner.tuning.models.cost_model import NOISE_FLOOR, CostContext
 from autotuner.tuning.memory.estimate import COMPUTE_BYTES, ModelProfile
 from autotuner.tuning.models.memory_book import MemoryBook
 from autotuner.tuning.searches.predictive_search import PredictiveOutcome, run_predictive_search
 from autotuner.tuning.profiling import profile_from_config, profile_lines, profile_model
-from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.searches.final_pick import final_pick_rounds
 from autotuner.tuning.reports.outcome import SearchRecord, TuningOutcome, write_outcome
 from autotuner.tuning.trials.runner import Runner
@@ -93,6 +94,7 @@ class Autotuner:
         self._similar_runs = SimilarRuns(self.history, tuner_spec(self.policy.tuner_type).uses_earlier_runs
                                          and bool(config.autotuning.transfer))
         self._prior = TransferPrior()  # earlier similar runs' steps, once the profile has checked them
+        self.noise_scale: gradient_noise.NoiseScale | None = None  # metric goodput: what the profile measured
 
     # ----- set-up -----
     def _prepare_dirs(self) -> None:
@@ -235,6 +237,31 @@ class Autotuner:
         self.memory.settle_budget(device_memory)
         self.memory.report_budget(dict(os.environ))
 
+    def _settle_goodput(self) -> None:
+        """metric "goodput": B_noise from the profile launches' gradient norms, then every result so
+        far judged again with it. Where it could not be read, one line, and throughput decides."""
+        if self.objective.metric != "goodput":
+            return
+        measured = [r.measurement for r in self.ledger.results() if r.measurement is not None]
+        noise = gradient_noise.estimate(measured)
+        if noise is None:
+            why = ("too few steps, or noise that swamps the gradient: lengthen the profile window"
+                   if any(m.gradient_norms for m in measured) else
+                   "it is read at ZeRO 0 or 1 with two ranks or more on our engine, before the all-reduce, and no "
+                   "profile launch ran so")
+            self.report(f"goodput: the gradient noise scale was not measured ({why}); scoring by throughput")
+            objective = Objective("throughput")
+        else:
+            objective = replace(self.objective, noise_scale=noise.b_noise)
+            self.report(f"goodput: gradient noise scale B_noise = {noise.b_noise:.1f} +/- {noise.spread:.1f} samples "
+                        f"({noise.steps} steps of the profile); each candidate scores its throughput x "
+                        f"(B_noise + {objective.reference_batch}) / (B_noise + its global batch)")
+        self.noise_scale = noise
+        self.objective = objective
+        self.settings = replace(self.settings, objective=objective)
+        self.policy = replace(self.policy, objective=objective)
+        self.ledger.rescore(lambda result: rescored(result, self.settings))
+
     def _follow_engine(self, built: str) -> None:
         """The profile launch's ranks say whose engine the script trains on. Where the settings had
         not settled it (a script that imports both engines) or expected the other (one that reaches
@@ -303,6 +330,7 @@ class Autotuner:
         if line:
             self.report(line)
         self._measure_model()
+        self._settle_goodput()
         # After the profile: the dimensions offered follow the engine its ranks built.
         for line in untuned_offload_lines(self.config, self.space, self.settings.engine, self.devices.on_gpu):
             self.report(line)
@@ -325,7 +353,7 @@ class Autotuner:
         best, remeasurements, pick_lines = self._final_pick(list(self.ledger.results()))
         record = SearchRecord(self.ledger.results(), tuple(self._pruned), frozenset(self._profile_names), best,
                               tuple(remeasurements), self._prior.lines + tuple(pick_lines), self.predictions,
-                              time.monotonic() - self._started)
+                              time.monotonic() - self._started, self.noise_scale)
         outcome = write_outcome(record, self.settings, self.objective, self.results_dir, self.report,
                                 self.devices.on_gpu)
         if self.history is not None and self.history.recorded:

@@ -3,13 +3,15 @@ summary table and its explanation. Reads the search's record; writes files; laun
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from autotuner.tuning.trials.trial import ExperimentSettings, picked_config, script_config
 from autotuner.tuning.reports.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
 from autotuner.tuning.memory.varying_batches import varying_batch_lines
+from autotuner.tuning.models.gradient_noise import NoiseScale
+from autotuner.tuning.reports.goodput import goodput_lines, scale_learning_rate
 from autotuner.tuning.space.planned_run import compile_lines
 from autotuner.tuning.searches.predictive_search import PredictiveOutcome
 from autotuner.tuning.space.records import Objective, TrialResult
@@ -39,14 +41,22 @@ class SearchRecord:
     lines: tuple[str, ...]  # for the summary: the transfer prior's, then the final pick's
     predictions: PredictiveOutcome | None  # what tuner_type "predictive" predicted
     elapsed_s: float
+    noise_scale: NoiseScale | None = None  # metric goodput: B_noise as the profile measured it
 
 
 def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective: Objective, results_dir: Path,
                   report: Callable[[str], None], on_gpu: bool) -> TuningOutcome:
     best = record.best
     optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
+    goodput = goodput_lines(list(record.launched), objective, record.noise_scale, settings.data_parallel_size)
     if best is not None:
         config = picked_config(best.experiment, settings)
+        if objective.metric == "goodput" and objective.reference_batch:
+            config, script_args, line = scale_learning_rate(
+                config, settings.script_args, best.experiment.train_batch_size(settings.data_parallel_size),
+                objective.reference_batch, settings.lr_scaling)
+            settings = replace(settings, script_args=script_args)
+            goodput.append(line)
         optimal_path = (results_dir / "ds_config_optimal.json").resolve()
         optimal_args = optimal_script_args(settings, config, optimal_path)
         optimal_cmd = optimal_command(settings, optimal_args)
@@ -54,6 +64,7 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
             deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu)
         config = script_config(config, settings.engine)  # what the mapped flags carry stays out
     compiled = compile_lines(list(record.launched), settings.planned_steps)
+    compiled += goodput
     compiled += varying_batch_lines([r.measurement for r in record.launched if r.measurement is not None],
                                     settings.max_sequence_length, settings.max_sequence_length_from)
     for line in compiled:

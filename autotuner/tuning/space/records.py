@@ -23,14 +23,20 @@ class TrialState(str, enum.Enum):
         return self is not TrialState.PRUNED
 
 
-METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "FLOPS": "FLOPS_per_gpu"}
+METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "FLOPS": "FLOPS_per_gpu", "goodput": "throughput"}
 
 
 @dataclass(frozen=True)
 class Objective:
-    """Which metric decides, and whether larger is better (latency is minimised)."""
+    """Which metric decides, and whether larger is better (latency is minimised).
 
-    metric: Literal["throughput", "latency", "FLOPS"] = "throughput"
+    "goodput" is throughput times the statistical efficiency of the experiment's global batch
+    against `reference_batch` (models/gradient_noise.py); `noise_scale` (B_noise) is measured by
+    the profile, and until then a goodput value is the plain throughput."""
+
+    metric: Literal["throughput", "latency", "FLOPS", "goodput"] = "throughput"
+    reference_batch: int | None = None  # goodput: the global batch the learning rate was chosen for
+    noise_scale: float | None = None  # goodput: B_noise, once the profile measured it
 
     @property
     def key(self) -> str:
@@ -38,7 +44,14 @@ class Objective:
 
     @property
     def unit(self) -> str:
-        return {"throughput": "samples/s", "latency": "s per step", "FLOPS": "FLOP/s per rank"}[self.metric]
+        return {"throughput": "samples/s", "latency": "s per step", "FLOPS": "FLOP/s per rank",
+                "goodput": "samples/s x efficiency"}[self.metric]
+
+    def efficiency(self, global_batch: int | None) -> float:
+        """The goodput factor of a global batch; 1 for the other metrics, or before B_noise is known."""
+        if self.metric != "goodput" or self.noise_scale is None or not global_batch or not self.reference_batch:
+            return 1.0
+        return (self.noise_scale + self.reference_batch) / (self.noise_scale + global_batch)
 
     @property
     def maximize(self) -> bool:

@@ -61,6 +61,12 @@ class TrialLedger:
         for listener in self._listeners:
             listener(result, reused)
 
+    def rescore(self, rescore: Callable[[TrialResult], TrialResult]) -> None:
+        """Every result judged again, in place (the objective changed: goodput's B_noise, once the
+        profile measured it). The stores keep the measurements, which are unchanged; nobody is told."""
+        self._results = {experiment: rescore(result) for experiment, result in self._results.items()}
+        self._earlier = {name: rescore(result) for name, result in self._earlier.items()}  # reused later: alike
+
     def on_record(self, listener: RecordListener) -> None:
         self._listeners.append(listener)
 

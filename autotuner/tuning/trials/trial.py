@@ -59,6 +59,7 @@ class ExperimentSettings:
     # when its batches vary in length (memory/varying_batches.py).
     max_sequence_length: int | None = None
     max_sequence_length_from: str = ""  # where it was read, for the summary
+    lr_scaling: str = "none"  # metric goodput: how the optimal config's learning rate follows its global batch
 
 
 def config_value(config: dict[str, Any], dotted_key: str) -> Any:
@@ -190,7 +191,8 @@ class Trial:
                                   metrics_path=str(self.directory / METRICS_FILE), model_info_path=model_info,
                                   oom_marker_prefix=str(self.directory / METRICS_FILE),
                                   min_window_s=settings.min_window_s,
-                                  max_steps_per_window=settings.max_steps_per_window)
+                                  max_steps_per_window=settings.max_steps_per_window,
+                                  gradient_noise=settings.objective.metric == "goodput")
 
 
 def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
@@ -217,6 +219,7 @@ def scored(measurement: Measurement, settings: ExperimentSettings, common: dict)
                            error=f"metrics.json has no '{settings.objective.key}'", **common)
     spread = measurement.throughput_std if settings.objective.metric == "throughput" else None
     planned = planned_value(measurement, settings.objective, settings.planned_steps, float(value))
+    planned *= settings.objective.efficiency(measurement.train_batch_size)  # goodput; else 1
     if spread is not None and value:
         spread *= planned / float(value)
     return TrialResult(state=TrialState.OK, value=planned, value_std=spread, measurement=measurement, **common)
@@ -229,5 +232,5 @@ def rescored(result: TrialResult, settings: ExperimentSettings) -> TrialResult:
     if result.measurement is None or result.state not in (TrialState.OK, TrialState.OOM):
         return result
     common = dict(experiment=result.experiment, predicted_memory_bytes=result.predicted_memory_bytes,
-                  wall_time_s=result.wall_time_s, model_info=result.model_info)
+                  wall_time_s=result.wall_time_s, model_info=result.model_info, hosts=result.hosts)
     return scored(result.measurement, settings, common)

@@ -63,7 +63,8 @@ class PredictiveTuner(Tuner):
             return float(measurement.latency)
         if self.objective.metric == "latency":
             return float(result.value)
-        return self._samples_per_step(result.experiment) / float(result.value)
+        samples = self._samples_per_step(result.experiment)
+        return samples * self.objective.efficiency(samples) / float(result.value)
 
     def _flops_per_sample(self) -> float:
         ratios = [r.value * t / self._samples_per_step(r.experiment) for r in self._measured()
@@ -73,8 +74,11 @@ class PredictiveTuner(Tuner):
     def _value(self, experiment: Experiment, step_time_s: float) -> float:
         if self.objective.metric == "latency":
             return step_time_s
-        samples_per_s = self._samples_per_step(experiment) / step_time_s
-        return samples_per_s * self._flops_per_sample() if self.objective.metric == "FLOPS" else samples_per_s
+        samples = self._samples_per_step(experiment)
+        samples_per_s = samples / step_time_s
+        if self.objective.metric == "FLOPS":
+            return samples_per_s * self._flops_per_sample()
+        return samples_per_s * self.objective.efficiency(samples)  # goodput: weighed by its global batch
 
     # ----- the model -----
     def model(self) -> StepTimeModel:

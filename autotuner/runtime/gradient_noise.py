@@ -1,0 +1,72 @@
+"""The gradient noise scale's raw figures, read in a tuner's launch at ZeRO 0 and 1 (DDP).
+
+McCandlish et al. (2018), appendix A.1: the squared norm of a gradient averaged over B samples
+has expectation |G|^2 + tr(Sigma)/B. Each rank's gradient before the all-reduce averages
+B_small = micro-batch x gas samples; the all-reduced one averages B_big = B_small x ranks. So a
+DDP communication hook reads each bucket's squared norm before the all-reduce and after it; at
+the accumulation boundary the ranks' local figures are averaged (one scalar all-reduce), and the
+step's pair (mean |g_small|^2, |g_big|^2) is kept. The estimator is the tuner's
+(tuning/models/gradient_noise.py). Nothing here changes the reduction: the hook runs the same one
+(DeepSpeed's prescale/predivide hook when the config sets it, else DDP's mean all-reduce).
+"""
+
+# No `from __future__ import annotations` here: DDP checks the hook's annotations as objects.
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+from autotuner.runtime.grad_reduction import GradientReduction, ddp_reduction_hook
+
+FIRST_STEP = 2  # step 1's gradients come from the initial weights: kept out, as the warm-up is
+
+
+class GradientNoiseProbe:
+    """Per optimizer step from FIRST_STEP: (mean over ranks of |g_local|^2, |g_reduced|^2)."""
+
+    def __init__(self, reduction: "GradientReduction | None", samples_per_rank: int, world_size: int):
+        self.reduction = reduction
+        self.samples_per_rank = samples_per_rank  # B_small: micro-batch x gas
+        self.world_size = world_size
+        self.steps: list = []
+        self._local = torch.zeros((), dtype=torch.float64)
+        self._reduced = torch.zeros((), dtype=torch.float64)
+        self._buckets = 0
+
+    def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        local = _squared_norm(bucket.buffer())  # before the reduction touches it
+        if self.reduction is not None:
+            future = ddp_reduction_hook(self.reduction, bucket)
+        else:
+            future = default_hooks.allreduce_hook(None, bucket)
+
+        def reduced(done):
+            tensor = done.value()
+            self._local = self._local.to(local.device) + local
+            self._reduced = self._reduced.to(tensor.device) + _squared_norm(tensor)
+            self._buckets += 1
+            return tensor
+
+        return future.then(reduced)
+
+    def step_done(self, step: int, whole: bool) -> None:
+        """At the accumulation boundary, after backward (every bucket reduced), on every rank.
+        `whole`: DDP reduced every bucket itself this step (no manual averaging after it)."""
+        if self._buckets and whole and step >= FIRST_STEP:
+            figures = torch.stack([self._local, self._reduced]).to(torch.float64)
+            dist.all_reduce(figures)
+            local_sum, reduced_sum = figures.tolist()
+            self.steps.append((local_sum / self.world_size, reduced_sum / self.world_size))
+        self._local = torch.zeros((), dtype=torch.float64)
+        self._reduced = torch.zeros((), dtype=torch.float64)
+        self._buckets = 0
+
+
+def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
+    """A reduction, with no copy of the bucket: a float64 copy of each 25 MiB bucket raised a CPU
+    rank's resident peak by about 200 MiB, which the launch then reported as its own."""
+    return torch.linalg.vector_norm(tensor.detach()).double().pow(2)
+
+
+def gradient_noise_hook(probe: GradientNoiseProbe, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: the probe's reading around the run's own reduction."""
+    return probe.hook(bucket)

@@ -1,0 +1,91 @@
+"""metric "goodput": the learning rate of the optimal config, and the summary's lines. Pure.
+
+A pick that changes the global batch changes the learning rate that suits it. With
+autotuning.lr_scaling "linear" or "sqrt", the optimal config's optimizer lr (and the scheduler's
+warm-up and cycle bounds, DeepSpeed's WarmupLR/WarmupDecayLR/OneCycle keys) and a script's
+--learning_rate/--lr flag are scaled from reference_batch_size to the pick's global batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from autotuner.tuning.models.gradient_noise import NoiseScale, scaled_learning_rate
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+
+SCHEDULER_LR_KEYS = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr")
+LR_FLAGS = ("--learning_rate", "--lr")
+
+
+def _scaled(value: Any, global_batch: int, reference: int, rule: str) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return scaled_learning_rate(float(value), global_batch, reference, rule)
+
+
+def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], global_batch: int, reference: int,
+                        rule: str) -> tuple[dict[str, Any], tuple[str, ...], str]:
+    """(the config, the script's arguments, the summary's line) with the learning rate scaled."""
+    if rule == "none":
+        return config, script_args, (f"Learning rate: left as it is (autotuning.lr_scaling \"none\"), though the "
+                                     f"pick's global batch is {global_batch} against reference_batch_size {reference}")
+    config = copy.deepcopy(config)
+    changed = []
+    params = (config.get("optimizer") or {}).get("params") or {}
+    if "lr" in params and params["lr"] != _scaled(params["lr"], global_batch, reference, rule):
+        changed.append(f"optimizer lr {params['lr']:g} -> {_scaled(params['lr'], global_batch, reference, rule):.4g}")
+        params["lr"] = _scaled(params["lr"], global_batch, reference, rule)
+    scheduler = (config.get("scheduler") or {}).get("params") or {}
+    for key in SCHEDULER_LR_KEYS:
+        if key in scheduler and isinstance(scheduler[key], (int, float)) and not isinstance(scheduler[key], bool):
+            scheduler[key] = _scaled(scheduler[key], global_batch, reference, rule)
+            changed.append(f"scheduler {key}")
+    args = list(script_args)
+    for index, arg in enumerate(args):
+        for flag in LR_FLAGS:
+            value = arg.split("=", 1)[1] if arg.startswith(flag + "=") else (
+                args[index + 1] if arg == flag and index + 1 < len(args) else None)
+            try:
+                number = float(value) if value is not None else None
+            except ValueError:
+                number = None
+            if number is None:
+                continue
+            new = f"{scaled_learning_rate(number, global_batch, reference, rule):.6g}"
+            if arg == flag:
+                args[index + 1] = new
+            else:
+                args[index] = f"{flag}={new}"
+            changed.append(f"{flag} {number:g} -> {new}")
+    factor = scaled_learning_rate(1.0, global_batch, reference, rule)
+    what = "; ".join(changed) if changed else "no numeric learning rate found to scale (an \"auto\" lr is the " \
+                                                "trainer's: scale its flag yourself)"
+    return config, tuple(args), (f"Learning rate: x{factor:.3g} ({rule}, global batch {global_batch} against "
+                                 f"reference_batch_size {reference}): {what}")
+
+
+def goodput_lines(results: list[TrialResult], objective: Objective, noise: NoiseScale | None,
+                  data_parallel_size: int) -> list[str]:
+    """B_noise, the throughput pick and the goodput pick with their global batches, and each
+    one's time to the same loss relative to the other (samples needed grow as 1 + B/B_noise)."""
+    if objective.metric != "goodput" or noise is None:
+        return []
+    ok = [r for r in results if r.state is TrialState.OK and r.measurement is not None and r.value]
+    if not ok:
+        return []
+    by_throughput = max(ok, key=lambda r: r.measurement.throughput)
+    by_goodput = max(ok, key=lambda r: r.value)
+
+    def batch(r: TrialResult) -> int:
+        return r.experiment.train_batch_size(data_parallel_size)
+
+    def time_to_loss(r: TrialResult) -> float:  # in units of E_min / 1 sample/s
+        return (1 + batch(r) / noise.b_noise) / r.measurement.throughput
+
+    ratio = time_to_loss(by_goodput) / time_to_loss(by_throughput)
+    return [f"Goodput: gradient noise scale B_noise {noise.b_noise:.1f} +/- {noise.spread:.1f} samples "
+            f"({noise.steps} profile steps). Throughput pick {by_throughput.name} (global batch "
+            f"{batch(by_throughput)}, {by_throughput.measurement.throughput:.4g} samples/s); goodput pick "
+            f"{by_goodput.name} (global batch {batch(by_goodput)}, {by_goodput.measurement.throughput:.4g} "
+            f"samples/s). Estimated time to the same loss: the goodput pick's is {ratio:.2f}x the throughput pick's."]

@@ -1,0 +1,61 @@
+"""metric "goodput" with real processes (issue 50): the profile's 2-rank DDP launches read the
+gradient noise scale, every candidate is scored by throughput x efficiency, the summary compares
+the throughput and goodput picks, and the optimal config's learning rate follows its batch."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pandas as pd
+import pytest
+
+from conftest import tune, write_config
+
+pytestmark = pytest.mark.slow
+
+GOODPUT = {"metric": "goodput", "reference_batch_size": 8, "lr_scaling": "linear",
+           "max_train_micro_batch_size_per_gpu": 32, "tuner_type": "gridsearch"}
+
+
+def test_a_goodput_tune_measures_the_noise_scale_and_scales_the_learning_rate(tmp_path, no_orphans):
+    config = write_config(tmp_path / "ds.json", GOODPUT)
+    result = tune(tmp_path, config, "--ms_per_micro_step", "20", "--steps", "12")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = re.search(r"goodput: gradient noise scale B_noise = ([\d.]+) \+/- ([\d.]+) samples \((\d+) steps",
+                      result.stdout)
+    assert found, result.stdout[-3000:]
+    b_noise = float(found.group(1))
+    assert b_noise > 0 and int(found.group(3)) >= 3
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    ok = table[(table.state == "ok") & (table.phase != "remeasure")]
+    batch = ok.micro_batch_size * ok.gradient_accumulation_steps * 2
+    expected = ok.throughput_samples_s * (b_noise + 8) / (b_noise + batch)
+    assert ok.metric_value.tolist() == pytest.approx(expected.tolist(), rel=0.02)  # every value is goodput
+    chosen = table[table.chosen].iloc[0]
+    assert chosen.metric_value == pytest.approx(ok.metric_value.max(), rel=1e-6)
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert "Goodput: gradient noise scale B_noise" in summary and "Estimated time to the same loss" in summary
+    pick_batch = int(chosen.micro_batch_size * chosen.gradient_accumulation_steps * 2)
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert optimal["optimizer"]["params"]["lr"] == pytest.approx(0.001 * pick_batch / 8)
+    assert f"(linear, global batch {pick_batch} against reference_batch_size 8)" in summary
+
+
+def test_where_the_noise_cannot_be_read_one_line_says_so_and_throughput_decides(tmp_path, no_orphans):
+    config = write_config(tmp_path / "ds.json", GOODPUT, zero_optimization={"stage": 3})
+    result = tune(tmp_path, config, "--ms_per_micro_step", "20")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "goodput: the gradient noise scale was not measured (it is read at ZeRO 0 or 1 with two ranks or more" \
+           in result.stdout
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    ok = table[table.state == "ok"]
+    assert ok.metric_value.tolist() == pytest.approx(ok.throughput_samples_s.tolist(), rel=1e-6)
+
+
+def test_goodput_with_a_fixed_global_batch_is_refused(tmp_path):
+    config = write_config(tmp_path / "ds.json", GOODPUT, train_batch_size=32)
+    result = tune(tmp_path, config)
+    assert result.returncode == 2
+    assert "train_batch_size: got 32; metric \"goodput\" picks the global batch" in result.stderr
+    assert not (tmp_path / "autotuning_exps").exists()

@@ -1,0 +1,101 @@
+"""metric "goodput" (issue 50): the gradient noise scale's estimator, the metric's ordering, the
+learning-rate rewrite and the config's refusals. Pure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autotuner.config.models import DeepSpeedConfig
+from autotuner.core.boundary import Measurement
+from autotuner.tuning.models.gradient_noise import estimate, statistical_efficiency
+from autotuner.tuning.reports.goodput import goodput_lines, scale_learning_rate
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+
+
+def synthetic_launch(true_gradient: torch.Tensor, sigma: float, per_rank: int, ranks: int, steps: int,
+                     seed: int = 0) -> Measurement:
+    """Per-sample gradients G + N(0, sigma^2 I): each rank averages `per_rank` of them, the
+    all-reduce averages the ranks; the pairs the engine's probe would record."""
+    generator = torch.Generator().manual_seed(seed)
+    pairs = []
+    for _ in range(steps):
+        samples = true_gradient + sigma * torch.randn(ranks, per_rank, true_gradient.numel(), generator=generator,
+                                                      dtype=torch.float64)
+        local = samples.mean(dim=1)  # (ranks, dims)
+        small = float(local.pow(2).sum(dim=1).mean())
+        big = float(local.mean(dim=0).pow(2).sum())
+        pairs.append((small, big))
+    return Measurement(throughput=1.0, latency=1.0, gradient_norms=tuple(pairs),
+                       gradient_noise_batches=(per_rank, per_rank * ranks))
+
+
+def test_the_estimator_recovers_a_known_noise_scale():
+    """B_noise = tr(Sigma) / |G|^2 = dims x sigma^2 / |G|^2: here 256 x 4 / 16 = 64."""
+    dims = 256
+    gradient = torch.full((dims,), 0.25, dtype=torch.float64)  # |G|^2 = 16
+    launches = [synthetic_launch(gradient, 2.0, per_rank=8, ranks=4, steps=40, seed=s) for s in range(3)]
+    noise = estimate(launches)
+    assert noise.b_noise == pytest.approx(64, rel=0.15)
+    assert noise.gradient_sq == pytest.approx(16, rel=0.15) and noise.trace_sigma == pytest.approx(1024, rel=0.1)
+    assert 0 < noise.spread < 0.3 * noise.b_noise and noise.steps == 120
+
+
+def test_too_few_steps_or_no_pairs_give_no_estimate():
+    gradient = torch.ones(8, dtype=torch.float64)
+    assert estimate([synthetic_launch(gradient, 1.0, 4, 2, steps=2)]) is None
+    assert estimate([Measurement(throughput=1.0, latency=1.0)]) is None
+
+
+def test_goodput_orders_a_fast_large_batch_below_a_slower_small_one_past_the_noise_scale():
+    objective = Objective("goodput", reference_batch=32, noise_scale=64.0)
+    assert objective.efficiency(32) == 1.0
+    assert objective.efficiency(512) == pytest.approx(96 / 576)
+    # 512 at 1,000 samples/s against 64 at 400: throughput prefers the first, goodput the second.
+    assert 1000 * objective.efficiency(512) < 400 * objective.efficiency(64)
+    assert Objective("goodput", reference_batch=32).efficiency(512) == 1.0  # before B_noise is measured
+    assert Objective("throughput").efficiency(512) == 1.0
+    assert statistical_efficiency(128, 128, 10.0) == 1.0
+
+
+def result(name_batch: int, throughput: float, objective: Objective) -> TrialResult:
+    experiment = Experiment(0, name_batch // 2)
+    return TrialResult(experiment, TrialState.OK, value=throughput * objective.efficiency(name_batch),
+                       measurement=Measurement(throughput=throughput, latency=name_batch / throughput))
+
+
+def test_the_summary_compares_the_two_picks_time_to_the_same_loss():
+    from autotuner.tuning.models.gradient_noise import NoiseScale
+
+    objective = Objective("goodput", reference_batch=32, noise_scale=64.0)
+    results = [result(512, 1000.0, objective), result(64, 400.0, objective)]
+    line = goodput_lines(results, objective, NoiseScale(64.0, 5.0, 12, 1.0, 64.0), 2)[0]
+    # time to a loss ~ (1 + B / B_noise) / throughput: (1 + 1) / 400 against (1 + 8) / 1000
+    assert "global batch 512" in line and "global batch 64" in line
+    assert f"{(2 / 400) / (9 / 1000):.2f}x" in line
+
+
+def test_the_learning_rate_follows_the_picks_global_batch():
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3}}}
+    scaled, args, line = scale_learning_rate(config, ("--learning_rate", "2e-4", "--epochs", "1"), 128, 32, "linear")
+    assert scaled["optimizer"]["params"]["lr"] == pytest.approx(4e-3)
+    assert scaled["scheduler"]["params"]["warmup_max_lr"] == pytest.approx(4e-3)
+    assert config["optimizer"]["params"]["lr"] == 1e-3  # the user's dict is left alone
+    assert args == ("--learning_rate", "0.0008", "--epochs", "1")
+    assert "x4 (linear, global batch 128 against reference_batch_size 32)" in line
+    sqrt, _, _ = scale_learning_rate(config, (), 128, 32, "sqrt")
+    assert sqrt["optimizer"]["params"]["lr"] == pytest.approx(2e-3)
+    same, same_args, line = scale_learning_rate(config, ("--lr=1",), 128, 32, "none")
+    assert same is config and same_args == ("--lr=1",) and "left as it is" in line
+    _, eq_args, _ = scale_learning_rate({"optimizer": {"params": {"lr": "auto"}}}, ("--lr=1",), 64, 32, "linear")
+    assert eq_args == ("--lr=2",)
+
+
+def test_goodput_needs_its_reference_batch():
+    with pytest.raises(ValueError, match="needs reference_batch_size"):
+        DeepSpeedConfig.model_validate({"autotuning": {"enabled": True, "metric": "goodput"}})
+    config = DeepSpeedConfig.model_validate({"autotuning": {"enabled": True, "metric": "goodput",
+                                                            "reference_batch_size": 32, "lr_scaling": "sqrt"}})
+    assert config.autotuning.lr_scaling == "sqrt"
