@@ -140,10 +140,10 @@ class Measurement:
     # Optimizer steps before the window and their wall time from the first forward (rank 0's).
     warmup_steps: int = 0
     warmup_s: float = 0.0
-    # Per rank, per window step: (the step's longest input, dim 1 of the first tensor input; the
-    # memory peak so far after it). Empty when the inputs are no sequences.
+    # Per rank, per step from step 1 to the window's end: (the step's longest input, dim 1 of the
+    # first tensor input; the memory peak so far after it). Empty when the inputs are no sequences.
     step_peaks: tuple[tuple[tuple[int, int], ...], ...] = ()
-    step_peaks_own: bool = False  # each step's peak is its own (CPU: the mark reset between steps); else so far
+    bytes_before_first_step: int | None = None  # the largest rank's peak as its first forward began
     # Per step from step 2 (ZeRO 0/1, two ranks or more): (mean over ranks of each rank's gradient's
     # squared norm before the all-reduce, the all-reduced gradient's), and the samples each
     # averages (micro-batch x gas, that x ranks): the gradient noise scale's raw figures.

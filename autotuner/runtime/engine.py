@@ -20,7 +20,7 @@ from autotuner.runtime.distributed import DistributedContext
 from autotuner.runtime.grad_reduction import GradientReduction
 from autotuner.runtime.gradient_noise import GradientNoiseProbe
 from autotuner.runtime.measurement import OurEngineView, measurement_request
-from autotuner.runtime.metrics import is_out_of_memory, peak_memory_bytes, reset_resident_peak
+from autotuner.runtime.metrics import is_out_of_memory, peak_memory_bytes
 from autotuner.runtime.profile import ActivationProbe, FlopProbe, sequence_length_of
 from autotuner.runtime.rank_zero_gather import StepGate
 from autotuner.runtime.rank_measurement import RankMeasurement
@@ -144,6 +144,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._set_gradient_sync(self.is_gradient_accumulation_boundary())
         if self._measurement is not None:
             self._step_length = max(self._step_length, sequence_length_of([*inputs, *kwargs.values()]))
+            if self.micro_steps == 0:
+                self._window.bytes_before_first_step = peak_memory_bytes(self.ctx.device)
         if self._flop_probe is not None and self.micro_steps == 0:
             self._flop_probe.start()
         if self._activation_probe is not None and self.micro_steps == 0:
@@ -215,12 +217,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self.global_samples += self.batch.train_batch_size
         self.step_gate.leave_step(self.global_steps)
         self._window.record_step(self.global_steps, step_s, wall)
-        if self._measurement is not None and self._window.covers(self.global_steps):
+        if self._measurement is not None:
             self._window.record_peak(self.global_steps, self._step_length, peak_memory_bytes(self.ctx.device))
-            if self.ctx.device.type == "cpu" and self._step_length:
-                # The resident set's mark only rises: reset, the next step's peak is its own, and every
-                # step of varying length is a point of memory per position (the window's peak is kept).
-                self._window.step_peaks_own = reset_resident_peak()
         self._step_length = 0
         self._window_watch.note_steps_done(self.global_steps)
         self.reporter.step_done(step_s, boundary=True)

@@ -33,17 +33,6 @@ def peak_reserved_bytes(device: torch.device) -> int | None:
     return None
 
 
-def reset_resident_peak() -> bool:
-    """Start the resident-set high-water mark afresh from the current resident set (Linux's
-    clear_refs "5"), so the next reading is the peak since now. False where the kernel refuses."""
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def _resident_high_water_mark() -> int:
     try:
         with open("/proc/self/status") as status:

@@ -86,7 +86,7 @@ class RankMeasurement:
 
     def _peaks(self) -> tuple[list[int], list[int] | None]:
         device = self.view.device
-        peak = max(peak_memory_bytes(device), *self.window.step_peaks, 0)  # a reset mark: the steps keep the peak
+        peak = peak_memory_bytes(device)
         if self.phase_peaks is not None:
             peak = max(peak, self.phase_peaks.before_bytes, self.phase_peaks.forward_backward_bytes)
         reserved = peak_reserved_bytes(device)
@@ -157,6 +157,7 @@ class RankMeasurement:
         peak_per_rank, reserved_per_rank = self._peaks()
         flops = view.flops_per_micro_step()
         step_peaks = self._step_peaks()
+        before_first_step = max(self.gather_max(self.window.bytes_before_first_step)) if step_peaks else None
         if view.rank == 0:
             measurement = build_measurement(
                 self.window,
@@ -176,7 +177,8 @@ class RankMeasurement:
             )
             noise = view.gradient_noise()
             write_record(self.request.metrics_path, dataclasses.replace(
-                measurement, engine=view.name, step_peaks=step_peaks, step_peaks_own=self.window.step_peaks_own,
+                measurement, engine=view.name, step_peaks=step_peaks,
+                bytes_before_first_step=before_first_step,
                 gradient_norms=tuple(noise.steps) if noise else (),
                 gradient_noise_batches=(noise.samples_per_rank, noise.samples_per_rank * noise.world_size)
                 if noise else ()))

@@ -54,12 +54,13 @@ class ProfileWindow:
     # a one-off the planned run pays too (torch.compile's compiling, above all).
     warmup_steps: int = 0
     warmup_s: float = 0.0
-    # Per window step: the longest input of its micro-steps (dim 1 of the first tensor input; 0
-    # when the input is no sequence) and the memory peak so far after it. A script whose batches
+    # Per step up to the window's end: the longest input of its micro-steps (dim 1 of the first tensor input; 0
+    # when the input is no sequence) and the memory peak so far after it (the allocator's on a
+    # GPU, the resident set's mark on a CPU: both only rise). A script whose batches
     # vary in length (dynamic padding) shows its memory per position here.
     step_lengths: list[int] = field(default_factory=list)
     step_peaks: list[int] = field(default_factory=list)
-    step_peaks_own: bool = False  # each step's peak is its own (the mark was reset after the one before)
+    bytes_before_first_step: int = 0  # the peak when the first forward began: what no batch's length moves
 
     def __post_init__(self) -> None:
         self.planned_end_step = self.planned_end_step or self.end_step
@@ -81,7 +82,8 @@ class ProfileWindow:
             self.step_wall_s.append(wall)
 
     def record_peak(self, step: int, length: int, peak_bytes: int) -> None:
-        if self.covers(step):
+        """From step 1 (whose peak is the baseline a later longer batch must raise) to the window's end."""
+        if step <= self.end_step:
             self.step_lengths.append(int(length))
             self.step_peaks.append(int(peak_bytes))
 

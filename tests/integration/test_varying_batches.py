@@ -5,6 +5,7 @@ the profile's batches leave room for runs out of the budget at the end."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import subprocess
 
@@ -15,15 +16,21 @@ from conftest import launcher_env, tune, write_config
 
 pytestmark = pytest.mark.slow
 
-BUDGET = 800 * 2**20
+# glibc's moving mmap threshold keeps freed memory resident run by run (docs/autotuning.md, step 2):
+# a CPU budget is held to with it fixed, as the tuner's note advises. And cold launches: a rank
+# forked warm holds about 50 MiB less resident than the same rank started cold, as the pick trains.
+FIXED_HEAP = {**launcher_env(), "MALLOC_MMAP_THRESHOLD_": "131072"}
+
+BUDGET = 600 * 2**20  # a rank's own ~280 MiB, then 8 MiB per sample at 64 positions, 32 at 256
 STEPS = ("--steps", "14", "--lengths", "16:64", "--late_length", "256", "--late_from_step", "12",
          "--mem_per_sample_mb", "8", "--ms_per_micro_step", "30")
 
 
 def tune_varying(tmp_path, *script_args: str, **autotuning):
     config = write_config(tmp_path / "ds.json", {"memory_per_rank_bytes": BUDGET, "max_train_micro_batch_size_per_gpu": 32,
-                                                 "end_profile_step": 7, **autotuning})
-    result = tune(tmp_path, config, *STEPS, *script_args)
+                                                 "end_profile_step": 7, "min_window_s": 0, "warm_start": False,
+                                                 **autotuning})
+    result = tune(tmp_path, config, *STEPS, *script_args, env=FIXED_HEAP)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
@@ -32,16 +39,17 @@ def tune_varying(tmp_path, *script_args: str, **autotuning):
 
 def test_the_pick_planned_at_the_declared_longest_batch_trains_to_the_end_inside_the_budget(tmp_path, no_orphans):
     table, summary = tune_varying(tmp_path, "--max_seq_length", "256")
-    assert "Batches vary in length: the launches saw 16 to 64 positions per sample" in summary
+    low, high = seen_lengths(summary)
+    assert 16 <= low < high <= 64  # drawn anew each step; the 256-long batches come after every window
     assert "judged at 256 (the script's --max_seq_length)" in summary
     over = table[table.state == "oom"]
     assert len(over) and over.error.str.contains("at its longest batch \\(256 positions").all(), table.error.tolist()
-    assert (over.micro_batch_size >= 16).all()  # they fit the profile's batches: 16 x 8 MiB at 64 positions
+    assert (over.micro_batch_size >= 16).all()  # they fit the profile's batches: 32 x 8 MiB at 64 positions
     chosen = table[table.chosen].iloc[0]
     assert chosen.micro_batch_size < 16
     peaks = tmp_path / "peaks.txt"
     command = shlex.split((tmp_path / "autotuning_results" / "cmd_optimal.txt").read_text())
-    trained = subprocess.run([*command, "--peak_to", str(peaks)], cwd=tmp_path, env=launcher_env(),
+    trained = subprocess.run([*command, "--peak_to", str(peaks)], cwd=tmp_path, env=FIXED_HEAP,
                              capture_output=True, text=True, timeout=180)
     assert trained.returncode == 0, trained.stderr[-2000:]
     rank_peaks = [int(line.split()[1]) for line in peaks.read_text().splitlines()]
@@ -53,6 +61,13 @@ def test_the_pick_planned_at_the_declared_longest_batch_trains_to_the_end_inside
 def test_undeclared_the_summary_names_the_longest_batch_seen_and_plans_past_it(tmp_path, no_orphans):
     _, summary = tune_varying(tmp_path, num_tuning_micro_batch_sizes=1)
     line = next(line for line in summary.splitlines() if line.startswith("Batches vary in length"))
-    assert "16 to 64 positions per sample" in line and "no maximum declared" in line, line
+    low, high = seen_lengths(summary)
+    assert 16 <= low < high <= 64 and "no maximum declared" in line, line
     planned = int(line.split("judged at ")[1].split(" ")[0])
-    assert 64 < planned < 100, line  # the longest seen plus the spread of a uniform 16..64
+    assert high < planned <= high + 20, line  # the longest seen plus the spread (a uniform 16..64's is 14)
+
+
+def seen_lengths(summary: str) -> tuple[int, int]:
+    found = re.search(r"Batches vary in length: the launches saw (\d+) to (\d+) positions per sample", summary)
+    assert found, summary
+    return int(found.group(1)), int(found.group(2))

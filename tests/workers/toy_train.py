@@ -191,15 +191,18 @@ def main() -> None:
             length = args.late_length if args.late_length and step >= args.late_from_step else drawn
         for _ in range(engine.gradient_accumulation_steps()):
             held = None
-            if args.mem_per_sample_mb:
+            if args.mem_per_sample_mb and not args.lengths:
                 # Resident (written); on a GPU this is where a real CUDA out-of-memory error comes from.
-                scale = length / args.seq_len if args.lengths else 1.0
-                held = torch.ones(int(micro * args.mem_per_sample_mb * scale * 2**20 / 4), device=engine.device)
+                held = torch.ones(int(micro * args.mem_per_sample_mb * 2**20 / 4), device=engine.device)
             shape = (micro, length, 16) if args.blocks or args.lengths else (micro, 16)
             x = torch.randn(*shape, device=engine.device)
             y = torch.randn(micro, length, 1, device=engine.device) if args.lengths and not args.blocks else \
                 torch.randn(micro, 1, device=engine.device)
-            loss = nn.functional.mse_loss(engine(x), y)
+            output = engine(x)
+            if args.mem_per_sample_mb and args.lengths:  # held from the forward on, as activations are
+                scale = length / args.seq_len
+                held = torch.ones(int(micro * args.mem_per_sample_mb * scale * 2**20 / 4), device=engine.device)
+            loss = nn.functional.mse_loss(output, y)
             engine.backward(loss)
             time.sleep(per_sample_s * micro + args.ms_per_micro_step / 1e3)
             del held

@@ -1,11 +1,11 @@
 """Memory when batches vary in length (dynamic padding): the peak planned at the longest batch.
 
 A launch's window records, per rank and optimizer step, the step's longest input (dim 1 of the
-model's first tensor input) and the memory peak (`Measurement.step_peaks`). On a CPU the resident
-set's mark is reset after each step, so every step's peak is its own and every step after the
-window's first is a (length, peak) point. On a GPU the peak is the allocator's so far, which rises
-only at a step whose batch is longer than every one before it on that rank: those record steps
-are the points. A line through them is the memory per position at this micro-batch. A pick sized on the profile's batches alone runs out of memory hours later, at the
+model's first tensor input) and the memory peak so far (`Measurement.step_peaks`: the allocator's
+on a GPU, the resident set's mark on a CPU). The peak so far rises only at a step whose batch is
+longer than every one before it on that rank: those record steps are (length, peak) points of
+this micro-batch, and a line through them is the memory per position. (Each step's own peak would
+not do better on a CPU: glibc keeps what a longer batch freed, so a shorter one shows it too.) A pick sized on the profile's batches alone runs out of memory hours later, at the
 longest batch (torchtune #2830), so every launch is judged at the length the run will reach:
 the script's declared maximum (`--max_seq_length` and the like, or autotuning.max_sequence_length),
 else the longest seen plus the spread of the lengths seen, and the summary says which. Pure.
@@ -47,24 +47,28 @@ def longest_batch(measurement: Measurement, max_length: int | None) -> LongestBa
     seen_max = max(lengths)
     planned = max_length or seen_max + math.ceil(statistics.pstdev(lengths))
     peak_seen = int(measurement.peak_memory_bytes or max(p for rank in measurement.step_peaks for _, p in rank))
-    records = [point for rank in measurement.step_peaks for point in _records(rank, measurement.step_peaks_own)]
+    records = [point for rank in measurement.step_peaks for point in _records(rank)]
     slope = _slope(records)
     fitted = slope is not None
     at_peak = max(records, key=lambda point: point[1])[0] if records else seen_max
-    if slope is None:
-        slope = peak_seen / max(1, at_peak)  # every byte in proportion to the length: never short
+    if slope is None or slope <= 0:
+        # Too few record steps to fit (or noise over the signal): every byte above what the rank held
+        # as its first forward began, in proportion to the length. Optimizer states are in that share
+        # and do not grow, so this errs long (short only for a script that holds length-sized
+        # buffers before its first forward).
+        fitted = False
+        before = measurement.bytes_before_first_step or 0
+        slope = max(0, peak_seen - before) / max(1, at_peak)
     extra = max(0.0, slope) * max(0, planned - at_peak)
     return LongestBatch(min(lengths), seen_max, planned, peak_seen, int(peak_seen + extra), slope, fitted)
 
 
-def _records(rank: tuple[tuple[int, int], ...], own: bool) -> list[tuple[int, int]]:
-    """The steps whose peak is their own: every one (`own`), else those that set a new longest batch
-    and raised the peak. The window's first step is left out: its peak may have been set before."""
+def _records(rank: tuple[tuple[int, int], ...]) -> list[tuple[int, int]]:
+    """The steps that set a new longest batch and raised the peak: the peak then is that step's own.
+    The first step (step 1, its optimizer states allocated) is only the baseline to raise."""
     points: list[tuple[int, int]] = []
     if not rank:
         return points
-    if own:
-        return [point for point in rank[1:] if point[0] > 0]
     longest, previous = rank[0]
     for length, peak in rank[1:]:
         if length > longest and peak > previous:
