@@ -20,7 +20,7 @@ GOODPUT = {"metric": "goodput", "reference_batch_size": 8, "lr_scaling": "linear
 
 def test_a_goodput_tune_measures_the_noise_scale_and_scales_the_learning_rate(tmp_path, no_orphans):
     config = write_config(tmp_path / "ds.json", GOODPUT)
-    result = tune(tmp_path, config, "--ms_per_micro_step", "20", "--steps", "12")
+    result = tune(tmp_path, config, "--ms_per_micro_step", "20", "--steps", "12", "--teacher")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     found = re.search(r"goodput: gradient noise scale B_noise = ([\d.]+) \+/- ([\d.]+) samples \((\d+) steps",
                       result.stdout)

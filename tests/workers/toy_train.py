@@ -106,6 +106,9 @@ def main() -> None:
     parser.add_argument("--late_from_step", type=int, default=0)
     parser.add_argument("--max_seq_length", type=int, default=None,
                         help="the longest batch the data can make (declared, as Hugging Face's scripts do)")
+    parser.add_argument("--teacher", action="store_true",
+                        help="targets are a fixed linear function of the inputs plus a little noise, so the "
+                             "gradient has a signal beside its noise (the goodput tests' noise scale)")
     parser.add_argument("--peak_to", default=None, help="each rank appends its peak resident set (bytes) here at the end")
     parser.add_argument("--check_deepspeed_first", action="store_true",
                         help="ask importlib.util.find_spec('deepspeed') before importing it, as transformers and "
@@ -171,6 +174,8 @@ def main() -> None:
             hang = 0
         elif rank_zero():
             open(args.hang_once_file, "w").close()
+    teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(1)).to(engine.device)
+    torch.manual_seed(1000 + engine.global_rank)  # each rank draws its own batches, as a sampler shards them
     per_sample_s = args.ms_per_sample / 1e3 * (4 if args.slow_above and micro > args.slow_above else 1)
     rank = engine.global_rank
     for step in range(1, args.steps + 1):
@@ -198,6 +203,8 @@ def main() -> None:
             x = torch.randn(*shape, device=engine.device)
             y = torch.randn(micro, length, 1, device=engine.device) if args.lengths and not args.blocks else \
                 torch.randn(micro, 1, device=engine.device)
+            if args.teacher and not (args.blocks or args.lengths):
+                y = x @ teacher + 0.1 * y
             output = engine(x)
             if args.mem_per_sample_mb and args.lengths:  # held from the forward on, as activations are
                 scale = length / args.seq_len

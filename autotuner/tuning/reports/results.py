@@ -244,7 +244,7 @@ def plot_metric(path: Path, results: list[TrialResult], objective: Objective,
             axes.plot([p[0] for p in points], [p[1] for p in points], color=colour)
     axes.set_xscale("log", base=2)
     axes.set_xlabel("micro-batch size per rank")
-    axes.set_ylabel({"throughput": "samples/s", "latency": "s per step", "FLOPS": "FLOP/s per rank"}[objective.metric])
+    axes.set_ylabel(objective.unit)
     axes.set_title(f"{objective.metric} by micro-batch size")
     axes.legend()
     figure.tight_layout()

@@ -217,7 +217,7 @@ def scored(measurement: Measurement, settings: ExperimentSettings, common: dict)
     if value is None:
         return TrialResult(state=TrialState.FAILED, measurement=measurement,
                            error=f"metrics.json has no '{settings.objective.key}'", **common)
-    spread = measurement.throughput_std if settings.objective.metric == "throughput" else None
+    spread = measurement.throughput_std if settings.objective.metric in ("throughput", "goodput") else None
     planned = planned_value(measurement, settings.objective, settings.planned_steps, float(value))
     planned *= settings.objective.efficiency(measurement.train_batch_size)  # goodput; else 1
     if spread is not None and value:
