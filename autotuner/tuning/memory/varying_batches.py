@@ -18,6 +18,7 @@ import statistics
 from dataclasses import dataclass
 
 from autotuner.core.boundary import Measurement
+from autotuner.launch.script_args import find_flag
 
 # The script flags that declare the longest sequence a batch can hold, as Hugging Face's example
 # scripts name them (run_clm: --block_size; run_glue/run_ner/run_qa: --max_seq_length; run_summarization:
@@ -92,12 +93,10 @@ def declared_max_length(script_args: tuple[str, ...], configured: int | None) ->
     """(the longest sequence the run can see, where that was read), or (None, "") when undeclared."""
     if configured:
         return configured, "autotuning.max_sequence_length"
-    for index, arg in enumerate(script_args):
-        for flag in MAX_LENGTH_FLAGS:
-            value = arg.split("=", 1)[1] if arg.startswith(flag + "=") else (
-                script_args[index + 1] if arg == flag and index + 1 < len(script_args) else None)
-            if value is not None and value.isdigit() and int(value) > 0:
-                return int(value), f"the script's {flag}"
+    for flag in MAX_LENGTH_FLAGS:
+        found = find_flag(tuple(script_args), flag)
+        if found and found[1] is not None and found[1].isdigit() and int(found[1]) > 0:
+            return int(found[1]), f"the script's {flag}"
     return None, ""
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from autotuner.launch.script_args import find_flag, set_flag
 from autotuner.tuning.models.gradient_noise import NoiseScale, scaled_learning_rate
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 
@@ -22,6 +23,13 @@ def _scaled(value: Any, global_batch: int, reference: int, rule: str) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
     return scaled_learning_rate(float(value), global_batch, reference, rule)
+
+
+def _number(text: str | None) -> float | None:
+    try:
+        return float(text) if text is not None else None
+    except ValueError:
+        return None
 
 
 def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], global_batch: int, reference: int,
@@ -41,27 +49,18 @@ def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], gl
         if key in scheduler and isinstance(scheduler[key], (int, float)) and not isinstance(scheduler[key], bool):
             scheduler[key] = _scaled(scheduler[key], global_batch, reference, rule)
             changed.append(f"scheduler {key}")
-    args = list(script_args)
-    for index, arg in enumerate(args):
-        for flag in LR_FLAGS:
-            value = arg.split("=", 1)[1] if arg.startswith(flag + "=") else (
-                args[index + 1] if arg == flag and index + 1 < len(args) else None)
-            try:
-                number = float(value) if value is not None else None
-            except ValueError:
-                number = None
-            if number is None:
-                continue
+    args = tuple(script_args)
+    for flag in LR_FLAGS:
+        found = find_flag(args, flag)
+        number = _number(found[1]) if found else None
+        if number is not None:
             new = f"{scaled_learning_rate(number, global_batch, reference, rule):.6g}"
-            if arg == flag:
-                args[index + 1] = new
-            else:
-                args[index] = f"{flag}={new}"
+            args = set_flag(args, flag, new)
             changed.append(f"{flag} {number:g} -> {new}")
     factor = scaled_learning_rate(1.0, global_batch, reference, rule)
     what = "; ".join(changed) if changed else "no numeric learning rate found to scale (an \"auto\" lr is the " \
                                                 "trainer's: scale its flag yourself)"
-    return config, tuple(args), (f"Learning rate: x{factor:.3g} ({rule}, global batch {global_batch} against "
+    return config, args, (f"Learning rate: x{factor:.3g} ({rule}, global batch {global_batch} against "
                                  f"reference_batch_size {reference}): {what}")
 
 
