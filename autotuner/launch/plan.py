@@ -78,8 +78,7 @@ class LaunchOptions:
     force_multi: bool = False
     ssh_port: int | None = None
     ssh_check: bool = True
-    # A tuner's launch: ranks run through autotuner.launch.run_script, which records their failures,
-    # and the launcher writes its LaunchReport here.
+    # A tuner's launch: the launcher writes its LaunchReport here (and run_script records the ranks' failures).
     report_file: str | None = None
 
     @classmethod
@@ -235,8 +234,12 @@ def _rank_command(options: LaunchOptions, python: str, nproc: int, environ: dict
     """The program each rank runs, and env for it: the deepspeed launcher's `--local_rank=N` after the
     script (torch elastic fills ${local_rank} per rank), behind the core-binding/log entry if asked."""
     local_rank = () if options.no_local_rank else ("--local_rank=${local_rank}",)
-    runner = ("-m", "autotuner.launch.run_script") if options.report_file else ()
-    command: tuple[str, ...] = (python, "-u", *runner, options.script, *local_rank, *options.script_args)
+    # Every rank runs the script through run_script, which ends the default process group after the
+    # script returns: left to interpreter teardown, gloo's threads abort a rank that finished
+    # ("terminate called without an active exception", status 134; pytorch/pytorch#190489), which
+    # DeepSpeed's engine, unlike ours, does not guard against. In a tuner's launch it also records failures.
+    command: tuple[str, ...] = (python, "-u", "-m", "autotuner.launch.run_script", options.script, *local_rank,
+                                *options.script_args)
     env: dict[str, str] = {}
     entry: list[str] = []
     if options.bind_cores_to_rank or options.bind_core_list:

@@ -1,5 +1,5 @@
-"""What each rank of a tuner's launch runs: the user's script, as `python script.py ARGS` would,
-with its failure recorded for the launcher.
+"""What each rank runs: the user's script, as `python script.py ARGS` would, with the default
+process group ended after it returns and, in a tuner's launch, its failure recorded for the launcher.
 
     python -u -m autotuner.launch.run_script train.py --local_rank=0 ARGS
 
@@ -67,7 +67,7 @@ def _exit_status(code: object) -> int:
 
 
 def _end_process_group() -> None:
-    """After a script that returned normally (see runtime.distributed.end_process_group)."""
+    """After a script that returned normally or exited 0 (see runtime.distributed.end_process_group)."""
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         from autotuner.runtime.distributed import end_process_group
@@ -104,6 +104,8 @@ def run(argv: list[str]) -> int:
         status = _exit_status(stop.code)
         if status:
             _record("SystemExit", f"exit status {status}", status)
+        else:
+            _end_process_group()  # `sys.exit(main())` that succeeded ends as a return does
         return status
     except KeyboardInterrupt:
         _record("KeyboardInterrupt", "", 128 + signal.SIGINT)

@@ -18,7 +18,7 @@ from autotuner.runtime.accessors import DeepSpeedAccessors
 from autotuner.runtime.activation_checkpointing import repeated_blocks
 from autotuner.runtime.distributed import DistributedContext
 from autotuner.runtime.grad_reduction import GradientReduction
-from autotuner.runtime.gradient_noise import GradientNoiseProbe
+from autotuner.runtime.gradient_noise import GradientNoiseProbe, MicroStepNoiseProbe
 from autotuner.runtime.measurement import OurEngineView, measurement_request
 from autotuner.runtime.metrics import is_out_of_memory, peak_memory_bytes
 from autotuner.runtime.profile import ActivationProbe, FlopProbe, sequence_length_of
@@ -55,7 +55,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         grad_scaler: Any = None,
         training_dataloader: Any = None,
         client_optimizer: bool = False,
-        gradient_noise: GradientNoiseProbe | None = None,
+        gradient_noise: GradientNoiseProbe | MicroStepNoiseProbe | None = None,
     ):
         super().__init__()
         Engine.created_in_process += 1

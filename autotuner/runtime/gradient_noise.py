@@ -1,11 +1,13 @@
-"""The gradient noise scale's raw figures, read in a tuner's launch at ZeRO 0 and 1 (DDP).
+"""The gradient noise scale's raw figures, read in a tuner's launch at ZeRO 0 and 1 (DDP), or on
+one rank with gradient accumulation (its micro-steps).
 
 McCandlish et al. (2018), appendix A.1: the squared norm of a gradient averaged over B samples
 has expectation |G|^2 + tr(Sigma)/B. Each rank's gradient before the all-reduce averages
 B_small = micro-batch x gas samples; the all-reduced one averages B_big = B_small x ranks. So a
 DDP communication hook reads each bucket's squared norm before the all-reduce and after it; at
 the accumulation boundary the ranks' local figures are averaged (one scalar all-reduce), and the
-step's pair (mean |g_small|^2, |g_big|^2) is kept. The estimator is the tuner's
+step's pair (mean |g_small|^2, |g_big|^2) is kept. On one rank, `MicroStepNoiseProbe` gives the
+same pairs from the micro-steps of an accumulation window. The estimator is the tuner's
 (tuning/models/gradient_noise.py). Nothing here changes the reduction: the hook runs the same one
 (DeepSpeed's prescale/predivide hook when the config sets it, else DDP's mean all-reduce).
 """
@@ -31,6 +33,11 @@ class GradientNoiseProbe:
         self._local = torch.zeros((), dtype=torch.float64)
         self._reduced = torch.zeros((), dtype=torch.float64)
         self._buckets = 0
+
+    @property
+    def batches(self) -> tuple[int, int]:
+        """(B_small, B_big): the samples behind one rank's gradient, and behind the reduced one."""
+        return self.samples_per_rank, self.samples_per_rank * self.world_size
 
     def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         local = _squared_norm(bucket.buffer())  # before the reduction touches it
@@ -59,6 +66,34 @@ class GradientNoiseProbe:
         self._local = torch.zeros((), dtype=torch.float64)
         self._reduced = torch.zeros((), dtype=torch.float64)
         self._buckets = 0
+
+
+class MicroStepNoiseProbe:
+    """One rank with gradient accumulation: a hook on each parameter reads its gradient of each
+    micro-step as it arrives, before it is added to .grad. Over an accumulation window of `gas`
+    micro-steps, the mean of their squared norms averages B_small = micro-batch samples; at the
+    boundary, |accumulated / gas|^2 averages B_big = micro-batch x gas. A loss divided by gas (or
+    not, `scale_wrt_gas=False`) scales both figures alike, and B_noise is a ratio, so it cancels."""
+
+    def __init__(self, parameters: "list[torch.nn.Parameter]", micro_batch_size: int, gas: int):
+        self.parameters = [p for p in parameters if p.requires_grad]
+        self.batches = (micro_batch_size, micro_batch_size * gas)
+        self.gas = gas
+        self.steps: list = []
+        self._micro = torch.zeros((), dtype=torch.float64)
+        for parameter in self.parameters:
+            parameter.register_hook(self._read)
+
+    def _read(self, gradient: torch.Tensor) -> None:
+        self._micro = self._micro.to(gradient.device) + _squared_norm(gradient)  # returns None: gradient kept
+
+    def step_done(self, step: int, whole: bool) -> None:
+        """At the accumulation boundary, after the last backward, before the optimizer step."""
+        if step >= FIRST_STEP:
+            accumulated = sum((_squared_norm(p.grad) for p in self.parameters if p.grad is not None),
+                              torch.zeros((), dtype=torch.float64))
+            self.steps.append((float(self._micro) / self.gas, float(accumulated) / self.gas ** 2))
+        self._micro = torch.zeros((), dtype=torch.float64)
 
 
 def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:

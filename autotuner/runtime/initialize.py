@@ -23,7 +23,7 @@ from autotuner.runtime.distributed import dist_timeout_s, init_distributed, warn
 from autotuner.runtime.engine import Engine
 from autotuner.runtime.measurement import measurement_request
 from autotuner.runtime.grad_reduction import GradientReduction
-from autotuner.runtime.gradient_noise import GradientNoiseProbe
+from autotuner.runtime.gradient_noise import GradientNoiseProbe, MicroStepNoiseProbe
 from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.rank_zero_gather import arm_if_wanted
 from autotuner.runtime.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
@@ -89,14 +89,27 @@ def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
     return loaded
 
 
-def gradient_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: int) -> GradientNoiseProbe | None:
-    """In a tuner's launch that asks for it (metric goodput) at ZeRO 0 or 1 with two ranks or more:
-    each rank's gradient is whole before the all-reduce, so the noise scale can be read there
-    (gradient_noise.py). fp16's loss scale would scale the norms: not read there."""
+def _gradient_noise_wanted(cfg: DeepSpeedConfig, stage: int) -> bool:
+    """A tuner's launch that asks for it (metric goodput) at ZeRO 0 or 1, where each rank's
+    gradient is whole. fp16's loss scale, which changes between steps, would scale the norms."""
     request = measurement_request(cfg)
-    if stage > 1 or world_size < 2 or cfg.precision == "fp16" or request is None or not request.gradient_noise:
+    return stage <= 1 and cfg.precision != "fp16" and request is not None and request.gradient_noise
+
+
+def gradient_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: int) -> GradientNoiseProbe | None:
+    """With two ranks or more: read around the all-reduce (gradient_noise.py). Built before DDP
+    wraps the model, which takes its hook."""
+    if not _gradient_noise_wanted(cfg, stage) or world_size < 2:
         return None
     return GradientNoiseProbe(None, batch.micro_batch_size * batch.gradient_accumulation_steps, world_size)
+
+
+def micro_step_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: int,
+                           parameters) -> MicroStepNoiseProbe | None:
+    """One rank with gradient accumulation: read over the micro-steps (gradient_noise.py)."""
+    if not _gradient_noise_wanted(cfg, stage) or world_size != 1 or batch.gradient_accumulation_steps < 2:
+        return None
+    return MicroStepNoiseProbe(list(parameters), batch.micro_batch_size, batch.gradient_accumulation_steps)
 
 
 def _remap_groups(params: Iterable, id_to_name: dict[int, str], new_by_name: dict[str, nn.Parameter]) -> list[dict]:
@@ -265,6 +278,7 @@ def initialize(
     noise = gradient_noise_probe(cfg, stage, batch, ctx.world_size)
     wrapped = wrap_model(model, stage, cfg.zero_optimization, cfg.precision, ctx, GradientReduction.from_config(cfg),
                          noise)
+    noise = noise or micro_step_noise_probe(cfg, stage, batch, ctx.world_size, unwrap(wrapped).parameters())
     groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
     opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage)
     scheduler = _build_scheduler(lr_scheduler, cfg, opt, stage)

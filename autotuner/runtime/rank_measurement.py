@@ -180,8 +180,7 @@ class RankMeasurement:
                 measurement, engine=view.name, step_peaks=step_peaks,
                 bytes_before_first_step=before_first_step,
                 gradient_norms=tuple(noise.steps) if noise else (),
-                gradient_noise_batches=(noise.samples_per_rank, noise.samples_per_rank * noise.world_size)
-                if noise else ()))
+                gradient_noise_batches=tuple(noise.batches) if noise else ()))
 
     def _step_peaks(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Per rank, per window step: (its longest input, the peak so far). Collective. Every rank

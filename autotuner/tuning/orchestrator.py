@@ -247,8 +247,8 @@ class Autotuner:
         if noise is None:
             why = ("too few steps, or noise that swamps the gradient: lengthen the profile window"
                    if any(m.gradient_norms for m in measured) else
-                   "it is read at ZeRO 0 or 1 with two ranks or more on our engine, before the all-reduce, and no "
-                   "profile launch ran so")
+                   "it is read on our engine at ZeRO 0 or 1, around the all-reduce with two ranks or more, or over "
+                   "the micro-steps of one rank's gradient accumulation, and no profile launch ran so")
             self.report(f"goodput: the gradient noise scale was not measured ({why}); scoring by throughput")
             objective = Objective("throughput")
         else:

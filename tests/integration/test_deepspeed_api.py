@@ -207,10 +207,10 @@ def test_resource_filters_follow_deepspeed():
 def test_plan_passes_local_rank_macro_and_deepspeed_env(tmp_path):
     script = write_script(tmp_path, "echo.py", ECHO)
     plan = build_plan(LaunchOptions(script=str(script), script_args=("a",), nproc_per_node=2), "python", {})
-    assert plan.command == ("python", "-u", str(script), "--local_rank=${local_rank}", "a")
+    assert plan.command == ("python", "-u", "-m", "autotuner.launch.run_script", str(script), "--local_rank=${local_rank}", "a")
     assert plan.env["LOCAL_SIZE"] == "2" and plan.env["CROSS_SIZE"] == "1" and plan.env["CROSS_RANK"] == "0"
     plan = build_plan(LaunchOptions(script=str(script), script_args=("a",), no_local_rank=True), "python", {})
-    assert plan.command == ("python", "-u", str(script), "a")
+    assert plan.command == ("python", "-u", "-m", "autotuner.launch.run_script", str(script), "a")
 
 
 # ----- rank-side errors and refused features: one line from the launcher -----

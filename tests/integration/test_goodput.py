@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import pandas as pd
 import pytest
 
-from conftest import tune, write_config
+from conftest import launcher_env, tune, tune_command, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,8 @@ def test_where_the_noise_cannot_be_read_one_line_says_so_and_throughput_decides(
     config = write_config(tmp_path / "ds.json", GOODPUT, zero_optimization={"stage": 3})
     result = tune(tmp_path, config, "--ms_per_micro_step", "20")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "goodput: the gradient noise scale was not measured (it is read at ZeRO 0 or 1 with two ranks or more" \
+    assert "goodput: the gradient noise scale was not measured (it is read on our engine at ZeRO 0 or 1, around " \
+           "the all-reduce with two ranks or more, or over the micro-steps of one rank's gradient accumulation" \
            in result.stdout
     table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
     ok = table[table.state == "ok"]
@@ -59,3 +61,23 @@ def test_goodput_with_a_fixed_global_batch_is_refused(tmp_path):
     assert result.returncode == 2
     assert "train_batch_size: got 32; metric \"goodput\" picks the global batch" in result.stderr
     assert not (tmp_path / "autotuning_exps").exists()
+
+
+def test_one_rank_reads_the_noise_over_the_micro_steps_of_its_gradient_accumulation(tmp_path, no_orphans):
+    # max_train_batch_size 32 on one rank: the profile's micro-batch 1 accumulates 32 micro-steps.
+    config = write_config(tmp_path / "ds.json", {**GOODPUT, "max_train_batch_size": 32},
+                          gradient_accumulation_steps="auto")
+    result = subprocess.run(tune_command(config, "--ms_per_micro_step", "2", "--steps", "12", "--teacher",
+                                         nproc_per_node=1),
+                            cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = re.search(r"goodput: gradient noise scale B_noise = ([\d.]+) \+/- ([\d.]+) samples \((\d+) steps",
+                      result.stdout)
+    assert found, result.stdout[-3000:]
+    assert float(found.group(1)) > 0 and int(found.group(3)) >= 3
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    ok = table[(table.state == "ok") & (table.phase != "remeasure")]
+    batch = ok.micro_batch_size * ok.gradient_accumulation_steps
+    b_noise = float(found.group(1))
+    assert ok.metric_value.tolist() == pytest.approx((ok.throughput_samples_s * (b_noise + 8)
+                                                      / (b_noise + batch)).tolist(), rel=0.02)

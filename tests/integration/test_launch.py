@@ -200,7 +200,7 @@ class TestBuildPlan:
     def test_command_is_python_unbuffered_script_and_args(self, script):
         plan = plan_for(script, nproc_per_node=1, script_args=AWKWARD)
         # The deepspeed launcher's --local_rank=N goes right after the script; torch elastic fills it in.
-        assert plan.command == (PYTHON, "-u", script, "--local_rank=${local_rank}", *AWKWARD)
+        assert plan.command == (PYTHON, "-u", "-m", "autotuner.launch.run_script", script, "--local_rank=${local_rank}", *AWKWARD)
 
 
 def test_exit_status_follows_the_shell_convention():

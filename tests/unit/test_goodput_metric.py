@@ -99,3 +99,36 @@ def test_goodput_needs_its_reference_batch():
     config = DeepSpeedConfig.model_validate({"autotuning": {"enabled": True, "metric": "goodput",
                                                             "reference_batch_size": 32, "lr_scaling": "sqrt"}})
     assert config.autotuning.lr_scaling == "sqrt"
+
+
+@pytest.mark.parametrize("divide_by_gas", [True, False])
+def test_one_ranks_micro_steps_give_the_pair_of_squared_norms_whatever_the_loss_scaling(divide_by_gas):
+    from autotuner.runtime.gradient_noise import FIRST_STEP, MicroStepNoiseProbe
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 1)
+    micro, gas = 4, 3
+    probe = MicroStepNoiseProbe(list(model.parameters()), micro, gas)
+    batches = [(torch.randn(micro, 6), torch.randn(micro, 1)) for _ in range(gas)]
+    per_micro = []  # each micro-batch's mean gradient, computed apart
+    for x, y in batches:
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        per_micro.append(torch.cat([p.grad.flatten() for p in model.parameters()]).double())
+    probe._micro = torch.zeros((), dtype=torch.float64)  # the reference pass above went through the hooks too
+    model.zero_grad()
+    for x, y in batches:
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        (loss / gas if divide_by_gas else loss).backward()
+    probe.step_done(FIRST_STEP, whole=True)
+    small, big = probe.steps[0]
+    scale = 1 / gas ** 2 if divide_by_gas else 1.0
+    expected_small = statistics_mean([float(g @ g) for g in per_micro]) * scale
+    mean_gradient = sum(per_micro) / gas
+    assert probe.batches == (micro, micro * gas)
+    assert small == pytest.approx(expected_small, rel=1e-6)
+    assert big == pytest.approx(float(mean_gradient @ mean_gradient) * scale, rel=1e-6)
+
+
+def statistics_mean(values: list[float]) -> float:
+    return sum(values) / len(values)

@@ -1,0 +1,226 @@
+"""Goodput against throughput (issue 50): which tuned global batch reaches a held-out loss sooner.
+
+    python benchmarks/goodput.py [--label_noise 0.1,0.6] [--seeds 3] [--work_dir DIR]
+
+For each label-noise level of benchmarks/workloads/label_noise.py (2 CPU ranks, ZeRO 0):
+1. B_noise measured directly: per-sample gradients (torch.func) of the initial model, and of the
+   model after a few steps at reference_batch_size, over --direct_samples fresh samples;
+   tr(Sigma) and |G|^2 unbiased, B_noise their ratio;
+2. `launcher --autotuning tune` twice, as a user runs it: metric "throughput", then metric
+   "goodput" (reference_batch_size, lr_scaling); the second prints the tuner's B_noise;
+3. each pick trained to --target_loss with its learning rate scaled by the same rule from
+   reference_batch_size (the goodput tune's optimal config; the throughput pick's scaled here,
+   as a user who chose the lr for reference_batch_size would), --seeds seeds, the picks
+   interleaved (A B A B ..); the training time to the target (held-out evaluations excluded).
+Results: benchmarks/results/goodput.csv and a markdown table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOAD = ROOT / "benchmarks" / "workloads" / "label_noise.py"
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(WORKLOAD.parent))
+from label_noise import Task, make_model  # noqa: E402
+
+from autotuner.tuning.models.gradient_noise import scaled_learning_rate  # noqa: E402
+
+MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
+            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+
+
+def direct_noise_scale(task: Task, args: argparse.Namespace, steps: int) -> float:
+    """B_noise of the model after `steps` AdamW steps at reference_batch_size (one process), from
+    per-sample gradients over args.direct_samples fresh samples."""
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(args.seed_for_direct)
+    model = make_model(args.features, args.classes, args.hidden)
+    generator = torch.Generator().manual_seed(12345)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    for _ in range(steps):
+        x, y = task.draw(args.reference_batch, generator)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+
+    def loss_of_one(p, x, y):
+        return F.cross_entropy(functional_call(model, p, (x[None],)), y[None])
+
+    per_sample = vmap(grad(loss_of_one), in_dims=(None, 0, 0))
+    total, total_sq, n = None, 0.0, 0
+    for _ in range(args.direct_samples // 512):
+        x, y = task.draw(512, generator)
+        g = per_sample(params, x, y)
+        flat = torch.cat([t.reshape(512, -1) for t in g.values()], dim=1).double()
+        total = flat.sum(0) if total is None else total + flat.sum(0)
+        total_sq += float((flat * flat).sum())
+        n += 512
+    mean = total / n
+    trace = (total_sq / n - float(mean @ mean)) * n / (n - 1)  # sum of per-coordinate variances
+    gradient_sq = float(mean @ mean) - trace / n  # |mean|^2 is |G|^2 + tr(Sigma)/n
+    return trace / gradient_sq
+
+
+def config(args: argparse.Namespace, metric: str, lr: float, micro: int | None = None,
+           gas: int | None = None) -> dict:
+    autotuning = {"enabled": True, "arg_mappings": MAPPINGS, "metric": metric, "start_profile_step": 3,
+                  "end_profile_step": 10, "max_train_micro_batch_size_per_gpu": args.max_micro,
+                  "max_train_batch_size": args.max_batch, "exp_timeout_s": 300}
+    if metric == "goodput":
+        autotuning.update(reference_batch_size=args.reference_batch, lr_scaling=args.lr_scaling)
+    return {"train_micro_batch_size_per_gpu": micro or "auto", "gradient_accumulation_steps": gas or "auto",
+            "steps_per_print": 100000, "optimizer": {"type": "AdamW", "params": {"lr": lr}},
+            "zero_optimization": {"stage": 0}, "autotuning": autotuning}
+
+
+def workload_args(args: argparse.Namespace, label_noise: float) -> list[str]:
+    return ["--features", str(args.features), "--classes", str(args.classes), "--hidden", str(args.hidden),
+            "--label_noise", str(label_noise)]
+
+
+def environment() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
+
+
+def tune(work: Path, args: argparse.Namespace, label_noise: float, metric: str) -> dict:
+    """One tune as a user runs it; its pick (micro, gas, global batch, lr) and the B_noise line."""
+    work.mkdir(parents=True, exist_ok=True)
+    ds = work / "ds.json"
+    ds.write_text(json.dumps(config(args, metric, args.lr)))
+    command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", str(args.nproc),
+               str(WORKLOAD), *workload_args(args, label_noise), "--steps", "40", "--deepspeed", str(ds)]
+    started = time.perf_counter()
+    done = subprocess.run(command, cwd=work, env=environment(), capture_output=True, text=True)
+    took = time.perf_counter() - started
+    (work / "tune.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"tune ({metric}) failed, see {work / 'tune.log'}")
+    optimal = json.loads((work / "autotuning_results" / "ds_config_optimal.json").read_text())
+    micro, gas = optimal["train_micro_batch_size_per_gpu"], optimal["gradient_accumulation_steps"]
+    batch = micro * gas * args.nproc
+    lr = optimal["optimizer"]["params"]["lr"] if metric == "goodput" else \
+        scaled_learning_rate(args.lr, batch, args.reference_batch, args.lr_scaling)
+    found = re.search(r"B_noise = ([\d.]+) \+/- ([\d.]+) samples", done.stdout)
+    import pandas as pd
+    table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
+    return {"metric": metric, "micro": micro, "gas": gas, "global_batch": batch, "lr": lr, "tune_s": took,
+            "launches": int(len(table)),
+            "b_noise": float(found.group(1)) if found else None, "b_noise_spread": float(found.group(2)) if found else None}
+
+
+def train_to_target(work: Path, args: argparse.Namespace, label_noise: float, pick: dict, seed: int) -> dict:
+    work.mkdir(parents=True, exist_ok=True)
+    ds = work / f"ds_{pick['metric']}.json"
+    ds.write_text(json.dumps(config(args, pick["metric"], pick["lr"], pick["micro"], pick["gas"])))
+    out = work / f"{pick['metric']}_seed{seed}.json"
+    command = [sys.executable, "-m", "autotuner", "--nproc_per_node", str(args.nproc), str(WORKLOAD),
+               *workload_args(args, label_noise), "--micro_batch_size", str(pick["micro"]),
+               "--gradient_accumulation_steps", str(pick["gas"]), "--steps", str(args.max_steps),
+               "--target_loss", str(args.target_loss), "--eval_every", str(args.eval_every), "--seed", str(seed),
+               "--result_out", str(out), "--deepspeed", str(ds)]
+    done = subprocess.run(command, cwd=work, env=environment(), capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"training {pick['metric']} seed {seed} failed:\n{done.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--label_noise", default="0.1")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3, help="the lr chosen for --reference_batch")
+    parser.add_argument("--reference_batch", type=int, default=32)
+    parser.add_argument("--lr_scaling", default="sqrt", choices=("linear", "sqrt", "none"))
+    parser.add_argument("--max_micro", type=int, default=1024)
+    parser.add_argument("--max_batch", type=int, default=4096)
+    parser.add_argument("--target_loss", type=float, default=None,
+                        help="held-out loss to reach (default: per noise level, --target_over_floor above its floor)")
+    parser.add_argument("--target_over_floor", type=float, default=0.25)
+    parser.add_argument("--max_steps", type=int, default=100000)
+    parser.add_argument("--eval_every", type=int, default=4096)
+    parser.add_argument("--direct_samples", type=int, default=4096)
+    parser.add_argument("--direct_steps", type=int, default=3)
+    parser.add_argument("--seed_for_direct", type=int, default=1)
+    parser.add_argument("--work_dir", default="/tmp/goodput_bench")
+    parser.add_argument("--csv", default=str(RESULTS / "goodput.csv"))
+    parser.add_argument("--only", choices=("direct", "all"), default="all")
+    args = parser.parse_args()
+    rows = []
+    for label_noise in [float(v) for v in args.label_noise.split(",")]:
+        task = Task(args.features, args.classes, label_noise, 0)
+        direct0 = direct_noise_scale(task, args, 0)
+        direct = direct_noise_scale(task, args, args.direct_steps)
+        print(f"label noise {label_noise}: direct B_noise {direct0:.1f} at initialisation, {direct:.1f} after "
+              f"{args.direct_steps} steps", flush=True)
+        if args.only == "direct":
+            continue
+        target = args.target_loss
+        if target is None:
+            # The best loss here: the teacher's labels kept with 1 - noise, else uniform over the classes.
+            keep = 1 - label_noise + label_noise / args.classes
+            floor = -(keep * torch.log(torch.tensor(keep)) + (1 - keep) * torch.log(
+                torch.tensor((1 - keep) / (args.classes - 1)))).item()
+            target = round(floor + args.target_over_floor, 3)
+        args.target_loss = target
+        work = Path(args.work_dir) / f"noise{label_noise}"
+        picks = [tune(work / metric, args, label_noise, metric) for metric in ("throughput", "goodput")]
+        for pick in picks:
+            print(f"  {pick['metric']} tune: micro {pick['micro']} gas {pick['gas']} global batch "
+                  f"{pick['global_batch']} lr {pick['lr']:.4g} ({pick['launches']} launches, {pick['tune_s']:.0f} s)"
+                  + (f"; tuner's B_noise {pick['b_noise']} +/- {pick['b_noise_spread']}" if pick["b_noise"] else ""),
+                  flush=True)
+        times: dict[str, list[dict]] = {p["metric"]: [] for p in picks}
+        for seed in range(1, args.seeds + 1):
+            for pick in (picks if seed % 2 else picks[::-1]):
+                run = train_to_target(work / "train", args, label_noise, pick, seed)
+                times[pick["metric"]].append(run)
+                reached = run["reached"]
+                print(f"  seed {seed} {pick['metric']}: " + (f"{reached['training_s']:.2f} s, {reached['samples']} "
+                      f"samples, {reached['steps']} steps" if reached else "target not reached"), flush=True)
+        b_noise = picks[1]["b_noise"]
+        for pick in picks:
+            runs = times[pick["metric"]]
+            seconds = [r["reached"]["training_s"] for r in runs if r["reached"]]
+            samples = [r["reached"]["samples"] for r in runs if r["reached"]]
+            rows.append({"label_noise": label_noise, "target_loss": target, "direct_b_noise_init": round(direct0, 2),
+                         "direct_b_noise": round(direct, 2), "tuner_b_noise": b_noise,
+                         "tuner_b_noise_spread": picks[1]["b_noise_spread"], "metric": pick["metric"],
+                         "micro": pick["micro"], "gas": pick["gas"], "global_batch": pick["global_batch"],
+                         "lr": round(pick["lr"], 6), "tune_s": round(pick["tune_s"], 1), "launches": pick["launches"],
+                         "reached": f"{len(seconds)}/{len(runs)}",
+                         "median_s": round(statistics.median(seconds), 2) if seconds else None,
+                         "min_s": round(min(seconds), 2) if seconds else None,
+                         "max_s": round(max(seconds), 2) if seconds else None,
+                         "median_samples": statistics.median(samples) if samples else None,
+                         "seconds": " ".join(f"{s:.2f}" for s in seconds)})
+    if rows:
+        import pandas as pd
+        table = pd.DataFrame(rows)
+        Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
+        table.to_csv(args.csv, index=False)
+        print(table.to_markdown(index=False))
+
+
+if __name__ == "__main__":
+    main()
