@@ -78,9 +78,11 @@ def direct_noise_scale(task: Task, args: argparse.Namespace, steps: int) -> floa
 
 def config(args: argparse.Namespace, metric: str, lr: float, micro: int | None = None,
            gas: int | None = None) -> dict:
+    # No max_train_batch_size: with it, each candidate's gas fills the cap, and every candidate
+    # has the same global batch. Without it gas is 1 and the global batch is micro x ranks.
     autotuning = {"enabled": True, "arg_mappings": MAPPINGS, "metric": metric, "start_profile_step": 3,
                   "end_profile_step": 10, "max_train_micro_batch_size_per_gpu": args.max_micro,
-                  "max_train_batch_size": args.max_batch, "exp_timeout_s": 300}
+                  "exp_timeout_s": 300}
     if metric == "goodput":
         autotuning.update(reference_batch_size=args.reference_batch, lr_scaling=args.lr_scaling)
     return {"train_micro_batch_size_per_gpu": micro or "auto", "gradient_accumulation_steps": gas or "auto",
@@ -153,7 +155,6 @@ def main() -> None:
     parser.add_argument("--reference_batch", type=int, default=32)
     parser.add_argument("--lr_scaling", default="sqrt", choices=("linear", "sqrt", "none"))
     parser.add_argument("--max_micro", type=int, default=1024)
-    parser.add_argument("--max_batch", type=int, default=4096)
     parser.add_argument("--target_loss", type=float, default=None,
                         help="held-out loss to reach (default: per noise level, --target_over_floor above its floor)")
     parser.add_argument("--target_over_floor", type=float, default=0.25)

@@ -201,7 +201,13 @@ def settle(args: argparse.Namespace) -> SettledJob:
     check_some_batch_is_valid(space, data_parallel_size, source)
     if tuning.metric == "goodput" and isinstance(config.train_batch_size, int):
         raise ConfigError(f"{source}: train_batch_size: got {config.train_batch_size}; metric \"goodput\" picks the "
-                          "global batch, so leave it \"auto\" or absent (max_train_batch_size still caps it)")
+                          "global batch, so leave it \"auto\" or absent")
+    if tuning.metric == "goodput" and space.global_batch_size is not None and space.fixed_gradient_accumulation_steps is None:
+        # The batch triad's rule: gas fills the cap, so every candidate's global batch is about the same.
+        say(f"goodput: max_train_batch_size {space.global_batch_size} sets each candidate's gradient accumulation "
+            "to fill it, so every candidate's global batch is close to it and goodput cannot trade the batch "
+            "against its samples; leave max_train_batch_size out (gas 1: the global batch is micro-batch x "
+            "data-parallel ranks) or fix gradient_accumulation_steps")
     check_optimizer_and_scheduler(config, source)
     if engine.settled:
         check_engine(config, engine, args.script, script_args, source)

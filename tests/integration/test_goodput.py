@@ -75,6 +75,8 @@ def test_one_rank_reads_the_noise_over_the_micro_steps_of_its_gradient_accumulat
                       result.stdout)
     assert found, result.stdout[-3000:]
     assert float(found.group(1)) > 0 and int(found.group(3)) >= 3
+    # The cap fills each candidate's gas, which leaves goodput no batch to trade: said in one line.
+    assert "goodput: max_train_batch_size 32 sets each candidate's gradient accumulation to fill it" in result.stdout
     table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
     ok = table[(table.state == "ok") & (table.phase != "remeasure")]
     batch = ok.micro_batch_size * ok.gradient_accumulation_steps

@@ -7,7 +7,8 @@ squared norms of gradients averaged over B_small and B_big samples,
     tr(Sigma) ~ (|g_small|^2 - |g_big|^2) / (1/B_small - 1/B_big)
 
 each unbiased; B_noise is the ratio of their means over the steps (the ratio of noisy per-step
-estimates is biased, as the paper warns). Its spread is the jackknife's over steps.
+estimates is biased, as the paper warns), each step weighted by its precision (`_terms`). Its
+spread is the jackknife's over steps.
 
 Past B_noise, steps to a loss fall only as S_min (1 + B_noise/B) and the samples needed grow as
 E_min (1 + B/B_noise); the statistical efficiency of a global batch B against the batch B0 the
@@ -47,10 +48,20 @@ def _pairs(measurements: Iterable[Measurement]) -> list[tuple[float, float, int,
 
 
 def _terms(pairs: list[tuple[float, float, int, int]]) -> tuple[float, float]:
-    """Mean |G|^2 and mean tr(Sigma) over the steps."""
+    """|G|^2 and tr(Sigma) over the steps, each step weighted by its precision. A squared norm
+    over B samples scatters by about tr(Sigma)/B, so a step's |G|^2 estimate scatters as
+    1/(B_big - B_small) and its tr(Sigma) estimate as B_big/(B_big - B_small): the profile's
+    micro-batch-1 steps, whose |G|^2 is mostly noise, count (B_big - B_small)^2 less than a step
+    over thousands of samples (unweighted, they put B_noise 8x below a direct measurement)."""
     gradient = [(big * g_big - small * g_small) / (big - small) for g_small, g_big, small, big in pairs]
     trace = [(g_small - g_big) / (1 / small - 1 / big) for g_small, g_big, small, big in pairs]
-    return statistics.fmean(gradient), statistics.fmean(trace)
+    gradient_weights = [(big - small) ** 2 for _, _, small, big in pairs]
+    trace_weights = [((big - small) / big) ** 2 for _, _, small, big in pairs]
+    return _weighted(gradient, gradient_weights), _weighted(trace, trace_weights)
+
+
+def _weighted(values: list[float], weights: list[float]) -> float:
+    return sum(v * w for v, w in zip(values, weights)) / sum(weights)
 
 
 def estimate(measurements: Iterable[Measurement]) -> NoiseScale | None:
