@@ -42,6 +42,18 @@ def test_the_estimator_recovers_a_known_noise_scale():
     assert 0 < noise.spread < 0.3 * noise.b_noise and noise.steps == 120
 
 
+def test_the_profiles_micro_batch_1_steps_do_not_swamp_the_estimate():
+    """A profile launch at micro-batch 1 (2 ranks: B 1 and 2) gives |G|^2 estimates that are mostly
+    noise when B_noise is far above 1; a launch at 128 per rank gives precise ones. Weighted by
+    their precision, the estimate stays near the truth (400 here); alike, it is far off."""
+    dims = 400
+    gradient = torch.full((dims,), 0.05, dtype=torch.float64)  # |G|^2 = 1, tr(Sigma) = 400: B_noise 400
+    tiny = synthetic_launch(gradient, 1.0, per_rank=1, ranks=2, steps=8, seed=1)
+    large = synthetic_launch(gradient, 1.0, per_rank=128, ranks=2, steps=8, seed=2)
+    noise = estimate([tiny, large])
+    assert noise.b_noise == pytest.approx(400, rel=0.5)
+
+
 def test_too_few_steps_or_no_pairs_give_no_estimate():
     gradient = torch.ones(8, dtype=torch.float64)
     assert estimate([synthetic_launch(gradient, 1.0, 4, 2, steps=2)]) is None
