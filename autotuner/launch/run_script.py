@@ -14,6 +14,7 @@ path runs this module in a fresh interpreter. Both leave with the same exit stat
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import runpy
 import signal
@@ -66,10 +67,13 @@ def _exit_status(code: object) -> int:
     return 1
 
 
-def _end_process_group() -> None:
-    """After a script that returned normally or exited 0 (see runtime.distributed.end_process_group)."""
+def _end_process_group(succeeded: list[bool]) -> None:
+    """At exit, after a script that returned normally or exited 0 (see
+    runtime.distributed.end_process_group). Registered before the script runs, so it runs after
+    the exit handlers the script and the engine register (atexit runs last-in first-out): a rank
+    serving FSDP2 shards to rank 0 (runtime/rank_zero_gather.py) waits there first."""
     distributed = sys.modules.get("torch.distributed")
-    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+    if succeeded and distributed is not None and distributed.is_available() and distributed.is_initialized():
         from autotuner.runtime.distributed import end_process_group
 
         end_process_group()
@@ -96,16 +100,18 @@ def run(argv: list[str]) -> int:
     setup_rank()
     _record_usage_errors()
     _measure_deepspeed_engine()
+    succeeded: list[bool] = []
+    atexit.register(_end_process_group, succeeded)
     try:
         runpy.run_path(script, run_name="__main__")
-        _end_process_group()
+        succeeded.append(True)
         return 0
     except SystemExit as stop:
         status = _exit_status(stop.code)
         if status:
             _record("SystemExit", f"exit status {status}", status)
         else:
-            _end_process_group()  # `sys.exit(main())` that succeeded ends as a return does
+            succeeded.append(True)  # `sys.exit(main())` that succeeded ends as a return does
         return status
     except KeyboardInterrupt:
         _record("KeyboardInterrupt", "", 128 + signal.SIGINT)
