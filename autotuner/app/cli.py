@@ -279,21 +279,20 @@ def _early_forkserver(args: argparse.Namespace):
 
 
 def _autotune(args: argparse.Namespace) -> int:
-    from autotuner.launch.stopping import Stopped, stop_signal
+    from autotuner.launch.stopping import raise_if_stopped
 
     with _early_forkserver(args) as forkserver:
         from autotuner.app.tune import autotune  # torch and the tuner: seconds of imports
 
         # A stop during those imports raised inside a library, which may have swallowed it (a bare
         # except around an optional import): the stop stands all the same.
-        if (signum := stop_signal()) is not None:
-            raise Stopped(signum)
+        raise_if_stopped()
         return autotune(args, forkserver)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from autotuner.launch.stopping import (Stopped, end_descendants, remove_temporary_dirs, stop_guard, stop_signal,
-                                           sweep_stale_temporary_dirs)
+    from autotuner.launch.stopping import (Stopped, end_descendants, raise_if_stopped, remove_temporary_dirs,
+                                           stop_guard, stop_signal, sweep_stale_temporary_dirs)
 
     argv = sys.argv[1:] if argv is None else argv
     script_at = next((i for i, arg in enumerate(argv) if arg.endswith(".py")), len(argv))
@@ -304,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep_stale_temporary_dirs()
     with stop_guard():
         try:
-            return _main(argv, script_at)
+            status = _main(argv, script_at)
+            raise_if_stopped()  # a stop some library swallowed on the way: it stands all the same
+            return status
         except BaseException as err:  # noqa: BLE001 - a stop, whatever it turned into on the way up
             # A stop raised inside a library (an import, say) can come up as another error; with a
             # stop in progress it is the stop.

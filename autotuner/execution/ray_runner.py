@@ -34,7 +34,7 @@ from autotuner.execution.ray_worker import TOKEN_FILE, RankOutcome, RankWorker
 from autotuner.core.errors import UsageError
 from autotuner.launch.plan import LaunchOptions, build_plan
 from autotuner.launch.elastic import failure_lines, failure_report
-from autotuner.launch.stopping import GRACE_S, install_stop_handlers, mark_work_started
+from autotuner.launch.stopping import GRACE_S, install_stop_handlers, mark_work_started, raise_if_stopped
 from autotuner.tuning.trials.trial import RANK_ERRORS_DIR, Trial
 from autotuner.execution.trial_launch import judge, prepare
 from autotuner.tuning.space.records import TrialResult
@@ -224,6 +224,7 @@ class RayRunner:
 
     # ----- waiting -----
     def _poll(self) -> None:
+        raise_if_stopped()
         ray = self._ray
         refs = [ref for running in self._running for ref in running.pending]
         if refs:

@@ -274,6 +274,14 @@ def stop_signal() -> int | None:
     return None
 
 
+def raise_if_stopped() -> None:
+    """Raise the stop in progress again. The handler's `Stopped` is lost when the signal lands in
+    code that swallows exceptions (a weakref callback or `__del__` run by the garbage collector, a
+    library's bare except); the loops that wait on launches call this so the stop still stands."""
+    if (signum := stop_signal()) is not None:
+        raise Stopped(signum)
+
+
 def install_stop_handlers() -> None:
     """(Re)install the guard's handlers: torch elastic replaces them with its own during a launch."""
     if _guard is not None:

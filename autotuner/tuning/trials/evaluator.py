@@ -17,6 +17,7 @@ from collections import deque
 from typing import Callable, Protocol
 
 from autotuner.core.errors import AutotunerError
+from autotuner.launch.stopping import raise_if_stopped
 from autotuner.tuning.trials.trial import Trial
 from autotuner.tuning.trials.interference import interference_share
 from autotuner.tuning.trials.ledger import TrialLedger
@@ -60,6 +61,7 @@ class RunnerLaunches:
     def run(self, trial: Trial) -> TrialResult:
         """Run one trial and keep its result. A window another process disturbed is measured
         once more (interference.py); each run counts as a launch."""
+        raise_if_stopped()
         result = self._runner.run(trial)
         self._ledger.count_launch()
         share = interference_share(result)
@@ -90,11 +92,13 @@ class RunnerLaunches:
         return result
 
     def submit(self, experiment: Experiment) -> None:
+        raise_if_stopped()
         self._runner.submit(self.trial_for(experiment, "", False))
         self._ledger.count_launch()
 
     def next_result(self) -> TrialResult:
         trial, result = self._runner.next_result()
+        raise_if_stopped()  # a stop swallowed while it waited: this result may be one it cut short
         self._ledger.keep(trial, result)
         return result
 
