@@ -176,12 +176,15 @@ register_backend(BackendSpec(
 
 @contextmanager
 def _slurm_runner(request: RunnerRequest) -> Iterator[Runner]:
-    from autotuner.execution.slurm_runner import SlurmRunner
+    from autotuner.execution.slurm_runner import SlurmRunner, WarmNodes
     from autotuner.launch.slurm import read_allocation
 
     allocation = read_allocation(dict(os.environ))
+    warm = WarmNodes(request.settings.script, tuple(request.tuning.warm_preload)) if request.tuning.warm_start else None
+    if warm is None:
+        request.say("warm start off (autotuning.warm_start: false): each experiment starts cold")
     runner = SlurmRunner(allocation, request.num_nodes, request.settings.nproc_per_node, request.say,
-                         max_concurrent=request.args.slurm_max_concurrent)
+                         max_concurrent=request.args.slurm_max_concurrent, warm=warm)
     try:
         yield runner
     finally:

@@ -24,6 +24,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import itertools
 import threading
 import time
 from collections import deque
@@ -34,7 +35,9 @@ from typing import Callable
 import psutil
 
 from autotuner.core.errors import LaunchError, UsageError
+from autotuner.execution.node_server import NodeServer, server_command
 from autotuner.execution.trial_launch import cold_launch, judge, prepare
+from autotuner.launch.nodes import srun_start
 from autotuner.launch.plan import LaunchOptions
 from autotuner.launch.slurm import Allocation
 from autotuner.launch.stopping import GRACE_S, Stopped, end_processes
@@ -46,6 +49,7 @@ _JOB_STATE = re.compile(r"(?:^|\s)JobState=(\S+)")
 _JOB_NODES = re.compile(r"(?:^|\s)NodeList=(\S+)")
 LIVE_JOB_STATES = ("RUNNING", "CONFIGURING", "SUSPENDED")
 UNUSABLE = ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "POWERED_DOWN")
+COMPLETING_WAIT_S = 10.0
 FIRST_PORT = 29600  # the trials' rendezvous ports: FIRST_PORT + the job's slot, one per concurrent trial
 
 
@@ -98,8 +102,16 @@ class _Running:
     trial: Trial
     hosts: tuple[str, ...]
     port: int
-    process: subprocess.Popen
+    process: subprocess.Popen | None  # the cold launch's head; None on a node's warm server
     started: float
+
+
+@dataclass(frozen=True)
+class WarmNodes:
+    """What each node's server preloads: the script's imports and `autotuning.warm_preload`."""
+
+    script: str
+    preload: tuple[str, ...] = ()
 
 
 class SlurmRunner:
@@ -109,7 +121,7 @@ class SlurmRunner:
 
     def __init__(self, allocation: Allocation, nodes_per_trial: int, nproc_per_node: int,
                  say: Callable[[str], None], environ: dict[str, str] | None = None,
-                 run: Callable = subprocess.run, max_concurrent: int | None = None):
+                 run: Callable = subprocess.run, max_concurrent: int | None = None, warm: WarmNodes | None = None):
         if nodes_per_trial > len(allocation.nodes):
             raise UsageError(f"--num_nodes: got {nodes_per_trial}, but the Slurm allocation (job {allocation.job_id}) "
                              f"holds {len(allocation.nodes)} node(s)")
@@ -126,9 +138,16 @@ class SlurmRunner:
         self._waiting: deque[Trial] = deque()
         self._relaunched: set[Trial] = set()  # launched again after a node loss: not a second time
         self._running: dict[int, _Running] = {}
-        self._done: queue.Queue = queue.Queue()
+        self._done: queue.Queue = queue.Queue()  # (key, the result, or (returncode, timed out) to judge)
+        self._keys = itertools.count()
+        self._warm = warm if nodes_per_trial == 1 else None
+        self._servers: dict[str, NodeServer] = {}
+        self._cold_hosts: set[str] = set()  # their server ended unasked: cold from then on
         say(f"slurm: job {allocation.job_id}, {len(allocation.nodes)} node(s) ({allocation.nodelist}); "
             f"{nodes_per_trial} per experiment, up to {self.capacity} at once")
+        if warm is not None:
+            say("slurm: warm launches: a preloaded server on each node, started with its first experiment"
+                if self._warm is not None else "slurm: launches are cold: warm launches need one node per experiment")
 
     # ----- the Runner protocol -----
     def run(self, trial: Trial) -> TrialResult:
@@ -149,9 +168,10 @@ class SlurmRunner:
                 return trial, TrialResult(trial.experiment, TrialState.FAILED, error=(
                     f"no usable node left in Slurm job {self.allocation.job_id} for {self.nodes_per_trial} node(s) "
                     f"(unusable: {', '.join(sorted(self._lost)) or 'none'})"))
-            key, returncode, timed_out = self._done.get()
+            key, outcome = self._done.get()
             running = self._running.pop(key)
-            result = judge(running.trial, returncode, timed_out, time.monotonic() - running.started)
+            result = (outcome if isinstance(outcome, TrialResult)
+                      else judge(running.trial, *outcome, time.monotonic() - running.started))
             self._ports.append(running.port)
             if result.state is not TrialState.OK and (ended := self._job_end()) is not None:
                 self.close()  # what still runs was cut short too: nothing of it is recorded
@@ -178,6 +198,7 @@ class SlurmRunner:
         from autotuner.launch.node_runner import run_nodes
         from autotuner.launch.nodes import nodes_plan
 
+        self._close_servers()  # each holds a job step and a forkserver's memory on its node
         options = replace(options, launcher="slurm")
         plan = nodes_plan(options, sys.executable, os.getcwd(), self._environ, num_nodes=self.nodes_per_trial,
                           allocation=self.allocation)
@@ -191,22 +212,47 @@ class SlurmRunner:
         heads = []
         for running in self._running.values():
             try:
-                heads.append(psutil.Process(running.process.pid))
+                if running.process is not None:
+                    heads.append(psutil.Process(running.process.pid))
             except psutil.NoSuchProcess:
                 pass
-        end_processes(heads, grace_s=GRACE_S + 5.0)
-        for running in self._running.values():
-            running.process.wait()
+        try:
+            end_processes(heads, grace_s=GRACE_S + 5.0)
+            for running in self._running.values():
+                if running.process is not None:
+                    running.process.wait()
+        finally:
+            self._close_servers()
         self._running.clear()
+
+    def _close_servers(self) -> None:
+        """Each node's server ends its running trial's ranks when its stdin closes: all at once."""
+        servers = list(self._servers.values())
+        self._servers.clear()
+        for server in servers:
+            server.closing = True
+            try:
+                server.process.stdin.close()
+            except OSError:
+                pass
+        for server in servers:
+            server.close(GRACE_S + 5.0)
 
     # ----- placement -----
     def _job_end(self) -> str | None:
-        try:
-            shown = self._run(["scontrol", "show", "job", "-o", self.allocation.job_id], capture_output=True,
-                              text=True, timeout=30, env=self._environ)
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return job_end(shown.stdout, shown.returncode)
+        """How the job ended, or None while it runs. COMPLETING is waited out for a few seconds: the
+        state after it says why (CANCELLED, TIMEOUT, NODE_FAIL)."""
+        deadline = time.monotonic() + COMPLETING_WAIT_S
+        while True:
+            try:
+                shown = self._run(["scontrol", "show", "job", "-o", self.allocation.job_id], capture_output=True,
+                                  text=True, timeout=30, env=self._environ)
+            except (OSError, subprocess.TimeoutExpired):
+                return None
+            ended = job_end(shown.stdout, shown.returncode)
+            if ended != "COMPLETING" or time.monotonic() > deadline:
+                return ended
+            time.sleep(0.2)
 
 
     def _lost_nodes(self) -> set[str]:
@@ -250,11 +296,21 @@ class SlurmRunner:
         prepare(trial)
         hostfile = trial.directory / "hostfile"
         hostfile.write_text(trial_hostfile(hosts, self.nproc_per_node))
+        if self._warm is not None and hosts[0] not in self._cold_hosts:
+            key = next(self._keys)
+            self._running[key] = _Running(trial, hosts, port, None, time.monotonic())
+            server = self._server(hosts[0], trial.directory.parent)
+            server.run(key, trial)
+            # The server keeps the time limit (and may launch the trial a second time, cold); this
+            # is for a server that stopped answering.
+            threading.Thread(target=self._backstop, args=(server, key, 2 * trial.settings.timeout_s + 60.0),
+                             daemon=True).start()
+            return
         command, env = slurm_trial_command(trial, hostfile, port, self._environ)
         with open(trial.directory / "stdout.log", "wb") as out, open(trial.directory / "stderr.log", "wb") as err:
             process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL, env=env,
                                        start_new_session=True)
-        key = process.pid
+        key = next(self._keys)
         self._running[key] = _Running(trial, hosts, port, process, time.monotonic())
         threading.Thread(target=self._wait, args=(key, process, trial.settings.timeout_s), daemon=True).start()
 
@@ -267,7 +323,42 @@ class SlurmRunner:
             except psutil.NoSuchProcess:
                 pass  # it ended as the time ran out
             returncode, timed_out = process.wait(), True
-        self._done.put((key, returncode, timed_out))
+        self._done.put((key, (returncode, timed_out)))
+
+    # ----- warm launches -----
+    def _server(self, host: str, exps_dir: Path) -> NodeServer:
+        if host not in self._servers:
+            assert self._warm is not None
+            command, env = srun_start(host, os.getcwd(), self._environ,
+                                      tuple(server_command(sys.executable, self._warm.script, self._warm.preload)),
+                                      ("--overlap",))
+            self._servers[host] = NodeServer(host, command, {**self._environ, **env},
+                                             exps_dir / f".node_server-{host}.log",
+                                             on_result=lambda key, result: self._done.put((key, result)),
+                                             on_end=self._server_ended, say=self._say)
+        return self._servers[host]
+
+    @staticmethod
+    def _backstop(server: NodeServer, key: int, after_s: float) -> None:
+        time.sleep(after_s)
+        if server.running_key == key and not server.closing:
+            try:  # its step's end reports the trial failed (_server_ended)
+                end_processes([psutil.Process(server.process.pid)], grace_s=GRACE_S)
+            except psutil.NoSuchProcess:
+                pass
+
+    def _server_ended(self, server: NodeServer, key: int | None) -> None:
+        """A node's step ended. Unasked (its node lost, the job ended, a crash): the trial it ran
+        fails as a cold launch's head would, and that node launches cold from then on."""
+        if server.closing:
+            return
+        if self._servers.get(server.host) is server:
+            del self._servers[server.host]
+        self._cold_hosts.add(server.host)
+        self._say(f"slurm: the warm server on {server.host} ended (srun status {server.process.returncode}); "
+                  "launches on it start cold from now on")
+        if key is not None:
+            self._done.put((key, (server.process.returncode or 1, False)))
 
 
 def sbatch_script(command: str, num_nodes: int, nproc_per_node: int, cwd: str, environ: dict[str, str]) -> str:

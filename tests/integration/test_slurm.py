@@ -194,11 +194,11 @@ def test_scancel_of_a_batch_job_ends_everything_within_the_ranks_grace(slurm_clu
 
 # ----- autotuning inside an allocation (--backend slurm) -----
 
-def tune_in_allocation(cluster, tmp_path: Path, mode: str = "tune", *extra: str, nodes: int = 2):
+def tune_in_allocation(cluster, tmp_path: Path, mode: str = "tune", *extra: str, nodes: int = 2, warm: bool = False):
     from conftest import write_config
 
     config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 8, "tuner_type": "predictive",
-                                                 "warm_start": False})
+                                                 "warm_start": warm})
     return subprocess.run(in_allocation("--autotuning", mode, "--backend", "slurm", "--num_nodes", "1",
                                         "--nproc_per_node", "1", *extra, WORKERS / "toy_train.py", "--ms_per_step",
                                         "300", "--steps", "12", "--deepspeed", config, nodes=nodes),
@@ -214,12 +214,18 @@ def _interval(exp_dir: Path) -> tuple[float, float]:
 def test_a_tune_runs_experiments_on_both_nodes_two_at_once_then_trains_with_the_pick(slurm_cluster, tmp_path):
     import pandas as pd
 
-    result = tune_in_allocation(slurm_cluster, tmp_path, "run")
+    result = tune_in_allocation(slurm_cluster, tmp_path, "run", warm=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "slurm: job " in result.stdout and "1 per experiment, up to 2 at once" in result.stdout
     table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
     ok = table[table.state == "ok"]
     assert set(ok.hosts) == {"node1", "node2"}, table[["name", "state", "hosts"]]
+    # Warm on both nodes: each node's server preloaded once, and every rank was forked from it.
+    assert "slurm: warm launches: a preloaded server on each node" in result.stdout
+    for host in ("node1", "node2"):
+        assert result.stdout.count(f"slurm: {host}: warm start: forkserver preloaded") == 1, result.stdout
+    assert all((tmp_path / "autotuning_exps" / name / "warm_ranks.txt").exists() for name in ok.name)
+    assert "ended (srun status" not in result.stdout
     # Two experiments on different nodes overlapped in time.
     spans = {name: _interval(tmp_path / "autotuning_exps" / name) for name in ok.name}
     hosts = dict(zip(ok.name, ok.hosts))
@@ -260,12 +266,12 @@ def test_backend_slurm_outside_an_allocation_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "autotuning_exps").exists()
 
 
-def start_tune(cluster, tmp_path: Path, *salloc_flags: str) -> subprocess.Popen:
+def start_tune(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False) -> subprocess.Popen:
     """A slow tune (1.5 s a step) as salloc's command, its output to files."""
     from conftest import write_config
 
     config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 16, "tuner_type": "predictive",
-                                                 "warm_start": False})
+                                                 "warm_start": warm})
     command = ["salloc", *salloc_flags, "--nodes=2", "--job-name=autotuner-test", sys.executable, "-m", "autotuner",
                "--autotuning", "tune", "--backend", "slurm", "--num_nodes", "1", "--nproc_per_node", "1",
                str(WORKERS / "toy_train.py"), "--ms_per_step", "1500", "--steps", "12", "--deepspeed", str(config)]
@@ -283,7 +289,7 @@ def job_of(tmp_path: Path) -> str:
 
 @slow
 def test_scancel_mid_tune_keeps_the_finished_records_and_a_new_allocation_resumes(slurm_cluster, tmp_path):
-    tuner = start_tune(slurm_cluster, tmp_path)
+    tuner = start_tune(slurm_cluster, tmp_path, warm=True)  # each node's server and its ranks end too
     try:
         job_id = job_of(tmp_path)
         wait_for(lambda: (tmp_path / "autotuning_exps" / "z0_gas1_mbs1" / "exp.json").exists(), 120,
@@ -306,7 +312,7 @@ def test_scancel_mid_tune_keeps_the_finished_records_and_a_new_allocation_resume
                for n in kept), kept
     first = (tmp_path / "autotuning_exps" / "z0_gas1_mbs1" / "cmd.txt").stat().st_mtime
 
-    resumed = start_tune(slurm_cluster, tmp_path)
+    resumed = start_tune(slurm_cluster, tmp_path, warm=True)
     assert resumed.wait(timeout=400) == 0, (tmp_path / "err.txt").read_text()[-3000:]
     out = (tmp_path / "out.txt").read_text()
     assert "z0_gas1_mbs1: ok (from an earlier run)" in out
@@ -315,10 +321,12 @@ def test_scancel_mid_tune_keeps_the_finished_records_and_a_new_allocation_resume
 
 
 @slow
-def test_a_node_lost_mid_tune_is_left_out_and_its_experiment_runs_again_on_the_nodes_left(slurm_cluster, tmp_path):
+@pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
+def test_a_node_lost_mid_tune_is_left_out_and_its_experiment_runs_again_on_the_nodes_left(warm, slurm_cluster,
+                                                                                         tmp_path):
     import pandas as pd
 
-    tuner = start_tune(slurm_cluster, tmp_path, "--no-kill")  # the job outlives a node's failure
+    tuner = start_tune(slurm_cluster, tmp_path, "--no-kill", warm=warm)  # the job outlives a node's failure
     try:
         job_of(tmp_path)
         wait_for(lambda: (tmp_path / "autotuning_exps" / "z0_gas1_mbs8" / "cmd.txt").exists(), 120,
@@ -342,3 +350,7 @@ def test_a_node_lost_mid_tune_is_left_out_and_its_experiment_runs_again_on_the_n
     later = table[table.name != "z0_gas1_mbs1"]
     assert (table.state == "ok").all(), table[["name", "state", "hosts", "error"]]
     assert set(later.hosts) == {other}, table[["name", "hosts"]]
+    assert job_left(job_of(tmp_path)) == []
+    if warm:  # the lost node's server ended with its step; the other node's stayed warm
+        assert f"slurm: the warm server on {host} ended" in out
+        assert f"slurm: {other}: warm start: forkserver preloaded" in out

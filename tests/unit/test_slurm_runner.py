@@ -41,3 +41,23 @@ def test_the_sbatch_script_runs_the_optimal_command_on_the_tuned_node_count():
 
 def test_an_experiments_hostfile_names_its_nodes_with_the_ranks_of_each():
     assert trial_hostfile(("node3", "node4"), 2) == "node3 slots=2\nnode4 slots=2\n"
+
+
+def test_a_trial_and_its_result_cross_to_a_nodes_server_and_back_intact(tmp_path):
+    from autotuner.config import DeepSpeedConfig
+    from autotuner.execution.node_server import decode, encode, server_command
+    from autotuner.tuning.space.experiment import Experiment
+    from autotuner.tuning.space.records import TrialResult, TrialState
+    from autotuner.tuning.trials.trial import Trial
+    from fakes import experiment_settings
+
+    trial = Trial(Experiment(1, 4), tmp_path / "z1_gas1_mbs4", experiment_settings(DeepSpeedConfig()))
+    line = encode(("run", 7, trial))
+    assert line.endswith(b"\n") and b"\n" not in line[:-1]  # one message, one line
+    assert decode(line) == ("run", 7, trial)
+    result = TrialResult(trial.experiment, TrialState.OOM, error="out of memory on rank 0")
+    assert decode(encode(("result", 7, result))) == ("result", 7, result)
+    # srun's own notes on the same stream are not messages
+    assert decode(b"srun: Job step created\n") is None and decode(b"\n") is None
+    assert server_command("/py", "train.py", ("numpy",))[2:] == ["-m", "autotuner.execution.node_server",
+                                                                 "--script", "train.py", "--preload=numpy"]
