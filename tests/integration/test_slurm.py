@@ -354,3 +354,30 @@ def test_a_node_lost_mid_tune_is_left_out_and_its_experiment_runs_again_on_the_n
     if warm:  # the lost node's server ended with its step; the other node's stayed warm
         assert f"slurm: the warm server on {host} ended" in out
         assert f"slurm: {other}: warm start: forkserver preloaded" in out
+
+
+@slow
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=lambda sig: sig.name)
+def test_stopping_a_warm_tune_ends_each_nodes_server_and_its_ranks(how, slurm_cluster, tmp_path):
+    """The tuner (salloc's command) gets the signal while each node's server runs an experiment:
+    closing the servers' stdin ends their ranks (SIGINT); at the tuner's death (SIGKILL) salloc
+    releases the job and Slurm ends its steps. Nothing of the job is left either way."""
+    tuner = start_tune(slurm_cluster, tmp_path, warm=True)
+    try:
+        job_id = job_of(tmp_path)
+        out = tmp_path / "out.txt"
+        wait_for(lambda: all(f"slurm: {host}: warm start: forkserver preloaded" in out.read_text()
+                             for host in ("node1", "node2")), 120, "both nodes' servers", tuner)
+        head = next(p for p in psutil.Process(tuner.pid).children() if "autotuner" in p.cmdline())
+        head.send_signal(how)
+        status = tuner.wait(timeout=120)
+    finally:
+        if tuner.poll() is None:
+            os.killpg(tuner.pid, signal.SIGKILL)
+            tuner.wait()
+    err = (tmp_path / "err.txt").read_text()
+    if how == signal.SIGINT:
+        assert status == 130, err[-3000:]
+        assert "autotuner: stopped by SIGINT; running experiment ended" in err
+        assert "Traceback" not in err
+    assert job_left(job_id) == []
