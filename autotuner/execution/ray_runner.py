@@ -21,22 +21,21 @@ import time
 from pathlib import Path
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import autotuner
-from autotuner.core.atomic import write_json_atomic
-from autotuner.core.boundary import LaunchReport, write_record
 from autotuner.execution.placement import (EXCLUSIVE, ClusterNode, Layout, Placement, RankShape, concurrency, feasible,
                                          place, taken)
 from autotuner.execution.rank_runs import rank_run, trial_rank_runs
-from autotuner.execution.ray_worker import TOKEN_FILE, RankOutcome, RankWorker
+from autotuner.execution.ray_trial_files import (PLACEMENT_FILE, RunningTrial, finished_result, unplaced_result,
+                                                 write_placement)
+from autotuner.execution.ray_worker import TOKEN_FILE, RankWorker
 from autotuner.core.errors import UsageError
 from autotuner.launch.plan import LaunchOptions, build_plan
-from autotuner.launch.elastic import failure_lines, failure_report
 from autotuner.launch.stopping import GRACE_S, install_stop_handlers, mark_work_started, raise_if_stopped
-from autotuner.tuning.trials.trial import RANK_ERRORS_DIR, Trial
-from autotuner.execution.trial_launch import judge, prepare
+from autotuner.tuning.trials.trial import Trial
+from autotuner.execution.trial_launch import prepare
 from autotuner.tuning.space.records import TrialResult
 
 POLL_S = 0.2
@@ -44,7 +43,6 @@ PLACEMENT_TIMEOUT_S = 120.0  # a placement group the cluster said it can hold mu
 STOP_WAIT_S = 20.0  # after a rank failed: how long the others get to end before their actors are killed
 NODE_ID_LABEL = "ray.io/node-id"
 HEAD_RESOURCE = "node:__internal_head__"
-PLACEMENT_FILE = "placement.json"  # where each rank ran, the rendezvous, and when
 
 
 @dataclass(frozen=True)
@@ -55,23 +53,6 @@ class RayOptions:
     cpus_per_rank: float = 1.0
     gpus_per_rank: float | None = None  # None: 1 when the cluster has GPUs, else 0
     num_nodes: int = 1
-
-
-@dataclass
-class _Running:
-    trial: Trial
-    placement: Placement
-    group: Any  # the placement group
-    workers: list
-    pending: dict  # ObjectRef -> rank
-    started: float
-    port: int
-    started_unix: float = field(default_factory=time.time)
-    outcomes: dict = field(default_factory=dict)  # rank -> RankOutcome
-    lost: dict = field(default_factory=dict)  # rank -> why its actor died
-    stopping_since: float | None = None
-    timed_out: bool = False
-    first_failed: int | None = None  # the rank seen to fail first: the cause, as elastic's agent reports it
 
 
 def require_ray():
@@ -117,7 +98,7 @@ class RayRunner:
                f"{sum(n.gpus for n in self._nodes):g} GPU(s); each experiment {self.layout.num_nodes} node(s) x "
                f"{self.layout.nproc_per_node} rank(s), nodes {options.placement}, up to {self.capacity} at once")
         self._waiting: deque[Trial] = deque()
-        self._running: list[_Running] = []
+        self._running: list[RunningTrial] = []
         self._finished: deque[tuple[Trial, TrialResult]] = deque()
         self._used: dict[str, int] = {}
         self._ports: dict[str, set[int]] = {}
@@ -184,7 +165,7 @@ class RayRunner:
             return
         workers = self._actors(group, placement)
         self._hold(placement)
-        running = _Running(trial, placement, group, workers, {}, time.monotonic(), 0)
+        running = RunningTrial(trial, placement, group, workers, {}, time.monotonic(), 0)
         self._running.append(running)
         try:
             described = _interruptible(ray.get, [w.describe.remote() for w in workers], timeout=PLACEMENT_TIMEOUT_S)
@@ -196,7 +177,7 @@ class RayRunner:
             running.stopping_since = time.monotonic()
             return
         self._ports.setdefault(master, set()).add(running.port)
-        _write_placement(running, ended=False)
+        write_placement(running, ended=False)
         token = uuid.uuid4().hex
         (trial.directory / TOKEN_FILE).write_text(token)
         specs = trial_rank_runs(trial, placement, described, master, running.port, token, self.layout, self.shape)
@@ -255,53 +236,11 @@ class RayRunner:
             if not running.pending or overdue:
                 self._finalize(running)
 
-    def _finalize(self, running: _Running) -> None:
+    def _finalize(self, running: RunningTrial) -> None:
         self._release(running)
-        trial = running.trial
-        wall = time.monotonic() - running.started
-        for rank in running.pending.values():
-            running.lost.setdefault(rank, "did not end after its peers failed; its actor was killed")
-        self._gather(trial, running)
-        hosts = tuple(dict.fromkeys(r.address for r in running.placement.ranks))  # the nodes, by address
-        if running.timed_out:
-            self._finished.append((trial, replace(judge(trial, None, True, wall), hosts=hosts)))
-            return
-        statuses = {rank: o.status for rank, o in running.outcomes.items() if o.status != 0}
-        statuses.update({rank: 1 for rank in running.lost})
-        if not statuses:
-            report = LaunchReport(exit_code=0)
-        else:
-            error_dir = str(trial.directory / RANK_ERRORS_DIR)
-            first = running.first_failed if running.first_failed is not None else min(statuses)
-            if first in running.lost:
-                report = LaunchReport(1, first, None, f"Ray: {running.lost[first]}")
-            else:
-                report = failure_report(error_dir, first, statuses)
-            with open(trial.directory / "stderr.log", "a") as log:
-                log.writelines(line + "\n" for line in failure_lines(error_dir, report, statuses, quiet=True))
-        write_record(trial.report_path, report)
-        self._finished.append((trial, replace(judge(trial, report.exit_code, False, wall), hosts=hosts)))
+        self._finished.append((running.trial, finished_result(running, time.monotonic() - running.started)))
 
-    def _gather(self, trial: Trial, running: _Running) -> None:
-        """Each rank's output, in rank order, the files ranks on other filesystems wrote, and
-        where and when it ran (placement.json)."""
-        _write_placement(running, ended=True)
-        with open(trial.directory / "stdout.log", "ab") as out, open(trial.directory / "stderr.log", "ab") as err:
-            for rank in sorted(running.outcomes):
-                outcome: RankOutcome = running.outcomes[rank]
-                out.write(outcome.stdout)
-                err.write(outcome.stderr)
-                if outcome.error:
-                    err.write(f"ray: rank {rank} did not start: {outcome.error}\n".encode())
-                for name, content in outcome.files.items():
-                    path = trial.directory / name
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_bytes(content)
-            for rank, why in sorted(running.lost.items()):
-                err.write(f"ray: rank {rank}: {why}\n".encode())
-        (trial.directory / TOKEN_FILE).unlink(missing_ok=True)
-
-    def _release(self, running: _Running) -> None:
+    def _release(self, running: RunningTrial) -> None:
         for node_id, slots in taken(running.placement, self._options.placement, self._nodes, self.shape).items():
             self._used[node_id] = max(0, self._used.get(node_id, 0) - slots)
         if running.port:
@@ -309,7 +248,7 @@ class RayRunner:
         self._remove(running)
         self._running.remove(running)
 
-    def _remove(self, running: _Running) -> None:
+    def _remove(self, running: RunningTrial) -> None:
         for worker in running.workers:
             try:
                 self._ray.kill(worker)
@@ -321,12 +260,7 @@ class RayRunner:
             pass
 
     def _finish_unplaced(self, trial: Trial, why: str) -> None:
-        report = LaunchReport(1, None, None, f"Ray: {why}")
-        write_record(trial.report_path, report)
-        with open(trial.directory / "stderr.log", "a") as log:
-            log.write(f"ray: {trial.experiment.name} not run: {why}\n")
-        result = judge(trial, 1, False, 0.0)
-        self._finished.append((trial, replace(result, error=f"not placed on the Ray cluster: {why}")))
+        self._finished.append((trial, unplaced_result(trial, why)))
 
     # ----- the optimum's training run, and the end -----
     def train(self, options: LaunchOptions, quiet: bool) -> int:
@@ -344,7 +278,7 @@ class RayRunner:
         group = self._group(placement)
         _interruptible(ray.get, group.ready())
         workers = self._actors(group, placement)
-        running = _Running(None, placement, group, workers, {}, time.monotonic(), 0)  # type: ignore[arg-type]
+        running = RunningTrial(None, placement, group, workers, {}, time.monotonic(), 0)  # type: ignore[arg-type]
         self._running.append(running)
         self._hold(placement)
         try:
@@ -385,16 +319,6 @@ def _interruptible(call: Callable, *args, **kwargs):
         if isinstance(cause, BaseException) and not isinstance(cause, Exception):
             raise cause from None
         raise
-
-
-def _write_placement(running: _Running, ended: bool) -> None:
-    """placement.json: where each rank runs and the rendezvous; written at the start (no end time
-    yet) and again at the end."""
-    write_json_atomic(running.trial.directory / PLACEMENT_FILE, {
-        "ranks": [{"rank": r.rank, "local_rank": r.local_rank, "node_rank": r.node_rank, "node_id": r.node_id,
-                   "address": r.address} for r in running.placement.ranks],
-        "master_addr": running.placement.master.address, "master_port": running.port,
-        "started_unix": running.started_unix, "ended_unix": time.time() if ended else None})
 
 
 def _lost_text(err: BaseException) -> str:
