@@ -16,7 +16,7 @@ from autotuner.deepspeed_paths import aliases as _aliases
 from autotuner.core.rank_setup import setup_rank as _setup_rank
 
 _aliases.install()  # autotuner.moe.layer, autotuner.runtime.zero, ...: DeepSpeed's paths, the same modules
-_setup_rank()  # in ranks: one line per error of ours rather than a traceback per rank; warnings once
+_setup_rank()  # in ranks: one line per error of ours rather than a traceback per rank; config warnings once
 
 _RUNTIME = ("initialize", "add_config_arguments", "Engine")
 _SUBMODULES = ("runtime", *_aliases.TOP_LEVEL)

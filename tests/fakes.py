@@ -108,7 +108,17 @@ def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, pr
                                    memory_budget_bytes=config.autotuning.memory_per_rank_bytes)
     lines = print_to if print_to is not None else []
     return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner,
-                     print_fingerprint or fingerprint(), report=lines.append)
+                     print_fingerprint or fingerprint(), report=lines.append, **settled(config, settings))
+
+
+def settled(config, settings: ExperimentSettings) -> dict:
+    """The device facts and the search space the settle pass gives the orchestrator (app/settle.py)."""
+    from autotuner.tuning.space.config_space import search_space
+    from autotuner.tuning.space.devices import read_device_facts
+
+    devices = read_device_facts()
+    return {"devices": devices,
+            "space": search_space(config, settings.data_parallel_size, settings.engine, devices.on_gpu)}
 
 
 def profiled(answer):

@@ -1,14 +1,24 @@
-"""The settle step: from the command line and ds.json to a frozen job. Every check that can
-refuse the request runs here, before anything is launched or written, and the launch plan, the
-data-parallel size, the engine (where the imports say), the experiment settings and the run's
-fingerprint are settled here. Not yet everything: the tuned dimensions' "auto" values are still
-settled where they are used (the search space, built here for the batch check and again by the
-orchestrator; the memory book's budget; an experiment's config), which issue 47's one settle
-pass is to gather.
+"""The settle pass: from the command line and ds.json to a frozen job (`SettledJob`), before any
+launch, with nothing left written (a results directory it probes is removed again).
 
-One exception: a script that imports both engines chooses at run time, so the checks that depend
-on the engine wait for the profile launch's ranks to say which they built (`settle_built_engine`,
-which the orchestrator calls before any other launch)."""
+Settled here, once: the launch plan; the data-parallel size (config/batch.py); the device facts
+(tuning/space/devices.py); the search space, whose tuned sections' "auto" become their candidate
+values, and the experiments' base config with every other "auto" of ours settled
+(config_space.base_config); the batch triad's check; the engine where the script's imports say;
+the planned steps and the longest batch; the experiment settings and the run's fingerprint. Every
+check of the request's config and flags that can refuse it runs here, except three that need
+what comes later: the backend's own flags (the command line, before this), the results
+directory's lock (tune.py), and a cluster's size (the Ray or Slurm runner, when it connects).
+
+Settled later because a launch must say, each in one place:
+- the engine of a script that imports both: `settle_built_engine`, from the profile launch's
+  ranks, before any other launch;
+- the memory budget on a GPU: the profile launch's device memory (the tuner's host may have no
+  GPU, a Slurm login node say; tuning/models/memory_book.py `settle_budget`);
+- activation checkpointing "auto" where the profile measured no per-policy figure
+  (tuning/searches/variant_rules.py `checkpointing_settled`).
+bf16.enabled "auto" stays in the experiments' configs: each rank settles it on its own device
+(the memory model reads the tuner's device facts only where model_info skips the profile)."""
 
 from __future__ import annotations
 
@@ -74,8 +84,9 @@ def script_max_steps(script_args: tuple[str, ...]) -> int | None:
     return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
-def check_arg_mappings(config: DeepSpeedConfig, source: str) -> None:
-    """Every mapped key must name a config key (dotted for nested ones)."""
+def check_arg_mappings(config: DeepSpeedConfig, source: str, base: dict | None = None) -> None:
+    """Every mapped key must name a config key (dotted for nested ones). `base`: the config's
+    experiment base (config_space.base_config), where the caller has it already."""
     for key in config.autotuning.arg_mappings:
         model = type(config)
         parts = key.split(".")
@@ -89,7 +100,7 @@ def check_arg_mappings(config: DeepSpeedConfig, source: str) -> None:
             raise ConfigError(f"{source}: autotuning.arg_mappings.{key}: got {flag!r}; expected a flag like --{key}")
     # What a mapped flag receives comes from the experiment's config: the keys every experiment
     # sets plus what the user gave. A key with no value there has nothing to pass.
-    sample = Experiment(0, 1, 1).apply(base_config(config), 1)
+    sample = Experiment(0, 1, 1).apply(base if base is not None else base_config(config), 1)
     for key in config.autotuning.arg_mappings:
         try:
             value = config_value(sample, key)
@@ -173,7 +184,8 @@ def settle(args: argparse.Namespace) -> SettledJob:
     if not tuning.enabled:
         # The flag states the intent; DeepSpeed would silently do nothing here.
         say(f"{source}: autotuning.enabled is false; tuning anyway because --autotuning {args.autotuning} was given")
-    check_arg_mappings(config, source)
+    base = base_config(config)  # every experiment's config starts from it: the tuned sections' "auto" settled
+    check_arg_mappings(config, source, base)
     check_tuner_type(tuning.tuner_type, source)
     options = LaunchOptions.from_args(args, rdzv_endpoint=None, rdzv_id=None)
     placed = backend_spec(getattr(args, "backend", "local")).places_nodes
@@ -226,7 +238,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
     settings = ExperimentSettings(
         script=args.script,
         script_args=script_args,
-        base_config=base_config(config),
+        base_config=base,
         nproc_per_node=plan.nproc_per_node,
         data_parallel_size=data_parallel_size,
         objective=Objective(tuning.metric, reference_batch=tuning.reference_batch_size),

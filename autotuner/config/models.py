@@ -1,8 +1,9 @@
 """Pydantic models of the DeepSpeed-compatible config.
 
 Key names and meanings follow DeepSpeed. Values the autotuner may search
-(`"auto"`, lists, `"all"`) are accepted here; `resolve` settles them before a
-run, and the engine refuses anything still unsettled.
+(`"auto"`, lists, `"all"`) are accepted here; the tuner's settle pass
+(app/settle.py) turns them into each experiment's concrete values, and the
+engine refuses anything still unsettled (a config run without the tuner).
 """
 
 from __future__ import annotations

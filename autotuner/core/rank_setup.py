@@ -1,5 +1,6 @@
 """What `import autotuner` sets up in a rank our launcher started: our errors reach the user as
-one line from the launcher, not a traceback from every rank, and warnings print once per job.
+one line from the launcher, not a traceback from every rank, and the config loader's warnings
+print once per job (rank 0).
 
 The launcher names a directory in AUTOTUNER_ERROR_DIR. A rank's uncaught exception is recorded
 there (a RankError), so the launcher and the tuner know which rank failed and why without reading

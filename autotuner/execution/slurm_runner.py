@@ -3,8 +3,9 @@
 Each experiment takes `nodes_per_trial` of the allocation's nodes, and as many run at once as the
 free nodes allow. An experiment is our launcher as a head, run here: `python -m autotuner
 --report_file F --launcher slurm --hostfile <its nodes> ...`, which starts one agent per node as a
-job step (launch/nodes.py, launch/node_runner.py) and stops them all on every path. So a trial
-here is the cold launch with its nodes named: it is prepared and judged as on every runner.
+job step (launch/nodes.py, launch/node_runner.py) and stops them all on every path: the cold
+launch with its nodes named. With warm launches (below) a one-node trial runs on that node's
+server instead. Either way it is prepared and judged as on every runner.
 
 Before nodes are handed out, and when an experiment fails, Slurm is asked which nodes the job still
 holds and in what state (`scontrol show job`, `scontrol show node`): a node that went DOWN,

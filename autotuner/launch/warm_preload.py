@@ -1,6 +1,6 @@
-"""Imported once by the tuner's forkserver (multiprocessing's preload): torch, our rank-side
-modules, and what the user's script imports, so that every warm rank forked later starts with
-them loaded.
+"""Imported once by each warm forkserver, the tuner's or a Slurm node server's (multiprocessing's
+preload): torch, our rank-side modules, and what the user's script imports, so that every warm
+rank forked later starts with them loaded.
 
 The modules come from AUTOTUNER_WARM_PRELOAD (a JSON list of "module" or "module:attribute";
 an attribute is fetched too, since libraries such as transformers load lazily on attribute

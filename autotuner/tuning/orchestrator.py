@@ -11,8 +11,8 @@ from typing import Callable
 
 from autotuner.core.atomic import sweep_partial_writes
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning.space.config_space import base_config, engine_dimensions, search_space, untuned_offload_lines
-from autotuner.tuning.space.devices import DeviceFacts, read_device_facts
+from autotuner.tuning.space.config_space import engine_dimensions, untuned_offload_lines
+from autotuner.tuning.space.devices import DeviceFacts
 from autotuner.tuning.tuners import tuner_spec
 from autotuner.tuning.trials.trial import ExperimentSettings, Trial, rescored
 from autotuner.tuning.trials.evaluator import Evaluator, RunnerLaunches, TuningFailed
@@ -59,8 +59,9 @@ class Autotuner:
 
     def __init__(self, config: DeepSpeedConfig, settings: ExperimentSettings, results_dir: Path, exps_dir: Path,
                  runner: Runner, fingerprint: Fingerprint, report: Callable[[str], None] = print,
-                 settle_engine: Callable[[str], str] = follow_the_launch, devices: DeviceFacts | None = None,
-                 space: SearchSpace | None = None):
+                 settle_engine: Callable[[str], str] = follow_the_launch, *, devices: DeviceFacts,
+                 space: SearchSpace):
+        """`devices` and `space`: the settle pass's (app/settle.py), read and built once there."""
         self.config = config
         self.settle_engine = settle_engine
         self.settings = settings
@@ -72,17 +73,17 @@ class Autotuner:
         self.objective = settings.objective
         tuning = config.autotuning
         self.policy = SearchPolicy.from_tuning(self.objective, tuning, settings.planned_steps)
-        self.devices = devices or read_device_facts()  # read once: the run's every check uses these
-        # Given by the settle pass, which built it once; built here for a caller that settles nothing.
-        self.space = space or search_space(config, settings.data_parallel_size, settings.engine, self.devices.on_gpu)
+        self.devices = devices
+        self.space = space
         self._pruned: list[TrialResult] = []
         self._started = time.monotonic()
         self._profiled = False  # a profile launch has shown the script runs
         # Bytes per rank for any experiment: the analytic model plus per engine a line fitted to
         # every measured peak, refitted after each launch.
-        zero = base_config(config)["zero_optimization"]
+        zero = settings.base_config["zero_optimization"]
         self.memory = MemoryBook(config, self.space, settings.nproc_per_node, bool(zero.get("contiguous_gradients")),
-                                 report, zero_settings=zero, engine=settings.engine)
+                                 report, zero_settings=zero, engine=settings.engine,
+                                 host_memory_bytes=devices.host_memory_bytes)
         self._profile_names: set[str] = set()
         self.predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
         self.history = make_history(config.autotuning, results_dir, fingerprint, self.objective, report)

@@ -14,7 +14,7 @@ from autotuner.tuning.models.noise import NoiseLevel
 from autotuner.tuning.searches.final_pick import Contender, contenders, pick, stands_apart
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called, ok
+from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called, ok, settled
 
 THROUGHPUT = Objective("throughput")
 MiB = 2**20
@@ -76,7 +76,7 @@ def tuner(tmp_path, runner, **autotuning):
     settings = experiment_settings(config, objective=THROUGHPUT)
     lines: list[str] = []
     return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
-                     report=lines.append), lines
+                     report=lines.append, **settled(config, settings)), lines
 
 
 def noisy_runner(values):

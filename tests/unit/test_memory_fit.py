@@ -14,7 +14,7 @@ from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.searches.stage_search import run_search
 from autotuner.tuning.space.search_space import SearchPolicy
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called
+from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called, settled
 
 MiB = 2**20
 P = 100_000_000
@@ -104,7 +104,7 @@ def offload_tuner(tmp_path, device_type: str, zero: dict | None = None):
                           "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 16}})
     settings = experiment_settings(config, script_args=(), nproc_per_node=1, data_parallel_size=1)
     tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", FakeRunner(never_called),
-                      fingerprint(), report=lambda line: None)
+                      fingerprint(), report=lambda line: None, **settled(config, settings))
     tuner.memory.profile = ModelProfile(P, 100 * MiB, num_shard_units=10)
     tuner.memory.precision = "bf16"
     tuner.memory.budget_bytes = 1200 * MiB  # 100 M parameters need 1.6 GB of fp32 states and Adam moments alone

@@ -21,7 +21,7 @@ from autotuner.tuning.memory.estimate import (
 )
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, experiment_settings, fingerprint, never_called
+from fakes import FakeRunner, experiment_settings, fingerprint, never_called, settled
 
 P = 1_000_000  # parameters
 W = 2  # data-parallel ranks
@@ -272,7 +272,7 @@ def calibrating_tuner(tmp_path, budget_mib: int = 1000):
     settings = experiment_settings(config, script_args=())
     lines: list[str] = []
     tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", FakeRunner(never_called),
-                      fingerprint(), report=lines.append)
+                      fingerprint(), report=lines.append, **settled(config, settings))
     tuner.memory.profile = ModelProfile(25_000_000, 2**20, baseline_bytes=150 * MiB, num_shard_units=6)
     tuner.memory.budget_bytes = budget_mib * MiB
     return tuner, lines
@@ -431,3 +431,11 @@ def test_a_variant_not_measured_yet_borrows_no_downward_correction():
     book.learn(TrialResult(Experiment(0, 4, 1, (("compile", True),)), TrialState.OK,
                            measured_memory_bytes=book.analytic_memory(Experiment(0, 4, 1, (("compile", True),))) - 20 * mib))
     assert book.predicted_memory(compiled) < book.analytic_memory(compiled)
+
+
+def test_the_memory_budget_is_the_users_else_the_ranks_device_else_the_hosts_share():
+    from autotuner.tuning.models.memory_book import memory_budget
+
+    assert memory_budget(3 * MiB, 80 * 2**30, 64 * 2**30, 2) == 3 * MiB
+    assert memory_budget(None, 80 * 2**30, 64 * 2**30, 2) == 80 * 2**30
+    assert memory_budget(None, None, 64 * 2**30, 2) == 32 * 2**30

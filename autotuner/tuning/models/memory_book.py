@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Callable
 
-import psutil
 
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.space import dimensions
@@ -54,6 +53,17 @@ def _policy(experiment: Experiment) -> str:
     return dimensions.activation_value(experiment.knobs)
 
 
+def memory_budget(per_rank_bytes: int | None, device_memory: int | None, host_memory_bytes: int,
+                  nproc_per_node: int) -> int:
+    """Bytes per rank: `autotuning.memory_per_rank`, else the ranks' device memory, else the host's
+    memory shared by the node's ranks."""
+    if per_rank_bytes:
+        return per_rank_bytes
+    if device_memory:
+        return device_memory
+    return host_memory_bytes // max(1, nproc_per_node)
+
+
 class MemoryBook:
     """Bytes per rank for any experiment, as well as the launches so far let us know them.
 
@@ -62,8 +72,9 @@ class MemoryBook:
 
     def __init__(self, config: DeepSpeedConfig, space: SearchSpace, nproc_per_node: int,
                  contiguous_gradients: bool, report: Callable[[str], None], zero_settings: dict[str, Any] | None = None,
-                 engine: str = "autotuner"):
+                 engine: str = "autotuner", host_memory_bytes: int = 0):
         self.config = config
+        self.host_memory_bytes = host_memory_bytes  # read once, with the device facts
         self.zero_settings = {k: v for k, v in (zero_settings or {}).items()
                               if k != "stage" and isinstance(v, (bool, int, float, str))}
         self._engine = engine  # until the profile says whose engine ran
@@ -95,14 +106,11 @@ class MemoryBook:
         return family if policy == "none" else f"{family}, {policy} checkpointing"
 
     def settle_budget(self, device_memory: int | None) -> None:
-        tuning = self.config.autotuning
+        """The budget once the device the ranks run on is known (the profile launch reads its memory;
+        the tuner's host may have none, a Slurm login node say)."""
         self.device_type = "cuda" if device_memory else "cpu"
-        if tuning.memory_per_rank_bytes:
-            self.budget_bytes = tuning.memory_per_rank_bytes
-        elif device_memory:
-            self.budget_bytes = device_memory
-        else:
-            self.budget_bytes = psutil.virtual_memory().total // self.nproc_per_node
+        self.budget_bytes = memory_budget(self.config.autotuning.memory_per_rank_bytes, device_memory,
+                                          self.host_memory_bytes, self.nproc_per_node)
 
     def report_budget(self, environ: dict[str, str]) -> None:
         """The settled budget, said once, with the CPU note where it applies."""

@@ -1,4 +1,5 @@
-"""What the tuner reads of the GPU without making a CUDA context (the ranks need its memory)."""
+"""What the tuner reads of this machine: the GPU without making a CUDA context (the ranks need its
+memory), and the host's memory."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DeviceFacts:
-    """The GPU facts a tuning run uses, read once at its start (read_device_facts)."""
+    """The device facts a tuning run uses, read once by the settle pass (read_device_facts)."""
 
     gpu_memory_bytes: int | None  # the first visible GPU's total memory; None without a GPU
     cuda_bf16: bool
+    host_memory_bytes: int = 0  # this machine's RAM: a CPU run's budget without memory_per_rank
 
     @property
     def on_gpu(self) -> bool:
@@ -18,7 +20,9 @@ class DeviceFacts:
 
 
 def read_device_facts() -> DeviceFacts:
-    return DeviceFacts(visible_gpu_memory(), cuda_bf16())
+    import psutil
+
+    return DeviceFacts(visible_gpu_memory(), cuda_bf16(), psutil.virtual_memory().total)
 
 
 def visible_gpu_memory() -> int | None:

@@ -1,9 +1,10 @@
 """Search strategies behind one ask/tell interface, and the registry that names them.
 
 A tuner is a `TunerSpec` in `TUNERS`: its name (the config's `autotuning.tuner_type`), its
-factory, the search that drives it, and a check of what it needs installed. The config's allowed
-values, the settle pass's refusal and the docs read the registry; a plugin adds one with
-`register_tuner` (core/plugins.py), with no edit here.
+factory, the search that drives it, and a check of what it needs installed. The settle pass's
+refusal of an unknown `tuner_type` reads the registry (the config's description lists the
+built-in names by hand); a plugin adds one with `register_tuner` (core/plugins.py), with no edit
+here.
 """
 
 from __future__ import annotations
