@@ -107,6 +107,13 @@ class _Running:
     started: float
 
 
+class ServerEnded(tuple):
+    """A trial's outcome when its node's server ended under it: (srun's status, not timed out)."""
+
+    def __new__(cls, returncode: int):
+        return super().__new__(cls, (returncode, False))
+
+
 @dataclass(frozen=True)
 class WarmNodes:
     """What each node's server preloads: the script's imports and `autotuning.warm_preload`."""
@@ -172,7 +179,7 @@ class SlurmRunner:
             key, outcome = self._done.get()
             running = self._running.pop(key)
             result = (outcome if isinstance(outcome, TrialResult)
-                      else judge(running.trial, *outcome, time.monotonic() - running.started))
+                      else judge(running.trial, outcome[0], outcome[1], time.monotonic() - running.started))
             self._ports.append(running.port)
             if result.state is not TrialState.OK and (ended := self._job_end()) is not None:
                 self.close()  # what still runs was cut short too: nothing of it is recorded
@@ -184,6 +191,15 @@ class SlurmRunner:
                 self._relaunched.add(running.trial)
                 self._say(f"slurm: {name} failed on node(s) {', '.join(sorted(lost))}, which the job lost; "
                           "launched again on the nodes left")
+                self._waiting.appendleft(running.trial)
+                self._start_waiting()
+                continue
+            if isinstance(outcome, ServerEnded) and not lost and running.trial not in self._relaunched:
+                # The server failed, not the configuration (an srun without --overlap, say): the
+                # node stays usable, and launches there start cold from now on.
+                self._relaunched.add(running.trial)
+                self._say(f"slurm: {name} was cut short by the end of {running.hosts[0]}'s warm server; launched "
+                          "again, cold")
                 self._waiting.appendleft(running.trial)
                 self._start_waiting()
                 continue
@@ -359,7 +375,7 @@ class SlurmRunner:
         self._say(f"slurm: the warm server on {server.host} ended (srun status {server.process.returncode}); "
                   "launches on it start cold from now on")
         if key is not None:
-            self._done.put((key, (server.process.returncode or 1, False)))
+            self._done.put((key, ServerEnded(server.process.returncode or 1)))
 
 
 def sbatch_script(command: str, num_nodes: int, nproc_per_node: int, cwd: str, environ: dict[str, str]) -> str:

@@ -381,3 +381,33 @@ def test_stopping_a_warm_tune_ends_each_nodes_server_and_its_ranks(how, slurm_cl
         assert "autotuner: stopped by SIGINT; running experiment ended" in err
         assert "Traceback" not in err
     assert job_left(job_id) == []
+
+
+@slow
+def test_a_warm_server_that_dies_mid_experiment_is_replaced_by_a_cold_launch_on_the_same_node(slurm_cluster, tmp_path):
+    """The server is killed, not the node: the experiment it ran is launched again, cold, and is
+    measured; the tune goes on, and nothing of the job is left."""
+    import pandas as pd
+
+    tuner = start_tune(slurm_cluster, tmp_path, warm=True)
+    try:
+        job_id = job_of(tmp_path)
+        trial = tmp_path / "autotuning_exps" / "z0_gas1_mbs8"
+        wait_for(lambda: (trial / "warm_ranks.txt").exists(), 120, "the second profile launch's ranks", tuner)
+        host = (trial / "hostfile").read_text().split()[0]
+        servers = [p for p in job_processes(job_id) if "autotuner.execution.node_server" in " ".join(p.cmdline())
+                   and p.environ().get("SLURMD_NODENAME") == host]
+        assert len(servers) == 1, servers
+        servers[0].kill()
+        status = tuner.wait(timeout=400)
+    finally:
+        if tuner.poll() is None:
+            os.killpg(tuner.pid, signal.SIGKILL)
+            tuner.wait()
+    out = (tmp_path / "out.txt").read_text()
+    assert status == 0, out[-2000:] + (tmp_path / "err.txt").read_text()[-2000:]
+    assert f"slurm: the warm server on {host} ended" in out
+    assert f"slurm: z0_gas1_mbs8 was cut short by the end of {host}'s warm server; launched again, cold" in out
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv").set_index("name")
+    assert table.loc["z0_gas1_mbs8", "state"] == "ok", table[["state", "error"]]
+    assert job_left(job_id) == []
