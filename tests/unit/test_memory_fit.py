@@ -245,3 +245,58 @@ def test_a_positive_correction_is_still_carried_beyond_the_measured_sizes():
                          PeakObservation("DDP", 8, 400 * MIB, 470 * MIB)])["DDP"]
     assert fit.per_sample_bytes == pytest.approx(10 * MIB)
     assert fit.bytes_at(64) == pytest.approx(fit.fixed_bytes + 10 * MIB * 64, abs=1)
+
+
+# ----- every H200 peak of the "memory far from the profile" sweeps (benchmarks/gpu/memory_far.py) -----
+def _memory_far_profiles() -> dict:
+    """Per (preset, sequence): the profile the tune printed (its log), as the memory model holds it."""
+    import re
+
+    blocks = {"gpt2-medium": 24, "gpt2-large": 36}
+    profiles = {}
+    for log in sorted(RESULTS.glob("gpu_memory_far_*_tune.log")):
+        for chunk in log.read_text().split("===== ")[1:]:
+            preset, rest = chunk.split(":", 1)
+            size = re.search(r"profile: ([\d,]+) parameters, ([\d.]+) MiB activations per sample.*baseline (\d+) MiB",
+                             chunk)
+            fits = tuple(
+                PeakFit(stage, "bf16", int(float(fixed) * MiB), int(float(per_sample) * MiB), int(float(step) * MiB))
+                for stage, family in ((0, "DDP"), (3, "FSDP2"))
+                for fixed, per_sample, step in re.findall(
+                    family + r" measured peaks: forward\+backward (\d+) MiB \+ ([\d.]+) MiB per sample, optimizer "
+                    r"step (\d+)", chunk))
+            profiles[(preset, int(rest.split(":")[0]))] = ModelProfile(
+                int(size.group(1).replace(",", "")), int(float(size.group(2)) * MiB),
+                baseline_bytes=int(size.group(3)) * MiB, num_shard_units=blocks[preset], peak_fits=fits)
+    return profiles
+
+
+def test_every_h200_peak_far_from_the_profile_is_predicted_no_more_than_2_percent_short():
+    """Issue 49's sweeps: gpt2-medium and gpt2-large, bf16, micro-batches 1 to 256 on one H200, each
+    launch's allocated peak beside what the profile's phase fits (forward+backward line and the
+    optimizer step's peak) predict for it. DDP is within 2.1% at every size (2.03% over at
+    micro-batch 4), up to 128x the profile's first; no launch is predicted more than 2% short, and every launch that ran out of memory was
+    predicted beyond the device. FSDP2 is predicted high (11-27% from micro-batch 4 on): its slope
+    is held at the analytic activation bytes the DDP launch measured under autocast, above the
+    pure-bf16 slope FSDP2 runs at. Safe, but room left unused: the residual fit corrects it only
+    up to the largest size measured."""
+    import csv
+
+    profiles = _memory_far_profiles()
+    assert set(profiles) == {("gpt2-medium", 256), ("gpt2-large", 256), ("gpt2-large", 1024)}
+    checked = ooms = 0
+    for sweep in sorted(RESULTS.glob("gpu_memory_far_*_sweep.csv")):
+        for row in csv.DictReader(sweep.open()):
+            stage, micro = int(row["zero_stage"]), int(row["micro_batch_size"])
+            predicted = estimate(profiles[(row["preset"], int(row["seq_len"]))], StageSettings(stage, "bf16", 1),
+                                 micro).total / MiB
+            if row["state"] == "oom":
+                assert predicted > 143_771, row  # the H200's memory: its launch could not fit
+                ooms += 1
+                continue
+            measured = float(row["peak_allocated_mib"])
+            assert predicted >= 0.98 * measured, (row["preset"], stage, micro, predicted, measured)
+            if stage == 0:
+                assert predicted <= 1.021 * measured, (row["preset"], stage, micro, predicted, measured)
+            checked += 1
+    assert (checked, ooms) == (19, 4)
