@@ -203,7 +203,7 @@ def _check_slurm(args: argparse.Namespace) -> None:
 
 
 def _sbatch_script(request: RunnerRequest, results_dir: Path) -> list[str]:
-    from autotuner.execution.slurm_runner import sbatch_script
+    from autotuner.execution.sbatch import sbatch_script
 
     command = (results_dir / "cmd_optimal.txt").read_text().strip()
     path = results_dir / "sbatch_optimal.sh"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import queue
 import re
-import shlex
 import signal
 import subprocess
 import sys
@@ -151,6 +150,7 @@ class SlurmRunner:
         self._warm = warm if nodes_per_trial == 1 else None
         self._servers: dict[str, NodeServer] = {}
         self._cold_hosts: set[str] = set()  # their server ended unasked: cold from then on
+        self._backstops: dict[int, threading.Timer] = {}  # per warm trial: ends a server that stopped answering
         say(f"slurm: job {allocation.job_id}, {len(allocation.nodes)} node(s) ({allocation.nodelist}); "
             f"{nodes_per_trial} per experiment, up to {self.capacity} at once")
         if warm is not None:
@@ -178,6 +178,8 @@ class SlurmRunner:
                     f"(unusable: {', '.join(sorted(self._lost)) or 'none'})"))
             key, outcome = self._done.get()
             running = self._running.pop(key)
+            if (backstop := self._backstops.pop(key, None)) is not None:
+                backstop.cancel()
             result = (outcome if isinstance(outcome, TrialResult)
                       else judge(running.trial, outcome[0], outcome[1], time.monotonic() - running.started))
             self._ports.append(running.port)
@@ -244,6 +246,9 @@ class SlurmRunner:
 
     def _close_servers(self) -> None:
         """Each node's server ends its running trial's ranks when its stdin closes: all at once."""
+        for backstop in self._backstops.values():
+            backstop.cancel()
+        self._backstops.clear()
         servers = list(self._servers.values())
         self._servers.clear()
         for server in servers:
@@ -320,8 +325,10 @@ class SlurmRunner:
             server.run(key, trial)
             # The server keeps the time limit (and may launch the trial a second time, cold); this
             # is for a server that stopped answering.
-            threading.Thread(target=self._backstop, args=(server, key, 2 * trial.settings.timeout_s + 60.0),
-                             daemon=True).start()
+            backstop = threading.Timer(2 * trial.settings.timeout_s + 60.0, self._backstop, args=(server, key))
+            backstop.daemon = True
+            backstop.start()
+            self._backstops[key] = backstop
             return
         command, env = slurm_trial_command(trial, hostfile, port, self._environ)
         with open(trial.directory / "stdout.log", "wb") as out, open(trial.directory / "stderr.log", "wb") as err:
@@ -356,8 +363,7 @@ class SlurmRunner:
         return self._servers[host]
 
     @staticmethod
-    def _backstop(server: NodeServer, key: int, after_s: float) -> None:
-        time.sleep(after_s)
+    def _backstop(server: NodeServer, key: int) -> None:
         if server.running_key == key and not server.closing:
             try:  # its step's end reports the trial failed (_server_ended)
                 end_processes([psutil.Process(server.process.pid)], grace_s=GRACE_S)
@@ -376,25 +382,3 @@ class SlurmRunner:
                   "launches on it start cold from now on")
         if key is not None:
             self._done.put((key, ServerEnded(server.process.returncode or 1)))
-
-
-def sbatch_script(command: str, num_nodes: int, nproc_per_node: int, cwd: str, environ: dict[str, str]) -> str:
-    """sbatch_optimal.sh: the optimal command as a batch job on `num_nodes` nodes, one agent per node
-    as a job step (--launcher slurm), from the folder the tune ran in."""
-    words = shlex.split(command)
-    at = 1 if not (len(words) > 2 and words[1:3] == ["-m", "autotuner"]) else 3
-    words[at:at] = ["--launcher", "slurm", "--num_nodes", str(num_nodes)]
-    gpus = [f"#SBATCH --gpus-per-node={nproc_per_node}"] if ("SLURM_GPUS_ON_NODE" in environ
-                                                              or "SLURM_GPUS_PER_NODE" in environ) else []
-    return "\n".join([
-        "#!/bin/bash",
-        "#SBATCH --job-name=autotuner-optimal",
-        f"#SBATCH --nodes={num_nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        *gpus,
-        f"# Written by launcher --autotuning --backend slurm: the optimal config on {num_nodes} node(s) x "
-        f"{nproc_per_node} rank(s).",
-        f"cd {shlex.quote(cwd)}",
-        shlex.join(words),
-        "",
-    ])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import shlex
 
-from autotuner.execution.slurm_runner import job_end, sbatch_script, trial_hostfile, unusable_nodes
+from autotuner.execution.sbatch import sbatch_script
+from autotuner.execution.slurm_runner import job_end, trial_hostfile, unusable_nodes
 
 SHOW_NODE = ("NodeName=node1 Arch=x86_64 CoresPerSocket=1 NodeAddr=127.0.0.1 State=IDLE Weights=1\n"
              "NodeName=node2 Arch=x86_64 CoresPerSocket=1 NodeAddr=127.0.0.1 State=DOWN+DRAIN Weights=1\n"
