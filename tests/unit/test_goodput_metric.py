@@ -97,7 +97,9 @@ def test_the_learning_rate_follows_the_picks_global_batch():
     assert config["optimizer"]["params"]["lr"] == 1e-3  # the user's dict is left alone
     assert args == ("--learning_rate", "0.0008", "--epochs", "1")
     assert "x4 (linear, global batch 128 against reference_batch_size 32)" in line
-    sqrt, _, _ = scale_learning_rate(config, (), 128, 32, "sqrt")
+    sqrt, _, sqrt_line = scale_learning_rate(config, (), 128, 32, "sqrt")
+    # What the benchmark measured with sqrt scaling is said where the pick is written.
+    assert "Caution" in sqrt_line and "docs/benchmarks/goodput.md" in sqrt_line and "Caution" not in line
     assert sqrt["optimizer"]["params"]["lr"] == pytest.approx(2e-3)
     same, same_args, line = scale_learning_rate(config, ("--lr=1",), 128, 32, "none")
     assert same is config and same_args == ("--lr=1",) and "left as it is" in line

@@ -60,8 +60,13 @@ def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], gl
     factor = scaled_learning_rate(1.0, global_batch, reference, rule)
     what = "; ".join(changed) if changed else "no numeric learning rate found to scale (an \"auto\" lr is the " \
                                                 "trainer's: scale its flag yourself)"
-    return config, args, (f"Learning rate: x{factor:.3g} ({rule}, global batch {global_batch} against "
-                                 f"reference_batch_size {reference}): {what}")
+    line = (f"Learning rate: x{factor:.3g} ({rule}, global batch {global_batch} against reference_batch_size "
+            f"{reference}): {what}")
+    if rule == "sqrt":
+        line += (". Caution: on the goodput benchmark (docs/benchmarks/goodput.md), AdamW at sqrt-scaled rates "
+                 "kept its sample efficiency far past B_noise, and the goodput pick took 1.4-1.5x the throughput "
+                 "pick's time to the loss; with sqrt, compare both picks before a long run")
+    return config, args, line
 
 
 def goodput_lines(results: list[TrialResult], objective: Objective, noise: NoiseScale | None,
