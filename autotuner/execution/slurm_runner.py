@@ -189,27 +189,29 @@ class SlurmRunner:
             lost = self._lost_nodes() & set(running.hosts) if result.state is not TrialState.OK else set()
             self._free += [h for h in running.hosts if h not in self._lost]
             name = running.trial.experiment.name
-            if lost and running.trial not in self._relaunched:
-                self._relaunched.add(running.trial)
-                self._say(f"slurm: {name} failed on node(s) {', '.join(sorted(lost))}, which the job lost; "
-                          "launched again on the nodes left")
-                self._waiting.appendleft(running.trial)
-                self._start_waiting()
-                continue
-            if isinstance(outcome, ServerEnded) and not lost and running.trial not in self._relaunched:
-                # The server failed, not the configuration (an srun without --overlap, say): the
-                # node stays usable, and launches there start cold from now on.
-                self._relaunched.add(running.trial)
-                self._say(f"slurm: {name} was cut short by the end of {running.hosts[0]}'s warm server; launched "
-                          "again, cold")
-                self._waiting.appendleft(running.trial)
-                self._start_waiting()
-                continue
+            if running.trial not in self._relaunched:
+                if lost:
+                    self._launch_again(running.trial, f"slurm: {name} failed on node(s) {', '.join(sorted(lost))}, "
+                                       "which the job lost; launched again on the nodes left")
+                    continue
+                if isinstance(outcome, ServerEnded):
+                    # The server failed, not the configuration (an srun without --overlap, say): the
+                    # node stays usable, and launches there start cold from now on.
+                    self._launch_again(running.trial, f"slurm: {name} was cut short by the end of "
+                                       f"{running.hosts[0]}'s warm server; launched again, cold")
+                    continue
             if lost:
                 result = replace(result, state=TrialState.FAILED,
                                  error=f"node(s) {', '.join(sorted(lost))} lost twice: {result.error or 'ended'}")
             self._start_waiting()
             return running.trial, replace(result, hosts=running.hosts)
+
+    def _launch_again(self, trial: Trial, why: str) -> None:
+        """Once per trial: what cut it short was not its configuration."""
+        self._relaunched.add(trial)
+        self._say(why)
+        self._waiting.appendleft(trial)
+        self._start_waiting()
 
     def train(self, options: LaunchOptions, quiet: bool) -> int:
         """The user's job across the allocation, as the experiments ran: our launcher with
@@ -321,7 +323,7 @@ class SlurmRunner:
         if self._warm is not None and hosts[0] not in self._cold_hosts:
             key = next(self._keys)
             self._running[key] = _Running(trial, hosts, port, None, time.monotonic())
-            server = self._server(hosts[0], trial.directory.parent)
+            server = self._server(hosts[0], trial.directory.parent, self._warm)
             server.run(key, trial)
             # The server keeps the time limit (and may launch the trial a second time, cold); this
             # is for a server that stopped answering.
@@ -350,11 +352,10 @@ class SlurmRunner:
         self._done.put((key, (returncode, timed_out)))
 
     # ----- warm launches -----
-    def _server(self, host: str, exps_dir: Path) -> NodeServer:
+    def _server(self, host: str, exps_dir: Path, warm: WarmNodes) -> NodeServer:
         if host not in self._servers:
-            assert self._warm is not None
             command, env = srun_start(host, os.getcwd(), self._environ,
-                                      tuple(server_command(sys.executable, self._warm.script, self._warm.preload)),
+                                      tuple(server_command(sys.executable, warm.script, warm.preload)),
                                       ("--overlap",))
             self._servers[host] = NodeServer(host, command, {**self._environ, **env},
                                              exps_dir / f".node_server-{host}.log",

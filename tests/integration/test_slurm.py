@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -280,6 +281,18 @@ def start_tune(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False) 
                                 stdout=out, stderr=err, start_new_session=True)
 
 
+@contextmanager
+def tune_in_background(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False):
+    """`start_tune`'s salloc, killed with its session on the way out if it is still running."""
+    tuner = start_tune(cluster, tmp_path, *salloc_flags, warm=warm)
+    try:
+        yield tuner
+    finally:
+        if tuner.poll() is None:
+            os.killpg(tuner.pid, signal.SIGKILL)
+            tuner.wait()
+
+
 def job_of(tmp_path: Path) -> str:
     import re
 
@@ -289,17 +302,12 @@ def job_of(tmp_path: Path) -> str:
 
 @slow
 def test_scancel_mid_tune_keeps_the_finished_records_and_a_new_allocation_resumes(slurm_cluster, tmp_path):
-    tuner = start_tune(slurm_cluster, tmp_path, warm=True)  # each node's server and its ranks end too
-    try:
+    with tune_in_background(slurm_cluster, tmp_path, warm=True) as tuner:  # each node's server and ranks end too
         job_id = job_of(tmp_path)
         wait_for(lambda: (tmp_path / "autotuning_exps" / "z0_gas1_mbs1" / "exp.json").exists(), 120,
                  "the first record", tuner)
         assert slurm_cluster.command("scancel", job_id).returncode == 0
         status = tuner.wait(timeout=120)
-    finally:
-        if tuner.poll() is None:
-            os.killpg(tuner.pid, signal.SIGKILL)
-            tuner.wait()
     err = (tmp_path / "err.txt").read_text()
     assert status == 143, err[-3000:]
     assert (f"autotuner: stopped by the end of Slurm job {job_id} (CANCELLED); running experiment ended, finished "
@@ -326,19 +334,17 @@ def test_a_node_lost_mid_tune_is_left_out_and_its_experiment_runs_again_on_the_n
                                                                                          tmp_path):
     import pandas as pd
 
-    tuner = start_tune(slurm_cluster, tmp_path, "--no-kill", warm=warm)  # the job outlives a node's failure
     try:
-        job_of(tmp_path)
-        wait_for(lambda: (tmp_path / "autotuning_exps" / "z0_gas1_mbs8" / "cmd.txt").exists(), 120,
-                 "the second profile launch", tuner)
-        host = (tmp_path / "autotuning_exps" / "z0_gas1_mbs8" / "hostfile").read_text().split()[0]
-        down = slurm_cluster.command("scontrol", "update", f"nodename={host}", "state=down", "reason=test")
-        assert down.returncode == 0, down.stderr
-        status = tuner.wait(timeout=400)
+        # --no-kill: the job outlives a node's failure
+        with tune_in_background(slurm_cluster, tmp_path, "--no-kill", warm=warm) as tuner:
+            job_of(tmp_path)
+            wait_for(lambda: (tmp_path / "autotuning_exps" / "z0_gas1_mbs8" / "cmd.txt").exists(), 120,
+                     "the second profile launch", tuner)
+            host = (tmp_path / "autotuning_exps" / "z0_gas1_mbs8" / "hostfile").read_text().split()[0]
+            down = slurm_cluster.command("scontrol", "update", f"nodename={host}", "state=down", "reason=test")
+            assert down.returncode == 0, down.stderr
+            status = tuner.wait(timeout=400)
     finally:
-        if tuner.poll() is None:
-            os.killpg(tuner.pid, signal.SIGKILL)
-            tuner.wait()
         slurm_cluster.command("scontrol", "update", "nodename=node1,node2", "state=resume")
         wait_for(lambda: slurm_cluster.command("sinfo", "-h", "-o", "%t").stdout.split() == ["idle"], 60,
                  "both nodes idle again")
@@ -362,8 +368,7 @@ def test_stopping_a_warm_tune_ends_each_nodes_server_and_its_ranks(how, slurm_cl
     """The tuner (salloc's command) gets the signal while each node's server runs an experiment:
     closing the servers' stdin ends their ranks (SIGINT); at the tuner's death (SIGKILL) salloc
     releases the job and Slurm ends its steps. Nothing of the job is left either way."""
-    tuner = start_tune(slurm_cluster, tmp_path, warm=True)
-    try:
+    with tune_in_background(slurm_cluster, tmp_path, warm=True) as tuner:
         job_id = job_of(tmp_path)
         out = tmp_path / "out.txt"
         wait_for(lambda: all(f"slurm: {host}: warm start: forkserver preloaded" in out.read_text()
@@ -371,10 +376,6 @@ def test_stopping_a_warm_tune_ends_each_nodes_server_and_its_ranks(how, slurm_cl
         head = next(p for p in psutil.Process(tuner.pid).children() if "autotuner" in p.cmdline())
         head.send_signal(how)
         status = tuner.wait(timeout=120)
-    finally:
-        if tuner.poll() is None:
-            os.killpg(tuner.pid, signal.SIGKILL)
-            tuner.wait()
     err = (tmp_path / "err.txt").read_text()
     if how == signal.SIGINT:
         assert status == 130, err[-3000:]
@@ -389,8 +390,7 @@ def test_a_warm_server_that_dies_mid_experiment_is_replaced_by_a_cold_launch_on_
     measured; the tune goes on, and nothing of the job is left."""
     import pandas as pd
 
-    tuner = start_tune(slurm_cluster, tmp_path, warm=True)
-    try:
+    with tune_in_background(slurm_cluster, tmp_path, warm=True) as tuner:
         job_id = job_of(tmp_path)
         trial = tmp_path / "autotuning_exps" / "z0_gas1_mbs8"
         wait_for(lambda: (trial / "warm_ranks.txt").exists(), 120, "the second profile launch's ranks", tuner)
@@ -400,10 +400,6 @@ def test_a_warm_server_that_dies_mid_experiment_is_replaced_by_a_cold_launch_on_
         assert len(servers) == 1, servers
         servers[0].kill()
         status = tuner.wait(timeout=400)
-    finally:
-        if tuner.poll() is None:
-            os.killpg(tuner.pid, signal.SIGKILL)
-            tuner.wait()
     out = (tmp_path / "out.txt").read_text()
     assert status == 0, out[-2000:] + (tmp_path / "err.txt").read_text()[-2000:]
     assert f"slurm: the warm server on {host} ended" in out
