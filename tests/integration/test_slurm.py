@@ -407,3 +407,32 @@ def test_a_warm_server_that_dies_mid_experiment_is_replaced_by_a_cold_launch_on_
     table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv").set_index("name")
     assert table.loc["z0_gas1_mbs8", "state"] == "ok", table[["state", "error"]]
     assert job_left(job_id) == []
+
+
+@slow
+def test_hugging_faces_run_clm_is_tuned_warm_on_both_nodes_then_trained_across_the_allocation(slurm_cluster, tmp_path):
+    """A third party's script, unchanged: run_clm.py on DeepSpeed's engine, Hugging Face's ZeRO-2
+    config with its "auto"s, each experiment on one node's warm server, then `run` trains the pick."""
+    import pandas as pd
+    from hf_configs import HF_AUTO, MISSING, RUN_CLM, TEST_SIZED, hf_env, run_clm_args, write_tiny_gpt2
+
+    if MISSING or not RUN_CLM.is_file():
+        pytest.skip(f"needs run_clm.py and {', '.join(MISSING) or 'its libraries'}")
+    (tmp_path / "tiny_gpt2").mkdir()
+    model = write_tiny_gpt2(tmp_path / "tiny_gpt2")
+    (tmp_path / "ds.json").write_text(json.dumps({**HF_AUTO, "autotuning": {**HF_AUTO["autotuning"], **TEST_SIZED}}))
+    result = subprocess.run(in_allocation("--autotuning", "run", "--backend", "slurm", "--num_nodes", "1",
+                                          "--nproc_per_node", "1", *run_clm_args(model, tmp_path / "out"),
+                                          "--deepspeed", tmp_path / "ds.json"),
+                            cwd=tmp_path, env=slurm_cluster.env(hf_env(tmp_path)), capture_output=True, text=True,
+                            timeout=500)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for host in ("node1", "node2"):
+        assert f"slurm: {host}: warm start: forkserver preloaded" in result.stdout, result.stdout[-3000:]
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    ok = table[table.state == "ok"]
+    assert len(ok) >= 2 and set(ok.hosts) == {"node1", "node2"}, table[["name", "state", "hosts", "error"]]
+    assert all((tmp_path / "autotuning_exps" / name / "warm_ranks.txt").exists() for name in ok.name)
+    assert "training with the optimal config" in result.stdout
+    assert (tmp_path / "out" / "train_results.json").exists(), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
