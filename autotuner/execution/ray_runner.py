@@ -40,9 +40,11 @@ from autotuner.tuning.space.records import TrialResult
 
 POLL_S = 0.2
 PLACEMENT_TIMEOUT_S = 120.0  # a placement group the cluster said it can hold must be ready by then
+NODE_CHECK_S = 1.0  # while a placement waits: how often the nodes it is pinned to are checked
 STOP_WAIT_S = 20.0  # after a rank failed: how long the others get to end before their actors are killed
 NODE_ID_LABEL = "ray.io/node-id"
 HEAD_RESOURCE = "node:__internal_head__"
+READY, TIMED_OUT, NODE_LOST = "ready", "timed out", "node lost"  # what a wait for a placement ended with
 
 
 @dataclass(frozen=True)
@@ -157,22 +159,33 @@ class RayRunner:
 
     def _start(self, trial: Trial, placement: Placement) -> None:
         ray = self._ray
+        pinned = {rank.node_id for rank in placement.ranks}
         group = self._group(placement)
-        ready, _ = _interruptible(ray.wait, [group.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
+        waited = self._wait_while_pinned_nodes_live([group.ready()], pinned)
+        if waited != READY:
             ray.util.remove_placement_group(group)
-            self._finish_unplaced(trial, f"its placement group was not ready within {PLACEMENT_TIMEOUT_S:.0f} s")
+            if waited == NODE_LOST:
+                self._place_again(trial, placement)
+            else:
+                self._finish_unplaced(trial, f"its placement group was not ready within {PLACEMENT_TIMEOUT_S:.0f} s")
             return
         workers = self._actors(group, placement)
         self._hold(placement)
         running = RunningTrial(trial, placement, group, workers, {}, time.monotonic(), 0)
         self._running.append(running)
         try:
-            described = _interruptible(ray.get, [w.describe.remote() for w in workers], timeout=PLACEMENT_TIMEOUT_S)
+            describing = [w.describe.remote() for w in workers]
+            if self._wait_while_pinned_nodes_live(describing, pinned) == NODE_LOST:
+                raise _NodeLost
+            described = _interruptible(ray.get, describing, timeout=PLACEMENT_TIMEOUT_S)
             master = described[0]["address"]
             running.port = _interruptible(ray.get, workers[0].free_port.remote(sorted(self._ports.get(master, ()))),
                                           timeout=PLACEMENT_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - an actor that never came up fails this trial only
+            if isinstance(err, _NodeLost) or not pinned <= {node.node_id for node in self._live_nodes()}:
+                self._release(running)
+                self._place_again(trial, placement)
+                return
             running.lost[0] = f"its ranks' actors did not start ({type(err).__name__}: {err})"
             running.stopping_since = time.monotonic()
             return
@@ -182,6 +195,30 @@ class RayRunner:
         (trial.directory / TOKEN_FILE).write_text(token)
         specs = trial_rank_runs(trial, placement, described, master, running.port, token, self.layout, self.shape)
         running.pending = {w.run.remote(rank, spec): rank for rank, (w, spec) in enumerate(zip(workers, specs))}
+
+    def _wait_while_pinned_nodes_live(self, refs: list, pinned: set[str]) -> str:
+        """Wait for every ref (a placement group's readiness, its actors' first answers) up to
+        PLACEMENT_TIMEOUT_S: READY, TIMED_OUT, or NODE_LOST as soon as a node the bundles are
+        pinned to has left the cluster (a bundle pinned there would never be placed)."""
+        deadline = time.monotonic() + PLACEMENT_TIMEOUT_S
+        while True:
+            ready, _ = _interruptible(self._ray.wait, refs, num_returns=len(refs), timeout=NODE_CHECK_S)
+            if len(ready) == len(refs):
+                return READY
+            if not pinned <= {node.node_id for node in self._live_nodes()}:
+                return NODE_LOST
+            if time.monotonic() > deadline:
+                return TIMED_OUT
+
+    def _place_again(self, trial: Trial, placement: Placement) -> None:
+        """A node of the placement left the cluster before any rank started: nothing ran, so the
+        experiment waits again, first in line, for the nodes left (or fails unplaced if they
+        cannot hold it)."""
+        live = {node.node_id for node in self._live_nodes()}
+        lost = sorted({f"{r.node_id[:8]} ({r.address})" for r in placement.ranks if r.node_id not in live})
+        self._report(f"ray: {trial.experiment.name}: node(s) {', '.join(lost)} left the cluster before its ranks "
+                     "started; it is placed again on the nodes left")
+        self._waiting.appendleft(trial)
 
     def _group(self, placement: Placement):
         """The placement group: one bundle per rank, each pinned to its node by Ray's node-id label."""
@@ -307,6 +344,10 @@ class RayRunner:
         self._running.clear()
         if self._ray.is_initialized():
             self._ray.shutdown()
+
+
+class _NodeLost(Exception):
+    """A node a trial's bundles are pinned to left the cluster before its ranks started."""
 
 
 def _interruptible(call: Callable, *args, **kwargs):

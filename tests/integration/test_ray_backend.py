@@ -224,6 +224,59 @@ def test_a_node_lost_mid_experiment_fails_that_experiment_only_and_tuning_goes_o
     assert alive(pid_dir) == []
 
 
+HOLD_NODE = """
+import sys, time, ray
+from ray.util.placement_group import placement_group
+ray.init(address=%r, logging_level="ERROR")
+group = placement_group([{"CPU": 1}], bundle_label_selector=[{"ray.io/node-id": %r}])
+ray.get(group.ready(), timeout=60)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_node_lost_while_an_experiment_waits_for_its_placement_places_it_again_on_the_nodes_left(cluster, tmp_path):
+    """Another job holds the worker node's CPU, so the first experiment's placement group, pinned
+    there, waits; then the node leaves. Nothing of that experiment ran: it is placed again on the
+    head and measured, rather than waiting out the placement timeout and failing."""
+    worker = next(node for node in cluster.list_all_nodes() if node is not cluster.head_node)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_NODE % (cluster.address, worker.node_id)],
+                              env=launcher_env(), stdout=subprocess.PIPE, text=True, start_new_session=True)
+    tuner = None
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        command = tune_command(ray_config(tmp_path / "ds.json", [2, 4], tuner_type="gridsearch"), "--backend",
+                               "ray", "--ray_address", cluster.address, "--nproc_per_node", "1")
+        tuner = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        first = tmp_path / "autotuning_exps" / "z0_gas1_mbs2" / "stdout.log"
+        deadline = time.monotonic() + 120
+        while not first.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.exists(), tuner.communicate(timeout=60)
+        time.sleep(2)  # its placement group is pending on the held node by now
+        assert not (first.parent / "placement.json").exists(), "the experiment started on the held node"
+        cluster.remove_node(worker)
+        out, err = tuner.communicate(timeout=100)  # well inside the 120 s placement timeout
+    finally:
+        if tuner is not None and tuner.poll() is None:
+            tuner.kill()
+            tuner.wait()
+        holder.kill()
+        holder.wait()
+        if len(cluster.list_all_nodes()) < 2:
+            cluster.add_node(num_cpus=1, object_store_memory=OBJECT_STORE)
+            cluster.wait_for_nodes()
+    assert tuner.returncode == 0, out[-4000:] + err[-4000:]
+    assert "z0_gas1_mbs2: node(s) " in out + err and "left the cluster before its ranks started; it is placed again " \
+        "on the nodes left" in out + err, out[-3000:] + err[-3000:]
+    records = table(tmp_path)
+    assert (records.state == "ok").all(), records[["state", "error"]]
+    head = cluster.head_node.node_id
+    assert [r["node_id"] for r in placement(tmp_path, "z0_gas1_mbs2")["ranks"]] == [head]
+    assert free_cpus(cluster.address) == (2.0, 2.0)
+
+
 RAY_FUZZ_SEED = int(os.environ.get("AUTOTUNER_FAULT_FUZZ_SEED") or random.SystemRandom().randrange(1, 10**6))
 RAY_TUNE_LENGTH_S = 12.0  # the fuzz tune's clean length on 2 cores (11 s measured): instants are drawn up to it
 RAY_CASES = draw_cases(RAY_FUZZ_SEED, 3, {"ray": RAY_TUNE_LENGTH_S}, ("ray",), RAY_FAULTS)
