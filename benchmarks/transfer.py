@@ -4,8 +4,9 @@
     python benchmarks/transfer.py --models gpt2,gpt2-medium,gpt2-large --nproc 1 --precision bf16 \
         --seq_len 1024 --out_dir $OUT          # on a lent GPU (benchmarks/gpu/run_all.sh transfer)
 
-The GPT-2 example (examples/hf_gpt2/train.py): a number is the "tiny" preset's width at that many
-blocks, a name is one of its presets. `--nproc` ranks (2 CPU ranks by default), tuner_type
+The GPT-2 example (examples/hf_gpt2/train.py): a number is the "tiny" preset at that many
+blocks, BxW the tiny preset at B blocks of width W (`--models 4x128,4x512`: a fourfold width),
+a name is one of its presets. `--nproc` ranks (2 CPU ranks by default), tuner_type
 predictive in fast mode, every stage, a global batch of `--global_batch` (64):
 1. the first model is tuned cold, its launches recorded in a history (SQLite);
 2. each later one is tuned twice, as a user would run `launcher --autotuning tune`: with that
@@ -40,7 +41,11 @@ MAPPINGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
 
 
 def script_args(model: str, args: argparse.Namespace) -> tuple[str, ...]:
-    size = ("--model_size", "tiny", "--n_layer", model) if model.isdigit() else ("--model_size", model)
+    if re.fullmatch(r"\d+x\d+", model):  # blocks x width of the tiny preset
+        blocks, width = model.split("x")
+        size: tuple[str, ...] = ("--model_size", "tiny", "--n_layer", blocks, "--n_embd", width)
+    else:
+        size = ("--model_size", "tiny", "--n_layer", model) if model.isdigit() else ("--model_size", model)
     # One data directory: the example's BPE tokenizer is trained once, not per model.
     return (*size, "--seq_len", str(args.seq_len), "--max_steps", "50", "--output_dir", str(WORK / "train"))
 
@@ -115,7 +120,7 @@ def report(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", "--layers", default="4,8,12",
-                        help="blocks of the tiny preset (the issue's 4, 8 and 12), or preset names, smallest first")
+                        help="blocks of the tiny preset (the issue's 4, 8 and 12), BLOCKSxWIDTH, or preset names, smallest first")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2, help="ranks (GPUs on a GPU machine)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")

@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model_size", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--n_layer", type=int, default=None, help="overrides the preset's number of blocks")
+    parser.add_argument("--n_embd", type=int, default=None,
+                        help="overrides the preset's width (a multiple of its number of heads)")
     parser.add_argument("--per_device_train_batch_size", type=int, default=None)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=None)
     parser.add_argument("--learning_rate", type=float, default=None, help="overrides optimizer.params.lr")
@@ -53,14 +55,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokenizer_vocab", type=int, default=4096, help="BPE vocabulary trained on the corpus")
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
     autotuner.add_config_arguments(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    heads = PRESETS[args.model_size][2]
+    if args.n_embd is not None and (args.n_embd <= 0 or args.n_embd % heads):
+        parser.error(f"--n_embd {args.n_embd}: must be a positive multiple of {args.model_size}'s {heads} heads")
+    return args
 
 
-def build_model(size: str, seq_len: int, tokenizer_vocab: int, blocks: int | None = None) -> torch.nn.Module:
+def build_model(size: str, seq_len: int, tokenizer_vocab: int, blocks: int | None = None,
+                width: int | None = None) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     n_layer, n_embd, n_head, vocab = PRESETS[size]
-    n_layer = blocks or n_layer
+    n_layer, n_embd = blocks or n_layer, width or n_embd
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=max(seq_len, 1024),
                         vocab_size=max(vocab, tokenizer_vocab), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     # Initialise on this rank's GPU where there is one: random init of gpt2-large on the CPU
@@ -81,7 +88,7 @@ def main() -> None:
         config["optimizer"].setdefault("params", {})["lr"] = args.learning_rate
     output_dir = Path(args.output_dir)
     tokens, vocab = load_tokens(output_dir / "cache", args.tokenizer_vocab, args.corpus_mb)
-    model = build_model(args.model_size, args.seq_len, vocab, args.n_layer)
+    model = build_model(args.model_size, args.seq_len, vocab, args.n_layer, args.n_embd)
     engine, _, loader, _ = autotuner.initialize(model=model, config=config,
                                                 training_data=TokenBlocks(tokens, args.seq_len))
     steps_per_epoch = len(loader) // engine.gradient_accumulation_steps()
