@@ -1,6 +1,6 @@
 """Transfer in simulation: how a prior step's noise is set, A/B, on a known surface with noisy launches.
 
-    python benchmarks/transfer_simulated.py [--seeds 300] [--noise 0.02,0.05]
+    python benchmarks/transfer_simulated.py [--seeds 300] [--noise 0.02,0.05] [--fastest 8 --prior_fastest 16]
 
 The predictive search (tuning/searches/predictive_search.py) and the prior (tuning/models/transfer.py) as the
 tuner runs them, with each launch replaced by a draw: a known step-time surface (a saturating
@@ -11,10 +11,13 @@ the GPT-2 family on 2 CPU ranks) times log-normal noise of the given spread. Per
 2. the larger model (compute x2) is tuned three ways from the same first launch (ZeRO 0,
    micro-batch 4): cold; with that run as a prior at a launch's noise for every step ("launch
    floor", before 2026-11-26); and at that run's own re-measured spread ("run spread", run_noise,
-   now). The prior chooses the profile's second size, as the tuner's does; then the search, then
-   the final pick's re-measurements (final_pick.py, the config's defaults).
-Reported per arm: the search's launches after the profile (mean) and the pick's true regret
-(the best configuration's true samples/s over the pick's, less one: mean, 90th percentile, worst).
+   now). The profile's second launch is at half the largest size in every arm (since 2026-11-27 a
+   prior no longer chooses it); then the search, then the final pick's re-measurements
+   (final_pick.py, the config's defaults).
+Reported per arm: the search's launches after the profile (mean), the share of seeds where the arm
+launched more than cold did (issue 49: a warm start must never cost more), and the pick's true
+regret (the best configuration's true samples/s over the pick's, less one: mean, 90th percentile,
+worst). `--prior_fastest` gives the earlier model another shape than the larger one's.
 Pure computation: nothing is launched, so this isolates the model from a machine's noise.
 """
 
@@ -55,11 +58,14 @@ CURVATURE = {16: 0.00005, 8: 0.0002}  # per-sample time's rise with the micro-ba
 
 def true_step_s(experiment: Experiment, compute: float) -> float:
     m, g = experiment.micro_batch_size, experiment.gradient_accumulation_steps
-    q = CURVATURE[FASTEST[0]]
+    q = CURVATURE[FASTEST[0] if compute > 1.0 else FASTEST[1]]  # the larger model's, or the earlier run's
     return g * compute * (0.02 + 0.004 * m + q * m * m) + STAGE_OFFSET_S[experiment.zero_stage] * compute
 
 
-FASTEST = [16]  # set from --fastest: the surface's best micro-batch (16: the cold profile's second size; 8: not)
+# Set from --fastest and --prior_fastest: the larger model's best micro-batch (16: the cold profile's
+# second size; 8: not), and the earlier, smaller model's (another: the shape changed, as a fourfold
+# width moves where the compute saturates).
+FASTEST = [16, 16]
 
 
 def samples_per_s(experiment: Experiment, step_s: float) -> float:
@@ -118,12 +124,11 @@ def candidates() -> list[Experiment]:
 
 
 def one_seed(seed: int, noise: float, outliers: float) -> dict[str, tuple[int, int, float]]:
-    """Each arm's (search launches, re-measurements, regret); the profile's second launch is the
-    prior's choice under transfer (similar_runs.py `second_size`), half the largest size cold."""
+    """Each arm's (search launches, re-measurements, regret); the profile's second launch is at
+    half the largest size in every arm, as the tuner places it with a prior or without."""
     rng = np.random.default_rng(seed)
     earlier = prior_run(noise, rng, outliers)
     first = Launches(2.0, noise, rng, outliers)(SPACE.experiment(0, 4))
-    first_observed = Observation(first.experiment, first.measurement.latency)
     context = CostContext(world_size=RANKS)
     arms = {}
     for arm in ("cold", "launch floor", "run spread"):
@@ -131,11 +136,7 @@ def one_seed(seed: int, noise: float, outliers: float) -> dict[str, tuple[int, i
         arm_launch = Launches(2.0, noise, np.random.default_rng(seed + 10_000), outliers)  # each arm: the same stream
         prior: tuple[Observation, ...] = ()
         with mock.patch.object(transfer, "run_noise", run_noise):
-            second = SPACE.experiment(0, 16)
-            if arm != "cold":
-                sizes = [SPACE.experiment(0, m) for m in (8, 16, 32)]  # at least twice the first
-                second = transfer.prior_best([earlier], LARGE, context, first_observed, sizes) or second
-            known = [first, arm_launch(second)]
+            known = [first, arm_launch(SPACE.experiment(0, 16))]  # the profile's second: half the largest, every arm
             if arm != "cold":
                 measured = [Observation(r.experiment, r.measurement.latency) for r in known]
                 prior = transfer.transfer_prior([earlier], LARGE, context, measured, lambda line: None).observations
@@ -154,25 +155,29 @@ def main() -> None:
     parser.add_argument("--outliers", type=float, default=0.05, help="share of disturbed windows (10-30%% slower)")
     parser.add_argument("--fastest", type=int, choices=sorted(CURVATURE), default=16,
                         help="the true surface's fastest micro-batch (16 is where a cold profile's second launch goes)")
+    parser.add_argument("--prior_fastest", type=int, choices=sorted(CURVATURE), default=None,
+                        help="the earlier run's fastest micro-batch (default: --fastest; another: a changed shape)")
     args = parser.parse_args()
-    FASTEST[0] = args.fastest
-    print(f"{args.seeds} seeds, {args.outliers:.0%} disturbed windows, fastest micro-batch {args.fastest}; "
-          "launches after the profile's 2, means")
-    print("| launch noise | arm | search | re-measured | all (with the profile's 2) | regret mean | regret p90 | "
-          "regret worst | picks 2%+ behind |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    FASTEST[:] = [args.fastest, args.prior_fastest or args.fastest]
+    print(f"{args.seeds} seeds, {args.outliers:.0%} disturbed windows, fastest micro-batch {FASTEST[0]} "
+          f"(the earlier run's: {FASTEST[1]}); launches after the profile's 2, means")
+    print("| launch noise | arm | search | re-measured | all (with the profile's 2) | seeds with more launches "
+          "than cold | regret mean | regret p90 | regret worst | picks 2%+ behind |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for noise in (float(n) for n in args.noise.split(",")):
         per_arm: dict[str, list[tuple[int, int, float]]] = {}
         for seed in range(args.seeds):
             for arm, outcome in one_seed(seed, noise, args.outliers).items():
                 per_arm.setdefault(arm, []).append(outcome)
+        cold = [searched + remeasured for searched, remeasured, _ in per_arm["cold"]]
         for arm, outcomes in per_arm.items():
+            more = sum(n + r > c for (n, r, _), c in zip(outcomes, cold)) / len(outcomes)
             searched = statistics.fmean(n for n, _, _ in outcomes)
             remeasured = statistics.fmean(n for _, n, _ in outcomes)
             regrets = sorted(r for _, _, r in outcomes)
             p90 = regrets[int(0.9 * (len(regrets) - 1))]
             behind = sum(r >= 0.02 for r in regrets) / len(regrets)
-            print(f"| {noise:.0%} | {arm} | {searched:.2f} | {remeasured:.2f} | {2 + searched + remeasured:.2f} | "
+            print(f"| {noise:.0%} | {arm} | {searched:.2f} | {remeasured:.2f} | {2 + searched + remeasured:.2f} | {more:.1%} | "
                   f"{statistics.fmean(regrets):.2%} | {p90:.2%} | {regrets[-1]:.2%} | {behind:.0%} |")
 
 

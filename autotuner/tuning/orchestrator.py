@@ -123,8 +123,7 @@ class Autotuner:
 
     def _profile_sizes(self) -> tuple[tuple[int, ...], Callable[[ModelProfile, int], int | None]]:
         """The first profile sizes to try, in order, and how the second size is chosen: about half
-        the largest size the first launch predicts to fit, on the candidate ladder (with a prior
-        from similar earlier runs, the size it predicts fastest).
+        the largest size the first launch predicts to fit, on the candidate ladder.
 
         The first is the smallest ladder size whose gas is at most PROFILE_MAX_GAS: with a global
         batch, the smallest valid size has the largest gas (micro-batch 1 x gas 64 runs 64
@@ -149,15 +148,10 @@ class Autotuner:
             self.memory.profile = None
             if not fitting:
                 return None
-            # With similar earlier runs (transfer): the size they predict fastest, at least twice the
-            # first so the memory line keeps a span.
-            spanning = [space.experiment(stage, m) for m in ladder_sizes(fitting)
-                        if m >= 2 * first.experiment.micro_batch_size]
-            preferred = self._similar_runs.second_size(
-                profile, first, spanning, lambda: self._profiling_context(profile, first.model_info.precision),
-                self.report)
-            if preferred is not None:
-                return preferred
+            # Cold or with similar earlier runs alike: a prior's choice here, checked against one
+            # launch only, sent the profile to its own best size, and a model of another shape
+            # (four times wider, say) was then picked 2%+ behind in a third of simulated tunes
+            # (benchmarks/transfer_simulated.py, docs/benchmarks/transfer.md).
             target = max(fitting) / 2
             below = [m for m in ladder_sizes(fitting) if m <= target] or [min(fitting)]
             return max(below)

@@ -3,6 +3,7 @@ bounds and the stop rule. Pure: no launches."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -302,3 +303,20 @@ def test_each_engine_family_gets_its_own_time_per_sample():
         assert fastest <= step(e) <= slowest, e  # 4-8x past the profile: inside the band, if not on the mean
     assert model.predict(Experiment(0, 64)).mean_s == pytest.approx(step(Experiment(0, 64)), rel=0.05)
     assert model.predict(Experiment(3, 128)).mean_s < model.predict(Experiment(0, 128)).mean_s
+
+
+def test_a_prior_that_flatters_a_candidate_this_runs_own_results_rule_out_does_not_launch_it():
+    """Transfer's scaled steps may rule candidates out, never in (issue 49: a model four times
+    wider than its earlier run launched more than a cold tune)."""
+    space = candidates(stages=(0,))
+    largest, sixteen = space[6], space[4]
+    flattering = tuple(Observation(e, true_step_s(e) * (0.5 if e is largest else 1.0), 0.08) for e in space)
+    cold = PredictiveTuner(space, THROUGHPUT, context=CONTEXT)
+    warm = PredictiveTuner(space, THROUGHPUT, context=dataclasses.replace(CONTEXT, prior=flattering))
+    for tuner in (cold, warm):
+        for e in space[:4] + [space[5]]:  # 1, 2, 4, 8 and 32 measured; 16 and 64 open
+            tuner.tell(measured(e))
+    assert not cold.could_improve(largest)
+    assert warm.predict(largest).high > warm.best.value * (1 + warm.worthwhile_gain)  # the prior alone would launch it
+    assert not warm.could_improve(largest)
+    assert cold.could_improve(sixteen) and warm.ask() == sixteen  # what the run's own results leave open comes first

@@ -17,7 +17,7 @@ from autotuner.tuning.searches.predictive_search import run_predictive_search
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace
 from autotuner.tuning.space.experiment import Experiment
-from autotuner.tuning.models.transfer import (PriorRun, WorkloadSignature, experiment_of, prior_best, run_noise,
+from autotuner.tuning.models.transfer import (PriorRun, WorkloadSignature, experiment_of, run_noise,
                                        scale_prior, transfer_prior)
 
 
@@ -136,23 +136,6 @@ def test_a_prior_that_disagrees_with_the_profile_is_dropped_with_one_line(profil
     assert len(lines) == 1 and "dropped" in lines[0] and says in lines[0], lines
 
 
-def test_the_second_profile_size_is_where_an_agreeing_prior_predicts_the_most_samples_per_second():
-    """The new model's curve saturates: the largest micro-batch runs the most samples/s. A prior
-    checked against the first profile launch alone says so; one it disagrees with says nothing."""
-    first = measured(4.0, points=((0, 4),))[0]
-    candidates = [Experiment(0, m, 64 // (2 * m)) for m in (8, 16, 32)]
-    assert prior_best([PRIOR], SIGNATURE, CostContext(), first, candidates) == Experiment(0, 32, 1)
-    # A curve that falls past micro-batch 8 (a cost per sample that grows with the micro-batch):
-    falling = tuple(Observation(o.experiment, o.step_time_s * (1 + 0.02 * o.experiment.micro_batch_size) ** 2)
-                    for o in OLD)
-    at_eight = PriorRun(PRIOR.study_name, PRIOR.signature, falling)
-    first_falling = Observation(first.experiment, first.step_time_s * 4 * 1.08 ** 2 / 4)
-    assert prior_best([at_eight], SIGNATURE, CostContext(), first_falling, candidates) == Experiment(0, 8, 4)
-    disagreeing = measured(12.0, points=((0, 4),))[0]
-    assert prior_best([PRIOR], SIGNATURE, CostContext(), disagreeing, candidates) is None
-    assert prior_best([], SIGNATURE, CostContext(), first, candidates) is None
-
-
 def test_with_an_agreeing_prior_the_search_after_the_profile_launches_less_and_picks_alike():
     """Candidates at every stage and size; the truth is the new model's curve. The profile (two
     sizes at ZeRO 0) is known to both runs; the prior comes from the smaller model."""
@@ -240,10 +223,10 @@ def test_a_larger_model_of_the_same_family_starts_from_the_smaller_ones_run_in_t
     used = [line for line in lines if line.startswith("transfer: using")]
     assert len(used) == 1 and small.history.study_name in used[0], lines
     assert "(1,000,000 parameters, sequence length 128)" in used[0]
-    # The prior chose the profile's second size: where it predicts the most samples/s (the largest
-    # here), not half the largest that fits (8), which the cold run below keeps.
-    assert "profile: micro-batch 16 next, where similar earlier runs predict the most samples/s (transfer)" in lines
-    assert "profile: ZeRO 0, micro-batch 16 ..." in lines
+    # The profile's sizes are a cold run's (its second at half the largest that fits): a prior
+    # checked against one launch does not choose them (issue 49: a model of another shape).
+    assert "profile: ZeRO 0, micro-batch 8 ..." in lines and "profile: ZeRO 0, micro-batch 16 ..." not in lines
+    assert not any("next, where similar earlier runs" in line for line in lines)
     summary = (tmp_path / "large" / "results" / "summary.txt").read_text()
     assert used[0] in summary  # the summary says which earlier run was used
     study = optuna.load_study(study_name=large.history.study_name, storage=storage)
@@ -278,3 +261,11 @@ def test_in_simulation_transfer_searches_less_than_cold_and_its_picks_stay_close
     assert set(searched) == {"cold", "launch floor", "run spread"}
     assert searched["run spread"] < 0.6 * searched["cold"], searched
     assert max(o["run spread"][2] for o in outcomes) < 0.05  # no pick more than 5% behind the true best
+    # The earlier model's best micro-batch 8, this one's 16 (a shape a fourfold width can move):
+    # when the prior chose the profile's second size, the picks fell 4.6% behind on average.
+    simulated.FASTEST[:] = [16, 8]
+    try:
+        changed = [simulated.one_seed(seed, 0.02, 0.0) for seed in range(30)]
+    finally:
+        simulated.FASTEST[:] = [16, 16]
+    assert sum(o["run spread"][2] for o in changed) / len(changed) < 0.01

@@ -213,22 +213,3 @@ def transfer_prior(priors: list[PriorRun], signature: WorkloadSignature, context
         report(line)
         lines.append(line)
     return TransferPrior(tuple(observations), tuple(used), tuple(lines))
-
-
-def prior_best(priors: list[PriorRun], signature: WorkloadSignature, context: CostContext,
-               first: Observation, candidates: list[Experiment]) -> Experiment | None:
-    """The candidate the earlier runs, scaled by the first profile launch, predict to run the most
-    samples per second: where the profile's second launch can both span the memory line and be a
-    contender. None when no prior survives its check against that launch."""
-    prior = transfer_prior(priors, signature, context, [first], report=lambda line: None)  # said after the profile
-    if not prior.observations or not candidates:
-        return None
-    observations = [*prior.observations, first]
-    largest = max([o.experiment.micro_batch_size for o in observations] + [c.micro_batch_size for c in candidates])
-    model = StepTimeModel(observations, context, largest)
-
-    def samples_per_s(experiment: Experiment) -> float:
-        step = model.predict(experiment).mean_s
-        return experiment.micro_batch_size * experiment.gradient_accumulation_steps / step if step > 0 else 0.0
-
-    return max(candidates, key=samples_per_s)

@@ -1,9 +1,9 @@
 """Similar earlier runs, as one tuning run asks the history for them (transfer.py scales them).
 
-Twice: after the profile's first launch, where the second should go (the size they predict
-fastest); and after the whole profile, the step-time model's prior. The workload's signature is
-recorded on the run's study either way; only tuner_type predictive with autotuning.transfer reads
-priors. Nothing is launched here.
+Once, after the whole profile: the step-time model's prior, each earlier run checked against the
+profile's launches. (The profile's sizes are a cold run's: a prior checked against one launch
+does not choose them.) The workload's signature is recorded on the run's study either way; only
+tuner_type predictive with autotuning.transfer reads priors. Nothing is launched here.
 """
 
 from __future__ import annotations
@@ -15,8 +15,7 @@ from autotuner.tuning.models.cost_model import CostContext, Observation
 from autotuner.tuning.trials.history import History
 from autotuner.tuning.memory.estimate import ModelProfile
 from autotuner.tuning.space.records import TrialResult, TrialState
-from autotuner.tuning.space.experiment import Experiment
-from autotuner.tuning.models.transfer import (PriorRun, TransferPrior, WorkloadSignature, prior_best, signature_of,
+from autotuner.tuning.models.transfer import (PriorRun, TransferPrior, WorkloadSignature, signature_of,
                                        transfer_prior)
 
 
@@ -38,20 +37,6 @@ class SimilarRuns:
 
     def _priors(self, signature: WorkloadSignature) -> list[PriorRun]:
         return self.history.prior_runs(signature) if self.enabled else []
-
-    def second_size(self, profile: ModelProfile, first: TrialResult, candidates: list[Experiment],
-                    context: Callable[[], CostContext], report: Callable[[str], None]) -> int | None:
-        """The candidate size the priors, checked against the first profile launch alone, predict
-        to run the most samples/s; None without a prior that survives the check."""
-        signature = self._signature(profile, [first])
-        measured = _observations([first])
-        priors = self._priors(signature) if signature is not None and measured and candidates else []
-        best = prior_best(priors, signature, context(), measured[0], candidates) if priors else None
-        if best is None:
-            return None
-        report(f"profile: micro-batch {best.micro_batch_size} next, where similar earlier runs predict the "
-               "most samples/s (transfer)")
-        return best.micro_batch_size
 
     def prior(self, profile: ModelProfile, profile_results: list[TrialResult], context: Callable[[], CostContext],
               report: Callable[[str], None]) -> TransferPrior:

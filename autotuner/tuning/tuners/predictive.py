@@ -11,6 +11,11 @@ Launches outside the candidates (the profile's micro-batch 1, which no candidate
 `observe`d: fitted and weighed as the best so far, never asked for. Left out, the fit had no point
 near a micro-step's fixed cost, put it at zero, and predicted micro-batch 2 tens of times faster
 than micro-batch 1 had measured: a launch no model of the step could have put ahead (issue 49).
+
+Similar earlier runs' steps (transfer, the context's prior) narrow the model, but may only rule a
+candidate out: one that this run's own results alone rule out is neither asked for first nor
+launched on the prior's word. A prior that flatters a candidate (a model four times wider than
+the earlier run's, say) then costs no launch that a tune without it would not make.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ class PredictiveTuner(Tuner):
         self.context = context or CostContext()
         self.worthwhile_gain = worthwhile_gain  # relative: the least gain a launch must be able to bring
         self._largest = max((e.micro_batch_size for e in self.space), default=1)
-        self._model: tuple[int, StepTimeModel] | None = None
+        self._models: dict[bool, tuple[int, StepTimeModel]] = {}  # with the prior or not: (results, model)
         self.observed: dict[Experiment, TrialResult] = {}  # measured, outside the candidates
 
     def observe(self, result: TrialResult) -> None:
@@ -81,17 +86,21 @@ class PredictiveTuner(Tuner):
         return samples_per_s * self.objective.efficiency(samples)  # goodput: weighed by its global batch
 
     # ----- the model -----
-    def model(self) -> StepTimeModel:
+    def model(self, with_prior: bool = True) -> StepTimeModel:
+        """The step-time model fitted on every result so far, with the earlier runs' scaled steps
+        (transfer) unless `with_prior` is False."""
         measured = self._measured()
-        if self._model is None or self._model[0] != len(measured):
-            observations = list(self.context.prior)
+        cached = self._models.get(with_prior)
+        if cached is None or cached[0] != len(measured):
+            observations = list(self.context.prior) if with_prior else []
             for result in measured:
                 step_time = self._step_time(result)
                 if step_time is None:
                     continue
                 observations.append(Observation(result.experiment, step_time, result.relative_error))
-            self._model = (len(measured), StepTimeModel(observations, self.context, self._largest))
-        return self._model[1]
+            cached = self._models[with_prior] = (len(measured), StepTimeModel(observations, self.context,
+                                                                               self._largest))
+        return cached[1]
 
     def step_floor_s(self, experiment: Experiment) -> float:
         """The least step time `experiment` can take, whatever the model says: a step of the same
@@ -110,8 +119,8 @@ class PredictiveTuner(Tuner):
                 floor = max(floor, step_time * (1 - BOUND_Z * noise))
         return floor
 
-    def predict(self, experiment: Experiment) -> Prediction:
-        step = self.model().predict(experiment)
+    def predict(self, experiment: Experiment, with_prior: bool = True) -> Prediction:
+        step = self.model(with_prior).predict(experiment)
         fastest, slowest = step.bounds()
         floor = self.step_floor_s(experiment)
         fastest, slowest = max(fastest, floor), max(slowest, floor)
@@ -120,21 +129,35 @@ class PredictiveTuner(Tuner):
         return Prediction(self._value(experiment, step.mean_s), min(at_fastest, at_slowest),
                           max(at_fastest, at_slowest))
 
-    def _optimistic(self, experiment: Experiment) -> float:
-        prediction = self.predict(experiment)
+    def _optimistic(self, experiment: Experiment, with_prior: bool = True) -> float:
+        prediction = self.predict(experiment, with_prior)
         return prediction.high if self.objective.maximize else prediction.low
+
+    def _beats_best(self, value: float) -> bool:
+        """Whether an optimistic value beats the best measured by more than the worthwhile gain."""
+        incumbent = self.best
+        if incumbent is None:
+            return True
+        factor = 1 + self.worthwhile_gain if self.objective.maximize else 1 - self.worthwhile_gain
+        return self.objective.better(value, incumbent.value * factor)
+
+    def _ruled_out_without_prior(self, experiment: Experiment) -> bool:
+        """With earlier runs' steps (transfer) in the model: whether this run's own results alone
+        already rule `experiment` out. A prior may rule a candidate out, never back in, so a warm
+        start launches nothing that a tune without it would have ruled out at the same point."""
+        if not self.context.prior or self.best is None:
+            return False
+        return not self._beats_best(self._optimistic(experiment, with_prior=False))
 
     def _choose(self, untried: list[Experiment]) -> Experiment:
         if not any(self._step_time(r) is not None for r in self._measured()):
             # Nothing measured yet: the lowest stage at its largest size (a model needs a point).
             return min(untried, key=lambda e: (e.zero_stage, -e.micro_batch_size, e.knobs))
+        # The prior orders the candidates this run's own results leave open (all, if none is).
+        untried = [e for e in untried if not self._ruled_out_without_prior(e)] or untried
         scored = [(self._optimistic(e), index) for index, e in enumerate(untried)]
         best = max(scored) if self.objective.maximize else min(scored, key=lambda s: (s[0], -s[1]))
         return untried[best[1]]
 
     def could_improve(self, experiment: Experiment) -> bool:
-        incumbent = self.best
-        if incumbent is None:
-            return True
-        factor = 1 + self.worthwhile_gain if self.objective.maximize else 1 - self.worthwhile_gain
-        return self.objective.better(self._optimistic(experiment), incumbent.value * factor)
+        return self._beats_best(self._optimistic(experiment)) and not self._ruled_out_without_prior(experiment)
