@@ -65,3 +65,20 @@ def test_tune_the_gpt2_example_then_train_with_the_optimal_command(tmp_path, no_
     assert f"ZeRO {best.zero_stage}, micro-batch {best.micro_batch_size}" in trained.stdout
     assert "saved checkpoint to" in trained.stdout
     assert (tmp_path / "out" / "checkpoints" / "global_step6").is_dir()
+
+
+def test_n_embd_sets_the_width_and_a_width_the_heads_do_not_divide_is_refused(tmp_path):
+    """`--n_embd` (benchmarks/transfer.py's BLOCKSxWIDTH models) builds that width."""
+    import sys
+
+    refused = subprocess.run([sys.executable, str(EXAMPLE / "train.py"), "--n_embd", "130", "--deepspeed", "x.json"],
+                             cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert "--n_embd 130: must be a positive multiple of tiny's 4 heads" in refused.stderr
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); from train import build_model; "
+             "model = build_model('tiny', 64, 512, 2, 256); "
+             "print(model.config.n_embd, model.transformer.h[0].mlp.c_fc.weight.shape[0])")
+    built = subprocess.run([sys.executable, "-c", probe, str(EXAMPLE)], cwd=tmp_path, env=launcher_env(),
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert built.stdout.split() == ["256", "256"]
