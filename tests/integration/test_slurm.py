@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shlex
 import signal
 import socket
@@ -20,6 +21,7 @@ import psutil
 import pytest
 
 from conftest import CONFIGS, MINIMAL, WORKERS, launcher_env, run_launcher
+from fault_fuzz import draw_cases, journal_records
 from process_checks import assert_pids_dead, pids_in, wait_for
 from slurm_cluster import job_processes
 
@@ -267,24 +269,26 @@ def test_backend_slurm_outside_an_allocation_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "autotuning_exps").exists()
 
 
-def start_tune(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False) -> subprocess.Popen:
-    """A slow tune (1.5 s a step) as salloc's command, its output to files."""
+def start_tune(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False,
+               ms_per_step: int = 1500) -> subprocess.Popen:
+    """A slow tune (1.5 s a step by default) as salloc's command, its output to files."""
     from conftest import write_config
 
     config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 16, "tuner_type": "predictive",
                                                  "warm_start": warm})
     command = ["salloc", *salloc_flags, "--nodes=2", "--job-name=autotuner-test", sys.executable, "-m", "autotuner",
                "--autotuning", "tune", "--backend", "slurm", "--num_nodes", "1", "--nproc_per_node", "1",
-               str(WORKERS / "toy_train.py"), "--ms_per_step", "1500", "--steps", "12", "--deepspeed", str(config)]
+               str(WORKERS / "toy_train.py"), "--ms_per_step", str(ms_per_step), "--steps", "12",
+               "--deepspeed", str(config)]
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         return subprocess.Popen(command, cwd=tmp_path, env=cluster.env(launcher_env()), stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=err, start_new_session=True)
 
 
 @contextmanager
-def tune_in_background(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False):
+def tune_in_background(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False, ms_per_step: int = 1500):
     """`start_tune`'s salloc, killed with its session on the way out if it is still running."""
-    tuner = start_tune(cluster, tmp_path, *salloc_flags, warm=warm)
+    tuner = start_tune(cluster, tmp_path, *salloc_flags, warm=warm, ms_per_step=ms_per_step)
     try:
         yield tuner
     finally:
@@ -436,3 +440,51 @@ def test_hugging_faces_run_clm_is_tuned_warm_on_both_nodes_then_trained_across_t
     assert "training with the optimal config" in result.stdout
     assert (tmp_path / "out" / "train_results.json").exists(), result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+
+
+SLURM_FUZZ_SEED = int(os.environ.get("AUTOTUNER_FAULT_FUZZ_SEED") or random.SystemRandom().randrange(1, 10**6))
+SLURM_FAULTS = ("SIGINT", "SIGTERM", "SIGKILL", "scancel")
+FUZZ_MS_PER_STEP = 300
+SLURM_TUNE_LENGTH_S = 13.0  # the fuzz tune's clean length from the job's start (12.5 s measured here)
+SLURM_CASES = draw_cases(SLURM_FUZZ_SEED, 2, {"slurm_warm": SLURM_TUNE_LENGTH_S}, ("slurm_warm",), SLURM_FAULTS)
+# salloc's exit status once the fault landed: its command's, and 0 for a command killed by
+# SIGKILL (Slurm 22.05's salloc reports it so; measured here).
+FUZZ_STATUS = {"SIGINT": {130}, "SIGTERM": {143}, "scancel": {143}, "SIGKILL": {0, 137}}
+
+
+@slow
+@pytest.mark.parametrize("case", SLURM_CASES, ids=[f"seed{SLURM_FUZZ_SEED}-case{c.index}-{c.fault}-{c.delay_s:.1f}s"
+                                                   for c in SLURM_CASES])
+def test_a_warm_tune_stopped_at_a_random_instant_leaves_nothing_of_the_job_and_resumes(slurm_cluster, tmp_path, case):
+    """Replays with AUTOTUNER_FAULT_FUZZ_SEED=S (the seed is in the test id). The instant is drawn
+    over the tune's clean length from the job's start: the nodes' servers starting, experiments
+    running on both nodes, results coming back, the summary being written."""
+    with tune_in_background(slurm_cluster, tmp_path, warm=True, ms_per_step=FUZZ_MS_PER_STEP) as tuner:
+        job_id = job_of(tmp_path)
+        time.sleep(case.delay_s)
+        landed = tuner.poll() is None
+        if landed and case.fault == "scancel":
+            slurm_cluster.command("scancel", job_id)
+        elif landed:
+            head = [p for p in psutil.Process(tuner.pid).children() if "autotuner" in p.cmdline()]
+            landed = bool(head)
+            if landed:
+                head[0].send_signal(getattr(signal, case.fault))
+        status = tuner.wait(timeout=120)
+    err = (tmp_path / "err.txt").read_text()
+    what = f"{case.describe(SLURM_FUZZ_SEED)}: "
+    assert status in (FUZZ_STATUS[case.fault] | {0} if landed else {0}), what + f"exit {status}: {err[-3000:]}"
+    if status != 0 and case.fault != "SIGKILL":
+        assert "Traceback" not in err, what + err[-3000:]
+    assert job_left(job_id) == [], what
+    complete, problems = journal_records(tmp_path)
+    assert problems == [], what + str(problems)
+
+    launched = {name: (tmp_path / "autotuning_exps" / name / "cmd.txt").stat().st_mtime for name in complete}
+
+    resumed = start_tune(slurm_cluster, tmp_path, warm=True, ms_per_step=FUZZ_MS_PER_STEP)
+    assert resumed.wait(timeout=400) == 0, what + (tmp_path / "err.txt").read_text()[-3000:]
+    again = [name for name, mtime in launched.items()
+             if (tmp_path / "autotuning_exps" / name / "cmd.txt").stat().st_mtime != mtime]
+    assert again == [], what + f"complete records launched again on resume: {again}"
+    assert (tmp_path / "autotuning_results" / "ds_config_optimal.json").exists()
