@@ -173,21 +173,24 @@ class RayRunner:
         self._hold(placement)
         running = RunningTrial(trial, placement, group, workers, {}, time.monotonic(), 0)
         self._running.append(running)
+        lost = False
         try:
             describing = [w.describe.remote() for w in workers]
-            if self._wait_while_pinned_nodes_live(describing, pinned) == NODE_LOST:
-                raise _NodeLost
-            described = _interruptible(ray.get, describing, timeout=PLACEMENT_TIMEOUT_S)
-            master = described[0]["address"]
-            running.port = _interruptible(ray.get, workers[0].free_port.remote(sorted(self._ports.get(master, ()))),
-                                          timeout=PLACEMENT_TIMEOUT_S)
+            lost = self._wait_while_pinned_nodes_live(describing, pinned) == NODE_LOST
+            if not lost:  # ready, or past PLACEMENT_TIMEOUT_S already: no second wait
+                described = _interruptible(ray.get, describing, timeout=0)
+                master = described[0]["address"]
+                running.port = _interruptible(ray.get, workers[0].free_port.remote(sorted(self._ports.get(master, ()))),
+                                              timeout=PLACEMENT_TIMEOUT_S)
         except Exception as err:  # noqa: BLE001 - an actor that never came up fails this trial only
-            if isinstance(err, _NodeLost) or not pinned <= {node.node_id for node in self._live_nodes()}:
-                self._release(running)
-                self._place_again(trial, placement)
+            lost = not self._pinned_nodes_live(pinned)
+            if not lost:
+                running.lost[0] = f"its ranks' actors did not start ({type(err).__name__}: {err})"
+                running.stopping_since = time.monotonic()
                 return
-            running.lost[0] = f"its ranks' actors did not start ({type(err).__name__}: {err})"
-            running.stopping_since = time.monotonic()
+        if lost:
+            self._release(running)
+            self._place_again(trial, placement)
             return
         self._ports.setdefault(master, set()).add(running.port)
         write_placement(running, ended=False)
@@ -205,10 +208,13 @@ class RayRunner:
             ready, _ = _interruptible(self._ray.wait, refs, num_returns=len(refs), timeout=NODE_CHECK_S)
             if len(ready) == len(refs):
                 return READY
-            if not pinned <= {node.node_id for node in self._live_nodes()}:
+            if not self._pinned_nodes_live(pinned):
                 return NODE_LOST
             if time.monotonic() > deadline:
                 return TIMED_OUT
+
+    def _pinned_nodes_live(self, pinned: set[str]) -> bool:
+        return pinned <= {node.node_id for node in self._live_nodes()}
 
     def _place_again(self, trial: Trial, placement: Placement) -> None:
         """A node of the placement left the cluster before any rank started: nothing ran, so the
@@ -344,10 +350,6 @@ class RayRunner:
         self._running.clear()
         if self._ray.is_initialized():
             self._ray.shutdown()
-
-
-class _NodeLost(Exception):
-    """A node a trial's bundles are pinned to left the cluster before its ranks started."""
 
 
 def _interruptible(call: Callable, *args, **kwargs):

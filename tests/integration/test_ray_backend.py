@@ -22,6 +22,7 @@ import pytest
 
 from conftest import TOY, launcher_env, write_config
 from fault_fuzz import RAY_FAULTS, draw_cases, run_ray_case
+from process_checks import wait_for
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'autotuner[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -250,10 +251,7 @@ def test_a_node_lost_while_an_experiment_waits_for_its_placement_places_it_again
         tuner = subprocess.Popen(command, cwd=tmp_path, env=launcher_env(), stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True)
         first = tmp_path / "autotuning_exps" / "z0_gas1_mbs2" / "stdout.log"
-        deadline = time.monotonic() + 120
-        while not first.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert first.exists(), tuner.communicate(timeout=60)
+        wait_for(first.exists, 120, "the first experiment's directory", tuner)
         time.sleep(2)  # its placement group is pending on the held node by now
         assert not (first.parent / "placement.json").exists(), "the experiment started on the held node"
         cluster.remove_node(worker)
