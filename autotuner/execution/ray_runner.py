@@ -9,7 +9,8 @@ there holds. Several experiments run at once when the cluster has room (`capacit
 `submit`s them and takes results in the order they finish (`next_result`).
 
 A rank that fails, or a node that is lost, fails only its experiment; the others' ranks are
-stopped. Every actor and placement group is removed when its experiment ends and again in
+stopped. A node lost before any rank of an experiment started (its placement group or actors
+still waiting there) fails nothing: the experiment is placed again on the nodes left. Every actor and placement group is removed when its experiment ends and again in
 `close`, on every path out of the tuner; a Ray instance started here is shut down.
 """
 
