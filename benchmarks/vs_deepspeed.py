@@ -299,6 +299,20 @@ def run_ours(args, work: Path, tuner_type: str, engine: str) -> dict:
     return our_outcome(work, name, command, code, wall, engine)
 
 
+def _mib(value) -> float | None:
+    return round(value / 2**20, 1) if value else None
+
+
+def _experiment_records(exps: Path) -> list[dict]:
+    """Each finished launch's journal record (exp.json) under `exps`, its folder name added."""
+    records = []
+    for path in sorted(exps.glob("*/exp.json")):
+        result = json.loads(path.read_text()).get("result")
+        if result:
+            records.append({**result, "folder": path.parent.name})
+    return records
+
+
 def our_outcome(work: Path, name: str, command: list[str], code: int | None, wall: float, engine: str) -> dict:
     """What our tuner did in `work`, read from its experiments.csv."""
     results = work / "autotuning_results"
@@ -321,6 +335,21 @@ def our_outcome(work: Path, name: str, command: list[str], code: int | None, wal
         engines = set(launched.get("engine", pd.Series(dtype=str)).dropna())
         if engines and engines != {engine}:
             problems.append(f"launches ran on {sorted(engines)}, expected {engine}")
+    elif records := _experiment_records(work / "autotuning_exps"):
+        # Stopped before its summary (a time cap): each finished launch left its record, and the best
+        # so far stands for its pick, as for DeepSpeed's autotuner stopped at its cap.
+        problems.append(f"no {csv_path}: read {len(records)} experiment record(s); its best so far stands for its pick")
+        launched_count, failed = len(records), sum(r["state"] != "ok" for r in records)
+        ok = [r for r in records if r["state"] == "ok" and r["value"] is not None]
+        if ok:
+            best = max(ok, key=lambda r: r["value"])
+            spec = best["experiment"]
+            chosen = Experiment(int(spec["zero_stage"]), int(spec["micro_batch_size"]),
+                                int(spec["gradient_accumulation_steps"]))
+            reported = float(best["value"])
+        per_experiment = [{"name": r["folder"], "state": r["state"], "metric_value": r["value"],
+                           "predicted_memory_mib": _mib(r.get("predicted_memory_bytes")),
+                           "measured_memory_mib": _mib(r.get("measured_memory_bytes"))} for r in records]
     else:
         problems.append(f"no {csv_path}")
     if code != 0:

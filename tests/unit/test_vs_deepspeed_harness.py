@@ -1,0 +1,44 @@
+"""benchmarks/vs_deepspeed.py reads our tuner's outcome; a tune stopped at its time cap writes no
+summary, so its launches are read from the experiment records it kept (on an H200, 2026-11-27,
+the harness reported a capped tune as "0 launches")."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.trials.journal import write_entry
+from fakes import fingerprint
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _harness():
+    sys.path.insert(0, str(BENCHMARKS))  # its sibling tuning_quality.py
+    try:
+        spec = importlib.util.spec_from_file_location("vs_deepspeed", BENCHMARKS / "vs_deepspeed.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
+
+def test_a_tune_stopped_at_its_cap_is_read_from_its_experiment_records(tmp_path):
+    exps = tmp_path / "autotuning_exps"
+    launches = [(Experiment(0, 1), TrialState.OK, 7.9), (Experiment(1, 60), TrialState.OK, 95.2),
+                (Experiment(3, 59), TrialState.OK, 94.5), (Experiment(0, 64), TrialState.OOM, None)]
+    for experiment, state, value in launches:
+        write_entry(exps / experiment.name, TrialResult(experiment, state, value=value), fingerprint())
+    harness = _harness()
+    outcome = harness.our_outcome(tmp_path, "ours", ["launcher"], None, 130.2, "deepspeed")
+    assert (outcome["experiments"], outcome["failed"]) == (4, 1)
+    assert outcome["chosen"] == Experiment(1, 60) and outcome["reported_metric"] == 95.2
+    assert "best so far stands for its pick" in outcome["problems"][0]
+    assert "exit status None" in outcome["problems"]
+    # Nothing kept at all: said, and no pick.
+    empty = harness.our_outcome(tmp_path / "nothing", "ours", ["launcher"], None, 5.0, "deepspeed")
+    assert empty["experiments"] == 0 and empty["chosen"] is None and empty["problems"][0].startswith("no ")
