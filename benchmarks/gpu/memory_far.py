@@ -97,6 +97,23 @@ def sweep(args, spec: str, work: Path, rows: list[dict]) -> None:
             micro *= 4 if micro < args.sweep_dense_from else 2
 
 
+def stopped_launches(exps: Path) -> list[dict]:
+    """The launches a tune stopped before its summary kept, as experiments.csv rows (its columns
+    this script reads). Their phase is not recorded: a folder `NAME_remeasureK` is a re-measurement."""
+    rows = []
+    for path in sorted(exps.glob("*/exp.json")):
+        result = json.loads(path.read_text())["result"]
+        spec, folder = result["experiment"], path.parent.name
+        predicted, measured = mib(result.get("predicted_memory_bytes")), mib(result.get("measured_memory_bytes"))
+        rows.append({"name": result["name"], "phase": "remeasure" if folder != result["name"] else "",
+                     "state": result["state"], "zero_stage": spec["zero_stage"],
+                     "micro_batch_size": spec["micro_batch_size"], "metric_value": result.get("value"),
+                     "predicted_memory_mib": predicted, "measured_memory_mib": measured,
+                     "memory_error_pct": round(100 * (predicted - measured) / measured, 1)
+                     if predicted and measured else None})
+    return rows
+
+
 def tune(args, spec: str, work: Path, rows: list[dict]) -> None:
     preset, seq_len = spec.split(":")
     if remaining(args) < args.keep_s + 30:
@@ -122,11 +139,13 @@ def tune(args, spec: str, work: Path, rows: list[dict]) -> None:
     with (args.out_dir / "memory_tune.log").open("a") as handle:
         handle.write(f"\n===== {spec}: exit {code} in {wall:.1f} s\n{output}")
     table = tune_dir / "results" / "experiments.csv"
-    if not table.exists():
-        log(f"tune {spec}: no experiments.csv (exit {code})")
-        return
+    if table.exists():
+        launches = list(csv.DictReader(table.open()))
+    else:  # stopped at its cap before its summary: each finished launch's record (exp.json) stands
+        launches = stopped_launches(tune_dir / "exps")
+        log(f"tune {spec}: no experiments.csv (exit {code}); {len(launches)} launch record(s) read instead")
     remeasured: dict[str, int] = {}
-    for launch in csv.DictReader(table.open()):
+    for launch in launches:
         if launch["state"] == "pruned":
             continue
         folder = launch["name"]
