@@ -1,5 +1,5 @@
 """Memory model for DeepSpeed's own ZeRO engine: bytes per rank for a stage, precision and
-its zero_optimization knobs. Pure functions; the tuner's residual fit (memory_fit.py)
+its zero_optimization knobs. Pure functions; the tuner's residual fit (peak_fit.py)
 calibrates them against the peaks each launch measures.
 
 What DeepSpeed 0.19 holds, per rank, for P parameters over N data-parallel ranks, with c the

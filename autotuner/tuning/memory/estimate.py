@@ -17,7 +17,7 @@ policy would hold, measured on the profile's own step). `baseline_bytes` is what
 before the model (CUDA context, or on CPU the interpreter and libraries).
 
 A script that trains on DeepSpeed's own engine (`engine == "deepspeed"`) is costed from
-DeepSpeed's formulas instead (deepspeed_memory.py); each engine's families are fitted apart.
+DeepSpeed's formulas instead (deepspeed_states.py); each engine's families are fitted apart.
 """
 
 from __future__ import annotations

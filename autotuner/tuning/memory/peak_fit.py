@@ -1,6 +1,6 @@
 """The memory model fitted to measured peaks: per engine, a line in micro-batch on top of the analytic model.
 
-The analytic model (memory.py) costs what the launches cannot separate: stage, precision,
+The analytic model (estimate.py) costs what the launches cannot separate: stage, precision,
 offload and gas terms. What it gets wrong grows with the micro-batch: autograd's saved bytes
 are not the peak's per-sample growth (convolution work buffers, allocator slack), and a short
 profile does not see the steady state. So per engine family (DDP, FSDP2) the residual

@@ -1,5 +1,5 @@
 """The tuner's memory bookkeeping: the analytic model for the profiled model, the per-rank budget,
-and per engine the residual line fitted to every measured peak (memory_fit.py), refitted after
+and per engine the residual line fitted to every measured peak (memory/peak_fit.py), refitted after
 each launch. The orchestrator asks it one question before every launch: does this fit?"""
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ class MemoryBook:
 
     def predicted_largest(self) -> dict[Any, int]:
         """Per stage, the largest micro-batch whose experiment (with its own gas) is predicted to
-        fit; per (stage, variant) too, for each variant searched beside a stage (search.py)."""
+        fit; per (stage, variant) too, for each variant searched beside a stage (searches/stage_search.py)."""
         largest: dict[Any, int] = {}
         for stage in self.space.stages:
             for variant in self.space.variants_for(stage):

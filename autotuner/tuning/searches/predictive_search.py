@@ -144,7 +144,7 @@ class _SearchedPredictive(PredictiveTuner):
     def _choose(self, untried: list[Experiment]) -> Experiment:
         """A later variant waits for its stage's curve without it (two sizes measured), so the model
         can rule it out. A variant never launched is launched first at its smallest size
-        (search.py `first_of_variant`), standing in for its most promising candidate: that one's
+        (stage_search.py `first_of_variant`), standing in for its most promising candidate: that one's
         bound decides whether it is worth launching at all."""
         waiting = set()
         for candidate in untried:
@@ -187,7 +187,7 @@ class _SearchedPredictive(PredictiveTuner):
 
     def _not_memory_bound(self, candidate: Experiment) -> TrialResult | None:
         """A later variant's candidate where its stage's best without it is below the largest size
-        the stage reaches without it (search.py `not_memory_bound`)."""
+        the stage reaches without it (variant_rules.py `not_memory_bound`)."""
         if not variant_of(self.search_space, candidate):
             return None
         stage = candidate.zero_stage

@@ -1,6 +1,6 @@
 """Rules for the dimensions searched beyond stage x micro-batch x gas (tuning/space/dimensions.py):
 variants (activation checkpointing policies), searched beside their stage, and finishes
-(compile), tried last on the best configurations. Shared by the grid search (search.py) and
+(compile), tried last on the best configurations. Shared by the grid search (stage_search.py) and
 the predictive one (predictive_search.py); nothing here launches."""
 
 from __future__ import annotations
