@@ -1,7 +1,7 @@
 """DeepSpeed's autotuner against ours on one GPU: same script, same engine (DeepSpeed's), same space.
 
     python benchmarks/gpu/vs_deepspeed_gpu.py --preset gpt2-medium --seq_len 1024 --out_dir $OUT \
-        [--tuners predictive,deepspeed[,gridsearch]] [--caps_s 150,330[,120]] [--deadline_s 545]
+        [--tuners predictive,deepspeed[,gridsearch]] [--caps_s 150,330[,120]] [--deadline_s 545] [--resume]
 
 The workload is benchmarks/workloads/gpt2_dual_engine.py --engine deepspeed: the GPT-2 example's
 model and data on DeepSpeed's own engine, bf16, Adam through torch (`torch_adam`: no JIT-built op),
@@ -17,6 +17,10 @@ re-measures the picks interleaved (A B C A B C) by one harness on DeepSpeed's en
 launcher (autotuner.app.measure), with a longer window (steps 3-8). tokens/s and MFU (analytic
 6 x parameters + 12 x layers x width x sequence FLOPs per token, against the bf16 8192^3 matrix
 product rate measured in the same call) are derived from the re-measured samples/s.
+DeepSpeed's whole run outlasts one 10-minute device call (its launches start 45 s apart on an H200,
+about 20 of them): with --resume a later call goes on from the same --work_dir (on a warm machine
+the ignored output/ folder stays), each tuner resuming its finished experiments, the one cut at the
+cap run again, and its wall time summed over the calls (segments.json in its folder).
 Out: gpu_vs_deepspeed.csv (one row per tuner), gpu_vs_deepspeed.log, gpu_vs_deepspeed_runs.json
 (every experiment: DeepSpeed's with its own memory estimate lines, ours with predicted and
 measured memory), and a tarball of every log.
@@ -67,7 +71,10 @@ def user_config(tuner: str, args, work: Path) -> dict:
         "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "weight_decay": 0.0, "torch_adam": True}},
         "zero_optimization": {"stage": [0, 1, 2, 3] if tuner == "deepspeed" else "all"},
         "autotuning": {
-            "enabled": True, "fast": True, "overwrite": True, "metric": "throughput",
+            # Each tuner keeps its finished experiments (DeepSpeed's skips a result it has), so a call with
+            # --resume goes on where the last stopped; without it, run_tuner empties the folder first.
+            # The same config either way: our tuner reuses records only under an unchanged fingerprint.
+            "enabled": True, "fast": True, "overwrite": False, "metric": "throughput",
             "results_dir": str(work / "autotuning_results"), "exps_dir": str(work / "autotuning_exps"),
             "start_profile_step": 3, "end_profile_step": 5,
             "max_train_micro_batch_size_per_gpu": args.max_micro,
@@ -95,32 +102,74 @@ def remaining(args) -> float:
 
 
 def run_tuner(tuner: str, args, cap_s: float) -> dict:
+    """One tuner's run under `cap_s`. With --resume it goes on from the calls before (the same
+    --work_dir, on a warm machine or carried back): its wall time is the sum of every call's."""
     work = args.work_dir / tuner
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
+    segments_file = work / "segments.json"
+    segments = json.loads(segments_file.read_text()) if args.resume and segments_file.exists() else []
+    if segments and segments[-1]["exit"] is not None:
+        log(f"{tuner}: finished in an earlier call; read back, not run again")
+        return outcome_of(tuner, work, segments)
+    if not segments:
+        shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    if segments and segments[-1].get("cut"):
+        # The experiment DeepSpeed's run was in when its cap ended it: DeepSpeed would read it as
+        # finished (it left a stderr.log), so it is removed and runs again.
+        shutil.rmtree(work / "autotuning_results" / segments[-1]["cut"], ignore_errors=True)
     (work / "ds.json").write_text(json.dumps(user_config(tuner, args, work), indent=2))
     if tuner == "deepspeed":
         command = [shutil.which("deepspeed") or "deepspeed", "--autotuning", "tune", "--num_gpus", "1",
                    *workload_args(args, "ds.json")]
-        log_name = "deepspeed_tune"
     else:
         command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "1",
                    "--engine", "deepspeed", *workload_args(args, "ds.json")]
-        log_name = "ours_tune"
-    log(f"{tuner}: cap {cap_s:.0f} s: {' '.join(command)}")
+    log_name = log_name_of(tuner)
+    for stream in ("stdout", "stderr"):  # an earlier call's logs are kept beside this one's
+        earlier = work / f"{log_name}.{stream}.log"
+        if earlier.exists():
+            earlier.rename(work / f"{log_name}.call{len(segments)}.{stream}.log")
+    log(f"{tuner}: cap {cap_s:.0f} s{f' (call {len(segments) + 1})' if segments else ''}: {' '.join(command)}")
     code, wall = run_bounded(command, work, environment(), cap_s, log_name)
+    segment = {"wall_s": round(wall, 1), "exit": code, "command": command}
+    if tuner == "deepspeed" and code is None:
+        segment["cut"] = experiment_running_at_cap(work)
+    segments.append(segment)
+    segments_file.write_text(json.dumps(segments, indent=1))
+    outcome = outcome_of(tuner, work, segments)
+    log(f"{tuner}: exit {code} in {wall:.0f} s ({outcome['wall_s']:.0f} s over {len(segments)} call(s)), "
+        f"{outcome['experiments']} launches, pick {outcome['chosen'].name if outcome['chosen'] else None}, "
+        f"problems {outcome['problems'][:3]}")
+    return outcome
+
+
+def log_name_of(tuner: str) -> str:
+    return "deepspeed_tune" if tuner == "deepspeed" else "ours_tune"
+
+
+def experiment_running_at_cap(work: Path) -> str | None:
+    """The last experiment DeepSpeed's log says it launched, if it left no result (metrics or model info)."""
+    launched = re.findall(r"Launching exp_id = \d+, exp_name = ([^,\s]+)",
+                          (work / "deepspeed_tune.stdout.log").read_text(errors="replace"))
+    if not launched:
+        return None
+    result = work / "autotuning_results" / launched[-1]
+    return None if (result / "metrics.json").exists() or (result / "model_info.json").exists() else launched[-1]
+
+
+def outcome_of(tuner: str, work: Path, segments: list[dict]) -> dict:
+    code, wall = segments[-1]["exit"], sum(s["wall_s"] for s in segments)
+    command = segments[-1]["command"]
     if tuner == "deepspeed":
         outcome = deepspeed_outcome(work, command, code, wall)
-        text = (work / "deepspeed_tune.stdout.log").read_text(errors="replace")
+        text = "".join(p.read_text(errors="replace") for p in sorted(work.glob("deepspeed_tune*.stdout.log")))
         # DeepSpeed's memory model, as it logs it: the estimate per stage and the micro-batch bound.
         outcome["memory_estimates"] = re.findall(r"(?:requires at least|calculated_max_micro_batch_size|"
                                                  r"memory per gpu|instantiation memory)[^\n]*", text)
-        outcome["timed_out"] = code is None
     else:
         outcome = our_outcome(work, f"ours_{tuner}", command, code, wall, "deepspeed")
-        outcome["timed_out"] = code is None
-    log(f"{tuner}: exit {code} in {wall:.0f} s, {outcome['experiments']} launches, pick "
-        f"{outcome['chosen'].name if outcome['chosen'] else None}, problems {outcome['problems'][:3]}")
+    outcome["timed_out"] = code is None
+    outcome["calls"] = [{"wall_s": s["wall_s"], "exit": s["exit"]} for s in segments]
     return outcome
 
 
@@ -138,6 +187,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--deadline_s", type=float, default=545, help="whole-run budget; re-measurement uses what is left")
     parser.add_argument("--work_dir", type=Path, default=ROOT / "output" / "vs_deepspeed_gpu")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on from an earlier call's --work_dir: a tuner stopped at its cap resumes (finished "
+                             "experiments are not run again) and its wall time adds up over the calls")
     parser.add_argument("--out_dir", type=Path, required=True)
     args = parser.parse_args()
     args.work_dir = args.work_dir.resolve()

@@ -42,3 +42,32 @@ def test_a_tune_stopped_at_its_cap_is_read_from_its_experiment_records(tmp_path)
     # Nothing kept at all: said, and no pick.
     empty = harness.our_outcome(tmp_path / "nothing", "ours", ["launcher"], None, 5.0, "deepspeed")
     assert empty["experiments"] == 0 and empty["chosen"] is None and empty["problems"][0].startswith("no ")
+
+
+def _gpu_harness():
+    sys.path.insert(0, str(BENCHMARKS / "gpu"))
+    try:
+        spec = importlib.util.spec_from_file_location("vs_deepspeed_gpu", BENCHMARKS / "gpu" / "vs_deepspeed_gpu.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS / "gpu"))
+    return module
+
+
+def test_the_experiment_deepspeeds_run_was_in_at_its_cap_is_named_so_a_resumed_call_runs_it_again(tmp_path):
+    """DeepSpeed's autotuner reads an experiment folder with a stderr.log as finished: the one its
+    cap cut must go before a resumed call (--resume), and only that one."""
+    harness = _gpu_harness()
+    results = tmp_path / "autotuning_results"
+    log = ("[INFO] [scheduler.py:381:run_experiment] Launching exp_id = 0, exp_name = profile_model_info, with x\n"
+           "[INFO] [scheduler.py:381:run_experiment] Launching exp_id = 1, exp_name = z0_gas1_tmbspg1, with x\n")
+    (tmp_path / "deepspeed_tune.stdout.log").write_text(log)
+    for name, result in (("profile_model_info", "model_info.json"), ("z0_gas1_tmbspg1", None)):
+        (results / name).mkdir(parents=True)
+        (results / name / "stderr.log").write_text("")
+        if result:
+            (results / name / result).write_text("{}")
+    assert harness.experiment_running_at_cap(tmp_path) == "z0_gas1_tmbspg1"
+    (results / "z0_gas1_tmbspg1" / "metrics.json").write_text("{}")  # it had finished: nothing is cut
+    assert harness.experiment_running_at_cap(tmp_path) is None
