@@ -52,7 +52,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from autotuner.app.measure import Experiment, ExperimentSettings, measurement_settings
+from autotuner.app.measure import Experiment, ExperimentSettings, TrialState, journaled_result, measurement_settings
 from tuning_quality import measure_rounds, median_value, merge_csv, spread
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -303,14 +303,9 @@ def _mib(value) -> float | None:
     return round(value / 2**20, 1) if value else None
 
 
-def _experiment_records(exps: Path) -> list[dict]:
-    """Each finished launch's journal record (exp.json) under `exps`, its folder name added."""
-    records = []
-    for path in sorted(exps.glob("*/exp.json")):
-        result = json.loads(path.read_text()).get("result")
-        if result:
-            records.append({**result, "folder": path.parent.name})
-    return records
+def _experiment_records(exps: Path) -> list:
+    """Each finished launch's journaled result under `exps` (re-measurements' folders included), by folder."""
+    return [(path.parent.name, journaled_result(path.parent)) for path in sorted(exps.glob("*/exp.json"))]
 
 
 def our_outcome(work: Path, name: str, command: list[str], code: int | None, wall: float, engine: str) -> dict:
@@ -339,17 +334,14 @@ def our_outcome(work: Path, name: str, command: list[str], code: int | None, wal
         # Stopped before its summary (a time cap): each finished launch left its record, and the best
         # so far stands for its pick, as for DeepSpeed's autotuner stopped at its cap.
         problems.append(f"no {csv_path}: read {len(records)} experiment record(s); its best so far stands for its pick")
-        launched_count, failed = len(records), sum(r["state"] != "ok" for r in records)
-        ok = [r for r in records if r["state"] == "ok" and r["value"] is not None]
+        launched_count, failed = len(records), sum(r.state is not TrialState.OK for _, r in records)
+        ok = [r for _, r in records if r.state is TrialState.OK and r.value is not None]
         if ok:
-            best = max(ok, key=lambda r: r["value"])
-            spec = best["experiment"]
-            chosen = Experiment(int(spec["zero_stage"]), int(spec["micro_batch_size"]),
-                                int(spec["gradient_accumulation_steps"]))
-            reported = float(best["value"])
-        per_experiment = [{"name": r["folder"], "state": r["state"], "metric_value": r["value"],
-                           "predicted_memory_mib": _mib(r.get("predicted_memory_bytes")),
-                           "measured_memory_mib": _mib(r.get("measured_memory_bytes"))} for r in records]
+            best = max(ok, key=lambda r: r.value)
+            chosen, reported = best.experiment, float(best.value)
+        per_experiment = [{"name": folder, "state": r.state.value, "metric_value": r.value,
+                           "predicted_memory_mib": _mib(r.predicted_memory_bytes),
+                           "measured_memory_mib": _mib(r.measured_memory_bytes)} for folder, r in records]
     else:
         problems.append(f"no {csv_path}")
     if code != 0:

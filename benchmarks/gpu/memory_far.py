@@ -29,7 +29,7 @@ from pathlib import Path
 
 from common import ROOT, SCRIPT, gpt2_config, script_args, settings_for
 
-from autotuner.app.measure import Experiment, TrialState
+from autotuner.app.measure import Experiment, TrialState, journaled_result
 from autotuner.execution.cold import ColdRunner
 from autotuner.tuning.trials.trial import Trial
 
@@ -98,16 +98,16 @@ def sweep(args, spec: str, work: Path, rows: list[dict]) -> None:
 
 
 def stopped_launches(exps: Path) -> list[dict]:
-    """The launches a tune stopped before its summary kept, as experiments.csv rows (its columns
-    this script reads). Their phase is not recorded: a folder `NAME_remeasureK` is a re-measurement."""
+    """The launches a tune stopped before its summary kept (journaled results), as experiments.csv
+    rows with the columns this script reads. Their phase is not journaled: a folder `NAME_remeasureK`
+    is a re-measurement."""
     rows = []
     for path in sorted(exps.glob("*/exp.json")):
-        result = json.loads(path.read_text())["result"]
-        spec, folder = result["experiment"], path.parent.name
-        predicted, measured = mib(result.get("predicted_memory_bytes")), mib(result.get("measured_memory_bytes"))
-        rows.append({"name": result["name"], "phase": "remeasure" if folder != result["name"] else "",
-                     "state": result["state"], "zero_stage": spec["zero_stage"],
-                     "micro_batch_size": spec["micro_batch_size"], "metric_value": result.get("value"),
+        result, folder = journaled_result(path.parent), path.parent.name
+        predicted, measured = mib(result.predicted_memory_bytes), mib(result.measured_memory_bytes)
+        rows.append({"name": result.name, "phase": "remeasure" if folder != result.name else "",
+                     "state": result.state.value, "zero_stage": result.experiment.zero_stage,
+                     "micro_batch_size": result.experiment.micro_batch_size, "metric_value": result.value,
                      "predicted_memory_mib": predicted, "measured_memory_mib": measured,
                      "memory_error_pct": round(100 * (predicted - measured) / measured, 1)
                      if predicted and measured else None})
