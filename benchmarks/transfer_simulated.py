@@ -66,6 +66,9 @@ def true_step_s(experiment: Experiment, compute: float) -> float:
 # second size; 8: not), and the earlier, smaller model's (another: the shape changed, as a fourfold
 # width moves where the compute saturates).
 FASTEST = [16, 16]
+# Set from --remeasure_top and --remeasure_rounds: the larger model's final pick (autotuning keys of
+# the same names); the earlier run's keeps the defaults, as its history was written.
+FINAL_PICK = [3, 3]
 
 
 def samples_per_s(experiment: Experiment, step_s: float) -> float:
@@ -98,9 +101,12 @@ def search(launch: Launches, known: list[TrialResult], prior: tuple[Observation,
     return [r for r in outcome.results if r.state is TrialState.OK]
 
 
-def final_pick(launch: Launches, results: list[TrialResult]) -> tuple[Experiment, list[TrialResult]]:
-    """The tuner's final pick (final_pick.py, the config's defaults: top 3, at most 3 rounds)."""
-    pick, remeasured, _ = final_pick_rounds(results, POLICY.objective, 3, 3, launch, lambda line: None)
+def final_pick(launch: Launches, results: list[TrialResult],
+               settings: tuple[int, int] | None = None) -> tuple[Experiment, list[TrialResult]]:
+    """The tuner's final pick (final_pick.py) with (remeasure_top, remeasure_rounds): `settings`,
+    else FINAL_PICK."""
+    top, rounds = settings or FINAL_PICK
+    pick, remeasured, _ = final_pick_rounds(results, POLICY.objective, top, rounds, launch, lambda line: None)
     return pick.experiment, [result for _, result in remeasured]
 
 
@@ -109,7 +115,7 @@ def prior_run(noise: float, rng: np.random.Generator, outliers: float) -> transf
     launch = Launches(1.0, noise, rng, outliers)
     known = profile(launch)
     results = known + search(launch, known, ())
-    results += final_pick(launch, results)[1]
+    results += final_pick(launch, results, (3, 3))[1]  # the defaults, as its history was written
     steps = tuple(Observation(r.experiment, r.measurement.latency) for r in results)
     return transfer.PriorRun("small", SMALL, steps)
 
@@ -157,10 +163,16 @@ def main() -> None:
                         help="the true surface's fastest micro-batch (16 is where a cold profile's second launch goes)")
     parser.add_argument("--prior_fastest", type=int, choices=sorted(CURVATURE), default=None,
                         help="the earlier run's fastest micro-batch (default: --fastest; another: a changed shape)")
+    parser.add_argument("--remeasure_top", type=int, default=3,
+                        help="the larger model's final pick: autotuning.remeasure_top (default 3)")
+    parser.add_argument("--remeasure_rounds", type=int, default=3,
+                        help="... and autotuning.remeasure_rounds (default 3; 0 re-measures nothing)")
     args = parser.parse_args()
     FASTEST[:] = [args.fastest, args.prior_fastest or args.fastest]
+    FINAL_PICK[:] = [args.remeasure_top, args.remeasure_rounds]
     print(f"{args.seeds} seeds, {args.outliers:.0%} disturbed windows, fastest micro-batch {FASTEST[0]} "
-          f"(the earlier run's: {FASTEST[1]}); launches after the profile's 2, means")
+          f"(the earlier run's: {FASTEST[1]}); final pick: remeasure_top {args.remeasure_top}, remeasure_rounds "
+          f"{args.remeasure_rounds}; launches after the profile's 2, means")
     print("| launch noise | arm | search | re-measured | all (with the profile's 2) | seeds with more launches "
           "than cold | regret mean | regret p90 | regret worst | picks 2%+ behind |")
     print("|---|---|---|---|---|---|---|---|---|---|")

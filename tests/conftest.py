@@ -28,7 +28,7 @@ TOY_MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
 # do not test it (test_history.py, test_autotune_e2e.py and test_ray_backend.py do).
 TOY_AUTOTUNING = {"enabled": True, "arg_mappings": TOY_MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
                   "exp_timeout_s": 120, "tuner_type": "gridsearch", "remeasure_rounds": 0, "history": False}
-REMEASURED = {"remeasure_rounds": 3}  # the config's default: the final pick re-measured interleaved
+REMEASURED = {"remeasure_rounds": 3}  # more than the default 1: the final pick re-measured round after round
 
 
 def write_json(path: Path, config: dict) -> Path:

@@ -137,7 +137,9 @@ class AutotuningConfig(Section):
                           "when it has one, else the steady metric alone")
     remeasure_top: PositiveInt = Field(3, description="the final pick re-measures up to this many candidates within "
                                        "twice the run's noise level of the best, interleaved, and takes the best median")
-    remeasure_rounds: NonNegativeInt = Field(3, description="at most this many rounds of re-measurement, stopping "
+    # 1: in simulation (benchmarks/transfer_simulated.py, docs/benchmarks/transfer.md) rounds 2 and 3
+    # cost 0.3-0.5 launches a tune and changed no pick's regret measurably.
+    remeasure_rounds: NonNegativeInt = Field(1, description="at most this many rounds of re-measurement, stopping "
                                              "once the best stands apart or the rest are within the noise of it "
                                              "(0: pick the best single measurement)")
 
