@@ -85,6 +85,8 @@ def config(args: argparse.Namespace, metric: str, lr: float, micro: int | None =
                   "exp_timeout_s": 300}
     if metric == "goodput":
         autotuning.update(reference_batch_size=args.reference_batch, lr_scaling=args.lr_scaling)
+        if args.critical_batch:
+            autotuning.update(critical_batch_size=args.critical_batch)
     return {"train_micro_batch_size_per_gpu": micro or "auto", "gradient_accumulation_steps": gas or "auto",
             "steps_per_print": 100000, "optimizer": {"type": "AdamW", "params": {"lr": lr}},
             "zero_optimization": {"stage": 0}, "autotuning": autotuning}
@@ -154,6 +156,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3, help="the lr chosen for --reference_batch")
     parser.add_argument("--reference_batch", type=int, default=32)
     parser.add_argument("--lr_scaling", default="sqrt", choices=("linear", "sqrt", "none"))
+    parser.add_argument("--critical_batch", type=int, default=None,
+                        help="the goodput tune's autotuning.critical_batch_size (default: the profile's B_noise)")
     parser.add_argument("--max_micro", type=int, default=1024)
     parser.add_argument("--target_loss", type=float, default=None,
                         help="held-out loss to reach (default: per noise level, --target_over_floor above its floor)")

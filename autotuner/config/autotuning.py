@@ -91,6 +91,10 @@ class AutotuningConfig(Section):
                                "noise scale the profile measures; needs reference_batch_size)")
     reference_batch_size: PositiveInt | None = Field(
         None, description="ours, with metric goodput: the global batch the config's learning rate was chosen for")
+    critical_batch_size: PositiveInt | None = Field(
+        None, description="ours, with metric goodput: the critical batch B_crit of E(B) = E_min (1 + B/B_crit), used "
+                          "in place of the B_noise the profile measures (measured early in training, it can be far "
+                          "below the critical batch at the loss you train to: benchmarks/sample_efficiency.py)")
     lr_scaling: Literal["linear", "sqrt", "none"] = Field(
         "none", description="ours, with metric goodput: how the optimal config's learning rate follows its global "
                             "batch against reference_batch_size (linear: Goyal et al.; sqrt: for Adam-like optimizers)")
@@ -175,6 +179,8 @@ class AutotuningConfig(Section):
                 f"start_profile_step ({self.start_profile_step}) must be less than "
                 f"end_profile_step ({self.end_profile_step})"
             )
+        if self.critical_batch_size is not None and self.metric != "goodput":
+            raise ValueError(f'critical_batch_size is read only with metric "goodput" (metric is "{self.metric}")')
         if self.metric == "goodput" and self.reference_batch_size is None:
             raise ValueError('metric "goodput" needs reference_batch_size: the global batch the learning rate was '
                              "chosen for (efficiency is measured against it)")

@@ -233,13 +233,22 @@ class Autotuner:
         self.memory.report_budget(dict(os.environ))
 
     def _settle_goodput(self) -> None:
-        """metric "goodput": B_noise from the profile launches' gradient norms, then every result so
-        far judged again with it. Where it could not be read, one line, and throughput decides."""
+        """metric "goodput": B_noise from the profile launches' gradient norms (or the user's
+        critical_batch_size in its place), then every result so far judged again with it. Where
+        neither is known, one line, and throughput decides."""
         if self.objective.metric != "goodput":
             return
         measured = [r.measurement for r in self.ledger.results() if r.measurement is not None]
         noise = gradient_noise.estimate(measured)
-        if noise is None:
+        given = self.config.autotuning.critical_batch_size
+        if given is not None:
+            objective = replace(self.objective, noise_scale=float(given))
+            profiled = (f"the profile's B_noise {noise.b_noise:.1f} +/- {noise.spread:.1f}" if noise is not None
+                        else "the profile did not measure B_noise")
+            self.report(f"goodput: critical batch {given} (autotuning.critical_batch_size; {profiled}); each "
+                        f"candidate scores its throughput x ({given} + {objective.reference_batch}) / ({given} + its "
+                        f"global batch)")
+        elif noise is None:
             why = ("too few steps, or noise that swamps the gradient: lengthen the profile window"
                    if any(m.gradient_norms for m in measured) else
                    "it is read on our engine at ZeRO 0 or 1, around the all-reduce with two ranks or more, or over "
@@ -250,7 +259,9 @@ class Autotuner:
             objective = replace(self.objective, noise_scale=noise.b_noise)
             self.report(f"goodput: gradient noise scale B_noise = {noise.b_noise:.1f} +/- {noise.spread:.1f} samples "
                         f"({noise.steps} steps of the profile); each candidate scores its throughput x "
-                        f"(B_noise + {objective.reference_batch}) / (B_noise + its global batch)")
+                        f"(B_noise + {objective.reference_batch}) / (B_noise + its global batch). B_noise this early "
+                        f"in training can be far below the critical batch at the loss you train to (17-23x on "
+                        f"docs/benchmarks/goodput.md's task); where you know it, set autotuning.critical_batch_size")
         self.noise_scale = noise
         self.objective = objective
         self.settings = replace(self.settings, objective=objective)
@@ -348,7 +359,8 @@ class Autotuner:
         best, remeasurements, pick_lines = self._final_pick(list(self.ledger.results()))
         record = SearchRecord(self.ledger.results(), tuple(self._pruned), frozenset(self._profile_names), best,
                               tuple(remeasurements), self._prior.lines + tuple(pick_lines), self.predictions,
-                              time.monotonic() - self._started, self.noise_scale)
+                              time.monotonic() - self._started, self.noise_scale,
+                              self.config.autotuning.critical_batch_size if self.objective.metric == "goodput" else None)
         outcome = write_outcome(record, self.settings, self.objective, self.results_dir, self.report,
                                 self.devices.on_gpu)
         if self.history is not None and self.history.recorded:

@@ -116,6 +116,17 @@ def test_negative_and_zero_batch_sizes(in_tmp, capsys, key, value):
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), key, f"got {value}", "positive integer")
 
 
+@pytest.mark.parametrize("autotuning, mentions", [
+    ({"critical_batch_size": 4096}, ["autotuning", 'critical_batch_size is read only with metric "goodput"',
+                                     'metric is "throughput"']),
+    ({"metric": "goodput", "reference_batch_size": 32, "critical_batch_size": 0},
+     ["autotuning.critical_batch_size", "got 0"]),
+], ids=["without-goodput", "zero"])
+def test_a_critical_batch_size_that_cannot_be_used(in_tmp, capsys, autotuning, mentions):
+    cfg = write(in_tmp / "ds.json", config_dict(autotuning))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), *mentions)
+
+
 def test_negative_micro_batch_in_a_list(in_tmp, capsys):
     cfg = write(in_tmp / "ds.json", config_dict(train_micro_batch_size_per_gpu=[2, -4]))
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "train_micro_batch_size_per_gpu")

@@ -55,6 +55,21 @@ def test_where_the_noise_cannot_be_read_one_line_says_so_and_throughput_decides(
     assert ok.metric_value.tolist() == pytest.approx(ok.throughput_samples_s.tolist(), rel=1e-6)
 
 
+def test_a_critical_batch_from_the_config_scores_goodput_where_the_noise_cannot_be_read(tmp_path, no_orphans):
+    config = write_config(tmp_path / "ds.json", {**GOODPUT, "critical_batch_size": 64},
+                          zero_optimization={"stage": 3})
+    result = tune(tmp_path, config, "--ms_per_micro_step", "20")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "goodput: critical batch 64 (autotuning.critical_batch_size; the profile did not measure B_noise); " \
+           "each candidate scores its throughput x (64 + 8) / (64 + its global batch)" in result.stdout
+    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    ok = table[(table.state == "ok") & (table.phase != "remeasure")]
+    batch = ok.micro_batch_size * ok.gradient_accumulation_steps * 2
+    assert ok.metric_value.tolist() == pytest.approx((ok.throughput_samples_s * 72 / (64 + batch)).tolist(), rel=0.02)
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert "Goodput: critical batch 64 (autotuning.critical_batch_size; the profile's B_noise not measured)" in summary
+
+
 def test_goodput_with_a_fixed_global_batch_is_refused(tmp_path):
     config = write_config(tmp_path / "ds.json", GOODPUT, train_batch_size=32)
     result = tune(tmp_path, config)

@@ -62,18 +62,15 @@ def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], gl
                                                 "trainer's: scale its flag yourself)"
     line = (f"Learning rate: x{factor:.3g} ({rule}, global batch {global_batch} against reference_batch_size "
             f"{reference}): {what}")
-    if rule == "sqrt":
-        line += (". Caution: on the goodput benchmark (docs/benchmarks/goodput.md), AdamW at sqrt-scaled rates "
-                 "kept its sample efficiency far past B_noise, and the goodput pick took 1.4-1.5x the throughput "
-                 "pick's time to the loss; with sqrt, compare both picks before a long run")
     return config, args, line
 
 
 def goodput_lines(results: list[TrialResult], objective: Objective, noise: NoiseScale | None,
-                  data_parallel_size: int) -> list[str]:
-    """B_noise, the throughput pick and the goodput pick with their global batches, and each
-    one's time to the same loss relative to the other (samples needed grow as 1 + B/B_noise)."""
-    if objective.metric != "goodput" or noise is None:
+                  data_parallel_size: int, critical_batch: int | None = None) -> list[str]:
+    """B_noise (or the critical batch the config gave in its place), the throughput pick and the
+    goodput pick with their global batches, and each one's time to the same loss relative to the
+    other (samples needed grow as 1 + B/B_crit)."""
+    if objective.metric != "goodput" or objective.noise_scale is None:
         return []
     ok = [r for r in results if r.state is TrialState.OK and r.measurement is not None and r.value]
     if not ok:
@@ -84,12 +81,17 @@ def goodput_lines(results: list[TrialResult], objective: Objective, noise: Noise
     def batch(r: TrialResult) -> int:
         return r.experiment.train_batch_size(data_parallel_size)
 
+    scale = objective.noise_scale
+
     def time_to_loss(r: TrialResult) -> float:  # in units of E_min / 1 sample/s
-        return (1 + batch(r) / noise.b_noise) / r.measurement.throughput
+        return (1 + batch(r) / scale) / r.measurement.throughput
 
     ratio = time_to_loss(by_goodput) / time_to_loss(by_throughput)
-    return [f"Goodput: gradient noise scale B_noise {noise.b_noise:.1f} +/- {noise.spread:.1f} samples "
-            f"({noise.steps} profile steps). Throughput pick {by_throughput.name} (global batch "
+    measured = (f"B_noise {noise.b_noise:.1f} +/- {noise.spread:.1f} samples ({noise.steps} profile steps)"
+                if noise is not None else "B_noise not measured")
+    used = (f"Goodput: critical batch {critical_batch} (autotuning.critical_batch_size; the profile's {measured})"
+            if critical_batch is not None else f"Goodput: gradient noise scale {measured}")
+    return [f"{used}. Throughput pick {by_throughput.name} (global batch "
             f"{batch(by_throughput)}, {by_throughput.measurement.throughput:.4g} samples/s); goodput pick "
             f"{by_goodput.name} (global batch {batch(by_goodput)}, {by_goodput.measurement.throughput:.4g} "
             f"samples/s). Estimated time to the same loss: the goodput pick's is {ratio:.2f}x the throughput pick's."]

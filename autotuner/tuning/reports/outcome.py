@@ -42,13 +42,15 @@ class SearchRecord:
     predictions: PredictiveOutcome | None  # what tuner_type "predictive" predicted
     elapsed_s: float
     noise_scale: NoiseScale | None = None  # metric goodput: B_noise as the profile measured it
+    critical_batch: int | None = None  # metric goodput: the config's critical_batch_size, used in its place
 
 
 def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective: Objective, results_dir: Path,
                   report: Callable[[str], None], on_gpu: bool) -> TuningOutcome:
     best = record.best
     optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
-    goodput = goodput_lines(list(record.launched), objective, record.noise_scale, settings.data_parallel_size)
+    goodput = goodput_lines(list(record.launched), objective, record.noise_scale, settings.data_parallel_size,
+                            record.critical_batch)
     if best is not None:
         config = picked_config(best.experiment, settings)
         if objective.metric == "goodput" and objective.reference_batch:

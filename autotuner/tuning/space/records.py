@@ -31,12 +31,13 @@ class Objective:
     """Which metric decides, and whether larger is better (latency is minimised).
 
     "goodput" is throughput times the statistical efficiency of the experiment's global batch
-    against `reference_batch` (models/gradient_noise.py); `noise_scale` (B_noise) is measured by
-    the profile, and until then a goodput value is the plain throughput."""
+    against `reference_batch` (models/gradient_noise.py); `noise_scale` is B_noise as the profile
+    measured it, or the config's critical_batch_size, and until it is set a goodput value is the
+    plain throughput."""
 
     metric: Literal["throughput", "latency", "FLOPS", "goodput"] = "throughput"
     reference_batch: int | None = None  # goodput: the global batch the learning rate was chosen for
-    noise_scale: float | None = None  # goodput: B_noise, once the profile measured it
+    noise_scale: float | None = None  # goodput: B_noise (or the critical batch given), once settled
 
     @property
     def key(self) -> str:
