@@ -121,7 +121,7 @@ def tune(work: Path, args: argparse.Namespace, label_noise: float, metric: str) 
     batch = micro * gas * args.nproc
     lr = optimal["optimizer"]["params"]["lr"] if metric == "goodput" else \
         scaled_learning_rate(args.lr, batch, args.reference_batch, args.lr_scaling)
-    found = re.search(r"B_noise = ([\d.]+) \+/- ([\d.]+) samples", done.stdout)
+    found = re.search(r"B_noise(?: =)? ([\d.]+) \+/- ([\d.]+)", done.stdout)
     import pandas as pd
     table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
     return {"metric": metric, "micro": micro, "gas": gas, "global_batch": batch, "lr": lr, "tune_s": took,

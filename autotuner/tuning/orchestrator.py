@@ -260,8 +260,8 @@ class Autotuner:
             self.report(f"goodput: gradient noise scale B_noise = {noise.b_noise:.1f} +/- {noise.spread:.1f} samples "
                         f"({noise.steps} steps of the profile); each candidate scores its throughput x "
                         f"(B_noise + {objective.reference_batch}) / (B_noise + its global batch). B_noise this early "
-                        f"in training can be far below the critical batch at the loss you train to (17-23x on "
-                        f"docs/benchmarks/goodput.md's task); where you know it, set autotuning.critical_batch_size")
+                        f"in training can be far below the critical batch at the loss you train to (15-65x on "
+                        f"docs/benchmarks/goodput.md's tasks); where you know it, set autotuning.critical_batch_size")
         self.noise_scale = noise
         self.objective = objective
         self.settings = replace(self.settings, objective=objective)
