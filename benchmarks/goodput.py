@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -40,6 +41,14 @@ from autotuner.tuning.models.gradient_noise import scaled_learning_rate  # noqa:
 
 MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
             "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+
+
+def target_loss(label_noise: float, classes: int, over_floor: float) -> float:
+    """The best loss here (the teacher's label kept with 1 - noise, else uniform over the classes),
+    plus `over_floor`."""
+    keep = 1 - label_noise + label_noise / classes
+    floor = -(keep * math.log(keep) + (1 - keep) * math.log((1 - keep) / (classes - 1)))
+    return round(floor + over_floor, 3)
 
 
 def direct_noise_scale(task: Task, args: argparse.Namespace, steps: int) -> float:
@@ -182,11 +191,7 @@ def main() -> None:
             continue
         target = args.target_loss
         if target is None:
-            # The best loss here: the teacher's labels kept with 1 - noise, else uniform over the classes.
-            keep = 1 - label_noise + label_noise / args.classes
-            floor = -(keep * torch.log(torch.tensor(keep)) + (1 - keep) * torch.log(
-                torch.tensor((1 - keep) / (args.classes - 1)))).item()
-            target = round(floor + args.target_over_floor, 3)
+            target = target_loss(label_noise, args.classes, args.target_over_floor)
         args.target_loss = target
         work = Path(args.work_dir) / f"noise{label_noise}"
         picks = [tune(work / metric, args, label_noise, metric) for metric in ("throughput", "goodput")]

@@ -39,17 +39,10 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "benchmarks" / "workloads"))
-from goodput import direct_noise_scale  # noqa: E402
+from goodput import direct_noise_scale, target_loss  # noqa: E402
 from label_noise import Task, make_model  # noqa: E402
 
 OPTIMIZERS = {"AdamW": torch.optim.AdamW, "SGD": lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9)}
-
-
-def target_loss(label_noise: float, classes: int, over_floor: float) -> float:
-    """The label noise's floor (the teacher's label kept with 1 - noise, else uniform) + over_floor."""
-    keep = 1 - label_noise + label_noise / classes
-    floor = -(keep * math.log(keep) + (1 - keep) * math.log((1 - keep) / (classes - 1)))
-    return round(floor + over_floor, 3)
 
 
 def samples_to_target(task: Task, args: argparse.Namespace, batch: int, lr: float, seed: int,
