@@ -14,7 +14,9 @@ makes some stages infeasible):
 With `--interference N`, N CPU-bound processes run beside the tuner while it tunes (a shared
 node); the grid and the re-measurements stay neutral, so the ratio says how good the pick made
 under interference really is.
-Results go to benchmarks/results/tuning_quality.csv and a markdown table on stdout.
+Results go to benchmarks/results/tuning_quality.csv and a markdown table on stdout; every grid
+point's median to benchmarks/results/tuning_quality_grid.csv (with `--runs none` and `--reuse_grid`,
+only that table, read back from an earlier run's grid).
 """
 
 from __future__ import annotations
@@ -186,6 +188,16 @@ def evaluate(workload: Workload, runs: list[tuple[str, str]], repeats: int, work
     best = max(feasible, key=feasible.get)
     measured_max = {stage: max((e.micro_batch_size for e in feasible if e.zero_stage == stage), default=0)
                     for stage in (0, 1, 2, 3)}
+    grid_rows = [{"workload": workload.name, "zero_stage": e.zero_stage, "micro_batch_size": e.micro_batch_size,
+                  "gradient_accumulation_steps": e.gradient_accumulation_steps,
+                  "samples_per_s_median": round(scores[e], 2) if scores[e] is not None else None,
+                  "runs": " ".join(f"{r.value:.2f}" if r.state is TrialState.OK else r.state.value
+                                   for r in grid_runs[e]),
+                  "measured": time.strftime("%Y-%m-%d", time.localtime(min(
+                      (work / "grid" / f"{e.name}_r{i}" / "result.json").stat().st_mtime for i in range(repeats))))}
+                 for e in space]
+    merge_csv(RESULTS / "tuning_quality_grid.csv", grid_rows,
+              ["workload", "zero_stage", "micro_batch_size", "gradient_accumulation_steps"])
     rows = []
     for tuner, mode in runs:
         run = run_autotuner(workload, tuner, mode, work / f"tune_{tuner}_{mode}_busy{interference}", interference)
@@ -220,7 +232,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="gpt2,mlp,convnet")
     parser.add_argument("--runs", default="gridsearch:fast,random:fast,model_based:fast,gridsearch:full,"
-                        "random:full,model_based:full", help="tuner:mode pairs to run, comma-separated")
+                        "random:full,model_based:full",
+                        help="tuner:mode pairs to run, comma-separated; none: only the grid")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--work_dir", default="output/tuning_quality")
     parser.add_argument("--interference", type=int, default=0,
@@ -233,11 +246,13 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     rows = []
     for name in args.workloads.split(","):
-        runs = [tuple(pair.split(":")) for pair in args.runs.split(",")]
+        runs = [] if args.runs == "none" else [tuple(pair.split(":")) for pair in args.runs.split(",")]
         rows += evaluate(WORKLOADS[name], runs, args.repeats, Path(args.work_dir).resolve() / name, args.reuse_grid,
                          args.interference)
-        # after each workload: a long run keeps its rows
-        table = merge_csv(RESULTS / "tuning_quality.csv", rows, ["workload", "tuner", "mode", "interference"])
+        if rows:  # after each workload: a long run keeps its rows
+            table = merge_csv(RESULTS / "tuning_quality.csv", rows, ["workload", "tuner", "mode", "interference"])
+    if not rows:
+        return
     print(table.drop(columns=["predicted_max_micro", "measured_max_micro"]).to_markdown(index=False))
 
 
