@@ -29,7 +29,6 @@ def write_config(path: Path, autotuning: dict | None = None, **top) -> Path:
                             **{"train_micro_batch_size_per_gpu": [2, 4], **top})
 
 
-
 def start_tuner(tmp_path: Path, config: Path, *script_args: str, name: str = "tuner") -> subprocess.Popen:
     """The tuner in the background, its output in files (a pipe nobody reads could block it)."""
     return subprocess.Popen(tune_command(config, *script_args), cwd=tmp_path, env=launcher_env(),

@@ -19,7 +19,6 @@ from autotuner.execution.backends import BACKENDS, add_backend_flags, check_back
 from autotuner.launch.nodes import STOP_WITH_STDIN_FLAG
 
 
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # argparse exits 2 too; keep our one-line format
         raise UsageError(message)

@@ -185,7 +185,6 @@ def test_a_failure_after_resuming_a_finished_ok_experiment_is_not_fatal(tmp_path
     assert "Total number of experiments: 2." in result.stdout
 
 
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupt_ends_every_rank_keeps_finished_records_and_resume_reuses_them(tmp_path, sig, no_orphans):
     config = write_config(tmp_path / "ds.json")

@@ -44,8 +44,6 @@ def cluster():
     nodes.shutdown()
 
 
-
-
 def ray_config(path: Path, micro: list[int], **autotuning) -> Path:
     return write_config(path, {**RAY_TUNING, **autotuning}, train_micro_batch_size_per_gpu=micro,
                         gradient_accumulation_steps=1)

@@ -23,9 +23,6 @@ from autotuner.tuning.models.noise import TIE_FLOOR, NoiseLevel
 from autotuner.tuning.space.experiment import Experiment
 
 
-
-
-
 def relative_spread(result: TrialResult) -> float:
     return max(TIE_FLOOR, result.relative_error)
 

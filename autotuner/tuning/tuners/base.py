@@ -62,10 +62,6 @@ class Tuner(ABC):
         return self.objective.best(list(self.results.values()))
 
 
-
-
-
-
 def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_stopping: int,
           max_trials: int, trust_predictions: bool = False) -> list[TrialResult]:
     """Ask/evaluate/tell until the space is exhausted, `max_trials` ran, or `early_stopping`

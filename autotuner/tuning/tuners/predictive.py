@@ -30,8 +30,6 @@ from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.tuners.base import Tuner
 
 
-
-
 class PredictiveTuner(Tuner):
     def __init__(self, space: Sequence[Experiment], objective: Objective, seed: int = 0,
                  context: CostContext | None = None, worthwhile_gain: float = NOISE_FLOOR):
