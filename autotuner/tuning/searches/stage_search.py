@@ -21,7 +21,7 @@ from autotuner.tuning.trials.evaluator import Evaluator, evaluator_of
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.search_space import (Evaluate, Fits, SearchPolicy, SearchSpace, fitting_micro_batch_sizes,
                                            spread_micro_batch_sizes)
-from autotuner.tuning.space.experiment import Experiment, Knobs
+from autotuner.tuning.space.experiment import Knobs
 from autotuner.tuning.tuners import drive, make_tuner
 from autotuner.tuning.searches.variant_rules import (FailedVariants, _always_fits, not_memory_bound,  # noqa: F401
                                             prune_variant, search_finishes, variant_measured, variant_of,
