@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import psutil
 import pytest
 
@@ -29,6 +30,11 @@ TOY_MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
 TOY_AUTOTUNING = {"enabled": True, "arg_mappings": TOY_MAPPINGS, "start_profile_step": 2, "end_profile_step": 4,
                   "exp_timeout_s": 120, "tuner_type": "gridsearch", "remeasure_rounds": 0, "history": False}
 REMEASURED = {"remeasure_rounds": 3}  # more than the default 1: the final pick re-measured round after round
+
+
+def experiments_table(results_dir: Path) -> pd.DataFrame:
+    """A tune's experiments.csv (every launch a row, re-measurements included) from its results folder."""
+    return pd.read_csv(results_dir / "experiments.csv")
 
 
 def write_json(path: Path, config: dict) -> Path:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 
-from conftest import launcher_env, tune_command, write_config as write_toy_config
+from conftest import experiments_table, launcher_env, tune_command, write_config as write_toy_config
 
 # The fault tests count launches and rank pids exactly: the grid search's order and no final
 # re-measurement (its own tests are in test_final_pick.py).
@@ -56,7 +56,7 @@ def record(tmp_path: Path, name: str) -> dict:
 
 
 def table(tmp_path: Path) -> pd.DataFrame:
-    table = pd.read_csv(tmp_path / RESULTS / "experiments.csv")
+    table = experiments_table(tmp_path / RESULTS)
     return table[table.phase != "remeasure"].reset_index(drop=True)  # one row per experiment
 
 

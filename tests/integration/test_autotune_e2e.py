@@ -10,13 +10,13 @@ import pandas as pd
 import pytest
 
 from autotuner.config import read_config_file
-from conftest import REMEASURED, launcher_env, tune, write_config
+from conftest import REMEASURED, experiments_table, launcher_env, tune, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
 def experiments(tmp_path) -> pd.DataFrame:
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     return table[table.phase != "remeasure"].reset_index(drop=True)  # one row per experiment
 
 

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 import process_checks as faults
@@ -24,7 +23,7 @@ from autotuner.app import engines
 from autotuner.app.engines import script_engine
 from autotuner.core.errors import UsageError
 from autotuner.tuning.memory.deepspeed_states import deepspeed_state_bytes
-from conftest import ROOT, WORKERS, assert_no_children_left, launcher_env, tune_command
+from conftest import ROOT, WORKERS, assert_no_children_left, experiments_table, launcher_env, tune_command
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                                 reason="needs DeepSpeed: pip install 'autotuner[deepspeed]'")
@@ -157,7 +156,7 @@ def test_the_tuners_launches_leave_no_shared_memory_behind(tuned):
 @pytest.mark.timeout(700)
 def test_deepspeeds_engine_ran_every_experiment_not_ours(tuned):
     tmp_path, result, _ = tuned
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     ok = table[table.state == "ok"]
     assert len(ok) >= 4 and set(ok.engine) == {"deepspeed"}
     assert "engine: the script trains on DeepSpeed's own engine" in result.stdout
@@ -189,7 +188,7 @@ def test_the_records_hold_end_to_end_times_and_every_ranks_resident_peak(tuned):
         assert m["throughput"] == pytest.approx(m["train_batch_size"] / m["latency"])
         assert len(m["peak_memory_bytes_per_rank"]) == 2 and min(m["peak_memory_bytes_per_rank"]) > 100 * MiB
         assert m["peak_memory_bytes"] == max(m["peak_memory_bytes_per_rank"]) and m["peak_reserved_bytes"] is None
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     searched = table[(table.phase == "search") & table.predicted_memory_mib.notna()]
     assert len(searched) and (searched.memory_error_pct.abs() < 50).all()
 
@@ -327,7 +326,7 @@ def test_a_script_checkpointing_through_deepspeed_checkpointing_is_tuned_through
                             "--deepspeed_config", str(tmp_path / "ds.json")],
                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert tuned.returncode == 0, tuned.stdout[-3000:] + tuned.stderr[-3000:]
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     ran = table[table.state == "ok"]
     assert len(ran) == 2 and (ran.engine == "deepspeed").all()  # a policy set, not tuned: no tag in the names
     for name in ran.name:

@@ -7,11 +7,10 @@ import json
 import shlex
 import subprocess
 
-import pandas as pd
 import pytest
 
 from autotuner.config import read_config_file
-from conftest import ROOT, launcher_env, run_launcher
+from conftest import ROOT, experiments_table, launcher_env, run_launcher
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 EXAMPLE = ROOT / "examples" / "hf_gpt2"
@@ -38,7 +37,7 @@ def test_tune_the_gpt2_example_then_train_with_the_optimal_command(tmp_path, no_
         assert (results / name).exists(), name
     assert "Tuning completed in" in tuned.stdout
 
-    table = pd.read_csv(results / "experiments.csv")
+    table = experiments_table(results)
     ok = table[table.state == "ok"]
     assert len(ok[ok.phase != "remeasure"]) >= 2, table.to_string()
     # The measurements are real: positive throughput and a measured peak per experiment.

@@ -8,10 +8,9 @@ import json
 import re
 import subprocess
 
-import pandas as pd
 import pytest
 
-from conftest import launcher_env, tune, tune_command, write_config
+from conftest import experiments_table, launcher_env, tune, tune_command, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +27,7 @@ def test_a_goodput_tune_measures_the_noise_scale_and_scales_the_learning_rate(tm
     assert found, result.stdout[-3000:]
     b_noise = float(found.group(1))
     assert b_noise > 0 and int(found.group(3)) >= 3
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     ok = table[(table.state == "ok") & (table.phase != "remeasure")]
     batch = ok.micro_batch_size * ok.gradient_accumulation_steps * 2
     expected = ok.throughput_samples_s * (b_noise + 8) / (b_noise + batch)
@@ -50,7 +49,7 @@ def test_where_the_noise_cannot_be_read_one_line_says_so_and_throughput_decides(
     assert "goodput: the gradient noise scale was not measured (it is read on our engine at ZeRO 0 or 1, around " \
            "the all-reduce with two ranks or more, or over the micro-steps of one rank's gradient accumulation" \
            in result.stdout
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     ok = table[table.state == "ok"]
     assert ok.metric_value.tolist() == pytest.approx(ok.throughput_samples_s.tolist(), rel=1e-6)
 
@@ -62,7 +61,7 @@ def test_a_critical_batch_from_the_config_scores_goodput_where_the_noise_cannot_
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "goodput: critical batch 64 (autotuning.critical_batch_size; the profile did not measure B_noise); " \
            "each candidate scores its throughput x (64 + 8) / (64 + its global batch)" in result.stdout
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     ok = table[(table.state == "ok") & (table.phase != "remeasure")]
     batch = ok.micro_batch_size * ok.gradient_accumulation_steps * 2
     assert ok.metric_value.tolist() == pytest.approx((ok.throughput_samples_s * 72 / (64 + batch)).tolist(), rel=0.02)
@@ -92,7 +91,7 @@ def test_one_rank_reads_the_noise_over_the_micro_steps_of_its_gradient_accumulat
     assert float(found.group(1)) > 0 and int(found.group(3)) >= 3
     # The cap fills each candidate's gas, which leaves goodput no batch to trade: said in one line.
     assert "goodput: max_train_batch_size 32 sets each candidate's gradient accumulation to fill it" in result.stdout
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     ok = table[(table.state == "ok") & (table.phase != "remeasure")]
     batch = ok.micro_batch_size * ok.gradient_accumulation_steps
     b_noise = float(found.group(1))

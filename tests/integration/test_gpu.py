@@ -4,11 +4,10 @@ Run on a lent GPU by benchmarks/gpu/run_all.sh; the README's GPU section has the
 
 import json
 
-import pandas as pd
 import pytest
 import torch
 
-from conftest import CONFIGS, MINIMAL, ROOT, WORKERS, run_engine_check, run_launcher
+from conftest import CONFIGS, MINIMAL, ROOT, WORKERS, experiments_table, run_engine_check, run_launcher
 from autotuner.config import read_config_file
 
 pytestmark = [
@@ -107,7 +106,7 @@ def test_a_real_cuda_oom_is_recorded_and_the_search_backs_off(tmp_path, no_orpha
                           "--mem_per_sample_mb", f"{total_mib / 24:.0f}", "--steps", "5",
                           "--deepspeed", config_file, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = pd.read_csv(tmp_path / "results" / "experiments.csv")
+    table = experiments_table(tmp_path / "results")
     first = table.iloc[0]
     assert (first["name"], first["state"]) == ("z0_gas1_mbs32", "oom")
     stderr = (tmp_path / "exps" / "z0_gas1_mbs32" / "stderr.log").read_text()
@@ -233,7 +232,7 @@ def test_warm_and_cold_tuning_on_cuda_agree(tmp_path):
                               work / "ds.json", cwd=work, timeout=500)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert ("warm start off" in result.stdout) is (not warm)
-        table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
+        table = experiments_table(work / "autotuning_results")
         picks[warm] = table
         print(f"warm={warm}:\n{table[['name', 'state', 'metric_value', 'wall_time_s']].to_string()}")
     # The profile and the memory model's verdicts follow from the config and measured memory, so they
@@ -308,7 +307,7 @@ def test_auto_offload_is_searched_beside_the_sharded_stages_on_cuda(tmp_path, no
                           "--blocks", "4", "--width", "512", "--steps", "6", "--deepspeed", config_file, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "not tuned" not in result.stdout
-    table = pd.read_csv(tmp_path / "results" / "experiments.csv")
+    table = experiments_table(tmp_path / "results")
     offloaded = table[table.name.str.contains("_oocpu_")]
     assert len(offloaded), table.to_string()
     assert not (table.state == "oom").any()

@@ -7,11 +7,10 @@ import shlex
 import shutil
 import subprocess
 
-import pandas as pd
 import pytest
 import torch
 
-from conftest import ROOT, launcher_env, run_launcher, write_json
+from conftest import ROOT, experiments_table, launcher_env, run_launcher, write_json
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,7 +46,7 @@ def test_an_unchanged_deepspeed_script_tunes_and_trains_on_deepspeed_on_cuda(tmp
     print(result.stdout[-6000:])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "done on deepspeed.runtime.engine.DeepSpeedEngine: 20 steps" in result.stdout
-    table = pd.read_csv(tmp_path / "results" / "experiments.csv")
+    table = experiments_table(tmp_path / "results")
     measured = table[table.state == "ok"]
     assert len(measured) >= 3 and set(measured.engine) == {"deepspeed"}
     for metrics_file in (tmp_path / "exps").glob("*/metrics.json"):
@@ -82,7 +81,7 @@ def test_offload_is_searched_in_full_mode_on_deepspeed_on_cuda(tmp_path, no_orph
                           "--deepspeed", "--deepspeed_config", config, timeout=850)
     print(result.stdout[-4000:])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = pd.read_csv(tmp_path / "results" / "experiments.csv").fillna("")
+    table = experiments_table(tmp_path / "results").fillna("")
     print(table[["name", "state", "engine", "knobs", "throughput_samples_s", "predicted_memory_mib",
                  "measured_memory_mib"]].to_string())
     offloaded = table[table.knobs.str.contains("offload_optimizer=cpu")]

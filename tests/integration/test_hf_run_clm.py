@@ -29,7 +29,7 @@ import pytest
 from autotuner.app import engines
 from autotuner.app.engines import deepspeed_cpu_runs_fp16, script_engine
 from autotuner.core.errors import UsageError
-from conftest import WORKERS
+from conftest import WORKERS, experiments_table
 from hf_configs import (HF_AUTO, MAPPINGS, MISSING, RUN_CLM, TEST_SIZED, hf_env, run_clm_args,
                         write_tiny_gpt2)
 
@@ -85,7 +85,7 @@ def assert_only_the_trainings_buffers_left(before: set[Path]) -> None:
 def assert_every_experiment_measured_on_deepspeed(tmp_path: Path) -> pd.DataFrame:
     """Every launch ran on DeepSpeed's engine, and its throughput counts DeepSpeed's global batch
     (micro x gas x 2 ranks), whatever world size the Trainer believed in."""
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     assert len(table) >= 2 and (table.state == "ok").all() and (table.engine == "deepspeed").all(), table.to_string()
     for name in table.name:
         directory = tmp_path / "autotuning_exps" / name
@@ -212,7 +212,7 @@ def test_checkpointing_and_compile_are_tuned_on_deepspeeds_engine_through_the_tr
     assert "not tuned" not in result.stdout
     assert "(with activation checkpointing: full" in result.stdout  # the profile measured each policy
     assert "the script's --max_steps" in result.stdout  # 6 planned steps: compiling must pay back in them
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     assert table.name.str.contains("_acfull_").any()  # searched (launched, or pruned with its reason)
     ran = table[table.state == "ok"]
     assert (ran.engine == "deepspeed").all() and len(ran) >= 2

@@ -9,10 +9,9 @@ import os
 import textwrap
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
-from conftest import launcher_env, run_launcher, write_config, TOY
+from conftest import TOY, experiments_table, launcher_env, run_launcher, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -94,7 +93,7 @@ def test_a_plugins_tuner_is_chosen_from_the_config_and_drives_the_search(tmp_pat
     result = _tune(tmp_path, plugin_env, {"tuner_type": "largest_first"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     asked = (tmp_path / "asked.txt").read_text().split()
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     searched = table[(table.phase == "search") & (table.state != "pruned")]
     micro = {name: int(name.rsplit("mbs", 1)[1]) for name in [*asked, *searched.name]}
     # The plugin was asked, and asked in its own order: the largest micro-batch first.
@@ -116,7 +115,7 @@ def test_an_unknown_tuner_type_names_the_plugins_among_the_allowed_values(tmp_pa
 def test_a_plugins_backend_runs_the_experiments_with_its_own_flag(tmp_path, plugin_env, no_orphans):
     result = _tune(tmp_path, plugin_env, {}, "--backend", "marking", "--toy_label", "from-the-plugin")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     launched = table[table.state == "ok"].name
     assert len(launched) >= 2
     for name in launched:
@@ -141,7 +140,7 @@ def test_a_plugin_that_fails_to_import_is_named_in_one_line(tmp_path, plugin_env
 def test_a_plugins_dimension_is_searched_named_written_and_picked_from(tmp_path, plugin_env, no_orphans):
     result = _tune(tmp_path, plugin_env, {"fast": False, "max_train_micro_batch_size_per_gpu": 4})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     tuned = table[table.name.str.contains("_pdf") & (table.state == "ok")]
     values = {float(name.rsplit("_pdf", 1)[1].split("_")[0]) for name in tuned.name}
     assert values == {1.0, 2.0}, table.name.tolist()  # both of the plugin's values were launched

@@ -20,7 +20,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from conftest import TOY, launcher_env, write_config
+from conftest import TOY, experiments_table, launcher_env, write_config
 from fault_fuzz import RAY_FAULTS, draw_cases, run_ray_case
 from process_checks import wait_for
 
@@ -61,7 +61,7 @@ def run(work: Path, command: list[str]) -> subprocess.CompletedProcess:
 
 
 def table(work: Path) -> pd.DataFrame:
-    return pd.read_csv(work / "autotuning_results" / "experiments.csv").set_index("name")
+    return experiments_table(work / "autotuning_results").set_index("name")
 
 
 def placement(work: Path, name: str) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import CONFIGS, MINIMAL, WORKERS, launcher_env, run_launcher
+from conftest import CONFIGS, MINIMAL, WORKERS, experiments_table, launcher_env, run_launcher
 from fault_fuzz import draw_cases, journal_records
 from process_checks import assert_pids_dead, pids_in, wait_for
 from slurm_cluster import job_processes
@@ -215,12 +215,10 @@ def _interval(exp_dir: Path) -> tuple[float, float]:
 
 @slow
 def test_a_tune_runs_experiments_on_both_nodes_two_at_once_then_trains_with_the_pick(slurm_cluster, tmp_path):
-    import pandas as pd
-
     result = tune_in_allocation(slurm_cluster, tmp_path, "run", warm=True)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "slurm: job " in result.stdout and "1 per experiment, up to 2 at once" in result.stdout
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     ok = table[table.state == "ok"]
     assert set(ok.hosts) == {"node1", "node2"}, table[["name", "state", "hosts"]]
     # Warm on both nodes: each node's server preloaded once, and every rank was forked from it.
@@ -336,7 +334,6 @@ def test_scancel_mid_tune_keeps_the_finished_records_and_a_new_allocation_resume
 @pytest.mark.parametrize("warm", [True, False], ids=["warm", "cold"])
 def test_a_node_lost_mid_tune_is_left_out_and_its_experiment_runs_again_on_the_nodes_left(warm, slurm_cluster,
                                                                                          tmp_path):
-    import pandas as pd
 
     try:
         # --no-kill: the job outlives a node's failure
@@ -355,7 +352,7 @@ def test_a_node_lost_mid_tune_is_left_out_and_its_experiment_runs_again_on_the_n
     out = (tmp_path / "out.txt").read_text()
     assert status == 0, out[-2000:] + (tmp_path / "err.txt").read_text()[-2000:]
     assert f"slurm: z0_gas1_mbs8 failed on node(s) {host}, which the job lost; launched again on the nodes left" in out
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     other = ({"node1", "node2"} - {host}).pop()
     later = table[table.name != "z0_gas1_mbs1"]
     assert (table.state == "ok").all(), table[["name", "state", "hosts", "error"]]
@@ -392,7 +389,6 @@ def test_stopping_a_warm_tune_ends_each_nodes_server_and_its_ranks(how, slurm_cl
 def test_a_warm_server_that_dies_mid_experiment_is_replaced_by_a_cold_launch_on_the_same_node(slurm_cluster, tmp_path):
     """The server is killed, not the node: the experiment it ran is launched again, cold, and is
     measured; the tune goes on, and nothing of the job is left."""
-    import pandas as pd
 
     with tune_in_background(slurm_cluster, tmp_path, warm=True) as tuner:
         job_id = job_of(tmp_path)
@@ -408,7 +404,7 @@ def test_a_warm_server_that_dies_mid_experiment_is_replaced_by_a_cold_launch_on_
     assert status == 0, out[-2000:] + (tmp_path / "err.txt").read_text()[-2000:]
     assert f"slurm: the warm server on {host} ended" in out
     assert f"slurm: z0_gas1_mbs8 was cut short by the end of {host}'s warm server; launched again, cold" in out
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv").set_index("name")
+    table = experiments_table(tmp_path / "autotuning_results").set_index("name")
     assert table.loc["z0_gas1_mbs8", "state"] == "ok", table[["state", "error"]]
     assert job_left(job_id) == []
 
@@ -417,7 +413,6 @@ def test_a_warm_server_that_dies_mid_experiment_is_replaced_by_a_cold_launch_on_
 def test_hugging_faces_run_clm_is_tuned_warm_on_both_nodes_then_trained_across_the_allocation(slurm_cluster, tmp_path):
     """A third party's script, unchanged: run_clm.py on DeepSpeed's engine, Hugging Face's ZeRO-2
     config with its "auto"s, each experiment on one node's warm server, then `run` trains the pick."""
-    import pandas as pd
     from hf_configs import HF_AUTO, MISSING, RUN_CLM, TEST_SIZED, hf_env, run_clm_args, write_tiny_gpt2
 
     if MISSING or not RUN_CLM.is_file():
@@ -433,7 +428,7 @@ def test_hugging_faces_run_clm_is_tuned_warm_on_both_nodes_then_trained_across_t
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for host in ("node1", "node2"):
         assert f"slurm: {host}: warm start: forkserver preloaded" in result.stdout, result.stdout[-3000:]
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     ok = table[table.state == "ok"]
     assert len(ok) >= 2 and set(ok.hosts) == {"node1", "node2"}, table[["name", "state", "hosts", "error"]]
     assert all((tmp_path / "autotuning_exps" / name / "warm_ranks.txt").exists() for name in ok.name)

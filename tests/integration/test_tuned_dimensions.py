@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from autotuner.config import read_config_file
-from conftest import launcher_env, tune, write_config
+from conftest import experiments_table, launcher_env, tune, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -28,7 +28,7 @@ BUDGET = {"memory_per_rank_bytes": 680 * 2**20, "max_train_batch_size": 64, "max
 
 
 def experiments(tmp_path) -> pd.DataFrame:
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     return table[table.phase != "remeasure"].reset_index(drop=True)
 
 

@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from autotuner.config import read_config_file
-from conftest import WORKERS, launcher_env, tune, write_config
+from conftest import WORKERS, experiments_table, launcher_env, tune, write_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -35,7 +35,7 @@ def env(use_ds: bool, **extra: str) -> dict[str, str]:
 
 
 def experiments(tmp_path: Path) -> pd.DataFrame:
-    return pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    return experiments_table(tmp_path / "autotuning_results")
 
 
 def searched_policies(stdout: str) -> set[str]:

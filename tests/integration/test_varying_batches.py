@@ -9,10 +9,9 @@ import re
 import shlex
 import subprocess
 
-import pandas as pd
 import pytest
 
-from conftest import launcher_env, tune, write_config
+from conftest import experiments_table, launcher_env, tune, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +31,7 @@ def tune_varying(tmp_path, *script_args: str, **autotuning):
                                                  **autotuning})
     result = tune(tmp_path, config, *STEPS, *script_args, env=FIXED_HEAP)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
     return table, summary
 

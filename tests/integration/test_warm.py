@@ -20,13 +20,13 @@ import pytest
 from autotuner.launch.plan import LaunchOptions, build_plan, rank_launch
 from autotuner.launch.warm_rank import script_argv
 from autotuner.execution.script_imports import script_imports
-from conftest import WORKERS, launcher_env, tune, write_config
+from conftest import WORKERS, experiments_table, launcher_env, tune, write_config
 
 WARM_TUNING = {"model_info": {"num_params": 1000}}
 
 
 def table(tmp_path: Path) -> pd.DataFrame:
-    table = pd.read_csv(tmp_path / "autotuning_results" / "experiments.csv")
+    table = experiments_table(tmp_path / "autotuning_results")
     return table[table.phase != "remeasure"].reset_index(drop=True)  # one row per experiment
 
 
