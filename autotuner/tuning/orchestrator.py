@@ -360,7 +360,7 @@ class Autotuner:
         record = SearchRecord(self.ledger.results(), tuple(self._pruned), frozenset(self._profile_names), best,
                               tuple(remeasurements), self._prior.lines + tuple(pick_lines), self.predictions,
                               time.monotonic() - self._started, self.noise_scale,
-                              self.config.autotuning.critical_batch_size if self.objective.metric == "goodput" else None)
+                              self.config.autotuning.critical_batch_size)  # the config allows it with goodput only
         outcome = write_outcome(record, self.settings, self.objective, self.results_dir, self.report,
                                 self.devices.on_gpu)
         if self.history is not None and self.history.recorded:
