@@ -142,6 +142,16 @@ def assert_no_children_left() -> None:
 
 
 UNIT_TIER = ROOT / "tests" / "unit"
+
+
+def pytest_configure(config):
+    """matplotlib builds its font cache on its first import, running `fc-list`: done here, before
+    the unit tier's guard against processes, so a unit test that plots is not failed for it on a
+    fresh machine (the plot extra is optional)."""
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass
 ORPHAN_GRACE_S = 15.0  # an orphaned cold launcher ends its ranks within its 10 s grace; only waited for when one is left
 
 
