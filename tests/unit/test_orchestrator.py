@@ -30,6 +30,18 @@ def test_the_profile_and_the_search_go_through_the_runner_and_are_journaled(tmp_
         assert entry["version"] == 2 and entry["fingerprint"]["script_args"] == ["--width", "256"]
 
 
+@pytest.mark.parametrize("tuner_type", ["gridsearch", "predictive"])
+def test_what_the_searchs_tuners_were_told_is_in_the_runs_ledger(tmp_path, tuner_type):
+    runner = FakeRunner(by_micro({2: 10.0, 4: 20.0, 8: 40.0, 16: 30.0}))
+    autotuner = tuner(tmp_path, runner, autotuning={"model_info": {"num_params": 1000}, "tuner_type": tuner_type},
+                      train_micro_batch_size_per_gpu=[2, 4, 8, 16])
+    autotuner.tune()
+    told = {name for trials in autotuner.ledger.tuner_trials()
+            for name in [*(r.name for r in trials.told.values()), *(r.name for r in trials.observed.values())]}
+    assert told == set(runner.names)  # the profile's launches included
+    assert all(not trials.running for trials in autotuner.ledger.tuner_trials())
+
+
 def test_a_runner_with_slots_gets_the_search_in_parallel_and_results_out_of_order_are_journaled(tmp_path):
     values = {2: 10.0, 4: 20.0, 8: 40.0, 16: 30.0}
     runner = ParallelFakeRunner(by_micro(values), capacity=2)

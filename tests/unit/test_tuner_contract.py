@@ -1,5 +1,7 @@
 """One contract for every tuner in TUNERS (a new tuner is covered by registering it),
 plus ModelBasedTuner's own promise: it picks the best predicted untried experiment.
+A tuner keeps no trials of its own: they are in its `TunerTrials` (in the run's ledger), and a
+tuner made again over them asks the same.
 
 Pure: tuners are driven with a fake `evaluate`; nothing is launched."""
 
@@ -13,7 +15,8 @@ import pytest
 
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
-from autotuner.tuning.tuners import TUNERS, ModelBasedTuner, Tuner, drive, make_tuner
+from autotuner.tuning.trials.ledger import TrialLedger
+from autotuner.tuning.tuners import TUNERS, GridSearchTuner, ModelBasedTuner, Tuner, TunerSpec, drive, make_tuner
 
 try:
     import optuna  # noqa: F401  (the bayes tuner's optional extra)
@@ -93,6 +96,16 @@ def exhaust(tuner: Tuner, evaluate=evaluate_smooth) -> list[Experiment]:
     pytest.fail(f"{type(tuner).__name__}.ask() never returned None")
 
 
+def results_held_outside_the_trials(tuner: Tuner) -> list[str]:
+    """The tuner's attributes, other than its trials, that hold a result."""
+    held = []
+    for name, value in vars(tuner).items():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, set, tuple)) else [value]
+        if name != "trials" and any(isinstance(item, TrialResult) for item in items):
+            held.append(name)
+    return held
+
+
 def test_registry_is_what_make_tuner_builds():
     expected = {"gridsearch": "GridSearchTuner", "random": "RandomTuner", "model_based": "ModelBasedTuner",
                 "bayes": "BayesTuner", "predictive": "PredictiveTuner"}
@@ -128,6 +141,34 @@ class TestTunerContract:
         first = exhaust(make_tuner(name, grid(), THROUGHPUT, seed=seed))
         second = exhaust(make_tuner(name, grid(), THROUGHPUT, seed=seed))
         assert first == second
+
+    def test_what_it_is_told_and_has_running_is_kept_in_its_trials_in_the_ledger(self, name):
+        ledger = TrialLedger()
+        trials = ledger.open_tuner_trials("ZeRO 0")
+        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0, trials=trials)
+        results = drive(tuner, evaluate_smooth, early_stopping=100, max_trials=5)
+        running = tuner.ask_batch(2)
+        assert ledger.tuner_trials() == (trials,)
+        assert list(trials.told.values()) == results and trials.running == set(running)
+        assert tuner.results == trials.told and tuner.pending == trials.running
+        assert results_held_outside_the_trials(tuner) == []
+        with pytest.raises(TypeError):
+            tuner.results[running[0]] = ok(running[0], 1.0)  # read-only: `tell` writes
+
+    @pytest.mark.parametrize("seed", [0, 5])
+    def test_a_tuner_made_again_over_the_same_trials_asks_the_same(self, name, seed):
+        space = grid()
+        first = make_tuner(name, space, THROUGHPUT, seed=seed)
+        for experiment in first.ask_batch(4):
+            first.tell(evaluate_smooth(experiment))
+        running = first.ask_batch(2)
+        again = make_tuner(name, space, THROUGHPUT, seed=seed, trials=first.trials)
+        assert again.results == first.results and again.pending == set(running)
+        for _ in range(3):
+            asked = first.ask()
+            first.abandon([asked])
+            assert again.ask() == asked
+            again.tell(evaluate_smooth(asked))  # told through either, both read it
 
     def test_tell_outside_space_raises_value_error(self, name):
         tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
@@ -269,6 +310,14 @@ class TestTunerContract:
         tuner = make_tuner(name, space, LATENCY, seed=0)
         drive(tuner, lambda e: ok(e, 200.0 - smooth_value(e)), early_stopping=len(space), max_trials=len(space))
         assert tuner.best.experiment == Experiment(1, 4)
+
+
+def test_a_factory_that_makes_its_tuner_without_the_trials_still_writes_to_the_ledger(monkeypatch):
+    monkeypatch.setitem(TUNERS, "plain", TunerSpec("plain", lambda a: GridSearchTuner(a.space, a.objective), "test"))
+    ledger = TrialLedger()
+    tuner = make_tuner("plain", grid(), THROUGHPUT, trials=ledger.open_tuner_trials("ZeRO 0"))
+    drive(tuner, evaluate_smooth, early_stopping=100, max_trials=3)
+    assert len(ledger.tuner_trials()[0].told) == 3
 
 
 def test_random_tuner_seeds_change_the_order():

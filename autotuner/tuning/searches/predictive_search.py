@@ -22,6 +22,8 @@ from autotuner.tuning.searches.stage_search import (FailedVariants, not_memory_b
 from autotuner.tuning.space.search_space import (Evaluate, Fits, SearchPolicy, SearchSpace, fitting_micro_batch_sizes,
                                            ladder_sizes)
 from autotuner.tuning.space.experiment import Experiment, Knobs
+from autotuner.tuning.trials.evaluator import open_tuner_trials
+from autotuner.tuning.trials.ledger import TunerTrials
 from autotuner.tuning.tuners import drive
 from autotuner.tuning.models.cost_model import Prediction
 from autotuner.tuning.tuners.predictive import PredictiveTuner
@@ -91,8 +93,8 @@ class _SearchedPredictive(PredictiveTuner):
 
     def __init__(self, candidates: list[Experiment], policy: SearchPolicy, context: CostContext, fits: Fits,
                  failed: FailedVariants, on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None,
-                 family: Callable[[int], str] = engine_family):
-        super().__init__(candidates, policy.objective, policy.seed, context)
+                 family: Callable[[int], str] = engine_family, trials: TunerTrials | None = None):
+        super().__init__(candidates, policy.objective, policy.seed, context, trials=trials)
         self.family = family  # the engine family of a stage (DDP, FSDP2, ...): whose measured sizes count
         self.on_ask = on_ask  # told each launch's prediction before it is launched (the history keeps it)
         self.fits = fits
@@ -224,7 +226,8 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
     """The candidates' search through the one driver (tuners/base.py `drive`): an evaluate with
     `capacity` slots (a Ray cluster) gets the k most optimistic bounds at once."""
     candidates = candidate_space(space, predicted_largest, fits, prune, offload_fallback, report)
-    tuner = _SearchedPredictive(candidates, policy, context, fits, FailedVariants(space), on_ask, family)
+    tuner = _SearchedPredictive(candidates, policy, context, fits, FailedVariants(space), on_ask, family,
+                                open_tuner_trials(evaluate, "every stage's candidates, one step-time model"))
     for result in known:
         if result.experiment not in tuner.results:
             tuner.observe(result)

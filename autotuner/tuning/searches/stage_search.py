@@ -17,7 +17,7 @@ import math
 from dataclasses import replace
 from typing import Any, Callable
 
-from autotuner.tuning.trials.evaluator import Evaluator, evaluator_of
+from autotuner.tuning.trials.evaluator import Evaluator, evaluator_of, open_tuner_trials
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.search_space import (Evaluate, Fits, SearchPolicy, SearchSpace, fitting_micro_batch_sizes,
                                            spread_micro_batch_sizes)
@@ -68,7 +68,8 @@ def search_stage(space: SearchSpace, policy: SearchPolicy, stage: int, predicted
     if space.fixed_micro_batch_sizes:
         candidates = [space.experiment(stage, m) for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
         candidates = [c for c in candidates if fits(c)]
-        tuner = make_tuner(policy.tuner_type, candidates, policy.objective, policy.seed)
+        tuner = make_tuner(policy.tuner_type, candidates, policy.objective, policy.seed,
+                           trials=open_tuner_trials(evaluate, f"ZeRO {stage}, the configured micro-batch sizes"))
         results = drive(tuner, evaluate, early_stopping=policy.early_stopping, max_trials=policy.num_trials)
         ok = [r.experiment.micro_batch_size for r in results if r.state is TrialState.OK]
         return (max(ok) if ok else None), results
@@ -77,7 +78,8 @@ def search_stage(space: SearchSpace, policy: SearchPolicy, stage: int, predicted
         return largest, results  # nothing this stage can add over a lower one
     sizes = spread_micro_batch_sizes(fitting_micro_batch_sizes(space, stage, largest, fits), largest,
                                      space.num_micro_batch_sizes)
-    tuner = make_tuner(policy.tuner_type, [space.experiment(stage, m) for m in sizes], policy.objective, policy.seed)
+    tuner = make_tuner(policy.tuner_type, [space.experiment(stage, m) for m in sizes], policy.objective, policy.seed,
+                       trials=open_tuner_trials(evaluate, f"ZeRO {stage}, micro-batch sizes"))
     for result in results:
         if result.experiment in tuner.space:
             tuner.tell(result)
@@ -157,7 +159,8 @@ def search_knobs(space: SearchSpace, policy: SearchPolicy, fast_results: list[Tr
         candidates = [c for c in (r.experiment.with_knobs(k) for r in best_first for k in knobs) if fits(c)]
         if not candidates:
             continue
-        tuner = make_tuner(policy.tuner_type, candidates, objective, policy.seed)
+        tuner = make_tuner(policy.tuner_type, candidates, objective, policy.seed,
+                           trials=open_tuner_trials(evaluate, f"ZeRO {stage}, knobs"))
         results += drive(tuner, evaluate, early_stopping=policy.early_stopping, max_trials=policy.num_trials)
     return results
 

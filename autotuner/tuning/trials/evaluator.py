@@ -20,7 +20,7 @@ from autotuner.core.errors import AutotunerError
 from autotuner.launch.stopping import raise_if_stopped
 from autotuner.tuning.trials.trial import Trial
 from autotuner.tuning.trials.interference import interference_share
-from autotuner.tuning.trials.ledger import TrialLedger
+from autotuner.tuning.trials.ledger import TrialLedger, TunerTrials
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.trials.runner import Runner
 from autotuner.tuning.space.experiment import Experiment
@@ -229,6 +229,12 @@ class Evaluator:
         if earlier is not None:
             return earlier, True
         return launcher.run(launcher.trial_for(experiment, name, False)), False
+
+
+def open_tuner_trials(evaluate: Callable[[Experiment], TrialResult], label: str) -> TunerTrials | None:
+    """A new tuner's trials in the ledger `evaluate` records into; None for a plain function (a
+    test's), whose tuner then keeps a set of its own."""
+    return evaluate.ledger.open_tuner_trials(label) if isinstance(evaluate, Evaluator) else None
 
 
 def evaluator_of(evaluate: Callable[[Experiment], TrialResult]) -> Evaluator:

@@ -3,14 +3,16 @@ trials, which samplers read and keep no copy of).
 
 It holds this run's result per experiment, the records an earlier run under the same fingerprint
 left (reused, not launched again), the launch count, the prediction each search launch was asked
-on, and every answer an evaluator gave (evaluator.py), so a search reads what it asked for from
-here. Launches reach the stores (trial_store.py: the journal and the history) through `keep`.
-Nothing here launches.
+on, every answer an evaluator gave (evaluator.py), so a search reads what it asked for from
+here, and one `TunerTrials` per tuner: what that tuner was told and what it has running, which the
+tuner reads and keeps no copy of (tuners/base.py). Launches reach the stores (trial_store.py: the
+journal and the history) through `keep`. Nothing here launches.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from types import MappingProxyType
+from typing import Callable, Mapping, Sequence
 
 from autotuner.tuning.trials.trial import Trial
 from autotuner.tuning.space.records import Objective, TrialResult
@@ -22,6 +24,48 @@ from autotuner.tuning.models.cost_model import Prediction
 RecordListener = Callable[[TrialResult, bool], None]
 
 
+class TunerTrials:
+    """One tuner's trials (optuna's study, to its sampler): the results it was told, per experiment
+    in the order told, those outside its space it was shown (`observed`), and the experiments it
+    asked for that are still running. A tuner made without a ledger gets one of its own."""
+
+    def __init__(self, label: str = ""):
+        self.label = label  # which search's tuner, for a reader of the ledger
+        self._told: dict[Experiment, TrialResult] = {}
+        self._observed: dict[Experiment, TrialResult] = {}
+        self._running: set[Experiment] = set()
+
+    @property
+    def told(self) -> Mapping[Experiment, TrialResult]:
+        return MappingProxyType(self._told)
+
+    @property
+    def observed(self) -> Mapping[Experiment, TrialResult]:
+        return MappingProxyType(self._observed)
+
+    @property
+    def running(self) -> frozenset[Experiment]:
+        return frozenset(self._running)
+
+    def __len__(self) -> int:
+        """How many trials it holds, running ones included: a tuner's random draws are seeded by it."""
+        return len(self._told) + len(self._running)
+
+    def start(self, experiment: Experiment) -> None:
+        self._running.add(experiment)
+
+    def abandon(self, experiments: Sequence[Experiment]) -> None:
+        """Asked for and then not started (a parallel search's stop rule held them back)."""
+        self._running.difference_update(experiments)
+
+    def tell(self, result: TrialResult) -> None:
+        self._told[result.experiment] = result
+        self._running.discard(result.experiment)
+
+    def observe(self, result: TrialResult) -> None:
+        self._observed[result.experiment] = result
+
+
 class TrialLedger:
     def __init__(self, stores: Sequence[TrialStore] = ()):
         self._stores = tuple(stores)
@@ -30,6 +74,7 @@ class TrialLedger:
         self._predictions: dict[Experiment, Prediction] = {}
         self._answers: list[TrialResult] = []
         self._listeners: list[RecordListener] = []
+        self._tuner_trials: list[TunerTrials] = []
         self.launches = 0
 
     # ----- an earlier run's records -----
@@ -76,6 +121,17 @@ class TrialLedger:
 
     def best(self, objective: Objective) -> TrialResult | None:
         return objective.best(list(self._results.values()))
+
+    # ----- the tuners' trials -----
+    def open_tuner_trials(self, label: str) -> TunerTrials:
+        """A new tuner's trials, kept here (each search makes its tuners afresh: one per stage, say)."""
+        trials = TunerTrials(label)
+        self._tuner_trials.append(trials)
+        return trials
+
+    def tuner_trials(self) -> tuple[TunerTrials, ...]:
+        """Every tuner's trials, in the order the tuners were made."""
+        return tuple(self._tuner_trials)
 
     # ----- launches -----
     def count_launch(self) -> None:

@@ -15,6 +15,7 @@ from typing import Any, Callable, Literal, Sequence
 from autotuner.tuning.models.cost_model import CostContext
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.records import Objective
+from autotuner.tuning.trials.ledger import TunerTrials
 from autotuner.tuning.tuners.base import Tuner, drive
 from autotuner.tuning.tuners.bayes import BayesTuner  # optuna is imported only when it asks
 from autotuner.tuning.tuners.grid import GridSearchTuner
@@ -25,13 +26,15 @@ from autotuner.tuning.tuners.random_search import RandomTuner
 
 @dataclass(frozen=True)
 class TunerArgs:
-    """What a factory gets: the candidates, the objective, the seed, and the step-time model's
-    context (model size, timed links) for tuners that cost experiments."""
+    """What a factory gets: the candidates, the objective, the seed, the step-time model's
+    context (model size, timed links) for tuners that cost experiments, and the trials the tuner
+    reads and writes (opened in the run's ledger; None: a set of its own)."""
 
     space: Sequence[Experiment]
     objective: Objective
     seed: int = 0
     cost_context: CostContext | None = None
+    trials: TunerTrials | None = None
 
 
 @dataclass(frozen=True)
@@ -64,14 +67,16 @@ def register_tuner(spec: TunerSpec) -> TunerSpec:
 
 
 for _spec in (
-    TunerSpec("gridsearch", lambda a: GridSearchTuner(a.space, a.objective, seed=a.seed),
+    TunerSpec("gridsearch", lambda a: GridSearchTuner(a.space, a.objective, seed=a.seed, trials=a.trials),
               "every candidate in order (DeepSpeed's default)"),
-    TunerSpec("random", lambda a: RandomTuner(a.space, a.objective, seed=a.seed), "candidates in random order"),
-    TunerSpec("model_based", lambda a: ModelBasedTuner(a.space, a.objective, seed=a.seed),
+    TunerSpec("random", lambda a: RandomTuner(a.space, a.objective, seed=a.seed, trials=a.trials),
+              "candidates in random order"),
+    TunerSpec("model_based", lambda a: ModelBasedTuner(a.space, a.objective, seed=a.seed, trials=a.trials),
               "a cost model fitted on the results so far (DeepSpeed's XGBoost-style tuner)"),
-    TunerSpec("bayes", lambda a: BayesTuner(a.space, a.objective, seed=a.seed),
+    TunerSpec("bayes", lambda a: BayesTuner(a.space, a.objective, seed=a.seed, trials=a.trials),
               "optuna's GP or TPE sampler (pip install 'autotuner[bayes]')", check=_require_optuna),
-    TunerSpec("predictive", lambda a: PredictiveTuner(a.space, a.objective, seed=a.seed, context=a.cost_context),
+    TunerSpec("predictive", lambda a: PredictiveTuner(a.space, a.objective, seed=a.seed, context=a.cost_context,
+                                                  trials=a.trials),
               "one step-time model over every stage; launches only what could win (ours, the default)",
               search="one_model", uses_earlier_runs=True),
 ):
@@ -83,9 +88,15 @@ def tuner_spec(name: str) -> TunerSpec:
 
 
 def make_tuner(tuner_type: str, space: Sequence[Experiment], objective: Objective, seed: int = 0,
-               cost_context: Any = None) -> Tuner:
-    """The tuner of that type over `space`."""
-    return TUNERS[tuner_type].factory(TunerArgs(space, objective, seed, cost_context))
+               cost_context: Any = None, trials: TunerTrials | None = None) -> Tuner:
+    """The tuner of that type over `space`, reading and writing `trials` (also where its factory
+    made it with trials of its own: a new tuner holds none yet, so nothing is lost)."""
+    tuner = TUNERS[tuner_type].factory(TunerArgs(space, objective, seed, cost_context, trials))
+    if trials is not None and tuner.trials is not trials:
+        if len(tuner.trials):
+            raise ValueError(f"tuner_type {tuner_type!r}: its factory made a tuner that already holds trials")
+        tuner.trials = trials
+    return tuner
 
 
 __all__ = ["TUNERS", "BayesTuner", "GridSearchTuner", "ModelBasedTuner", "PredictiveTuner", "RandomTuner", "Tuner",

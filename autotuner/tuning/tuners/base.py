@@ -1,28 +1,51 @@
-"""The tuner interface: ask for the next experiment, tell the result. No I/O, no launching."""
+"""The tuner interface: ask for the next experiment, tell the result. No I/O, no launching.
+
+A tuner keeps no trials of its own (as an optuna sampler reads its study): what it was told and
+what it has running live in its `TunerTrials`, which a search opens in the run's ledger
+(trials/ledger.py). What it asks next depends only on those trials, its space and its seed, so a
+tuner made again over the same trials asks the same."""
 
 from __future__ import annotations
 
+import random
 from abc import ABC, abstractmethod
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.search_space import ParallelEvaluate, slots
+from autotuner.tuning.trials.ledger import TunerTrials
 
 
 class Tuner(ABC):
     """Chooses the order in which a finite space is tried. Subclasses implement `_choose`."""
 
-    def __init__(self, space: Sequence[Experiment], objective: Objective, seed: int = 0):
+    def __init__(self, space: Sequence[Experiment], objective: Objective, seed: int = 0,
+                 trials: TunerTrials | None = None):
         self.space: list[Experiment] = list(dict.fromkeys(space))
         self.objective = objective
         self.seed = seed
-        self.results: dict[Experiment, TrialResult] = {}
-        self.pending: set[Experiment] = set()  # asked for and not told yet (running in parallel)
+        self.trials = trials if trials is not None else TunerTrials(type(self).__name__)
+
+    @property
+    def results(self) -> Mapping[Experiment, TrialResult]:
+        """What it was told, per experiment (read-only: `tell` writes)."""
+        return self.trials.told
+
+    @property
+    def pending(self) -> frozenset[Experiment]:
+        """Asked for and not told yet (running in parallel)."""
+        return self.trials.running
 
     @abstractmethod
     def _choose(self, untried: list[Experiment]) -> Experiment:
-        """Pick one of `untried` (never empty), using only `self.results`."""
+        """Pick one of `untried` (never empty), using only `self.results` (and, for a random draw,
+        `self.draws()`)."""
+
+    def draws(self) -> random.Random:
+        """A random source for one choice, seeded by the seed and how many trials are held: the
+        same trials give the same draws, however the tuner came to hold them."""
+        return random.Random(f"{self.seed}/{len(self.trials)}")
 
     def ask(self) -> Experiment | None:
         """The next experiment to run, or None when the space is exhausted. What was asked for
@@ -31,7 +54,7 @@ class Tuner(ABC):
         if not untried:
             return None
         chosen = self._choose(untried)
-        self.pending.add(chosen)
+        self.trials.start(chosen)
         return chosen
 
     def ask_batch(self, count: int) -> list[Experiment]:
@@ -49,13 +72,16 @@ class Tuner(ABC):
         """A result, in any order: results of a batch may arrive as their launches finish."""
         if result.experiment not in self.space:
             raise ValueError(f"{result.name} is not in this tuner's space")
-        self.results[result.experiment] = result
-        self.pending.discard(result.experiment)
+        self.trials.tell(result)
 
     def could_improve(self, experiment: Experiment) -> bool:
         """Whether `experiment` could beat the best result so far. Tuners without a model of the
         objective cannot rule anything out."""
         return True
+
+    def abandon(self, experiments: Sequence[Experiment]) -> None:
+        """Asked for, then not started: they may be asked for again."""
+        self.trials.abandon(experiments)
 
     @property
     def best(self) -> TrialResult | None:
@@ -119,7 +145,7 @@ def drive_parallel(tuner: Tuner, evaluate: ParallelEvaluate, *, early_stopping: 
             batch = tuner.ask_batch(free)
             if trust_predictions:
                 kept = [e for e in batch if tuner.could_improve(e)]
-                tuner.pending.difference_update(set(batch) - set(kept))
+                tuner.abandon([e for e in batch if e not in kept])
                 stopping = len(kept) < len(batch)
                 batch = kept
             for experiment in batch:

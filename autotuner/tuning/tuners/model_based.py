@@ -5,12 +5,10 @@ once there are enough results (a smooth response surface: throughput rises with
 micro-batch and flattens). Failed
 experiments are scored as the worst outcome so the model learns to avoid their region.
 With probability `explore` an untried experiment is picked at random instead; the
-random source is seeded, so a run is reproducible.
+random source is seeded by the seed and the trials held (`Tuner.draws`), so a run is reproducible.
 """
 
 from __future__ import annotations
-
-import random
 
 import numpy as np
 
@@ -22,7 +20,6 @@ from autotuner.tuning.tuners.base import Tuner
 class ModelBasedTuner(Tuner):
     def __init__(self, *args, initial_trials: int = 2, explore: float = 0.2, ridge: float = 1e-3, **kwargs):
         super().__init__(*args, **kwargs)
-        self._rng = random.Random(self.seed)
         self.initial_trials = initial_trials
         self.explore = explore
         self.ridge = ridge
@@ -63,8 +60,9 @@ class ModelBasedTuner(Tuner):
         return np.array([((self._vector(c) - centre) / scale) @ weights for c in candidates]) + mean
 
     def _choose(self, untried: list[Experiment]) -> Experiment:
-        if not self.results or len(self.results) < self.initial_trials or self._rng.random() < self.explore:
-            return self._rng.choice(untried)
+        draws = self.draws()
+        if not self.results or len(self.results) < self.initial_trials or draws.random() < self.explore:
+            return draws.choice(untried)
         predicted = self.predict(untried)
         index = int(np.argmax(predicted) if self.objective.maximize else np.argmin(predicted))
         return untried[index]

@@ -22,30 +22,36 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from autotuner.tuning.models.cost_model import BOUND_Z, NOISE_FLOOR, CostContext, Observation, Prediction, StepTimeModel
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.trials.ledger import TunerTrials
 from autotuner.tuning.tuners.base import Tuner
 
 
 class PredictiveTuner(Tuner):
     def __init__(self, space: Sequence[Experiment], objective: Objective, seed: int = 0,
-                 context: CostContext | None = None, worthwhile_gain: float = NOISE_FLOOR):
-        super().__init__(space, objective, seed)
+                 context: CostContext | None = None, worthwhile_gain: float = NOISE_FLOOR,
+                 trials: TunerTrials | None = None):
+        super().__init__(space, objective, seed, trials)
         self.context = context or CostContext()
         self.worthwhile_gain = worthwhile_gain  # relative: the least gain a launch must be able to bring
         self._largest = max((e.micro_batch_size for e in self.space), default=1)
         self._models: dict[bool, tuple[int, StepTimeModel]] = {}  # with the prior or not: (results, model)
-        self.observed: dict[Experiment, TrialResult] = {}  # measured, outside the candidates
 
     def observe(self, result: TrialResult) -> None:
         """A result outside the space: the model and the best so far count it."""
         if result.experiment in self.space:
             self.tell(result)
         else:
-            self.observed[result.experiment] = result
+            self.trials.observe(result)
+
+    @property
+    def observed(self) -> Mapping[Experiment, TrialResult]:
+        """Measured, outside the candidates."""
+        return self.trials.observed
 
     def _measured(self) -> list[TrialResult]:
         return [*self.observed.values(), *self.results.values()]
