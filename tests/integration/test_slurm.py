@@ -268,25 +268,30 @@ def test_backend_slurm_outside_an_allocation_is_refused_in_one_line(tmp_path):
 
 
 def start_tune(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False,
-               ms_per_step: int = 1500) -> subprocess.Popen:
-    """A slow tune (1.5 s a step by default) as salloc's command, its output to files."""
+               ms_per_step: int = 1500, slow_only_at: int | None = None) -> subprocess.Popen:
+    """A slow tune (1.5 s a step by default) as salloc's command, its output to files. With
+    `slow_only_at`, only that micro-batch's experiment is slow (the one a fault test cuts short);
+    the others step every 0.3 s."""
     from conftest import write_config
 
     config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 16, "tuner_type": "predictive",
                                                  "warm_start": warm})
     command = ["salloc", *salloc_flags, "--nodes=2", "--job-name=autotuner-test", sys.executable, "-m", "autotuner",
                "--autotuning", "tune", "--backend", "slurm", "--num_nodes", "1", "--nproc_per_node", "1",
-               str(WORKERS / "toy_train.py"), "--ms_per_step", str(ms_per_step), "--steps", "12",
-               "--deepspeed", str(config)]
+               str(WORKERS / "toy_train.py"), "--steps", "12", "--deepspeed", str(config)]
+    command[-2:-2] = (["--ms_per_step", str(ms_per_step)] if slow_only_at is None else
+                      ["--ms_per_step", "300", "--ms_per_step_at", f"{slow_only_at}:{ms_per_step}"])
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         return subprocess.Popen(command, cwd=tmp_path, env=cluster.env(launcher_env()), stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=err, start_new_session=True)
 
 
 @contextmanager
-def tune_in_background(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False, ms_per_step: int = 1500):
+def tune_in_background(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False, ms_per_step: int = 1500,
+                       slow_only_at: int | None = None):
     """`start_tune`'s salloc, killed with its session on the way out if it is still running."""
-    tuner = start_tune(cluster, tmp_path, *salloc_flags, warm=warm, ms_per_step=ms_per_step)
+    tuner = start_tune(cluster, tmp_path, *salloc_flags, warm=warm, ms_per_step=ms_per_step,
+                       slow_only_at=slow_only_at)
     try:
         yield tuner
     finally:
@@ -304,7 +309,8 @@ def job_of(tmp_path: Path) -> str:
 
 @slow
 def test_scancel_mid_tune_keeps_the_finished_records_and_a_new_allocation_resumes(slurm_cluster, tmp_path):
-    with tune_in_background(slurm_cluster, tmp_path, warm=True) as tuner:  # each node's server and ranks end too
+    # Cancelled while the second profile launch (micro-batch 8, slow) runs.
+    with tune_in_background(slurm_cluster, tmp_path, warm=True, slow_only_at=8) as tuner:  # its servers and ranks end too
         job_id = job_of(tmp_path)
         wait_for(lambda: (tmp_path / "autotuning_exps" / "z0_gas1_mbs1" / "exp.json").exists(), 120,
                  "the first record", tuner)
@@ -322,7 +328,7 @@ def test_scancel_mid_tune_keeps_the_finished_records_and_a_new_allocation_resume
                for n in kept), kept
     first = (tmp_path / "autotuning_exps" / "z0_gas1_mbs1" / "cmd.txt").stat().st_mtime
 
-    resumed = start_tune(slurm_cluster, tmp_path, warm=True)
+    resumed = start_tune(slurm_cluster, tmp_path, warm=True, slow_only_at=8)
     assert resumed.wait(timeout=400) == 0, (tmp_path / "err.txt").read_text()[-3000:]
     out = (tmp_path / "out.txt").read_text()
     assert "z0_gas1_mbs1: ok (from an earlier run)" in out
@@ -337,7 +343,7 @@ def test_a_node_lost_mid_tune_is_left_out_and_its_experiment_runs_again_on_the_n
 
     try:
         # --no-kill: the job outlives a node's failure
-        with tune_in_background(slurm_cluster, tmp_path, "--no-kill", warm=warm) as tuner:
+        with tune_in_background(slurm_cluster, tmp_path, "--no-kill", warm=warm, slow_only_at=8) as tuner:
             job_of(tmp_path)
             wait_for(lambda: (tmp_path / "autotuning_exps" / "z0_gas1_mbs8" / "cmd.txt").exists(), 120,
                      "the second profile launch", tuner)
@@ -390,7 +396,7 @@ def test_a_warm_server_that_dies_mid_experiment_is_replaced_by_a_cold_launch_on_
     """The server is killed, not the node: the experiment it ran is launched again, cold, and is
     measured; the tune goes on, and nothing of the job is left."""
 
-    with tune_in_background(slurm_cluster, tmp_path, warm=True) as tuner:
+    with tune_in_background(slurm_cluster, tmp_path, warm=True, slow_only_at=8) as tuner:
         job_id = job_of(tmp_path)
         trial = tmp_path / "autotuning_exps" / "z0_gas1_mbs8"
         wait_for(lambda: (trial / "warm_ranks.txt").exists(), 120, "the second profile launch's ranks", tuner)

@@ -63,6 +63,8 @@ def main() -> None:
     parser.add_argument("--mem_per_sample_mb", type=float, default=0.0)
     parser.add_argument("--ms_per_sample", type=float, default=0.0)
     parser.add_argument("--ms_per_step", type=float, default=0.0)
+    parser.add_argument("--ms_per_step_at", action="append", default=[], metavar="MICRO:MS",
+                        help="--ms_per_step at this micro-batch (a fault test's one slow experiment)")
     parser.add_argument("--slow_above", type=int, default=0, help="micro-batches above this are 4x slower per sample")
     parser.add_argument("--fail_rank", type=int, default=-1, help="this rank raises at --fail_at_step")
     parser.add_argument("--fail_at_step", type=int, default=2)
@@ -143,6 +145,8 @@ def main() -> None:
     else:
         engine, *_ = autotuner.initialize(model=model, config=config)
     micro = engine.train_micro_batch_size_per_gpu()
+    ms_per_step = {int(m): float(ms) for m, ms in (at.split(":") for at in args.ms_per_step_at)}.get(
+        micro, args.ms_per_step)
     if args.loader_workers:
         side_loader = torch.utils.data.DataLoader(range(64), num_workers=args.loader_workers, persistent_workers=True)
         held_batches = iter(side_loader)
@@ -214,7 +218,7 @@ def main() -> None:
             time.sleep(per_sample_s * micro + args.ms_per_micro_step / 1e3)
             del held
             engine.step()
-        time.sleep(args.ms_per_step / 1e3)
+        time.sleep(ms_per_step / 1e3)
     if args.peak_to:
         with open(args.peak_to, "a") as handle:
             handle.write(f"{rank} {resident_peak_bytes()}\n")
