@@ -2,8 +2,10 @@
 
 A tuner keeps no trials of its own (as an optuna sampler reads its study): what it was told and
 what it has running live in its `TunerTrials`, which a search opens in the run's ledger
-(trials/ledger.py). What it asks next depends only on those trials, its space and its seed, so a
-tuner made again over the same trials asks the same."""
+(trials/ledger.py). What a registered tuner asks next depends only on those trials and what it was
+made with (space, objective, seed, cost context), so one made again over the same trials asks the
+same (tests/unit/test_tuner_contract.py). The predictive search's subclass also keeps that
+search's own bookkeeping: what the memory model ruled out, which launch stands in for which."""
 
 from __future__ import annotations
 
