@@ -1,6 +1,7 @@
 """Transfer in simulation: how a prior step's noise is set, A/B, on a known surface with noisy launches.
 
     python benchmarks/transfer_simulated.py [--seeds 300] [--noise 0.02,0.05] [--fastest 8 --prior_fastest 16]
+                                            [--common_draws]
 
 The predictive search (tuning/searches/predictive_search.py) and the prior (tuning/models/transfer.py) as the
 tuner runs them, with each launch replaced by a draw: a known step-time surface (a saturating
@@ -17,14 +18,20 @@ the GPT-2 family on 2 CPU ranks) times log-normal noise of the given spread. Per
 Reported per arm: the search's launches after the profile (mean), the share of seeds where the arm
 launched more than cold did (issue 49: a warm start must never cost more), and the pick's true
 regret (the best configuration's true samples/s over the pick's, less one: mean, 90th percentile,
-worst). `--prior_fastest` gives the earlier model another shape than the larger one's.
+worst). `--prior_fastest` gives the earlier model another shape than the larger one's. By default each arm
+draws its launches' noise from one stream in launch order, so two arms that launch in another
+order draw differently for the same experiment; with `--common_draws` the n-th launch of an
+experiment draws the same in every arm (common random numbers), so arms differ by their
+decisions alone.
 Pure computation: nothing is launched, so this isolates the model from a machine's noise.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import math
+import zlib
 import statistics
 import sys
 from pathlib import Path
@@ -69,6 +76,7 @@ FASTEST = [16, 16]
 # Set from --remeasure_top and --remeasure_rounds: the larger model's final pick (autotuning keys of
 # the same names); the earlier run's keeps the defaults, as its history was written.
 FINAL_PICK = [3, 3]
+COMMON_DRAWS = [False]  # set from --common_draws
 
 
 def samples_per_s(experiment: Experiment, step_s: float) -> float:
@@ -79,14 +87,25 @@ class Launches:
     """Noisy launches of one model: each a draw around the true step time; now and then (`outliers`)
     a window disturbed by another process, 10-30% slower."""
 
-    def __init__(self, compute: float, noise: float, rng: np.random.Generator, outliers: float):
+    def __init__(self, compute: float, noise: float, rng: np.random.Generator, outliers: float,
+                 common_seed: int | None = None):
         self.compute, self.noise, self.rng, self.outliers, self.count = compute, noise, rng, outliers, 0
+        self.common_seed = common_seed  # set: each experiment's n-th launch draws from its own stream
+        self.launched: collections.Counter = collections.Counter()
+
+    def _draws(self, experiment: Experiment) -> np.random.Generator:
+        self.launched[experiment] += 1
+        if self.common_seed is None:
+            return self.rng
+        return np.random.default_rng([self.common_seed, zlib.crc32(experiment.name.encode()),
+                                      self.launched[experiment]])
 
     def __call__(self, experiment: Experiment, run: int = 0) -> TrialResult:
         self.count += 1
-        step = true_step_s(experiment, self.compute) * math.exp(self.rng.normal(0.0, self.noise))
-        if self.rng.random() < self.outliers:
-            step *= self.rng.uniform(1.1, 1.3)
+        rng = self._draws(experiment)
+        step = true_step_s(experiment, self.compute) * math.exp(rng.normal(0.0, self.noise))
+        if rng.random() < self.outliers:
+            step *= rng.uniform(1.1, 1.3)
         value = samples_per_s(experiment, step)
         return TrialResult(experiment, TrialState.OK, value=value, measurement=Measurement(value, step))
 
@@ -134,12 +153,14 @@ def one_seed(seed: int, noise: float, outliers: float) -> dict[str, tuple[int, i
     half the largest size in every arm, as the tuner places it with a prior or without."""
     rng = np.random.default_rng(seed)
     earlier = prior_run(noise, rng, outliers)
-    first = Launches(2.0, noise, rng, outliers)(SPACE.experiment(0, 4))
+    first = Launches(2.0, noise, rng, outliers, seed + 10_000 if COMMON_DRAWS[0] else None)(SPACE.experiment(0, 4))
     context = CostContext(world_size=RANKS)
     arms = {}
     for arm in ("cold", "launch floor", "run spread"):
         run_noise = (lambda steps: NOISE_FLOOR) if arm == "launch floor" else transfer.run_noise
-        arm_launch = Launches(2.0, noise, np.random.default_rng(seed + 10_000), outliers)  # each arm: the same stream
+        arm_launch = Launches(2.0, noise, np.random.default_rng(seed + 10_000), outliers,  # each arm: the same stream
+                              seed + 10_000 if COMMON_DRAWS[0] else None)
+        arm_launch.launched[first.experiment] += 1  # `first` was its first launch: a re-measurement draws anew
         prior: tuple[Observation, ...] = ()
         with mock.patch.object(transfer, "run_noise", run_noise):
             known = [first, arm_launch(SPACE.experiment(0, 16))]  # the profile's second: half the largest, every arm
@@ -167,12 +188,16 @@ def main() -> None:
                         help="the larger model's final pick: autotuning.remeasure_top (default 3)")
     parser.add_argument("--remeasure_rounds", type=int, default=3,
                         help="... and autotuning.remeasure_rounds (default 3; 0 re-measures nothing)")
+    parser.add_argument("--common_draws", action="store_true",
+                        help="the n-th launch of an experiment draws the same noise in every arm")
     args = parser.parse_args()
+    COMMON_DRAWS[0] = args.common_draws
     FASTEST[:] = [args.fastest, args.prior_fastest or args.fastest]
     FINAL_PICK[:] = [args.remeasure_top, args.remeasure_rounds]
     print(f"{args.seeds} seeds, {args.outliers:.0%} disturbed windows, fastest micro-batch {FASTEST[0]} "
           f"(the earlier run's: {FASTEST[1]}); final pick: remeasure_top {args.remeasure_top}, remeasure_rounds "
-          f"{args.remeasure_rounds}; launches after the profile's 2, means")
+          f"{args.remeasure_rounds}; {'common draws per experiment' if args.common_draws else 'one draw stream per arm'}; "
+          "launches after the profile's 2, means")
     print("| launch noise | arm | search | re-measured | all (with the profile's 2) | seeds with more launches "
           "than cold | regret mean | regret p90 | regret worst | picks 2%+ behind |")
     print("|---|---|---|---|---|---|---|---|---|---|")
