@@ -107,8 +107,18 @@ def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, pr
     settings = experiment_settings(config, objective=Objective(config.autotuning.metric),
                                    memory_budget_bytes=config.autotuning.memory_per_rank_bytes)
     lines = print_to if print_to is not None else []
+    return orchestrator(tmp_path, config, runner, settings, report=lines.append,
+                        run_fingerprint=print_fingerprint or fingerprint())
+
+
+def orchestrator(tmp_path: Path, config: DeepSpeedConfig, runner: FakeRunner, settings: ExperimentSettings | None = None,
+                 report: Callable[[str], None] = lambda line: None, run_fingerprint: Fingerprint | None = None,
+                 **options) -> Autotuner:
+    """The orchestrator over `config` and a fake runner, as the settle pass hands it over (device
+    facts and search space, `settled`), writing under `tmp_path`; `options` go to Autotuner."""
+    settings = settings or experiment_settings(config)
     return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner,
-                     print_fingerprint or fingerprint(), report=lines.append, **settled(config, settings))
+                     run_fingerprint or fingerprint(), report=report, **settled(config, settings), **options)
 
 
 def settled(config, settings: ExperimentSettings) -> dict:

@@ -13,13 +13,12 @@ from autotuner.config import load_config
 from autotuner.config.keys import check_keys
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.space import dimensions
-from autotuner.tuning.orchestrator import Autotuner
 from autotuner.tuning.space.dimensions import Dimension, full_mode_values
 from autotuner.tuning.trials.trial import Trial, experiment_config
 from autotuner.tuning.memory.estimate import StageSettings
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
-from fakes import OUR_ENGINE_KNOBS, FakeRunner, experiment_settings, fingerprint, model_info, ok, settled
+from fakes import OUR_ENGINE_KNOBS, FakeRunner, experiment_settings, model_info, ok, orchestrator
 
 DS_BUCKETS = [50_000_000, 500_000_000]
 DEEPSPEED_KNOBS = {
@@ -149,8 +148,7 @@ def test_a_dimension_declared_only_in_the_registry_is_searched_named_encoded_app
                                          "tuner_type": "gridsearch"}})
     settings = experiment_settings(config)
     runner = FakeRunner(answer)
-    outcome = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
-                        report=lambda line: None, **settled(config, settings)).tune()
+    outcome = orchestrator(tmp_path, config, runner, settings).tune()
 
     toy_names = [name for name in runner.names if "_tck" in name]
     assert toy_names, runner.names

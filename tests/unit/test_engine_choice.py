@@ -20,7 +20,7 @@ from autotuner.execution.script_imports import import_sites
 from autotuner.tuning.orchestrator import Autotuner
 from autotuner.tuning.trials.trial import launched_config
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, experiment_settings, fingerprint, model_info, ok, settled
+from fakes import FakeRunner, experiment_settings, model_info, ok, orchestrator
 
 MiB = 2**20
 BEHIND_A_VARIABLE = ("import os\n\nif os.environ.get('USE_DS'):\n    import deepspeed\nelse:\n"
@@ -217,8 +217,7 @@ def two_engine_tuner(tmp_path: Path, built: str, settle_engine, lines: list) -> 
 
     runner = FakeRunner(answer)
     settings = experiment_settings(config, engine_settled=False, memory_budget_bytes=4 * 2**30)
-    tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
-                      report=lines.append, settle_engine=settle_engine, **settled(config, settings))
+    tuner = orchestrator(tmp_path, config, runner, settings, report=lines.append, settle_engine=settle_engine)
     return tuner, runner
 
 

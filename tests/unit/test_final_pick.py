@@ -8,13 +8,12 @@ import dataclasses
 import pandas as pd
 
 from autotuner.config import load_config
-from autotuner.tuning.orchestrator import Autotuner
 from autotuner.tuning.trials.trial import Trial
 from autotuner.tuning.models.noise import NoiseLevel
 from autotuner.tuning.searches.final_pick import Contender, contenders, pick, stands_apart
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called, ok, settled
+from fakes import FakeRunner, experiment_settings, model_info, never_called, ok, orchestrator
 
 THROUGHPUT = Objective("throughput")
 MiB = 2**20
@@ -75,8 +74,7 @@ def tuner(tmp_path, runner, **autotuning):
                           "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30, **autotuning}})
     settings = experiment_settings(config, objective=THROUGHPUT)
     lines: list[str] = []
-    return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
-                     report=lines.append, **settled(config, settings)), lines
+    return orchestrator(tmp_path, config, runner, settings, report=lines.append), lines
 
 
 def noisy_runner(values):

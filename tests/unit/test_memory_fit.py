@@ -7,14 +7,13 @@ from dataclasses import replace
 import pytest
 
 from autotuner.config import load_config
-from autotuner.tuning.orchestrator import Autotuner
 from autotuner.tuning.memory.estimate import ModelProfile, PeakFit, StageSettings, estimate, model_state_bytes
 from autotuner.tuning.profiling import peak_fit
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.searches.stage_search import run_search
 from autotuner.tuning.space.search_space import SearchPolicy
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, experiment_settings, fingerprint, model_info, never_called, settled
+from fakes import FakeRunner, experiment_settings, model_info, never_called, orchestrator
 
 MiB = 2**20
 P = 100_000_000
@@ -103,8 +102,7 @@ def offload_tuner(tmp_path, device_type: str, zero: dict | None = None):
                           "zero_optimization": {"stage": "all", **(zero or {})},
                           "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 16}})
     settings = experiment_settings(config, script_args=(), nproc_per_node=1, data_parallel_size=1)
-    tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", FakeRunner(never_called),
-                      fingerprint(), report=lambda line: None, **settled(config, settings))
+    tuner = orchestrator(tmp_path, config, FakeRunner(never_called), settings)
     tuner.memory.profile = ModelProfile(P, 100 * MiB, num_shard_units=10)
     tuner.memory.precision = "bf16"
     tuner.memory.budget_bytes = 1200 * MiB  # 100 M parameters need 1.6 GB of fp32 states and Adam moments alone

@@ -8,7 +8,6 @@ import math
 import pytest
 
 from autotuner.config import load_config
-from autotuner.tuning.orchestrator import Autotuner
 from autotuner.tuning.memory.estimate import (
     MemoryEstimate,
     ModelProfile,
@@ -21,7 +20,7 @@ from autotuner.tuning.memory.estimate import (
 )
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, experiment_settings, fingerprint, never_called, settled
+from fakes import FakeRunner, experiment_settings, never_called, orchestrator
 
 P = 1_000_000  # parameters
 W = 2  # data-parallel ranks
@@ -271,8 +270,7 @@ def calibrating_tuner(tmp_path, budget_mib: int = 1000):
                           "autotuning": {"enabled": True}})
     settings = experiment_settings(config, script_args=())
     lines: list[str] = []
-    tuner = Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", FakeRunner(never_called),
-                      fingerprint(), report=lines.append, **settled(config, settings))
+    tuner = orchestrator(tmp_path, config, FakeRunner(never_called), settings, report=lines.append)
     tuner.memory.profile = ModelProfile(25_000_000, 2**20, baseline_bytes=150 * MiB, num_shard_units=6)
     tuner.memory.budget_bytes = budget_mib * MiB
     return tuner, lines

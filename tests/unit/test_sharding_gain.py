@@ -14,7 +14,7 @@ from autotuner.tuning.models.cost_model import CostContext
 from autotuner.tuning.trials.trial import Trial
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.models.sharding_gain import sharding_cannot_win
-from fakes import FakeRunner, experiment_settings, fingerprint, model_info, settled
+from fakes import FakeRunner, model_info, orchestrator
 
 MiB = 2**20
 LINKS = (LinkFit("all_reduce", 1e-4, 1e9), LinkFit("all_gather", 1e-4, 1e9), LinkFit("reduce_scatter", 1e-4, 1e9))
@@ -54,9 +54,7 @@ def autotuner(tmp_path: Path, runner: FakeRunner, budget: int, lines: list) -> A
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": "all"},
                           "autotuning": {"enabled": True, "memory_per_rank_bytes": budget, "fast": True,
                                          "max_train_micro_batch_size_per_gpu": 4, "tuner_type": "gridsearch"}})
-    settings = experiment_settings(config)
-    return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner, fingerprint(),
-                     report=lines.append, **settled(config, settings))
+    return orchestrator(tmp_path, config, runner, report=lines.append)
 
 
 def test_with_room_to_spare_the_sharded_engine_is_neither_profiled_nor_searched(tmp_path):
