@@ -276,11 +276,11 @@ def start_tune(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False,
 
     config = write_config(tmp_path / "ds.json", {"max_train_micro_batch_size_per_gpu": 16, "tuner_type": "predictive",
                                                  "warm_start": warm})
+    pace = (["--ms_per_step", str(ms_per_step)] if slow_only_at is None else
+            ["--ms_per_step", "300", "--ms_per_step_at", f"{slow_only_at}:{ms_per_step}"])
     command = ["salloc", *salloc_flags, "--nodes=2", "--job-name=autotuner-test", sys.executable, "-m", "autotuner",
                "--autotuning", "tune", "--backend", "slurm", "--num_nodes", "1", "--nproc_per_node", "1",
-               str(WORKERS / "toy_train.py"), "--steps", "12", "--deepspeed", str(config)]
-    command[-2:-2] = (["--ms_per_step", str(ms_per_step)] if slow_only_at is None else
-                      ["--ms_per_step", "300", "--ms_per_step_at", f"{slow_only_at}:{ms_per_step}"])
+               str(WORKERS / "toy_train.py"), *pace, "--steps", "12", "--deepspeed", str(config)]
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         return subprocess.Popen(command, cwd=tmp_path, env=cluster.env(launcher_env()), stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=err, start_new_session=True)

@@ -109,8 +109,9 @@ class _SearchedPredictive(PredictiveTuner):
         self.checked = bool(context.prior)
 
     def ask(self) -> Experiment | None:
+        running = self.pending  # a copy; telling a refusal below does not change it
         for candidate in self.space:
-            if candidate in self.results or candidate in self.pending or candidate in self.memory_ruled_out:
+            if candidate in self.results or candidate in running or candidate in self.memory_ruled_out:
                 continue
             refused = self.failed.refusal(candidate) or self._not_memory_bound(candidate)
             if refused is not None:

@@ -52,7 +52,8 @@ class Tuner(ABC):
     def ask(self) -> Experiment | None:
         """The next experiment to run, or None when the space is exhausted. What was asked for
         and not told yet is never asked for again."""
-        untried = [e for e in self.space if e not in self.results and e not in self.pending]
+        told, running = self.results, self.pending  # read once: `pending` is a copy
+        untried = [e for e in self.space if e not in told and e not in running]
         if not untried:
             return None
         chosen = self._choose(untried)
