@@ -33,7 +33,8 @@ for part in $parts; do
     vs_deepspeed)
       # DeepSpeed's autotuner against ours, gpt2-medium on DeepSpeed's engine (docs/gpu.md).
       timeout 570 python3 benchmarks/gpu/vs_deepspeed_gpu.py --preset ${VS_PRESET:-gpt2-medium} --out_dir "$OUT" \
-        --tuners ${VS_TUNERS:-predictive,deepspeed} --caps_s ${VS_CAPS_S:-150,330} --deadline_s ${VS_DEADLINE_S:-545} ${VS_RESUME:+--resume} 2>&1 | tee "$OUT/gpu_vs_deepspeed.log" | tail -30 ;;
+        --tuners ${VS_TUNERS:-predictive,deepspeed} --caps_s ${VS_CAPS_S:-150,330} --deadline_s ${VS_DEADLINE_S:-545} \
+        --stages ${VS_STAGES:-0,1,2,3} ${VS_RESUME:+--resume} 2>&1 | tee "$OUT/gpu_vs_deepspeed.log" | tail -30 ;;
     seed)
       timeout 570 python3 benchmarks/gpu/seed_table.py --preset ${SEED_PRESET:-gpt2-large} --out_dir "$OUT" \
         --deadline_s ${SEED_DEADLINE_S:-545} 2>&1 | tee "$OUT/seed.log" | tail -30 ;;

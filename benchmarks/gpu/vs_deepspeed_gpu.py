@@ -5,7 +5,7 @@
 
 The workload is benchmarks/workloads/gpt2_dual_engine.py --engine deepspeed: the GPT-2 example's
 model and data on DeepSpeed's own engine, bf16, Adam through torch (`torch_adam`: no JIT-built op),
-gas 1, micro-batch searched up to --max_micro at ZeRO stages 0-3, fast mode, profile steps 3-5
+gas 1, micro-batch searched up to --max_micro at ZeRO stages --stages (0-3), fast mode, profile steps 3-5
 (DeepSpeed's defaults) for every tuner.
 - DeepSpeed: `deepspeed --autotuning tune --num_gpus 1 ...` (its results folder is read, not its
   exit status: it exits 0 even when every experiment failed).
@@ -69,7 +69,8 @@ def user_config(tuner: str, args, work: Path) -> dict:
         "steps_per_print": 1000,
         **({"bf16": {"enabled": True}} if args.precision == "bf16" else {}),
         "optimizer": {"type": "Adam", "params": {"lr": 3e-4, "weight_decay": 0.0, "torch_adam": True}},
-        "zero_optimization": {"stage": [0, 1, 2, 3] if tuner == "deepspeed" else "all"},
+        # Both tuners get the same stage list (DeepSpeed's reads a list, not "all").
+        "zero_optimization": {"stage": list(args.stages)},
         "autotuning": {
             # Each tuner keeps its finished experiments (DeepSpeed's skips a result it has), so a call with
             # --resume goes on where the last stopped; without it, run_tuner empties the folder first.
@@ -178,6 +179,9 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt2-medium", choices=sorted(PRESETS))
     parser.add_argument("--seq_len", type=int, default=1024)
     parser.add_argument("--max_micro", type=int, default=64)
+    # A narrower space (say --stages 1) is one DeepSpeed's autotuner finishes inside one 10-minute
+    # device call, so both wall times are measured uncapped.
+    parser.add_argument("--stages", default="0,1,2,3", help="ZeRO stages both tuners search, comma-separated")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="fp32: a CPU dry run")
     # Ours first: were DeepSpeed's cut by its cap, its wall time is still a lower bound. A whole
     # DeepSpeed run (~20 experiments at ~33 s on an H200) outlasts a 10-minute device call, so its
@@ -192,6 +196,9 @@ def main() -> None:
                              "experiments are not run again) and its wall time adds up over the calls")
     parser.add_argument("--out_dir", type=Path, required=True)
     args = parser.parse_args()
+    args.stages = tuple(int(stage) for stage in args.stages.split(","))
+    if not args.stages or any(stage not in (0, 1, 2, 3) for stage in args.stages):
+        parser.error(f"--stages {args.stages}: give ZeRO stages 0-3, comma-separated")
     args.work_dir = args.work_dir.resolve()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     args.work_dir.mkdir(parents=True, exist_ok=True)
@@ -237,7 +244,8 @@ def main() -> None:
         median = statistics.median(values) if values else None
         tokens = median * args.seq_len if median else None
         rows.append({
-            "preset": args.preset, "seq_len": args.seq_len, "tuner": tuner, "timed_out": run["timed_out"],
+            "preset": args.preset, "seq_len": args.seq_len, "stages": ",".join(map(str, args.stages)), "tuner": tuner,
+            "timed_out": run["timed_out"],
             "wall_s": round(run["wall_s"], 1), "launches": run["experiments"], "failed_launches": run["failed"],
             "pick": pick.name if pick else None, "own_metric": run["reported_metric"],
             "remeasured_samples_s": round(median, 2) if median else None,
