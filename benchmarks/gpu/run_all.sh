@@ -3,6 +3,8 @@
 #   benchmarks/gpu/run_all.sh [env] [nccl2] [tests | tests_engine tests_deepspeed] [vs_deepspeed] [seed] [offload] [transfer] [memory_far]
 # With carried wheels in .whl/ (hjson, pydantic, and DeepSpeed built with DS_BUILD_OPS=0: not on
 # that machine) they are installed first; their console scripts (deepspeed) go on PATH.
+# vs_deepspeed reads VS_PRESET, VS_TUNERS, VS_CAPS_S, VS_DEADLINE_S, VS_STAGES (say 1: a space DeepSpeed's
+# autotuner finishes inside one call) and VS_RESUME.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-output/gpu}

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu/vs_deepspeed_gpu.py --preset gpt2-medium --seq_len 1024 --out_dir $OUT \
         [--tuners predictive,deepspeed[,gridsearch]] [--caps_s 150,330[,120]] [--deadline_s 545] [--resume]
+        [--stages 0,1,2,3]
 
 The workload is benchmarks/workloads/gpt2_dual_engine.py --engine deepspeed: the GPT-2 example's
 model and data on DeepSpeed's own engine, bf16, Adam through torch (`torch_adam`: no JIT-built op),
@@ -20,7 +21,8 @@ product rate measured in the same call) are derived from the re-measured samples
 DeepSpeed's whole run outlasts one 10-minute device call (its launches start 45 s apart on an H200,
 about 20 of them): with --resume a later call goes on from the same --work_dir (on a warm machine
 the ignored output/ folder stays), each tuner resuming its finished experiments, the one cut at the
-cap run again, and its wall time summed over the calls (segments.json in its folder).
+cap run again, and its wall time summed over the calls (segments.json in its folder). With one
+stage (`--stages 1`) DeepSpeed's run took 218 s on an H200, inside one call (docs/gpu.md).
 Out: gpu_vs_deepspeed.csv (one row per tuner), gpu_vs_deepspeed.log, gpu_vs_deepspeed_runs.json
 (every experiment: DeepSpeed's with its own memory estimate lines, ours with predicted and
 measured memory), and a tarball of every log.

@@ -71,3 +71,17 @@ def test_the_experiment_deepspeeds_run_was_in_at_its_cap_is_named_so_a_resumed_c
     assert harness.experiment_running_at_cap(tmp_path) == "z0_gas1_tmbspg1"
     (results / "z0_gas1_tmbspg1" / "metrics.json").write_text("{}")  # it had finished: nothing is cut
     assert harness.experiment_running_at_cap(tmp_path) is None
+
+
+def test_both_tuners_get_the_same_stage_list_and_ours_reads_it():
+    """`--stages 1` narrows both tuners alike (DeepSpeed's autotuner reads a list, not "all"), and
+    our config validates the list DeepSpeed's reads."""
+    from types import SimpleNamespace
+
+    from autotuner.config import load_config
+
+    harness = _gpu_harness()
+    args = SimpleNamespace(stages=(1,), precision="bf16", max_micro=64)
+    configs = {tuner: harness.user_config(tuner, args, Path("/work")) for tuner in ("deepspeed", "predictive")}
+    assert configs["deepspeed"]["zero_optimization"] == configs["predictive"]["zero_optimization"] == {"stage": [1]}
+    assert load_config(configs["predictive"]).zero_optimization.stages == (1,)
