@@ -142,8 +142,7 @@ class Autotuner:
             first = next(r for r in reversed(self.ledger.results())
                          if r.model_info is not None and r.state is TrialState.OK)
             self.memory.settle_budget(first.model_info.device_memory_bytes)
-            self.memory.profile, self.memory.precision = profile, first.model_info.precision
-            self.memory.refit()
+            self.memory.use_profile(profile, first.model_info.precision)
             fitting = [m for m in pool if self.memory.fits(space.experiment(stage, m))]
             self.memory.profile = None
             if not fitting:
@@ -171,8 +170,7 @@ class Autotuner:
                  if r.state is TrialState.OK and r.measurement is not None and r.measurement.latency > 0]
         if not steps:
             return None
-        self.memory.profile, self.memory.precision = profile, infos[0].precision
-        self.memory.refit()
+        self.memory.use_profile(profile, infos[0].precision)
         unsharded = [s for s in self.space.stages if s < 2]
         fits_all = all(any(self.memory.fits(self.space.experiment(s, m)) for s in unsharded)
                        for m in self._size_pool())
@@ -210,19 +208,14 @@ class Autotuner:
                 where = self.exps_dir / failure.experiment.name
                 raise TuningFailed(f"the model did not run in the profile launch ({failure.state.value}): "
                                    f"{failure.error}; see {where}/stderr.log")
-            self.memory.profile = outcome.profile
+            device_memory = outcome.device_memory_bytes
+            self.memory.device_type = "cuda" if device_memory else "cpu"
+            self.memory.use_profile(outcome.profile, outcome.runs[0].precision)
             if outcome.sharding_left_out:
                 self._leave_out_sharding(outcome.sharding_left_out)
             if outcome.profile.engine == "deepspeed":
                 self.report("engine: the script trains on DeepSpeed's own engine (DeepSpeedEngine); every experiment "
                             "runs there, costed by DeepSpeed's ZeRO memory model")
-            # Precision and device before the fit: the residuals are taken against the analytic
-            # model, which applies a bf16 phase fit only under bf16 (fitted under the default fp32,
-            # an H200 launch was predicted 13.6% high).
-            self.memory.precision = outcome.runs[0].precision
-            device_memory = outcome.device_memory_bytes
-            self.memory.device_type = "cuda" if device_memory else "cpu"
-            self.memory.refit()
             self.memory.report_fits()
             self._profiled = True
             for line in profile_lines(self.memory.profile, self.memory.engine):
