@@ -13,7 +13,7 @@ from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.searches.stage_search import run_search
 from autotuner.tuning.space.search_space import SearchPolicy
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, experiment_settings, model_info, never_called, orchestrator
+from fakes import FakeRunner, experiment_settings, model_info, never_called, ok, orchestrator
 
 MiB = 2**20
 P = 100_000_000
@@ -346,8 +346,7 @@ def test_the_first_search_launch_after_a_bf16_profile_is_predicted_from_its_phas
     def answer(trial):
         micro = trial.experiment.micro_batch_size
         peak = max(forward_backward(micro), step)
-        result = TrialResult(trial.experiment, TrialState.OK, value=float(micro), predicted_memory_bytes=
-                             trial.predicted_memory_bytes, measured_memory_bytes=peak, wall_time_s=1.0)
+        result = ok(trial, float(micro), peak)
         if not trial.profile:
             return result
         info = model_info(micro, 1, "bf16", num_params=354_823_168, trainable_num_params=354_823_168,
