@@ -262,9 +262,17 @@ def settle(args: argparse.Namespace) -> SettledJob:
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
                                  nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if placed else 1,
                                  launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
-                                 device=this_device())
+                                 device=this_device(), user_config=settings.user_config,
+                                 measured_as=measured_as(settings))
     return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir,
                       devices, space)
+
+
+def measured_as(settings: ExperimentSettings) -> str:
+    """What each launch measures beside its config, in words: a record measured otherwise is not reused."""
+    return (f"steps {settings.start_profile_step}-{settings.end_profile_step}, at least {settings.min_window_s:g} s, "
+            f"at most {settings.max_steps_per_window} steps a window; gradient noise "
+            f"{'read' if settings.objective.metric == 'goodput' else 'not read'}; exp_timeout_s {settings.timeout_s:g}")
 
 
 def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, script_args: tuple[str, ...],

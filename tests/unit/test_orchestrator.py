@@ -4,6 +4,7 @@ the first-failure rule, memory calibration and the progress lines."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,7 @@ def test_the_profile_and_the_search_go_through_the_runner_and_are_journaled(tmp_
     assert outcome.best.name == "z0_gas1_mbs4" and outcome.best.value == 20.0
     for name in runner.names:
         entry = json.loads((tmp_path / "exps" / name / "exp.json").read_text())
-        assert entry["version"] == 2 and entry["fingerprint"]["script_args"] == ["--width", "256"]
+        assert entry["version"] == 3 and entry["fingerprint"]["script_args"] == ["--width", "256"]
 
 
 @pytest.mark.parametrize("tuner_type", ["gridsearch", "predictive"])
@@ -267,3 +268,80 @@ def test_a_resumed_run_scores_journaled_results_under_its_own_metric_and_budget(
     tight = tuner(tmp_path, FakeRunner(never_called), autotuning={"memory_per_rank_bytes": 100 * MiB})
     with pytest.raises(TuningFailed):
         tight.tune()
+
+
+# ----- what a resumed run must not reuse (a review of 2026-11-27) -----
+
+def test_the_fingerprint_sees_keys_only_deepspeeds_engine_reads_the_window_and_the_ranks_environment(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    base = _fingerprint(script, (), {"steps_per_print": 1}, user_config={"zero_optimization": {"stage": 2}},
+                        measured_as="steps 3-5", environ={"OMP_NUM_THREADS": "1", "HOME": "/a"})
+    # Dropped from the settled config, but sent to DeepSpeed's engine as written.
+    assert base.differences(_fingerprint(
+        script, (), {"steps_per_print": 1}, user_config={"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}},
+        measured_as="steps 3-5", environ={"OMP_NUM_THREADS": "1", "HOME": "/a"})) == ["config changed"]
+    assert base.differences(_fingerprint(
+        script, (), {"steps_per_print": 1}, user_config={"zero_optimization": {"stage": 2}},
+        measured_as="steps 10-50", environ={"OMP_NUM_THREADS": "1", "HOME": "/a"})) == \
+        ["profile window or readings changed"]
+    assert base.differences(_fingerprint(
+        script, (), {"steps_per_print": 1}, user_config={"zero_optimization": {"stage": 2}},
+        measured_as="steps 3-5", environ={"OMP_NUM_THREADS": "4", "HOME": "/a"})) == \
+        ["environment variables of the ranks changed"]
+    # A variable no rank's measurement depends on does not set the records aside.
+    assert base == _fingerprint(script, (), {"steps_per_print": 1}, user_config={"zero_optimization": {"stage": 2}},
+                                measured_as="steps 3-5", environ={"OMP_NUM_THREADS": "1", "HOME": "/b"})
+    from autotuner.tuning.trials.journal import Fingerprint
+
+    assert Fingerprint.from_json(json.loads(json.dumps(base.to_json()))) == base  # as the journal keeps it
+
+
+def test_what_a_launch_measures_beside_its_config_is_in_the_fingerprint():
+    from autotuner.app.settle import measured_as
+    from autotuner.config import load_config
+    from autotuner.tuning.space.records import Objective
+    from fakes import experiment_settings
+
+    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}))
+    described = measured_as(settings)
+    for changed in ({"start_profile_step": 10}, {"end_profile_step": 50}, {"min_window_s": 2.0},
+                    {"max_steps_per_window": 8}, {"timeout_s": 3600.0}, {"objective": Objective("goodput")}):
+        assert measured_as(replace(settings, **changed)) != described, changed
+    assert measured_as(replace(settings, objective=Objective("latency"))) == described  # rescored, not relaunched
+
+
+def test_a_result_that_lacked_the_earlier_metric_is_judged_again_not_failed_forever(tmp_path):
+    # metric flops where the run reported no FLOPs: every result failed "metrics.json has no ...";
+    # back on throughput, the profile's measurement is scored and only the rest is launched.
+    measured = by_micro({2: 10.0, 4: 20.0})  # the profile launch's result holds the model, as judge() gives it
+
+    def no_flops(trial):
+        return replace(measured(trial), state=TrialState.FAILED, value=None,
+                       error="metrics.json has no 'FLOPS_per_gpu'")
+
+    with pytest.raises(TuningFailed):
+        tuner(tmp_path, FakeRunner(no_flops), autotuning={"metric": "flops"}).tune()
+    runner = FakeRunner(measured)
+    outcome = tuner(tmp_path, runner).tune()
+    assert runner.names == ["z0_gas1_mbs4"]  # the profile's measurement is scored, not launched again
+    assert {r.name: r.value for r in outcome.results} == {"z0_gas1_mbs2": 10.0, "z0_gas1_mbs4": 20.0}
+
+
+def test_an_earlier_record_is_reused_only_for_the_experiment_it_measured(tmp_path):
+    from autotuner.tuning.trials.ledger import TrialLedger
+
+    class Store:
+        def earlier(self):
+            return {"z0_gas1_mbs2": TrialResult(Experiment(0, 4), TrialState.OK, value=1.0)}
+
+    ledger = TrialLedger((Store(),))
+    ledger.resume()
+    assert ledger.known(Experiment(0, 2)) is None
+
+
+def test_knob_values_that_round_alike_get_names_of_their_own():
+    a = Experiment(0, 2).with_knobs({"reduce_bucket_size": 100_000_000})
+    b = Experiment(0, 2).with_knobs({"reduce_bucket_size": 104_857_600})
+    assert a.name != b.name
+    assert a.name == "z0_rbs1.0e08_gas1_mbs2"  # round values keep their short names

@@ -11,10 +11,17 @@ from autotuner.tuning.space import dimensions
 
 
 def _format_knob(value: Any) -> str:
+    """Short, and one name per value: a name keys an experiment's directory and its journal record,
+    so 1e8 and 100 MiB (104857600) must not both read "1.0e08"."""
     if isinstance(value, bool):
         return "T" if value else "F"
     if isinstance(value, (int, float)) and value >= 10_000:
-        return f"{float(value):.1e}".replace("+", "")
+        digits = 1
+        while float(f"{float(value):.{digits}e}") != value and digits < 17:
+            digits += 1
+        if isinstance(value, int) and float(f"{float(value):.{digits}e}") != value:
+            return str(value)  # beyond a float's 53 bits: the integer itself
+        return f"{float(value):.{digits}e}".replace("+", "")
     return str(value)
 
 

@@ -214,7 +214,10 @@ class Evaluator:
         holds the model, else launched; recorded either way, as its experiment's measurement."""
         launcher = self._runner_launches()
         earlier = self.ledger.earlier(experiment.name)
-        reused = earlier is not None and earlier.model_info is not None
+        # A failed record is launched again: what failed it (a metric it lacked, a window longer
+        # than the script) may be what the user changed since.
+        reused = (earlier is not None and earlier.model_info is not None and earlier.experiment == experiment
+                  and earlier.state is not TrialState.FAILED)
         result = earlier if reused else launcher.run(launcher.trial_for(experiment, "", True))
         self.ledger.record(result, reused)
         return result
@@ -226,7 +229,7 @@ class Evaluator:
         launcher = self._runner_launches()
         name = remeasure_directory_name(experiment.name, run)
         earlier = self.ledger.earlier(name)
-        if earlier is not None:
+        if earlier is not None and earlier.experiment == experiment:
             return earlier, True
         return launcher.run(launcher.trial_for(experiment, name, False)), False
 

@@ -3,7 +3,10 @@ that decides whether a record may be reused.
 
 A record is reused only when its fingerprint equals the current run's: the same script (path and
 content), the same arguments apart from the flags the tuner sets, the same config apart from its
-autotuning section, the same ranks and launcher flags, the same torch, the same device. Records
+autotuning section (as settled and as written, so keys only DeepSpeed's engine reads count), the
+same profile window and readings, the same ranks and launcher flags, the same torch and engine
+libraries, the same device and usable CPUs, the same environment variables that change a
+measurement. Records
 from a different run are moved aside into `exps_dir/earlier/<time>/`, never deleted.
 """
 
@@ -25,7 +28,12 @@ from autotuner.tuning.space.records import TrialResult
 
 RECORD_FILE = "exp.json"
 EARLIER_DIR = "earlier"
-JOURNAL_VERSION = 2
+JOURNAL_VERSION = 3
+# Variables of the tuner's environment that reach every rank and change what it measures: thread
+# counts, the allocators, the collectives' transports, DeepSpeed's accelerator choice.
+MEASURED_ENV_PREFIXES = ("OMP_", "MKL_", "KMP_", "PYTORCH_", "CUDA_VISIBLE_DEVICES", "MALLOC_", "GLIBC_TUNABLES",
+                         "NCCL_", "TORCH_NCCL_", "GLOO_", "DS_ACCELERATOR")
+ENGINE_LIBRARIES = ("deepspeed", "transformers", "accelerate")
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,9 @@ class Fingerprint:
     launcher_args: tuple[str, ...]
     torch_version: str
     device: str  # type and name, e.g. "cuda NVIDIA H100 80GB HBM3" or "cpu x86_64 ..."
+    measured_as: str = ""  # the profile window and what each launch reads beside it
+    libraries: str = ""  # the engine libraries' versions, e.g. "deepspeed 0.19.8, transformers none"
+    environment: tuple[tuple[str, str], ...] = ()  # MEASURED_ENV_PREFIXES' variables, sorted
 
     # What a changed field means, in the words of the one-line notice.
     REASONS = {
@@ -48,12 +59,15 @@ class Fingerprint:
         "config_sha256": "config changed", "nproc_per_node": "ranks per node changed",
         "num_nodes": "number of nodes changed", "launcher_args": "launcher flags changed",
         "torch_version": "torch version changed", "device": "device changed",
+        "measured_as": "profile window or readings changed", "libraries": "engine library versions changed",
+        "environment": "environment variables of the ranks changed",
     }
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["script_args"] = list(self.script_args)
         data["launcher_args"] = list(self.launcher_args)
+        data["environment"] = [list(pair) for pair in self.environment]
         return data
 
     @classmethod
@@ -61,6 +75,7 @@ class Fingerprint:
         values = dict(data)
         values["script_args"] = tuple(values["script_args"])
         values["launcher_args"] = tuple(values["launcher_args"])
+        values["environment"] = tuple(tuple(pair) for pair in values.get("environment", ()))
         return cls(**values)
 
     def differences(self, other: "Fingerprint") -> list[str]:
@@ -84,8 +99,12 @@ def unmapped_args(script_args: tuple[str, ...], flags: tuple[str, ...]) -> tuple
 
 def fingerprint_of(*, script: str, script_args: tuple[str, ...], mapped_flags: tuple[str, ...],
                    base_config: dict[str, Any], nproc_per_node: int, num_nodes: int,
-                   launcher_args: tuple[str, ...], torch_version: str, device: str) -> Fingerprint:
-    config = {key: value for key, value in base_config.items() if key != "autotuning"}
+                   launcher_args: tuple[str, ...], torch_version: str, device: str,
+                   user_config: dict[str, Any] | None = None, measured_as: str = "",
+                   environ: dict[str, str] | None = None) -> Fingerprint:
+    # Settled, and as written: keys only DeepSpeed's engine reads are dropped from the settled one.
+    config = {"settled": {key: value for key, value in base_config.items() if key != "autotuning"},
+              "written": {key: value for key, value in (user_config or {}).items() if key != "autotuning"}}
     return Fingerprint(
         script=str(Path(script).resolve()),
         script_sha256=_sha256(Path(script).read_bytes()),
@@ -96,7 +115,32 @@ def fingerprint_of(*, script: str, script_args: tuple[str, ...], mapped_flags: t
         launcher_args=tuple(launcher_args),
         torch_version=torch_version,
         device=device,
+        measured_as=measured_as,
+        libraries=library_versions(),
+        environment=tuple(sorted((name, value) for name, value in (os.environ if environ is None else environ).items()
+                                 if name.startswith(MEASURED_ENV_PREFIXES))),
     )
+
+
+def library_versions() -> str:
+    """The engine libraries' versions, read from their metadata (nothing is imported)."""
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "none"
+
+    return ", ".join(f"{name} {version(name)}" for name in ENGINE_LIBRARIES)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset, a cgroup's cpuset), which its ranks share."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def this_device() -> str:
@@ -109,7 +153,7 @@ def this_device() -> str:
     except ImportError:
         pass
     model = next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), "")
-    return f"cpu {platform.machine()} {model} x{os.cpu_count()}".strip()
+    return f"cpu {platform.machine()} {model} x{usable_cpus()}".strip()
 
 
 def _cpuinfo() -> list[str]:

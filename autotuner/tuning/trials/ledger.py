@@ -90,8 +90,12 @@ class TrialLedger:
     # ----- this run's results -----
     def known(self, experiment: Experiment) -> TrialResult | None:
         """This run's result for `experiment`, else an earlier run's record under its name (which
-        is this run's once recorded), else None: it has to be launched."""
-        return self._results.get(experiment) or self._earlier.get(experiment.name)
+        is this run's once recorded), else None: it has to be launched. An earlier record is
+        reused only for the experiment it measured, not for another that shares its name."""
+        if (result := self._results.get(experiment)) is not None:
+            return result
+        earlier = self._earlier.get(experiment.name)
+        return earlier if earlier is not None and earlier.experiment == experiment else None
 
     def __contains__(self, experiment: Experiment) -> bool:
         return experiment in self._results

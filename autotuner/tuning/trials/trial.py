@@ -200,6 +200,9 @@ def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
     return () if settings.rank_flags.picks_ranks_itself else ("--nproc_per_node", str(settings.nproc_per_node))
 
 
+MISSING_METRIC = "metrics.json has no "  # a failure the metric caused: judged again when it changes
+
+
 def scored(measurement: Measurement, settings: ExperimentSettings, common: dict) -> TrialResult:
     """A measured launch judged under this run's budget and objective (`common`: the result's
     other fields)."""
@@ -216,7 +219,7 @@ def scored(measurement: Measurement, settings: ExperimentSettings, common: dict)
     value = measurement.value(settings.objective.key)
     if value is None:
         return TrialResult(state=TrialState.FAILED, measurement=measurement,
-                           error=f"metrics.json has no '{settings.objective.key}'", **common)
+                           error=f"{MISSING_METRIC}'{settings.objective.key}'", **common)
     spread = measurement.throughput_std if settings.objective.metric in ("throughput", "goodput") else None
     planned = planned_value(measurement, settings.objective, settings.planned_steps, float(value))
     planned *= settings.objective.efficiency(measurement.train_batch_size)  # goodput; else 1
@@ -228,8 +231,10 @@ def scored(measurement: Measurement, settings: ExperimentSettings, common: dict)
 def rescored(result: TrialResult, settings: ExperimentSettings) -> TrialResult:
     """A journaled result judged again under this run's budget, metric and planned steps, which
     sit in the autotuning section outside the fingerprint: a value scored under another objective
-    must never be compared with this run's. Results without a measurement stay as they are."""
-    if result.measurement is None or result.state not in (TrialState.OK, TrialState.OOM):
+    must never be compared with this run's. Results without a measurement stay as they are; so does
+    a failure, unless all it lacked was an earlier metric's figure (this run's may be there)."""
+    lacked_metric = result.state is TrialState.FAILED and (result.error or "").startswith(MISSING_METRIC)
+    if result.measurement is None or (result.state not in (TrialState.OK, TrialState.OOM) and not lacked_metric):
         return result
     common = dict(experiment=result.experiment, predicted_memory_bytes=result.predicted_memory_bytes,
                   wall_time_s=result.wall_time_s, model_info=result.model_info, hosts=result.hosts)
