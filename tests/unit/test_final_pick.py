@@ -214,3 +214,43 @@ def test_one_interleaved_rule_serves_the_final_pick_and_the_online_tuner():
     assert by_median(values) == ["c", "b", "a"] and by_median(values, maximize=False) == ["a", "b", "c"]
     assert by_median(values, failed={"c": 1}) == ["b", "a", "c"]  # a failed run ranks behind every clean one
 
+
+
+# ----- what a re-measurement's failure must not do (a review of 2026-11-27) -----
+
+def _rounds(results, answers, rounds=1):
+    """final_pick_rounds over `results`, each re-measurement answered from `answers[(micro, run)]`."""
+    from autotuner.tuning.searches.final_pick import final_pick_rounds
+
+    def remeasure(experiment, run):
+        state, value = answers[(experiment.micro_batch_size, run)]
+        return TrialResult(experiment, state, value=value, error=None if state is TrialState.OK else "x")
+    return final_pick_rounds(results, THROUGHPUT, top=3, rounds=rounds, remeasure=remeasure, report=lambda line: None)
+
+
+def test_a_contender_whose_remeasurement_ran_out_of_memory_is_never_the_pick():
+    # A measured 100 and B 99; A's re-measurement ran out of memory, B's timed out. Both failed
+    # once, and A's single 100 used to win: a configuration that does not always fit.
+    chosen, _, lines = _rounds([result(1, 100.0), result(2, 99.0)],
+                               {(1, 1): (TrialState.OOM, None), (2, 1): (TrialState.TIMEOUT, None)})
+    assert chosen.experiment == Experiment(0, 2)
+    assert "z0_gas1_mbs1 ran out of memory when re-measured: not picked" in lines
+
+
+def test_every_contender_out_of_memory_falls_back_to_the_best_that_fits():
+    chosen, _, _ = _rounds([result(1, 100.0), result(2, 99.0), result(4, 80.0)],
+                           {(1, 1): (TrialState.OOM, None), (2, 1): (TrialState.OOM, None)})
+    assert chosen.experiment == Experiment(0, 4)
+
+
+def test_a_contender_dropped_after_a_round_cannot_win_on_fewer_failed_runs():
+    # C starts within the band (95 against 100), then round 1 drops it (median 82.5 against 104 and
+    # 97); in round 2 both A and B fail once. C ran once and never failed, and used to win on that:
+    # the pick is among the last round's contenders.
+    answers = {(1, 1): (TrialState.OK, 108.0), (2, 1): (TrialState.OK, 98.0), (4, 1): (TrialState.OK, 70.0),
+               (1, 2): (TrialState.TIMEOUT, None), (2, 2): (TrialState.TIMEOUT, None),
+               (1, 3): (TrialState.OK, 104.0), (2, 3): (TrialState.OK, 98.0)}
+    chosen, remeasured, _ = _rounds([result(1, 100.0), result(2, 96.0), result(4, 95.0)], answers, rounds=3)
+    assert {r.experiment.micro_batch_size for run, r in remeasured if run == 1} == {1, 2, 4}
+    assert {r.experiment.micro_batch_size for run, r in remeasured if run > 1} == {1, 2}
+    assert chosen.experiment == Experiment(0, 1)

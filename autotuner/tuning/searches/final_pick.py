@@ -146,11 +146,14 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
     noise = NoiseLevel(relative_spread(best) if best is not None else TIE_FLOOR)
     values: dict[Experiment, list[float]] = {}
     failed: dict[Experiment, int] = {}
+    out_of_memory: set[Experiment] = set()  # a run that does not always fit is never the pick
     remeasurements = []
     first = {r.experiment: r.value for r in results if r.state is TrialState.OK and r.value is not None}
+    chosen: list[Experiment] = []
     for round_index in range(rounds):
         medians = {e: statistics.median(v) for e, v in values.items() if v}
-        chosen = [r.experiment for r in contenders(results, objective, top, noise.relative, medians)]
+        standing = [r for r in results if r.experiment not in out_of_memory]
+        chosen = [r.experiment for r in contenders(standing, objective, top, noise.relative, medians)]
         if len(chosen) < 2 and not values:
             break
         if round_index == 0:
@@ -167,14 +170,21 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
                 values[experiment].append(result.value)
             else:
                 failed[experiment] += 1
+                if result.state is TrialState.OOM:
+                    out_of_memory.add(experiment)
         noise = NoiseLevel.of(values)
-        if settled({e: values[e] for e in chosen}, objective, noise.relative):
+        if settled({e: values[e] for e in chosen if e not in out_of_memory}, objective, noise.relative):
             break
     lines = [noise.describe()]
-    if not values:
-        report(lines[0])
-        return best, [], lines
-    final = pick([Contender(e, tuple(v), failed[e]) for e, v in values.items()], objective, noise.relative)
+    lines += [f"{e.name} ran out of memory when re-measured: not picked" for e in sorted(out_of_memory)]
+    # The last round's contenders only: one dropped earlier ran fewer times, so fewer of its runs could fail.
+    standing = [e for e in values if e in chosen and e not in out_of_memory]
+    if not standing:
+        fallback = objective.best([r for r in results if r.experiment not in out_of_memory])
+        for line in lines:
+            report(line)
+        return fallback, remeasurements, lines
+    final = pick([Contender(e, tuple(values[e]), failed[e]) for e in standing], objective, noise.relative)
     lines += describe(final, objective)
     for line in lines:
         report(line)
