@@ -292,11 +292,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
         self._global_grad_norm = gradient_norm(list(self.wrapped.parameters()), self.config.gradient_clipping)
         self._step_applied = True
         if self._grad_scaler is not None:
-            scale = self._grad_scaler.get_scale()
-            self._grad_scaler.step(self.optimizer)
-            self._grad_scaler.update()
-            # The scaler skips the step and lowers the scale when gradients overflowed.
-            self._step_applied = self._grad_scaler.get_scale() >= scale
+            # Skipped when a gradient overflowed; the scale then follows DeepSpeed's rule (loss_scale.py).
+            self._step_applied = self._grad_scaler.step(self.optimizer)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -204,17 +204,9 @@ def _drive(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
 def _grad_scaler(config: DeepSpeedConfig, device: torch.device, stage: int):
     if config.precision != "fp16":
         return None
-    fp16 = config.fp16
-    dynamic = fp16.loss_scale == 0
-    kwargs = dict(
-        init_scale=2.0**fp16.initial_scale_power if dynamic else fp16.loss_scale,
-        growth_interval=fp16.loss_scale_window if dynamic else 2**31 - 1,
-    )
-    if stage >= 2:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from autotuner.runtime.loss_scale import LossScaler
 
-        return ShardedGradScaler(device.type, **kwargs)
-    return torch.amp.GradScaler(device.type, **kwargs)
+    return LossScaler(config.fp16, device, sharded=stage >= 2)
 
 
 def _dataloader(dataset: Dataset, collate_fn: Any, batch_size: int, rank: int, world_size: int) -> DataLoader:
