@@ -37,6 +37,7 @@ from autotuner.config.loader import read_config_file
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.backends import BACKENDS, backend_spec
+from autotuner.execution.script_imports import own_modules
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import LaunchPlan
 from autotuner.launch.script_args import config_path, find_flag
@@ -263,7 +264,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
                                  nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if placed else 1,
                                  launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
                                  device=this_device(), user_config=settings.user_config,
-                                 measured_as=measured_as(settings))
+                                 measured_as=measured_as(settings), own_modules=tuple(own_modules(args.script)))
     return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir,
                       devices, space)
 

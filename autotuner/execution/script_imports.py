@@ -36,14 +36,24 @@ def top_level(name: str) -> str:
 def import_sites(script: str) -> list[ImportSite]:
     """Every module the script and its own modules import, each at its first site (files in the
     order they are reached, lines in order within a file); installed or not."""
+    return _walk(script)[0]
+
+
+def own_modules(script: str) -> list[Path]:
+    """The script's own modules beside it that it imports, at any depth, in the order reached."""
+    return _walk(script)[1][1:]
+
+
+def _walk(script: str) -> tuple[list[ImportSite], list[Path]]:
+    """The import sites, and the files read: the script, then its own modules."""
     script_dir = Path(script).resolve().parent
     found: dict[str, ImportSite] = {}
-    pending, seen = [Path(script).resolve()], set()
+    pending, seen = [Path(script).resolve()], []
     while pending:
         path = pending.pop(0)
         if path in seen:
             continue
-        seen.add(path)
+        seen.append(path)
         try:
             tree = ast.parse(path.read_text(), filename=str(path))
         except (OSError, SyntaxError, ValueError):
@@ -62,7 +72,7 @@ def import_sites(script: str) -> list[ImportSite]:
                     pending.append(local)
                 elif name not in found:
                     found[name] = ImportSite(name, path, node.lineno)
-    return list(found.values())
+    return list(found.values()), seen
 
 
 def script_imports(script: str) -> list[str]:

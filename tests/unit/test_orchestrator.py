@@ -345,3 +345,20 @@ def test_knob_values_that_round_alike_get_names_of_their_own():
     b = Experiment(0, 2).with_knobs({"reduce_bucket_size": 104_857_600})
     assert a.name != b.name
     assert a.name == "z0_rbs1.0e08_gas1_mbs2"  # round values keep their short names
+
+
+def test_the_fingerprint_sees_the_scripts_own_modules_beside_it(tmp_path):
+    from autotuner.execution.script_imports import own_modules
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nfrom model import Net\n")
+    (tmp_path / "model.py").write_text("import layers\nclass Net: width = 256\n")
+    (tmp_path / "layers.py").write_text("DEPTH = 2\n")
+    (tmp_path / "unrelated.py").write_text("X = 1\n")
+    assert [p.name for p in own_modules(str(script))] == ["model.py", "layers.py"]
+    before = _fingerprint(script, (), {}, own_modules=tuple(own_modules(str(script))))
+    (tmp_path / "unrelated.py").write_text("X = 2\n")
+    assert _fingerprint(script, (), {}, own_modules=tuple(own_modules(str(script)))) == before
+    (tmp_path / "layers.py").write_text("DEPTH = 4\n")
+    assert before.differences(_fingerprint(script, (), {}, own_modules=tuple(own_modules(str(script))))) == \
+        ["script changed"]

@@ -101,13 +101,13 @@ def fingerprint_of(*, script: str, script_args: tuple[str, ...], mapped_flags: t
                    base_config: dict[str, Any], nproc_per_node: int, num_nodes: int,
                    launcher_args: tuple[str, ...], torch_version: str, device: str,
                    user_config: dict[str, Any] | None = None, measured_as: str = "",
-                   environ: dict[str, str] | None = None) -> Fingerprint:
+                   environ: dict[str, str] | None = None, own_modules: tuple[Path, ...] = ()) -> Fingerprint:
     # Settled, and as written: keys only DeepSpeed's engine reads are dropped from the settled one.
     config = {"settled": {key: value for key, value in base_config.items() if key != "autotuning"},
               "written": {key: value for key, value in (user_config or {}).items() if key != "autotuning"}}
     return Fingerprint(
         script=str(Path(script).resolve()),
-        script_sha256=_sha256(Path(script).read_bytes()),
+        script_sha256=script_sha256(script, own_modules),
         script_args=unmapped_args(script_args, (*mapped_flags, *CONFIG_FLAGS)),
         config_sha256=_sha256(json.dumps(config, sort_keys=True, default=str).encode()),
         nproc_per_node=nproc_per_node,
@@ -120,6 +120,15 @@ def fingerprint_of(*, script: str, script_args: tuple[str, ...], mapped_flags: t
         environment=tuple(sorted((name, value) for name, value in (os.environ if environ is None else environ).items()
                                  if name.startswith(MEASURED_ENV_PREFIXES))),
     )
+
+
+def script_sha256(script: str, own_modules: tuple[Path, ...] = ()) -> str:
+    """The script's content and that of its own modules beside it that it imports (a model.py
+    edited next to train.py changes what is measured as much as train.py would)."""
+    digest = hashlib.sha256(Path(script).read_bytes())
+    for module in own_modules:
+        digest.update(module.name.encode() + b"\0" + module.read_bytes())
+    return digest.hexdigest()
 
 
 def library_versions() -> str:
