@@ -273,7 +273,8 @@ def measured_as(settings: ExperimentSettings) -> str:
     """What each launch measures beside its config, in words: a record measured otherwise is not reused."""
     return (f"steps {settings.start_profile_step}-{settings.end_profile_step}, at least {settings.min_window_s:g} s, "
             f"at most {settings.max_steps_per_window} steps a window; gradient noise "
-            f"{'read' if settings.objective.metric == 'goodput' else 'not read'}; exp_timeout_s {settings.timeout_s:g}")
+            f"{'read' if settings.objective.metric == 'goodput' else 'not read'}; exp_timeout_s {settings.timeout_s:g}; "
+            f"flags mapped: {', '.join(f'{k}={v}' for k, v in sorted(settings.arg_mappings.items())) or 'none'}")
 
 
 def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, script_args: tuple[str, ...],

@@ -1,8 +1,10 @@
 """Checkpoints through torch.distributed.checkpoint (DCP).
 
 Each rank writes only what it holds: FSDP2 shards (ZeRO-2/3), its ZeRO-1 optimizer
-partition, and rank-identical DDP state once. Non-tensor engine state goes to JSON,
-so nothing here unpickles arbitrary objects.
+partition, and rank-identical DDP state once. The engine's own state (step counts, the LR
+schedule's and the client's state) goes through torch.save and is read back weights-only: a
+schedule's Counter of milestones or a client's int keys and tuples come back as they were (JSON
+turned them into strings and lists), and nothing here unpickles arbitrary objects.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from autotuner.core.errors import AutotunerError
-from autotuner.runtime.metrics import write_json_atomic
 
 LATEST_FILE = "latest"
 # Keys per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"), not per group index:
 # ZeRO-1 ranks hold different groups, and index keys would collide when DCP merges ranks.
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-ENGINE_STATE_FILE = "engine_state.json"
+ENGINE_STATE_FILE = "engine_state.pt"
+JSON_ENGINE_STATE_FILE = "engine_state.json"  # checkpoints written before engine_state.pt: still read
 
 
 class _WeightsOnlyLoadPlanner(DefaultLoadPlanner):
@@ -74,19 +76,41 @@ def save(
     """Save model and optimizer with DCP under save_dir/tag; rank 0 writes engine state and, with
     `save_latest`, `latest`. Model weights named in `exclude` are left out."""
     path = Path(save_dir) / tag
+    engine_bytes = engine_state_bytes(engine_state)  # on every rank, before any collective: all refuse alike
     state = {
         "model": {name: value for name, value in get_model_state_dict(model).items() if name not in exclude},
         "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
     }
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
     if dist.get_rank() == 0:
-        write_json_atomic(path / ENGINE_STATE_FILE, engine_state)
+        tmp = path / f".{ENGINE_STATE_FILE}.tmp"
+        tmp.write_bytes(engine_bytes)
+        tmp.replace(path / ENGINE_STATE_FILE)
         if save_latest:
             tmp = Path(save_dir) / f".{LATEST_FILE}.tmp"
             tmp.write_text(tag)
             tmp.replace(Path(save_dir) / LATEST_FILE)
     dist.barrier()
     return path
+
+
+def engine_state_bytes(engine_state: dict[str, Any]) -> bytes:
+    """The engine state as torch.save writes it, checked to load back weights-only."""
+    buffer = io.BytesIO()
+    torch.save(engine_state, buffer)
+    try:
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as err:  # noqa: BLE001 - whatever the unpickler refuses, said in one line
+        raise AutotunerError(f"save_checkpoint: client_state or the LR scheduler's state holds something a "
+                             f"weights-only load cannot read back ({str(err).splitlines()[0][:200]}); keep it to "
+                             "tensors, numbers, strings, lists, tuples, dicts and Counters") from None
+    return buffer.getvalue()
+
+
+def read_engine_state(path: Path) -> dict[str, Any]:
+    if (path / ENGINE_STATE_FILE).exists():
+        return torch.load(path / ENGINE_STATE_FILE, weights_only=True)
+    return json.loads((path / JSON_ENGINE_STATE_FILE).read_text())
 
 
 def resolve_tag(load_dir: str | Path, tag: str | None) -> str | None:
@@ -104,7 +128,7 @@ def load(
     the checkpoint's weights and the model's must name the same tensors (load_state_dict's rule);
     without it, weights the checkpoint lacks keep their values and extra ones are ignored."""
     path = Path(load_dir) / tag
-    if not (path / ENGINE_STATE_FILE).exists():
+    if not (path / ENGINE_STATE_FILE).exists() and not (path / JSON_ENGINE_STATE_FILE).exists():
         raise AutotunerError(f"{path}: not a checkpoint written by save_checkpoint ({ENGINE_STATE_FILE} missing)")
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
@@ -128,7 +152,7 @@ def load(
             param = by_name.get(name)
             if param is not None:
                 optimizer.state.pop(param, None)
-    return json.loads((path / ENGINE_STATE_FILE).read_text())
+    return read_engine_state(path)
 
 
 def _check_module_keys(path: Path, model_keys: set[str], saved: set[str], strict: bool) -> None:

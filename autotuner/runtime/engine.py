@@ -137,11 +137,14 @@ class Engine(DeepSpeedAccessors, nn.Module):
             self.wrapped.require_backward_grad_sync = sync
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self._engine_forwards += 1
         if self._last_boundary_end is None:
             self._window_watch.note_steps_done(0)
             self._last_boundary_end = self._forward_watch.now()
-        self._set_gradient_sync(self.is_gradient_accumulation_boundary())
+        sync = self.is_gradient_accumulation_boundary()
+        # Only a forward with the sync on makes DDP reduce: earlier micro-steps' forwards through
+        # the engine do not, when the boundary's went through the raw module.
+        self._engine_forwards += int(sync)
+        self._set_gradient_sync(sync)
         if self._measurement is not None:
             self._step_length = max(self._step_length, sequence_length_of([*inputs, *kwargs.values()]))
             if self.micro_steps == 0:
@@ -233,8 +236,8 @@ class Engine(DeepSpeedAccessors, nn.Module):
                 self._measurement.finish("autotuner: profile steps done")
 
     def _reduce_what_ddp_missed(self) -> bool:
-        """ZeRO 0/1 at the accumulation boundary. DDP leaves gradients unreduced when forward ran
-        on the raw module (a GAN calling netD(x)), and leaves its buckets unfinished when a
+        """ZeRO 0/1 at the accumulation boundary. DDP leaves gradients unreduced when the boundary
+        micro-step's forward ran on the raw module (a GAN calling netD(x)), and leaves its buckets unfinished when a
         parameter got no gradient (an unused pooler), which it then raises about at the next
         forward. One small all-reduce per step finds either case on any rank; we then average
         the gradients ourselves. Returns whether DDP must track unused parameters from now on."""
@@ -325,7 +328,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         load_module_strict=False, as in DeepSpeed)."""
         from autotuner.runtime import checkpoint  # DCP imports DTensor: ~1 s, paid only when used
 
-        tag = tag or f"global_step{self.global_steps}"
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)  # DeepSpeed's str(tag): a loss as a tag
         state = {
             "global_steps": self.global_steps,
             "micro_steps": self.micro_steps,
@@ -353,7 +356,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
         load_state_dict (under FSDP2 the state dict holds this rank's DTensor shards)."""
         from autotuner.runtime import checkpoint
 
-        resolved = checkpoint.resolve_tag(load_dir, tag)
+        resolved = checkpoint.resolve_tag(load_dir, None if tag is None else str(tag))
         if resolved is None:
             logger.warning("%s: no 'latest' file and no tag given; nothing loaded", load_dir)
             return None, None
@@ -368,12 +371,14 @@ class Engine(DeepSpeedAccessors, nn.Module):
         if load_module_only:
             return str(Path(load_dir) / resolved), state.get("client_state", {})
         self.global_steps = state["global_steps"]
-        self.micro_steps = state["micro_steps"]
+        # micro_steps is not restored, as in DeepSpeed: the gradients of a half-accumulated step are
+        # not in the checkpoint, and a resumed run may accumulate over another count.
         self.global_samples = state["global_samples"]
         self.skipped_steps = state.get("skipped_steps", self.skipped_steps)
         self.step_gate.leave_step(self.global_steps)
         if load_lr_scheduler_states and self.lr_scheduler is not None and state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
-        if self._grad_scaler is not None and state.get("grad_scaler"):
+        if self._grad_scaler is not None and optimizer is not None and state.get("grad_scaler"):
+            # DeepSpeed keeps the loss scale with the optimizer's state: without it, a fresh scale.
             self._grad_scaler.load_state_dict(state["grad_scaler"])
         return str(Path(load_dir) / resolved), state.get("client_state", {})

@@ -34,6 +34,16 @@ def test_gradients_are_reduced_when_forward_bypasses_the_engine(checks):
             assert_parameters_equal(run["params"], reference, f"stage {stage}, forward through the {mode} module")
 
 
+def test_gradients_are_reduced_when_only_the_boundarys_forward_bypasses_the_engine(checks):
+    # Two micro-steps a step, the first through the engine: DDP's reduction is set up by the
+    # boundary's forward alone, so counting the first as "through the engine" left it unreduced.
+    result = checks["raw_forward"]
+    for stage in STAGES:
+        run = result[stage]["mixed"]
+        assert run["ranks_agree"], f"stage {stage}: ranks differ"
+        assert_parameters_equal(run["params"], result["reference_two_micro_steps"], f"stage {stage}, mixed")
+
+
 def test_a_parameter_without_gradient_neither_stalls_nor_moves(checks):
     result = checks["unused"]
     reference = result["reference"]

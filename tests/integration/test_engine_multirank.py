@@ -13,7 +13,7 @@ STAGES = ("0", "1", "2", "3")
 
 
 # One launch runs every engine check in turn (each launch costs seconds of start-up on 2 cores).
-ENGINE_CHECKS = ("parity", "gas", "checkpoint", "bf16", "activation_checkpointing", "compile", "deepspeed_signatures")
+ENGINE_CHECKS = ("parity", "gas", "checkpoint", "checkpoint_state", "bf16", "activation_checkpointing", "compile", "deepspeed_signatures")
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +54,19 @@ def test_checkpoint_round_trip_gives_identical_losses(checks):
         assert record["client_state"] == {"note": "three steps"}
         assert record["global_steps"] == 5
         assert record["lr"] == record["lr_continued"]
+
+
+def test_a_resume_keeps_the_schedule_and_client_state_as_saved_and_starts_a_fresh_accumulation(checks):
+    # Saved half-way through the fourth step at gas 2, resumed at gas 4: the next step is a whole
+    # window of 4 micro-steps (DeepSpeed does not restore micro_steps), and MultiStepLR's milestone
+    # at step 4 still decays the rate (its Counter's int keys had become strings through JSON).
+    result = run_check("checkpoint_state", checks)
+    for stage in ("0", "3"):
+        record = result[stage]
+        assert record["tag_dir"] == "7", stage  # a number as a tag, as DeepSpeed's str(tag)
+        assert record["client_state_types"] == {"pos": "tuple", "per_class_keys": ["int"]}, stage
+        assert record["boundaries"] == [False, False, False, True], stage
+        assert record["global_steps"] == 4 and record["lr"] == pytest.approx(0.005), stage
 
 
 def test_deepspeeds_keyword_arguments_are_honoured_at_every_stage(checks):

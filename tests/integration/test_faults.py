@@ -18,7 +18,7 @@ import pytest
 
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
-from conftest import TOY, TOY_MAPPINGS as MAPPINGS, assert_no_children_left, tune
+from conftest import assert_no_children_left, tune, tune_command
 from process_checks import (EXPS, HANG_ONCE, RESULTS, assert_no_tmp_files, assert_pids_dead,
                             assert_processes_ended, launchers_of, output, pids_in, record, start_tuner, stop, table,
                             wait_for, write_config)
@@ -160,15 +160,18 @@ def test_when_every_experiment_fails_results_are_still_written_and_the_exit_is_1
 # ----- resume -----
 def write_record(tmp_path: Path, config: Path, script_args: tuple[str, ...], experiment: Experiment,
                  state: TrialState, value: float | None) -> None:
-    """A finished record of an earlier run of the same command (its fingerprint is this run's)."""
-    from autotuner.config import load_config
-    from autotuner.tuning.space.config_space import base_config
-    from autotuner.tuning.trials.journal import fingerprint_of, this_device, torch_version, write_entry
+    """A finished record of an earlier run of the same command: its fingerprint is the one the
+    launcher's own settle pass gives this command, in this folder."""
+    from autotuner.app.cli import build_parser
+    from autotuner.app.settle import settle
+    from autotuner.tuning.trials.journal import write_entry
 
-    fingerprint = fingerprint_of(script=str(TOY), script_args=(*script_args, "--deepspeed", str(config)),
-                                 mapped_flags=tuple(MAPPINGS.values()), base_config=base_config(load_config(str(config))),
-                                 nproc_per_node=2, num_nodes=1, launcher_args=(), torch_version=torch_version(),
-                                 device=this_device())
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        fingerprint = settle(build_parser().parse_args(tune_command(config, *script_args)[3:])).fingerprint
+    finally:
+        os.chdir(here)
     directory = tmp_path / EXPS / experiment.name
     directory.mkdir(parents=True, exist_ok=True)
     write_entry(directory, TrialResult(experiment, state, value=value), fingerprint)

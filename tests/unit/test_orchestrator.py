@@ -306,7 +306,8 @@ def test_what_a_launch_measures_beside_its_config_is_in_the_fingerprint():
     settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}))
     described = measured_as(settings)
     for changed in ({"start_profile_step": 10}, {"end_profile_step": 50}, {"min_window_s": 2.0},
-                    {"max_steps_per_window": 8}, {"timeout_s": 3600.0}, {"objective": Objective("goodput")}):
+                    {"max_steps_per_window": 8}, {"timeout_s": 3600.0}, {"objective": Objective("goodput")},
+                    {"arg_mappings": {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}}):
         assert measured_as(replace(settings, **changed)) != described, changed
     assert measured_as(replace(settings, objective=Objective("latency"))) == described  # rescored, not relaunched
 

@@ -160,3 +160,16 @@ def test_engine_detection_keeps_the_gpt2_example_on_ours():
 
     example = Path(MINIMAL).parents[1] / "hf_gpt2" / "train.py"  # imports transformers and autotuner
     assert script_engine(str(example)).engine == "autotuner" and trains_on_ours(str(example))
+
+
+def test_a_users_other_spelling_of_a_tuned_key_is_not_written_beside_it():
+    # Hugging Face's documented ZeRO-3 config spells stage3_gather_16bit_weights_on_model_save; the
+    # tuned config writes the field's own name. Both in one file: our config and DeepSpeed's refuse it.
+    user = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True, "sub_group_size": 10**9},
+            "bfloat16": {"enabled": True}}
+    tuned = {"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": True}, "bf16": {"enabled": True},
+             "train_micro_batch_size_per_gpu": 2}
+    optimal = with_user_keys(user, tuned)
+    assert optimal == {"zero_optimization": {"stage": 3, "sub_group_size": 10**9, "gather_16bit_weights_on_model_save": True},
+                       "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 2}
+    load_config(optimal)  # one spelling: it loads

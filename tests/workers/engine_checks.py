@@ -4,8 +4,9 @@
 """
 
 import argparse
-import os
 import json
+import os
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -160,6 +161,43 @@ def check_checkpoint(directory: str, model_cls=Net) -> dict:
             "lr": fresh.get_lr()[0],
             "lr_continued": engine.get_lr()[0],
         }
+    return result
+
+
+def check_checkpoint_state(directory: str) -> dict:
+    """What a resume must keep as it was (a review of 2026-11-27): a MultiStepLR's milestones (a
+    Counter with int keys), a client_state's tuples and int keys, a number as a tag; and what it must
+    not keep: the micro-step count of a half-accumulated step, when gas changes on resume."""
+    result = {}
+    for stage in (0, 3):
+        torch.manual_seed(0)
+        settings = {**sgd_config(stage), "gradient_accumulation_steps": 2}
+        engine, *_ = autotuner.initialize(
+            model=Net(), config=settings,
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[4], gamma=0.1))
+        for step in range(3):  # 3 optimizer steps, then half of a fourth
+            for micro in range(2):
+                x, y = (t.to(engine.device) for t in batch(step, micro, 4))
+                engine.backward(nn.functional.mse_loss(engine(x), y))
+                engine.step()
+        x, y = (t.to(engine.device) for t in batch(3, 0, 4))
+        engine.backward(nn.functional.mse_loss(engine(x), y))
+        engine.step()
+        engine.save_checkpoint(f"{directory}/z{stage}", tag=7, client_state={"pos": (3, 4), "per_class": {0: 0.5}})
+        torch.manual_seed(0)
+        fresh, *_ = autotuner.initialize(
+            model=Net(), config={**sgd_config(stage), "gradient_accumulation_steps": 4},
+            lr_scheduler=lambda opt: torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[4], gamma=0.1))
+        path, client_state = fresh.load_checkpoint(f"{directory}/z{stage}", tag=7)
+        boundaries = []
+        for micro in range(4):  # a whole window of the new gas: the step falls on its fourth micro-step
+            x, y = (t.to(fresh.device) for t in batch(3, micro, 4))
+            fresh.backward(nn.functional.mse_loss(fresh(x), y))
+            boundaries.append(fresh.is_gradient_accumulation_boundary())
+            fresh.step()
+        result[str(stage)] = {"tag_dir": Path(path).name, "client_state_types": {
+            "pos": type(client_state["pos"]).__name__, "per_class_keys": [type(k).__name__ for k in client_state["per_class"]]},
+            "boundaries": boundaries, "global_steps": fresh.global_steps, "lr": fresh.get_lr()[0]}
     return result
 
 
@@ -402,11 +440,43 @@ def train_with(forward_through: str, model_cls, stage: int, steps: int = 3) -> d
     return {"params": params, "ranks_agree": all(g == gathered[0] for g in gathered)}
 
 
+def train_mixed(model_cls, stage: int, steps: int = 3) -> dict:
+    """Two micro-steps a step: the first through the engine, the boundary's through the raw module."""
+    torch.manual_seed(0)
+    model = model_cls()
+    engine, *_ = autotuner.initialize(model=model, config={**sgd_config(stage), "gradient_accumulation_steps": 2})
+    for step in range(steps):
+        for micro in range(2):
+            x, y = (t.to(engine.device) for t in batch(step, micro, 4))
+            engine.backward(nn.functional.mse_loss(engine(x) if micro == 0 else model(x), y))
+            engine.step()
+    params = full_parameters(engine)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, params)
+    return {"params": params, "ranks_agree": all(g == gathered[0] for g in gathered)}
+
+
+def reference_two_micro_steps(model_cls, steps: int) -> dict[str, list]:
+    """reference_parameters with two micro-batches a step: the mean over both on every rank."""
+    torch.manual_seed(0)
+    model = model_cls()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        parts = [batch(step, micro, 4, rank) for micro in range(2) for rank in range(int(os.environ.get("WORLD_SIZE", 1)))]
+        x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {name: p.detach().flatten().tolist() for name, p in model.named_parameters()}
+
+
 def check_raw_forward() -> dict:
-    """Gradients are reduced whether forward went through the engine or the raw module."""
-    result = {"reference": reference_parameters(Net, 3)}
+    """Gradients are reduced whether forward went through the engine or the raw module, also when
+    only the accumulation boundary's went through the raw one ("mixed")."""
+    result = {"reference": reference_parameters(Net, 3), "reference_two_micro_steps": reference_two_micro_steps(Net, 3)}
     for stage in STAGES:
         result[stage] = {mode: train_with(mode, Net, stage) for mode in ("engine", "raw")}
+        result[stage]["mixed"] = train_mixed(Net, stage)
     return result
 
 
@@ -420,7 +490,7 @@ def check_unused() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    names = ("parity", "gas", "checkpoint", "bf16", "offload", "raw_forward", "unused", "checkpoint_unused",
+    names = ("parity", "gas", "checkpoint", "checkpoint_state", "bf16", "offload", "raw_forward", "unused", "checkpoint_unused",
              "activation_checkpointing", "compile", "deepspeed_signatures")
     parser.add_argument("--check", required=True,
                         help=f"one of {', '.join(names)}, or several joined by commas (one launch runs them in turn)")
@@ -433,6 +503,7 @@ def main() -> None:
         parser.error(f"--check: unknown {unknown}")
     # Each check that saves gets its own directory, so several in one launch do not meet.
     checks = {"parity": check_parity, "gas": check_gas, "checkpoint": lambda: check_checkpoint(args.out + ".ckpt"),
+              "checkpoint_state": lambda: check_checkpoint_state(args.out + ".state.ckpt"),
               "bf16": check_bf16, "offload": check_offload, "raw_forward": check_raw_forward,
               "unused": check_unused,
               "checkpoint_unused": lambda: check_checkpoint(args.out + ".unused.ckpt", NetWithUnused),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +16,9 @@ def optimal_script_args(settings: ExperimentSettings, config: dict[str, Any], co
 
 def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tuple[str, ...]:
     """The command that trains with the optimum: our launcher, the user's script, its arguments."""
-    launcher = shutil.which("launcher")
-    prefix = [launcher] if launcher else [sys.executable, "-m", "autotuner"]
+    # The launcher of the interpreter the measured launches ran under, not whichever is first on PATH.
+    launcher = Path(settings.python).parent / "launcher"
+    prefix = [str(launcher)] if launcher.is_file() else [settings.python, "-m", "autotuner"]
     return (*prefix, *rank_count_flags(settings), *settings.rank_flags.to_argv(), settings.script, *args)
 
 

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import AliasChoices, BaseModel
+
+from autotuner.config.models import DeepSpeedConfig
 from autotuner.core.boundary import Measurement, MeasurementRequest
 from autotuner.core.errors import ConfigError
 from autotuner.launch.plan import RankFlags
@@ -135,7 +138,27 @@ def with_user_keys(user_config: dict[str, Any], tuned: dict[str, Any]) -> dict[s
     settled there, or derived)."""
     merged = {key: copy.deepcopy(value) for key, value in user_config.items()
               if key != "autotuning" and key not in BATCH_KEYS}
-    return _laid_over(merged, tuned)
+    return _laid_over(_without_other_spellings(merged, tuned, DeepSpeedConfig), tuned)
+
+
+def _without_other_spellings(user: dict[str, Any], tuned: dict[str, Any], model: type) -> dict[str, Any]:
+    """The user's keys less another spelling of a key the tuned config writes under its own name
+    (stage3_gather_16bit_weights_on_model_save beside gather_16bit_weights_on_model_save, DeepSpeed's
+    older "bfloat16" beside "bf16"): with both, our config and DeepSpeed's refuse the file."""
+    others = {"bf16": ("bfloat16",)} if model is DeepSpeedConfig else {}
+    for name, info in model.model_fields.items():
+        if isinstance(info.validation_alias, AliasChoices):
+            others[name] = tuple(c for c in info.validation_alias.choices if isinstance(c, str) and c != name)
+    kept = {key: value for key, value in user.items()
+            if not any(key in spellings and name in tuned for name, spellings in others.items())}
+    for name, info in model.model_fields.items():
+        section = info.annotation if isinstance(info.annotation, type) else None
+        for candidate in getattr(info.annotation, "__args__", ()) if section is None else (section,):
+            if (isinstance(candidate, type) and issubclass(candidate, BaseModel) and isinstance(kept.get(name), dict)
+                    and isinstance(tuned.get(name), dict)):
+                kept[name] = _without_other_spellings(kept[name], tuned[name], candidate)
+                break
+    return kept
 
 
 def _laid_over(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:

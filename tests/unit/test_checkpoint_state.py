@@ -1,0 +1,33 @@
+"""The engine state a checkpoint keeps beside DCP's shards (autotuner/runtime/checkpoint.py): written
+with torch.save, read back weights-only. No processes."""
+
+from __future__ import annotations
+
+import collections
+import io
+
+import pytest
+import torch
+
+from autotuner.core.errors import AutotunerError
+from autotuner.runtime.checkpoint import engine_state_bytes
+
+
+def test_a_schedules_counter_and_a_clients_tuples_and_int_keys_come_back_as_they_were():
+    state = {"lr_scheduler": {"milestones": collections.Counter({4: 1}), "last_epoch": 3},
+             "client_state": {"pos": (3, 4), "per_class": {0: 0.5}, "seen": torch.tensor([1, 2])}}
+    back = torch.load(io.BytesIO(engine_state_bytes(state)), weights_only=True)
+    assert back["lr_scheduler"]["milestones"] == collections.Counter({4: 1})
+    assert 4 in back["lr_scheduler"]["milestones"]  # through JSON the key was "4", and the milestone never hit
+    assert back["client_state"]["pos"] == (3, 4) and back["client_state"]["per_class"] == {0: 0.5}
+    assert torch.equal(back["client_state"]["seen"], torch.tensor([1, 2]))
+
+
+class Opaque:
+    pass
+
+
+def test_what_a_weights_only_load_cannot_read_is_refused_at_save_in_one_line():
+    with pytest.raises(AutotunerError, match="^save_checkpoint: client_state .*weights-only") as caught:
+        engine_state_bytes({"client_state": {"thing": Opaque()}})
+    assert "\n" not in str(caught.value)
