@@ -31,8 +31,10 @@ class RankFlags:
 
     @property
     def picks_ranks_itself(self) -> bool:
-        """--hostfile, --include and --exclude set the rank count: --nproc_per_node must not be added."""
-        return any(value is not None for value in (self.hostfile, self.include, self.exclude))
+        """--include and --exclude set the rank count: --nproc_per_node must not be added. A hostfile's
+        slots do not when --nproc_per_node is given (it takes that many of them, as DeepSpeed's
+        --num_gpus does), so the settled count is passed on beside it."""
+        return any(value is not None for value in (self.include, self.exclude))
 
     def to_argv(self) -> tuple[str, ...]:
         # This order is in the fingerprints of journals written before RankFlags: keep it.

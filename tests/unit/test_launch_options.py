@@ -53,4 +53,21 @@ def test_rank_flags_keep_their_order_and_say_who_sets_the_rank_count():
     # --master_port is not carried over: each launch picks its own.
     assert flags.to_argv() == ("--include", "localhost:0", "--bind_core_list", "0-3", "--bind_cores_to_rank")
     assert flags.picks_ranks_itself and not RankFlags(no_local_rank=True).picks_ranks_itself
+    # A hostfile's slots: --nproc_per_node takes that many of them (DeepSpeed's --num_gpus), so the
+    # settled count goes to each launch and the optimal command beside it, not dropped.
+    assert not RankFlags(hostfile="hosts").picks_ranks_itself
+
+
+def test_a_hostfile_with_nproc_per_node_launches_and_writes_that_many_ranks(tmp_path):
+    from autotuner.config import load_config
+    from autotuner.tuning.reports.optimal_commands import optimal_command
+    from autotuner.tuning.trials.trial import rank_count_flags
+    from fakes import experiment_settings
+
+    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}),
+                                   rank_flags=RankFlags(hostfile=str(tmp_path / "hosts")))
+    assert rank_count_flags(settings) == ("--nproc_per_node", "2")
+    command = optimal_command(settings, ())
+    at = command.index("--nproc_per_node")
+    assert command[at:at + 4] == ("--nproc_per_node", "2", "--hostfile", str(tmp_path / "hosts"))
     assert RankFlags(master_port=29600).to_argv() == ("--master_port", "29600")
