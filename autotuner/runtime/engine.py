@@ -193,6 +193,10 @@ class Engine(DeepSpeedAccessors, nn.Module):
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._step_applied = False
+        if self._fsdp:
+            # Set for the next micro-step now: a forward through the raw module (FSDP2's hooks are on
+            # it) then reduces at the boundary too, where only the engine's forward used to set it.
+            self._set_gradient_sync(self.is_gradient_accumulation_boundary())
         if not boundary:
             self.reporter.step_done(0.0, boundary=False)
             return
