@@ -8,14 +8,16 @@ CONFIG_FLAGS = ("--deepspeed", "--deepspeed_config")
 
 
 def find_flag(args: tuple[str, ...], flag: str) -> tuple[int, str | None] | None:
-    """Where `flag` is given: (index, value) for `--flag V` or `--flag=V`; value None if bare."""
+    """Where `flag` is given: (index, value) for `--flag V` or `--flag=V`; value None if bare. Given
+    twice, the last: the one argparse keeps (`--deepspeed a.json ... --deepspeed b.json` trains on b)."""
+    found = None
     for index, arg in enumerate(args):
         if arg == flag:
             nxt = args[index + 1] if index + 1 < len(args) else None
-            return index, (nxt if nxt is not None and not nxt.startswith("--") else None)
-        if arg.startswith(flag + "="):
-            return index, arg[len(flag) + 1:]
-    return None
+            found = index, (nxt if nxt is not None and not nxt.startswith("--") else None)
+        elif arg.startswith(flag + "="):
+            found = index, arg[len(flag) + 1:]
+    return found
 
 
 def config_path(args: tuple[str, ...]) -> str | None:

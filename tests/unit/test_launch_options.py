@@ -71,3 +71,12 @@ def test_a_hostfile_with_nproc_per_node_launches_and_writes_that_many_ranks(tmp_
     at = command.index("--nproc_per_node")
     assert command[at:at + 4] == ("--nproc_per_node", "2", "--hostfile", str(tmp_path / "hosts"))
     assert RankFlags(master_port=29600).to_argv() == ("--master_port", "29600")
+
+
+def test_a_flag_given_twice_is_read_where_argparse_reads_it_the_last():
+    from autotuner.launch.script_args import config_path, find_flag
+
+    args = ("--deepspeed", "a.json", "--learning_rate", "1e-4", "--deepspeed=b.json", "--learning_rate", "3e-4")
+    assert config_path(args) == "b.json"  # the script trains on b.json: tune that one
+    assert find_flag(args, "--learning_rate") == (5, "3e-4")
+    assert find_flag(("--x",), "--learning_rate") is None
