@@ -172,7 +172,8 @@ def _check_module_keys(path: Path, model_keys: set[str], saved: set[str], strict
 def _parameters_saved_without_state(path: Path, state: dict[str, Any], saved: set[str]) -> set[str]:
     """Names of parameters whose optimizer state the checkpoint lacks. Any other missing key (a
     hyperparameter) means the checkpoint does not fit this optimizer: refused."""
-    missing = {f"{section}.{key}" for section, part in state.items() for key in part} - saved
+    wanted = {f"{section}.{key}" for section, part in state.items() for key in part}
+    missing = wanted - saved
     stateless, other = set(), []
     prefix = "optim.state."
     for key in sorted(missing):
@@ -180,6 +181,10 @@ def _parameters_saved_without_state(path: Path, state: dict[str, Any], saved: se
             stateless.add(key[len(prefix):].rsplit(".", 1)[0])
         else:
             other.append(key)
+    # A parameter with some of its state saved had a gradient: what is missing is a state this
+    # optimizer keeps and the saved one did not (amsgrad switched on), not a fresh start. Refused.
+    other += sorted(key for key in missing if key.startswith(prefix)
+                    and any(s.startswith(prefix + key[len(prefix):].rsplit(".", 1)[0] + ".") for s in saved))
     if other:
         raise AutotunerError(f"{path}: the checkpoint does not match this model and optimizer; missing "
                              f"{', '.join(other[:3])}{' ...' if len(other) > 3 else ''}")

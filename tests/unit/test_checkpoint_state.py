@@ -31,3 +31,19 @@ def test_what_a_weights_only_load_cannot_read_is_refused_at_save_in_one_line():
     with pytest.raises(AutotunerError, match="^save_checkpoint: client_state .*weights-only") as caught:
         engine_state_bytes({"client_state": {"thing": Opaque()}})
     assert "\n" not in str(caught.value)
+
+
+def test_an_optimizer_state_saved_in_part_is_refused_not_reset():
+    # AdamW saved without amsgrad, loaded with it: the parameter had a gradient (its moments are
+    # there), so the missing max_exp_avg_sq is refused rather than the whole state dropped.
+    from pathlib import Path
+
+    from autotuner.runtime.checkpoint import _parameters_saved_without_state
+
+    state = {"model": {"w": 0}, "optim": {"state.w.exp_avg": 0, "state.w.exp_avg_sq": 0, "state.w.max_exp_avg_sq": 0,
+                                          "state.w.step": 0, "state.b.exp_avg": 0, "state.b.step": 0}}
+    saved = {"model.w", "optim.state.w.exp_avg", "optim.state.w.exp_avg_sq", "optim.state.w.step"}
+    with pytest.raises(AutotunerError, match="missing optim.state.w.max_exp_avg_sq"):
+        _parameters_saved_without_state(Path("ckpt"), state, saved)
+    # A parameter with none of its state saved never had a gradient: a fresh start for it alone.
+    assert _parameters_saved_without_state(Path("ckpt"), state, saved | {"optim.state.w.max_exp_avg_sq"}) == {"b"}
