@@ -177,8 +177,12 @@ def thread_env(nproc_per_node: int, environ: dict[str, str]) -> dict[str, str]:
     """Split the cores between local ranks unless the user pinned OMP_NUM_THREADS."""
     if "OMP_NUM_THREADS" in environ:
         return {}
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return {"OMP_NUM_THREADS": str(max(1, cores // nproc_per_node))}
+    return {"OMP_NUM_THREADS": str(max(1, usable_cpus() // nproc_per_node))}
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (taskset, a cgroup's cpuset), which its ranks share."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _pool(options: LaunchOptions, environ: dict[str, str], gpus: int) -> tuple[dict[str, int] | None, list[str]]:

@@ -213,11 +213,10 @@ class Evaluator:
         """A profile launch (it also records the model): an earlier run's record of it when that
         holds the model, else launched; recorded either way, as its experiment's measurement."""
         launcher = self._runner_launches()
-        earlier = self.ledger.earlier(experiment.name)
+        earlier = self.ledger.earlier(experiment)
         # A failed record is launched again: what failed it (a metric it lacked, a window longer
         # than the script) may be what the user changed since.
-        reused = (earlier is not None and earlier.model_info is not None and earlier.experiment == experiment
-                  and earlier.state is not TrialState.FAILED)
+        reused = earlier is not None and earlier.model_info is not None and earlier.state is not TrialState.FAILED
         result = earlier if reused else launcher.run(launcher.trial_for(experiment, "", True))
         self.ledger.record(result, reused)
         return result
@@ -228,8 +227,8 @@ class Evaluator:
         not recorded as the experiment's result, which stays its first measurement."""
         launcher = self._runner_launches()
         name = remeasure_directory_name(experiment.name, run)
-        earlier = self.ledger.earlier(name)
-        if earlier is not None and earlier.experiment == experiment:
+        earlier = self.ledger.earlier(experiment, name)
+        if earlier is not None:
             return earlier, True
         return launcher.run(launcher.trial_for(experiment, name, False)), False
 

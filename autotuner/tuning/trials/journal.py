@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.core.atomic import write_json_atomic
+from autotuner.launch.plan import usable_cpus
 from autotuner.launch.script_args import CONFIG_FLAGS, find_flag
 from autotuner.tuning.space.records import TrialResult
 
@@ -142,14 +143,6 @@ def library_versions() -> str:
             return "none"
 
     return ", ".join(f"{name} {version(name)}" for name in ENGINE_LIBRARIES)
-
-
-def usable_cpus() -> int:
-    """The CPUs this process may run on (taskset, a cgroup's cpuset), which its ranks share."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def this_device() -> str:

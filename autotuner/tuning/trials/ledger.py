@@ -83,19 +83,20 @@ class TrialLedger:
         for store in self._stores:
             self._earlier.update({name: rescore(result) for name, result in store.earlier().items()})
 
-    def earlier(self, directory_name: str) -> TrialResult | None:
-        """An earlier run's record of the launch in that directory (a re-measurement's, say)."""
-        return self._earlier.get(directory_name)
+    def earlier(self, experiment: Experiment, directory_name: str | None = None) -> TrialResult | None:
+        """An earlier run's record of `experiment`'s launch in that directory (its own by default, a
+        re-measurement's say); only when the record measured that experiment, not another that
+        shares its name."""
+        record = self._earlier.get(directory_name or experiment.name)
+        return record if record is not None and record.experiment == experiment else None
 
     # ----- this run's results -----
     def known(self, experiment: Experiment) -> TrialResult | None:
         """This run's result for `experiment`, else an earlier run's record under its name (which
         is this run's once recorded), else None: it has to be launched. An earlier record is
         reused only for the experiment it measured, not for another that shares its name."""
-        if (result := self._results.get(experiment)) is not None:
-            return result
-        earlier = self._earlier.get(experiment.name)
-        return earlier if earlier is not None and earlier.experiment == experiment else None
+        result = self._results.get(experiment)
+        return result if result is not None else self.earlier(experiment)
 
     def __contains__(self, experiment: Experiment) -> bool:
         return experiment in self._results

@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import AliasChoices, BaseModel
+from pydantic import AliasChoices
 
+from autotuner.config.keys import section_model
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.core.boundary import Measurement, MeasurementRequest
 from autotuner.core.errors import ConfigError
@@ -152,12 +153,9 @@ def _without_other_spellings(user: dict[str, Any], tuned: dict[str, Any], model:
     kept = {key: value for key, value in user.items()
             if not any(key in spellings and name in tuned for name, spellings in others.items())}
     for name, info in model.model_fields.items():
-        section = info.annotation if isinstance(info.annotation, type) else None
-        for candidate in getattr(info.annotation, "__args__", ()) if section is None else (section,):
-            if (isinstance(candidate, type) and issubclass(candidate, BaseModel) and isinstance(kept.get(name), dict)
-                    and isinstance(tuned.get(name), dict)):
-                kept[name] = _without_other_spellings(kept[name], tuned[name], candidate)
-                break
+        section = section_model(info.annotation)
+        if section is not None and isinstance(kept.get(name), dict) and isinstance(tuned.get(name), dict):
+            kept[name] = _without_other_spellings(kept[name], tuned[name], section)
     return kept
 
 
