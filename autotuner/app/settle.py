@@ -44,7 +44,7 @@ from autotuner.launch.script_args import config_path, find_flag
 from autotuner.runtime.optim import check_optimizer_and_scheduler
 from autotuner.tuning.space.config_space import base_config, search_space
 from autotuner.tuning.memory.varying_batches import declared_max_length
-from autotuner.tuning.trials.trial import ExperimentSettings, config_value
+from autotuner.tuning.trials.trial import ExperimentSettings, bool_flags, config_value
 from autotuner.tuning.trials.journal import Fingerprint, fingerprint_of, this_device, torch_version
 from autotuner.tuning.space.records import Objective
 from autotuner.tuning.space.devices import DeviceFacts, read_device_facts
@@ -264,7 +264,8 @@ def settle(args: argparse.Namespace) -> SettledJob:
                                  nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if placed else 1,
                                  launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
                                  device=this_device(), user_config=settings.user_config,
-                                 measured_as=measured_as(settings), own_modules=tuple(own_modules(args.script)))
+                                 measured_as=measured_as(settings), own_modules=tuple(own_modules(args.script)),
+                                 bool_flags=bool_flags(dict(tuning.arg_mappings), settings.base_config))
     return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir,
                       devices, space)
 

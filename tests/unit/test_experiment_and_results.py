@@ -72,6 +72,21 @@ def test_mapped_args_take_knob_values_by_dotted_key():
     assert got == ("--overlap", "True")
 
 
+def test_a_bare_bool_flag_keeps_the_scripts_next_argument_and_its_own_word_is_replaced():
+    # Hugging Face's bool flags take an optional true/false; any other token after a bare one is
+    # the script's (a positional data file here), and was swallowed as the flag's value.
+    mapping = {"activation_checkpointing.policy": "--gradient_checkpointing"}
+    config = Experiment(0, 4).with_knobs({"activation_checkpointing": "full"}).apply({}, 1)
+    assert mapped_script_args(("--gradient_checkpointing", "data.txt"), mapping, config) == \
+        ("--gradient_checkpointing", "true", "data.txt")
+    assert mapped_script_args(("--gradient_checkpointing", "False", "data.txt"), mapping, config) == \
+        ("--gradient_checkpointing", "true", "data.txt")
+    # A non-bool mapped flag still takes its value, a negative number included, never an option.
+    bs = {"train_micro_batch_size_per_gpu": "--bs"}
+    assert mapped_script_args(("--bs", "-1", "-v"), bs, config) == ("--bs", "4", "-v")
+    assert mapped_script_args(("--bs", "-v"), bs, config) == ("--bs", "4", "-v")
+
+
 @pytest.mark.parametrize("key", ["no_such_key", "zero_optimization.no_such_knob", "train_batch_size.deeper"])
 def test_mapped_args_unknown_key_is_a_config_error(key):
     config = Experiment(0, 4).apply({}, 1)

@@ -232,6 +232,16 @@ def test_the_fingerprint_ignores_mapped_flags_the_config_path_and_the_autotuning
     assert a == b and a.script_args == ("--width", "256")
 
 
+def test_the_fingerprint_keeps_the_argument_after_a_bare_mapped_bool_flag(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("print('hi')\n")
+    flags = dict(mapped_flags=("--gradient_checkpointing",), bool_flags=frozenset({"--gradient_checkpointing"}))
+    a = _fingerprint(script, ("--gradient_checkpointing", "a.txt"), {}, **flags)
+    b = _fingerprint(script, ("--gradient_checkpointing", "b.txt"), {}, **flags)
+    assert a.script_args == ("a.txt",) and a.differences(b) == ["script arguments changed"]
+    assert _fingerprint(script, ("--gradient_checkpointing", "true", "a.txt"), {}, **flags) == a
+
+
 def test_the_fingerprint_sees_each_change_the_issue_names(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('hi')\n")

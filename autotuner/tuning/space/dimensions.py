@@ -244,6 +244,14 @@ def flag_text(dotted_key: str, value: Any) -> str:
     return found.flag_text(value) if found is not None else str(value)
 
 
+def writes_bool_flag(dotted_key: str) -> bool:
+    """Whether the key's mapped flag is a bool flag (its value written true/false), whose value a
+    user may leave out (`--gradient_checkpointing` alone)."""
+    path = tuple(dotted_key.split("."))
+    found = next((d for d in REGISTRY.values() if d.path == path), None)
+    return found is not None and found.flag_text(found.neutral_value()) in ("true", "false")
+
+
 def applied_by_the_script(engine: Engine) -> tuple[tuple[str, ...], ...]:
     """Config paths of dimensions the script applies itself on `engine` (through a mapped flag),
     which its config must not carry: DeepSpeed refuses compile.enabled, and never reads a policy."""

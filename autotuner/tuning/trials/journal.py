@@ -87,11 +87,13 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def unmapped_args(script_args: tuple[str, ...], flags: tuple[str, ...]) -> tuple[str, ...]:
-    """The arguments without the given flags (either form) and their values."""
+def unmapped_args(script_args: tuple[str, ...], flags: tuple[str, ...],
+                  bool_flags: frozenset[str] = frozenset()) -> tuple[str, ...]:
+    """The arguments without the given flags (either form) and their values (a bool flag's only
+    where it is a bool word: `--gradient_checkpointing data.txt` keeps the script's data.txt)."""
     args = list(script_args)
     for flag in flags:
-        while (found := find_flag(tuple(args), flag)) is not None:
+        while (found := find_flag(tuple(args), flag, boolean=flag in bool_flags)) is not None:
             index, value = found
             separate = args[index] == flag and value is not None
             del args[index:index + (2 if separate else 1)]
@@ -102,14 +104,15 @@ def fingerprint_of(*, script: str, script_args: tuple[str, ...], mapped_flags: t
                    base_config: dict[str, Any], nproc_per_node: int, num_nodes: int,
                    launcher_args: tuple[str, ...], torch_version: str, device: str,
                    user_config: dict[str, Any] | None = None, measured_as: str = "",
-                   environ: dict[str, str] | None = None, own_modules: tuple[Path, ...] = ()) -> Fingerprint:
+                   environ: dict[str, str] | None = None, own_modules: tuple[Path, ...] = (),
+                   bool_flags: frozenset[str] = frozenset()) -> Fingerprint:
     # Settled, and as written: keys only DeepSpeed's engine reads are dropped from the settled one.
     config = {"settled": {key: value for key, value in base_config.items() if key != "autotuning"},
               "written": {key: value for key, value in (user_config or {}).items() if key != "autotuning"}}
     return Fingerprint(
         script=str(Path(script).resolve()),
         script_sha256=script_sha256(script, own_modules),
-        script_args=unmapped_args(script_args, (*mapped_flags, *CONFIG_FLAGS)),
+        script_args=unmapped_args(script_args, (*mapped_flags, *CONFIG_FLAGS), bool_flags),
         config_sha256=_sha256(json.dumps(config, sort_keys=True, default=str).encode()),
         nproc_per_node=nproc_per_node,
         num_nodes=num_nodes,

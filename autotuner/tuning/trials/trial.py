@@ -78,9 +78,24 @@ def config_value(config: dict[str, Any], dotted_key: str) -> Any:
 def mapped_script_args(script_args: tuple[str, ...], arg_mappings: dict[str, str], config: dict[str, Any]) -> tuple[str, ...]:
     """The user's arguments with each mapped flag set to the experiment's value (added if absent)."""
     args = tuple(script_args)
+    booleans = bool_flags(arg_mappings, config)
     for key, flag in arg_mappings.items():
-        args = set_flag(args, flag, dimensions.flag_text(key, config_value(config, key)))
+        args = set_flag(args, flag, dimensions.flag_text(key, config_value(config, key)), boolean=flag in booleans)
     return args
+
+
+def bool_flags(arg_mappings: dict[str, str], config: dict[str, Any]) -> frozenset[str]:
+    """The mapped flags that are bool flags (a dimension's written true/false, or a key whose value
+    is a bool): given bare, the token after one is the script's next argument, not its value."""
+    found = set()
+    for key, flag in arg_mappings.items():
+        try:
+            value = config_value(config, key)
+        except ConfigError:
+            value = None
+        if isinstance(value, bool) or dimensions.writes_bool_flag(key):
+            found.add(flag)
+    return frozenset(found)
 
 
 def experiment_config(experiment: Experiment, settings: ExperimentSettings) -> dict[str, Any]:
