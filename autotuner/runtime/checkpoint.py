@@ -123,13 +123,18 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> str | None:
 def load(
     load_dir: str | Path, tag: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     *, strict: bool = True, custom_load_fn: Callable[..., Any] | None = None,
+    param_group_members: list[list[str]] | None = None,
 ) -> dict[str, Any]:
     """Load into model (and optimizer) in place; returns the saved engine state. With `strict`,
     the checkpoint's weights and the model's must name the same tensors (load_state_dict's rule);
-    without it, weights the checkpoint lacks keep their values and extra ones are ignored."""
+    without it, weights the checkpoint lacks keep their values and extra ones are ignored.
+    `param_group_members`: the optimizer's groups as parameter names, checked against the saved
+    ones before anything is loaded (see check_param_groups)."""
     path = Path(load_dir) / tag
     if not (path / ENGINE_STATE_FILE).exists() and not (path / JSON_ENGINE_STATE_FILE).exists():
         raise AutotunerError(f"{path}: not a checkpoint written by save_checkpoint ({ENGINE_STATE_FILE} missing)")
+    if optimizer is not None and param_group_members is not None:
+        check_param_groups(path, read_engine_state(path), param_group_members)
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         _ensure_optimizer_state(model, optimizer)
@@ -153,6 +158,26 @@ def load(
             if param is not None:
                 optimizer.state.pop(param, None)
     return read_engine_state(path)
+
+
+def check_param_groups(path: Path, engine_state: dict[str, Any], members: list[list[str]]) -> None:
+    """The optimizer's parameter groups must be the saved ones: the saved hyperparameters are put
+    back group by group, so another split (weight decay's groups changed, say) would give each
+    group another's learning rate and decay. As torch's Optimizer.load_state_dict, refused.
+    Checkpoints older than the saved membership are checked on the group count alone."""
+    saved_groups = engine_state.get("param_groups", [])
+    advice = "pass load_optimizer_states=False to load the weights alone"
+    if len(saved_groups) != len(members):
+        raise AutotunerError(f"{path}: the checkpoint's optimizer has {len(saved_groups)} parameter group(s) and this "
+                             f"one {len(members)}; {advice}")
+    saved_members = engine_state.get("param_group_members")
+    if saved_members is None:
+        return
+    for index, (saved, now) in enumerate(zip(saved_members, members)):
+        if sorted(saved) != sorted(now):
+            moved = sorted(set(saved) ^ set(now))
+            raise AutotunerError(f"{path}: parameter group {index} holds other parameters than when saved "
+                                 f"({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}); {advice}")
 
 
 def _check_module_keys(path: Path, model_keys: set[str], saved: set[str], strict: bool) -> None:

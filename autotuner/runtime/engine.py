@@ -342,6 +342,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
             "grad_scaler": self._grad_scaler.state_dict() if self._grad_scaler is not None else None,
             "client_state": client_state or {},
             "param_groups": [checkpoint.plain_hyperparameters(group) for group in self.optimizer.param_groups],
+            "param_group_members": self._param_group_members(),
             "zero_stage": self.zero_stage,
             "world_size": self.ctx.world_size,
         }
@@ -349,6 +350,12 @@ class Engine(DeepSpeedAccessors, nn.Module):
                   if exclude_frozen_parameters else set())
         return checkpoint.save(save_dir, tag, self._checkpoint_model(), self._local_optimizer, state,
                                save_latest=save_latest, exclude=frozen)
+
+    def _param_group_members(self) -> list[list[str]]:
+        """Each optimizer group's parameters by name, so a load can tell the groups were split alike."""
+        names = {id(param): name for name, param in self._checkpoint_model().named_parameters()}
+        return [sorted(names.get(id(param), "(a parameter outside the model)") for param in group["params"])
+                for group in self.optimizer.param_groups]
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -366,7 +373,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
             return None, None
         optimizer = self._local_optimizer if load_optimizer_states and not load_module_only else None
         state = checkpoint.load(load_dir, resolved, self._checkpoint_model(), optimizer, strict=load_module_strict,
-                                custom_load_fn=custom_load_fn)
+                                custom_load_fn=custom_load_fn, param_group_members=self._param_group_members())
         if optimizer is not None:
             # ZeRO-1 copies its global groups' hyperparameters into the local optimizer at each
             # step, so they are restored from the engine state, not from the local optimizer.

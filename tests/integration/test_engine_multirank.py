@@ -67,6 +67,9 @@ def test_a_resume_keeps_the_schedule_and_client_state_as_saved_and_starts_a_fres
         assert record["client_state_types"] == {"pos": "tuple", "per_class_keys": ["int"]}, stage
         assert record["boundaries"] == [False, False, False, True], stage
         assert record["global_steps"] == 4 and record["lr"] == pytest.approx(0.005), stage
+        # Two parameter groups where one was saved: refused in one line before any weight moved.
+        assert "has 1 parameter group(s) and this one 2; pass load_optimizer_states=False" in record["split_groups"]
+        assert "\n" not in record["split_groups"] and record["split_untouched"], stage
 
 
 def test_deepspeeds_keyword_arguments_are_honoured_at_every_stage(checks):

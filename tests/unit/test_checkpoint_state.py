@@ -47,3 +47,20 @@ def test_an_optimizer_state_saved_in_part_is_refused_not_reset():
         _parameters_saved_without_state(Path("ckpt"), state, saved)
     # A parameter with none of its state saved never had a gradient: a fresh start for it alone.
     assert _parameters_saved_without_state(Path("ckpt"), state, saved | {"optim.state.w.max_exp_avg_sq"}) == {"b"}
+
+
+def test_optimizer_groups_split_otherwise_than_when_saved_are_refused():
+    # The saved hyperparameters go back group by group: the same count with other members would
+    # give the biases the weights' decay. Older checkpoints (no membership saved) check the count.
+    from pathlib import Path
+
+    from autotuner.runtime.checkpoint import check_param_groups
+
+    saved = {"param_groups": [{"lr": 1.0}, {"lr": 2.0}], "param_group_members": [["a.weight", "b.weight"], ["a.bias"]]}
+    check_param_groups(Path("ckpt"), saved, [["b.weight", "a.weight"], ["a.bias"]])
+    with pytest.raises(AutotunerError, match="parameter group 0 holds other parameters than when saved "
+                                             r"\(a.bias, b.weight\); pass load_optimizer_states=False"):
+        check_param_groups(Path("ckpt"), saved, [["a.weight", "a.bias"], ["b.weight"]])
+    with pytest.raises(AutotunerError, match=r"has 2 parameter group\(s\) and this one 1"):
+        check_param_groups(Path("ckpt"), {"param_groups": saved["param_groups"]}, [["a.weight", "b.weight", "a.bias"]])
+    check_param_groups(Path("ckpt"), {"param_groups": saved["param_groups"]}, [["x"], ["y"]])

@@ -198,6 +198,23 @@ def check_checkpoint_state(directory: str) -> dict:
         result[str(stage)] = {"tag_dir": Path(path).name, "client_state_types": {
             "pos": type(client_state["pos"]).__name__, "per_class_keys": [type(k).__name__ for k in client_state["per_class"]]},
             "boundaries": boundaries, "global_steps": fresh.global_steps, "lr": fresh.get_lr()[0]}
+        # The same model with its parameters split into two groups (no decay for the biases): the
+        # saved single group's rate would go to the first group alone. Refused, nothing loaded.
+        from autotuner.core.errors import AutotunerError
+
+        torch.manual_seed(1)
+        model = Net()
+        groups = [{"params": [p for n, p in model.named_parameters() if not n.endswith("bias")]},
+                  {"params": [p for n, p in model.named_parameters() if n.endswith("bias")], "weight_decay": 0.0}]
+        split, *_ = autotuner.initialize(model=model, model_parameters=groups, config=sgd_config(stage))
+        before = [t.detach().clone() for t in split.module.parameters()]
+        try:
+            split.load_checkpoint(f"{directory}/z{stage}", tag=7)
+            result[str(stage)]["split_groups"] = "loaded"
+        except AutotunerError as err:
+            result[str(stage)]["split_groups"] = str(err)
+        result[str(stage)]["split_untouched"] = all(torch.equal(a, b.detach()) for a, b in
+                                                    zip(before, split.module.parameters()))
     return result
 
 
