@@ -263,11 +263,18 @@ def settle(args: argparse.Namespace) -> SettledJob:
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
                                  nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if placed else 1,
                                  launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
-                                 device=this_device(), user_config=settings.user_config,
+                                 device=hardware(args), user_config=settings.user_config,
                                  measured_as=measured_as(settings), own_modules=tuple(own_modules(args.script)),
                                  bool_flags=bool_flags(dict(tuning.arg_mappings), settings.base_config))
     return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir,
                       devices, space)
+
+
+def hardware(args: argparse.Namespace) -> str:
+    """What the experiments run on, for the fingerprint: the backend's nodes where it places them
+    (a Slurm allocation's), else this machine's device."""
+    spec = backend_spec(getattr(args, "backend", "local"))
+    return spec.hardware(args) if spec.hardware is not None else this_device()
 
 
 def measured_as(settings: ExperimentSettings) -> str:

@@ -28,6 +28,7 @@ class Allocation:
     nodelist: str  # as Slurm wrote it, for messages: node[1-2]
     nodes: tuple[str, ...]
     addresses: dict = field(default_factory=dict, hash=False)  # NodeName -> NodeAddr
+    hardware: dict = field(default_factory=dict, hash=False)  # NodeName -> parse_node_hardware's words
 
     def address(self, node: str) -> str:
         return self.addresses.get(node, node)
@@ -54,6 +55,32 @@ def parse_hostnames(text: str) -> tuple[str, ...]:
 def parse_node_addresses(text: str) -> dict[str, str]:
     """`scontrol show node -o`'s output, one node a line: NodeName -> NodeAddr."""
     return {match.group(1): match.group(2) for match in map(_NODE_ADDR.search, text.splitlines()) if match}
+
+
+# What a node's experiments run on (steady fields only: nothing of its load or state), for the
+# tuning run's fingerprint: a resume in an allocation of other hardware is not fed these records.
+HARDWARE_FIELDS = ("Arch", "CPUTot", "RealMemory", "Gres", "AvailableFeatures")
+
+
+def parse_node_hardware(text: str) -> dict[str, str]:
+    """`scontrol show node -o`'s output: NodeName -> its hardware in words (HARDWARE_FIELDS)."""
+    hardware = {}
+    for line in text.splitlines():
+        name = re.search(r"(?:^|\s)NodeName=(\S+)", line)
+        if name:
+            found = (re.search(rf"(?:^|\s){key}=(\S+)", line) for key in HARDWARE_FIELDS)
+            hardware[name.group(1)] = " ".join(f"{key}={m.group(1)}" for key, m in zip(HARDWARE_FIELDS, found) if m)
+    return hardware
+
+
+def hardware_summary(allocation: "Allocation") -> str:
+    """The allocation's nodes' hardware in one line, each kind with its count (which nodes does not
+    matter: a new allocation of the same kind of nodes resumes a tune)."""
+    counts: dict[str, int] = {}
+    for node in allocation.nodes:
+        kind = allocation.hardware.get(node, "unknown")
+        counts[kind] = counts.get(kind, 0) + 1
+    return "slurm nodes: " + "; ".join(f"{count}x {kind}" for kind, count in sorted(counts.items()))
 
 
 def ranks_per_node(environ: dict[str, str]) -> int | None:
@@ -116,7 +143,7 @@ def read_allocation(environ: dict[str, str], run=subprocess.run) -> Allocation:
         raise LaunchError(f"--launcher slurm: scontrol expanded {nodelist} to no node names")
     # NodeAddr: a failure here is not fatal, the names are the addresses on most clusters.
     try:
-        addresses = parse_node_addresses(_scontrol(("show", "node", "-o", nodelist), environ, run))
+        shown = _scontrol(("show", "node", "-o", nodelist), environ, run)
     except LaunchError:
-        addresses = {}
-    return Allocation(job_id, nodelist, nodes, addresses)
+        shown = ""
+    return Allocation(job_id, nodelist, nodes, parse_node_addresses(shown), parse_node_hardware(shown))

@@ -326,6 +326,10 @@ def test_scancel_mid_tune_keeps_the_finished_records_and_a_new_allocation_resume
     # Nothing the cancellation cut short was recorded: every record kept is a measured one.
     assert all(json.loads((tmp_path / "autotuning_exps" / n / "exp.json").read_text())["result"]["state"] == "ok"
                for n in kept), kept
+    # Records carry the allocation's nodes as their device (not the tuner host's): a resume on
+    # nodes of other hardware would not reuse them, a new allocation of these nodes does (below).
+    device = json.loads((tmp_path / "autotuning_exps" / "z0_gas1_mbs1" / "exp.json").read_text())["fingerprint"]["device"]
+    assert device.startswith("slurm nodes: 2x Arch=") and "CPUTot=" in device, device
     first = (tmp_path / "autotuning_exps" / "z0_gas1_mbs1" / "cmd.txt").stat().st_mtime
 
     resumed = start_tune(slurm_cluster, tmp_path, warm=True, slow_only_at=8)

@@ -11,8 +11,8 @@ import pytest
 from autotuner.core.errors import LaunchError, UsageError
 from autotuner.launch.nodes import nodes_plan, slurm_hosts
 from autotuner.launch.plan import LaunchOptions
-from autotuner.launch.slurm import (Allocation, parse_hostnames, parse_node_addresses, ranks_per_node,
-                                    read_allocation)
+from autotuner.launch.slurm import (Allocation, hardware_summary, parse_hostnames, parse_node_addresses,
+                                    parse_node_hardware, ranks_per_node, read_allocation)
 
 PY = "/opt/py/bin/python"
 SHOW_NODE = (
@@ -48,11 +48,30 @@ def test_scontrol_output_is_parsed_into_names_and_addresses():
 def test_the_allocation_is_read_with_two_scontrol_calls():
     run = FakeScontrol()
     allocation = read_allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]"}, run)
-    assert allocation == Allocation("7", "node[1-2]", ("node1", "node2"), {"node1": "127.0.0.1", "node2": "127.0.0.1"})
+    assert allocation == Allocation("7", "node[1-2]", ("node1", "node2"), {"node1": "127.0.0.1", "node2": "127.0.0.1"},
+                                    parse_node_hardware(SHOW_NODE))
     assert run.calls == [["scontrol", "show", "hostnames", "node[1-2]"], ["scontrol", "show", "node", "-o", "node[1-2]"]]
     # No NodeAddr to be had: the names are the addresses, as on most clusters.
     allocation = read_allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]"}, FakeScontrol(node_status=1))
     assert allocation.address("node2") == "node2"
+
+
+def test_the_nodes_hardware_is_read_without_their_load_and_counted_by_kind():
+    # The fingerprint's device on --backend slurm: what the nodes are, never how busy they are, so a
+    # new allocation of like nodes resumes the tune and one of other GPUs does not.
+    busy = SHOW_NODE.replace("CPUAlloc=1", "CPUAlloc=2").replace("State=MIXED", "State=ALLOCATED")
+    assert parse_node_hardware(busy) == parse_node_hardware(SHOW_NODE) == \
+        {"node1": "Arch=x86_64 CPUTot=2 Gres=(null)", "node2": "Arch=x86_64 CPUTot=2 Gres=(null)"}
+    gpus = ("NodeName=g1 Arch=x86_64 CPUTot=64 RealMemory=512000 Gres=gpu:h100:8 AvailableFeatures=h100 State=IDLE\n"
+            "NodeName=g2 Arch=x86_64 CPUTot=64 RealMemory=512000 Gres=gpu:a100:8 AvailableFeatures=a100 State=IDLE\n")
+    mixed = Allocation("9", "g[1-2]", ("g1", "g2"), hardware=parse_node_hardware(gpus))
+    assert hardware_summary(mixed) == ("slurm nodes: 1x Arch=x86_64 CPUTot=64 RealMemory=512000 Gres=gpu:a100:8 "
+                                       "AvailableFeatures=a100; 1x Arch=x86_64 CPUTot=64 RealMemory=512000 "
+                                       "Gres=gpu:h100:8 AvailableFeatures=h100")
+    assert hardware_summary(Allocation("9", "g1", ("g1",), hardware=parse_node_hardware(gpus))) != \
+        hardware_summary(Allocation("9", "g2", ("g2",), hardware=parse_node_hardware(gpus.replace("g1", "gx"))))
+    read = read_allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]"}, FakeScontrol())
+    assert hardware_summary(read) == "slurm nodes: 2x Arch=x86_64 CPUTot=2 Gres=(null)"
 
 
 def test_outside_an_allocation_or_with_scontrol_failing_the_launch_is_refused_in_one_line():
