@@ -73,6 +73,9 @@ class BackendSpec:
     # The hardware its experiments run on, in words, for the run's fingerprint (a resume on other
     # hardware must not reuse the records); None: this machine's device, as the local backend.
     hardware: Callable[[argparse.Namespace], str] | None = None
+    # The launcher flags that make the optimal command train where its experiments ran, given the
+    # nodes per experiment; None: cmd_optimal.txt trains on the machine it is run on.
+    optimal_launch_flags: Callable[[int], tuple[str, ...]] | None = None
 
 
 BACKENDS: dict[str, BackendSpec] = {}
@@ -225,7 +228,8 @@ def _sbatch_script(request: RunnerRequest, results_dir: Path) -> list[str]:
 register_backend(BackendSpec(
     "slurm", "each experiment job steps on nodes of this Slurm allocation (run inside salloc or sbatch), "
     "several at once when the allocation holds more nodes than one needs", _slurm_runner, places_nodes=True,
-    check=_check_slurm, write_outputs=_sbatch_script, hardware=_slurm_hardware, flags=(
+    check=_check_slurm, write_outputs=_sbatch_script, hardware=_slurm_hardware,
+    optimal_launch_flags=lambda num_nodes: ("--launcher", "slurm", "--num_nodes", str(num_nodes)), flags=(
         Flag("--slurm_max_concurrent", {"type": int, "default": None,
                                         "help": "at most this many experiments at once (default: as many as the "
                                                 "allocation's nodes hold, --num_nodes each)"}),

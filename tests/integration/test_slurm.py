@@ -234,7 +234,11 @@ def test_a_tune_runs_experiments_on_both_nodes_two_at_once_then_trains_with_the_
                for a in spans for b in spans if a < b), (spans, hosts)
     # The sbatch script beside the optimal command, and the training run across the allocation.
     script = (tmp_path / "autotuning_results" / "sbatch_optimal.sh").read_text()
-    assert "#SBATCH --nodes=1" in script and "--launcher slurm --num_nodes 1" in script
+    assert "#SBATCH --nodes=1" in script and script.count("--launcher slurm --num_nodes 1") == 1
+    # cmd_optimal.txt too trains on the allocation's nodes (under salloc the tuner may run on a
+    # login node), as many per run as each experiment had.
+    command = (tmp_path / "autotuning_results" / "cmd_optimal.txt").read_text()
+    assert " --launcher slurm --num_nodes 1 --nproc_per_node " in command, command
     assert "ds_config_optimal.json" in script
     assert "training with the optimal config" in result.stdout
     assert "launcher: starting 1 nodes over srun: node1" in result.stderr

@@ -80,3 +80,22 @@ def test_a_flag_given_twice_is_read_where_argparse_reads_it_the_last():
     assert config_path(args) == "b.json"  # the script trains on b.json: tune that one
     assert find_flag(args, "--learning_rate") == (5, "3e-4")
     assert find_flag(("--x",), "--learning_rate") is None
+
+
+def test_the_optimal_command_of_a_slurm_tune_trains_on_the_allocations_nodes():
+    # Under --backend slurm the experiments ran as job steps on N nodes each; cmd_optimal.txt run
+    # from salloc's shell (often a login node) must do the same, not train on the tuner's host.
+    import argparse
+
+    from autotuner.app.settle import placement_flags
+    from autotuner.config import load_config
+    from autotuner.tuning.reports.optimal_commands import optimal_command
+    from fakes import experiment_settings
+
+    flags = placement_flags(argparse.Namespace(backend="slurm"), 2)
+    assert flags == ("--launcher", "slurm", "--num_nodes", "2")
+    assert placement_flags(argparse.Namespace(backend="local"), 1) == ()
+    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}), placement_flags=flags)
+    command = optimal_command(settings, ("--deepspeed", "o.json"))
+    at = command.index("--launcher")
+    assert command[at:at + 6] == ("--launcher", "slurm", "--num_nodes", "2", "--nproc_per_node", "2")

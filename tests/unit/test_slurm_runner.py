@@ -38,6 +38,9 @@ def test_the_sbatch_script_runs_the_optimal_command_on_the_tuned_node_count():
     assert shlex.split(module.splitlines()[-1])[:7] == ["python", "-m", "autotuner", "--launcher", "slurm",
                                                          "--num_nodes", "1"]
     assert "--gpus-per-node" not in module
+    # cmd_optimal.txt of a --backend slurm tune places its ranks already: kept as it is.
+    placed = "/venv/bin/launcher --launcher slurm --num_nodes 2 --nproc_per_node 4 train.py"
+    assert sbatch_script(placed, 2, 4, "/w", {}).splitlines()[-1] == placed
 
 
 def test_an_experiments_hostfile_names_its_nodes_with_the_ranks_of_each():

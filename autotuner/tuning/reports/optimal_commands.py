@@ -19,7 +19,8 @@ def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tupl
     # The launcher of the interpreter the measured launches ran under, not whichever is first on PATH.
     launcher = Path(settings.python).parent / "launcher"
     prefix = [str(launcher)] if launcher.is_file() else [settings.python, "-m", "autotuner"]
-    return (*prefix, *rank_count_flags(settings), *settings.rank_flags.to_argv(), settings.script, *args)
+    return (*prefix, *settings.placement_flags, *rank_count_flags(settings), *settings.rank_flags.to_argv(),
+            settings.script, *args)
 
 
 def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gpu: bool) -> tuple[str, ...]:
