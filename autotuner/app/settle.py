@@ -264,7 +264,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
                                  nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if placed else 1,
                                  launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
-                                 device=hardware(args), user_config=settings.user_config,
+                                 device=this_device(), user_config=settings.user_config,
                                  measured_as=measured_as(settings), own_modules=tuple(own_modules(args.script)),
                                  bool_flags=bool_flags(dict(tuning.arg_mappings), settings.base_config))
     return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir,
@@ -275,13 +275,6 @@ def placement_flags(args: argparse.Namespace, num_nodes: int) -> tuple[str, ...]
     """The optimal command's flags that place its ranks as the experiments' were (the backend's)."""
     spec = backend_spec(getattr(args, "backend", "local"))
     return spec.optimal_launch_flags(num_nodes) if spec.optimal_launch_flags is not None else ()
-
-
-def hardware(args: argparse.Namespace) -> str:
-    """What the experiments run on, for the fingerprint: the backend's nodes where it places them
-    (a Slurm allocation's), else this machine's device."""
-    spec = backend_spec(getattr(args, "backend", "local"))
-    return spec.hardware(args) if spec.hardware is not None else this_device()
 
 
 def measured_as(settings: ExperimentSettings) -> str:

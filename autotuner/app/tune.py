@@ -46,7 +46,10 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
     with backend_spec(getattr(args, "backend", "local")).open_runner(request) as runner:
         with exclusive_lock(results_dir):
             try:
-                outcome = Autotuner(job.config, job.settings, results_dir, exps_dir, runner, job.fingerprint,
+                # A cluster's nodes, where the runner places the experiments, are the device resumed against.
+                nodes = getattr(runner, "hardware", None)  # (a plugin's runner may not say)
+                fingerprint = job.fingerprint if nodes is None else replace(job.fingerprint, device=nodes)
+                outcome = Autotuner(job.config, job.settings, results_dir, exps_dir, runner, fingerprint,
                                     report=_say, settle_engine=lambda built: settle_built_engine(job, built),
                                     devices=job.devices, space=job.space).tune()
             except Stopped as stop:  # the runner's exit below ends the running experiment

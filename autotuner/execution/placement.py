@@ -152,3 +152,15 @@ def rank_variables(place_: RankPlace, layout: Layout, master_addr: str, master_p
                                      layout.num_nodes, master_addr, master_port, run_id, agent_store=False),
             "LOCAL_SIZE": str(layout.nproc_per_node), "CROSS_RANK": str(place_.node_rank),
             "CROSS_SIZE": str(layout.num_nodes)}
+
+
+def node_kinds(nodes: list[dict]) -> str:
+    """The live nodes' kinds (CPUs, GPUs and accelerator type, never memory or load), for the
+    fingerprint: which nodes an experiment gets is Ray's choice, so the kinds, not their count."""
+    kinds = set()
+    for node in nodes:
+        if node.get("Alive"):
+            resources = node.get("Resources", {})
+            accelerators = sorted(key for key in resources if key.startswith("accelerator_type:"))
+            kinds.add(" ".join([f"CPU={resources.get('CPU', 0):g}", f"GPU={resources.get('GPU', 0):g}", *accelerators]))
+    return "ray nodes: " + "; ".join(sorted(kinds))

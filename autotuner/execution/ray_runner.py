@@ -27,7 +27,7 @@ from typing import Callable
 
 import autotuner
 from autotuner.execution.placement import (EXCLUSIVE, ClusterNode, Layout, Placement, RankShape, concurrency, feasible,
-                                         place, taken)
+                                         node_kinds, place, taken)
 from autotuner.execution.rank_runs import rank_run, trial_rank_runs
 from autotuner.execution.ray_trial_files import (PLACEMENT_FILE, RunningTrial, finished_result, unplaced_result,
                                                  write_placement)
@@ -86,6 +86,7 @@ class RayRunner:
         mark_work_started()  # the cluster's actors are ours to end, though no local process is
         self._worker_class = ray.remote(RankWorker)
         self._nodes = self._live_nodes()
+        self.hardware = node_kinds(self._ray.nodes())
         gpus = options.gpus_per_rank
         if gpus is None:
             gpus = 1.0 if any(n.gpus for n in self._nodes) else 0.0

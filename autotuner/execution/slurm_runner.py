@@ -39,7 +39,7 @@ from autotuner.execution.node_server import NodeServer, server_command
 from autotuner.execution.trial_launch import cold_launch, judge, prepare
 from autotuner.launch.nodes import srun_start
 from autotuner.launch.plan import LaunchOptions
-from autotuner.launch.slurm import Allocation
+from autotuner.launch.slurm import Allocation, hardware_summary
 from autotuner.launch.stopping import GRACE_S, Stopped, end_processes
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.trials.trial import Trial
@@ -133,6 +133,7 @@ class SlurmRunner:
             raise UsageError(f"--num_nodes: got {nodes_per_trial}, but the Slurm allocation (job {allocation.job_id}) "
                              f"holds {len(allocation.nodes)} node(s)")
         self.allocation = allocation
+        self.hardware = hardware_summary(allocation)
         self.nodes_per_trial = nodes_per_trial
         self.nproc_per_node = nproc_per_node
         self.capacity = min(len(allocation.nodes) // nodes_per_trial, max_concurrent or len(allocation.nodes))

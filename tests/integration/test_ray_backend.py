@@ -114,6 +114,11 @@ def test_a_two_rank_experiment_spreads_over_both_nodes_with_the_records_of_a_loc
         assert on_ray.loc[name, "metric_value"] == pytest.approx(local.loc[name, "metric_value"], rel=0.25)
     assert (ray_work / "autotuning_exps" / "z0_gas1_mbs2" / "metrics.json").exists()
     assert free_cpus(cluster.address) == (2.0, 2.0)  # every placement group and actor was removed
+    # The records' device is the cluster's nodes (kinds, not load), the local run's this machine's.
+    device = json.loads((ray_work / "autotuning_exps" / "z0_gas1_mbs2" / "exp.json").read_text())["fingerprint"]["device"]
+    assert device == "ray nodes: CPU=1 GPU=0", device
+    assert not json.loads((local_work / "autotuning_exps" / "z0_gas1_mbs2" / "exp.json").read_text())[
+        "fingerprint"]["device"].startswith("ray nodes")
 
 
 def test_two_one_rank_experiments_run_in_parallel_on_the_two_slot_pool(cluster, tmp_path):

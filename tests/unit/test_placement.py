@@ -84,3 +84,18 @@ def test_rank_variables_are_torch_elastics_with_rank_zero_hosting_the_store():
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="placement policy"):
         place(nodes(1), {}, Layout(1, 1), CPU, "greedy")
+
+
+def test_a_clusters_node_kinds_name_what_the_nodes_are_not_how_many_or_how_full():
+    # The fingerprint's device on --backend ray: a cluster of other GPUs differs, more nodes of the
+    # same kind or their free memory do not.
+    from autotuner.execution.placement import node_kinds
+
+    h100 = {"Alive": True, "Resources": {"CPU": 64.0, "GPU": 8.0, "accelerator_type:H100": 1.0, "memory": 5e11,
+                                         "node:10.0.0.1": 1.0}}
+    dead = {"Alive": False, "Resources": {"CPU": 2.0}}
+    assert node_kinds([h100, dead]) == "ray nodes: CPU=64 GPU=8 accelerator_type:H100"
+    other = {**h100, "Resources": {**h100["Resources"], "memory": 4e11, "node:10.0.0.2": 1.0}}
+    assert node_kinds([h100, other]) == node_kinds([h100])
+    a100 = {"Alive": True, "Resources": {"CPU": 64.0, "GPU": 8.0, "accelerator_type:A100": 1.0}}
+    assert node_kinds([a100]) != node_kinds([h100])

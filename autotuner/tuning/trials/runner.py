@@ -19,6 +19,9 @@ from autotuner.tuning.space.records import TrialResult
 class Runner(Protocol):
     name: str
     capacity: int  # trials it can hold at once; the search submits up to this many
+    # The hardware its trials run on, in words, where that is not this machine (a cluster's nodes):
+    # the run's fingerprint takes it as its device, so a resume on other nodes reuses no record.
+    hardware: str | None
 
     def run(self, trial: Trial) -> TrialResult:
         """Launch the trial's ranks, wait (at most the trial's timeout), end every process it started,
@@ -42,6 +45,7 @@ class OneSlot:
     """The parallel side of a runner with one slot: a submitted trial runs at `next_result`."""
 
     capacity = 1
+    hardware: str | None = None  # this machine's: the settled fingerprint's device already
 
     def __init__(self) -> None:
         self._submitted: deque[Trial] = deque()
