@@ -289,8 +289,18 @@ def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, scr
                  source: str) -> None:
     """Refuse in one line what is wrong for the engine the script trains on, saying which and why."""
     check_trainer_autos(config, engine, script, source)
+    check_model_parallel(config.autotuning.mp_size, engine, source)
     check_deepspeed_precision(config.fp16.enabled, engine, script_args, source)
     check_our_engine_sections(config, engine, source, dict(config.autotuning.arg_mappings))
+
+
+def check_model_parallel(mp_size: int, engine: EngineChoice, source: str) -> None:
+    """Our engine trains every rank data parallel: an mp_size above 1 would size every global batch
+    for a data-parallel world that many times smaller than the one that trains."""
+    if mp_size > 1 and engine.settled and engine.engine == "autotuner":
+        raise ConfigError(f"{source}: autotuning.mp_size: got {mp_size}; {engine.why}, whose every rank is data "
+                          "parallel (no tensor or pipeline parallelism), so only 1 is allowed; mp_size above 1 is "
+                          "for a script on DeepSpeed's engine with model parallelism of its own")
 
 
 def settle_built_engine(job: SettledJob, built: str) -> str:

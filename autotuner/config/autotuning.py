@@ -120,7 +120,9 @@ class AutotuningConfig(Section):
     min_train_micro_batch_size_per_gpu: PositiveInt = 1
     max_train_micro_batch_size_per_gpu: PositiveInt = 1024
     num_tuning_micro_batch_sizes: PositiveInt = Field(3, description="sizes tried per stage below its largest")
-    mp_size: PositiveInt = Field(1, description="model-parallel size; only 1 (data parallel) here")
+    mp_size: PositiveInt = Field(1, description="model-parallel size of a script on DeepSpeed's engine with its "
+                                 "own model parallelism (an mpu): the data-parallel size is the world over it; "
+                                 "only 1 on our engine")
     model_info: ModelInfoSection | None = None
     exp_timeout_s: float = Field(600.0, gt=0, description="wall-clock limit of one experiment, seconds")
     memory_per_rank_bytes: PositiveInt | None = Field(

@@ -284,6 +284,14 @@ def test_mp_size_that_does_not_divide_the_world_size(in_tmp, capsys):
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "autotuning.mp_size", "got 3")
 
 
+def test_mp_size_above_one_on_our_engine_is_refused(in_tmp, capsys):
+    # It divides the world (2), but every rank of our engine is data parallel: each global batch
+    # would have been sized for a world of 1.
+    cfg = write(in_tmp / "ds.json", config_dict({"mp_size": 2}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "autotuning.mp_size", "got 2", "only 1 is allowed",
+                   "DeepSpeed's engine")
+
+
 def test_mp_size_larger_than_the_world_with_a_fixed_triad(in_tmp, capsys):
     cfg = write(in_tmp / "ds.json", config_dict({"mp_size": 4}, train_batch_size=8, train_micro_batch_size_per_gpu=2,
                                                 gradient_accumulation_steps=2))
