@@ -252,7 +252,6 @@ def settle(args: argparse.Namespace) -> SettledJob:
         memory_budget_bytes=tuning.memory_per_rank_bytes,
         user_config=read_config_file(source),
         rank_flags=options.rank_flags(),
-        placement_flags=placement_flags(args, num_nodes if placed else 1),
         engine=engine.engine,
         engine_settled=engine.settled,
         planned_steps=tuning.planned_steps or script_max_steps(script_args),
@@ -269,12 +268,6 @@ def settle(args: argparse.Namespace) -> SettledJob:
                                  bool_flags=bool_flags(dict(tuning.arg_mappings), settings.base_config))
     return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir,
                       devices, space)
-
-
-def placement_flags(args: argparse.Namespace, num_nodes: int) -> tuple[str, ...]:
-    """The optimal command's flags that place its ranks as the experiments' were (the backend's)."""
-    spec = backend_spec(getattr(args, "backend", "local"))
-    return spec.optimal_launch_flags(num_nodes) if spec.optimal_launch_flags is not None else ()
 
 
 def measured_as(settings: ExperimentSettings) -> str:

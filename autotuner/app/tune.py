@@ -47,9 +47,11 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
         with exclusive_lock(results_dir):
             try:
                 # A cluster's nodes, where the runner places the experiments, are the device resumed against.
-                nodes = getattr(runner, "hardware", None)  # (a plugin's runner may not say)
+                # and the optimal command trains there too. (A plugin's runner may say neither.)
+                nodes = getattr(runner, "hardware", None)
                 fingerprint = job.fingerprint if nodes is None else replace(job.fingerprint, device=nodes)
-                outcome = Autotuner(job.config, job.settings, results_dir, exps_dir, runner, fingerprint,
+                settings = replace(job.settings, placement_flags=tuple(getattr(runner, "placement_flags", ())))
+                outcome = Autotuner(job.config, settings, results_dir, exps_dir, runner, fingerprint,
                                     report=_say, settle_engine=lambda built: settle_built_engine(job, built),
                                     devices=job.devices, space=job.space).tune()
             except Stopped as stop:  # the runner's exit below ends the running experiment
@@ -63,7 +65,8 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
             raise TuningFailed(f"no experiment succeeded ({len(outcome.results)} recorded); see "
                                f"{results_dir}/experiments.csv and each experiment's stderr.log under {exps_dir}")
         _say(f"{outcome.best.name} is the optimal setup; config: {outcome.optimal_config_path}")
-        _say(f"train with it: {(results_dir / 'cmd_optimal.txt').read_text().strip()}")
+        where = f" (on each of the {job.num_nodes} nodes)" if "--rdzv_endpoint" in settings.placement_flags else ""
+        _say(f"train with it{where}: {(results_dir / 'cmd_optimal.txt').read_text().strip()}")
         spec = backend_spec(getattr(args, "backend", "local"))
         if spec.write_outputs is not None:
             for line in spec.write_outputs(request, results_dir):

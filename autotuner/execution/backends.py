@@ -70,9 +70,6 @@ class BackendSpec:
     # Files of its own beside the optimal config, written after a tune (Slurm's sbatch script):
     # gets the request and the results folder, returns the lines to print.
     write_outputs: Callable[["RunnerRequest", Path], list[str]] | None = None
-    # The launcher flags that make the optimal command train where its experiments ran, given the
-    # nodes per experiment; None: cmd_optimal.txt trains on the machine it is run on.
-    optimal_launch_flags: Callable[[int], tuple[str, ...]] | None = None
 
 
 BACKENDS: dict[str, BackendSpec] = {}
@@ -219,8 +216,7 @@ def _sbatch_script(request: RunnerRequest, results_dir: Path) -> list[str]:
 register_backend(BackendSpec(
     "slurm", "each experiment job steps on nodes of this Slurm allocation (run inside salloc or sbatch), "
     "several at once when the allocation holds more nodes than one needs", _slurm_runner, places_nodes=True,
-    check=_check_slurm, write_outputs=_sbatch_script,
-    optimal_launch_flags=lambda num_nodes: ("--launcher", "slurm", "--num_nodes", str(num_nodes)), flags=(
+    check=_check_slurm, write_outputs=_sbatch_script, flags=(
         Flag("--slurm_max_concurrent", {"type": int, "default": None,
                                         "help": "at most this many experiments at once (default: as many as the "
                                                 "allocation's nodes hold, --num_nodes each)"}),

@@ -164,3 +164,16 @@ def node_kinds(nodes: list[dict]) -> str:
             accelerators = sorted(key for key in resources if key.startswith("accelerator_type:"))
             kinds.add(" ".join([f"CPU={resources.get('CPU', 0):g}", f"GPU={resources.get('GPU', 0):g}", *accelerators]))
     return "ray nodes: " + "; ".join(sorted(kinds))
+
+
+C10D_PORT = 29400  # torchrun's default for --rdzv_endpoint
+
+
+def rendezvous_flags(num_nodes: int, head_address: str) -> tuple[str, ...]:
+    """The optimal command's flags for experiments that spanned several nodes of a Ray cluster:
+    torch's c10d rendezvous at the head node (reachable from every node that joined it), run on
+    each of the nodes, as torchrun users do; on one node, none."""
+    if num_nodes <= 1:
+        return ()
+    return ("--num_nodes", str(num_nodes), "--rdzv_endpoint", f"{head_address}:{C10D_PORT}",
+            "--rdzv_id", "autotuner-optimal")

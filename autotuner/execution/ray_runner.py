@@ -27,7 +27,7 @@ from typing import Callable
 
 import autotuner
 from autotuner.execution.placement import (EXCLUSIVE, ClusterNode, Layout, Placement, RankShape, concurrency, feasible,
-                                         node_kinds, place, taken)
+                                         node_kinds, place, rendezvous_flags, taken)
 from autotuner.execution.rank_runs import rank_run, trial_rank_runs
 from autotuner.execution.ray_trial_files import (PLACEMENT_FILE, RunningTrial, finished_result, unplaced_result,
                                                  write_placement)
@@ -96,6 +96,10 @@ class RayRunner:
         if why is not None:
             self.close()
             raise UsageError(f"--backend ray: the experiments cannot be placed: {why}")
+        # The optimal command's rendezvous at the head node, whose control processes every node reaches.
+        head = next((node.get("NodeManagerAddress") for node in self._ray.nodes()
+                     if node.get("Alive") and HEAD_RESOURCE in node.get("Resources", {})), None)
+        self.placement_flags = rendezvous_flags(options.num_nodes, head or self._nodes[0].address)
         self.capacity = concurrency(self._nodes, self.layout, self.shape, options.placement, options.max_concurrent)
         where = "a Ray instance started for this run" if self._started_ray else f"the Ray cluster at {options.address}"
         report(f"ray: {where}: {len(self._nodes)} node(s), {sum(n.cpus for n in self._nodes):g} CPU(s), "

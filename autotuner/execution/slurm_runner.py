@@ -134,6 +134,9 @@ class SlurmRunner:
                              f"holds {len(allocation.nodes)} node(s)")
         self.allocation = allocation
         self.hardware = hardware_summary(allocation)
+        # The optimal command runs its ranks as job steps on the allocation's nodes, as the trials did
+        # (under salloc the tuner's own host may be a login node).
+        self.placement_flags = ("--launcher", "slurm", "--num_nodes", str(nodes_per_trial))
         self.nodes_per_trial = nodes_per_trial
         self.nproc_per_node = nproc_per_node
         self.capacity = min(len(allocation.nodes) // nodes_per_trial, max_concurrent or len(allocation.nodes))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -117,6 +118,13 @@ def test_a_two_rank_experiment_spreads_over_both_nodes_with_the_records_of_a_loc
     # The records' device is the cluster's nodes (kinds, not load), the local run's this machine's.
     device = json.loads((ray_work / "autotuning_exps" / "z0_gas1_mbs2" / "exp.json").read_text())["fingerprint"]["device"]
     assert device == "ray nodes: CPU=1 GPU=0", device
+    # The optimal command trains as the experiments ran, two nodes of one rank: a c10d rendezvous
+    # at the head, the same command on each node (the multinode tests run that form).
+    command = (ray_work / "autotuning_results" / "cmd_optimal.txt").read_text()
+    heads = {r["address"] for name in ("z0_gas1_mbs2", "z0_gas1_mbs4") for r in placement(ray_work, name)["ranks"]}
+    found = re.search(r" --num_nodes 2 --rdzv_endpoint (\S+):29400 --rdzv_id autotuner-optimal --nproc_per_node 1 ",
+                      command)
+    assert found and found.group(1) in heads, command
     assert not json.loads((local_work / "autotuning_exps" / "z0_gas1_mbs2" / "exp.json").read_text())[
         "fingerprint"]["device"].startswith("ray nodes")
 

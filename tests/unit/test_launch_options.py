@@ -85,17 +85,16 @@ def test_a_flag_given_twice_is_read_where_argparse_reads_it_the_last():
 def test_the_optimal_command_of_a_slurm_tune_trains_on_the_allocations_nodes():
     # Under --backend slurm the experiments ran as job steps on N nodes each; cmd_optimal.txt run
     # from salloc's shell (often a login node) must do the same, not train on the tuner's host.
-    import argparse
-
-    from autotuner.app.settle import placement_flags
     from autotuner.config import load_config
+    from autotuner.execution.slurm_runner import SlurmRunner
+    from autotuner.launch.slurm import Allocation
     from autotuner.tuning.reports.optimal_commands import optimal_command
     from fakes import experiment_settings
 
-    flags = placement_flags(argparse.Namespace(backend="slurm"), 2)
-    assert flags == ("--launcher", "slurm", "--num_nodes", "2")
-    assert placement_flags(argparse.Namespace(backend="local"), 1) == ()
-    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}), placement_flags=flags)
+    runner = SlurmRunner(Allocation("7", "node[1-4]", ("node1", "node2", "node3", "node4")), 2, 2, print)
+    assert runner.placement_flags == ("--launcher", "slurm", "--num_nodes", "2")
+    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}),
+                                   placement_flags=runner.placement_flags)
     command = optimal_command(settings, ("--deepspeed", "o.json"))
     at = command.index("--launcher")
     assert command[at:at + 6] == ("--launcher", "slurm", "--num_nodes", "2", "--nproc_per_node", "2")

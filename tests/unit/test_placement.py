@@ -99,3 +99,11 @@ def test_a_clusters_node_kinds_name_what_the_nodes_are_not_how_many_or_how_full(
     assert node_kinds([h100, other]) == node_kinds([h100])
     a100 = {"Alive": True, "Resources": {"CPU": 64.0, "GPU": 8.0, "accelerator_type:A100": 1.0}}
     assert node_kinds([a100]) != node_kinds([h100])
+
+
+def test_a_ray_tune_over_several_nodes_writes_a_c10d_command_for_each_node():
+    from autotuner.execution.placement import rendezvous_flags
+
+    assert rendezvous_flags(1, "10.0.0.1") == ()  # one node: the command runs where it is typed
+    assert rendezvous_flags(2, "10.0.0.1") == ("--num_nodes", "2", "--rdzv_endpoint", "10.0.0.1:29400",
+                                               "--rdzv_id", "autotuner-optimal")

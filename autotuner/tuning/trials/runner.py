@@ -22,6 +22,9 @@ class Runner(Protocol):
     # The hardware its trials run on, in words, where that is not this machine (a cluster's nodes):
     # the run's fingerprint takes it as its device, so a resume on other nodes reuses no record.
     hardware: str | None
+    # Launcher flags that make the optimal command train where the trials ran (a cluster's nodes);
+    # none: on the machine it is run on.
+    placement_flags: tuple[str, ...]
 
     def run(self, trial: Trial) -> TrialResult:
         """Launch the trial's ranks, wait (at most the trial's timeout), end every process it started,
@@ -46,6 +49,7 @@ class OneSlot:
 
     capacity = 1
     hardware: str | None = None  # this machine's: the settled fingerprint's device already
+    placement_flags: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         self._submitted: deque[Trial] = deque()
