@@ -98,3 +98,10 @@ def test_the_optimal_command_of_a_slurm_tune_trains_on_the_allocations_nodes():
     command = optimal_command(settings, ("--deepspeed", "o.json"))
     at = command.index("--launcher")
     assert command[at:at + 6] == ("--launcher", "slurm", "--num_nodes", "2", "--nproc_per_node", "2")
+
+    # DeepSpeed's own launcher trains on one node without a hostfile: its command is written for
+    # one-node experiments only.
+    from autotuner.tuning.reports.optimal_commands import nodes_per_run
+
+    assert nodes_per_run(settings) == 2
+    assert nodes_per_run(experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}))) == 1

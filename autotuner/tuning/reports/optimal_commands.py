@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from autotuner.launch.script_args import replace_config
+from autotuner.launch.script_args import find_flag, replace_config
 from autotuner.tuning.trials.trial import ExperimentSettings, mapped_script_args, rank_count_flags
 
 
@@ -21,6 +21,12 @@ def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tupl
     prefix = [str(launcher)] if launcher.is_file() else [settings.python, "-m", "autotuner"]
     return (*prefix, *settings.placement_flags, *rank_count_flags(settings), *settings.rank_flags.to_argv(),
             settings.script, *args)
+
+
+def nodes_per_run(settings: ExperimentSettings) -> int:
+    """The nodes the optimal command trains on: each experiment's, as its placement flags say."""
+    found = find_flag(settings.placement_flags, "--num_nodes")
+    return int(found[1]) if found and found[1] else 1
 
 
 def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gpu: bool) -> tuple[str, ...]:

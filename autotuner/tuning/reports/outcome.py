@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Callable
 
 from autotuner.tuning.trials.trial import ExperimentSettings, picked_config, script_config
-from autotuner.tuning.reports.optimal_commands import deepspeed_command, optimal_command, optimal_script_args
+from autotuner.tuning.reports.optimal_commands import (deepspeed_command, nodes_per_run, optimal_command,
+                                                      optimal_script_args)
 from autotuner.tuning.memory.varying_batches import varying_batch_lines
 from autotuner.tuning.models.gradient_noise import NoiseScale
 from autotuner.tuning.reports.goodput import goodput_lines, scale_learning_rate
@@ -62,7 +63,8 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
         optimal_path = (results_dir / "ds_config_optimal.json").resolve()
         optimal_args = optimal_script_args(settings, config, optimal_path)
         optimal_cmd = optimal_command(settings, optimal_args)
-        if settings.engine == "deepspeed":
+        if settings.engine == "deepspeed" and nodes_per_run(settings) == 1:
+            # (DeepSpeed's launcher needs a hostfile for several nodes; without one it trains on one.)
             deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu)
         config = script_config(config, settings.engine)  # what the mapped flags carry stays out
     compiled = compile_lines(list(record.launched), settings.planned_steps)
