@@ -31,7 +31,7 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
     "zero_optimization": frozenset(
         {
             "allgather_partitions", "reduce_scatter", "round_robin_gradients", "load_from_fp32_weights",
-            "elastic_checkpoint", "ignore_unused_parameters", "sub_group_size", "cpu_offload",
+            "elastic_checkpoint", "ignore_unused_parameters", "sub_group_size",
             "cpu_offload_params", "cpu_offload_use_pin_memory",
             "stage3_max_reuse_distance", "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
             "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather",

@@ -14,7 +14,7 @@ import hjson
 from pydantic import ValidationError
 
 from autotuner.config.keys import check_keys
-from autotuner.config.models import DeepSpeedConfig
+from autotuner.config.models import DeepSpeedConfig, ZeroConfig
 from autotuner.core.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,29 @@ _ALLOWED = {
 }
 
 
+def _deprecated_offload_flags(raw: dict[str, Any], label: str) -> dict[str, Any]:
+    """DeepSpeed's deprecated `zero_optimization.cpu_offload` / `cpu_offload_param`, read as it reads
+    them: true is the offload section with device "cpu", false none; with the section too, refused."""
+    zero = raw.get("zero_optimization")
+    if not isinstance(zero, dict) or not any(old in zero for olds in ZeroConfig.other_spellings.values() for old in olds):
+        return raw
+    zero = dict(zero)
+    for section, olds in ZeroConfig.other_spellings.items():
+        for old in olds:
+            if old not in zero:
+                continue
+            value = zero.pop(old)
+            if section in zero:
+                raise ConfigError(f"{label}: zero_optimization.{old}: DeepSpeed's deprecated spelling of {section}, "
+                                  f"which is set too; DeepSpeed refuses both, so keep only {section}")
+            if not isinstance(value, bool) and value is not None:
+                raise ConfigError(f"{label}: zero_optimization.{old}: got {_describe(value)}; expected true or false "
+                                  f"(deprecated: {section}.device \"cpu\" says it)")
+            if value:
+                zero[section] = {"device": "cpu"}
+    return {**raw, "zero_optimization": zero}
+
+
 def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedConfig:
     """Load and validate a config from a path, a dict, or an existing DeepSpeedConfig.
 
@@ -116,6 +139,7 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
         raw, label = read_config_file(source), name or str(source)
     if "bfloat16" in raw and "bf16" not in raw:  # DeepSpeed's older name of the section
         raw = {("bf16" if key == "bfloat16" else key): value for key, value in raw.items()}
+    raw = _deprecated_offload_flags(raw, label)
     kept, ignored = check_keys(raw, DeepSpeedConfig, label)
     if ignored:
         logger.warning("%s: accepted but not used by autotuner: %s", label, ", ".join(ignored))

@@ -9,7 +9,7 @@ engine refuses anything still unsettled (a config run without the tuner).
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import AliasChoices, Field, NonNegativeFloat, PositiveFloat, PrivateAttr, field_validator, model_validator
 
@@ -66,6 +66,11 @@ ZeroStage = Literal[0, 1, 2, 3]
 
 class ZeroConfig(Section):
     """`zero_optimization`. A list or "all" for `stage` is only meaningful to the autotuner."""
+
+    # DeepSpeed's deprecated booleans for a section (true: its device "cpu"), read as it reads them
+    # (config/loader.py); the tuned config writes the section, never both (DeepSpeed refuses both).
+    other_spellings: ClassVar[dict[str, tuple[str, ...]]] = {"offload_optimizer": ("cpu_offload",),
+                                                             "offload_param": ("cpu_offload_param",)}
 
     stage: Union[ZeroStage, list[ZeroStage], Literal["all"]] = 0
     overlap_comm: Union[bool, list[bool], None] = None
@@ -165,6 +170,8 @@ BatchValue = Union[PositiveInt, Auto, None]
 
 class DeepSpeedConfig(Section):
     """The whole config file. Batch values may be "auto" until `resolve_batch` runs."""
+
+    other_spellings: ClassVar[dict[str, tuple[str, ...]]] = {"bf16": ("bfloat16",)}  # DeepSpeed's older name
 
     # DeepSpeed's sections we do not act on, as the file gave them (config/keys.py sets them aside):
     # our engine reads them only to refuse those that would change its training (config/engine_math.py).

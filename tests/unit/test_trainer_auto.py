@@ -173,3 +173,26 @@ def test_a_users_other_spelling_of_a_tuned_key_is_not_written_beside_it():
     assert optimal == {"zero_optimization": {"stage": 3, "sub_group_size": 10**9, "gather_16bit_weights_on_model_save": True},
                        "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 2}
     load_config(optimal)  # one spelling: it loads
+
+
+def test_deepspeeds_deprecated_cpu_offload_flags_are_read_as_deepspeed_reads_them():
+    # DeepSpeed 0.19.8: cpu_offload true is offload_optimizer {device: cpu}, cpu_offload_param true
+    # offload_param's; false is none; beside the section it replaces, DeepSpeed refuses the file.
+    # They were set aside unread, so the memory model planned an offloaded optimizer as resident.
+    config = load_config({"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_param": True}})
+    assert config.zero_optimization.offload_optimizer.device == "cpu"
+    assert config.zero_optimization.offload_param.device == "cpu"
+    assert load_config({"zero_optimization": {"stage": 2, "cpu_offload": False}}).zero_optimization.offload_optimizer is None
+    with pytest.raises(ConfigError) as caught:
+        load_config({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "none"}}},
+                    name="ds.json")
+    assert str(caught.value) == ("ds.json: zero_optimization.cpu_offload: DeepSpeed's deprecated spelling of "
+                                 "offload_optimizer, which is set too; DeepSpeed refuses both, so keep only "
+                                 "offload_optimizer")
+    with pytest.raises(ConfigError, match=r"cpu_offload_param: got .*expected true or false"):
+        load_config({"zero_optimization": {"stage": 3, "cpu_offload_param": "yes"}})
+    # The tuned config writes the section, so the user's deprecated flag is not written beside it.
+    user = {"zero_optimization": {"stage": 2, "cpu_offload": True, "sub_group_size": 10**9}}
+    tuned = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    assert with_user_keys(user, tuned) == {"zero_optimization": {"stage": 2, "sub_group_size": 10**9,
+                                                                 "offload_optimizer": {"device": "cpu"}}}

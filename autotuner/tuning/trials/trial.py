@@ -164,7 +164,7 @@ def _without_other_spellings(user: dict[str, Any], tuned: dict[str, Any], model:
     """The user's keys less another spelling of a key the tuned config writes under its own name
     (stage3_gather_16bit_weights_on_model_save beside gather_16bit_weights_on_model_save, DeepSpeed's
     older "bfloat16" beside "bf16"): with both, our config and DeepSpeed's refuse the file."""
-    others = {"bf16": ("bfloat16",)} if model is DeepSpeedConfig else {}
+    others = dict(getattr(model, "other_spellings", {}))
     for name, info in model.model_fields.items():
         if isinstance(info.validation_alias, AliasChoices):
             others[name] = tuple(c for c in info.validation_alias.choices if isinstance(c, str) and c != name)
