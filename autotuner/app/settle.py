@@ -242,7 +242,9 @@ def settle(args: argparse.Namespace) -> SettledJob:
         base_config=base,
         nproc_per_node=plan.nproc_per_node,
         data_parallel_size=data_parallel_size,
-        objective=Objective(tuning.metric, reference_batch=tuning.reference_batch_size),
+        # The reference batch is goodput's (efficiency, and the learning rate's scaling from it).
+        objective=Objective(tuning.metric, reference_batch=tuning.reference_batch_size if tuning.metric == "goodput"
+                            else None),
         timeout_s=tuning.exp_timeout_s,
         start_profile_step=tuning.start_profile_step,
         end_profile_step=tuning.end_profile_step,

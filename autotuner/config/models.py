@@ -49,6 +49,26 @@ class OptimizerConfig(Section):
         return names.get(value.lower(), value) if isinstance(value, str) else value
 
 
+# DeepSpeed's defaults for its schedulers' params (deepspeed/runtime/lr_schedules.py).
+SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"},
+    "WarmupDecayLR": {
+        "total_num_steps": None,
+        "warmup_min_lr": 0.0,
+        "warmup_max_lr": 0.001,
+        "warmup_num_steps": 1000,
+        "warmup_type": "log",
+    },
+    "WarmupCosineLR": {
+        "total_num_steps": None,
+        "warmup_min_ratio": 0.0,
+        "warmup_num_steps": 1000,
+        "cos_min_ratio": 0.0001,
+        "warmup_type": "log",
+    },
+}
+
+
 class SchedulerConfig(Section):
     type: SchedulerType
     params: dict[str, Any] = Field(default_factory=dict)

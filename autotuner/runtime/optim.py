@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from autotuner.config.models import DeepSpeedConfig, OptimizerConfig, SchedulerConfig
+from autotuner.config.models import SCHEDULER_DEFAULTS, DeepSpeedConfig, OptimizerConfig, SchedulerConfig
 from autotuner.config.trainer_auto import with_stand_ins
 from autotuner.core.errors import ConfigError
 from autotuner.runtime.distributed import warn_once
@@ -63,27 +63,8 @@ def _warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str) -> float:
     return step / warmup_num_steps
 
 
-_SCHEDULER_PARAMS = {
-    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"},
-    "WarmupDecayLR": {
-        "total_num_steps": None,
-        "warmup_min_lr": 0.0,
-        "warmup_max_lr": 0.001,
-        "warmup_num_steps": 1000,
-        "warmup_type": "log",
-    },
-    "WarmupCosineLR": {
-        "total_num_steps": None,
-        "warmup_min_ratio": 0.0,
-        "warmup_num_steps": 1000,
-        "cos_min_ratio": 0.0001,
-        "warmup_type": "log",
-    },
-}
-
-
 def _scheduler_params(config: SchedulerConfig) -> dict[str, Any]:
-    defaults = _SCHEDULER_PARAMS[config.type]
+    defaults = SCHEDULER_DEFAULTS[config.type]
     for key in config.params:
         if key not in defaults and key != "last_batch_iteration":
             raise ConfigError(

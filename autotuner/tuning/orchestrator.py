@@ -250,7 +250,8 @@ class Autotuner:
                    "it is read on our engine at ZeRO 0 or 1, around the all-reduce with two ranks or more, or over "
                    "the micro-steps of one rank's gradient accumulation, and no profile launch ran so")
             self.report(f"goodput: the gradient noise scale was not measured ({why}); scoring by throughput")
-            objective = Objective("throughput")
+            # The learning rate still follows the pick's global batch (lr_scaling), from the same reference.
+            objective = Objective("throughput", reference_batch=self.objective.reference_batch)
         else:
             objective = replace(self.objective, noise_scale=noise.b_noise)
             self.report(f"goodput: gradient noise scale B_noise = {noise.b_noise:.1f} +/- {noise.spread:.1f} samples "

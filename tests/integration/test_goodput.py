@@ -52,6 +52,13 @@ def test_where_the_noise_cannot_be_read_one_line_says_so_and_throughput_decides(
     table = experiments_table(tmp_path / "autotuning_results")
     ok = table[table.state == "ok"]
     assert ok.metric_value.tolist() == pytest.approx(ok.throughput_samples_s.tolist(), rel=1e-6)
+    # The summary says so too, and the learning rate still follows the pick's global batch.
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert "Goodput: the gradient noise scale was not measured, so the pick is by throughput" in summary
+    chosen = table[table.chosen].iloc[0]
+    pick_batch = int(chosen.micro_batch_size * chosen.gradient_accumulation_steps * 2)
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert optimal["optimizer"]["params"]["lr"] == pytest.approx(0.001 * pick_batch / 8)
 
 
 def test_a_critical_batch_from_the_config_scores_goodput_where_the_noise_cannot_be_read(tmp_path, no_orphans):

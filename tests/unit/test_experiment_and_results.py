@@ -487,6 +487,17 @@ def test_summary_rows_per_stage_and_global():
     assert summary.rstrip().endswith("Tuning completed in 1:02:03.46. Total number of experiments: 5.")
 
 
+def test_the_picks_stage_row_agrees_with_the_global_row():
+    # The final pick re-measured z1_gas1_mbs4 above z1_gas2_mbs8 (median 22): its stage's row named
+    # the first window's best (20) while the global row named the pick.
+    from autotuner.tuning.reports.results import Explanation
+
+    chosen = TrialResult(Experiment(1, 4), TrialState.OK, value=22.0, measurement=RESULTS[3].measurement)
+    rows = _rows(summary_text(RESULTS, THROUGHPUT, 1.0, Explanation(chosen=chosen)))
+    assert rows["z1"] == ["2", "22", "z1_gas1_mbs4"] and rows["global"] == ["5", "22", "z1_gas1_mbs4"]
+    assert rows["z0"] == ["2", "10", "z0_gas1_mbs4"]
+
+
 def test_summary_with_latency_picks_the_minimum():
     rows = _rows(summary_text(RESULTS, Objective("latency"), 1.0))
     assert rows["z1"][1:] == ["15", "z1_gas1_mbs4"]

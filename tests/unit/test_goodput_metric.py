@@ -129,6 +129,51 @@ def test_the_learning_rate_follows_the_picks_global_batch():
     assert eq_args == ("--lr=2",)
 
 
+def test_the_summary_names_the_final_pick_with_its_re_measured_figure():
+    # A's first window scored best, but the re-measurement rounds picked B: the line names B, as
+    # ds_config_optimal.json does (it named A).
+    objective = Objective("goodput", reference_batch=32, noise_scale=64.0)
+    a, b = result(32, 400.0, objective), result(64, 480.0, objective)
+    assert a.value > b.value
+    picked = TrialResult(b.experiment, TrialState.OK, value=b.value * 1.2, measurement=b.measurement)
+    line = goodput_lines([a, b], objective, None, 2, pick=picked)[0]
+    assert "goodput pick z0_gas1_mbs32 (global batch 64" in line
+
+
+def test_a_planned_run_is_compared_on_the_figures_the_pick_was_made_on():
+    # Same global batch; the compiled one is faster per step but its one-off compile dominates a
+    # 200-step run: scored 88 against 399. The line compares those, not the steady windows.
+    objective = Objective("goodput", reference_batch=32, noise_scale=64.0)
+    compiled = TrialResult(Experiment(0, 16).with_knobs({"compile": True}), TrialState.OK, value=88.0,
+                           measurement=Measurement(throughput=500.0, latency=0.064))
+    plain = TrialResult(Experiment(0, 16), TrialState.OK, value=399.0, measurement=Measurement(throughput=400.0,
+                                                                                               latency=0.08))
+    line = goodput_lines([compiled, plain], objective, None, 2, pick=plain)[0]
+    assert "Throughput pick z0_gas1_mbs16 (global batch 32, 399 samples/s)" in line
+    assert "1.00x the throughput pick's" in line
+
+
+def test_where_goodput_fell_back_to_throughput_the_summary_says_so():
+    line = goodput_lines([], Objective("throughput", reference_batch=32), None, 2)
+    assert line == ["Goodput: the gradient noise scale was not measured, so the pick is by throughput (the learning "
+                    "rate still follows its global batch, autotuning.lr_scaling)"]
+    assert goodput_lines([], Objective("throughput"), None, 2) == []
+
+
+def test_a_schedules_default_bounds_are_written_out_scaled():
+    # WarmupLR's warmup_max_lr defaults to 0.001 whatever the optimizer's lr: scaling only the
+    # optimizer's lr left the schedule training at the reference batch's rate.
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    scaled, _, line = scale_learning_rate(config, (), 64, 32, "linear")
+    assert scaled["scheduler"]["params"] == {"warmup_num_steps": 10, "warmup_max_lr": pytest.approx(0.002)}
+    assert "scheduler warmup_max_lr" in line
+    # The config's rate and the flag's are the same number (6 significant digits).
+    odd, args, _ = scale_learning_rate({"optimizer": {"params": {"lr": 3e-4}}}, ("--learning_rate", "3e-4"), 64, 32,
+                                       "sqrt")
+    assert odd["optimizer"]["params"]["lr"] == float(args[1])
+
+
 def test_goodput_needs_its_reference_batch():
     with pytest.raises(ValueError, match="needs reference_batch_size"):
         DeepSpeedConfig.model_validate({"autotuning": {"enabled": True, "metric": "goodput"}})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from autotuner.config.models import SCHEDULER_DEFAULTS
 from autotuner.launch.script_args import find_flag, set_flag
 from autotuner.tuning.models.gradient_noise import NoiseScale, scaled_learning_rate
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
@@ -20,9 +21,11 @@ LR_FLAGS = ("--learning_rate", "--lr")
 
 
 def _scaled(value: Any, global_batch: int, reference: int, rule: str) -> Any:
+    """Rounded as the script's flag is written (6 significant digits), so the config's rate and the
+    flag's are the same number (Hugging Face's Trainer refuses a config value that differs from its flag)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
-    return scaled_learning_rate(float(value), global_batch, reference, rule)
+    return float(f"{scaled_learning_rate(float(value), global_batch, reference, rule):.6g}")
 
 
 def _number(text: str | None) -> float | None:
@@ -44,8 +47,15 @@ def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], gl
     if "lr" in params and params["lr"] != _scaled(params["lr"], global_batch, reference, rule):
         changed.append(f"optimizer lr {params['lr']:g} -> {_scaled(params['lr'], global_batch, reference, rule):.4g}")
         params["lr"] = _scaled(params["lr"], global_batch, reference, rule)
-    scheduler = (config.get("scheduler") or {}).get("params") or {}
+    section = config.get("scheduler") or {}
+    scheduler = section.get("params") or {}
+    # A bound left to its default is an absolute rate too (WarmupLR's warmup_max_lr 0.001, whatever the
+    # optimizer's lr): written out, scaled, or the schedule would train at the reference's rate.
+    defaults = SCHEDULER_DEFAULTS.get(section.get("type"), {})
     for key in SCHEDULER_LR_KEYS:
+        if key in defaults and key not in scheduler and defaults[key]:
+            scheduler[key] = defaults[key]
+            section["params"] = scheduler
         if key in scheduler and isinstance(scheduler[key], (int, float)) and not isinstance(scheduler[key], bool):
             scheduler[key] = _scaled(scheduler[key], global_batch, reference, rule)
             changed.append(f"scheduler {key}")
@@ -66,32 +76,37 @@ def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], gl
 
 
 def goodput_lines(results: list[TrialResult], objective: Objective, noise: NoiseScale | None,
-                  data_parallel_size: int, critical_batch: int | None = None) -> list[str]:
+                  data_parallel_size: int, critical_batch: int | None = None,
+                  pick: TrialResult | None = None) -> list[str]:
     """B_noise (or the critical batch the config gave in its place), the throughput pick and the
     goodput pick with their global batches, and each one's time to the same loss relative to the
-    other (samples needed grow as 1 + B/B_crit)."""
+    other (samples needed grow as 1 + B/B_crit). The goodput pick is `pick`, the final pick (its
+    value the re-measured median) where there is one. Each figure is the one the pick was made on:
+    throughput over the planned run (autotuning.planned_steps) where one is planned, so time to
+    the loss, (1 + B/B_crit) / throughput, is in inverse proportion to the goodput score."""
+    if objective.metric == "throughput" and objective.reference_batch:
+        return ["Goodput: the gradient noise scale was not measured, so the pick is by throughput (the learning "
+                "rate still follows its global batch, autotuning.lr_scaling)"]
     if objective.metric != "goodput" or objective.noise_scale is None:
         return []
     ok = [r for r in results if r.state is TrialState.OK and r.measurement is not None and r.value]
     if not ok:
         return []
-    by_throughput = max(ok, key=lambda r: r.measurement.throughput)
-    by_goodput = max(ok, key=lambda r: r.value)
 
     def batch(r: TrialResult) -> int:
         return r.experiment.train_batch_size(data_parallel_size)
 
-    scale = objective.noise_scale
+    def throughput(r: TrialResult) -> float:  # over the planned run, as scored; without the goodput factor
+        return r.value / objective.efficiency(batch(r))
 
-    def time_to_loss(r: TrialResult) -> float:  # in units of E_min / 1 sample/s
-        return (1 + batch(r) / scale) / r.measurement.throughput
-
-    ratio = time_to_loss(by_goodput) / time_to_loss(by_throughput)
+    by_goodput = pick if pick is not None and pick.value else max(ok, key=lambda r: r.value)
+    by_throughput = max(ok, key=throughput)
+    ratio = by_throughput.value / by_goodput.value
     measured = (f"B_noise {noise.b_noise:.1f} +/- {noise.spread:.1f} samples ({noise.steps} profile steps)"
                 if noise is not None else "B_noise not measured")
     used = (f"Goodput: critical batch {critical_batch} (autotuning.critical_batch_size; the profile's {measured})"
             if critical_batch is not None else f"Goodput: gradient noise scale {measured}")
     return [f"{used}. Throughput pick {by_throughput.name} (global batch "
-            f"{batch(by_throughput)}, {by_throughput.measurement.throughput:.4g} samples/s); goodput pick "
-            f"{by_goodput.name} (global batch {batch(by_goodput)}, {by_goodput.measurement.throughput:.4g} "
+            f"{batch(by_throughput)}, {throughput(by_throughput):.4g} samples/s); goodput pick "
+            f"{by_goodput.name} (global batch {batch(by_goodput)}, {throughput(by_goodput):.4g} "
             f"samples/s). Estimated time to the same loss: the goodput pick's is {ratio:.2f}x the throughput pick's."]

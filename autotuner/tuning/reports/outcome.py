@@ -51,10 +51,10 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
     best = record.best
     optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
     goodput = goodput_lines(list(record.launched), objective, record.noise_scale, settings.data_parallel_size,
-                            record.critical_batch)
+                            record.critical_batch, pick=best)
     if best is not None:
         config = picked_config(best.experiment, settings)
-        if objective.metric == "goodput" and objective.reference_batch:
+        if objective.reference_batch:  # metric goodput (also where it fell back to throughput)
             config, script_args, line = scale_learning_rate(
                 config, settings.script_args, best.experiment.train_batch_size(settings.data_parallel_size),
                 objective.reference_batch, settings.lr_scaling)

@@ -53,10 +53,13 @@ def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: 
                  explanation: Explanation = Explanation()) -> str:
     """One row per tuning space (z0..z3) and a global row, as DeepSpeed prints."""
     launched = [r for r in results if r.state is not TrialState.PRUNED]
+    chosen = explanation.chosen
     rows = []
     for stage in sorted({r.experiment.zero_stage for r in launched}):
         in_space = [r for r in launched if r.experiment.zero_stage == stage]
         best = objective.best(in_space)
+        if chosen is not None and chosen.experiment.zero_stage == stage:
+            best = chosen  # its stage's row agrees with the global one: the re-measured pick and median
         rows.append([f"z{stage}", len(in_space), _value(best), best.name if best else None])
     best = explanation.chosen or objective.best(launched)
     rows.append(["global", len(launched), _value(best), best.name if best else None])
