@@ -51,7 +51,8 @@ class OptimizerConfig(Section):
 
 # DeepSpeed's defaults for its schedulers' params (deepspeed/runtime/lr_schedules.py).
 SCHEDULER_DEFAULTS: dict[str, dict[str, Any]] = {
-    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.001, "warmup_num_steps": 1000, "warmup_type": "log"},
+    # WarmupLR's max: each group's own lr where not given (WarmupDecayLR's is 0.001).
+    "WarmupLR": {"warmup_min_lr": 0.0, "warmup_max_lr": None, "warmup_num_steps": 1000, "warmup_type": "log"},
     "WarmupDecayLR": {
         "total_num_steps": None,
         "warmup_min_lr": 0.0,
@@ -208,7 +209,8 @@ class DeepSpeedConfig(Section):
     gradient_accumulation_steps: BatchValue = Field(
         None, description='micro-batches per optimizer step; "auto" is tuned (from max_train_batch_size)')
     gradient_clipping: Union[NonNegativeFloat, Auto] = Field(
-        0.0, description='max grad norm; 0 disables clipping; "auto": the Trainer sets it from --max_grad_norm')
+        1.0, description='max grad norm (DeepSpeed 0.19.8\'s default 1.0); 0 disables clipping; "auto": the Trainer '
+                         'sets it from --max_grad_norm')
     steps_per_print: PositiveInt = Field(10, description="the progress line's period, in optimizer steps")
     wall_clock_breakdown: bool = Field(False, description="print forward/backward/step times (rank 0)")
     fp16: FP16Config = Field(default_factory=FP16Config)

@@ -137,8 +137,8 @@ def _build_optimizer(
         warn_once(f"optimizer: using the optimizer passed to initialize() ({_optimizer_label(client)}); the "
                   f"config's 'optimizer' section ({config.optimizer.type}) is not used, as in DeepSpeed")
     if isinstance(client, torch.optim.Optimizer):
-        if stage == 1:
-            zero = zero_redundancy(groups, type(client), dict(client.defaults))
+        if stage == 1:  # the client's groups with their own settings (a bias group's weight decay, say)
+            zero = zero_redundancy(_with_settings(client.param_groups, groups), type(client), dict(client.defaults))
             return zero, zero.optim
         # Same optimizer object, pointed at the wrapped parameters; it has no state yet.
         for group, new in zip(client.param_groups, groups):
@@ -147,7 +147,7 @@ def _build_optimizer(
     if callable(client):
         built = client(groups)
         if stage == 1:
-            zero = zero_redundancy(groups, type(built), dict(built.defaults))
+            zero = zero_redundancy(_with_settings(built.param_groups, groups), type(built), dict(built.defaults))
             return zero, zero.optim
         return built, built
     if config.optimizer is None:
@@ -157,6 +157,12 @@ def _build_optimizer(
         return zero, zero.optim
     built = build_optimizer(config.optimizer, groups)
     return built, built
+
+
+def _with_settings(settings: list[dict], groups: list[dict]) -> list[dict]:
+    """Each group's parameters with the hyperparameters the client's optimizer gave that group."""
+    return [{**{key: value for key, value in setting.items() if key != "params"}, "params": group["params"]}
+            for setting, group in zip(settings, groups)]
 
 
 def _optimizer_label(client: Any) -> str:

@@ -43,6 +43,10 @@ def optimizer_kwargs(config: OptimizerConfig) -> dict[str, Any]:
             hint = f"did you mean '{close[0]}'?" if close else f"allowed: {', '.join(sorted(allowed))}"
             raise ConfigError(f"optimizer.params.{key}: not a parameter of torch.optim.{cls.__name__}; {hint}")
         kwargs[key] = tuple(value) if key == "betas" else value
+    if config.type in ("Adam", "AdamW") and not config.params.get("torch_adam", False):
+        # DeepSpeed builds its FusedAdam (CPU Adam when offloading), whose weight_decay defaults to
+        # 0; torch's AdamW's to 0.01. torch_adam: true is torch's own class, with torch's default.
+        kwargs.setdefault("weight_decay", 0.0)
     return kwargs
 
 
@@ -55,11 +59,12 @@ def build_optimizer(config: OptimizerConfig, params: Iterable) -> torch.optim.Op
 
 
 def _warmup_gamma(step: int, warmup_num_steps: int, warmup_type: str) -> float:
-    """Fraction of warm-up done after `step` scheduler steps (DeepSpeed's log or linear ramp)."""
+    """Fraction of warm-up done at schedule position `step` (DeepSpeed's log or linear ramp;
+    `warmup_num_steps` at least 2, as DeepSpeed clamps it)."""
     if step >= warmup_num_steps:
         return 1.0
     if warmup_type == "log":
-        return math.log(step + 1) / math.log(warmup_num_steps) if warmup_num_steps > 1 else 1.0
+        return math.log(step + 1) / math.log(warmup_num_steps)
     return step / warmup_num_steps
 
 
@@ -75,20 +80,29 @@ def _scheduler_params(config: SchedulerConfig) -> dict[str, Any]:
         raise ConfigError(f"scheduler.params.total_num_steps: required by {config.type}; give a positive integer")
     if params["warmup_type"] not in ("log", "linear"):
         raise ConfigError(f"scheduler.params.warmup_type: got {params['warmup_type']!r}; expected \"log\" or \"linear\"")
-    if int(params["warmup_num_steps"]) < 0:
-        raise ConfigError("scheduler.params.warmup_num_steps: must be >= 0")
+    steps = params["warmup_num_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        raise ConfigError(f"scheduler.params.warmup_num_steps: got {steps!r}; expected a positive integer (as "
+                          "DeepSpeed's schedules require)")
+    position = config.params.get("last_batch_iteration", -1)
+    if isinstance(position, bool) or not isinstance(position, int) or position < -1:
+        raise ConfigError(f"scheduler.params.last_batch_iteration: got {position!r}; expected -1 (a fresh schedule) "
+                          "or the position to resume at")
     return params
 
 
 def lr_function(config: SchedulerConfig) -> Callable[[int, float], float]:
     """lr(step, base_lr) for the configured schedule; `step` counts scheduler steps from 0."""
     p = _scheduler_params(config)
-    warmup = int(p["warmup_num_steps"])
+    warmup = max(2, int(p["warmup_num_steps"]))  # DeepSpeed's clamp
     if config.type in ("WarmupLR", "WarmupDecayLR"):
-        low, high = float(p["warmup_min_lr"]), float(p["warmup_max_lr"])
+        low = float(p["warmup_min_lr"])
         total = int(p.get("total_num_steps") or 0)
 
         def absolute(step: int, base_lr: float) -> float:
+            high = base_lr if p["warmup_max_lr"] is None else float(p["warmup_max_lr"])
+            if step < 0:  # not started: DeepSpeed's min_lrs
+                return low
             if config.type == "WarmupDecayLR" and step >= warmup:
                 return low + (high - low) * max(0.0, (total - step) / max(1.0, float(total - warmup)))
             return low + (high - low) * _warmup_gamma(step, warmup, p["warmup_type"])
@@ -99,6 +113,8 @@ def lr_function(config: SchedulerConfig) -> Callable[[int, float], float]:
     min_ratio, cos_min = float(p["warmup_min_ratio"]), float(p["cos_min_ratio"])
 
     def cosine(step: int, base_lr: float) -> float:
+        if step < 0:  # not started: DeepSpeed's ratio 0
+            return 0.0
         if step < warmup:
             ratio = min_ratio + (1.0 - min_ratio) * _warmup_gamma(step, warmup, p["warmup_type"])
         else:
@@ -111,19 +127,31 @@ def lr_function(config: SchedulerConfig) -> Callable[[int, float], float]:
 
 
 class DeepSpeedStyleLR(LRScheduler):
-    """An LRScheduler that sets each group's lr to lr_fn(step, base_lr)."""
+    """An LRScheduler that sets each group's lr to lr_fn(position, base_lr), positioned as DeepSpeed's
+    schedules are: built at `last_batch_iteration` (-1: not started, the rates set to position -1's;
+    else the optimizer's rates left as they are), each step() one position on. So the first
+    optimizer step trains at position -1 and step k at k - 2, as on DeepSpeed's engine, which
+    steps its schedule after each optimizer step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, lr_fn: Callable[[int, float], float], last_epoch: int = -1):
+    def __init__(self, optimizer: torch.optim.Optimizer, lr_fn: Callable[[int, float], float],
+                 last_batch_iteration: int = -1):
         self.lr_fn = lr_fn
-        super().__init__(optimizer, last_epoch)
+        self._start = last_batch_iteration
+        super().__init__(optimizer, -1)  # torch's own first step() lands in _place_at_start
 
     def get_lr(self) -> list[float]:
-        return [self.lr_fn(max(0, self.last_epoch), base) for base in self.base_lrs]
+        return [self.lr_fn(self.last_epoch, base) for base in self.base_lrs]
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         """DeepSpeed's schedules' step: the next position, or the one given (torch's `epoch`
         argument, without its deprecation path)."""
-        self.last_epoch = self.last_epoch + 1 if last_batch_iteration is None else int(last_batch_iteration)
+        if self._start is not None:  # torch's constructor steps once: that is the start, not a step
+            self.last_epoch, start, self._start = self._start, self._start, None
+            if start != -1:
+                self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+                return
+        else:
+            self.last_epoch = self.last_epoch + 1 if last_batch_iteration is None else int(last_batch_iteration)
         for group, lr in zip(self.optimizer.param_groups, self.get_lr()):
             group["lr"] = lr
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
@@ -133,7 +161,7 @@ class DeepSpeedStyleLR(LRScheduler):
 
 
 def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer) -> LRScheduler:
-    return DeepSpeedStyleLR(optimizer, lr_function(config))
+    return DeepSpeedStyleLR(optimizer, lr_function(config), int(config.params.get("last_batch_iteration", -1)))
 
 
 def step_scheduler(scheduler: Any, lr_kwargs: dict[str, Any] | None, train_batch_size: int) -> None:

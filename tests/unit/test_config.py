@@ -394,7 +394,16 @@ class TestOptimizer:
     def test_adam_without_adam_w_mode_is_torch_adam(self):
         config = optimizer_config("Adam", lr=1e-3, adam_w_mode=False)
         assert optimizer_class(config) is torch.optim.Adam
-        assert optimizer_kwargs(config) == {"lr": 1e-3}
+        assert optimizer_kwargs(config) == {"lr": 1e-3, "weight_decay": 0.0}
+
+    def test_adam_decays_no_weight_unless_asked_as_deepspeeds_fused_adam(self):
+        # torch's AdamW defaults to 0.01; DeepSpeed builds FusedAdam (or CPU Adam), whose default is
+        # 0, unless torch_adam asks for torch's class (and its default).
+        assert optimizer_kwargs(optimizer_config("AdamW", lr=1e-3))["weight_decay"] == 0.0
+        assert optimizer_kwargs(optimizer_config("Adam", lr=1e-3, weight_decay=0.1))["weight_decay"] == 0.1
+        assert "weight_decay" not in optimizer_kwargs(optimizer_config("AdamW", lr=1e-3, torch_adam=True))
+        weight = torch.nn.Parameter(torch.zeros(2))
+        assert build_optimizer(optimizer_config("Adam", lr=1e-3), [weight]).param_groups[0]["weight_decay"] == 0.0
 
     def test_adamw_ignores_adam_w_mode_false(self):
         assert optimizer_class(optimizer_config("AdamW", adam_w_mode=False)) is torch.optim.AdamW
@@ -505,7 +514,44 @@ class TestSchedulers:
             optimizer.step()
             scheduler.step()
             seen.append(optimizer.param_groups[0]["lr"])
-        assert seen == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0, 1.0])
+        # As DeepSpeed's: built at position -1 (the min), stepped after each optimizer step.
+        assert seen == pytest.approx([0.0, 0.0, 0.25, 0.5, 0.75, 1.0])
+
+    @pytest.mark.parametrize("type_, params", [
+        ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 4, "warmup_type": "linear"}),
+        ("WarmupLR", {"warmup_num_steps": 4, "warmup_type": "linear"}),  # max: each group's own lr
+        ("WarmupLR", {"warmup_min_lr": 0.0, "warmup_max_lr": 0.01, "warmup_num_steps": 1}),  # clamped to 2
+        ("WarmupLR", {"warmup_max_lr": 0.01, "warmup_num_steps": 200, "warmup_type": "linear",
+                      "last_batch_iteration": 99}),  # resumed there
+        ("WarmupDecayLR", {"total_num_steps": 8, "warmup_min_lr": 0.001, "warmup_num_steps": 3}),
+        ("WarmupCosineLR", {"total_num_steps": 9, "warmup_min_ratio": 0.5, "warmup_num_steps": 3,
+                            "cos_min_ratio": 0.1, "warmup_type": "linear"}),
+    ])
+    def test_each_schedule_gives_deepspeeds_rates_step_by_step(self, type_, params):
+        # DeepSpeed's own classes, driven as its engine drives them: one scheduler step after each
+        # optimizer step, two groups with their own rates.
+        lr_schedules = pytest.importorskip("deepspeed.runtime.lr_schedules")
+
+        def rates(build) -> list[float]:
+            weights = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
+            optimizer = torch.optim.SGD([{"params": [weights[0]], "lr": 0.1}, {"params": [weights[1]], "lr": 0.3}])
+            scheduler = build(optimizer)
+            seen = []
+            for _ in range(12):
+                seen.extend(float(group["lr"]) for group in optimizer.param_groups)
+                optimizer.step()
+                scheduler.step()
+            return seen
+
+        ours = rates(lambda opt: build_scheduler(load_config({"scheduler": {"type": type_, "params": params}}).scheduler,
+                                                 opt))
+        theirs = rates(lambda opt: getattr(lr_schedules, type_)(opt, **params))
+        assert ours == pytest.approx(theirs), (ours, theirs)
+
+    @pytest.mark.parametrize("bad", [0, -1, 2.5])
+    def test_warmup_num_steps_must_be_a_positive_integer_as_in_deepspeed(self, bad):
+        with pytest.raises(ConfigError, match="warmup_num_steps: got .*expected a positive integer"):
+            schedule("WarmupLR", warmup_num_steps=bad)
 
     def test_unknown_scheduler_param_is_refused(self):
         with pytest.raises(ConfigError) as info:

@@ -161,13 +161,19 @@ def test_where_goodput_fell_back_to_throughput_the_summary_says_so():
 
 
 def test_a_schedules_default_bounds_are_written_out_scaled():
-    # WarmupLR's warmup_max_lr defaults to 0.001 whatever the optimizer's lr: scaling only the
+    # WarmupDecayLR's warmup_max_lr defaults to 0.001 whatever the optimizer's lr: scaling only the
     # optimizer's lr left the schedule training at the reference batch's rate.
     config = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100}}}
     scaled, _, line = scale_learning_rate(config, (), 64, 32, "linear")
-    assert scaled["scheduler"]["params"] == {"warmup_num_steps": 10, "warmup_max_lr": pytest.approx(0.002)}
+    assert scaled["scheduler"]["params"] == {"warmup_num_steps": 10, "total_num_steps": 100,
+                                             "warmup_max_lr": pytest.approx(0.002)}
     assert "scheduler warmup_max_lr" in line
+    # WarmupLR's follows each group's lr where not given (as DeepSpeed's): the optimizer's, scaled.
+    warmup = {**config, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}}
+    scaled, _, _ = scale_learning_rate(warmup, (), 64, 32, "linear")
+    assert scaled["scheduler"]["params"] == {"warmup_num_steps": 10}
+    assert scaled["optimizer"]["params"]["lr"] == pytest.approx(0.002)
     # The config's rate and the flag's are the same number (6 significant digits).
     odd, args, _ = scale_learning_rate({"optimizer": {"params": {"lr": 3e-4}}}, ("--learning_rate", "3e-4"), 64, 32,
                                        "sqrt")

@@ -428,7 +428,8 @@ def sgd_config(stage: int) -> dict:
 
 def reference_parameters(model_cls, steps: int) -> dict[str, list]:
     """Plain torch SGD in one process on every rank's data at once: the mean over the concatenated
-    batch is the average of the ranks' means, which is what data-parallel training must compute."""
+    batch is the average of the ranks' means, which is what data-parallel training must compute;
+    its gradient clipped to norm 1.0, DeepSpeed's default gradient_clipping, over the whole model."""
     torch.manual_seed(0)
     model = model_cls()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -436,6 +437,7 @@ def reference_parameters(model_cls, steps: int) -> dict[str, list]:
         parts = [batch(step, 0, 4, rank) for rank in range(int(os.environ.get("WORLD_SIZE", 1)))]
         x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
         nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return {name: p.detach().flatten().tolist() for name, p in model.named_parameters()}

@@ -49,7 +49,7 @@ def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], gl
         params["lr"] = _scaled(params["lr"], global_batch, reference, rule)
     section = config.get("scheduler") or {}
     scheduler = section.get("params") or {}
-    # A bound left to its default is an absolute rate too (WarmupLR's warmup_max_lr 0.001, whatever the
+    # A bound left to its default is an absolute rate too (WarmupDecayLR's warmup_max_lr 0.001, whatever the
     # optimizer's lr): written out, scaled, or the schedule would train at the reference's rate.
     defaults = SCHEDULER_DEFAULTS.get(section.get("type"), {})
     for key in SCHEDULER_LR_KEYS:
