@@ -45,6 +45,8 @@ def _single_rank_count(counts: tuple[int, ...] | None) -> int | None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="launcher",
+        # No abbreviations: DeepSpeed's --no_ssh would otherwise be read as our --no_ssh_check.
+        allow_abbrev=False,
         description="Start a training script on N ranks (torch elastic), or autotune its DeepSpeed-style config.",
         usage="launcher [options] script.py [script args ...] --deepspeed ds.json",
     )
@@ -57,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--master_addr", default=None, help="address of node 0 (default: 127.0.0.1 on one node)")
     parser.add_argument("--master_port", type=int, default=None, help="rendezvous port (default: a free one)")
     parser.add_argument("--rdzv_endpoint", default=None, help="HOST:PORT for torch's c10d elastic rendezvous")
+    parser.add_argument("--rdzv_backend", "--rdzv-backend", dest="rdzv_backend", choices=("c10d", "static"),
+                        default=None, help="with --rdzv_endpoint: c10d (the default here: nodes numbered as they join) "
+                                           "or static (numbered by --node_rank; torchrun's default)")
     parser.add_argument("--rdzv_id", default=None, help="job id shared by all nodes with --rdzv_endpoint")
     parser.add_argument("--rdzv_conf", "--rdzv-conf", dest="rdzv_conf", default="",
                         help="torchrun's rendezvous settings, KEY=VALUE,...: e.g. timeout=60 (static: seconds to wait "
@@ -85,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     ds.add_argument("--slurm_comment", default=None, help="--launcher slurm: srun's --comment on every node's step")
     ds.add_argument("--force_multi", action="store_true", help="refused: pdsh/MPI starts are not supported")
     ds.add_argument("--ssh_port", type=int, default=None, help="multi-host --hostfile over ssh: the remote port")
+    ds.add_argument("--no_ssh", action="store_true",
+                    help="refused: DeepSpeed's start of this node alone from a hostfile; start each node with "
+                         "--num_nodes, --node_rank and --master_addr")
     ds.add_argument("--no_ssh_check", action="store_true",
                     help="multi-host --hostfile: do not check that every host answers ssh before starting")
     parser.add_argument(STOP_WITH_STDIN_FLAG, action="store_true", help=argparse.SUPPRESS)  # see launch/nodes.py
@@ -339,6 +347,9 @@ def _main(argv: list[str], script_at: int) -> int:
         args = build_parser().parse_args(argv)
         debug = args.debug
         logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(name)s: %(message)s")
+        if args.no_ssh:
+            raise UsageError("--no_ssh: DeepSpeed's start of this node alone from a hostfile is not supported; start "
+                             "each node with --num_nodes N --node_rank R --master_addr ADDR (or --rdzv_endpoint)")
         check_backend(args)
         if args.bench:
             return _bench(args)

@@ -66,6 +66,7 @@ class LaunchOptions:
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     rdzv_conf: str = ""  # torchrun's --rdzv_conf: KEY=VALUE,...
+    rdzv_backend: str | None = None  # torchrun's: with --rdzv_endpoint, c10d (ours by default) or static
     # The `deepspeed` launcher's flags.
     hostfile: str | None = None
     include: str | None = None
@@ -90,7 +91,7 @@ class LaunchOptions:
             script=args.script, script_args=tuple(args.script_args), nproc_per_node=args.nproc_per_node,
             num_nodes=args.num_nodes or 1, node_rank=args.node_rank, master_addr=args.master_addr,
             master_port=args.master_port, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
-            rdzv_conf=getattr(args, "rdzv_conf", ""),
+            rdzv_conf=getattr(args, "rdzv_conf", ""), rdzv_backend=getattr(args, "rdzv_backend", None),
             hostfile=args.hostfile, include=args.include, exclude=args.exclude, no_local_rank=args.no_local_rank,
             bind_cores_to_rank=args.bind_cores_to_rank, bind_core_list=args.bind_core_list,
             each_rank_log_dir=args.enable_each_rank_log, launcher=args.launcher,
@@ -116,6 +117,7 @@ class LaunchOptions:
                 ("--node_rank", self.node_rank, 0), ("--master_addr", self.master_addr, None),
                 ("--master_port", self.master_port, None), ("--rdzv_endpoint", self.rdzv_endpoint, None),
                 ("--rdzv_id", self.rdzv_id, None), ("--rdzv_conf", self.rdzv_conf, ""),
+                ("--rdzv_backend", self.rdzv_backend, None),
                 ("--hostfile", self.hostfile, None), ("--include", self.include, None),
                 ("--exclude", self.exclude, None), ("--bind_core_list", self.bind_core_list, None),
                 ("--enable_each_rank_log", self.each_rank_log_dir, None), ("--launcher", self.launcher, "pdsh"),
@@ -298,7 +300,8 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
         raise UsageError(f"--master_port: got {options.master_port}; expected 1..65535")
     command, rank_env = _rank_command(options, python, nproc, environ)
     env = {**thread_env(nproc, environ), **device_env, **rank_env,
-           # What DeepSpeed's launch.py sets besides torch elastic's variables.
+           # What DeepSpeed's launch.py sets besides torch elastic's variables (CROSS_RANK is the
+           # node's rank as the rendezvous gave it: run_script sets it from GROUP_RANK).
            "LOCAL_SIZE": str(nproc), "CROSS_RANK": str(options.node_rank), "CROSS_SIZE": str(options.num_nodes)}
     # Every node's agent must name the same run: static and c10d rendezvous keep their keys under it.
     # torchrun's default id is "none"; one node gets a fresh one so concurrent local jobs never meet.
@@ -308,8 +311,21 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
     extra = dict(notes=tuple(notes), each_rank_log_dir=options.each_rank_log_dir, report_file=options.report_file)
 
     rdzv_configs = parse_rdzv_conf(options.rdzv_conf)
+    if options.rdzv_backend is not None and not options.rdzv_endpoint:
+        raise UsageError(f"--rdzv_backend {options.rdzv_backend}: only with --rdzv_endpoint HOST:PORT (without it, "
+                         "--master_addr/--master_port give a static rendezvous)")
+    if options.rdzv_endpoint and options.rdzv_backend == "static":
+        # torchrun's default backend: the endpoint is node 0's store, and --node_rank numbers the nodes.
+        return LaunchPlan(command, nproc, options.num_nodes, "static", options.rdzv_endpoint,
+                          {**rdzv_configs, "rank": options.node_rank}, run_id, local_addr=_local_address(options),
+                          env=env, **extra)
     if options.rdzv_endpoint:
-        # Elastic (c10d) rendezvous across nodes: every node passes the same endpoint and id.
+        # Elastic (c10d) rendezvous across nodes: every node passes the same endpoint and id, and
+        # the nodes are numbered as they join, so a --node_rank would be silently ignored.
+        if options.node_rank:
+            raise UsageError(f"--node_rank {options.node_rank}: the c10d rendezvous at --rdzv_endpoint numbers the nodes "
+                             "as they join, so it would be ignored; drop it, or add --rdzv_backend static to number "
+                             "the nodes by it (torchrun's default backend)")
         return LaunchPlan(command, nproc, options.num_nodes, "c10d", options.rdzv_endpoint, rdzv_configs, run_id,
                           local_addr=_local_address(options), env=env, **extra)
     if options.num_nodes > 1:

@@ -94,7 +94,13 @@ def run(argv: list[str]) -> int:
     """Run `argv[0]` with arguments `argv[1:]` as __main__; return the process's exit status."""
     script, *args = argv
     sys.argv = [script, *args]
+    # `python -m` put the working directory first; `python train.py` (and torchrun, and DeepSpeed's
+    # launcher) put only the script's, so a module in the working directory must not shadow one.
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
     sys.path[0:0] = [str(Path(script).resolve().parent)]
+    if "GROUP_RANK" in os.environ:  # the node's rank as the rendezvous gave it (c10d: as the nodes joined)
+        os.environ["CROSS_RANK"] = os.environ["GROUP_RANK"]
     if "TORCHELASTIC_RUN_ID" in os.environ:  # a cold rank of torch elastic's; warm ones set it when forked
         die_with_parent()
     setup_rank()

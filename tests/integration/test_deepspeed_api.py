@@ -167,6 +167,11 @@ def test_include_and_a_hostfile_naming_this_host_pick_the_rank_count(tmp_path, n
     (("--include", "localhost:0", "--exclude", "localhost:1"), "mutually exclusive"),
     (("--include", "nohost:0"), "host 'nohost' is not in the resource pool"),
     (("--force_multi",), "--force_multi"),
+    # DeepSpeed's --no_ssh was read as an abbreviation of our --no_ssh_check: node 0 then started
+    # every host over ssh. Refused, and no flag is taken by a prefix.
+    (("--no_ssh", "--node_rank", "0"), "--no_ssh: DeepSpeed's start of this node alone"),
+    (("--no_ssh_ch",), "unrecognized arguments: --no_ssh_ch"),
+    (("--rdzv_backend", "static"), "--rdzv_backend static: only with --rdzv_endpoint"),
     (("--launcher", "slurmx"), "--launcher: got 'slurmx'"),
     (("--bind_core_list", "0"), "--bind_core_list: needs --bind_cores_to_rank"),
     (("--bind_cores_to_rank", "--bind_core_list", "3-1"), "--bind_core_list: got '3-1'"),

@@ -82,6 +82,44 @@ def test_two_agents_on_loopback_train_as_one_node_with_two_ranks(rendezvous, sta
     assert not any("Traceback" in out for out in outputs)
 
 
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_an_endpoint_rendezvous_numbers_the_nodes_as_its_backend_says(backend, tmp_path, no_orphans):
+    # torchrun's default backend with --rdzv_endpoint is static: --node_rank numbers the nodes,
+    # whichever starts first (node 1 here). With c10d the nodes are numbered as they join, and
+    # CROSS_RANK (DeepSpeed's) must follow GROUP_RANK (it said the --node_rank default, 0, on both).
+    # Each rank also checks a module in the working directory does not shadow its imports.
+    (tmp_path / "module_in_the_working_directory.py").write_text("")
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    common = ("--num_nodes", "2", "--nproc_per_node", "1", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "t",
+              "--rdzv_backend", backend)
+    agents = []
+    try:
+        for rank in (1, 0):
+            flags = (*common, "--node_rank", str(rank)) if backend == "static" else common
+            agents.append((rank, start_agent(flags, (ROOT / "tests" / "workers" / "rank_env.py", "--out", out),
+                                             tmp_path / f"node{rank}.log", tmp_path)))
+        for rank, agent in agents:
+            assert agent.wait(timeout=180) == 0, (tmp_path / f"node{rank}.log").read_text()[-3000:]
+    finally:
+        for _, agent in agents:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for record in records:
+        assert record["CROSS_RANK"] == record["GROUP_RANK"] == record["RANK"] and record["CROSS_SIZE"] == "2", record
+        assert not record["shadowed"] and record["path_head"][0] == str(ROOT / "tests" / "workers"), record
+    # c10d refuses a --node_rank it would ignore, in one line, before starting anything.
+    refused = run_launcher("--num_nodes", "2", "--node_rank", "1", "--rdzv_endpoint", f"127.0.0.1:{port}",
+                           ROOT / "tests" / "workers" / "rank_env.py", "--out", out, cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "launcher: error: --node_rank 1: the c10d rendezvous at --rdzv_endpoint numbers the nodes as they join, so "
+        "it would be ignored; drop it, or add --rdzv_backend static to number the nodes by it (torchrun's default "
+        "backend)"]
+
+
 def test_a_node_that_never_comes_is_not_waited_for_for_ever(tmp_path, no_orphans):
     """Node 0 alone: torch elastic's rendezvous times out and the launcher says so, non-zero."""
     port = free_port()

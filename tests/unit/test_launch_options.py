@@ -21,7 +21,7 @@ def parsed(argv: tuple[str, ...]) -> LaunchOptions:
 VALUES = {
     "nproc_per_node": [None, 1, 4], "num_nodes": [1, 2], "node_rank": [0, 1], "master_addr": [None, "10.0.0.1"],
     "master_port": [None, 29600], "rdzv_endpoint": [None, "head:29400"], "rdzv_id": [None, "job7"],
-    "rdzv_conf": ["", "timeout=60,join_timeout=30"], "hostfile": [None, "hosts"], "include": [None, "localhost:0,1"],
+    "rdzv_conf": ["", "timeout=60,join_timeout=30"], "rdzv_backend": [None, "c10d", "static"], "hostfile": [None, "hosts"], "include": [None, "localhost:0,1"],
     "exclude": [None, "localhost:1"], "no_local_rank": [False, True], "bind_cores_to_rank": [False, True],
     "bind_core_list": [None, "0,2-5"], "each_rank_log_dir": [None, "logs"], "launcher": ["pdsh", "slurm"],
     "launcher_args": ["", "--account=ml", "--qos high -p debug"], "slurm_comment": [None, "run 7"],
