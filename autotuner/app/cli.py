@@ -12,6 +12,7 @@ import threading
 import time
 import traceback
 from contextlib import contextmanager
+from typing import Any
 
 from autotuner.core.errors import AutotunerError, ConfigError, UsageError
 from autotuner.core.plugins import load_plugins
@@ -42,6 +43,12 @@ def _single_rank_count(counts: tuple[int, ...] | None) -> int | None:
     return counts[0] if counts else None
 
 
+def _torchrun_env(dest: str, default: Any) -> Any:
+    """torchrun reads each flag it has from PET_<FLAG> too (Kubeflow's PyTorchJob sets PET_NNODES,
+    PET_NODE_RANK, PET_MASTER_ADDR, ...): the flag, where given, wins."""
+    return os.environ.get(f"PET_{dest.upper()}", default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="launcher",
@@ -50,20 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a training script on N ranks (torch elastic), or autotune its DeepSpeed-style config.",
         usage="launcher [options] script.py [script args ...] --deepspeed ds.json",
     )
-    parser.add_argument("--nproc_per_node", "--num_gpus", dest="nproc_per_node", type=_rank_counts, default=None,
+    parser.add_argument("--nproc_per_node", "--num_gpus", dest="nproc_per_node", type=_rank_counts,
+                        default=_torchrun_env("nproc_per_node", None),
                         help="ranks per node (default: all visible GPUs, or 1 on CPU); with --bench a comma list "
                              "of world sizes, e.g. 1,2,4")
-    parser.add_argument("--num_nodes", "--nnodes", dest="num_nodes", type=int, default=None,
+    parser.add_argument("--num_nodes", "--nnodes", dest="num_nodes", type=int, default=_torchrun_env("nnodes", None),
                         help="number of nodes (default 1; with a --hostfile: its first N hosts, default all)")
-    parser.add_argument("--node_rank", type=int, default=0, help="this node's rank, 0..num_nodes-1")
-    parser.add_argument("--master_addr", default=None, help="address of node 0 (default: 127.0.0.1 on one node)")
-    parser.add_argument("--master_port", type=int, default=None, help="rendezvous port (default: a free one)")
-    parser.add_argument("--rdzv_endpoint", default=None, help="HOST:PORT for torch's c10d elastic rendezvous")
+    parser.add_argument("--node_rank", type=int, default=_torchrun_env("node_rank", 0),
+                        help="this node's rank, 0..num_nodes-1")
+    parser.add_argument("--master_addr", default=_torchrun_env("master_addr", None),
+                        help="address of node 0 (default: 127.0.0.1 on one node)")
+    parser.add_argument("--master_port", type=int, default=_torchrun_env("master_port", None),
+                        help="rendezvous port (default: a free one)")
+    parser.add_argument("--rdzv_endpoint", default=_torchrun_env("rdzv_endpoint", None),
+                        help="HOST:PORT for torch's c10d elastic rendezvous")
     parser.add_argument("--rdzv_backend", "--rdzv-backend", dest="rdzv_backend", choices=("c10d", "static"),
-                        default=None, help="with --rdzv_endpoint: c10d (the default here: nodes numbered as they join) "
+                        default=_torchrun_env("rdzv_backend", None), help="with --rdzv_endpoint: c10d (the default here: nodes numbered as they join) "
                                            "or static (numbered by --node_rank; torchrun's default)")
-    parser.add_argument("--rdzv_id", default=None, help="job id shared by all nodes with --rdzv_endpoint")
-    parser.add_argument("--rdzv_conf", "--rdzv-conf", dest="rdzv_conf", default="",
+    parser.add_argument("--rdzv_id", default=_torchrun_env("rdzv_id", None),
+                        help="job id shared by all nodes with --rdzv_endpoint")
+    parser.add_argument("--rdzv_conf", "--rdzv-conf", dest="rdzv_conf", default=_torchrun_env("rdzv_conf", ""),
                         help="torchrun's rendezvous settings, KEY=VALUE,...: e.g. timeout=60 (static: seconds to wait "
                              "for every node), join_timeout=60 (c10d)")
     ds = parser.add_argument_group("the deepspeed launcher's flags")
@@ -345,6 +358,10 @@ def _main(argv: list[str], script_at: int) -> int:
             return _history(argv)
         load_plugins()  # before parsing: a plugin's backend adds --backend choices and flags
         args = build_parser().parse_args(argv)
+        # Read once, here: the launchers this one starts (a tune's experiments, other nodes') get
+        # their flags spelt out and must not read PET_* in their place.
+        for name in [name for name in os.environ if name.startswith("PET_")]:
+            del os.environ[name]
         debug = args.debug
         logging.basicConfig(level=logging.INFO if debug else logging.WARNING, format="%(name)s: %(message)s")
         if args.no_ssh:

@@ -162,6 +162,19 @@ def test_include_and_a_hostfile_naming_this_host_pick_the_rank_count(tmp_path, n
     assert len(ranks) == 2
 
 
+def test_torchruns_pet_variables_stand_in_for_its_flags(tmp_path, monkeypatch):
+    # Kubeflow's PyTorchJob passes torchrun's flags as PET_<FLAG>; each pod trained alone here.
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "2")
+    result, ranks = run_echo(tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert len(ranks) == 2 and {r["local_size"] for r in ranks} == {"2"}
+    for stale in (tmp_path / "echo").glob("*"):
+        stale.unlink()
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    result, ranks = run_echo(tmp_path, "--nproc_per_node", "1")  # the flag wins, as in torchrun
+    assert result.returncode == 0 and len(ranks) == 1, result.stderr
+
+
 @pytest.mark.parametrize("flags, fragment", [
     (("--include", "localhost:0", "--nproc_per_node", "2"), "--include/--exclude choose the devices themselves"),
     (("--include", "localhost:0", "--exclude", "localhost:1"), "mutually exclusive"),
