@@ -173,6 +173,9 @@ def test_torchruns_pet_variables_stand_in_for_its_flags(tmp_path, monkeypatch):
     monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
     result, ranks = run_echo(tmp_path, "--nproc_per_node", "1")  # the flag wins, as in torchrun
     assert result.returncode == 0 and len(ranks) == 1, result.stderr
+    # Read once: the launchers this one starts (a tune's experiments, other nodes') see them no more.
+    main(["--rdzv_backend", "static", str(tmp_path / "echo.py")])  # refused after parsing
+    assert "PET_NPROC_PER_NODE" not in os.environ
 
 
 @pytest.mark.parametrize("flags, fragment", [
