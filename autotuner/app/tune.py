@@ -50,7 +50,8 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
                 # and the optimal command trains there too. (A plugin's runner may say neither.)
                 nodes = getattr(runner, "hardware", None)
                 fingerprint = job.fingerprint if nodes is None else replace(job.fingerprint, device=nodes)
-                settings = replace(job.settings, placement_flags=tuple(getattr(runner, "placement_flags", ())))
+                settings = replace(job.settings, placement_flags=tuple(getattr(runner, "placement_flags", ())),
+                                   placement_env=tuple(getattr(runner, "placement_env", ())))
                 outcome = Autotuner(job.config, settings, results_dir, exps_dir, runner, fingerprint,
                                     report=_say, settle_engine=lambda built: settle_built_engine(job, built),
                                     devices=job.devices, space=job.space).tune()

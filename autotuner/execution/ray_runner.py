@@ -17,6 +17,7 @@ still waiting there) fails nothing: the experiment is placed again on the nodes 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -100,6 +101,9 @@ class RayRunner:
         head = next((node.get("NodeManagerAddress") for node in self._ray.nodes()
                      if node.get("Alive") and HEAD_RESOURCE in node.get("Resources", {})), None)
         self.placement_flags = rendezvous_flags(options.num_nodes, head or self._nodes[0].address)
+        # Each rank's threads were its bundle's CPUs (rank_runs.py); a plain launch would split the node's.
+        self.placement_env = () if "OMP_NUM_THREADS" in os.environ else (
+            ("OMP_NUM_THREADS", str(max(1, int(self.shape.cpus)))),)
         self.capacity = concurrency(self._nodes, self.layout, self.shape, options.placement, options.max_concurrent)
         where = "a Ray instance started for this run" if self._started_ray else f"the Ray cluster at {options.address}"
         report(f"ray: {where}: {len(self._nodes)} node(s), {sum(n.cpus for n in self._nodes):g} CPU(s), "

@@ -203,11 +203,12 @@ def test_the_optimal_config_trains_on_deepspeed_with_both_launchers(tuned):
     optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
     assert isinstance(optimal["train_micro_batch_size_per_gpu"], int) and "autotuning" not in optimal
     command = shlex.split((tmp_path / "autotuning_results" / "cmd_optimal_deepspeed.txt").read_text())
-    assert command[:5] == ["env", "LOCAL_SIZE=2", "deepspeed", "--num_gpus", "2"]
+    # The thread count the experiments had, and DeepSpeed's launcher beside the measured Python.
     deepspeed_bin = Path(sys.executable).parent / "deepspeed"
     if not deepspeed_bin.exists():
         pytest.skip("DeepSpeed's launcher script is not beside this Python")
-    command[2] = str(deepspeed_bin)
+    assert command[:6] == ["env", "OMP_NUM_THREADS=1", "LOCAL_SIZE=2",  # the tune ran with OMP_NUM_THREADS=1
+                           str(deepspeed_bin), "--num_gpus", "2"], command
     env = {**launcher_env(), "OMP_NUM_THREADS": "1", "PATH": f"{deepspeed_bin.parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert_no_children_left()

@@ -64,7 +64,11 @@ def test_an_unchanged_deepspeed_script_tunes_and_trains_on_deepspeed_on_cuda(tmp
                  "measured_memory_mib", "memory_error_pct"]].to_string())
     # The optimum trains under DeepSpeed's own launcher too, as written to cmd_optimal_deepspeed.txt.
     command = shlex.split((tmp_path / "results" / "cmd_optimal_deepspeed.txt").read_text())
-    assert command[0] == "deepspeed" and command[1:3] == ["--num_gpus", "1"]
+    # env OMP_NUM_THREADS=N (the experiments'), DeepSpeed's launcher, then the GPUs: --num_gpus, or
+    # --include where CUDA_VISIBLE_DEVICES chose them.
+    at = next(i for i, word in enumerate(command) if word.endswith("deepspeed"))
+    assert command[0] == "env" and command[1].startswith("OMP_NUM_THREADS=")
+    assert command[at + 1] in ("--num_gpus", "--include"), command
     if shutil.which("deepspeed"):
         done = subprocess.run(command, cwd=ROOT, env=launcher_env(), capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -121,6 +121,8 @@ def test_a_two_rank_experiment_spreads_over_both_nodes_with_the_records_of_a_loc
     # The optimal command trains as the experiments ran, two nodes of one rank: a c10d rendezvous
     # at the head, the same command on each node (the multinode tests run that form).
     command = (ray_work / "autotuning_results" / "cmd_optimal.txt").read_text()
+    # ... with each rank's thread count as its bundle had it (1 CPU), not the node's split.
+    assert command.startswith("env OMP_NUM_THREADS=1 ") or "OMP_NUM_THREADS" in os.environ, command
     heads = {r["address"] for name in ("z0_gas1_mbs2", "z0_gas1_mbs4") for r in placement(ray_work, name)["ranks"]}
     found = re.search(r" --num_nodes 2 --rdzv_endpoint (\S+):29400 --rdzv_id autotuner-optimal --nproc_per_node 1 ",
                       command)

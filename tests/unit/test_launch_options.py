@@ -105,3 +105,37 @@ def test_the_optimal_command_of_a_slurm_tune_trains_on_the_allocations_nodes():
 
     assert nodes_per_run(settings) == 2
     assert nodes_per_run(experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}))) == 1
+
+
+def test_deepspeeds_command_runs_as_the_experiments_ran():
+    # DeepSpeed's launcher leaves OMP_NUM_THREADS unset (each rank takes every core) and, under
+    # --num_gpus, drops CUDA_VISIBLE_DEVICES for GPUs 0..N-1: both are written as measured.
+    from autotuner.config import load_config
+    from autotuner.tuning.reports.optimal_commands import deepspeed_command
+    from fakes import experiment_settings
+
+    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}))
+    cpu = deepspeed_command(settings, ("--deepspeed", "o.json"), False, {"OMP_NUM_THREADS": "3"})
+    assert cpu[:4] == ("env", "OMP_NUM_THREADS=3", "LOCAL_SIZE=2", cpu[3]) and cpu[3].endswith("deepspeed")
+    assert cpu[4:6] == ("--num_gpus", "2")
+    gpu = deepspeed_command(settings, (), True, {"CUDA_VISIBLE_DEVICES": "2,3,5", "OMP_NUM_THREADS": "8"})
+    assert gpu[:2] == ("env", "OMP_NUM_THREADS=8") and gpu[3:5] == ("--include", "localhost:2,3")
+    # GPUs named by UUID, or chosen by the user's own --include over them: not expressible, not written.
+    assert deepspeed_command(settings, (), True, {"CUDA_VISIBLE_DEVICES": "GPU-1a,GPU-2b"}) is None
+    included = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}),
+                                   rank_flags=RankFlags(include="localhost:1"))
+    assert deepspeed_command(included, (), True, {"CUDA_VISIBLE_DEVICES": "2,3"}) is None
+    # Without a variable of the user's, the split the experiments had.
+    from autotuner.launch.plan import usable_cpus
+
+    assert deepspeed_command(settings, (), False, {})[1] == f"OMP_NUM_THREADS={max(1, usable_cpus() // 2)}"
+
+
+def test_a_ray_tunes_optimal_command_keeps_the_ranks_thread_count():
+    from autotuner.config import load_config
+    from autotuner.tuning.reports.optimal_commands import optimal_command
+    from fakes import experiment_settings
+
+    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}),
+                                   placement_env=(("OMP_NUM_THREADS", "1"),))
+    assert optimal_command(settings, ())[:2] == ("env", "OMP_NUM_THREADS=1")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from autotuner.launch.plan import thread_env
 from autotuner.launch.script_args import find_flag, replace_config
 from autotuner.tuning.trials.trial import ExperimentSettings, mapped_script_args, rank_count_flags
 
@@ -19,7 +21,8 @@ def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tupl
     # The launcher of the interpreter the measured launches ran under, not whichever is first on PATH.
     launcher = Path(settings.python).parent / "launcher"
     prefix = [str(launcher)] if launcher.is_file() else [settings.python, "-m", "autotuner"]
-    return (*prefix, *settings.placement_flags, *rank_count_flags(settings), *settings.rank_flags.to_argv(),
+    env = ("env", *(f"{name}={value}" for name, value in settings.placement_env)) if settings.placement_env else ()
+    return (*env, *prefix, *settings.placement_flags, *rank_count_flags(settings), *settings.rank_flags.to_argv(),
             settings.script, *args)
 
 
@@ -29,11 +32,27 @@ def nodes_per_run(settings: ExperimentSettings) -> int:
     return int(found[1]) if found and found[1] else 1
 
 
-def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gpu: bool) -> tuple[str, ...]:
+def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gpu: bool,
+                      environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
     """The optimum as DeepSpeed's own launcher runs it: `deepspeed --num_gpus N script args`, with
-    the user's DeepSpeed launcher flags (--include and friends set the count themselves). On a
-    CPU-only machine DeepSpeed counts CPU slots from LOCAL_SIZE, so the command sets it."""
+    the user's DeepSpeed launcher flags (--include and friends set the count themselves), as the
+    experiments ran it. So: the thread count each rank had (DeepSpeed's launcher leaves
+    OMP_NUM_THREADS unset, and every rank then takes every core); the GPUs they had, where
+    CUDA_VISIBLE_DEVICES chose them (DeepSpeed drops it under --num_gpus and takes GPUs 0..N-1:
+    --include names them, or, with the user's own --include/--exclude over it, none is written);
+    DeepSpeed's launcher beside the measured interpreter; on a CPU-only machine, LOCAL_SIZE, from
+    which DeepSpeed counts CPU slots."""
+    environ = os.environ if environ is None else environ
     count = rank_count_flags(settings)
-    rank_flags = ("--num_gpus", count[1]) if count else ()
-    env = () if on_gpu else ("env", f"LOCAL_SIZE={settings.nproc_per_node}")
-    return (*env, "deepspeed", *rank_flags, *settings.rank_flags.to_argv(), settings.script, *args)
+    rank_flags: tuple[str, ...] = ("--num_gpus", count[1]) if count else ()
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if on_gpu and visible:
+        ids = [part.strip() for part in visible.split(",")]
+        if not count or not all(part.isdigit() for part in ids) or len(ids) < settings.nproc_per_node:
+            return None
+        rank_flags = ("--include", "localhost:" + ",".join(ids[:settings.nproc_per_node]))
+    threads = environ.get("OMP_NUM_THREADS") or thread_env(settings.nproc_per_node, {})["OMP_NUM_THREADS"]
+    env = ("env", f"OMP_NUM_THREADS={threads}", *(() if on_gpu else (f"LOCAL_SIZE={settings.nproc_per_node}",)))
+    launcher = Path(settings.python).parent / "deepspeed"
+    program = str(launcher) if launcher.is_file() else "deepspeed"
+    return (*env, program, *rank_flags, *settings.rank_flags.to_argv(), settings.script, *args)

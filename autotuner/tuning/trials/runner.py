@@ -25,6 +25,7 @@ class Runner(Protocol):
     # Launcher flags that make the optimal command train where the trials ran (a cluster's nodes);
     # none: on the machine it is run on.
     placement_flags: tuple[str, ...]
+    placement_env: tuple[tuple[str, str], ...]  # variables the trials' ranks had that a launch would set otherwise
 
     def run(self, trial: Trial) -> TrialResult:
         """Launch the trial's ranks, wait (at most the trial's timeout), end every process it started,
@@ -50,6 +51,7 @@ class OneSlot:
     capacity = 1
     hardware: str | None = None  # this machine's: the settled fingerprint's device already
     placement_flags: tuple[str, ...] = ()
+    placement_env: tuple[tuple[str, str], ...] = ()
 
     def __init__(self) -> None:
         self._submitted: deque[Trial] = deque()

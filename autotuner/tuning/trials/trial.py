@@ -54,6 +54,7 @@ class ExperimentSettings:
     # Launcher flags that make the optimal command train where the experiments ran (Slurm's
     # `--launcher slurm --num_nodes N`); none: on this machine.
     placement_flags: tuple[str, ...] = ()
+    placement_env: tuple[tuple[str, str], ...] = ()  # and the variables its ranks had there (Ray's threads)
     memory_budget_bytes: int | None = None  # per rank; above it a CPU run counts as OOM
     user_config: dict[str, Any] = field(default_factory=dict, hash=False)  # the file as the user wrote it
     python: str = sys.executable
