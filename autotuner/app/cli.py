@@ -72,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rdzv_endpoint", default=_torchrun_env("rdzv_endpoint", None),
                         help="HOST:PORT for torch's c10d elastic rendezvous")
     parser.add_argument("--rdzv_backend", "--rdzv-backend", dest="rdzv_backend", choices=("c10d", "static"),
-                        default=_torchrun_env("rdzv_backend", None), help="with --rdzv_endpoint: c10d (the default here: nodes numbered as they join) "
-                                           "or static (numbered by --node_rank; torchrun's default)")
+                        default=_torchrun_env("rdzv_backend", None),
+                        help="with --rdzv_endpoint: c10d (the default here: nodes numbered as they join) or static "
+                             "(numbered by --node_rank; torchrun's default)")
     parser.add_argument("--rdzv_id", default=_torchrun_env("rdzv_id", None),
                         help="job id shared by all nodes with --rdzv_endpoint")
     parser.add_argument("--rdzv_conf", "--rdzv-conf", dest="rdzv_conf", default=_torchrun_env("rdzv_conf", ""),

@@ -46,8 +46,8 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
     with backend_spec(getattr(args, "backend", "local")).open_runner(request) as runner:
         with exclusive_lock(results_dir):
             try:
-                # A cluster's nodes, where the runner places the experiments, are the device resumed against.
-                # and the optimal command trains there too. (A plugin's runner may say neither.)
+                # Where the runner placed the experiments (a cluster's nodes) is the device a resume is
+                # checked against, and where the optimal command trains. (A plugin's runner may say neither.)
                 nodes = getattr(runner, "hardware", None)
                 fingerprint = job.fingerprint if nodes is None else replace(job.fingerprint, device=nodes)
                 settings = replace(job.settings, placement_flags=tuple(getattr(runner, "placement_flags", ())),

@@ -105,10 +105,9 @@ _ALLOWED = {
 def _deprecated_offload_flags(raw: dict[str, Any], label: str) -> dict[str, Any]:
     """DeepSpeed's deprecated `zero_optimization.cpu_offload` / `cpu_offload_param`, read as it reads
     them: true is the offload section with device "cpu", false none; with the section too, refused."""
-    zero = raw.get("zero_optimization")
-    if not isinstance(zero, dict) or not any(old in zero for olds in ZeroConfig.other_spellings.values() for old in olds):
+    if not isinstance(raw.get("zero_optimization"), dict):
         return raw
-    zero = dict(zero)
+    zero = dict(raw["zero_optimization"])
     for section, olds in ZeroConfig.other_spellings.items():
         for old in olds:
             if old not in zero:
@@ -137,8 +136,10 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
         raw, label = json.loads(json.dumps(dict(source), default=str)), name or "config"
     else:
         raw, label = read_config_file(source), name or str(source)
-    if "bfloat16" in raw and "bf16" not in raw:  # DeepSpeed's older name of the section
-        raw = {("bf16" if key == "bfloat16" else key): value for key, value in raw.items()}
+    for name, olds in DeepSpeedConfig.other_spellings.items():  # DeepSpeed's older names of a section
+        for old in olds:
+            if old in raw and name not in raw:
+                raw = {(name if key == old else key): value for key, value in raw.items()}
     raw = _deprecated_offload_flags(raw, label)
     kept, ignored = check_keys(raw, DeepSpeedConfig, label)
     if ignored:

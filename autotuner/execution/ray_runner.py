@@ -87,7 +87,8 @@ class RayRunner:
         mark_work_started()  # the cluster's actors are ours to end, though no local process is
         self._worker_class = ray.remote(RankWorker)
         self._nodes = self._live_nodes()
-        self.hardware = node_kinds(self._ray.nodes())
+        reported = self._ray.nodes()
+        self.hardware = node_kinds(reported)
         gpus = options.gpus_per_rank
         if gpus is None:
             gpus = 1.0 if any(n.gpus for n in self._nodes) else 0.0
@@ -98,7 +99,7 @@ class RayRunner:
             self.close()
             raise UsageError(f"--backend ray: the experiments cannot be placed: {why}")
         # The optimal command's rendezvous at the head node, whose control processes every node reaches.
-        head = next((node.get("NodeManagerAddress") for node in self._ray.nodes()
+        head = next((node.get("NodeManagerAddress") for node in reported
                      if node.get("Alive") and HEAD_RESOURCE in node.get("Resources", {})), None)
         self.placement_flags = rendezvous_flags(options.num_nodes, head or self._nodes[0].address)
         # Each rank's threads were its bundle's CPUs (rank_runs.py); a plain launch would split the node's.

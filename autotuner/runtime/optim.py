@@ -137,7 +137,7 @@ class DeepSpeedStyleLR(LRScheduler):
                  last_batch_iteration: int = -1):
         self.lr_fn = lr_fn
         self._start = last_batch_iteration
-        super().__init__(optimizer, -1)  # torch's own first step() lands in _place_at_start
+        super().__init__(optimizer, -1)  # torch's constructor calls step() once: step() takes it as the start
 
     def get_lr(self) -> list[float]:
         return [self.lr_fn(self.last_epoch, base) for base in self.base_lrs]

@@ -52,10 +52,10 @@ def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], gl
     # A bound left to its default is an absolute rate too (WarmupDecayLR's warmup_max_lr 0.001, whatever the
     # optimizer's lr): written out, scaled, or the schedule would train at the reference's rate.
     defaults = SCHEDULER_DEFAULTS.get(section.get("type"), {})
+    left = {key: defaults[key] for key in SCHEDULER_LR_KEYS if defaults.get(key) and key not in scheduler}
+    if left:
+        scheduler = section["params"] = {**scheduler, **left}
     for key in SCHEDULER_LR_KEYS:
-        if key in defaults and key not in scheduler and defaults[key]:
-            scheduler[key] = defaults[key]
-            section["params"] = scheduler
         if key in scheduler and isinstance(scheduler[key], (int, float)) and not isinstance(scheduler[key], bool):
             scheduler[key] = _scaled(scheduler[key], global_batch, reference, rule)
             changed.append(f"scheduler {key}")
