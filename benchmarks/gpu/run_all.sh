@@ -3,6 +3,7 @@
 #   benchmarks/gpu/run_all.sh [env] [nccl2] [tests | tests_engine tests_deepspeed] [vs_deepspeed] [seed] [offload] [transfer] [memory_far]
 # With carried wheels in .whl/ (hjson, pydantic, and DeepSpeed built with DS_BUILD_OPS=0: not on
 # that machine) they are installed first; their console scripts (deepspeed) go on PATH.
+# tests_engine / tests_deepspeed read TESTS_IDS and TESTS_TIMEOUT_S.
 # vs_deepspeed reads VS_PRESET, VS_TUNERS, VS_CAPS_S, VS_DEADLINE_S, VS_STAGES (say 1: a space DeepSpeed's
 # autotuner finishes inside one call) and VS_RESUME.
 set -uo pipefail
@@ -30,8 +31,11 @@ for part in $parts; do
       timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider -s tests/integration 2>&1 | tee "$OUT/pytest_gpu.log" | tail -40 ;;
     tests_engine|tests_deepspeed)
       # The suite in two calls: our engine's tests, then DeepSpeed's engine's (the whole suite outran one 480 s cap).
+      # TESTS_IDS (test names of that file, space-separated) runs only those, in that order: what a short call has room for first.
       file=tests/integration/test_gpu.py; [ "$part" = tests_deepspeed ] && file=tests/integration/test_gpu_deepspeed.py
-      timeout ${TESTS_TIMEOUT_S:-540} python3 -m pytest -m gpu -q -p no:cacheprovider -s "$file" 2>&1 | tee "$OUT/pytest_$part.log" | tail -40 ;;
+      targets=("$file"); [ -n "${TESTS_IDS:-}" ] && { targets=(); set -f; for t in $TESTS_IDS; do targets+=("$file::$t"); done; set +f; }
+      timeout ${TESTS_TIMEOUT_S:-540} python3 -m pytest -m gpu -rA -v -p no:cacheprovider -s --durations=0 "${targets[@]}" 2>&1 \
+        | tee -a "$OUT/pytest_$part.log" | tail -40 ;;
     vs_deepspeed)
       # DeepSpeed's autotuner against ours, gpt2-medium on DeepSpeed's engine (docs/gpu.md).
       timeout 570 python3 benchmarks/gpu/vs_deepspeed_gpu.py --preset ${VS_PRESET:-gpt2-medium} --out_dir "$OUT" \
