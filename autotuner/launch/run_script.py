@@ -136,5 +136,18 @@ def run(argv: list[str]) -> int:
         sys.stderr.flush()
 
 
+def _exit(status: int) -> None:
+    """Exit with `status`. A failed rank runs its exit handlers, then skips the interpreter's
+    teardown, as a warm rank does: its process group is still up (a peer may be inside a
+    collective), and tearing it down prints NCCL's "destroy_process_group() was not called" warning
+    under the launcher's one-line error, or can hang."""
+    if status:
+        atexit._run_exitfuncs()  # noqa: SLF001 - what an exit runs first; os._exit below would not
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(run(sys.argv[1:]))
+    _exit(run(sys.argv[1:]))

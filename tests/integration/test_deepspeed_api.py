@@ -236,8 +236,19 @@ def test_plan_passes_local_rank_macro_and_deepspeed_env(tmp_path):
 
 # ----- rank-side errors and refused features: one line from the launcher -----
 INIT_INFERENCE = """
+import atexit, os, pathlib, sys
 import torch
 import autotuner as deepspeed
+
+
+class SaysSoAtTeardown:  # as NCCL's process group does when a failed rank's interpreter tears down
+    def __del__(self, write=sys.stderr.write):
+        write("torn down\\n")
+
+
+held = SaysSoAtTeardown()
+atexit.register(lambda: pathlib.Path(sys.argv[1], f"exit_handlers_ran_{os.environ['RANK']}").touch())
+deepspeed.init_distributed()
 deepspeed.init_inference(torch.nn.Linear(2, 2))
 """
 
@@ -246,11 +257,14 @@ deepspeed.init_inference(torch.nn.Linear(2, 2))
 @pytest.mark.timeout(300)
 def test_unsupported_feature_in_the_ranks_is_one_launcher_line(tmp_path, no_orphans):
     script = write_script(tmp_path, "init_inference.py", INIT_INFERENCE)
-    result = run_launcher("--nproc_per_node", "2", "--no_local_rank", script, timeout=120)
+    result = run_launcher("--nproc_per_node", "2", "--no_local_rank", script, tmp_path, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("launcher: error: rank ") and "deepspeed.init_inference is not supported" in lines[0]
+    # The script's exit handlers ran in the ranks that failed; the interpreter's teardown did not.
+    assert sorted(path.name for path in tmp_path.glob("exit_handlers_ran_*")) == ["exit_handlers_ran_0",
+                                                                                 "exit_handlers_ran_1"]
     debug = run_launcher("--debug", "--nproc_per_node", "2", "--no_local_rank", script, timeout=120)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
 
