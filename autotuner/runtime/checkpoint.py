@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -139,9 +140,13 @@ def load(
     if optimizer is not None:
         _ensure_optimizer_state(model, optimizer)
         state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    _check_module_keys(path, set(state["model"]), saved, strict)
+    metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = set(metadata)
+    if custom_load_fn is None:  # DeepSpeed applies load_module_strict only to its own load
+        _check_module_keys(path, set(state["model"]), saved, strict)
     state["model"] = {name: value for name, value in state["model"].items() if f"model.{name}" in saved}
+    if custom_load_fn is not None:
+        state["model"].update(_weights_the_model_lacks(metadata, state["model"]))
     stateless = _parameters_saved_without_state(path, state, saved)
     dcp.load(state, checkpoint_id=str(path), planner=_WeightsOnlyLoadPlanner())
     if custom_load_fn is not None:
@@ -158,6 +163,18 @@ def load(
             if param is not None:
                 optimizer.state.pop(param, None)
     return read_engine_state(path)
+
+
+def _weights_the_model_lacks(metadata: dict[str, Any], model_state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Templates for the checkpoint's weights this model has no tensor for (a renamed layer, say):
+    a custom_load_fn gets every weight saved, as DeepSpeed's gets the checkpoint's own state dict.
+    Whole tensors on the CPU, since no parameter says how to shard them."""
+    lacking = {}
+    for key, item in metadata.items():
+        name = key[len("model."):]
+        if key.startswith("model.") and name not in model_state and isinstance(item, TensorStorageMetadata):
+            lacking[name] = torch.empty(item.size, dtype=item.properties.dtype)
+    return lacking
 
 
 def check_param_groups(path: Path, engine_state: dict[str, Any], members: list[list[str]]) -> None:

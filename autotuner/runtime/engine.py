@@ -364,7 +364,9 @@ class Engine(DeepSpeedAccessors, nn.Module):
         """Returns (path, client_state) like DeepSpeed, or (None, None) when there is no checkpoint.
         As in DeepSpeed: `load_module_only` loads the weights alone (no optimizer, schedule or step
         counts); `custom_load_fn(src=state_dict, dst=module)` loads the weights in place of
-        load_state_dict (under FSDP2 the state dict holds this rank's DTensor shards)."""
+        load_state_dict, given every weight the checkpoint holds and with `load_module_strict` not
+        applied. Under FSDP2 the model's weights come as this rank's DTensor shards, and weights
+        the model has no tensor for as whole tensors on the CPU."""
         from autotuner.runtime import checkpoint
 
         resolved = checkpoint.resolve_tag(load_dir, None if tag is None else str(tag))

@@ -92,6 +92,8 @@ def test_deepspeeds_keyword_arguments_are_honoured_at_every_stage(checks):
         assert record["module_only"] == [0, 0, True]  # weights only: no steps, no optimizer state
         calls, equal = record["custom_load_fn"]
         assert len(calls) == 1 and "stem.weight" in calls[0] and equal
+        calls, equal = record["custom_load_fn_renamed"]
+        assert len(calls) == 1 and "head.weight" in calls[0] and "out.weight" not in calls[0] and equal
 
 
 def test_metrics_written_and_ranks_exit_at_end_profile_step(tmp_path, no_orphans):

@@ -240,6 +240,21 @@ class NetWithFrozen(Net):
         self.stem.requires_grad_(False)
 
 
+class NetRenamedHead(Net):
+    """Net with its head renamed `out`: a checkpoint of Net's does not match it key for key."""
+
+    def __init__(self):
+        super().__init__()
+        self.out = self.head
+        del self.head
+
+    def forward(self, x):
+        x = torch.tanh(self.stem(x))
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
 def check_deepspeed_signatures(directory: str) -> dict:
     """DeepSpeed's keyword arguments, honoured: step(lr_kwargs), backward(retain_graph, scale_wrt_gas)
     and its return value, save_checkpoint(save_latest, exclude_frozen_parameters) and
@@ -331,6 +346,30 @@ def check_deepspeed_signatures(directory: str) -> dict:
         custom, *_ = autotuner.initialize(model=Net(), config=config(stage))
         custom.load_checkpoint(f"{directory}/w{stage}", custom_load_fn=custom_load_fn)
         record["custom_load_fn"] = [calls, full_parameters(custom) == full_parameters(engine)]
+
+        # As DeepSpeed's: given the checkpoint's own weights (here a layer the model has renamed),
+        # with load_module_strict (default True) not applied.
+        renamed_calls = []
+
+        def renaming_load_fn(src, dst):
+            from torch.distributed.tensor import DTensor, distribute_tensor
+
+            renamed_calls.append(sorted(src))
+            targets = dict(dst.named_parameters())
+            moved = {}
+            for key, value in src.items():
+                key = key.replace("head.", "out.")
+                if isinstance(targets[key], DTensor) and not isinstance(value, DTensor):
+                    value = distribute_tensor(value.to(targets[key].device), targets[key].device_mesh,
+                                              targets[key].placements)
+                moved[key] = value
+            dst.load_state_dict(moved)
+
+        torch.manual_seed(99)
+        renamed, *_ = autotuner.initialize(model=NetRenamedHead(), config=config(stage))
+        renamed.load_checkpoint(f"{directory}/w{stage}", load_optimizer_states=False, custom_load_fn=renaming_load_fn)
+        trained = {name.replace("head.", "out."): value for name, value in full_parameters(engine).items()}
+        record["custom_load_fn_renamed"] = [renamed_calls, full_parameters(renamed) == trained]
         result[stage] = record
     return result
 
