@@ -14,6 +14,7 @@ import traceback
 
 from autotuner.core.errors import UsageError
 from autotuner.launch.plan import LaunchPlan
+from autotuner.launch.rank_entry import LOG_PREFIX_ENV, log_prefix
 from autotuner.launch.rank_groups import children_groups_ended
 from autotuner.launch.stopping import (GRACE_S, Stopped, install_stop_handlers, make_temporary_dir,
                                        remove_temporary_dir)
@@ -62,6 +63,7 @@ def _run_plan(plan: LaunchPlan, quiet: bool) -> int:
         except OSError as err:
             raise UsageError(f"--enable_each_rank_log: cannot create {plan.each_rank_log_dir} "
                              f"({err.strerror}); give a writable directory") from None
+        os.environ[LOG_PREFIX_ENV] = log_prefix()
     os.environ.update(plan.env)
     os.environ[LAUNCHED_BY_PID_ENV] = str(os.getpid())  # each rank dies with this process (parent_death)
     log_dir = make_temporary_dir("elastic")

@@ -15,10 +15,19 @@ import sys
 import time
 
 
+# The launcher's start time, set before the ranks start: every rank's log carries the same one, as
+# under DeepSpeed's launcher.
+LOG_PREFIX_ENV = "AUTOTUNER_EACH_RANK_LOG_PREFIX"
+
+
+def log_prefix() -> str:
+    return time.strftime("%Y%m%d%H%M%S", time.localtime())
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="autotuner.launch.rank_entry")
     parser.add_argument("--core_groups", default=None, help="cores per local rank, e.g. '0,1;2,3'")
-    parser.add_argument("--log_dir", default=None, help="stdout and stderr go to DIR/<time>_rank<N>.log")
+    parser.add_argument("--log_dir", default=None, help="stdout and stderr go to DIR/<launch time>_rank<N>.log")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     return parser.parse_args(argv)
 
@@ -30,8 +39,9 @@ def apply(args: argparse.Namespace) -> None:
         os.sched_setaffinity(0, {int(core) for core in group.split(",")})
     if args.log_dir:
         rank = os.environ.get("RANK", "0")
-        path = os.path.join(args.log_dir, f"{time.strftime('%Y%m%d%H%M%S')}_rank{rank}.log")
-        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        prefix = os.environ.get(LOG_PREFIX_ENV) or log_prefix()
+        path = os.path.join(args.log_dir, f"{prefix}_rank{rank}.log")
+        log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)  # DeepSpeed opens it with "w"
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)

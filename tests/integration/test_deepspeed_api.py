@@ -10,6 +10,9 @@ import inspect
 import json
 import logging
 import os
+import re
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -143,8 +146,19 @@ def test_bind_cores_to_rank_pins_each_rank_and_each_rank_log(tmp_path, no_orphan
     assert [r["cores"] for r in ranks] == [allowed[:share], allowed[share:2 * share]]
     assert {r["omp"] for r in ranks} == {str(share)}
     files = sorted(logs.glob("*_rank*.log"))
+    # As DeepSpeed's launcher: <its start time>_rank<N>.log, one time for every rank.
     assert [f.name.rsplit("_", 1)[1] for f in files] == ["rank0.log", "rank1.log"]
+    assert len({f.name.rsplit("_", 1)[0] for f in files}) == 1 and re.fullmatch(r"\d{14}", files[0].name[:14])
     assert "hello from rank 1" in files[1].read_text() and "hello from rank" not in result.stdout
+    # Opened for writing, as DeepSpeed does: a log of the same name starts over.
+    from autotuner.launch.rank_entry import LOG_PREFIX_ENV
+
+    files[0].write_text("an earlier run\n" * 100)
+    prefix = files[0].name.rsplit("_", 1)[0]
+    subprocess.run([sys.executable, "-m", "autotuner.launch.rank_entry", "--log_dir", str(logs), "--",
+                    sys.executable, "-c", "print('this run')"], check=True, timeout=60,
+                   env={**os.environ, LOG_PREFIX_ENV: prefix, "RANK": "0"})
+    assert files[0].read_text() == "this run\n"
 
 
 @pytest.mark.slow
