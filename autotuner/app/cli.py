@@ -83,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     ds = parser.add_argument_group("the deepspeed launcher's flags")
     ds.add_argument("-H", "--hostfile", default=None,
                     help="DeepSpeed-style hostfile ('host slots=N' lines): only this host sets the slots here; "
-                         "other hosts start one launcher each over ssh (or srun: --launcher slurm)")
+                         "other hosts start one launcher each over ssh (or srun: --launcher slurm); default "
+                         "DeepSpeed's /job/hostfile where it exists")
     ds.add_argument("-i", "--include", default=None,
                     help="devices to use, e.g. localhost:0,1 (sets CUDA_VISIBLE_DEVICES; slot ids count the "
                          "GPUs this launcher sees)")
@@ -197,6 +198,20 @@ def _check_online(config, path: str, online: bool) -> None:
 
         how = "--autotuning online" if online else f"{path}: autotuning.online.enabled"
         require_optuna(how)
+
+
+def _read_default_hostfile(args: argparse.Namespace) -> None:
+    """Without --hostfile, DeepSpeed's default one where it exists (launch/resources.py)."""
+    from autotuner.launch import resources
+
+    if args.hostfile is not None or args.backend != "local":
+        return
+    starts_one_node = bool(args.node_rank or args.master_addr or args.rdzv_endpoint)
+    args.hostfile = resources.default_hostfile(os.path.isfile(resources.DEFAULT_HOSTFILE),
+                                               starts_one_node=starts_one_node)
+    if args.hostfile is not None:
+        print(f"launcher: note: no --hostfile given; reading DeepSpeed's default {args.hostfile}",
+              file=sys.stderr)
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -369,6 +384,7 @@ def _main(argv: list[str], script_at: int) -> int:
             raise UsageError("--no_ssh: DeepSpeed's start of this node alone from a hostfile is not supported; start "
                              "each node with --num_nodes N --node_rank R --master_addr ADDR (or --rdzv_endpoint)")
         check_backend(args)
+        _read_default_hostfile(args)
         if args.bench:
             return _bench(args)
         args.nproc_per_node = _single_rank_count(args.nproc_per_node)

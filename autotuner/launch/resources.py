@@ -13,6 +13,14 @@ DEFAULT_HOSTFILE = "/job/hostfile"
 _HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)")
 
 
+def default_hostfile(exists: bool, *, starts_one_node: bool) -> str | None:
+    """DeepSpeed's launcher reads /job/hostfile when no --hostfile is given (DLTS and Azure ML
+    write it), and trains on its hosts. So do we, where it exists, unless this command starts one
+    node of a job itself (--node_rank, --master_addr, --rdzv_endpoint: torchrun's way, and what
+    our head gives each node's agent), which a hostfile would contradict."""
+    return DEFAULT_HOSTFILE if exists and not starts_one_node else None
+
+
 def parse_hostfile(path: str | Path) -> dict[str, int]:
     """`host slots=N` per line, `#` comments; hosts in file order."""
     pool: dict[str, int] = {}

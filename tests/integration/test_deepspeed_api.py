@@ -24,7 +24,7 @@ from autotuner.app.cli import main
 from autotuner.core.errors import ConfigError, UnsupportedError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.resources import cores_for_ranks, parse_core_list, select_slots
-from conftest import TOY, WORKERS, run_launcher
+from conftest import ROOT, TOY, WORKERS, launcher_env, run_launcher
 
 DS_STYLE = WORKERS / "ds_style_train.py"
 CLIENT_WINS = "using the optimizer passed to initialize()"
@@ -174,6 +174,41 @@ def test_include_and_a_hostfile_naming_this_host_pick_the_rank_count(tmp_path, n
     result, ranks = run_echo(tmp_path, "--hostfile", hostfile)
     assert result.returncode == 0, result.stderr
     assert len(ranks) == 2
+
+
+# The launcher, with DeepSpeed's default hostfile (/job/hostfile) moved to argv[1] for the test.
+AT_DEFAULT_HOSTFILE = """
+import runpy, sys
+import autotuner.launch.resources as resources
+resources.DEFAULT_HOSTFILE = sys.argv.pop(1)
+runpy.run_module("autotuner", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="counts CPU ranks (one by default)")
+def test_deepspeeds_default_hostfile_is_read_where_it_exists(tmp_path, no_orphans):
+    script = write_script(tmp_path, "echo.py", ECHO)
+    default = tmp_path / "job_hostfile"
+
+    def launch(*flags):
+        echo_dir = tmp_path / f"echo{len(list(tmp_path.glob('echo*')))}"
+        echo_dir.mkdir()
+        result = subprocess.run([sys.executable, "-c", AT_DEFAULT_HOSTFILE, str(default), *flags, script],
+                                cwd=ROOT, env={**launcher_env(), "ECHO_DIR": str(echo_dir)}, capture_output=True,
+                                text=True, timeout=120)
+        return result, len(list(echo_dir.glob("rank*.json")))
+
+    result, ranks = launch()  # none there: this node's default, as DeepSpeed
+    assert result.returncode == 0 and ranks == 1 and "hostfile" not in result.stderr, result.stderr
+    default.write_text("localhost slots=2\n")
+    result, ranks = launch()
+    assert result.returncode == 0 and ranks == 2, result.stderr
+    assert f"reading DeepSpeed's default {default}" in result.stderr
+    # A command that starts one node itself (torchrun's way) is not given the hostfile's hosts.
+    result, ranks = launch("--master_addr", "127.0.0.1")
+    assert result.returncode == 0 and ranks == 1 and "hostfile" not in result.stderr, result.stderr
 
 
 def test_torchruns_pet_variables_stand_in_for_its_flags(tmp_path, monkeypatch):
