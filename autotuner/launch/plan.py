@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.core.errors import UsageError
-from autotuner.launch.resources import cores_for_ranks, is_this_host, parse_core_list, parse_hostfile, select_slots
+from autotuner.launch.resources import (cores_for_ranks, is_this_host, one_cpu_per_core, parse_core_list, parse_hostfile,
+                                        select_slots)
 
 DEFAULT_MASTER_PORT = 29500
 TORCHRUN_DEFAULT_RDZV_ID = "none"
@@ -254,7 +255,7 @@ def _rank_command(options: LaunchOptions, python: str, nproc: int, environ: dict
         if not options.bind_cores_to_rank:
             raise UsageError("--bind_core_list: needs --bind_cores_to_rank")
         allowed = sorted(os.sched_getaffinity(0))
-        cores = parse_core_list(options.bind_core_list) if options.bind_core_list else allowed
+        cores = parse_core_list(options.bind_core_list) if options.bind_core_list else one_cpu_per_core(allowed)
         outside = sorted(set(cores) - set(allowed))
         if outside:
             raise UsageError(f"--bind_core_list: cores {outside} are not available to this process "

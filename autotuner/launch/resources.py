@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
+from typing import Callable
 
 from autotuner.core.errors import UsageError
 
@@ -101,6 +102,32 @@ def parse_core_list(text: str) -> list[int]:
     except ValueError:
         raise UsageError(f"--bind_core_list: got {text!r}; expected ascending cores and ranges like 0,2-5,8") from None
     return cores
+
+
+def one_cpu_per_core(cpus: list[int], siblings_of: Callable[[int], str | None] | None = None) -> list[int]:
+    """Of `cpus`, the first hardware thread of each physical core: what --bind_cores_to_rank without
+    a core list divides, as DeepSpeed divides the physical core count (hyperthread siblings left
+    idle, so a rank's threads do not share a core's units). `siblings_of(cpu)` reads the kernel's
+    thread_siblings_list ('0,16' or '0-1'); unreadable, each CPU counts as a core."""
+    siblings_of = siblings_of or _thread_siblings
+    chosen, covered = [], set()
+    for cpu in sorted(cpus):
+        if cpu in covered:
+            continue
+        text = siblings_of(cpu)
+        try:
+            covered.update(parse_core_list(text) if text else [cpu])
+        except UsageError:
+            covered.add(cpu)
+        chosen.append(cpu)
+    return chosen
+
+
+def _thread_siblings(cpu: int) -> str | None:
+    try:
+        return Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return None
 
 
 def cores_for_ranks(cores: list[int], nproc: int) -> list[list[int]]:

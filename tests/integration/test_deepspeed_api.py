@@ -23,7 +23,7 @@ import autotuner
 from autotuner.app.cli import main
 from autotuner.core.errors import ConfigError, UnsupportedError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
-from autotuner.launch.resources import cores_for_ranks, parse_core_list, select_slots
+from autotuner.launch.resources import cores_for_ranks, one_cpu_per_core, parse_core_list, select_slots
 from conftest import ROOT, TOY, WORKERS, launcher_env, run_launcher
 
 DS_STYLE = WORKERS / "ds_style_train.py"
@@ -272,6 +272,12 @@ def test_resource_filters_follow_deepspeed():
     assert select_slots({"localhost": 1}, "localhost:0,1", None, check_include_range=False) == {"localhost": [0, 1]}
     assert parse_core_list("0,2-4,7") == [0, 2, 3, 4, 7]
     assert cores_for_ranks([0, 1, 2, 3, 4], 2) == [[0, 1], [2, 3]]  # the remainder stays unused, as in DeepSpeed
+    # Without a core list, DeepSpeed divides the physical cores: one hardware thread of each.
+    hyperthreaded = {cpu: f"{cpu % 4},{cpu % 4 + 4}" for cpu in range(8)}.get  # cpus 0-3 and their siblings 4-7
+    assert one_cpu_per_core(list(range(8)), hyperthreaded) == [0, 1, 2, 3]
+    assert one_cpu_per_core([2, 3, 5, 6], hyperthreaded) == [2, 3, 5]  # 6 shares a core with 2; 1, 5's sibling, is not ours
+    assert one_cpu_per_core([0, 1], {0: "0-1", 1: "0-1"}.get) == [0]
+    assert one_cpu_per_core([0, 1], lambda cpu: None) == [0, 1]  # no topology: each CPU a core
 
 
 def test_plan_passes_local_rank_macro_and_deepspeed_env(tmp_path):
