@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import os
 import uuid
 from dataclasses import dataclass, field, replace
@@ -9,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.core.errors import UsageError
-from autotuner.launch.resources import (cores_for_ranks, is_this_host, one_cpu_per_core, parse_core_list, parse_hostfile,
-                                        select_slots)
+from autotuner.launch.resources import (cores_for_ranks, is_this_host, memory_node_for, numa_node_cpus, one_cpu_per_core,
+                                        parse_core_list, parse_hostfile, select_slots)
 
 DEFAULT_MASTER_PORT = 29500
 TORCHRUN_DEFAULT_RDZV_ID = "none"
@@ -239,9 +240,11 @@ def _selected_devices(options: LaunchOptions, environ: dict[str, str], gpus: int
     return len(ids), env, notes
 
 
-def _rank_command(options: LaunchOptions, python: str, nproc: int, environ: dict[str, str]) -> tuple[tuple, dict]:
-    """The program each rank runs, and env for it: the deepspeed launcher's `--local_rank=N` after the
-    script (torch elastic fills ${local_rank} per rank), behind the core-binding/log entry if asked."""
+def _rank_command(options: LaunchOptions, python: str, nproc: int,
+                  environ: dict[str, str]) -> tuple[tuple, dict, tuple[str, ...]]:
+    """The program each rank runs, env for it and notes for the user: the deepspeed launcher's
+    `--local_rank=N` after the script (torch elastic fills ${local_rank} per rank), behind the
+    core-binding/log entry if asked."""
     local_rank = () if options.no_local_rank else ("--local_rank=${local_rank}",)
     # Every rank runs the script through run_script, which ends the default process group after the
     # script returns: left to interpreter teardown, gloo's threads abort a rank that finished
@@ -251,6 +254,7 @@ def _rank_command(options: LaunchOptions, python: str, nproc: int, environ: dict
                                 *options.script_args)
     env: dict[str, str] = {}
     entry: list[str] = []
+    notes: tuple[str, ...] = ()
     if options.bind_cores_to_rank or options.bind_core_list:
         if not options.bind_cores_to_rank:
             raise UsageError("--bind_core_list: needs --bind_cores_to_rank")
@@ -263,13 +267,21 @@ def _rank_command(options: LaunchOptions, python: str, nproc: int, environ: dict
         groups = cores_for_ranks(cores, nproc)
         entry += ["--core_groups", ";".join(",".join(map(str, group)) for group in groups)]
         env["OMP_NUM_THREADS"] = str(len(groups[0]))
+        numa = numa_node_cpus()
+        memory_nodes = [memory_node_for(group, numa) for group in groups]
+        if any(node is not None for node in memory_nodes):
+            if ctypes.util.find_library("numa") is None:
+                notes = ("--bind_cores_to_rank: libnuma not found, so each rank's memory is not bound to its NUMA "
+                         "node (DeepSpeed's launcher needs numactl, which brings it: install numactl)",)
+            else:
+                entry += ["--memory_nodes", ";".join("" if node is None else str(node) for node in memory_nodes)]
     if options.each_rank_log_dir is not None:
         if Path(options.each_rank_log_dir).is_file():
             raise UsageError(f"--enable_each_rank_log: {options.each_rank_log_dir} is a file; give a directory")
         entry += ["--log_dir", str(Path(options.each_rank_log_dir).resolve())]
     if entry:
         command = (python, "-m", "autotuner.launch.rank_entry", *entry, "--", *command)
-    return command, env
+    return command, env, notes
 
 
 def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | None = None) -> LaunchPlan:
@@ -299,7 +311,8 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
         raise UsageError(f"--node_rank: got {options.node_rank}; expected 0..{options.num_nodes - 1}")
     if options.master_port is not None and not 0 < options.master_port < 65536:
         raise UsageError(f"--master_port: got {options.master_port}; expected 1..65535")
-    command, rank_env = _rank_command(options, python, nproc, environ)
+    command, rank_env, rank_notes = _rank_command(options, python, nproc, environ)
+    notes = [*notes, *rank_notes]
     env = {**thread_env(nproc, environ), **device_env, **rank_env,
            # What DeepSpeed's launch.py sets besides torch elastic's variables (CROSS_RANK is the
            # node's rank as the rendezvous gave it: run_script sets it from GROUP_RANK).

@@ -1,10 +1,12 @@
 """What a rank runs first when the launcher binds cores or logs per rank, then replaces itself
 with the user's script (exec keeps the pid, so process-tree clean-up is unchanged).
 
-    python -m autotuner.launch.rank_entry [--core_groups "0,1;2,3"] [--log_dir DIR] -- python -u train.py ...
+    python -m autotuner.launch.rank_entry [--core_groups "0,1;2,3"] [--memory_nodes "0;1"] [--log_dir DIR] \
+        -- python -u train.py ...
 
-The core mask and the redirected stdout/stderr survive the exec, so the script's interpreter and
-every thread it starts run on the rank's cores, like DeepSpeed's `numactl -C` prefix.
+The core mask, the memory policy and the redirected stdout/stderr survive the exec, so the script's
+interpreter and every thread it starts run on the rank's cores and allocate on its NUMA node, like
+DeepSpeed's `numactl -C ... -m ...` prefix. A warm rank applies the same in its own process.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ def log_prefix() -> str:
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="autotuner.launch.rank_entry")
     parser.add_argument("--core_groups", default=None, help="cores per local rank, e.g. '0,1;2,3'")
+    parser.add_argument("--memory_nodes", default=None,
+                        help="the NUMA node each local rank's memory is bound to, e.g. '0;1' (empty: unbound)")
     parser.add_argument("--log_dir", default=None, help="stdout and stderr go to DIR/<launch time>_rank<N>.log")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     return parser.parse_args(argv)
@@ -37,6 +41,10 @@ def apply(args: argparse.Namespace) -> None:
     if args.core_groups:
         group = args.core_groups.split(";")[int(os.environ.get("LOCAL_RANK", 0))]
         os.sched_setaffinity(0, {int(core) for core in group.split(",")})
+    if args.memory_nodes:
+        node = args.memory_nodes.split(";")[int(os.environ.get("LOCAL_RANK", 0))]
+        if node:
+            bind_memory(int(node))
     if args.log_dir:
         rank = os.environ.get("RANK", "0")
         prefix = os.environ.get(LOG_PREFIX_ENV) or log_prefix()
@@ -45,6 +53,30 @@ def apply(args: argparse.Namespace) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
+
+
+MPOL_BIND = 2  # linux/mempolicy.h
+
+
+def bind_memory(node: int) -> None:
+    """Allocate this process's memory on NUMA `node` only (set_mempolicy(MPOL_BIND), through
+    libnuma as numactl -m does). Should the kernel refuse (the node outside this cgroup's memory
+    nodes), the rank says so once and runs unbound."""
+    import ctypes
+    import ctypes.util
+
+    words = node // 64 + 1
+    mask = (ctypes.c_ulong * words)()
+    mask[node // 64] = 1 << (node % 64)
+    try:
+        libnuma = ctypes.CDLL(ctypes.util.find_library("numa") or "libnuma.so.1", use_errno=True)
+        failed = libnuma.set_mempolicy(MPOL_BIND, mask, ctypes.c_ulong(words * 64 + 1)) != 0
+        reason = os.strerror(ctypes.get_errno()) if failed else ""
+    except OSError as err:
+        failed, reason = True, str(err)
+    if failed:
+        print(f"autotuner: rank {os.environ.get('RANK', '0')}: memory not bound to NUMA node {node} ({reason})",
+              file=sys.stderr)
 
 
 def main(argv: list[str]) -> None:

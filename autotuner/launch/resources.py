@@ -130,6 +130,27 @@ def _thread_siblings(cpu: int) -> str | None:
         return None
 
 
+def numa_node_cpus(root: str | Path = "/sys/devices/system/node") -> dict[int, list[int]]:
+    """Each NUMA node's CPUs, as the kernel lists them (a memory-only node, HBM say, lists none)."""
+    nodes: dict[int, list[int]] = {}
+    for path in Path(root).glob("node[0-9]*/cpulist"):
+        text = path.read_text().strip()
+        try:
+            nodes[int(path.parent.name[len("node"):])] = parse_core_list(text) if text else []
+        except UsageError:
+            continue
+    return dict(sorted(nodes.items()))
+
+
+def memory_node_for(cores: list[int], nodes: dict[int, list[int]]) -> int | None:
+    """The NUMA node whose memory a rank on `cores` is bound to, as DeepSpeed's `numactl -m`: the
+    node holding all of them. None where they span nodes, or where nodes repeat one CPU list (fake
+    NUMA) or hold no CPUs (flat HBM), modes DeepSpeed binds otherwise and we leave unbound."""
+    if any(not cpus for cpus in nodes.values()) or len({tuple(c) for c in nodes.values()}) < len(nodes):
+        return None
+    return next((node for node, cpus in nodes.items() if set(cores) <= set(cpus)), None)
+
+
 def cores_for_ranks(cores: list[int], nproc: int) -> list[list[int]]:
     """DeepSpeed's even split: each local rank gets len(cores) // nproc consecutive cores; the
     remainder stays unused."""

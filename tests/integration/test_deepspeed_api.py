@@ -6,6 +6,7 @@ scripts are, under the launcher with 2 ranks at every ZeRO stage; the rest are i
 
 from __future__ import annotations
 
+import ctypes.util
 import inspect
 import json
 import logging
@@ -23,7 +24,8 @@ import autotuner
 from autotuner.app.cli import main
 from autotuner.core.errors import ConfigError, UnsupportedError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
-from autotuner.launch.resources import cores_for_ranks, one_cpu_per_core, parse_core_list, select_slots
+from autotuner.launch.resources import (cores_for_ranks, memory_node_for, numa_node_cpus, one_cpu_per_core, parse_core_list,
+                                        select_slots)
 from conftest import ROOT, TOY, WORKERS, launcher_env, run_launcher
 
 DS_STYLE = WORKERS / "ds_style_train.py"
@@ -51,7 +53,8 @@ from pathlib import Path
 out = Path(os.environ["ECHO_DIR"]) / f"rank{os.environ['RANK']}.json"
 out.write_text(json.dumps({"argv": sys.argv[1:], "cores": sorted(os.sched_getaffinity(0)),
                            "omp": os.environ.get("OMP_NUM_THREADS"), "local_size": os.environ.get("LOCAL_SIZE"),
-                           "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+                           "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                           "memory_policy": open("/proc/self/numa_maps").readline().split()[1]}))
 print(f"hello from rank {os.environ['RANK']}", flush=True)
 """
 
@@ -145,6 +148,12 @@ def test_bind_cores_to_rank_pins_each_rank_and_each_rank_log(tmp_path, no_orphan
     share = len(allowed) // 2
     assert [r["cores"] for r in ranks] == [allowed[:share], allowed[share:2 * share]]
     assert {r["omp"] for r in ranks} == {str(share)}
+    # Each rank's memory on the NUMA node of its cores, as DeepSpeed's numactl -m (with libnuma).
+    numa = numa_node_cpus()
+    if ctypes.util.find_library("numa"):
+        assert [r["memory_policy"] for r in ranks] == [f"bind:{memory_node_for(r['cores'], numa)}" for r in ranks]
+    else:
+        assert "libnuma not found, so each rank's memory is not bound" in result.stderr
     files = sorted(logs.glob("*_rank*.log"))
     # As DeepSpeed's launcher: <its start time>_rank<N>.log, one time for every rank.
     assert [f.name.rsplit("_", 1)[1] for f in files] == ["rank0.log", "rank1.log"]
@@ -278,6 +287,20 @@ def test_resource_filters_follow_deepspeed():
     assert one_cpu_per_core([2, 3, 5, 6], hyperthreaded) == [2, 3, 5]  # 6 shares a core with 2; 1, 5's sibling, is not ours
     assert one_cpu_per_core([0, 1], {0: "0-1", 1: "0-1"}.get) == [0]
     assert one_cpu_per_core([0, 1], lambda cpu: None) == [0, 1]  # no topology: each CPU a core
+
+
+
+def test_a_ranks_memory_node_is_the_numa_node_of_its_cores(tmp_path):
+    for node, cpus in ((0, "0-3,8-11"), (1, "4-7,12-15"), (2, "")):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    hbm = numa_node_cpus(tmp_path)
+    assert hbm == {0: [0, 1, 2, 3, 8, 9, 10, 11], 1: [4, 5, 6, 7, 12, 13, 14, 15], 2: []}
+    normal = {0: hbm[0], 1: hbm[1]}
+    assert memory_node_for([0, 1], normal) == 0 and memory_node_for([12, 13], normal) == 1
+    assert memory_node_for([3, 4], normal) is None  # spans two nodes: DeepSpeed binds none either
+    assert memory_node_for([0, 1], hbm) is None  # flat HBM: DeepSpeed prefers the HBM node; we leave it
+    assert memory_node_for([0, 1], {0: [0, 1], 1: [0, 1]}) is None  # fake NUMA
 
 
 def test_plan_passes_local_rank_macro_and_deepspeed_env(tmp_path):
