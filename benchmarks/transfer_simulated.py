@@ -125,7 +125,8 @@ def final_pick(launch: Launches, results: list[TrialResult],
     """The tuner's final pick (final_pick.py) with (remeasure_top, remeasure_rounds): `settings`,
     else FINAL_PICK."""
     top, rounds = settings or FINAL_PICK
-    pick, remeasured, _ = final_pick_rounds(results, POLICY.objective, top, rounds, launch, lambda line: None)
+    pick, remeasured, _ = final_pick_rounds(results, POLICY.objective, top, rounds,
+                                            lambda experiment, run, reuse: launch(experiment, run), lambda line: None)
     return pick.experiment, [result for _, result in remeasured]
 
 

@@ -371,10 +371,11 @@ class Autotuner:
         """Returns (the pick, with its median as value; the re-measurements; summary lines)."""
         tuning = self.config.autotuning
         return final_pick_rounds(results, self.objective, tuning.remeasure_top, tuning.remeasure_rounds,
-                                 self._remeasure, self.report)
+                                 self._remeasure, self.report,
+                                 lambda experiment, run: self.evaluator.earlier_remeasurement(experiment, run) is not None)
 
-    def _remeasure(self, experiment: Experiment, run: int) -> TrialResult:
-        result, reused = self.evaluator.remeasure(experiment, run)
+    def _remeasure(self, experiment: Experiment, run: int, reuse: bool) -> TrialResult:
+        result, reused = self.evaluator.remeasure(experiment, run, reuse)
         value = f"{result.value:.4g} {self.objective.unit}" if result.value is not None else result.error
         tag = " (from an earlier run)" if reused else ""
         self.report(f"[re-measure {run}] {experiment.name}: {result.state.value}{tag}: {value}")

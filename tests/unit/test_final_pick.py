@@ -222,10 +222,26 @@ def _rounds(results, answers, rounds=1):
     """final_pick_rounds over `results`, each re-measurement answered from `answers[(micro, run)]`."""
     from autotuner.tuning.searches.final_pick import final_pick_rounds
 
-    def remeasure(experiment, run):
+    def remeasure(experiment, run, reuse):
         state, value = answers[(experiment.micro_batch_size, run)]
         return TrialResult(experiment, state, value=value, error=None if state is TrialState.OK else "x")
     return final_pick_rounds(results, THROUGHPUT, top=3, rounds=rounds, remeasure=remeasure, report=lambda line: None)
+
+
+def test_a_round_reuses_earlier_records_only_when_every_contender_has_one():
+    """A fresh launch compared with an earlier run's record is not interleaved with it."""
+    from autotuner.tuning.searches.final_pick import final_pick_rounds
+
+    for recorded, expected in (({(1, 1), (2, 1)}, [True, True]), ({(1, 1)}, [False, False]), (set(), [False, False])):
+        asked = []
+
+        def remeasure(experiment, run, reuse):
+            asked.append(reuse)
+            return TrialResult(experiment, TrialState.OK, value=100.0 - experiment.micro_batch_size)
+        final_pick_rounds([result(1, 100.0), result(2, 99.5)], THROUGHPUT, top=3, rounds=1, remeasure=remeasure,
+                          report=lambda line: None,
+                          reusable=lambda experiment, run: (experiment.micro_batch_size, run) in recorded)
+        assert asked == expected, recorded
 
 
 def test_a_contender_whose_remeasurement_ran_out_of_memory_is_never_the_pick():

@@ -136,12 +136,17 @@ def describe(final: FinalPick, objective: Objective) -> list[str]:
 
 
 def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int, rounds: int,
-                      remeasure: Callable[[Experiment, int], TrialResult],
-                      report: Callable[[str], None]) -> tuple[TrialResult | None, list, list[str]]:
+                      remeasure: Callable[[Experiment, int, bool], TrialResult],
+                      report: Callable[[str], None],
+                      reusable: Callable[[Experiment, int], bool] = lambda experiment, run: False,
+                      ) -> tuple[TrialResult | None, list, list[str]]:
     """Re-measure the contenders within twice the noise level of the best, interleaved (each round
     rotated by one), round after round until the pick is settled (`settled`) or `rounds` run out;
-    the best median wins. `remeasure(experiment, run)` launches one. Returns (the pick, with its median as
-    value; (round, result) re-measurements; summary lines)."""
+    the best median wins. `remeasure(experiment, run, reuse)` gives one, an earlier run's record
+    where `reuse`; `reusable(experiment, run)` says whether there is one. A round reuses records only
+    when every contender has one: a fresh launch beside records of another run, on a machine in
+    another state, would not be interleaved with them. Returns (the pick, with its median as value;
+    (round, result) re-measurements; summary lines)."""
     best = objective.best(results)
     noise = NoiseLevel(relative_spread(best) if best is not None else TIE_FLOOR)
     values: dict[Experiment, list[float]] = {}
@@ -163,8 +168,10 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
             values.setdefault(experiment, [first[experiment]])
             failed.setdefault(experiment, 0)
         # In the order they first became contenders, rotated by one each round (the shared rule).
-        for experiment in round_order([e for e in values if e in chosen], round_index):
-            result = remeasure(experiment, round_index + 1)
+        order = round_order([e for e in values if e in chosen], round_index)
+        reuse = all(reusable(experiment, round_index + 1) for experiment in order)
+        for experiment in order:
+            result = remeasure(experiment, round_index + 1, reuse)
             remeasurements.append((round_index + 1, result))
             if result.state is TrialState.OK and result.value is not None:
                 values[experiment].append(result.value)

@@ -221,15 +221,20 @@ class Evaluator:
         self.ledger.record(result, reused)
         return result
 
-    def remeasure(self, experiment: Experiment, run: int) -> tuple[TrialResult, bool]:
+    def earlier_remeasurement(self, experiment: Experiment, run: int) -> TrialResult | None:
+        """An earlier run's record of the final pick's `run`th re-measurement of `experiment`."""
+        return self.ledger.earlier(experiment, remeasure_directory_name(experiment.name, run))
+
+    def remeasure(self, experiment: Experiment, run: int, reuse: bool) -> tuple[TrialResult, bool]:
         """The final pick's `run`th re-measurement of `experiment`, in its own directory: an earlier
-        run's record of it, else launched. Returns (the result, whether it is an earlier run's);
-        not recorded as the experiment's result, which stays its first measurement."""
+        run's record of it where `reuse` and there is one, else launched. Returns (the result,
+        whether it is an earlier run's); not recorded as the experiment's result, which stays its
+        first measurement."""
         launcher = self._runner_launches()
-        name = remeasure_directory_name(experiment.name, run)
-        earlier = self.ledger.earlier(experiment, name)
+        earlier = self.earlier_remeasurement(experiment, run) if reuse else None
         if earlier is not None:
             return earlier, True
+        name = remeasure_directory_name(experiment.name, run)
         return launcher.run(launcher.trial_for(experiment, name, False)), False
 
 
