@@ -34,7 +34,10 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot read config file: {err}") from err
     try:
-        data = hjson.loads(text)
+        data = hjson.loads(text, object_pairs_hook=_refuse_duplicate_keys)
+    except DuplicateKeyError as err:
+        raise ConfigError(f"{path}: {err.key!r} is given twice in one object; give each key once (DeepSpeed "
+                          "refuses duplicate keys too)") from None
     except hjson.HjsonDecodeError as err:
         raise ConfigError(f"{path}:{err.lineno}:{err.colno}: malformed JSON/hjson: {err.msg}") from err
     except OverflowError:  # hjson turns 1e400 into inf, then fails converting it to int
@@ -43,6 +46,22 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ConfigError(f"{path}: the top level must be an object {{...}}, got {type(data).__name__}")
     # hjson returns OrderedDicts; a round trip through json gives plain types.
     return json.loads(json.dumps(data))
+
+
+class DuplicateKeyError(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A key given twice: json and hjson keep the last silently; DeepSpeed refuses the file."""
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise DuplicateKeyError(key)
+        seen[key] = value
+    return seen
 
 
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+")

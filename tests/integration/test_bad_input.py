@@ -69,6 +69,13 @@ def test_malformed_hjson_names_file_line_and_column(in_tmp, capsys):
     assert_refused(in_tmp, capsys, tune_argv(config), f"{config}:", "malformed")
 
 
+def test_a_key_given_twice_is_refused_as_deepspeed_refuses_it(in_tmp, capsys):
+    # json and hjson keep the last value silently: this trained with a static loss scale of 128.
+    config = write(in_tmp / "ds.json", '{"train_micro_batch_size_per_gpu": "auto",\n'
+                                       ' "fp16": {"enabled": true, "loss_scale": 0, "loss_scale": 128}}')
+    assert_refused(in_tmp, capsys, tune_argv(config), str(config), "'loss_scale' is given twice")
+
+
 def test_hjson_with_comments_and_trailing_commas_is_accepted_up_to_the_next_check(in_tmp, capsys):
     # Valid hjson gets past parsing; a later check (here, a typo) is what refuses it.
     config = write(in_tmp / "ds.hjson", "{\n  // comment\n  train_micro_batch_size_per_gpu: 2,\n  zero_optimisation: {stage: 1,},\n}\n")
