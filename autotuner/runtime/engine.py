@@ -28,7 +28,7 @@ from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, write
 from autotuner.runtime.online import start_online
 from autotuner.runtime.online.apply import apply_fsdp_prefetch, fsdp_prefetch_depths, fsdp_units, read_applied, rewrap_ddp
 from autotuner.runtime.optim import step_scheduler
-from autotuner.runtime.sharding import average_gradients, gradient_norm, unwrap, wrap_ddp
+from autotuner.runtime.sharding import average_gradients, finite_norm, gradient_norm, unwrap, wrap_ddp
 from autotuner.runtime.reporting import RunReporter
 from autotuner.runtime.timers import ProfileWindow, Stopwatch
 from autotuner.runtime.window_load import WindowWatch
@@ -301,6 +301,13 @@ class Engine(DeepSpeedAccessors, nn.Module):
         if self._grad_scaler is not None:
             # Skipped when a gradient overflowed; the scale then follows DeepSpeed's rule (loss_scale.py).
             self._step_applied = self._grad_scaler.step(self.optimizer)
+        elif self._skips_non_finite and not finite_norm(self._global_grad_norm):
+            # DeepSpeed's ZeRO optimizers (and its bf16 optimizer at stage 0) skip a step whose
+            # gradients hold an inf or NaN; only stage 0 in fp32 applies it.
+            self._step_applied = False
+            if self.ctx.rank == 0:
+                logger.warning("step %d: the gradient norm is not finite; step skipped, as DeepSpeed skips it",
+                               self.global_steps + 1)
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -308,6 +315,10 @@ class Engine(DeepSpeedAccessors, nn.Module):
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:  # DeepSpeed does not advance the schedule on a skipped step
             step_scheduler(self.lr_scheduler, lr_kwargs, self.batch.train_batch_size)
+
+    @property
+    def _skips_non_finite(self) -> bool:
+        return self.config.zero_optimization.stage >= 1 or self.precision == "bf16"
 
     @contextlib.contextmanager
     def _oom_guard(self):

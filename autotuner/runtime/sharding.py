@@ -197,6 +197,13 @@ def gradient_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tens
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+def finite_norm(norm: torch.Tensor | None) -> bool:
+    """Whether a gradient norm from gradient_norm is finite (no gradient at all counts as finite)."""
+    if norm is None:
+        return True
+    return bool(torch.isfinite(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+
+
 def is_dtensor(value: Any) -> bool:
     """Whether `value` is a DTensor: an FSDP2 parameter's shard (or its state-dict entry)."""
     try:

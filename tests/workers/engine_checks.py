@@ -5,6 +5,7 @@
 
 import argparse
 import json
+import math
 import os
 from pathlib import Path
 
@@ -439,6 +440,30 @@ def check_bf16() -> dict:
     return {"losses": losses}
 
 
+def check_non_finite() -> dict:
+    """A step whose gradients hold an inf: skipped (weights, optimizer state and schedule unchanged,
+    counted in skipped_steps) at ZeRO 1-3 and under bf16, applied at stage 0 in fp32, as DeepSpeed
+    0.19.8 does (its engine, run on one CPU rank, gives the same table)."""
+    result = {}
+    for stage in STAGES:
+        for precision in ("fp32", "bf16"):
+            torch.manual_seed(0)
+            extra = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+            engine, *_ = autotuner.initialize(model=Net(), config=config(stage, **extra))
+            train_steps(engine, 0, 1)
+            before = full_parameters(engine)
+            x, _ = (t.to(engine.device) for t in batch(1, 0, 4))
+            engine.backward(engine(x).float().sum() * float("inf"))
+            engine.step()
+            after = full_parameters(engine)
+            finite = all(math.isfinite(v) for values in after.values() for v in values)
+            record = [engine.was_step_applied(), engine.skipped_steps, after == before, finite,
+                      engine.lr_scheduler.last_epoch]
+            later = train_steps(engine, 2, 1)  # training goes on
+            result[f"{stage}_{precision}"] = [*record, math.isfinite(later[0])]
+    return result
+
+
 def check_offload() -> dict:
     """ZeRO 2/3 with CPU offload (FSDP2 CPUOffloadPolicy) give the losses of the same stage without it.
     DeepSpeed offloads parameters only at stage 3, so stage 2 offloads the optimizer alone."""
@@ -548,7 +573,7 @@ def check_unused() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    names = ("parity", "gas", "checkpoint", "checkpoint_state", "bf16", "offload", "raw_forward", "unused", "checkpoint_unused",
+    names = ("parity", "gas", "checkpoint", "checkpoint_state", "bf16", "non_finite", "offload", "raw_forward", "unused", "checkpoint_unused",
              "activation_checkpointing", "compile", "deepspeed_signatures")
     parser.add_argument("--check", required=True,
                         help=f"one of {', '.join(names)}, or several joined by commas (one launch runs them in turn)")
@@ -562,7 +587,7 @@ def main() -> None:
     # Each check that saves gets its own directory, so several in one launch do not meet.
     checks = {"parity": check_parity, "gas": check_gas, "checkpoint": lambda: check_checkpoint(args.out + ".ckpt"),
               "checkpoint_state": lambda: check_checkpoint_state(args.out + ".state.ckpt"),
-              "bf16": check_bf16, "offload": check_offload, "raw_forward": check_raw_forward,
+              "bf16": check_bf16, "non_finite": check_non_finite, "offload": check_offload, "raw_forward": check_raw_forward,
               "unused": check_unused,
               "checkpoint_unused": lambda: check_checkpoint(args.out + ".unused.ckpt", NetWithUnused),
               "activation_checkpointing": lambda: check_activation_checkpointing(args.out + ".ac.ckpt"),
