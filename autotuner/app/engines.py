@@ -28,6 +28,16 @@ INSTALL_HINT = ("pip install 'autotuner[deepspeed]' (on a CPU-only machine: DS_B
                 "pip install --no-build-isolation deepspeed)")
 
 
+# Hugging Face's Trainer: it builds DeepSpeed's engine itself and checks the config's numbers
+# against its own flags (transformers' HfTrainerDeepSpeedConfig), so both must say the same.
+TRAINER_CLASSES = frozenset({"transformers:Trainer", "transformers:Seq2SeqTrainer", "transformers:TrainingArguments",
+                             "transformers:Seq2SeqTrainingArguments"})
+
+
+def trains_with_trainer(script: str) -> bool:
+    return any(site.name in TRAINER_CLASSES for site in import_sites(script))
+
+
 def deepspeed_installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
@@ -35,10 +45,7 @@ def deepspeed_installed() -> bool:
 # Classes that hand a script's model to DeepSpeed's engine when given a DeepSpeed config: Hugging
 # Face's Trainer (`--deepspeed ds.json`, as in DeepSpeed's autotuning tutorial) and accelerate's
 # DeepSpeed plugin. A script that imports autotuner trains on ours whatever else it imports.
-DEEPSPEED_THROUGH = frozenset({
-    "transformers:Trainer", "transformers:Seq2SeqTrainer", "transformers:TrainingArguments",
-    "transformers:Seq2SeqTrainingArguments", "accelerate:DeepSpeedPlugin", "accelerate.utils:DeepSpeedPlugin",
-})
+DEEPSPEED_THROUGH = TRAINER_CLASSES | {"accelerate:DeepSpeedPlugin", "accelerate.utils:DeepSpeedPlugin"}
 
 
 @dataclass(frozen=True)
@@ -144,11 +151,14 @@ def check_deepspeed_precision(fp16_enabled: object, choice: EngineChoice, script
     kernels. On CUDA DeepSpeed decides per GPU, and our engine runs fp16 anywhere."""
     import torch
 
-    if (not choice.settled or choice.engine != "deepspeed" or fp16_enabled is not True or torch.cuda.is_available()
+    # "auto" beside the Trainer's --fp16 is true once the Trainer fills it in.
+    fp16 = fp16_enabled is True or (fp16_enabled == "auto" and "--fp16" in script_args)
+    if (not choice.settled or choice.engine != "deepspeed" or not fp16 or torch.cuda.is_available()
             or deepspeed_cpu_runs_fp16()):
         return
     flag = " and drop the script's --fp16" if "--fp16" in script_args else ""
-    raise ConfigError(f"{source}: fp16.enabled: true, but DeepSpeed's engine refuses fp16 on this CPU (oneDNN has "
+    given = "true" if fp16_enabled is True else '"auto" with the script\'s --fp16'
+    raise ConfigError(f"{source}: fp16.enabled: {given}, but DeepSpeed's engine refuses fp16 on this CPU (oneDNN has "
                       f"no fp16 kernels for it: it needs AVX512-FP16 or AMX-FP16), and {choice.why}; set \"fp16\": "
                       f"{{\"enabled\": false}}{flag} to train in fp32, or \"bf16\": {{\"enabled\": true}} in its place")
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autotuner.app.engines import (EngineChoice, check_deepspeed_precision, check_our_engine_sections,
-                                   script_engine, trains_on_ours)
+                                   script_engine, trains_on_ours, trains_with_trainer)
 from autotuner.config import DeepSpeedConfig, load_config
 from autotuner.config.batch import check_fixed_triad, data_parallel_size as data_parallel_size_of, train_batch_size
 from autotuner.config.keys import field_names, section_model
@@ -130,6 +130,26 @@ def check_some_batch_is_valid(space: SearchSpace, data_parallel_size: int, sourc
     raise ConfigError(f"{source}: {key}: no micro-batch size gives a valid global batch: {allowed}")
 
 
+# Hugging Face's Trainer's flag for each batch key: it checks the config's value against it.
+TRAINER_BATCH_FLAGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+                       "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+
+
+def check_trainer_mappings(space: SearchSpace, arg_mappings: dict[str, str], source: str) -> None:
+    """For a Trainer script, a batch key that varies between experiments needs its flag mapped:
+    the Trainer refuses a config whose value differs from its flag's, so every launch but the one
+    matching the flag's value would fail (and the pick come from those that did not)."""
+    micros = [m for m in (space.fixed_micro_batch_sizes or
+                          range(space.min_micro_batch_size, space.max_micro_batch_size + 1)) if space.gas(m) is not None]
+    values = {"train_micro_batch_size_per_gpu": sorted(set(micros)),
+              "gradient_accumulation_steps": sorted({space.gas(m) for m in micros})}
+    for key, flag in TRAINER_BATCH_FLAGS.items():
+        if key not in arg_mappings and len(values[key]) > 1:
+            raise ConfigError(f"{source}: autotuning.arg_mappings: {key} varies between experiments "
+                              f"({values[key][0]}..{values[key][-1]}) but is mapped to no flag, and Hugging Face's "
+                              f"Trainer refuses a config value other than its {flag}; add \"{key}\": \"{flag}\"")
+
+
 def check_trainer_autos(config: DeepSpeedConfig, choice: EngineChoice, script: str, source: str) -> None:
     """Hugging Face's "auto" values: refused for a script on our engine; on DeepSpeed's, passed
     through, saying so. With model_info given no profile launch measures the precision the Trainer
@@ -204,7 +224,14 @@ def settle(args: argparse.Namespace) -> SettledJob:
     results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
-    data_parallel_size = data_parallel_size_of(world_size, tuning.mp_size, source)
+    # DeepSpeed's engine splits each sequence over sequence_parallel_size ranks, and its batch
+    # arithmetic divides the world by it as by a model-parallel size (ours refuses it at initialize).
+    sequence_parallel = config.set_aside.get("sequence_parallel_size", 1)
+    sequence_parallel = sequence_parallel if isinstance(sequence_parallel, int) and sequence_parallel > 1 else 1
+    if world_size % (tuning.mp_size * sequence_parallel):
+        raise ConfigError(f"{source}: sequence_parallel_size {sequence_parallel} x autotuning.mp_size "
+                          f"{tuning.mp_size} must divide the world size ({world_size})")
+    data_parallel_size = data_parallel_size_of(world_size, tuning.mp_size * sequence_parallel, source)
     check_fixed_triad(config, data_parallel_size, source)
     engine = script_engine(args.script, getattr(args, "engine", "auto"))
     # The search space, built once for the run from the device facts read once (the engine's own
@@ -212,6 +239,8 @@ def settle(args: argparse.Namespace) -> SettledJob:
     devices = read_device_facts()
     space = search_space(config, data_parallel_size, engine.engine, devices.on_gpu)
     check_some_batch_is_valid(space, data_parallel_size, source)
+    if trains_with_trainer(args.script):
+        check_trainer_mappings(space, dict(tuning.arg_mappings), source)
     if tuning.metric == "goodput" and isinstance(config.train_batch_size, int):
         raise ConfigError(f"{source}: train_batch_size: got {config.train_batch_size}; metric \"goodput\" picks the "
                           "global batch, so leave it \"auto\" or absent")
@@ -260,6 +289,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
         max_sequence_length=max_length,
         max_sequence_length_from=max_length_from,
         lr_scaling=tuning.lr_scaling,
+        trainer=trains_with_trainer(args.script),
     )
     fingerprint = fingerprint_of(script=args.script, script_args=script_args,
                                  mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,

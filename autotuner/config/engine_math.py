@@ -10,9 +10,6 @@ from autotuner.core.errors import ConfigError
 # Sections DeepSpeed's engine acts on when enabled, changing what the model is fed or runs; ours does
 # not carry them. Enabled, they would train differently here: refused at initialize, before any step.
 _FEATURES = {
-    "curriculum_learning": "DeepSpeed's legacy curriculum learning (the engine passes a growing sequence length "
-                           "to the model's forward)",
-    "progressive_layer_drop": "progressive layer dropping (the engine passes a keep probability to the forward)",
     "data_efficiency": "DeepSpeed's data efficiency library (curriculum sampling, random-LTD)",
 }
 
@@ -34,6 +31,11 @@ def refuse_other_math(config: DeepSpeedConfig, source: str) -> None:
             raise ConfigError(f"{source}: {key} is enabled: {what} is not carried by autotuner's engine, so the run "
                               "would train differently from DeepSpeed; disable the section, or train on DeepSpeed's "
                               "engine (import deepspeed, or --engine deepspeed)")
+    sequence_parallel = config.set_aside.get("sequence_parallel_size", 1)
+    if isinstance(sequence_parallel, int) and not isinstance(sequence_parallel, bool) and sequence_parallel > 1:
+        raise ConfigError(f"{source}: sequence_parallel_size {sequence_parallel}: DeepSpeed's engine splits each "
+                          "sequence over that many ranks (and divides the data-parallel size by it); autotuner's "
+                          "engine trains every rank data parallel; remove it, or train on DeepSpeed's engine")
     if not config.managed_gradient_accumulation:
         raise ConfigError(f"{source}: managed_gradient_accumulation false (every step() is an optimizer step) is not "
                           "supported by autotuner's engine; remove it and set gradient_accumulation_steps instead")

@@ -16,14 +16,12 @@ from autotuner.core.errors import ConfigError
 KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
     "": frozenset(
         {
-            "aio", "amp", "checkpoint", "comms_logger",
-            "compression_training", "curriculum_learning",
+            "aio", "checkpoint", "comms_logger",
             "data_efficiency", "data_types", "dataloader_drop_last", "disable_allgather", "dump_state",
-            "eigenvalue", "elasticity", "memory_breakdown",
-            "monitor_config", "pipeline", "progressive_layer_drop", "sparse_attention",
-            "sparse_gradients", "weight_quantization", "zero_allow_untested_optimizer",
+            "memory_breakdown",
+            "monitor_config", "pipeline", "weight_quantization", "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer", "train_batch_size_per_gpu_at_fp16", "hybrid_engine",
-            "nebula", "comet", "quantize_training", "log_level", "disable_python_gc",
+            "comet", "log_level", "disable_python_gc",
             "use_data_before_expert_parallelism", "expert_parallel", "seq_parallel_communication_data_type",
             "tensor_parallel", "sequence_parallel_size",
         }
@@ -34,7 +32,7 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
             "elastic_checkpoint", "ignore_unused_parameters", "sub_group_size",
             "cpu_offload_params", "cpu_offload_use_pin_memory",
             "stage3_max_reuse_distance", "zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients",
-            "zero_quantized_nontrainable_weights", "mics_shard_size", "mics_hierarchical_params_gather",
+            "zero_quantized_nontrainable_weights",
             "memory_efficient_linear", "use_multi_rank_bucket_allreduce", "pipeline_loading_checkpoint",
             "override_module_apply", "log_trace_cache_warnings", "module_granularity_threshold",
             "use_all_reduce_for_fetch_params", "legacy_stage1",
@@ -82,10 +80,31 @@ def section_model(annotation: Any) -> type[BaseModel] | None:
     return None
 
 
+# Keys DeepSpeed 0.19.8 removed, and refuses in any config that holds them (enabled or not,
+# runtime/config.py _reject_removed_config_keys): what each did, and what to do instead.
+REMOVED_KEYS: dict[str, str] = {
+    "nebula": "Nebula checkpointing",
+    "compression_training": "the compression library",
+    "amp": "NVIDIA Apex AMP; use fp16 or bf16",
+    "quantize_training": "Mixture-of-Quantization",
+    "sparse_gradients": "sparse embedding-gradient compression",
+    "eigenvalue": "eigenvalue-based Mixture-of-Quantization",
+    "sparse_attention": "Sparse Attention",
+    "elasticity": "elastic training; set the batch sizes directly",
+    "graph_harvesting": "graph harvesting",
+    "curriculum_learning": "the legacy top-level curriculum; use data_efficiency.data_sampling.curriculum_learning",
+    "progressive_layer_drop": "Progressive Layer Dropping",
+    "zero_optimization.mics_shard_size": "MiCS sharding",
+    "zero_optimization.mics_hierarchical_params_gather": "MiCS sharding",
+    "zero_optimization.zeropp_loco_param": "LoCo ZeRO++",
+}
+
+
 def check_keys(raw: dict[str, Any], model: type[BaseModel], source: str, path: str = "") -> tuple[dict, list[str]]:
     """Return a copy of `raw` without known-unused keys, and their dotted paths.
 
-    Raises ConfigError on the first unknown key, with the closest known key.
+    Raises ConfigError on the first unknown key, with the closest known key, and on a key
+    DeepSpeed 0.19.8 removed (it refuses such a file too).
     """
     known = field_names(model)
     unused_here = KNOWN_UNUSED_KEYS.get(path, frozenset())
@@ -93,6 +112,9 @@ def check_keys(raw: dict[str, Any], model: type[BaseModel], source: str, path: s
     ignored: list[str] = []
     for key, value in raw.items():
         dotted = f"{path}.{key}" if path else key
+        if dotted in REMOVED_KEYS:
+            raise ConfigError(f"{source}: {dotted}: removed from DeepSpeed ({REMOVED_KEYS[dotted]}), and DeepSpeed "
+                              "0.19.8 refuses a config that holds it, enabled or not; remove it")
         if key in known:
             field = model.model_fields.get(key)
             sub = section_model(field.annotation) if field is not None else None  # None: an alias

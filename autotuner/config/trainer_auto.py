@@ -62,6 +62,20 @@ def refuse_trainer_autos(config: DeepSpeedConfig, source: str, why: str = "") ->
                       f"autotuner's engine set {settings}")
 
 
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def refuse_auto_batch(config: DeepSpeedConfig, source: str) -> None:
+    """A batch size left "auto" when training: the tuner or the Trainer settles it, and neither ran.
+    DeepSpeed's engine refuses it too; filled in here, "auto" accumulation trained as 1."""
+    keys = [key for key in BATCH_KEYS if getattr(config, key) == "auto"]
+    if keys:
+        verb = "is" if len(keys) == 1 else "are"
+        raise ConfigError(f"{source}: {', '.join(keys)} {verb} \"auto\", which the autotuner (launcher --autotuning "
+                          "tune|run) or Hugging Face's Trainer fills in, and neither ran before this engine; give "
+                          "a number to train")
+
+
 # What a check before launch puts where the Trainer will put its own value (never trained with).
 _STAND_INS: dict[str, Any] = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
                               "warmup_min_lr": 0.0, "warmup_max_lr": 1e-3, "warmup_num_steps": 1,

@@ -15,7 +15,7 @@ from autotuner.config.batch import resolve_batch
 from autotuner.config.loader import ConfigSource, load_config
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.config.engine_math import refuse_other_math
-from autotuner.config.trainer_auto import refuse_trainer_autos
+from autotuner.config.trainer_auto import refuse_auto_batch, refuse_trainer_autos
 from autotuner.core.errors import ConfigError, UnsupportedError
 from autotuner.runtime.activation_checkpointing import apply_activation_checkpointing
 from autotuner.runtime.compiling import compile_blocks
@@ -83,8 +83,10 @@ def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
         raise ConfigError("no config: pass --deepspeed PATH or initialize(config=...)")
     source = config if config is not None else paths[0]
     loaded = load_config(source)
-    # No Trainer runs before our engine to fill its "auto" values in.
-    refuse_trainer_autos(loaded, str(source) if isinstance(source, (str, os.PathLike)) else "config")
+    # No Trainer runs before our engine to fill its "auto" values in, nor the tuner its batch sizes.
+    named = str(source) if isinstance(source, (str, os.PathLike)) else "config"
+    refuse_auto_batch(loaded, named)
+    refuse_trainer_autos(loaded, named)
     refuse_other_math(loaded, str(source) if isinstance(source, (str, os.PathLike)) else "config")
     return loaded
 

@@ -76,6 +76,20 @@ def test_a_key_given_twice_is_refused_as_deepspeed_refuses_it(in_tmp, capsys):
     assert_refused(in_tmp, capsys, tune_argv(config), str(config), "'loss_scale' is given twice")
 
 
+def test_a_trainer_scripts_varying_batch_key_needs_its_flag_mapped(in_tmp, capsys):
+    # Hugging Face's Trainer refuses a config gradient_accumulation_steps other than its flag's:
+    # unmapped, every launch but one would fail, and the pick come from the one left.
+    pytest.importorskip("deepspeed")
+    script = write(in_tmp / "train.py", "from transformers import Trainer, TrainingArguments\n")
+    cfg = write(in_tmp / "ds.json", {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "autotuning": {"enabled": True, "max_train_batch_size": 16,
+                       "arg_mappings": {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size"}}})
+    assert_refused(in_tmp, capsys, tune_argv(cfg, script=script), str(cfg),
+                   "gradient_accumulation_steps varies between experiments (1..8)",
+                   '"gradient_accumulation_steps": "--gradient_accumulation_steps"')
+
+
 def test_hjson_with_comments_and_trailing_commas_is_accepted_up_to_the_next_check(in_tmp, capsys):
     # Valid hjson gets past parsing; a later check (here, a typo) is what refuses it.
     config = write(in_tmp / "ds.hjson", "{\n  // comment\n  train_micro_batch_size_per_gpu: 2,\n  zero_optimisation: {stage: 1,},\n}\n")

@@ -453,6 +453,15 @@ def test_arg_mappings_keys_with_spaces_are_stripped(caplog):
     assert "spaces around it" in caplog.text
 
 
+@pytest.mark.parametrize("batch", [{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"},
+                                   {"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto"}])
+def test_a_batch_size_left_auto_is_refused_when_training(batch):
+    # DeepSpeed's engine refuses it; filled in here, "auto" accumulation trained as 1.
+    key = next(key for key, value in batch.items() if value == "auto")
+    with pytest.raises(ConfigError, match=rf'^config: {key} is "auto", which the autotuner .* give a number to train$'):
+        autotuner.initialize(model=torch.nn.Linear(2, 2), config=batch)
+
+
 def test_a_number_beyond_float_is_one_line(tmp_path):
     from autotuner.config import load_config
 

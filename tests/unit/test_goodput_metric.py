@@ -129,6 +129,28 @@ def test_the_learning_rate_follows_the_picks_global_batch():
     assert eq_args == ("--lr=2",)
 
 
+def test_with_hugging_faces_trainer_the_config_rate_and_its_flag_stay_one_number():
+    # The Trainer refuses optimizer.params.lr (and a given warmup_max_lr) other than --learning_rate.
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10, "total_num_steps": 100}}}
+    # Its parser takes the dashed spelling too: scaled like the other.
+    scaled, args, _ = scale_learning_rate(config, ("--learning-rate", "2e-4"), 64, 32, "linear", trainer=True)
+    assert scaled["optimizer"]["params"]["lr"] == pytest.approx(4e-4) and args == ("--learning-rate", "0.0004")
+    # No flag: the Trainer's default (5e-5) would not match the scaled config, so the flag is given.
+    scaled, args, line = scale_learning_rate(config, ("--do_train",), 64, 32, "linear", trainer=True)
+    assert args == ("--do_train", "--learning_rate", "0.0004") and "--learning_rate 0.0004 added" in line
+    # WarmupDecayLR's warmup_max_lr left to DeepSpeed's default: not written, which the Trainer would
+    # check against the flag; the line says so.
+    assert "warmup_max_lr" not in scaled["scheduler"]["params"] and "left to DeepSpeed's default" in line
+    # Without the Trainer the default bound is written, scaled, and no flag is added.
+    plain, plain_args, _ = scale_learning_rate(config, ("--do_train",), 64, 32, "linear")
+    assert plain["scheduler"]["params"]["warmup_max_lr"] == pytest.approx(2e-3) and plain_args == ("--do_train",)
+    # An "auto" rate is the Trainer's: only its flag is scaled.
+    auto, auto_args, _ = scale_learning_rate({"optimizer": {"params": {"lr": "auto"}}}, ("--learning-rate", "1e-4"),
+                                             64, 32, "linear", trainer=True)
+    assert auto["optimizer"]["params"]["lr"] == "auto" and auto_args == ("--learning-rate", "0.0002")
+
+
 def test_the_summary_names_the_final_pick_with_its_re_measured_figure():
     # A's first window scored best, but the re-measurement rounds picked B: the line names B, as
     # ds_config_optimal.json does (it named A).

@@ -162,17 +162,21 @@ def test_engine_detection_keeps_the_gpt2_example_on_ours():
     assert script_engine(str(example)).engine == "autotuner" and trains_on_ours(str(example))
 
 
-def test_a_users_other_spelling_of_a_tuned_key_is_not_written_beside_it():
+def test_a_tuned_key_is_written_in_the_users_spelling_and_only_once():
     # Hugging Face's documented ZeRO-3 config spells stage3_gather_16bit_weights_on_model_save; the
-    # tuned config writes the field's own name. Both in one file: our config and DeepSpeed's refuse it.
+    # tuned config holds the field's own name. Both in one file: our config and DeepSpeed's refuse it.
+    # And the Trainer checks "bf16" against its --bf16 flag, where the user's "bfloat16" passed.
     user = {"zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True, "sub_group_size": 10**9},
             "bfloat16": {"enabled": True}}
-    tuned = {"zero_optimization": {"stage": 3, "gather_16bit_weights_on_model_save": True}, "bf16": {"enabled": True},
+    tuned = {"zero_optimization": {"stage": 2, "gather_16bit_weights_on_model_save": False}, "bf16": {"enabled": True},
              "train_micro_batch_size_per_gpu": 2}
     optimal = with_user_keys(user, tuned)
-    assert optimal == {"zero_optimization": {"stage": 3, "sub_group_size": 10**9, "gather_16bit_weights_on_model_save": True},
-                       "bf16": {"enabled": True}, "train_micro_batch_size_per_gpu": 2}
-    load_config(optimal)  # one spelling: it loads
+    assert optimal == {"zero_optimization": {"stage": 2, "stage3_gather_16bit_weights_on_model_save": False,
+                                             "sub_group_size": 10**9},
+                       "bfloat16": {"enabled": True}, "train_micro_batch_size_per_gpu": 2}
+    assert load_config(optimal).precision == "bf16"  # one spelling: it loads, as tuned
+    # Written in our spelling where the user gave none.
+    assert with_user_keys({}, tuned) == tuned
 
 
 def test_deepspeeds_deprecated_cpu_offload_flags_are_read_as_deepspeed_reads_them():

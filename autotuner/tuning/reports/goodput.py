@@ -17,7 +17,8 @@ from autotuner.tuning.models.gradient_noise import NoiseScale, scaled_learning_r
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 
 SCHEDULER_LR_KEYS = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr")
-LR_FLAGS = ("--learning_rate", "--lr")
+LR_FLAGS = ("--learning_rate", "--learning-rate", "--lr")  # Hugging Face's parser takes the dashed spelling too
+TRAINER_LR_FLAG = "--learning_rate"
 
 
 def _scaled(value: Any, global_batch: int, reference: int, rule: str) -> Any:
@@ -36,8 +37,11 @@ def _number(text: str | None) -> float | None:
 
 
 def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], global_batch: int, reference: int,
-                        rule: str) -> tuple[dict[str, Any], tuple[str, ...], str]:
-    """(the config, the script's arguments, the summary's line) with the learning rate scaled."""
+                        rule: str, trainer: bool = False) -> tuple[dict[str, Any], tuple[str, ...], str]:
+    """(the config, the script's arguments, the summary's line) with the learning rate scaled.
+    With Hugging Face's `trainer`, which refuses a config rate other than its --learning_rate, a
+    numeric config rate is given as that flag too, and a scheduler bound left to DeepSpeed's
+    default stays unwritten (the Trainer would check a written one against the flag)."""
     if rule == "none":
         return config, script_args, (f"Learning rate: left as it is (autotuning.lr_scaling \"none\"), though the "
                                      f"pick's global batch is {global_batch} against reference_batch_size {reference}")
@@ -53,20 +57,27 @@ def scale_learning_rate(config: dict[str, Any], script_args: tuple[str, ...], gl
     # optimizer's lr): written out, scaled, or the schedule would train at the reference's rate.
     defaults = SCHEDULER_DEFAULTS.get(section.get("type"), {})
     left = {key: defaults[key] for key in SCHEDULER_LR_KEYS if defaults.get(key) and key not in scheduler}
-    if left:
+    if left and trainer:
+        changed.append(f"scheduler {', '.join(left)} left to DeepSpeed's default, not scaled (Hugging Face's Trainer "
+                       "checks a given one against --learning_rate: set it to \"auto\" to follow the flag)")
+    elif left:
         scheduler = section["params"] = {**scheduler, **left}
     for key in SCHEDULER_LR_KEYS:
         if key in scheduler and isinstance(scheduler[key], (int, float)) and not isinstance(scheduler[key], bool):
             scheduler[key] = _scaled(scheduler[key], global_batch, reference, rule)
             changed.append(f"scheduler {key}")
     args = tuple(script_args)
-    for flag in LR_FLAGS:
-        found = find_flag(args, flag)
-        number = _number(found[1]) if found else None
+    flags = [flag for flag in LR_FLAGS if find_flag(args, flag)]
+    for flag in flags:
+        number = _number(find_flag(args, flag)[1])
         if number is not None:
             new = f"{scaled_learning_rate(number, global_batch, reference, rule):.6g}"
             args = set_flag(args, flag, new)
             changed.append(f"{flag} {number:g} -> {new}")
+    lr = params.get("lr")
+    if trainer and not flags and isinstance(lr, (int, float)) and not isinstance(lr, bool):
+        args = set_flag(args, TRAINER_LR_FLAG, f"{lr:.6g}")  # the Trainer's default (5e-5) would not match
+        changed.append(f"{TRAINER_LR_FLAG} {lr:.6g} added, the config's rate")
     factor = scaled_learning_rate(1.0, global_batch, reference, rule)
     what = "; ".join(changed) if changed else "no numeric learning rate found to scale (an \"auto\" lr is the " \
                                                 "trainer's: scale its flag yourself)"

@@ -57,7 +57,7 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
         if objective.reference_batch:  # metric goodput (also where it fell back to throughput)
             config, script_args, line = scale_learning_rate(
                 config, settings.script_args, best.experiment.train_batch_size(settings.data_parallel_size),
-                objective.reference_batch, settings.lr_scaling)
+                objective.reference_batch, settings.lr_scaling, trainer=settings.trainer)
             settings = replace(settings, script_args=script_args)
             goodput.append(line)
         optimal_path = (results_dir / "ds_config_optimal.json").resolve()

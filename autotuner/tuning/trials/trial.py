@@ -68,6 +68,9 @@ class ExperimentSettings:
     max_sequence_length: int | None = None
     max_sequence_length_from: str = ""  # where it was read, for the summary
     lr_scaling: str = "none"  # metric goodput: how the optimal config's learning rate follows its global batch
+    # Hugging Face's Trainer builds the engine: it checks the config's learning rate and batch sizes
+    # against its own flags, so what is written must say the same in both.
+    trainer: bool = False
 
 
 def config_value(config: dict[str, Any], dotted_key: str) -> Any:
@@ -158,24 +161,42 @@ def with_user_keys(user_config: dict[str, Any], tuned: dict[str, Any]) -> dict[s
     settled there, or derived)."""
     merged = {key: copy.deepcopy(value) for key, value in user_config.items()
               if key != "autotuning" and key not in BATCH_KEYS}
-    return _laid_over(_without_other_spellings(merged, tuned, DeepSpeedConfig), tuned)
+    user, tuned = _in_user_spelling(merged, tuned, DeepSpeedConfig)
+    return _laid_over(user, tuned)
 
 
-def _without_other_spellings(user: dict[str, Any], tuned: dict[str, Any], model: type) -> dict[str, Any]:
-    """The user's keys less another spelling of a key the tuned config writes under its own name
-    (stage3_gather_16bit_weights_on_model_save beside gather_16bit_weights_on_model_save, DeepSpeed's
-    older "bfloat16" beside "bf16"): with both, our config and DeepSpeed's refuse the file."""
+def _other_spellings(model: type) -> dict[str, tuple[str, ...]]:
     others = dict(getattr(model, "other_spellings", {}))
     for name, info in model.model_fields.items():
         if isinstance(info.validation_alias, AliasChoices):
             others[name] = tuple(c for c in info.validation_alias.choices if isinstance(c, str) and c != name)
-    kept = {key: value for key, value in user.items()
-            if not any(key in spellings and name in tuned for name, spellings in others.items())}
+    return others
+
+
+def _in_user_spelling(user: dict[str, Any], tuned: dict[str, Any],
+                      model: type) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the user's keys, the tuned config) with one spelling of each key: both at once are refused
+    by our config and DeepSpeed's. A key the user spelt otherwise (stage3_gather_16bit_weights_on_model_save
+    for gather_16bit_weights_on_model_save, DeepSpeed's older "bfloat16" for "bf16") is written in
+    the user's spelling: Hugging Face's Trainer checks "bf16" against its --bf16 flag where the user's
+    "bfloat16" passed. A deprecated form of another shape (cpu_offload: true for offload_optimizer)
+    is dropped for the tuned section."""
+    others = _other_spellings(model)
+    user, renamed = dict(user), dict(tuned)
+    for name, spellings in others.items():
+        used = next((spelling for spelling in spellings if spelling in user), None)
+        if name not in renamed or name in user or used is None:
+            continue
+        if type(user[used]) is type(renamed[name]):
+            renamed = {used if key == name else key: value for key, value in renamed.items()}
+        else:
+            del user[used]
     for name, info in model.model_fields.items():
         section = section_model(info.annotation)
-        if section is not None and isinstance(kept.get(name), dict) and isinstance(tuned.get(name), dict):
-            kept[name] = _without_other_spellings(kept[name], tuned[name], section)
-    return kept
+        key = next((k for k in (name, *others.get(name, ())) if isinstance(renamed.get(k), dict)), None)
+        if section is not None and key is not None and isinstance(user.get(key), dict):
+            user[key], renamed[key] = _in_user_spelling(user[key], renamed[key], section)
+    return user, renamed
 
 
 def _laid_over(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
