@@ -72,16 +72,25 @@ def _check_mpu(mpu: Any, mesh_param: Any) -> None:
 
 
 def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
-    names = ("deepspeed", "deepspeed_config", "deepscale_config")
-    paths = [getattr(args, name, None) for name in names] if args is not None else []
-    paths = [p for p in paths if isinstance(p, str)]
-    if config is not None and paths:
-        raise ConfigError(f"config given twice: initialize(config=...) and --deepspeed {paths[0]}; pass one")
-    if len(set(paths)) > 1:
-        raise ConfigError(f"--deepspeed {paths[0]} and --deepspeed_config {paths[1]} disagree; pass one")
-    if config is None and not paths:
-        raise ConfigError("no config: pass --deepspeed PATH or initialize(config=...)")
-    source = config if config is not None else paths[0]
+    """As DeepSpeed: args.deepspeed_config (or the older deepscale_config; a path or a dict) or
+    initialize(config=...), not both. Ours besides: Hugging Face's style `--deepspeed PATH`, read
+    only where neither is given (DeepSpeed's --deepspeed is a switch, never a config)."""
+    given = [getattr(args, name, None) for name in ("deepspeed_config", "deepscale_config")] if args is not None else []
+    given = [value for value in given if value is not None]
+    if config is not None and given:
+        raise ConfigError(f"config given twice: initialize(config=...) and --deepspeed_config {_named(given[0])}; "
+                          "pass one")
+    if len(given) > 1 and given[0] != given[1]:
+        raise ConfigError(f"--deepspeed_config {_named(given[0])} and --deepscale_config {_named(given[1])} "
+                          "disagree; pass one")
+    switch = getattr(args, "deepspeed", None) if args is not None else None
+    if config is None and not given and isinstance(switch, str):
+        given = [switch]
+    if config is None and not given:
+        raise ConfigError("no config: pass --deepspeed_config PATH (or --deepspeed PATH) or initialize(config=...)")
+    source = config if config is not None else given[0]
+    if isinstance(source, os.PathLike):
+        source = os.fspath(source)
     loaded = load_config(source)
     # No Trainer runs before our engine to fill its "auto" values in, nor the tuner its batch sizes.
     named = str(source) if isinstance(source, (str, os.PathLike)) else "config"
@@ -89,6 +98,10 @@ def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
     refuse_trainer_autos(loaded, named)
     refuse_other_math(loaded, str(source) if isinstance(source, (str, os.PathLike)) else "config")
     return loaded
+
+
+def _named(value: Any) -> str:
+    return "(a dict)" if isinstance(value, dict) else str(value)
 
 
 def _gradient_noise_wanted(cfg: DeepSpeedConfig, stage: int) -> bool:

@@ -453,6 +453,30 @@ def test_arg_mappings_keys_with_spaces_are_stripped(caplog):
     assert "spaces around it" in caplog.text
 
 
+def test_the_config_comes_from_where_deepspeed_reads_it(tmp_path):
+    import argparse
+
+    def engine_of(**kwargs):
+        model = torch.nn.Linear(2, 2)
+        return autotuner.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)[0]
+
+    # A script's own --deepspeed PATH beside initialize(config=dict): DeepSpeed never reads
+    # args.deepspeed (its --deepspeed is a switch), so the dict is the config.
+    engine = engine_of(args=argparse.Namespace(deepspeed=str(tmp_path / "absent.json")),
+                       config={"train_micro_batch_size_per_gpu": 3})
+    assert engine.train_micro_batch_size_per_gpu() == 3
+    # args.deepspeed_config may be a dict or a Path, as DeepSpeed takes them.
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_micro_batch_size_per_gpu": 5}')
+    assert engine_of(args=argparse.Namespace(deepspeed_config=path)).train_micro_batch_size_per_gpu() == 5
+    assert engine_of(args=argparse.Namespace(deepspeed_config={"train_micro_batch_size_per_gpu": 6})
+                     ).train_micro_batch_size_per_gpu() == 6
+    # --deepspeed PATH alone (Hugging Face's style) still reads that file.
+    assert engine_of(args=argparse.Namespace(deepspeed=str(path))).train_micro_batch_size_per_gpu() == 5
+    with pytest.raises(ConfigError, match=r"config given twice: initialize\(config=...\) and --deepspeed_config"):
+        engine_of(args=argparse.Namespace(deepspeed_config=str(path)), config={"train_micro_batch_size_per_gpu": 3})
+
+
 @pytest.mark.parametrize("batch", [{"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": "auto"},
                                    {"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto"}])
 def test_a_batch_size_left_auto_is_refused_when_training(batch):
