@@ -228,7 +228,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
     # arithmetic divides the world by it as by a model-parallel size (ours refuses it at initialize).
     sequence_parallel = config.set_aside.get("sequence_parallel_size", 1)
     sequence_parallel = sequence_parallel if isinstance(sequence_parallel, int) and sequence_parallel > 1 else 1
-    if world_size % (tuning.mp_size * sequence_parallel):
+    if sequence_parallel > 1 and world_size % (tuning.mp_size * sequence_parallel):
         raise ConfigError(f"{source}: sequence_parallel_size {sequence_parallel} x autotuning.mp_size "
                           f"{tuning.mp_size} must divide the world size ({world_size})")
     data_parallel_size = data_parallel_size_of(world_size, tuning.mp_size * sequence_parallel, source)
