@@ -35,7 +35,10 @@ TRAINER_CLASSES = frozenset({"transformers:Trainer", "transformers:Seq2SeqTraine
 
 
 def trains_with_trainer(script: str) -> bool:
-    return any(site.name in TRAINER_CLASSES for site in import_sites(script))
+    """The script imports the Trainer and not autotuner (which would put it on our engine)."""
+    sites = import_sites(script)
+    return (any(site.name in TRAINER_CLASSES for site in sites)
+            and not any(site.top_level == "autotuner" for site in sites))
 
 
 def deepspeed_installed() -> bool:

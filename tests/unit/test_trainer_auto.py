@@ -162,6 +162,18 @@ def test_engine_detection_keeps_the_gpt2_example_on_ours():
     assert script_engine(str(example)).engine == "autotuner" and trains_on_ours(str(example))
 
 
+def test_a_trainer_script_is_one_that_imports_the_trainer_and_not_autotuner(tmp_path):
+    from autotuner.app.engines import trains_with_trainer
+
+    trainer = tmp_path / "run_clm.py"
+    trainer.write_text("from transformers import (\n    Trainer,\n    TrainingArguments,\n)\n")
+    ours = tmp_path / "ours.py"
+    ours.write_text("import autotuner\nfrom transformers import Trainer\n")  # our engine, whatever else it imports
+    plain = tmp_path / "plain.py"
+    plain.write_text("import deepspeed\nfrom transformers import AutoModel\n")
+    assert [trains_with_trainer(str(p)) for p in (trainer, ours, plain)] == [True, False, False]
+
+
 def test_a_tuned_key_is_written_in_the_users_spelling_and_only_once():
     # Hugging Face's documented ZeRO-3 config spells stage3_gather_16bit_weights_on_model_save; the
     # tuned config holds the field's own name. Both in one file: our config and DeepSpeed's refuse it.
