@@ -121,6 +121,21 @@ _ALLOWED = {
 }
 
 
+def _deprecated_zero_switch(raw: dict[str, Any], label: str) -> dict[str, Any]:
+    """DeepSpeed's oldest form, `"zero_optimization": true` (stage 1, its bucket from a top-level
+    allgather_size) or false (stage 0), read as DeepSpeed reads it."""
+    switch = raw.get("zero_optimization")
+    if not isinstance(switch, bool):
+        return raw
+    logger.warning("%s: \"zero_optimization\": %s is DeepSpeed's deprecated form; read as {\"stage\": %d}",
+                   label, "true" if switch else "false", int(switch))
+    zero: dict[str, Any] = {"stage": int(switch)}
+    rest = {key: value for key, value in raw.items() if key != "allgather_size"}
+    if switch and "allgather_size" in raw:
+        zero["allgather_bucket_size"] = raw["allgather_size"]
+    return {**rest, "zero_optimization": zero}
+
+
 def _deprecated_offload_flags(raw: dict[str, Any], label: str) -> dict[str, Any]:
     """DeepSpeed's deprecated `zero_optimization.cpu_offload` / `cpu_offload_param`, read as it reads
     them: true is the offload section with device "cpu", false none; with the section too, refused."""
@@ -159,6 +174,7 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
         for old in olds:
             if old in raw and name not in raw:
                 raw = {(name if key == old else key): value for key, value in raw.items()}
+    raw = _deprecated_zero_switch(raw, label)
     raw = _deprecated_offload_flags(raw, label)
     kept, ignored = check_keys(raw, DeepSpeedConfig, label)
     if ignored:

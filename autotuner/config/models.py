@@ -101,11 +101,15 @@ class ZeroConfig(Section):
     allgather_bucket_size: Union[PositiveInt, list[PositiveInt], None] = None
     contiguous_gradients: Union[bool, list[bool], None] = None
     # "auto" in these three: Hugging Face's Trainer sets them from the model's hidden size.
-    stage3_prefetch_bucket_size: Union[NonNegativeInt, list[NonNegativeInt], Auto, None] = None
-    stage3_param_persistence_threshold: Union[NonNegativeInt, list[NonNegativeInt], Auto, None] = None
+    # DeepSpeed takes each of these three without its stage3_ prefix too (its field names).
+    stage3_prefetch_bucket_size: Union[NonNegativeInt, list[NonNegativeInt], Auto, None] = Field(
+        None, validation_alias=AliasChoices("stage3_prefetch_bucket_size", "prefetch_bucket_size"))
+    stage3_param_persistence_threshold: Union[NonNegativeInt, list[NonNegativeInt], Auto, None] = Field(
+        None, validation_alias=AliasChoices("stage3_param_persistence_threshold", "param_persistence_threshold"))
     stage3_max_live_parameters: Union[PositiveInt, list[PositiveInt], None] = Field(
-        None, description="DeepSpeed's engine only: parameters held gathered at once at stage 3 (tuned there); "
-                          "FSDP2 gathers one block at a time, so ours has no such cap"
+        None, validation_alias=AliasChoices("stage3_max_live_parameters", "max_live_parameters"),
+        description="DeepSpeed's engine only: parameters held gathered at once at stage 3 (tuned there); "
+                    "FSDP2 gathers one block at a time, so ours has no such cap"
     )
     offload_optimizer: OffloadConfig | None = None
     offload_param: OffloadConfig | None = None

@@ -585,6 +585,19 @@ def test_bfloat16_is_deepspeeds_older_name_of_bf16():
     assert load_config({"bfloat16": {"enabled": True}}).precision == "bf16"
 
 
+def test_deepspeeds_older_zero_spellings_load_as_deepspeed_reads_them():
+    # ZeRO 3's fields without their stage3_ prefix (DeepSpeed's own field names), and the oldest form
+    # "zero_optimization": true (stage 1, its bucket from a top-level allgather_size).
+    zero = load_config({"zero_optimization": {"stage": 3, "prefetch_bucket_size": 1000, "max_live_parameters": 5,
+                                              "param_persistence_threshold": 7, "max_reuse_distance": 3,
+                                              "model_persistence_threshold": 9}}).zero_optimization
+    assert (zero.stage3_prefetch_bucket_size, zero.stage3_max_live_parameters,
+            zero.stage3_param_persistence_threshold) == (1000, 5, 7)
+    old = load_config({"zero_optimization": True, "allgather_size": 10**8}).zero_optimization
+    assert (old.stage, old.allgather_bucket_size) == (1, 10**8)
+    assert load_config({"zero_optimization": False}).zero_optimization.stage == 0
+
+
 @pytest.mark.parametrize("raw, key", [
     ({"amp": {"enabled": True}}, "amp"), ({"elasticity": {"enabled": False}}, "elasticity"),
     ({"curriculum_learning": {"enabled": False}}, "curriculum_learning"),
