@@ -45,13 +45,20 @@ def test_a_tune_stopped_at_its_cap_is_read_from_its_experiment_records(tmp_path)
 
 
 def _gpu_harness():
+    # It puts the GPT-2 example's folder on sys.path and imports its train.py and data.py: both are
+    # taken back, or a later test in this process sees `data` as an installed module.
+    path, modules = list(sys.path), set(sys.modules)
     sys.path.insert(0, str(BENCHMARKS / "gpu"))
     try:
         spec = importlib.util.spec_from_file_location("vs_deepspeed_gpu", BENCHMARKS / "gpu" / "vs_deepspeed_gpu.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
-        sys.path.remove(str(BENCHMARKS / "gpu"))
+        sys.path[:] = path
+        ours = (str(BENCHMARKS.parent / "benchmarks"), str(BENCHMARKS.parent / "examples"))
+        for name in set(sys.modules) - modules:
+            if str(getattr(sys.modules[name], "__file__", None) or "").startswith(ours):
+                del sys.modules[name]
     return module
 
 
