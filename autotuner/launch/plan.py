@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.core.errors import UsageError
-from autotuner.launch.resources import (cores_for_ranks, is_this_host, memory_node_for, numa_node_cpus, one_cpu_per_core,
-                                        parse_core_list, parse_hostfile, select_slots)
+from autotuner.launch.resources import core_binding, is_this_host, numa_node_cpus, parse_hostfile, select_slots
 
 DEFAULT_MASTER_PORT = 29500
 TORCHRUN_DEFAULT_RDZV_ID = "none"
@@ -258,23 +257,11 @@ def _rank_command(options: LaunchOptions, python: str, nproc: int,
     if options.bind_cores_to_rank or options.bind_core_list:
         if not options.bind_cores_to_rank:
             raise UsageError("--bind_core_list: needs --bind_cores_to_rank")
-        allowed = sorted(os.sched_getaffinity(0))
-        cores = parse_core_list(options.bind_core_list) if options.bind_core_list else one_cpu_per_core(allowed)
-        outside = sorted(set(cores) - set(allowed))
-        if outside:
-            raise UsageError(f"--bind_core_list: cores {outside} are not available to this process "
-                             f"(it may use {allowed})")
-        groups = cores_for_ranks(cores, nproc)
-        entry += ["--core_groups", ";".join(",".join(map(str, group)) for group in groups)]
-        env["OMP_NUM_THREADS"] = str(len(groups[0]))
-        numa = numa_node_cpus()
-        memory_nodes = [memory_node_for(group, numa) for group in groups]
-        if any(node is not None for node in memory_nodes):
-            if ctypes.util.find_library("numa") is None:
-                notes = ("--bind_cores_to_rank: libnuma not found, so each rank's memory is not bound to its NUMA "
-                         "node (DeepSpeed's launcher needs numactl, which brings it: install numactl)",)
-            else:
-                entry += ["--memory_nodes", ";".join("" if node is None else str(node) for node in memory_nodes)]
+        binding = core_binding(options.bind_core_list, nproc, sorted(os.sched_getaffinity(0)), numa_node_cpus(),
+                               libnuma=ctypes.util.find_library("numa") is not None)
+        entry += binding.entry_flags
+        env["OMP_NUM_THREADS"] = str(binding.threads_per_rank)
+        notes = binding.notes
     if options.each_rank_log_dir is not None:
         if Path(options.each_rank_log_dir).is_file():
             raise UsageError(f"--enable_each_rank_log: {options.each_rank_log_dir} is a file; give a directory")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -149,6 +150,38 @@ def memory_node_for(cores: list[int], nodes: dict[int, list[int]]) -> int | None
     if any(not cpus for cpus in nodes.values()) or len({tuple(c) for c in nodes.values()}) < len(nodes):
         return None
     return next((node for node, cpus in nodes.items() if set(cores) <= set(cpus)), None)
+
+
+@dataclass(frozen=True)
+class CoreBinding:
+    """--bind_cores_to_rank's plan for one node: rank_entry's flags, each rank's thread count, and
+    what the launcher tells the user."""
+
+    entry_flags: tuple[str, ...]
+    threads_per_rank: int
+    notes: tuple[str, ...] = ()
+
+
+def core_binding(bind_core_list: str | None, nproc: int, allowed: list[int], numa: dict[int, list[int]],
+                 libnuma: bool) -> CoreBinding:
+    """DeepSpeed's split of the cores (the list given, else one hardware thread of each physical
+    core this process may use) over the local ranks, and each rank's memory on the NUMA node of its
+    cores where libnuma can bind it."""
+    cores = parse_core_list(bind_core_list) if bind_core_list else one_cpu_per_core(allowed)
+    outside = sorted(set(cores) - set(allowed))
+    if outside:
+        raise UsageError(f"--bind_core_list: cores {outside} are not available to this process (it may use {allowed})")
+    groups = cores_for_ranks(cores, nproc)
+    flags = ["--core_groups", ";".join(",".join(map(str, group)) for group in groups)]
+    notes: tuple[str, ...] = ()
+    memory_nodes = [memory_node_for(group, numa) for group in groups]
+    if any(node is not None for node in memory_nodes):
+        if libnuma:
+            flags += ["--memory_nodes", ";".join("" if node is None else str(node) for node in memory_nodes)]
+        else:
+            notes = ("--bind_cores_to_rank: libnuma not found, so each rank's memory is not bound to its NUMA node "
+                     "(DeepSpeed's launcher needs numactl, which brings it: install numactl)",)
+    return CoreBinding(tuple(flags), len(groups[0]), notes)
 
 
 def cores_for_ranks(cores: list[int], nproc: int) -> list[list[int]]:
