@@ -260,13 +260,26 @@ def test_every_contender_out_of_memory_falls_back_to_the_best_that_fits():
 
 
 def test_a_contender_dropped_after_a_round_cannot_win_on_fewer_failed_runs():
-    # C starts within the band (95 against 100), then round 1 drops it (median 82.5 against 104 and
-    # 97); in round 2 both A and B fail once. C ran once and never failed, and used to win on that:
+    # C starts as a contender (96.5 against 100), then round 1 drops it (median 83.25 against 104 and
+    # 97.5); in round 2 both A and B fail once. C ran once and never failed, and used to win on that:
     # the pick is among the last round's contenders.
     answers = {(1, 1): (TrialState.OK, 108.0), (2, 1): (TrialState.OK, 98.0), (4, 1): (TrialState.OK, 70.0),
                (1, 2): (TrialState.TIMEOUT, None), (2, 2): (TrialState.TIMEOUT, None),
                (1, 3): (TrialState.OK, 104.0), (2, 3): (TrialState.OK, 98.0)}
-    chosen, remeasured, _ = _rounds([result(1, 100.0), result(2, 96.0), result(4, 95.0)], answers, rounds=3)
+    chosen, remeasured, _ = _rounds([result(1, 100.0), result(2, 97.0), result(4, 96.5)], answers, rounds=3)
     assert {r.experiment.micro_batch_size for run, r in remeasured if run == 1} == {1, 2, 4}
     assert {r.experiment.micro_batch_size for run, r in remeasured if run > 1} == {1, 2}
     assert chosen.experiment == Experiment(0, 1)
+
+
+def test_a_contender_is_remeasured_only_if_it_could_beat_the_best_by_the_worthwhile_gain():
+    # The search's launch rule: at the 3% noise floor each, the difference of two measurements has a
+    # spread of 4.24%; 1.64 of those on top of the contender's value must pass the best plus 3%.
+    # So 96.5 (3.5% behind) is re-measured and 95.5 (4.5% behind) is not, though both are within
+    # twice the noise of the best (the band used before).
+    chosen = contenders([result(1, 100.0), result(2, 96.5), result(4, 95.5)], THROUGHPUT, top=3)
+    assert [r.experiment.micro_batch_size for r in chosen] == [1, 2]
+    # A lower worthwhile gain re-measures more; the latency objective mirrors it.
+    assert len(contenders([result(1, 100.0), result(4, 95.5)], THROUGHPUT, top=3, worthwhile_gain=0.01)) == 2
+    latency = Objective("latency")
+    assert len(contenders([result(1, 1.0), result(2, 1.035), result(4, 1.045)], latency, top=3)) == 2

@@ -1,7 +1,14 @@
-"""The noise-aware final pick: contenders within twice the run's noise level of the best are
-re-measured interleaved, round after round until the best stands apart, the rest are within the
-noise of it (a gain smaller than the noise is not worth another round), or the rounds run out;
-the best median wins. Pure: the orchestrator launches the re-measurements.
+"""The noise-aware final pick: the contenders that could still beat the best are re-measured
+interleaved, round after round until the best stands apart, the rest are within the noise of it
+(a gain smaller than the noise is not worth another round), or the rounds run out; the best median
+wins. Pure: the orchestrator launches the re-measurements.
+
+A re-measurement is a launch, so it follows the search's launch rule (tuners/predictive.py): a
+contender is re-measured only if, at the same one-sided bound (BOUND_Z) on the difference of the
+two measurements, it could beat the best by more than the worthwhile gain (NOISE_FLOOR). Before,
+everything within twice the noise of the best was re-measured (6% at the 3% floor, against 4%
+now): in simulation that cost 0.4-0.6 launches a tune and bought no pick quality
+(docs/benchmarks/transfer.md, "which contenders a re-measurement is worth").
 
 One measured launch moves by a few percent run to run on a busy host (and more on a shared CPU),
 so the single best measurement is often a lucky one. The noise level is estimated from the run
@@ -13,11 +20,13 @@ Medians still within twice the noise of the chosen one are reported as ties.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, replace
 from typing import Callable
 
 from autotuner.core.interleaved_pick import by_median, round_order
+from autotuner.tuning.models.cost_model import BOUND_Z, NOISE_FLOOR
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.models.noise import TIE_FLOOR, NoiseLevel
 from autotuner.tuning.space.experiment import Experiment
@@ -28,9 +37,12 @@ def relative_spread(result: TrialResult) -> float:
 
 
 def contenders(results: list[TrialResult], objective: Objective, top: int, noise: float = TIE_FLOOR,
-               medians: dict[Experiment, float] | None = None) -> list[TrialResult]:
-    """The best result and up to `top - 1` others within twice the noise level of it (or the
-    window's own spread, if wider), best first. `medians` replaces the value of what was re-measured."""
+               medians: dict[Experiment, float] | None = None,
+               worthwhile_gain: float = NOISE_FLOOR) -> list[TrialResult]:
+    """The best result and up to `top - 1` others that could beat it by more than `worthwhile_gain`,
+    best first: each one's value plus BOUND_Z spreads of the difference between the two, where a
+    measurement's spread is the noise level (or the window's own, if wider). `medians` replaces the
+    value of what was re-measured."""
     medians = medians or {}
     ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
 
@@ -46,10 +58,17 @@ def contenders(results: list[TrialResult], objective: Objective, top: int, noise
         return []
     best = unique[0]
 
-    def band(result: TrialResult) -> float:
-        return 2 * max(noise, relative_spread(result) if result.experiment not in medians else 0.0)
+    def spread(result: TrialResult) -> float:
+        return max(noise, relative_spread(result) if result.experiment not in medians else 0.0)
 
-    close = [r for r in unique[1:] if abs(value(r) - value(best)) <= max(band(best), band(r)) * abs(value(best))]
+    sign = 1 if objective.maximize else -1
+    to_beat = value(best) * (1 + sign * worthwhile_gain)
+
+    def could_beat_best(result: TrialResult) -> bool:
+        difference_spread = math.hypot(spread(best), spread(result)) * abs(value(best))
+        return objective.better(value(result) + sign * BOUND_Z * difference_spread, to_beat)
+
+    close = [r for r in unique[1:] if could_beat_best(r)]
     return [best, *close[: max(0, top - 1)]]
 
 
@@ -140,7 +159,7 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
                       report: Callable[[str], None],
                       reusable: Callable[[Experiment, int], bool] = lambda experiment, run: False,
                       ) -> tuple[TrialResult | None, list, list[str]]:
-    """Re-measure the contenders within twice the noise level of the best, interleaved (each round
+    """Re-measure the contenders that could beat the best (`contenders`), interleaved (each round
     rotated by one), round after round until the pick is settled (`settled`) or `rounds` run out;
     the best median wins. `remeasure(experiment, run, reuse)` gives one, an earlier run's record
     where `reuse`; `reusable(experiment, run)` says whether there is one. A round reuses records only
@@ -162,8 +181,9 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
         if len(chosen) < 2 and not values:
             break
         if round_index == 0:
-            report(f"final pick: {', '.join(e.name for e in chosen)} are within twice the noise level "
-                   f"(±{noise.relative:.1%}) of each other; re-measuring them interleaved (at most {rounds} round(s))")
+            report(f"final pick: {', '.join(e.name for e in chosen[1:])} could beat {chosen[0].name} by more than "
+                   f"{NOISE_FLOOR:.0%} at a noise level of ±{noise.relative:.1%}; re-measuring them interleaved "
+                   f"(at most {rounds} round(s))")
         for experiment in chosen:
             values.setdefault(experiment, [first[experiment]])
             failed.setdefault(experiment, 0)
