@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autotuner.config import DeepSpeedConfig, load_config
+from autotuner.config.loader import config_label
 from autotuner.config.batch import data_parallel_size
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
@@ -160,6 +161,7 @@ def setup(args: argparse.Namespace) -> BenchSetup:
     for size in world_sizes:  # checks the script and each size before anything starts
         build_plan(LaunchOptions(script=args.script, script_args=script_args, nproc_per_node=size), sys.executable)
     config = load_config(source)
+    source = config_label(source)  # what messages call it: its path, or that it came base64-encoded
     check_arg_mappings(config, source)
     micro, gas = _batch_of(config, source)
     stage = config.zero_optimization.stage

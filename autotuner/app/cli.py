@@ -143,14 +143,16 @@ def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = 
     engines is not refused on a guess."""
     from autotuner.config import load_config
     from autotuner.config.batch import check_fixed_triad
+    from autotuner.config.loader import config_label
     from autotuner.launch.script_args import config_path
 
-    path = config_path(script_args)
-    if path is None:
+    given = config_path(script_args)
+    if given is None:
         if online:
             raise UsageError("--autotuning online needs the script's config: add --deepspeed ds.json after the script")
         return
-    config = load_config(path)
+    config = load_config(given)
+    path = config_label(given)  # what messages call it: its path, or that it came base64-encoded
     if script is not None:
         from autotuner.config.trainer_auto import refuse_trainer_autos
         from autotuner.app.engines import check_our_engine_sections, engine_choice, trains_on_ours

@@ -33,7 +33,7 @@ from autotuner.app.engines import (EngineChoice, check_deepspeed_precision, chec
 from autotuner.config import DeepSpeedConfig, load_config
 from autotuner.config.batch import check_fixed_triad, data_parallel_size as data_parallel_size_of, train_batch_size
 from autotuner.config.keys import field_names, section_model
-from autotuner.config.loader import read_config_file
+from autotuner.config.loader import config_label, read_config_file
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.backends import BACKENDS, backend_spec
@@ -150,6 +150,38 @@ def check_trainer_mappings(space: SearchSpace, arg_mappings: dict[str, str], sou
                               f"Trainer refuses a config value other than its {flag}; add \"{key}\": \"{flag}\"")
 
 
+def _ratio_warmup(script_args: tuple[str, ...]) -> bool:
+    """Whether the Trainer's warmup is a share of the run (--warmup_ratio, or --warmup_steps under 1)."""
+    for flag, is_ratio in (("--warmup_ratio", lambda v: v > 0), ("--warmup_steps", lambda v: 0 < v < 1)):
+        found = find_flag(script_args, flag)
+        try:
+            if found and found[1] is not None and is_ratio(float(found[1])):
+                return True
+        except ValueError:
+            pass
+    return False
+
+
+def check_trainer_step_counts(config: DeepSpeedConfig, space: SearchSpace, script_args: tuple[str, ...],
+                              source: str) -> None:
+    """Trained by epochs (no --max_steps), the Trainer derives the run's step count from each
+    experiment's batch and refuses a scheduler step count in the config that differs from it
+    (transformers' trainer_config_finalize): with batches that vary, every launch but one would fail."""
+    micros = [m for m in (space.fixed_micro_batch_sizes or
+                          range(space.min_micro_batch_size, space.max_micro_batch_size + 1)) if space.gas(m) is not None]
+    if script_max_steps(script_args) is not None or len(set(micros)) < 2:
+        return
+    params = config.scheduler.params if config.scheduler is not None else {}
+    derived = ["total_num_steps"] + (["warmup_num_steps"] if _ratio_warmup(script_args) else [])
+    for key in derived:
+        value = params.get(key)
+        if value is not None and value != "auto":
+            raise ConfigError(f"{source}: scheduler.params.{key}: got {value}; Hugging Face's Trainer trains by "
+                              "epochs here (no --max_steps), derives this count from each experiment's batch and "
+                              "refuses any other value, so every launch but one would fail; set it to \"auto\" or "
+                              "pass the script --max_steps")
+
+
 def check_trainer_autos(config: DeepSpeedConfig, choice: EngineChoice, script: str, source: str) -> None:
     """Hugging Face's "auto" values: refused for a script on our engine; on DeepSpeed's, passed
     through, saying so. With model_info given no profile launch measures the precision the Trainer
@@ -197,10 +229,11 @@ def check_results_dir(path: Path, key: str) -> None:
 def settle(args: argparse.Namespace) -> SettledJob:
     """Check the request and settle it, or raise a one-line ConfigError/UsageError."""
     script_args = tuple(args.script_args)
-    source = config_path(script_args)
-    if source is None:
+    given = config_path(script_args)
+    if given is None:
         raise UsageError("--autotuning needs the script's config: add --deepspeed ds.json after the script")
-    config = load_config(source)
+    config = load_config(given)
+    source = config_label(given)  # what messages call it: its path, or that it came base64-encoded
     tuning = config.autotuning
     if not tuning.enabled:
         # The flag states the intent; DeepSpeed would silently do nothing here.
@@ -241,6 +274,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
     check_some_batch_is_valid(space, data_parallel_size, source)
     if trains_with_trainer(args.script):
         check_trainer_mappings(space, dict(tuning.arg_mappings), source)
+        check_trainer_step_counts(config, space, script_args, source)
     if tuning.metric == "goodput" and isinstance(config.train_batch_size, int):
         raise ConfigError(f"{source}: train_batch_size: got {config.train_batch_size}; metric \"goodput\" picks the "
                           "global batch, so leave it \"auto\" or absent")
@@ -281,7 +315,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
         max_steps_per_window=tuning.max_steps_per_window,
         arg_mappings=dict(tuning.arg_mappings),
         memory_budget_bytes=tuning.memory_per_rank_bytes,
-        user_config=read_config_file(source),
+        user_config=read_config_file(given),
         rank_flags=options.rank_flags(),
         engine=engine.engine,
         engine_settled=engine.settled,

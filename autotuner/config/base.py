@@ -17,7 +17,15 @@ def _no_bool(value: Any) -> Any:
     return value
 
 
+def _no_string(value: Any) -> Any:
+    # DeepSpeed does its batch arithmetic on the value as given, so "32" fails there with a TypeError.
+    if isinstance(value, str):
+        raise ValueError('a string is not a count; expected a positive integer, unquoted, or "auto"')
+    return _no_bool(value)
+
+
 PositiveInt = Annotated[int, BeforeValidator(_no_bool), Field(gt=0)]
+BatchCount = Annotated[int, BeforeValidator(_no_string), Field(gt=0)]  # "auto" is its own Literal beside it
 NonNegativeInt = Annotated[int, BeforeValidator(_no_bool), Field(ge=0)]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import logging
 import math
@@ -23,7 +25,12 @@ ConfigSource = Union[str, os.PathLike, Mapping[str, Any], DeepSpeedConfig]
 
 
 def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
-    """Parse a JSON or hjson file (comments and trailing commas allowed) into a plain dict."""
+    """Parse a JSON or hjson file (comments and trailing commas allowed) into a plain dict; a string
+    that names no file but is a URL-safe base64 encoding of a config object is read as one, as
+    DeepSpeed and Hugging Face's Trainer read `--deepspeed` (a job scheduler may pass it so)."""
+    encoded = _base64_config(path)
+    if encoded is not None:
+        return _parse(encoded, BASE64_LABEL)
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{path}: config file not found")
@@ -33,6 +40,32 @@ def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
         raise ConfigError(f"{path}: cannot read config file: {err}") from err
+    return _parse(text, path)
+
+
+BASE64_LABEL = "the base64-encoded config"
+_BASE64 = re.compile(r"[A-Za-z0-9_-]+={0,2}")
+
+
+def _base64_config(source: str | os.PathLike) -> str | None:
+    """The decoded text, where `source` names no file and decodes (URL-safe base64) to text that
+    opens an object; None otherwise, so a mistyped path is still reported as a missing file."""
+    text = os.fspath(source)
+    if not isinstance(text, str) or len(text) < 8 or not _BASE64.fullmatch(text) or os.path.exists(text):
+        return None
+    try:
+        decoded = base64.urlsafe_b64decode(text).decode("utf-8")
+    except (binascii.Error, ValueError):
+        return None
+    return decoded if decoded.lstrip().startswith("{") else None
+
+
+def config_label(source: str | os.PathLike) -> str:
+    """How messages name a config: its path, or BASE64_LABEL."""
+    return BASE64_LABEL if _base64_config(source) is not None else os.fspath(source)
+
+
+def _parse(text: str, path: Path | str) -> dict[str, Any]:
     try:
         data = hjson.loads(text, object_pairs_hook=_refuse_duplicate_keys)
     except DuplicateKeyError as err:
@@ -169,7 +202,7 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
         # Paths and other scalars become strings, as they would in a file.
         raw, label = json.loads(json.dumps(dict(source), default=str)), name or "config"
     else:
-        raw, label = read_config_file(source), name or str(source)
+        raw, label = read_config_file(source), name or config_label(source)
     for name, olds in DeepSpeedConfig.other_spellings.items():  # DeepSpeed's older names of a section
         for old in olds:
             if old in raw and name not in raw:

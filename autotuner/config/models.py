@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal, Union
 from pydantic import AliasChoices, Field, NonNegativeFloat, PositiveFloat, PrivateAttr, field_validator, model_validator
 
 from autotuner.config.autotuning import AutotuningConfig
-from autotuner.config.base import Auto, NonNegativeInt, PositiveInt, Section
+from autotuner.config.base import Auto, BatchCount, NonNegativeInt, PositiveInt, Section
 from autotuner.config.reporting import CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig, WandbConfig
 
 
@@ -26,7 +26,14 @@ class FP16Config(Section):
     loss_scale_window: PositiveInt = Field(1000, description="steps without overflow before the scale grows")
     hysteresis: PositiveInt = 2
     consecutive_hysteresis: bool = False
-    min_loss_scale: NonNegativeFloat = 1.0
+    min_loss_scale: NonNegativeInt = Field(1, description="the dynamic scale's floor; an integer, as DeepSpeed's")
+
+    @model_validator(mode="after")
+    def _dynamic_scaling_has_a_floor(self) -> "FP16Config":
+        # As DeepSpeed checks it: a floor of 0 lets the dynamic scale collapse to nothing.
+        if self.enabled is True and self.loss_scale == 0 and self.min_loss_scale == 0:
+            raise ValueError("min_loss_scale must be at least 1 with dynamic loss scaling (loss_scale 0)")
+        return self
 
 
 class BF16Config(Section):
@@ -190,7 +197,7 @@ class CompileConfig(Section):
         return self.enabled == "auto"
 
 
-BatchValue = Union[PositiveInt, Auto, None]
+BatchValue = Union[BatchCount, Auto, None]
 
 
 class DeepSpeedConfig(Section):
@@ -208,7 +215,7 @@ class DeepSpeedConfig(Section):
 
     train_batch_size: BatchValue = Field(
         None, description="samples per optimizer step over all ranks = micro-batch x gas x data-parallel size")
-    train_micro_batch_size_per_gpu: Union[PositiveInt, Auto, list[PositiveInt], None] = Field(
+    train_micro_batch_size_per_gpu: Union[BatchCount, Auto, list[BatchCount], None] = Field(
         None, description='samples per rank per forward/backward; "auto" is tuned, a list is tried exactly')
     gradient_accumulation_steps: BatchValue = Field(
         None, description='micro-batches per optimizer step; "auto" is tuned (from max_train_batch_size)')

@@ -90,6 +90,34 @@ def test_a_trainer_scripts_varying_batch_key_needs_its_flag_mapped(in_tmp, capsy
                    '"gradient_accumulation_steps": "--gradient_accumulation_steps"')
 
 
+def test_a_trainer_script_by_epochs_with_a_numeric_step_count_is_refused_before_launch(in_tmp, capsys):
+    # Trained by epochs, the Trainer derives total_num_steps (and a ratio warmup) from each
+    # experiment's batch and refuses any other value: every launch but one would fail.
+    pytest.importorskip("deepspeed")
+    script = write(in_tmp / "train.py", "from transformers import Trainer, TrainingArguments\n")
+    mappings = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+                "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+    scheduler = {"type": "WarmupDecayLR", "params": {"total_num_steps": 1000, "warmup_num_steps": 10}}
+    cfg = write(in_tmp / "ds.json", {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "scheduler": scheduler,
+        "autotuning": {"enabled": True, "max_train_batch_size": 16, "arg_mappings": mappings}})
+    assert_refused(in_tmp, capsys, tune_argv(cfg, "--num_train_epochs", "1", script=script), str(cfg),
+                   "scheduler.params.total_num_steps: got 1000", "--max_steps")
+    # "auto" total, a ratio warmup with a numeric warmup count: the warmup is refused the same way.
+    scheduler["params"]["total_num_steps"] = "auto"
+    write(cfg, {**json.loads(cfg.read_text()), "scheduler": scheduler})
+    assert_refused(in_tmp, capsys, tune_argv(cfg, "--warmup_ratio", "0.1", script=script), str(cfg),
+                   "scheduler.params.warmup_num_steps: got 10")
+    # With --max_steps the count no longer follows the batch, and a fixed warmup never did.
+    from autotuner.app.settle import check_trainer_step_counts
+    from autotuner.config import load_config
+    from autotuner.tuning.space.config_space import search_space
+    config = load_config(cfg)
+    space = search_space(config, 2, "deepspeed", False)
+    check_trainer_step_counts(config, space, ("--max_steps", "50", "--warmup_ratio", "0.1"), str(cfg))
+    check_trainer_step_counts(config, space, ("--warmup_steps", "5"), str(cfg))
+
+
 def test_hjson_with_comments_and_trailing_commas_is_accepted_up_to_the_next_check(in_tmp, capsys):
     # Valid hjson gets past parsing; a later check (here, a typo) is what refuses it.
     config = write(in_tmp / "ds.hjson", "{\n  // comment\n  train_micro_batch_size_per_gpu: 2,\n  zero_optimisation: {stage: 1,},\n}\n")

@@ -6,6 +6,7 @@ scripts are, under the launcher with 2 ranks at every ZeRO stage; the rest are i
 
 from __future__ import annotations
 
+import base64
 import ctypes.util
 import inspect
 import json
@@ -105,6 +106,7 @@ def test_deepspeed_style_script_trains_alike_at_every_stage(tmp_path, no_orphans
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_deepspeed_style_script_tunes_and_the_optimal_config_keeps_the_users_keys(tmp_path, no_orphans):
+    # The config goes in base64-encoded, as DeepSpeed and the Trainer also read `--deepspeed`.
     config = ds_config(tmp_path, 0, zero_optimization={"stage": [0, 3]}, train_micro_batch_size_per_gpu=[4, 8],
                        gradient_accumulation_steps=None,
                        autotuning={"enabled": True, "fast": True, "start_profile_step": 2, "end_profile_step": 4,
@@ -112,16 +114,24 @@ def test_deepspeed_style_script_tunes_and_the_optimal_config_keeps_the_users_key
                                    "exps_dir": str(tmp_path / "exps")})
     raw = json.loads(config.read_text())
     del raw["gradient_accumulation_steps"]
-    config.write_text(json.dumps(raw))
+    encoded = base64.urlsafe_b64encode(json.dumps(raw).encode()).decode()
     result = run_launcher("--autotuning", "tune", "--nproc_per_node", "2", DS_STYLE, "--steps", "6",
-                          "--deepspeed", config, timeout=500, cwd=tmp_path)
+                          "--deepspeed", encoded, timeout=500, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "best_metric_val (samples/s)" in result.stdout
+    assert encoded not in result.stderr  # messages name it "the base64-encoded config"
     optimal = json.loads((tmp_path / "results" / "ds_config_optimal.json").read_text())
     assert optimal["comet"] == {"enabled": False}  # a DeepSpeed key we accept but do not act on stays
     assert optimal["optimizer"] == raw["optimizer"] and "autotuning" not in optimal
     assert optimal["zero_optimization"]["stage"] in (0, 3)
     assert optimal["train_micro_batch_size_per_gpu"] in (4, 8)
+    # The ranks read a base64 config too, at the stage it names.
+    encoded_optimal = base64.urlsafe_b64encode(json.dumps(optimal).encode()).decode()
+    out = tmp_path / "seen.json"
+    trained = run_launcher("--nproc_per_node", "2", DS_STYLE, "--steps", "2", "--out", out, "--deepspeed",
+                           encoded_optimal, timeout=240)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert json.loads(out.read_text())["stage"] == optimal["zero_optimization"]["stage"]
 
 
 # ----- the launcher's --local_rank and the deepspeed launcher's flags -----

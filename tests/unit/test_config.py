@@ -82,6 +82,26 @@ class TestLoading:
         assert data == {"a": {"b": [1, 2]}}
         assert type(data) is dict and type(data["a"]) is dict
 
+    def test_a_base64_config_string_loads_as_deepspeed_and_the_trainer_read_it(self, tmp_path, monkeypatch):
+        import base64
+        monkeypatch.chdir(tmp_path)
+        text = '{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}}'
+        encoded = base64.urlsafe_b64encode(text.encode()).decode()
+        assert read_config_file(encoded) == json.loads(text)
+        assert load_config(encoded).zero_optimization.stage == 1
+        # Messages name it as such, not by the encoded text; a duplicate key is refused there too.
+        twice = base64.urlsafe_b64encode(b'{"train_batch_size": 8, "train_batch_size": 16}').decode()
+        assert str(config_error(twice)).startswith("the base64-encoded config: 'train_batch_size' is given twice")
+        bad = base64.urlsafe_b64encode(b'{"zero_optimization": {"stage": 7}}').decode()
+        assert str(config_error(bad)).startswith("the base64-encoded config: zero_optimization.stage")
+        # A missing file stays a missing file, even where its name is base64's alphabet; so does
+        # base64 that is not a config object, and a file of that name is read as the file.
+        assert str(config_error("dsconfig")) == "dsconfig: config file not found"
+        not_an_object = base64.urlsafe_b64encode(b"[1, 2, 3, 4]").decode()
+        assert str(config_error(not_an_object)).endswith("config file not found")
+        (tmp_path / encoded).write_text('{"train_batch_size": 4}')
+        assert read_config_file(encoded) == {"train_batch_size": 4}
+
     def test_dict_loads(self):
         config = load_config({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3})
         assert (config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps) == (2, 3)
@@ -200,6 +220,13 @@ INVALID = {
     "zero_gas": ({"gradient_accumulation_steps": 0}, ["gradient_accumulation_steps", "got 0"]),
     "fractional_train_batch": ({"train_batch_size": 16.5}, ["train_batch_size", "16.5"]),
     "empty_micro_list": ({"train_micro_batch_size_per_gpu": []}, ["train_micro_batch_size_per_gpu", "[]"]),
+    # DeepSpeed does its batch arithmetic on a quoted count as given (a TypeError); "auto" stays allowed.
+    "quoted_train_batch": ({"train_batch_size": "32"}, ["train_batch_size", '"32"']),
+    "quoted_micro_batch": ({"train_micro_batch_size_per_gpu": "8"}, ["train_micro_batch_size_per_gpu", '"8"']),
+    "quoted_gas": ({"gradient_accumulation_steps": "2"}, ["gradient_accumulation_steps", '"2"']),
+    # DeepSpeed's fp16 section: the loss-scale floor is an integer, and at least 1 when the scale is dynamic.
+    "fractional_min_loss_scale": ({"fp16": {"min_loss_scale": 0.5}}, ["fp16.min_loss_scale", "0.5"]),
+    "zero_floor_dynamic": ({"fp16": {"enabled": True, "min_loss_scale": 0}}, ["fp16: min_loss_scale", "at least 1"]),
     "stage_4": ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "got 4", "0, 1, 2 or 3"]),
     "stage_two": ({"zero_optimization": {"stage": "two"}}, ["zero_optimization.stage", '"two"']),
     "stage_empty_list": ({"zero_optimization": {"stage": []}}, ["zero_optimization.stage", "[]"]),
@@ -235,6 +262,12 @@ class TestValidation:
         path.write_text('{"zero_optimization": {"stage": 4}}')
         message = str(config_error(path))
         assert message.startswith(f"{path}: zero_optimization.stage: got 4")
+
+    def test_what_deepspeeds_fp16_and_batch_fields_accept_still_loads(self):
+        config = load_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+                              "fp16": {"enabled": True, "min_loss_scale": 2.0, "loss_scale": 128}})
+        assert config.fp16.min_loss_scale == 2 and config.train_batch_size == "auto"
+        assert load_config({"fp16": {"enabled": True, "loss_scale": 64, "min_loss_scale": 0}}).fp16.min_loss_scale == 0
 
     @pytest.mark.parametrize("spelling", ["flops", "FLOPS", "Flops", "flops_per_gpu"])
     def test_flops_metric_is_normalised(self, spelling):
