@@ -7,7 +7,7 @@ A re-measurement is a launch, so it follows the search's launch rule (tuners/pre
 contender is re-measured only if, at the same one-sided bound (BOUND_Z) on the difference of the
 two measurements, it could beat the best by more than the worthwhile gain (NOISE_FLOOR). Before,
 everything within twice the noise of the best was re-measured (6% at the 3% floor, against 4%
-now): in simulation that cost 0.4-0.6 launches a tune and bought no pick quality
+now): in simulation that cost 0.4-0.8 launches a tune and bought no pick quality
 (docs/benchmarks/transfer.md, "which contenders a re-measurement is worth").
 
 One measured launch moves by a few percent run to run on a busy host (and more on a shared CPU),
