@@ -54,7 +54,7 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
                           "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
                           "keep_int_input_tensors", "keep_all_input_tensors", "passes"}),
     "fp16": frozenset({"fp16_master_weights_and_grads"}),
-    "bf16": frozenset({"immediate_grad_update", "check_grad_overflow"}),
+    "bf16": frozenset({"immediate_grad_update"}),
     "autotuning": frozenset({"min_train_batch_size"}),
 }
 

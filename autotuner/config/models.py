@@ -38,6 +38,9 @@ class FP16Config(Section):
 
 class BF16Config(Section):
     enabled: Union[bool, Auto] = Field(False, description='"auto": bf16 where the GPU supports it, else fp32')
+    check_grad_overflow: bool = Field(
+        True, description="false: at ZeRO 1-2 a step whose gradients hold an inf or NaN is applied, not skipped "
+                          "(DeepSpeed's ZeRO 1/2 optimizer then checks neither the gradients nor their norm)")
 
 
 OptimizerType = Literal["Adam", "AdamW", "SGD"]

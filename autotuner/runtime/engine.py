@@ -318,7 +318,10 @@ class Engine(DeepSpeedAccessors, nn.Module):
 
     @property
     def _skips_non_finite(self) -> bool:
-        return self.config.zero_optimization.stage >= 1 or self.precision == "bf16"
+        stage = self.config.zero_optimization.stage
+        if self.precision == "bf16" and stage in (1, 2) and not self.config.bf16.check_grad_overflow:
+            return False  # DeepSpeed's ZeRO 1/2 optimizer then skips neither on its check nor on the norm
+        return stage >= 1 or self.precision == "bf16"
 
     @contextlib.contextmanager
     def _oom_guard(self):
