@@ -127,6 +127,9 @@ class ZeroConfig(Section):
     gather_16bit_weights_on_model_save: bool = Field(False, validation_alias=AliasChoices(
         "stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save",
         "stage3_gather_fp16_weights_on_model_save"), description="save_16bit_model gathers ZeRO-3 shards")
+    compute_grad_norm: bool = Field(
+        True, description="false (ZeRO 1-2, gradient_clipping 0, no optimizer offload): no gradient norm is "
+                          "computed, get_global_grad_norm() gives None, and in fp32 a non-finite step is applied")
 
     @field_validator("stage", mode="before")
     @classmethod
@@ -134,6 +137,17 @@ class ZeroConfig(Section):
         if isinstance(value, list) and not value:
             raise ValueError("an empty list tunes nothing; give stages 0-3, a list of them, or \"all\"")
         return value
+
+    @model_validator(mode="after")
+    def _grad_norm_off_only_at_stages_1_and_2(self) -> "ZeroConfig":
+        # As DeepSpeed checks it; a tuned list may not reach another stage either.
+        if not self.compute_grad_norm and not set(self.stages) <= {1, 2}:
+            raise ValueError(f"compute_grad_norm false is supported only at ZeRO stage 1 or 2, as in DeepSpeed; got "
+                             f"stage {json.dumps(self.stage)}")
+        if not self.compute_grad_norm and self.offload_optimizer is not None and \
+                self.offload_optimizer.device != "none":
+            raise ValueError("compute_grad_norm false does not support optimizer offload, as in DeepSpeed")
+        return self
 
     @property
     def stages(self) -> tuple[int, ...]:
@@ -269,6 +283,11 @@ class DeepSpeedConfig(Section):
     def _one_precision(self) -> "DeepSpeedConfig":
         if self.fp16.enabled is True and self.bf16.enabled is True:
             raise ValueError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        clipping = self.gradient_clipping
+        if not self.zero_optimization.compute_grad_norm and clipping != "auto" and clipping > 0:
+            raise ValueError(f"gradient_clipping is {clipping:g} (DeepSpeed's default is 1.0) and "
+                             "zero_optimization.compute_grad_norm is false, which needs gradient_clipping 0, as in "
+                             "DeepSpeed")
         return self
 
     @property

@@ -296,12 +296,12 @@ class Engine(DeepSpeedAccessors, nn.Module):
     def _optimizer_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         if self._grad_scaler is not None:
             self._grad_scaler.unscale_(self.optimizer)
-        self._global_grad_norm = gradient_norm(list(self.wrapped.parameters()), self.config.gradient_clipping)
+        self._global_grad_norm, non_finite = self._gradient_norm()
         self._step_applied = True
         if self._grad_scaler is not None:
             # Skipped when a gradient overflowed; the scale then follows DeepSpeed's rule (loss_scale.py).
             self._step_applied = self._grad_scaler.step(self.optimizer)
-        elif self._skips_non_finite and not finite_norm(self._global_grad_norm):
+        elif self._skips_non_finite and non_finite:
             # DeepSpeed's ZeRO optimizers (and its bf16 optimizer at stage 0) skip a step whose
             # gradients hold an inf or NaN; only stage 0 in fp32 applies it.
             self._step_applied = False
@@ -316,12 +316,28 @@ class Engine(DeepSpeedAccessors, nn.Module):
         elif self.lr_scheduler is not None:  # DeepSpeed does not advance the schedule on a skipped step
             step_scheduler(self.lr_scheduler, lr_kwargs, self.batch.train_batch_size)
 
+    def _gradient_norm(self) -> tuple[torch.Tensor | None, bool]:
+        """(The step's gradient norm, clipping with it; whether the gradients hold an inf or NaN). With
+        compute_grad_norm false no norm is kept, as DeepSpeed keeps none, and the gradients are
+        looked at only where a non-finite step is skipped (bf16's overflow check at ZeRO 1-2)."""
+        parameters = list(self.wrapped.parameters())
+        if self.config.zero_optimization.compute_grad_norm:
+            norm = gradient_norm(parameters, self.config.gradient_clipping)
+            return norm, not finite_norm(norm)
+        return None, self._skips_non_finite and not finite_norm(gradient_norm(parameters, 0.0))
+
     @property
     def _skips_non_finite(self) -> bool:
+        """Whether a step whose gradients hold an inf or NaN is skipped, as DeepSpeed 0.19.8 decides:
+        ZeRO 1-2 on their overflow check (bf16, unless check_grad_overflow is false) or on the norm
+        (fp32, unless compute_grad_norm is false); ZeRO 3 and its bf16 optimizer at stage 0 always;
+        stage 0 in fp32 never. fp16 overflow is the grad scaler's, before this."""
         stage = self.config.zero_optimization.stage
-        if self.precision == "bf16" and stage in (1, 2) and not self.config.bf16.check_grad_overflow:
-            return False  # DeepSpeed's ZeRO 1/2 optimizer then skips neither on its check nor on the norm
-        return stage >= 1 or self.precision == "bf16"
+        if stage in (1, 2):
+            if self.precision == "bf16":
+                return self.config.bf16.check_grad_overflow
+            return self.config.zero_optimization.compute_grad_norm
+        return stage == 3 or self.precision == "bf16"
 
     @contextlib.contextmanager
     def _oom_guard(self):

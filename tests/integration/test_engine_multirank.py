@@ -48,6 +48,11 @@ def test_a_step_with_an_inf_gradient_is_skipped_as_deepspeed_skips_it(checks):
         assert result[f"{stage}_bf16"] == skipped, stage
         assert result[f"{stage}_fp32"] == (skipped if stage else applied), stage
         assert result[f"{stage}_bf16_unchecked"] == (applied if stage in (1, 2) else skipped), stage
+    # compute_grad_norm false (DeepSpeed: stages 1-2, clipping 0): no norm kept; fp32 applies the
+    # step, bf16's overflow check still skips it (DeepSpeed's engine: skipped_steps 0 and 1, norm None).
+    for stage in (1, 2):
+        assert result[f"{stage}_fp32_no_norm"] == [*applied, None], stage
+        assert result[f"{stage}_bf16_no_norm"] == [*skipped, None], stage
 
 
 def test_micro2_gas2_equals_micro4_gas1(checks):

@@ -226,6 +226,16 @@ INVALID = {
     "quoted_gas": ({"gradient_accumulation_steps": "2"}, ["gradient_accumulation_steps", '"2"']),
     # DeepSpeed's fp16 section: the loss-scale floor is an integer, and at least 1 when the scale is dynamic.
     "fractional_min_loss_scale": ({"fp16": {"min_loss_scale": 0.5}}, ["fp16.min_loss_scale", "0.5"]),
+    # DeepSpeed's compute_grad_norm false: stages 1-2 only (a tuned list too), clipping 0, no optimizer offload.
+    "no_norm_stage_3": ({"gradient_clipping": 0, "zero_optimization": {"stage": 3, "compute_grad_norm": False}},
+                        ["zero_optimization", "compute_grad_norm false", "stage 1 or 2", "got stage 3"]),
+    "no_norm_stage_list": ({"gradient_clipping": 0, "zero_optimization": {"stage": [1, 3], "compute_grad_norm": False}},
+                           ["zero_optimization", "got stage [1, 3]"]),
+    "no_norm_clipping": ({"zero_optimization": {"stage": 1, "compute_grad_norm": False}},
+                         ["gradient_clipping is 1", "compute_grad_norm is false"]),
+    "no_norm_offload": ({"gradient_clipping": 0, "zero_optimization": {
+        "stage": 2, "compute_grad_norm": False, "offload_optimizer": {"device": "cpu"}}},
+        ["zero_optimization", "optimizer offload"]),
     "zero_floor_dynamic": ({"fp16": {"enabled": True, "min_loss_scale": 0}}, ["fp16: min_loss_scale", "at least 1"]),
     "stage_4": ({"zero_optimization": {"stage": 4}}, ["zero_optimization.stage", "got 4", "0, 1, 2 or 3"]),
     "stage_two": ({"zero_optimization": {"stage": "two"}}, ["zero_optimization.stage", '"two"']),
@@ -268,6 +278,8 @@ class TestValidation:
                               "fp16": {"enabled": True, "min_loss_scale": 2.0, "loss_scale": 128}})
         assert config.fp16.min_loss_scale == 2 and config.train_batch_size == "auto"
         assert load_config({"fp16": {"enabled": True, "loss_scale": 64, "min_loss_scale": 0}}).fp16.min_loss_scale == 0
+        no_norm = load_config({"gradient_clipping": 0, "zero_optimization": {"stage": [1, 2], "compute_grad_norm": False}})
+        assert no_norm.zero_optimization.compute_grad_norm is False
 
     @pytest.mark.parametrize("spelling", ["flops", "FLOPS", "Flops", "flops_per_gpu"])
     def test_flops_metric_is_normalised(self, spelling):

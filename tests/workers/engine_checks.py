@@ -444,14 +444,20 @@ def check_non_finite() -> dict:
     """A step whose gradients hold an inf: skipped (weights, optimizer state and schedule unchanged,
     counted in skipped_steps) at ZeRO 1-3 and under bf16, applied at stage 0 in fp32, as DeepSpeed
     0.19.8 does (its engine, run on one CPU rank, gives the same table); "bf16_unchecked" is bf16
-    with check_grad_overflow false."""
+    with check_grad_overflow false, "_no_norm" compute_grad_norm false (ZeRO 1-2 only), with the
+    norm get_global_grad_norm() gave appended."""
     result = {}
     for stage in STAGES:
-        for precision in ("fp32", "bf16", "bf16_unchecked"):
+        variants = ("fp32", "bf16", "bf16_unchecked") + (("fp32_no_norm", "bf16_no_norm") if stage in (1, 2) else ())
+        for precision in variants:
             torch.manual_seed(0)
-            extra = {"bf16": {"enabled": True, "check_grad_overflow": precision == "bf16"}} \
-                if precision != "fp32" else {}
-            engine, *_ = autotuner.initialize(model=Net(), config=config(stage, **extra))
+            extra = {"bf16": {"enabled": True, "check_grad_overflow": precision != "bf16_unchecked"}} \
+                if precision.startswith("bf16") else {}
+            settings = config(stage, **extra)
+            if precision.endswith("_no_norm"):
+                settings["zero_optimization"]["compute_grad_norm"] = False
+                settings["gradient_clipping"] = 0.0
+            engine, *_ = autotuner.initialize(model=Net(), config=settings)
             train_steps(engine, 0, 1)
             before = full_parameters(engine)
             x, _ = (t.to(engine.device) for t in batch(1, 0, 4))
@@ -461,8 +467,11 @@ def check_non_finite() -> dict:
             finite = all(math.isfinite(v) for values in after.values() for v in values)
             record = [engine.was_step_applied(), engine.skipped_steps, after == before, finite,
                       engine.lr_scheduler.last_epoch]
+            norm = engine.get_global_grad_norm()
             later = train_steps(engine, 2, 1)  # training goes on
             result[f"{stage}_{precision}"] = [*record, math.isfinite(later[0])]
+            if precision.endswith("_no_norm"):
+                result[f"{stage}_{precision}"].append(norm)
     return result
 
 
