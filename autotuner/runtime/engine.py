@@ -18,6 +18,7 @@ from autotuner.runtime.accessors import DeepSpeedAccessors
 from autotuner.runtime.activation_checkpointing import repeated_blocks
 from autotuner.runtime.distributed import DistributedContext
 from autotuner.runtime.grad_reduction import GradientReduction
+from autotuner.runtime.loss_scale import skips_non_finite
 from autotuner.runtime.gradient_noise import GradientNoiseProbe, MicroStepNoiseProbe
 from autotuner.runtime.measurement import OurEngineView, measurement_request
 from autotuner.runtime.metrics import is_out_of_memory, peak_memory_bytes
@@ -328,16 +329,7 @@ class Engine(DeepSpeedAccessors, nn.Module):
 
     @property
     def _skips_non_finite(self) -> bool:
-        """Whether a step whose gradients hold an inf or NaN is skipped, as DeepSpeed 0.19.8 decides:
-        ZeRO 1-2 on their overflow check (bf16, unless check_grad_overflow is false) or on the norm
-        (fp32, unless compute_grad_norm is false); ZeRO 3 and its bf16 optimizer at stage 0 always;
-        stage 0 in fp32 never. fp16 overflow is the grad scaler's, before this."""
-        stage = self.config.zero_optimization.stage
-        if stage in (1, 2):
-            if self.precision == "bf16":
-                return self.config.bf16.check_grad_overflow
-            return self.config.zero_optimization.compute_grad_norm
-        return stage == 3 or self.precision == "bf16"
+        return skips_non_finite(self.config, self.precision)
 
     @contextlib.contextmanager
     def _oom_guard(self):

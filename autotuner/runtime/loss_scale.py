@@ -10,6 +10,8 @@ set through `update(new_scale=...)`, since torch's own halves on every overflow 
   any step without an overflow refills it).
 One departure: at the floor DeepSpeed's engine stops the run ("Current loss scale already at
 minimum"); here the step is skipped and the scale stays at the floor, so training goes on.
+
+Outside fp16, `skips_non_finite` says which steps whose gradients hold an inf or NaN are skipped.
 """
 
 from __future__ import annotations
@@ -19,7 +21,20 @@ from typing import Any
 
 import torch
 
-from autotuner.config.models import FP16Config
+from autotuner.config.models import DeepSpeedConfig, FP16Config
+
+
+def skips_non_finite(config: DeepSpeedConfig, precision: str) -> bool:
+    """Whether a step whose gradients hold an inf or NaN is skipped, as DeepSpeed 0.19.8 decides:
+    ZeRO 1-2 on their overflow check (bf16, unless bf16.check_grad_overflow is false) or on the
+    norm (fp32, unless zero_optimization.compute_grad_norm is false); ZeRO 3, and its bf16 optimizer
+    at stage 0, always; stage 0 in fp32 never. fp16 overflow is the grad scaler's, before this."""
+    stage = config.zero_optimization.stage
+    if stage in (1, 2):
+        if precision == "bf16":
+            return config.bf16.check_grad_overflow
+        return config.zero_optimization.compute_grad_norm
+    return stage == 3 or precision == "bf16"
 
 _NEVER = 2**31 - 1  # torch's growth interval: never, the policy below grows the scale
 
