@@ -141,8 +141,9 @@ class AutotuningConfig(Section):
         None, description="ours: the optimizer steps the training will run; each experiment is then scored by the "
                           "time to run them, one-off costs (compiling) included; unset: the script's --max_steps "
                           "when it has one, else the steady metric alone")
-    remeasure_top: PositiveInt = Field(3, description="the final pick re-measures up to this many candidates within "
-                                       "twice the run's noise level of the best, interleaved, and takes the best median")
+    remeasure_top: PositiveInt = Field(3, description="the final pick re-measures up to this many candidates, the "
+                                       "best and those that could still beat it by more than 3%, interleaved, and "
+                                       "takes the best median")
     # 1: in simulation (benchmarks/transfer_simulated.py, docs/benchmarks/transfer.md) rounds 2 and 3
     # cost 0.3-0.5 launches a tune and changed no pick's regret measurably.
     remeasure_rounds: NonNegativeInt = Field(1, description="at most this many rounds of re-measurement, stopping "
