@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -14,7 +13,8 @@ import traceback
 from contextlib import contextmanager
 from typing import Any
 
-from autotuner.core.errors import AutotunerError, ConfigError, UsageError
+from autotuner.app.launch_checks import check_training_config
+from autotuner.core.errors import AutotunerError, UsageError
 from autotuner.core.plugins import load_plugins
 from autotuner.execution.backends import BACKENDS, add_backend_flags, check_backend
 from autotuner.launch.nodes import STOP_WITH_STDIN_FLAG
@@ -135,73 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_config(script_args: tuple[str, ...], world_size: int, online: bool = False,
-                  script: str | None = None, engine: str = "auto") -> None:
-    """Validate the script's config before starting anything, so a typo costs no launch. Hugging
-    Face's "auto" values are refused here only for a script known to train on our engine; on
-    DeepSpeed's (the Trainer's) they are the script's to fill in. A script that imports both
-    engines is not refused on a guess."""
-    from autotuner.config import load_config
-    from autotuner.config.batch import check_fixed_triad
-    from autotuner.config.loader import config_label
-    from autotuner.launch.script_args import config_path
-
-    given = config_path(script_args)
-    if given is None:
-        if online:
-            raise UsageError("--autotuning online needs the script's config: add --deepspeed ds.json after the script")
-        return
-    config = load_config(given)
-    path = config_label(given)  # what messages call it: its path, or that it came base64-encoded
-    if script is not None:
-        from autotuner.config.trainer_auto import refuse_trainer_autos
-        from autotuner.app.engines import check_our_engine_sections, engine_choice, trains_on_ours
-
-        choice = engine_choice(script, engine)
-        if choice.engine == "autotuner" and trains_on_ours(script):
-            refuse_trainer_autos(config, path, choice.why)
-        check_our_engine_sections(config, choice, path)  # only for a script settled on DeepSpeed's engine
-    check_fixed_triad(config, world_size, path)
-    stage = config.zero_optimization.stage
-    if not isinstance(stage, int):
-        raise ConfigError(f"{path}: zero_optimization.stage: got {json.dumps(stage)}; a list or \"all\" is only for "
-                          "--autotuning tune|run; give 0, 1, 2 or 3 to train")
-    if config.compile.enabled == "auto":
-        raise ConfigError(f"{path}: compile.enabled: got \"auto\"; it is only for --autotuning tune|run; give true "
-                          "or false to train")
-    for offload in config.zero_optimization.tuned_offloads:
-        raise ConfigError(f"{path}: zero_optimization.{offload}.device: got \"auto\"; it is only for --autotuning "
-                          "tune|run; give \"none\" or \"cpu\" to train")
-    policy = config.activation_checkpointing.policy
-    if config.activation_checkpointing.tuned:
-        raise ConfigError(f"{path}: activation_checkpointing.policy: got {json.dumps(policy)}; \"auto\" or a list is "
-                          "only for --autotuning tune|run; give \"none\", \"full\" or \"selective\" to train")
-    from autotuner.runtime.optim import check_optimizer_and_scheduler
-
-    check_optimizer_and_scheduler(config, path)
-    _check_online(config, path, online)
-    if online or config.autotuning.online.enabled:
-        return
-    if config.autotuning.enabled and config.autotuning.metric_path is None:  # with one, the tuner launched it
-        print(f"launcher: note: {path} has autotuning.enabled but --autotuning was not given; training with the "
-              "config as written (add --autotuning tune|run to tune it)", file=sys.stderr)
-
-
-def _check_online(config, path: str, online: bool) -> None:
-    """Online tuning's needs, before launch: optuna installed, fixed knobs that exist."""
-    from autotuner.runtime.online.knobs import user_fixed
-
-    try:
-        user_fixed(config.zero_optimization, config.autotuning.online)
-    except ConfigError as err:
-        raise ConfigError(f"{path}: {err}") from None
-    if online or config.autotuning.online.enabled:
-        from autotuner.core.bayes import require_optuna
-
-        how = "--autotuning online" if online else f"{path}: autotuning.online.enabled"
-        require_optuna(how)
-
-
 def _read_default_hostfile(args: argparse.Namespace) -> None:
     """Without --hostfile, DeepSpeed's default one where it exists (launch/resources.py)."""
     from autotuner.launch import resources
@@ -236,13 +169,13 @@ def _launch(args: argparse.Namespace) -> int:
     if nodes is not None:
         from autotuner.launch.node_runner import run_nodes
 
-        _check_config(tuple(args.script_args), nodes.world_size, args.autotuning == "online", args.script, args.engine)
+        check_training_config(tuple(args.script_args), nodes.world_size, args.autotuning == "online", args.script, args.engine)
         return run_nodes(nodes)
     if args.stop_with_stdin:
         _stop_when_stdin_closes()
     plan = build_plan(options, sys.executable)
     online = args.autotuning == "online"
-    _check_config(tuple(args.script_args), plan.world_size, online, args.script, args.engine)
+    check_training_config(tuple(args.script_args), plan.world_size, online, args.script, args.engine)
     if online:
         plan = dataclasses.replace(plan, env={**plan.env, ONLINE_ENV: "1"})
     return run_plan(config_checked(plan), quiet=not args.debug)

@@ -135,13 +135,18 @@ TRAINER_BATCH_FLAGS = {"train_micro_batch_size_per_gpu": "--per_device_train_bat
                        "gradient_accumulation_steps": "--gradient_accumulation_steps"}
 
 
+def _experiment_micro_batch_sizes(space: SearchSpace) -> list[int]:
+    """Every micro-batch size an experiment may get (each with a valid accumulation count)."""
+    sizes = space.fixed_micro_batch_sizes or range(space.min_micro_batch_size, space.max_micro_batch_size + 1)
+    return sorted({m for m in sizes if space.gas(m) is not None})
+
+
 def check_trainer_mappings(space: SearchSpace, arg_mappings: dict[str, str], source: str) -> None:
     """For a Trainer script, a batch key that varies between experiments needs its flag mapped:
     the Trainer refuses a config whose value differs from its flag's, so every launch but the one
     matching the flag's value would fail (and the pick come from those that did not)."""
-    micros = [m for m in (space.fixed_micro_batch_sizes or
-                          range(space.min_micro_batch_size, space.max_micro_batch_size + 1)) if space.gas(m) is not None]
-    values = {"train_micro_batch_size_per_gpu": sorted(set(micros)),
+    micros = _experiment_micro_batch_sizes(space)
+    values = {"train_micro_batch_size_per_gpu": micros,
               "gradient_accumulation_steps": sorted({space.gas(m) for m in micros})}
     for key, flag in TRAINER_BATCH_FLAGS.items():
         if key not in arg_mappings and len(values[key]) > 1:
@@ -167,9 +172,7 @@ def check_trainer_step_counts(config: DeepSpeedConfig, space: SearchSpace, scrip
     """Trained by epochs (no --max_steps), the Trainer derives the run's step count from each
     experiment's batch and refuses a scheduler step count in the config that differs from it
     (transformers' trainer_config_finalize): with batches that vary, every launch but one would fail."""
-    micros = [m for m in (space.fixed_micro_batch_sizes or
-                          range(space.min_micro_batch_size, space.max_micro_batch_size + 1)) if space.gas(m) is not None]
-    if script_max_steps(script_args) is not None or len(set(micros)) < 2:
+    if script_max_steps(script_args) is not None or len(_experiment_micro_batch_sizes(space)) < 2:
         return
     params = config.scheduler.params if config.scheduler is not None else {}
     derived = ["total_num_steps"] + (["warmup_num_steps"] if _ratio_warmup(script_args) else [])

@@ -7,7 +7,7 @@ step-time model, its role in the search and the final pick, its script flag on D
 engine, and the text of its refusals. The space, experiment names and configs, the tuners'
 features, the memory book, the step-time model, the planned run, the variant rules, the config
 space and the engine choice read this table and name no dimension themselves; the refusals of
-"auto" outside a tune (app/cli.py) and the DeepSpeed script-flag checks (app/engines.py) still
+"auto" outside a tune (app/launch_checks.py) and the DeepSpeed script-flag checks (app/engines.py) still
 name the built-in ones. A plugin adds one
 with `register_dimension` (core/plugins.py); the engine inside the ranks honours its config key
 (its engine code: runtime/ for ours, DeepSpeed reads its own).
