@@ -193,7 +193,9 @@ class StepTimeModel:
             base += [g * m if family == f else 0.0 for f in self.families]
         return np.array(base)
 
-    def predict(self, experiment: Experiment) -> StepTimePrediction:
+    def _posterior(self, experiment: Experiment) -> tuple[float, float, np.ndarray]:
+        """The true step's posterior mean and variance (no launch's noise), and the features whose
+        fitted part it shares with other experiments."""
         x = self._features(experiment, fitted_groups=True) if self.groups else self._features(experiment, False)
         mean = float(x @ self._mean) + self._costed_s(experiment)
         variance = float(x @ self._cov @ x)
@@ -213,9 +215,34 @@ class StepTimeModel:
         if self.families and self.context.family(experiment.zero_stage) not in self.families:
             g, m = experiment.gradient_accumulation_steps, experiment.micro_batch_size / self.scale_m
             variance += (g * m) ** 2 * self._family_var  # a family never launched: its prior
-        noise = NOISE_FLOOR * max(mean, 1e-12)
-        mean = max(mean, 1e-9)
-        return StepTimePrediction(mean, math.sqrt(max(variance, 0.0) + noise**2))
+        return max(mean, 1e-9 * self.typical_s), max(variance, 0.0), x
+
+    def predict(self, experiment: Experiment) -> StepTimePrediction:
+        """What a launch of `experiment` would measure: the true step's posterior plus one launch's noise."""
+        mean, variance, _ = self._posterior(experiment)
+        noise = NOISE_FLOOR * mean
+        return StepTimePrediction(mean, math.sqrt(variance + noise**2))
+
+    def compare(self, candidate: Experiment, incumbent: Experiment) -> StepRatio:
+        """The candidate's true step against the incumbent's, from one posterior: what the two share
+        (the slope, a group's offset) cancels in the difference, and neither carries a launch's
+        noise. The incumbent's own measurements are in the fit, so a lucky window of its own is
+        shrunk toward what its neighbours measured."""
+        mean_c, var_c, x_c = self._posterior(candidate)
+        mean_i, var_i, x_i = self._posterior(incumbent)
+        covariance = float(x_c @ self._cov @ x_i)
+        relative_var = var_c / mean_c**2 + var_i / mean_i**2 - 2 * covariance / (mean_c * mean_i)
+        return StepRatio(mean_c, mean_i, math.sqrt(max(relative_var, 0.0)))
+
+
+@dataclass(frozen=True)
+class StepRatio:
+    """A candidate's true step time over an incumbent's, as the fitted model sees the pair."""
+
+    candidate_s: float  # posterior means
+    incumbent_s: float
+    relative_std: float  # of (candidate step / incumbent step), relative to the ratio of the means
+
 
 @dataclass(frozen=True)
 class Prediction:

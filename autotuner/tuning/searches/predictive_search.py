@@ -131,7 +131,7 @@ class _SearchedPredictive(PredictiveTuner):
         """One line for the summary: what made this launch worth its time."""
         target = self.stands_for.get(experiment, experiment)
         prediction = self.predict(target)
-        bound = prediction.high if self.objective.maximize else prediction.low
+        bound = self.launch_bound(target)
         incumbent = self.best
         if incumbent is None:
             why = f"first launch: predicted {prediction.value:.4g}"

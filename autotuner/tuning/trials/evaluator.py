@@ -193,6 +193,10 @@ class Evaluator:
         else:
             self._launcher.submit(experiment)
 
+    def answer_ready(self) -> bool:
+        """Whether `next_result` has an answer without waiting for a launch."""
+        return bool(self._given or self._known)
+
     def next_result(self) -> TrialResult:
         """The next answer: those given at submit first, then the ledger's, then launches as they finish."""
         if self._given:

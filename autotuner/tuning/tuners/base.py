@@ -104,7 +104,10 @@ def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_
     streak = _NoImprovement(tuner)
     while len(results) < max_trials:
         experiment = tuner.ask()
-        if experiment is None or (trust_predictions and not tuner.could_improve(experiment)):
+        if experiment is None:
+            break
+        if trust_predictions and not tuner.could_improve(experiment):
+            tuner.abandon([experiment])  # asked, never started: the ledger must not hold it as running
             break
         result = evaluate(experiment)
         tuner.tell(result)
@@ -134,31 +137,46 @@ class _NoImprovement:
 
 def drive_parallel(tuner: Tuner, evaluate: ParallelEvaluate, *, early_stopping: int, max_trials: int,
                    trust_predictions: bool = False) -> list[TrialResult]:
-    """`drive` with up to `evaluate.capacity` experiments running: each free slot is filled from
-    a batch ask, results are told as they finish (in any order), and the stopping rules count
-    results in the order they arrive. Once a rule says stop, nothing new is started and the
-    experiments still running are waited for (their results are kept)."""
+    """`drive` with up to `evaluate.capacity` experiments running: each free slot is filled by an
+    ask, results are told as they finish (in any order), and the stopping rules count results in
+    the order they arrive. An answer the evaluate already holds (a resumed run's record) is told
+    before the next ask, as a launch's would have been: asked together, a resumed run's asks saw
+    less than the first run's and could ask for what it never launched. Once a rule says stop,
+    nothing new is started and the experiments still running are waited for (their results are
+    kept)."""
     results: list[TrialResult] = []
     streak = _NoImprovement(tuner)
     running = 0
     stopping = False
-    while True:
-        free = min(evaluate.capacity - running, max_trials - len(results) - running)
-        if not stopping and free > 0:
-            batch = tuner.ask_batch(free)
-            if trust_predictions:
-                kept = [e for e in batch if tuner.could_improve(e)]
-                tuner.abandon([e for e in batch if e not in kept])
-                stopping = len(kept) < len(batch)
-                batch = kept
-            for experiment in batch:
-                evaluate.submit(experiment)
-            running += len(batch)
-        if running == 0:
-            break
+
+    def take() -> None:
+        nonlocal running, stopping
         result = evaluate.next_result()
         running -= 1
         tuner.tell(result)
         results.append(result)
         stopping = streak.after(result) >= early_stopping or stopping
+
+    while True:
+        while not stopping and running < evaluate.capacity and len(results) + running < max_trials:
+            experiment = tuner.ask()
+            if experiment is None:
+                break
+            if trust_predictions and not tuner.could_improve(experiment):
+                tuner.abandon([experiment])
+                stopping = True
+                break
+            evaluate.submit(experiment)
+            running += 1
+            if answer_ready(evaluate):
+                take()
+        if running == 0:
+            break
+        take()
     return results
+
+
+def answer_ready(evaluate: ParallelEvaluate) -> bool:
+    """Whether the evaluate's next result is already in hand (no launch to wait for)."""
+    ready = getattr(evaluate, "answer_ready", None)
+    return bool(ready()) if callable(ready) else False

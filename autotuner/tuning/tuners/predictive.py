@@ -133,9 +133,24 @@ class PredictiveTuner(Tuner):
         return Prediction(self._value(experiment, step.mean_s), min(at_fastest, at_slowest),
                           max(at_fastest, at_slowest))
 
-    def _optimistic(self, experiment: Experiment, with_prior: bool = True) -> float:
-        prediction = self.predict(experiment, with_prior)
-        return prediction.high if self.objective.maximize else prediction.low
+    def launch_bound(self, experiment: Experiment, with_prior: bool = True) -> float:
+        """The best value `experiment` could plausibly have, judged against the best measured (in
+        the objective's units, so the best's measured value times the plausible ratio): the model's
+        uncertainty about the difference between the two true steps, not a launch's noise. A launch
+        that could beat the best only by a lucky window would bring a tie, not a better config."""
+        incumbent = self.best
+        if incumbent is None:
+            prediction = self.predict(experiment, with_prior)
+            return prediction.high if self.objective.maximize else prediction.low
+        pair = self.model(with_prior).compare(experiment, incumbent.experiment)
+        fastest_s = pair.candidate_s * max(1 - BOUND_Z * pair.relative_std, 0.1)  # as StepTimePrediction.bounds
+        bound = incumbent.value * self._value(experiment, fastest_s) / self._value(incumbent.experiment,
+                                                                                  pair.incumbent_s)
+        floor = self.step_floor_s(experiment)
+        if floor > 0:  # no faster than a measured smaller step of its stage
+            at_floor = self._value(experiment, floor)
+            bound = min(bound, at_floor) if self.objective.maximize else max(bound, at_floor)
+        return bound
 
     def _beats_best(self, value: float) -> bool:
         """Whether an optimistic value beats the best measured by more than the worthwhile gain."""
@@ -151,7 +166,7 @@ class PredictiveTuner(Tuner):
         start launches nothing that a tune without it would have ruled out at the same point."""
         if not self.context.prior or self.best is None:
             return False
-        return not self._beats_best(self._optimistic(experiment, with_prior=False))
+        return not self._beats_best(self.launch_bound(experiment, with_prior=False))
 
     def _choose(self, untried: list[Experiment]) -> Experiment:
         if not any(self._step_time(r) is not None for r in self._measured()):
@@ -159,9 +174,9 @@ class PredictiveTuner(Tuner):
             return min(untried, key=lambda e: (e.zero_stage, -e.micro_batch_size, e.knobs))
         # The prior orders the candidates this run's own results leave open (all, if none is).
         untried = [e for e in untried if not self._ruled_out_without_prior(e)] or untried
-        scored = [(self._optimistic(e), index) for index, e in enumerate(untried)]
+        scored = [(self.launch_bound(e), index) for index, e in enumerate(untried)]
         best = max(scored) if self.objective.maximize else min(scored, key=lambda s: (s[0], -s[1]))
         return untried[best[1]]
 
     def could_improve(self, experiment: Experiment) -> bool:
-        return self._beats_best(self._optimistic(experiment)) and not self._ruled_out_without_prior(experiment)
+        return self._beats_best(self.launch_bound(experiment)) and not self._ruled_out_without_prior(experiment)
