@@ -2,8 +2,8 @@
 
 Candidates are every stage at the geometric sizes (ladder_sizes) the memory model lets run.
 The results already measured (the profile launches) are told first; then the tuner asks for
-the candidate with the most optimistic predicted bound, and the search stops when even that
-bound cannot beat the best measured by more than the noise. The memory model is refitted after every launch (the
+the candidate with the highest launch bound (tuners/predictive.py), and the search stops when
+even that bound cannot beat the best measured by the worthwhile gain. The memory model is refitted after every launch (the
 orchestrator's `fits`), so a candidate it no longer lets run is dropped before it is asked.
 Nothing is launched here: `evaluate` does that.
 """

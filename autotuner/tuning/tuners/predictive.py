@@ -1,11 +1,15 @@
 """tuner_type "predictive": launch only what a fitted throughput model says could beat the best.
 
 The step-time model (cost_model.py) is refitted on every result. Each untried candidate gets a
-predicted objective value with a plausible range; `ask` returns the candidate with the most
-optimistic bound, and `could_improve` says whether that bound beats the best measured so far by
-more than the noise level (a smaller gain is not worth a launch: measured, it would be a tie).
-The search stops when it does not (drive(..., trust_predictions=True)); asked further, the
-tuner still orders the rest, so it meets the same contract as every tuner.
+launch bound (`launch_bound`): the most its true value could plausibly be against the best
+measured, from the model's joint posterior over the two true steps. What the pair shares (the
+slope, a group's offset) cancels, the best's own lucky window is shrunk toward its neighbours,
+and no launch's noise is added: a candidate that could beat the best only by measuring high
+would bring a tie, not a better config. `ask` returns the candidate with the highest bound, and
+`could_improve` says whether it beats the best by more than the worthwhile gain (NOISE_FLOOR).
+The search stops when it does not (drive(..., trust_predictions=True)); asked further, the tuner
+still orders the rest, so it meets the same contract as every tuner. `predict` keeps a launch's
+noise: it says what a launch would measure (the summary's predicted range).
 
 Launches outside the candidates (the profile's micro-batch 1, which no candidate repeats) are
 `observe`d: fitted and weighed as the best so far, never asked for. Left out, the fit had no point
