@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from autotuner.tuning.models import transfer  # noqa: E402
 from autotuner.tuning.models.cost_model import NOISE_FLOOR, CostContext, Observation  # noqa: E402
 from autotuner.tuning.searches.final_pick import final_pick_rounds  # noqa: E402
+from autotuner.tuning.tuners.predictive import pooled_rule  # noqa: E402
 from autotuner.tuning.searches.predictive_search import run_predictive_search  # noqa: E402
 from autotuner.core.boundary import Measurement  # noqa: E402
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState  # noqa: E402
@@ -120,13 +121,16 @@ def search(launch: Launches, known: list[TrialResult], prior: tuple[Observation,
     return [r for r in outcome.results if r.state is TrialState.OK]
 
 
-def final_pick(launch: Launches, results: list[TrialResult],
-               settings: tuple[int, int] | None = None) -> tuple[Experiment, list[TrialResult]]:
+def final_pick(launch: Launches, results: list[TrialResult], settings: tuple[int, int] | None = None,
+               prior: tuple[Observation, ...] = ()) -> tuple[Experiment, list[TrialResult]]:
     """The tuner's final pick (final_pick.py) with (remeasure_top, remeasure_rounds): `settings`,
-    else FINAL_PICK."""
+    else FINAL_PICK; the search's step-time model (with `prior`) may rule contenders out, as the
+    orchestrator's does."""
     top, rounds = settings or FINAL_PICK
+    ruled_out = pooled_rule(results, POLICY.objective, CostContext(num_params=0, world_size=RANKS, prior=prior))
     pick, remeasured, _ = final_pick_rounds(results, POLICY.objective, top, rounds,
-                                            lambda experiment, run, reuse: launch(experiment, run), lambda line: None)
+                                            lambda experiment, run, reuse: launch(experiment, run), lambda line: None,
+                                            ruled_out=ruled_out)
     return pick.experiment, [result for _, result in remeasured]
 
 
@@ -171,7 +175,7 @@ def one_seed(seed: int, noise: float, outliers: float) -> dict[str, tuple[int, i
         profiled = arm_launch.count
         results = known + search(arm_launch, known, prior)
         searched = arm_launch.count - profiled
-        pick, _ = final_pick(arm_launch, results)
+        pick, _ = final_pick(arm_launch, results, prior=prior)
         arms[arm] = (searched, arm_launch.count - profiled - searched, regret(pick))
     return arms
 

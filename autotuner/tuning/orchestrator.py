@@ -14,6 +14,7 @@ from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.space.config_space import engine_dimensions, untuned_offload_lines
 from autotuner.tuning.space.devices import DeviceFacts
 from autotuner.tuning.tuners import tuner_spec
+from autotuner.tuning.tuners.predictive import pooled_rule
 from autotuner.tuning.trials.trial import ExperimentSettings, Trial, rescored
 from autotuner.tuning.trials.evaluator import Evaluator, RunnerLaunches, TuningFailed
 from autotuner.tuning.trials.history import HISTORY_FILE, make_history
@@ -370,9 +371,13 @@ class Autotuner:
     def _final_pick(self, results: list[TrialResult]) -> tuple[TrialResult | None, list, list[str]]:
         """Returns (the pick, with its median as value; the re-measurements; summary lines)."""
         tuning = self.config.autotuning
+        # The predictive search's step-time model, on every launch, may rule a contender out.
+        ruled_out = (pooled_rule(results, self.objective, self.cost_context(quiet=True))
+                     if tuner_spec(self.policy.tuner_type).search == "one_model" else (lambda result, best: False))
         return final_pick_rounds(results, self.objective, tuning.remeasure_top, tuning.remeasure_rounds,
                                  self._remeasure, self.report,
-                                 lambda experiment, run: self.evaluator.earlier_remeasurement(experiment, run) is not None)
+                                 lambda experiment, run: self.evaluator.earlier_remeasurement(experiment, run) is not None,
+                                 ruled_out)
 
     def _remeasure(self, experiment: Experiment, run: int, reuse: bool) -> TrialResult:
         result, reused = self.evaluator.remeasure(experiment, run, reuse)

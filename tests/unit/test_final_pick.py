@@ -70,6 +70,9 @@ def test_a_contender_that_failed_a_remeasurement_cannot_win():
 # ----- the orchestrator -----
 
 def tuner(tmp_path, runner, **autotuning):
+    """The grid search: the final pick's own rules, which every tuner shares (the predictive
+    tuner's model may also rule contenders out: its own test below)."""
+    autotuning = {"tuner_type": "gridsearch", **autotuning}
     config = load_config({"train_micro_batch_size_per_gpu": [2, 4, 8], "zero_optimization": {"stage": 0},
                           "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30, **autotuning}})
     settings = experiment_settings(config, objective=THROUGHPUT)
@@ -283,3 +286,41 @@ def test_a_contender_is_remeasured_only_if_it_could_beat_the_best_by_the_worthwh
     assert len(contenders([result(1, 100.0), result(4, 95.5)], THROUGHPUT, top=3, worthwhile_gain=0.01)) == 2
     latency = Objective("latency")
     assert len(contenders([result(1, 1.0), result(2, 1.035), result(4, 1.045)], latency, top=3)) == 2
+
+
+def test_a_model_may_rule_a_contender_out_never_in():
+    """`ruled_out` (the predictive search's model on every launch) drops a contender the
+    measurement band keeps; one outside the band stays out whatever it says. The model sees the
+    best at its value so far."""
+    results = [result(1, 100.0), result(2, 98.0), result(4, 90.0)]
+    seen = []
+
+    def rules_out_two(candidate: TrialResult, best: TrialResult) -> bool:
+        seen.append((candidate.experiment.micro_batch_size, best.value))
+        return candidate.experiment.micro_batch_size == 2
+
+    assert [r.experiment.micro_batch_size for r in contenders(results, THROUGHPUT, top=3, ruled_out=rules_out_two)] == [1]
+    assert seen == [(2, 100.0)]  # 4 is outside the band: never asked
+    never = contenders(results, THROUGHPUT, top=3, ruled_out=lambda candidate, best: False)
+    assert [r.experiment.micro_batch_size for r in never] == [1, 2]
+    at_median = contenders(results, THROUGHPUT, top=3, medians={Experiment(0, 1): 99.0},
+                           ruled_out=lambda candidate, best: seen.append(best.value) or False)
+    assert seen[-1] == 99.0 and len(at_median) == 2
+
+
+def test_the_predictive_tuners_model_rules_out_a_contender_its_curve_pins_behind(tmp_path):
+    """Under the default tuner the step-time model, fitted on every launch, judges the final pick's
+    contenders too: 104 samples/s at micro-batch 4 is within the measurement band of 105 at 8, but
+    with 50 at 2 the saturating curve puts 4 more than 3% behind 8, so nothing is re-measured and
+    the summary says why."""
+    runner = noisy_runner({2: [50.0], 4: [104.0, 104.0], 8: [105.0, 105.0]})
+    autotuner, lines = tuner(tmp_path, runner, tuner_type="predictive")
+    assert autotuner.tune().best.name == "z0_gas1_mbs8"
+    assert not any("remeasure" in name for name in runner.names)
+    summary = (tmp_path / "results" / "summary.txt").read_text()
+    assert "Final pick: z0_gas1_mbs4 not re-measured: within the measurements' band of z0_gas1_mbs8" in summary
+    # The grid search has no model: the same launches re-measure both.
+    grid_runner = noisy_runner({2: [50.0], 4: [104.0, 104.0], 8: [105.0, 105.0]})
+    grid, _ = tuner(tmp_path / "grid", grid_runner)
+    grid.tune()
+    assert {n for n in grid_runner.names if "remeasure" in n} == {"z0_gas1_mbs8_remeasure1", "z0_gas1_mbs4_remeasure1"}

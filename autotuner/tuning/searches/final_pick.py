@@ -38,11 +38,14 @@ def relative_spread(result: TrialResult) -> float:
 
 def contenders(results: list[TrialResult], objective: Objective, top: int, noise: float = TIE_FLOOR,
                medians: dict[Experiment, float] | None = None,
-               worthwhile_gain: float = NOISE_FLOOR) -> list[TrialResult]:
+               worthwhile_gain: float = NOISE_FLOOR,
+               ruled_out: Callable[[TrialResult, TrialResult], bool] = lambda result, best: False,
+               ) -> list[TrialResult]:
     """The best result and up to `top - 1` others that could beat it by more than `worthwhile_gain`,
     best first: each one's value plus BOUND_Z spreads of the difference between the two, where a
-    measurement's spread is the noise level (or the window's own, if wider). `medians` replaces the
-    value of what was re-measured."""
+    measurement's spread is the noise level (or the window's own, if wider), and not
+    `ruled_out(result, best)` (a model that pools every launch may rule one out, never in).
+    `medians` replaces the value of what was re-measured."""
     medians = medians or {}
     ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
 
@@ -68,7 +71,8 @@ def contenders(results: list[TrialResult], objective: Objective, top: int, noise
         difference_spread = math.hypot(spread(best), spread(result)) * abs(value(best))
         return objective.better(value(result) + sign * BOUND_Z * difference_spread, to_beat)
 
-    close = [r for r in unique[1:] if could_beat_best(r)]
+    best_so_far = replace(best, value=value(best))
+    close = [r for r in unique[1:] if could_beat_best(r) and not ruled_out(r, best_so_far)]
     return [best, *close[: max(0, top - 1)]]
 
 
@@ -158,14 +162,17 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
                       remeasure: Callable[[Experiment, int, bool], TrialResult],
                       report: Callable[[str], None],
                       reusable: Callable[[Experiment, int], bool] = lambda experiment, run: False,
+                      ruled_out: Callable[[TrialResult, TrialResult], bool] = lambda result, best: False,
                       ) -> tuple[TrialResult | None, list, list[str]]:
     """Re-measure the contenders that could beat the best (`contenders`), interleaved (each round
     rotated by one), round after round until the pick is settled (`settled`) or `rounds` run out;
     the best median wins. `remeasure(experiment, run, reuse)` gives one, an earlier run's record
     where `reuse`; `reusable(experiment, run)` says whether there is one. A round reuses records only
     when every contender has one: a fresh launch beside records of another run, on a machine in
-    another state, would not be interleaved with them. Returns (the pick, with its median as value;
-    (round, result) re-measurements; summary lines)."""
+    another state, would not be interleaved with them. `ruled_out(result, best)`: the search's
+    step-time model, fitted on every launch, says `result` cannot beat `best` (at its value so
+    far) by the worthwhile gain. Returns (the pick, with its median as value; (round, result)
+    re-measurements; summary lines)."""
     best = objective.best(results)
     noise = NoiseLevel(relative_spread(best) if best is not None else TIE_FLOOR)
     values: dict[Experiment, list[float]] = {}
@@ -174,10 +181,20 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
     remeasurements = []
     first = {r.experiment: r.value for r in results if r.state is TrialState.OK and r.value is not None}
     chosen: list[Experiment] = []
+    model_lines: list[str] = []
     for round_index in range(rounds):
         medians = {e: statistics.median(v) for e, v in values.items() if v}
         standing = [r for r in results if r.experiment not in out_of_memory]
-        chosen = [r.experiment for r in contenders(standing, objective, top, noise.relative, medians)]
+        chosen = [r.experiment for r in contenders(standing, objective, top, noise.relative, medians,
+                                                   ruled_out=ruled_out)]
+        if round_index == 0:
+            band = contenders(standing, objective, top, noise.relative, medians)
+            dropped = [r.experiment.name for r in band if r.experiment not in chosen]
+            if dropped:
+                model_lines.append(
+                    f"Final pick: {', '.join(dropped)} not re-measured: within the measurements' band of "
+                    f"{band[0].name}, but the step-time model on every launch puts "
+                    f"{'it' if len(dropped) == 1 else 'them'} more than {NOISE_FLOOR:.0%} short of it")
         if len(chosen) < 2 and not values:
             break
         if round_index == 0:
@@ -202,7 +219,7 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
         noise = NoiseLevel.of(values)
         if settled({e: values[e] for e in chosen if e not in out_of_memory}, objective, noise.relative):
             break
-    lines = [noise.describe()]
+    lines = [noise.describe(), *model_lines]
     lines += [f"{e.name} ran out of memory when re-measured: not picked" for e in sorted(out_of_memory)]
     # The last round's contenders only: one dropped earlier ran fewer times, so fewer of its runs could fail.
     standing = [e for e in values if e in chosen and e not in out_of_memory]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from autotuner.tuning.models.cost_model import BOUND_Z, NOISE_FLOOR, CostContext, Observation, Prediction, StepTimeModel
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
@@ -137,12 +137,14 @@ class PredictiveTuner(Tuner):
         return Prediction(self._value(experiment, step.mean_s), min(at_fastest, at_slowest),
                           max(at_fastest, at_slowest))
 
-    def launch_bound(self, experiment: Experiment, with_prior: bool = True) -> float:
-        """The best value `experiment` could plausibly have, judged against the best measured (in
-        the objective's units, so the best's measured value times the plausible ratio): the model's
-        uncertainty about the difference between the two true steps, not a launch's noise. A launch
-        that could beat the best only by a lucky window would bring a tie, not a better config."""
-        incumbent = self.best
+    def launch_bound(self, experiment: Experiment, with_prior: bool = True,
+                     incumbent: TrialResult | None = None) -> float:
+        """The best value `experiment` could plausibly have, judged against the best measured (or
+        `incumbent`), in the objective's units: the incumbent's value times the plausible ratio of
+        the two, from the model's uncertainty about the difference between their true steps, not a
+        launch's noise. A launch that could beat the best only by a lucky window would bring a
+        tie, not a better config."""
+        incumbent = incumbent or self.best
         if incumbent is None:
             prediction = self.predict(experiment, with_prior)
             return prediction.high if self.objective.maximize else prediction.low
@@ -156,9 +158,10 @@ class PredictiveTuner(Tuner):
             bound = min(bound, at_floor) if self.objective.maximize else max(bound, at_floor)
         return bound
 
-    def _beats_best(self, value: float) -> bool:
-        """Whether an optimistic value beats the best measured by more than the worthwhile gain."""
-        incumbent = self.best
+    def _beats_best(self, value: float, incumbent: TrialResult | None = None) -> bool:
+        """Whether an optimistic value beats the best measured (or `incumbent`) by more than the
+        worthwhile gain."""
+        incumbent = incumbent or self.best
         if incumbent is None:
             return True
         factor = 1 + self.worthwhile_gain if self.objective.maximize else 1 - self.worthwhile_gain
@@ -184,3 +187,30 @@ class PredictiveTuner(Tuner):
 
     def could_improve(self, experiment: Experiment) -> bool:
         return self._beats_best(self.launch_bound(experiment)) and not self._ruled_out_without_prior(experiment)
+
+    def rules_out(self, result: TrialResult, incumbent: TrialResult) -> bool:
+        """Whether the model, with the prior or without it, says the measured `result` cannot beat
+        `incumbent` by the worthwhile gain: the final pick's contenders, judged as launches are.
+        Only where it reproduces both first measurements within the noise floor: a curve that
+        misses one (a cliff the fitted shape cannot follow, say) would rule out by its own misfit."""
+        for with_prior in ((True, False) if self.context.prior else (True,)):
+            model = self.model(with_prior)
+            for measured in (self.results.get(result.experiment), self.results.get(incumbent.experiment)):
+                step = self._step_time(measured) if measured is not None else None
+                if step is None or abs(model.predict(measured.experiment).mean_s / step - 1) > NOISE_FLOOR:
+                    return False
+        return not all(self._beats_best(self.launch_bound(result.experiment, with_prior, incumbent), incumbent)
+                       for with_prior in ((True, False) if self.context.prior else (True,)))
+
+
+def pooled_rule(results: Sequence[TrialResult], objective: Objective,
+                context: CostContext) -> Callable[[TrialResult, TrialResult], bool]:
+    """`PredictiveTuner.rules_out` over a model fitted on every measured result: for the final pick,
+    whose single measurements it pools (a lucky window of the best is shrunk toward the
+    neighbours that contradict it; a contender's unlucky one is too)."""
+    measured = [r for r in results if r.state is TrialState.OK and r.value is not None]
+    tuner = PredictiveTuner(list(dict.fromkeys(r.experiment for r in measured)), objective, context=context)
+    for result in measured:
+        if result.experiment not in tuner.results:
+            tuner.tell(result)
+    return tuner.rules_out
