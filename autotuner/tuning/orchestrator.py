@@ -374,10 +374,11 @@ class Autotuner:
         # The predictive search's step-time model, on every launch, may rule a contender out.
         ruled_out = (pooled_rule(results, self.objective, self.cost_context(quiet=True))
                      if tuner_spec(self.policy.tuner_type).search == "one_model" else (lambda result, best: False))
+        def reusable(experiment: Experiment, run: int) -> bool:
+            return self.evaluator.earlier_remeasurement(experiment, run) is not None
+
         return final_pick_rounds(results, self.objective, tuning.remeasure_top, tuning.remeasure_rounds,
-                                 self._remeasure, self.report,
-                                 lambda experiment, run: self.evaluator.earlier_remeasurement(experiment, run) is not None,
-                                 ruled_out)
+                                 self._remeasure, self.report, reusable, ruled_out)
 
     def _remeasure(self, experiment: Experiment, run: int, reuse: bool) -> TrialResult:
         result, reused = self.evaluator.remeasure(experiment, run, reuse)

@@ -114,7 +114,9 @@ def ladder_sizes(valid: list[int]) -> list[int]:
 
 @runtime_checkable
 class ParallelEvaluate(Protocol):
-    """An evaluate that can run several experiments at once: `capacity` of them."""
+    """An evaluate that can run several experiments at once: `capacity` of them. One that can
+    answer some without a launch (the evaluator, from a resumed run's records) also has
+    `answer_ready()`, which the parallel driver reads (tuners/base.py `answer_ready`)."""
 
     capacity: int
 

@@ -96,7 +96,7 @@ def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_
     """Ask/evaluate/tell until the space is exhausted, `max_trials` ran, or `early_stopping`
     experiments in a row brought no improvement; with `trust_predictions`, also when the tuner
     says the experiment it asks for could not beat the best so far. An evaluate with a
-    `capacity` above 1 gets a batch ask for every free slot (`drive_parallel`)."""
+    `capacity` above 1 gets an ask for every free slot (`drive_parallel`)."""
     if slots(evaluate) > 1:
         return drive_parallel(tuner, evaluate, early_stopping=early_stopping, max_trials=max_trials,  # type: ignore[arg-type]
                               trust_predictions=trust_predictions)

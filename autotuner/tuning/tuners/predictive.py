@@ -144,7 +144,7 @@ class PredictiveTuner(Tuner):
         the two, from the model's uncertainty about the difference between their true steps, not a
         launch's noise. A launch that could beat the best only by a lucky window would bring a
         tie, not a better config."""
-        incumbent = incumbent or self.best
+        incumbent = incumbent if incumbent is not None else self.best
         if incumbent is None:
             prediction = self.predict(experiment, with_prior)
             return prediction.high if self.objective.maximize else prediction.low
@@ -161,7 +161,7 @@ class PredictiveTuner(Tuner):
     def _beats_best(self, value: float, incumbent: TrialResult | None = None) -> bool:
         """Whether an optimistic value beats the best measured (or `incumbent`) by more than the
         worthwhile gain."""
-        incumbent = incumbent or self.best
+        incumbent = incumbent if incumbent is not None else self.best
         if incumbent is None:
             return True
         factor = 1 + self.worthwhile_gain if self.objective.maximize else 1 - self.worthwhile_gain
@@ -193,14 +193,20 @@ class PredictiveTuner(Tuner):
         `incumbent` by the worthwhile gain: the final pick's contenders, judged as launches are.
         Only where it reproduces both first measurements within the noise floor: a curve that
         misses one (a cliff the fitted shape cannot follow, say) would rule out by its own misfit."""
-        for with_prior in ((True, False) if self.context.prior else (True,)):
-            model = self.model(with_prior)
-            for measured in (self.results.get(result.experiment), self.results.get(incumbent.experiment)):
-                step = self._step_time(measured) if measured is not None else None
-                if step is None or abs(model.predict(measured.experiment).mean_s / step - 1) > NOISE_FLOOR:
-                    return False
+        models = (True, False) if self.context.prior else (True,)
+        if not all(self._reproduces(measured, with_prior) for with_prior in models
+                   for measured in (result, incumbent)):
+            return False
         return not all(self._beats_best(self.launch_bound(result.experiment, with_prior, incumbent), incumbent)
-                       for with_prior in ((True, False) if self.context.prior else (True,)))
+                       for with_prior in models)
+
+    def _reproduces(self, result: TrialResult, with_prior: bool) -> bool:
+        """Whether the model predicts `result`'s first measured step within the noise floor."""
+        told = self.results.get(result.experiment)
+        step = self._step_time(told) if told is not None else None
+        if step is None:
+            return False
+        return abs(self.model(with_prior).predict(told.experiment).mean_s / step - 1) <= NOISE_FLOOR
 
 
 def pooled_rule(results: Sequence[TrialResult], objective: Objective,
