@@ -254,6 +254,24 @@ def journal_records(workdir: Path) -> tuple[list[str], list[str]]:
     return complete, problems
 
 
+def _partial_rounds(workdir: Path, complete_before: list[str]) -> list[str]:
+    """Records complete before the resume that belong to a re-measurement round some other
+    contender of which was not complete then (the resumed run's directory names the round's
+    contenders)."""
+    import re
+
+    rounds: dict[str, set[str]] = {}
+    for record in (workdir / "autotuning_exps").glob("*_remeasure*"):
+        match = re.fullmatch(r".+_(remeasure\d+)", record.name)
+        if match:
+            rounds.setdefault(match.group(1), set()).add(record.name)
+    partial = []
+    for names in rounds.values():
+        if not names <= set(complete_before):
+            partial += [name for name in names if name in complete_before]
+    return partial
+
+
 def profile_failures(workdir: Path, tuner_output: str) -> list[str]:
     """Records of profile launches (named in the tuner's "profile: ZeRO S, micro-batch M" lines)
     that did not profile the model."""
@@ -398,9 +416,13 @@ def run_case(case: FaultCase, workdir: Path, clean_length_s: float, resume: bool
         again = subprocess.run(command, cwd=workdir, env=env, stdin=subprocess.DEVNULL, capture_output=True,
                                text=True, timeout=300, start_new_session=True)
         reused = again.stdout.count("(from an earlier run)")
+        # A re-measurement round reuses its records only when every contender has one (final_pick.py:
+        # a fresh launch beside another run's records would not be interleaved with them), so a kill
+        # between two re-measurements of a round leaves that round's finished ones to be launched again.
+        partial = _partial_rounds(workdir, complete)
         if again.returncode != 0:
             problems.append(f"resume exited {again.returncode}: {again.stderr[-600:]!r}")
-        elif reused < len(complete) - retried:
+        elif reused < len(complete) - retried - len(partial):
             problems.append(f"resume reused {reused} of {len(complete)} complete records ({retried} failed "
                             "profile launches retried)")
         if marked_processes(marker):
