@@ -1,7 +1,7 @@
 """Transfer in simulation: how a prior step's noise is set, A/B, on a known surface with noisy launches.
 
     python benchmarks/transfer_simulated.py [--seeds 300] [--noise 0.02,0.05] [--fastest 8 --prior_fastest 16]
-                                            [--common_draws]
+                                            [--common_draws] [--bound_z 1.64] [--noise_floor 0.03]
 
 The predictive search (tuning/searches/predictive_search.py) and the prior (tuning/models/transfer.py) as the
 tuner runs them, with each launch replaced by a draw: a known step-time surface (a saturating
@@ -22,7 +22,9 @@ worst). `--prior_fastest` gives the earlier model another shape than the larger 
 draws its launches' noise from one stream in launch order, so two arms that launch in another
 order draw differently for the same experiment; with `--common_draws` the n-th launch of an
 experiment draws the same in every arm (common random numbers), so arms differ by their
-decisions alone.
+decisions alone. `--bound_z` and `--noise_floor` replace the launch bound's one-sided z and the
+noise the step-time model assumes for each launch (the worthwhile gain stays 3%): what a tuner
+that launched on less evidence would save, and what its picks would lose.
 Pure computation: nothing is launched, so this isolates the model from a machine's noise.
 """
 
@@ -41,7 +43,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from autotuner.tuning.models import transfer  # noqa: E402
+from autotuner.tuning.models import cost_model, transfer  # noqa: E402
+from autotuner.tuning.tuners import predictive  # noqa: E402
 from autotuner.tuning.models.cost_model import NOISE_FLOOR, CostContext, Observation  # noqa: E402
 from autotuner.tuning.searches.final_pick import final_pick_rounds  # noqa: E402
 from autotuner.tuning.tuners.predictive import pooled_rule  # noqa: E402
@@ -195,14 +198,21 @@ def main() -> None:
                         help="... and autotuning.remeasure_rounds (default 3; 0 re-measures nothing)")
     parser.add_argument("--common_draws", action="store_true",
                         help="the n-th launch of an experiment draws the same noise in every arm")
+    parser.add_argument("--bound_z", type=float, default=predictive.BOUND_Z,
+                        help="the launch bound's one-sided z (the tuner's: %(default)s)")
+    parser.add_argument("--noise_floor", type=float, default=cost_model.NOISE_FLOOR,
+                        help="the step-time model's assumed noise of one launch (the tuner's: %(default)s)")
     args = parser.parse_args()
+    # What-if settings for this simulation only: the launch decision reads predictive.BOUND_Z and
+    # the fit reads cost_model.NOISE_FLOOR; the worthwhile gain keeps the tuner's 3%.
+    predictive.BOUND_Z, cost_model.NOISE_FLOOR = args.bound_z, args.noise_floor
     COMMON_DRAWS[0] = args.common_draws
     FASTEST[:] = [args.fastest, args.prior_fastest or args.fastest]
     FINAL_PICK[:] = [args.remeasure_top, args.remeasure_rounds]
     print(f"{args.seeds} seeds, {args.outliers:.0%} disturbed windows, fastest micro-batch {FASTEST[0]} "
           f"(the earlier run's: {FASTEST[1]}); final pick: remeasure_top {args.remeasure_top}, remeasure_rounds "
           f"{args.remeasure_rounds}; {'common draws per experiment' if args.common_draws else 'one draw stream per arm'}; "
-          "launches after the profile's 2, means")
+          f"launch bound z {args.bound_z}, model noise floor {args.noise_floor:.1%}; launches after the profile's 2, means")
     print("| launch noise | arm | search | re-measured | all (with the profile's 2) | seeds with more launches "
           "than cold | regret mean | regret p90 | regret worst | picks 2%+ behind |")
     print("|---|---|---|---|---|---|---|---|---|---|")

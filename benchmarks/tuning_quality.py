@@ -16,13 +16,16 @@ node); the grid and the re-measurements stay neutral, so the ratio says how good
 under interference really is.
 Results go to benchmarks/results/tuning_quality.csv and a markdown table on stdout; every grid
 point's median to benchmarks/results/tuning_quality_grid.csv (with `--runs none` and `--reuse_grid`,
-only that table, read back from an earlier run's grid).
+only that table, read back from an earlier run's grid). Each workload's line on stdout gives one
+launch's run-to-run spread, pooled over the grid's repeated configurations: the noise the tuner's
+step-time model must assume (its NOISE_FLOOR).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import signal
@@ -132,6 +135,18 @@ def spread(results: list) -> float:
     return (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
 
 
+def launch_spread(rounds: dict) -> tuple[float, int] | None:
+    """One launch's run-to-run spread (relative std), pooled over the configurations whose every
+    interleaved round ran: the noise each launch the tuner makes carries. With it, the number of
+    configurations it rests on."""
+    variances = []
+    for results in rounds.values():
+        values = [r.value for r in results if r.state is TrialState.OK and r.value]
+        if len(values) == len(results) > 1:
+            variances.append(statistics.variance([math.log(v) for v in values]))
+    return (math.sqrt(statistics.fmean(variances)), len(variances)) if variances else None
+
+
 def busy_loops(count: int) -> list:
     """CPU-bound processes, each its own process group (ended in `stop_busy_loops`)."""
     import subprocess
@@ -198,6 +213,10 @@ def evaluate(workload: Workload, runs: list[tuple[str, str]], repeats: int, work
                  for e in space]
     merge_csv(RESULTS / "tuning_quality_grid.csv", grid_rows,
               ["workload", "zero_stage", "micro_batch_size", "gradient_accumulation_steps"])
+    noise = launch_spread(grid_runs)
+    if noise is not None:
+        print(f"{workload.name}: one launch's run-to-run spread {noise[0]:.1%} (the grid's {repeats} interleaved "
+              f"rounds, {noise[1]} configurations)", flush=True)
     rows = []
     for tuner, mode in runs:
         run = run_autotuner(workload, tuner, mode, work / f"tune_{tuner}_{mode}_busy{interference}", interference)
