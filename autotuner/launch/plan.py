@@ -10,7 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.core.errors import UsageError
-from autotuner.launch.resources import core_binding, is_this_host, numa_node_cpus, parse_hostfile, select_slots
+from autotuner.launch.core_binding import core_binding
+from autotuner.launch.numa import numa_node_cpus
+from autotuner.launch.resources import is_this_host, parse_hostfile, select_slots
 
 DEFAULT_MASTER_PORT = 29500
 TORCHRUN_DEFAULT_RDZV_ID = "none"

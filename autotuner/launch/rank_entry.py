@@ -1,12 +1,13 @@
 """What a rank runs first when the launcher binds cores or logs per rank, then replaces itself
 with the user's script (exec keeps the pid, so process-tree clean-up is unchanged).
 
-    python -m autotuner.launch.rank_entry [--core_groups "0,1;2,3"] [--memory_nodes "0;1"] [--log_dir DIR] \
+    python -m autotuner.launch.rank_entry [--core_groups "0,1;2,3"] [--memory_policies "bind:0;bind:1"] \
+        [--log_dir DIR] \
         -- python -u train.py ...
 
 The core mask, the memory policy and the redirected stdout/stderr survive the exec, so the script's
-interpreter and every thread it starts run on the rank's cores and allocate on its NUMA node, like
-DeepSpeed's `numactl -C ... -m ...` prefix. A warm rank applies the same in its own process.
+interpreter and every thread it starts run on the rank's cores and allocate by its NUMA policy, like
+DeepSpeed's `numactl -C ... -m ...` (or `-p ...`) prefix. A warm rank applies the same in its own process.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def log_prefix() -> str:
 def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="autotuner.launch.rank_entry")
     parser.add_argument("--core_groups", default=None, help="cores per local rank, e.g. '0,1;2,3'")
-    parser.add_argument("--memory_nodes", default=None,
-                        help="the NUMA node each local rank's memory is bound to, e.g. '0;1' (empty: unbound)")
+    parser.add_argument("--memory_policies", default=None,
+                        help="each local rank's memory policy, e.g. 'bind:0;bind:1', 'prefer:2;prefer:3' or "
+                             "'bind:0,1;bind:2,3' (empty: none)")
     parser.add_argument("--log_dir", default=None, help="stdout and stderr go to DIR/<launch time>_rank<N>.log")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     return parser.parse_args(argv)
@@ -41,10 +43,10 @@ def apply(args: argparse.Namespace) -> None:
     if args.core_groups:
         group = args.core_groups.split(";")[int(os.environ.get("LOCAL_RANK", 0))]
         os.sched_setaffinity(0, {int(core) for core in group.split(",")})
-    if args.memory_nodes:
-        node = args.memory_nodes.split(";")[int(os.environ.get("LOCAL_RANK", 0))]
-        if node:
-            bind_memory(int(node))
+    if args.memory_policies:
+        policy = args.memory_policies.split(";")[int(os.environ.get("LOCAL_RANK", 0))]
+        if policy:
+            set_memory_policy(policy)
     if args.log_dir:
         rank = os.environ.get("RANK", "0")
         prefix = os.environ.get(LOG_PREFIX_ENV) or log_prefix()
@@ -55,27 +57,32 @@ def apply(args: argparse.Namespace) -> None:
         os.close(log)
 
 
-MPOL_BIND = 2  # linux/mempolicy.h
+MPOL_MODES = {"prefer": 1, "bind": 2}  # MPOL_PREFERRED, MPOL_BIND: linux/mempolicy.h
 
 
-def bind_memory(node: int) -> None:
-    """Allocate this process's memory on NUMA `node` only (set_mempolicy(MPOL_BIND), through
-    libnuma as numactl -m does). Should the kernel refuse (the node outside this cgroup's memory
-    nodes), the rank says so once and runs unbound."""
+def set_memory_policy(policy: str) -> None:
+    """Allocate this process's memory as `policy` says ('bind:0,1': on those NUMA nodes only, as
+    numactl -m; 'prefer:2': there first, elsewhere once it is full, as numactl -p), through
+    libnuma's set_mempolicy. Should the kernel refuse (a node outside this cgroup's memory nodes),
+    the rank says so once and runs without it."""
     import ctypes
     import ctypes.util
 
-    words = node // 64 + 1
+    from autotuner.launch.numa import MemoryPolicy
+
+    parsed = MemoryPolicy.parse(policy)
+    words = max(parsed.nodes) // 64 + 1
     mask = (ctypes.c_ulong * words)()
-    mask[node // 64] = 1 << (node % 64)
+    for node in parsed.nodes:
+        mask[node // 64] |= 1 << (node % 64)
     try:
         libnuma = ctypes.CDLL(ctypes.util.find_library("numa") or "libnuma.so.1", use_errno=True)
-        failed = libnuma.set_mempolicy(MPOL_BIND, mask, ctypes.c_ulong(words * 64 + 1)) != 0
+        failed = libnuma.set_mempolicy(MPOL_MODES[parsed.mode], mask, ctypes.c_ulong(words * 64 + 1)) != 0
         reason = os.strerror(ctypes.get_errno()) if failed else ""
     except OSError as err:
         failed, reason = True, str(err)
     if failed:
-        print(f"autotuner: rank {os.environ.get('RANK', '0')}: memory not bound to NUMA node {node} ({reason})",
+        print(f"autotuner: rank {os.environ.get('RANK', '0')}: memory policy {policy} not applied ({reason})",
               file=sys.stderr)
 
 

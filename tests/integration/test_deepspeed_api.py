@@ -25,8 +25,9 @@ import autotuner
 from autotuner.app.cli import main
 from autotuner.core.errors import ConfigError, UnsupportedError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
-from autotuner.launch.resources import (cores_for_ranks, memory_node_for, numa_node_cpus, one_cpu_per_core, parse_core_list,
-                                        select_slots)
+from autotuner.launch.core_binding import cores_for_ranks, one_cpu_per_core
+from autotuner.launch.numa import memory_policy_for, numa_node_cpus
+from autotuner.launch.resources import parse_core_list, select_slots
 from conftest import ROOT, TOY, WORKERS, launcher_env, run_launcher
 
 DS_STYLE = WORKERS / "ds_style_train.py"
@@ -40,6 +41,20 @@ def ds_config(tmp_path: Path, stage: int, **extra) -> Path:
     path = tmp_path / f"ds_stage{stage}.json"
     path.write_text(json.dumps(config))
     return path
+
+
+def numa_maps_policy(policy) -> str:
+    """How /proc/self/numa_maps writes a memory policy: 'default', 'bind:0-1', 'prefer:2'."""
+    if policy is None:
+        return "default"
+    spans, nodes = [], list(policy.nodes)
+    while nodes:
+        end = 0
+        while end + 1 < len(nodes) and nodes[end + 1] == nodes[end] + 1:
+            end += 1
+        spans.append(f"{nodes[0]}-{nodes[end]}" if end else f"{nodes[0]}")
+        nodes = nodes[end + 1:]
+    return f"{policy.mode}:{','.join(spans)}"
 
 
 def write_script(tmp_path: Path, name: str, text: str) -> Path:
@@ -158,10 +173,12 @@ def test_bind_cores_to_rank_pins_each_rank_and_each_rank_log(tmp_path, no_orphan
     share = len(allowed) // 2
     assert [r["cores"] for r in ranks] == [allowed[:share], allowed[share:2 * share]]
     assert {r["omp"] for r in ranks} == {str(share)}
-    # Each rank's memory on the NUMA node of its cores, as DeepSpeed's numactl -m (with libnuma).
+    # Each rank's memory by the NUMA layout, as DeepSpeed's numactl prefix (with libnuma): on this
+    # machine's nodes, as /proc/self/numa_maps writes the policy.
     numa = numa_node_cpus()
     if ctypes.util.find_library("numa"):
-        assert [r["memory_policy"] for r in ranks] == [f"bind:{memory_node_for(r['cores'], numa)}" for r in ranks]
+        expected = [memory_policy_for(r["cores"], numa) for r in ranks]
+        assert [r["memory_policy"] for r in ranks] == [numa_maps_policy(p) for p in expected]
     else:
         assert "libnuma not found, so each rank's memory is not bound" in result.stderr
     files = sorted(logs.glob("*_rank*.log"))
@@ -300,17 +317,18 @@ def test_resource_filters_follow_deepspeed():
 
 
 
-def test_a_ranks_memory_node_is_the_numa_node_of_its_cores(tmp_path):
-    for node, cpus in ((0, "0-3,8-11"), (1, "4-7,12-15"), (2, "")):
-        (tmp_path / f"node{node}").mkdir()
-        (tmp_path / f"node{node}" / "cpulist").write_text(cpus + "\n")
-    hbm = numa_node_cpus(tmp_path)
-    assert hbm == {0: [0, 1, 2, 3, 8, 9, 10, 11], 1: [4, 5, 6, 7, 12, 13, 14, 15], 2: []}
-    normal = {0: hbm[0], 1: hbm[1]}
-    assert memory_node_for([0, 1], normal) == 0 and memory_node_for([12, 13], normal) == 1
-    assert memory_node_for([3, 4], normal) is None  # spans two nodes: DeepSpeed binds none either
-    assert memory_node_for([0, 1], hbm) is None  # flat HBM: DeepSpeed prefers the HBM node; we leave it
-    assert memory_node_for([0, 1], {0: [0, 1], 1: [0, 1]}) is None  # fake NUMA
+@pytest.mark.skipif(not os.path.exists("/proc/self/numa_maps"), reason="needs the kernel's NUMA policy interface")
+@pytest.mark.parametrize("policy", ["bind:0", "prefer:0"])
+def test_a_rank_runs_its_script_under_its_memory_policy(policy, no_orphans):
+    """rank_entry applies the policy, then execs the script: the script's process runs under it."""
+    script = "print(open('/proc/self/numa_maps').readline().split()[1])"
+    done = subprocess.run([sys.executable, "-m", "autotuner.launch.rank_entry", "--memory_policies", f"{policy};",
+                           "--", sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "LOCAL_RANK": "0"})
+    assert done.returncode == 0, done.stderr
+    if "not applied" in done.stderr:  # a kernel or cgroup that refuses NUMA policies says so
+        pytest.skip(done.stderr.strip())
+    assert done.stdout.strip() == policy
 
 
 def test_plan_passes_local_rank_macro_and_deepspeed_env(tmp_path):
