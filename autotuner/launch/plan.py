@@ -259,6 +259,11 @@ def _rank_command(options: LaunchOptions, python: str, nproc: int,
     if options.bind_cores_to_rank or options.bind_core_list:
         if not options.bind_cores_to_rank:
             raise UsageError("--bind_core_list: needs --bind_cores_to_rank")
+        if "KMP_AFFINITY" in environ:
+            # Intel's OpenMP places its threads by KMP_AFFINITY, over the mask each rank is given.
+            raise UsageError(f"--bind_cores_to_rank: KMP_AFFINITY is set ({environ['KMP_AFFINITY']!r}) and would place "
+                             "each rank's OpenMP threads over the cores it binds; unset it (DeepSpeed's launcher "
+                             "refuses it too)")
         binding = core_binding(options.bind_core_list, nproc, sorted(os.sched_getaffinity(0)), numa_node_cpus(),
                                libnuma=ctypes.util.find_library("numa") is not None)
         entry += binding.entry_flags
