@@ -22,7 +22,8 @@ from autotuner.config.loader import config_label
 from autotuner.config.batch import data_parallel_size
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch import LaunchOptions, build_plan
-from autotuner.launch.plan import RankFlags, default_nproc_per_node
+from autotuner.launch.options import RankFlags
+from autotuner.launch.plan import default_nproc_per_node
 from autotuner.launch.script_args import config_path
 from autotuner.tuning.space.config_space import base_config
 from autotuner.launch.stopping import Stopped

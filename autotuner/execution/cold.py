@@ -9,7 +9,8 @@ import os
 import sys
 
 from autotuner.launch.elastic import run_plan
-from autotuner.launch.plan import LaunchOptions, build_plan, config_checked
+from autotuner.launch.options import LaunchOptions
+from autotuner.launch.plan import build_plan, config_checked
 from autotuner.launch.processes import run_to_completion
 from autotuner.tuning.trials.trial import Trial
 from autotuner.execution.trial_launch import cold_launch, judge, prepare

@@ -34,7 +34,8 @@ from autotuner.execution.ray_trial_files import (PLACEMENT_FILE, RunningTrial, f
                                                  write_placement)
 from autotuner.execution.ray_worker import TOKEN_FILE, RankWorker
 from autotuner.core.errors import UsageError
-from autotuner.launch.plan import LaunchOptions, build_plan
+from autotuner.launch.options import LaunchOptions
+from autotuner.launch.plan import build_plan
 from autotuner.launch.stopping import GRACE_S, install_stop_handlers, mark_work_started, raise_if_stopped
 from autotuner.tuning.trials.trial import Trial
 from autotuner.execution.trial_launch import prepare

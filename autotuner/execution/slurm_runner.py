@@ -38,7 +38,7 @@ from autotuner.core.errors import LaunchError, UsageError
 from autotuner.execution.node_server import NodeServer, server_command
 from autotuner.execution.trial_launch import cold_launch, judge, prepare
 from autotuner.launch.nodes import srun_start
-from autotuner.launch.plan import LaunchOptions
+from autotuner.launch.options import LaunchOptions
 from autotuner.launch.slurm import Allocation, hardware_summary
 from autotuner.launch.stopping import GRACE_S, Stopped, end_processes
 from autotuner.tuning.space.records import TrialResult, TrialState

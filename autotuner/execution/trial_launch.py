@@ -19,7 +19,7 @@ from autotuner.core.atomic import write_json_atomic
 from autotuner.core.boundary import (DIST_TIMEOUT_ENV, REQUEST_ENV, LaunchReport, Measurement, ModelInfo, RecordError,
                                      read_record, write_record)
 from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
-from autotuner.launch.plan import LaunchOptions
+from autotuner.launch.options import LaunchOptions
 from autotuner.launch.script_args import replace_config
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.trials.journal import RECORD_FILE

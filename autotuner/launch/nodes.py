@@ -28,7 +28,8 @@ from pathlib import Path
 
 from autotuner.core.errors import UsageError
 from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
-from autotuner.launch.plan import DEFAULT_MASTER_PORT, LaunchOptions, default_nproc_per_node
+from autotuner.launch.options import LaunchOptions
+from autotuner.launch.plan import DEFAULT_MASTER_PORT, default_nproc_per_node
 from autotuner.launch.resources import is_this_host, parse_hostfile, select_slots
 from autotuner.launch.slurm import (Allocation, allocation_pool, check_whole_slots, ranks_per_node, require_job,
                                     uses_allocation)

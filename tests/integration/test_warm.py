@@ -17,7 +17,8 @@ import pandas as pd
 import psutil
 import pytest
 
-from autotuner.launch.plan import LaunchOptions, build_plan, rank_launch
+from autotuner.launch.options import LaunchOptions
+from autotuner.launch.plan import build_plan, rank_launch
 from autotuner.launch.warm_rank import script_argv
 from autotuner.execution.script_imports import script_imports
 from conftest import WORKERS, experiments_table, launcher_env, tune, write_config

@@ -17,7 +17,7 @@ from autotuner.core.errors import ConfigError
 from autotuner.tuning.space.config_space import base_config, knob_values, search_space
 from autotuner.core.boundary import LaunchReport, Measurement, RankError, write_record
 from autotuner.launch.elastic import failure_report
-from autotuner.launch.plan import RankFlags
+from autotuner.launch.options import RankFlags
 from autotuner.tuning.trials.trial import ExperimentSettings, Trial, config_value, experiment_config, mapped_script_args
 from autotuner.execution.trial_launch import cold_launch, judge
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState

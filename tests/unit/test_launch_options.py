@@ -9,7 +9,7 @@ from dataclasses import fields
 import pytest
 
 from autotuner.app.cli import _single_rank_count, build_parser
-from autotuner.launch.plan import LaunchOptions, RankFlags
+from autotuner.launch.options import LaunchOptions, RankFlags
 
 
 def parsed(argv: tuple[str, ...]) -> LaunchOptions:

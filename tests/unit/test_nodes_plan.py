@@ -10,7 +10,7 @@ import pytest
 
 from autotuner.core.errors import UsageError
 from autotuner.launch.nodes import STOP_WITH_STDIN_FLAG, active_hosts, exported_env, nodes_plan, plan_nodes
-from autotuner.launch.plan import LaunchOptions
+from autotuner.launch.options import LaunchOptions
 from autotuner.launch.slurm import Allocation
 
 PY = "/opt/py/bin/python"

@@ -10,7 +10,7 @@ import pytest
 
 from autotuner.core.errors import LaunchError, UsageError
 from autotuner.launch.nodes import nodes_plan, slurm_hosts
-from autotuner.launch.plan import LaunchOptions
+from autotuner.launch.options import LaunchOptions
 from autotuner.launch.slurm import (Allocation, hardware_summary, parse_hostnames, parse_node_addresses,
                                     parse_node_hardware, ranks_per_node, read_allocation)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
-from autotuner.launch.plan import LaunchOptions
+from autotuner.launch.options import LaunchOptions
 from autotuner.tuning.trials.trial import Trial
 from autotuner.tuning.space.records import TrialResult
 

@@ -16,7 +16,7 @@ from autotuner.config.keys import section_model
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.core.boundary import Measurement, MeasurementRequest
 from autotuner.core.errors import ConfigError
-from autotuner.launch.plan import RankFlags
+from autotuner.launch.options import RankFlags
 from autotuner.launch.script_args import set_flag
 from autotuner.tuning.memory.varying_batches import longest_batch
 from autotuner.tuning.space import dimensions
