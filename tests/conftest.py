@@ -155,6 +155,29 @@ def pytest_configure(config):
 ORPHAN_GRACE_S = 15.0  # an orphaned cold launcher ends its ranks within its 10 s grace; only waited for when one is left
 
 
+# Set once per process, not by a test: pytest's running test, torch's compiler cache, accelerate's
+# and DeepSpeed's CUDA check at import, and the GPT-2 example's offline switches at its import.
+SET_BY_LIBRARIES = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "PYTORCH_NVML_BASED_CUDA_CHECK",
+                    "HF_HUB_OFFLINE", "TRANSFORMERS_VERBOSITY"}
+
+
+@pytest.fixture(autouse=True)
+def _environment_left_as_found():
+    """A test leaves os.environ as it found it (monkeypatch's changes are undone before this looks):
+    a launcher run in this process sets its ranks' settings there, and every later launcher the
+    suite starts inherits them (AUTOTUNER_CONFIG_CHECKED once silenced a later run's config warning)."""
+    before = dict(os.environ)
+    yield
+    changed = sorted(key for key in {*before, *os.environ} - SET_BY_LIBRARIES if before.get(key) != os.environ.get(key))
+    if changed:
+        for key in changed:
+            if key in before:
+                os.environ[key] = before[key]
+            else:
+                os.environ.pop(key, None)
+        pytest.fail(f"the test left the environment changed: {changed} (run the launcher as a process, or use monkeypatch)")
+
+
 @pytest.fixture(autouse=True)
 def _no_marked_orphans(request, monkeypatch):
     """Every integration test marks its processes (an environment variable every launch inherits)

@@ -286,14 +286,16 @@ def test_launcher_flag_misuse_is_one_line(tmp_path, capsys, flags, fragment):
     assert len(err.strip().splitlines()) == 1 and fragment in err, err
 
 
-def test_bind_cores_to_rank_refuses_kmp_affinity_as_deepspeed_does(tmp_path, capsys, monkeypatch, no_orphans):
+def test_bind_cores_to_rank_refuses_kmp_affinity_as_deepspeed_does(tmp_path, no_orphans):
     script = write_script(tmp_path, "echo.py", ECHO)
-    monkeypatch.setenv("KMP_AFFINITY", "granularity=fine,compact")
-    monkeypatch.setenv("ECHO_DIR", str(tmp_path))
-    assert main(["--nproc_per_node", "1", "--bind_cores_to_rank", str(script)]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "KMP_AFFINITY is set" in err, err
-    assert main(["--nproc_per_node", "1", str(script)]) == 0  # without binding it is the user's own setting
+    # A real launcher process: one run in this one would leave its environment (the launcher's
+    # settings for its ranks) to every later test's launcher.
+    env = {**launcher_env(), "KMP_AFFINITY": "granularity=fine,compact", "ECHO_DIR": str(tmp_path)}
+    refused = run_launcher("--nproc_per_node", "1", "--bind_cores_to_rank", script, env=env)
+    assert refused.returncode == 2, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "KMP_AFFINITY is set" in refused.stderr, refused.stderr
+    unbound = run_launcher("--nproc_per_node", "1", script, env=env)  # without binding it is the user's own setting
+    assert unbound.returncode == 0, unbound.stderr
 
 
 def test_hostfile_with_unreachable_hosts_or_bad_lines_is_refused(tmp_path, capsys, monkeypatch):
