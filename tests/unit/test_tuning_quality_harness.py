@@ -37,3 +37,20 @@ def test_one_launchs_spread_is_pooled_over_configurations_whose_every_round_ran(
     assert math.isclose(spread, expected)
     assert 0.02 < spread < 0.025
     assert _benchmark().launch_spread({a: _rounds(a, 100.0)}) is None  # one round: no spread
+
+
+def test_the_noise_benchmark_launches_each_workloads_grid_best():
+    """benchmarks/launch_noise.py repeats the configuration the committed grid measured fastest,
+    passing over the points that ran out of memory (no median)."""
+    import pandas as pd
+
+    _benchmark()  # launch_noise imports its sibling by name
+    spec = importlib.util.spec_from_file_location("launch_noise", BENCHMARKS / "launch_noise.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    grid = pd.read_csv(BENCHMARKS / "results" / "tuning_quality_grid.csv")
+    for workload, rows in grid.dropna(subset=["samples_per_s_median"]).groupby("workload"):
+        best = rows.loc[rows.samples_per_s_median.idxmax()]
+        chosen = module.grid_best(workload)
+        assert (chosen.zero_stage, chosen.micro_batch_size, chosen.gradient_accumulation_steps) == \
+            (best.zero_stage, best.micro_batch_size, best.gradient_accumulation_steps)
