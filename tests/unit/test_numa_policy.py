@@ -36,13 +36,17 @@ def deepspeeds_policy(layout: dict[int, list[int]], core_list: str, ranks: int, 
     return None
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-@pytest.mark.parametrize("ranks", [1, 2, 4, 8])
+def _cores(nodes: dict[int, list[int]]) -> list[int]:
+    return sorted({cpu for cpus in nodes.values() for cpu in cpus})
+
+
+# Each layout with 1, 2, 4 and 8 ranks where it has a core for each (fewer are refused before any
+# policy: test_deepspeed_api).
+@pytest.mark.parametrize("layout, ranks", [(layout, ranks) for layout in sorted(LAYOUTS) for ranks in (1, 2, 4, 8)
+                                           if ranks <= len(_cores(LAYOUTS[layout]))])
 def test_each_ranks_memory_policy_is_deepspeeds(layout, ranks):
     nodes = LAYOUTS[layout]
-    cores = sorted({cpu for cpus in nodes.values() for cpu in cpus})
-    if ranks > len(cores):
-        pytest.skip("fewer cores than ranks: refused before any policy (test_deepspeed_api)")
+    cores = _cores(nodes)
     core_list = ",".join(map(str, cores))
     for rank, group in enumerate(cores_for_ranks(cores, ranks)):
         assert memory_policy_for(group, nodes) == deepspeeds_policy(nodes, core_list, ranks, rank), (layout, rank)
