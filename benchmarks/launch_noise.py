@@ -27,7 +27,7 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tuning_quality import RESULTS, WORKLOADS, measure_rounds, settings_for  # noqa: E402
+from tuning_quality import RESULTS, WORKLOADS, launch_spread, measure_rounds, settings_for  # noqa: E402
 
 from autotuner.app.measure import Experiment, TrialState  # noqa: E402
 
@@ -57,15 +57,17 @@ def main() -> None:
         started = time.monotonic()
         results = measure_rounds([experiment], settings_for(workload), args.launches,
                                  Path(args.work_dir).resolve() / name)[experiment]
-        values = [r.value for r in results if r.state is TrialState.OK and r.value]
+        ran = [r for r in results if r.state is TrialState.OK and r.value]
+        values = [r.value for r in ran]
         if len(values) < 3:
             print(f"| {name} | {experiment.name} | {len(values)} of {args.launches} launches ran | | | | |")
             continue
         logs = [math.log(v) for v in values]
         successive = math.sqrt(statistics.fmean((b - a) ** 2 for a, b in zip(logs, logs[1:])) / 2)
-        window = statistics.median(r.relative_error for r in results if r.state is TrialState.OK)
+        window = statistics.median(r.relative_error for r in ran)
+        spread, _ = launch_spread({experiment: ran})
         print(f"| {name} | {experiment.name} | {' '.join(f'{v:.1f}' for v in values)} | "
-              f"{statistics.stdev(logs):.1%} | {successive:.1%} | {window:.1%} | {os.getloadavg()[0]:.2f} |",
+              f"{spread:.1%} | {successive:.1%} | {window:.1%} | {os.getloadavg()[0]:.2f} |",
               flush=True)
         print(f"<!-- {name}: {time.monotonic() - started:.0f} s -->", flush=True)
 
