@@ -38,6 +38,21 @@ def exclusive_lock(results_dir: Path):
         handle.close()
 
 
+@contextmanager
+def environment(variables: dict[str, str]):
+    """os.environ with `variables` set, as it was afterwards (the ranks inherit it)."""
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> int:
     """`forkserver`: the warm path's, started early by the command line (it preloads meanwhile)."""
     job = settle(args)
@@ -80,4 +95,5 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
         optimal = replace(job.options, script_args=outcome.optimal_script_args,
                           nproc_per_node=None if job.options.rank_flags().picks_ranks_itself
                           else job.plan.nproc_per_node)
-        return runner.train(optimal, quiet=not args.debug)
+        with environment(dict(outcome.optimal_env)):  # the pick's tuned values, for a config built in code
+            return runner.train(optimal, quiet=not args.debug)

@@ -23,6 +23,8 @@ from autotuner.core.atomic import write_json_atomic
 
 VERSION = 1
 REQUEST_ENV = "AUTOTUNER_MEASUREMENT_REQUEST"  # the MeasurementRequest file for this launch
+# The pick's tuned values (JSON, by config key), for the training of a script that builds its config in code.
+TUNED_VALUES_ENV = "AUTOTUNER_TUNED_VALUES"
 # Seconds a rank waits at most in rendezvous and on the store (a tuner's launch: its time limit).
 DIST_TIMEOUT_ENV = "AUTOTUNER_DIST_TIMEOUT_S"
 # The warm forkserver's preload (launch/warm_preload.py, which preloads when imported): what to
@@ -91,7 +93,14 @@ class MeasurementRequest:
     # metric "goodput": read the gradient noise's raw figures (ZeRO 0/1, two ranks or more). Off
     # otherwise: the reading costs a pass over the gradients and a scalar all-reduce per step.
     gradient_noise: bool = False
+    # The experiment's tuned values, by DeepSpeed config key ("zero_optimization.stage"): our engine
+    # trains with them where the script's own config says otherwise, and every engine reports what
+    # it built at each (Measurement.built), for the tuner to check.
+    tuned: tuple[tuple[str, Any], ...] = ()
     version: int = VERSION
+
+    def tuned_values(self) -> dict[str, Any]:
+        return dict(self.tuned)
 
     def oom_marker(self, rank: int) -> str | None:
         return f"{self.oom_marker_prefix}.oom-rank{rank}" if self.oom_marker_prefix else None
@@ -102,7 +111,9 @@ class MeasurementRequest:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "MeasurementRequest":
         _check_version(data, "measurement request")
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
+        values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
+        values["tuned"] = tuple((str(key), value) for key, value in values.get("tuned") or ())
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,12 @@ class Measurement:
     # averages (micro-batch x gas, that x ranks): the gradient noise scale's raw figures.
     gradient_norms: tuple[tuple[float, float], ...] = ()
     gradient_noise_batches: tuple[int, ...] = ()
+    # What the ranks built at each tuned key the request named that this engine can read back
+    # (DeepSpeed config keys; the stage and batch triad are the fields above).
+    built: tuple[tuple[str, Any], ...] = ()
+    # Tuned keys where the script's own config said otherwise and our engine trained with the tuned
+    # value (a script that builds its config in code): its pick's training needs them too.
+    tuned_over_script: tuple[str, ...] = ()
     version: int = VERSION
 
     def one_off_s(self) -> float:
@@ -184,6 +201,8 @@ class Measurement:
         values["gradient_noise_batches"] = tuple(int(v) for v in values.get("gradient_noise_batches") or ())
         values["step_peaks"] = tuple(tuple((int(length), int(peak)) for length, peak in rank)
                                      for rank in values.get("step_peaks") or ())
+        values["built"] = tuple((str(key), value) for key, value in values.get("built") or ())
+        values["tuned_over_script"] = tuple(str(key) for key in values.get("tuned_over_script") or ())
         return cls(**values)
 
 
@@ -379,6 +398,26 @@ def rank_errors(directory: str | os.PathLike) -> list[RankError]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return sorted(found, key=lambda error: (error.time, error.rank))
+
+
+def tuned_values_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The tuned values a rank must train with, by DeepSpeed config key: a tuner's launch's (its
+    request), else the pick's (TUNED_VALUES_ENV, set for the training of a script that builds its
+    config in code); empty otherwise."""
+    environ = os.environ if environ is None else environ
+    request = request_from_env(environ)
+    if request is not None:
+        return request.tuned_values()
+    text = environ.get(TUNED_VALUES_ENV)
+    if not text:
+        return {}
+    try:
+        values = json.loads(text)
+    except ValueError as err:
+        raise RecordError(f"{TUNED_VALUES_ENV}: not a JSON object of config keys and values ({err})") from err
+    if not isinstance(values, dict):
+        raise RecordError(f"{TUNED_VALUES_ENV}: not a JSON object of config keys and values")
+    return values
 
 
 def request_from_env(environ: dict[str, str] | None = None) -> MeasurementRequest | None:

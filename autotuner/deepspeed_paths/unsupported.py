@@ -10,8 +10,6 @@ from autotuner.core.errors import UnsupportedError
 
 DATA_PARALLEL = "every rank is data parallel here"
 REASONS = {
-    "zero.GatheredParameters": "FSDP2 parameters are DTensors; read a full copy with param.full_tensor(), or "
-                               "use stage 0-2 where each rank holds the full parameters",
     "moe": f"mixture-of-experts layers (expert parallelism) are not supported; {DATA_PARALLEL}",
     "pipe": f"pipeline parallelism is not supported; {DATA_PARALLEL}, so train the model with "
             "deepspeed.initialize at ZeRO stage 0-3 instead",

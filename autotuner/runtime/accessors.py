@@ -30,6 +30,23 @@ class DeepSpeedAccessors:
     _client_optimizer: bool
     reporter: Any
 
+    def __getattr__(self, name: str) -> Any:
+        """DeepSpeed's pass-through: a name the engine lacks is looked up on the user's model
+        (`engine.generate`, `engine.gradient_checkpointing_enable()`); the engine's own names come
+        first, nn.Module's parameters, buffers and submodules included."""
+        try:
+            return super().__getattr__(name)  # nn.Module's: what it registered
+        except AttributeError:
+            pass
+        wrapped = self.__dict__.get("_modules", {}).get("wrapped")
+        if wrapped is not None:
+            inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
+            try:
+                return getattr(inner, name)
+            except AttributeError:
+                pass
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
     @property
     def module(self) -> nn.Module:
         """The user's model, as in DeepSpeed: not the DDP wrapper (FSDP2 shards it in place)."""

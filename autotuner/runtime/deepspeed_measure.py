@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.abc
 import os
 import sys
 from typing import Any, Callable
@@ -32,54 +31,12 @@ ENGINE_NAME = "deepspeed"
 def install(request: MeasurementRequest) -> None:
     """Measure the first DeepSpeedEngine this process creates: now, if deepspeed is loaded
     already (a warm rank forked from a server that preloaded it), else when it is imported."""
-    if "deepspeed.runtime.engine" in sys.modules:
+    from autotuner.runtime.deepspeed_loaded import when_deepspeed_loads
+
+    def patch() -> None:
         _patch(sys.modules["deepspeed.runtime.engine"].DeepSpeedEngine, request)
-        return
-    if not any(isinstance(finder, _DeepSpeedImportHook) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _DeepSpeedImportHook(request))
 
-
-class _DeepSpeedImportHook(importlib.abc.MetaPathFinder):
-    """Finds `deepspeed` through the other finders and patches its engine once it has loaded.
-
-    It stays installed until deepspeed is really executed: transformers and accelerate first ask
-    `importlib.util.find_spec("deepspeed")` only to see that it is installed, and import it later."""
-
-    def __init__(self, request: MeasurementRequest):
-        self._request = request
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "deepspeed":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(name, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _PatchingLoader(spec.loader, self._request, self)
-                return spec
-        return None
-
-
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, request: MeasurementRequest, hook: _DeepSpeedImportHook):
-        self._loader = loader
-        self._request = request
-        self._hook = hook
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(self._hook)
-        self._loader.exec_module(module)
-        from deepspeed.runtime.engine import DeepSpeedEngine  # deepspeed/__init__ imported it already
-
-        _patch(DeepSpeedEngine, self._request)
-
-    def __getattr__(self, name):  # get_resource_reader, is_package, ...: the real loader's
-        return getattr(self._loader, name)
+    when_deepspeed_loads(patch)
 
 
 def _patch(engine_class: type, request: MeasurementRequest) -> None:
@@ -189,6 +146,15 @@ class DeepSpeedView:
 
     def model(self) -> Any:
         return self._engine.module
+
+    tuned_over_script: tuple[str, ...] = ()  # DeepSpeed trains with what it is given: checked, never laid over
+
+    def built_values(self, keys: list[str]) -> tuple[tuple[str, Any], ...]:
+        """The config DeepSpeed's engine was given (a file's or the script's own dict), at the tuned keys."""
+        from autotuner.runtime.measurement import values_at
+
+        given = getattr(getattr(self._engine, "_config", None), "_param_dict", None)
+        return values_at(given if isinstance(given, dict) else {}, keys)
 
     def parameter_counts(self) -> tuple[int, int]:
         """Whole-model counts: under ZeRO-3 a parameter's tensor is empty and `ds_numel` its size."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Mapping, Union
 
 import torch
 import torch.distributed as dist
@@ -12,21 +12,25 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from autotuner.config.batch import resolve_batch
-from autotuner.config.loader import ConfigSource, load_config
+from autotuner.config.loader import ConfigSource, config_label, load_config, read_config_file
+from autotuner.config.tuned_values import lay_tuned_values
+from autotuner.core.boundary import tuned_values_from_env
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.config.engine_math import refuse_other_math
 from autotuner.config.trainer_auto import refuse_auto_batch, refuse_trainer_autos
 from autotuner.core.errors import ConfigError, UnsupportedError
 from autotuner.runtime.activation_checkpointing import apply_activation_checkpointing
 from autotuner.runtime.compiling import compile_blocks
+from autotuner.runtime.deepspeed_side import gather_deepspeed_partitions
 from autotuner.runtime.distributed import dist_timeout_s, init_distributed, warn_once
 from autotuner.runtime.engine import Engine
 from autotuner.runtime.measurement import measurement_request
 from autotuner.runtime.grad_reduction import GradientReduction
 from autotuner.runtime.gradient_noise import GradientNoiseProbe, MicroStepNoiseProbe
 from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
-from autotuner.runtime.rank_zero_gather import arm_if_wanted
+from autotuner.runtime.rank_zero_gather import arm as arm_rank_zero_gather
 from autotuner.runtime.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
+from autotuner.runtime.whole_weights import mark_zero3_parameters, register_root, whole_state_dict_on_rank_zero
 
 OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Optimizer], None]
 
@@ -71,8 +75,9 @@ def _check_mpu(mpu: Any, mesh_param: Any) -> None:
                                "supported; autotuner trains data parallel only, so pass mpu=None")
 
 
-def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
-    """As DeepSpeed: args.deepspeed_config (or the older deepscale_config; a path or a dict) or
+def _config_from(args: Any, config: ConfigSource | None) -> tuple[DeepSpeedConfig, tuple[str, ...]]:
+    """(the config, the tuned keys laid over the script's own values). As DeepSpeed:
+    args.deepspeed_config (or the older deepscale_config; a path or a dict) or
     initialize(config=...), not both. Ours besides: Hugging Face's style `--deepspeed PATH`, read
     only where neither is given (DeepSpeed's --deepspeed is a switch, never a config)."""
     given = [getattr(args, name, None) for name in ("deepspeed_config", "deepscale_config")] if args is not None else []
@@ -91,13 +96,30 @@ def _config_from(args: Any, config: ConfigSource | None) -> DeepSpeedConfig:
     source = config if config is not None else given[0]
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
-    loaded = load_config(source)
+    laid, label, tuned_over = _with_tuned_values(source)
+    loaded = load_config(laid, name=label)
     # No Trainer runs before our engine to fill its "auto" values in, nor the tuner its batch sizes.
     named = str(source) if isinstance(source, (str, os.PathLike)) else "config"
     refuse_auto_batch(loaded, named)
     refuse_trainer_autos(loaded, named)
     refuse_other_math(loaded, str(source) if isinstance(source, (str, os.PathLike)) else "config")
-    return loaded
+    return loaded, tuned_over
+
+
+def _with_tuned_values(source: ConfigSource) -> tuple[ConfigSource, str | None, tuple[str, ...]]:
+    """(the config source, its name, the keys that differed): in a tuner's launch, and in the
+    training its pick runs, the tuned values laid over it (config/tuned_values.py), each that
+    differed said once in the log."""
+    tuned = tuned_values_from_env()
+    if not tuned or isinstance(source, DeepSpeedConfig):
+        return source, None, ()
+    named = "initialize(config=...)" if isinstance(source, Mapping) else config_label(source)
+    raw = source if isinstance(source, Mapping) else read_config_file(source)
+    laid, changes = lay_tuned_values(raw, tuned)
+    if changes:
+        warn_once(f"{named}: the script's config differs from the tuned values, which our engine trains with: "
+                  f"{'; '.join(changes)}")
+    return laid, named, tuple(change.split(":", 1)[0] for change in changes)
 
 
 def _named(value: Any) -> str:
@@ -260,7 +282,7 @@ def initialize(
     if dist_init_required is False and not dist.is_initialized():
         raise ConfigError("initialize(dist_init_required=False): the process group is not initialised; call "
                           "init_distributed() first or leave dist_init_required unset")
-    cfg = _config_from(args, config if config is not None else config_params)
+    cfg, tuned_over_script = _config_from(args, config if config is not None else config_params)
     stage = cfg.zero_optimization.stage
     if not isinstance(stage, int):
         raise ConfigError(
@@ -277,6 +299,7 @@ def initialize(
         source = [dict(group) for group in optimizer.param_groups]
     else:
         source = list(model_parameters) if model_parameters is not None else list(model.parameters())
+    gather_deepspeed_partitions(model)  # a model built under DeepSpeed's own zero.Init; groups map by name
     if cfg.compile.enabled == "auto":  # the tuner writes true or false into each experiment's config
         raise ConfigError("compile.enabled: got \"auto\"; it is settled by --autotuning tune|run; give true or false")
     for offload in cfg.zero_optimization.tuned_offloads:  # the tuner writes "none" or "cpu" into each experiment's
@@ -309,5 +332,12 @@ def initialize(
         client_optimizer=optimizer is not None,
         gradient_noise=noise,
     )
-    arm_if_wanted(unwrap(wrapped), stage, ctx.world_size, engine.step_gate, dist_timeout_s())
+    engine.tuned_over_script = tuned_over_script
+    if stage >= 2:  # FSDP2's shards: whole weights where a DeepSpeed script reads them (whole_weights.py)
+        user_module = unwrap(wrapped)
+        register_root(user_module)
+        if stage == 3:
+            mark_zero3_parameters(user_module)
+        service = arm_rank_zero_gather(user_module, stage, ctx.world_size, engine.step_gate, dist_timeout_s())
+        whole_state_dict_on_rank_zero(user_module, ctx.rank, service)
     return engine, opt, loader, scheduler

@@ -28,6 +28,23 @@ def measurement_request(config: DeepSpeedConfig) -> MeasurementRequest | None:
                               tuning.metric_path)
 
 
+# Read from the Measurement's own fields (stage, micro-batch, gas), not from `built`.
+TRIAD_KEYS = ("zero_optimization.stage", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def values_at(config: dict[str, Any], keys: list[str]) -> tuple[tuple[str, Any], ...]:
+    """(key, value) for each dotted key in a DeepSpeed config dict; None where it is not set."""
+    found = []
+    for key in keys:
+        if key in TRIAD_KEYS:
+            continue
+        node: Any = config
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        found.append((key, node))
+    return tuple(found)
+
+
 class OurEngineView:
     """The protocol's view of our Engine (runtime/engine.py)."""
 
@@ -74,6 +91,14 @@ class OurEngineView:
 
     def model(self) -> nn.Module:
         return self._engine.wrapped
+
+    @property
+    def tuned_over_script(self) -> tuple[str, ...]:
+        return tuple(getattr(self._engine, "tuned_over_script", ()))
+
+    def built_values(self, keys: list[str]) -> tuple[tuple[str, Any], ...]:
+        """The config the engine trains with (after settling), at the tuned keys."""
+        return values_at(self._engine.config.model_dump(mode="json", by_alias=True), keys)
 
     def parameter_counts(self) -> None:
         return None  # the wrapped module's tensors (FSDP2's DTensors included) count themselves

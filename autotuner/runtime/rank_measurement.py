@@ -35,8 +35,12 @@ class EngineView(Protocol):
     gradient_accumulation_steps: int
     train_batch_size: int
     engines_in_process: int  # a GAN makes two; the profile sees the first
+    tuned_over_script: tuple[str, ...]  # tuned keys laid over the script's own config values
 
     def model(self) -> nn.Module: ...
+
+    def built_values(self, keys: list[str]) -> tuple[tuple[str, Any], ...]:
+        """The engine's value at each tuned config key beyond the stage and batch triad (None: not set)."""
 
     def parameter_counts(self) -> tuple[int, int] | None:
         """(total, trainable) when the module's tensors do not say (ZeRO-3 partitions), else None."""
@@ -180,7 +184,9 @@ class RankMeasurement:
                 measurement, engine=view.name, step_peaks=step_peaks,
                 bytes_before_first_step=before_first_step,
                 gradient_norms=tuple(noise.steps) if noise else (),
-                gradient_noise_batches=tuple(noise.batches) if noise else ()))
+                gradient_noise_batches=tuple(noise.batches) if noise else (),
+                built=view.built_values(list(self.request.tuned_values())),
+                tuned_over_script=view.tuned_over_script))
 
     def _step_peaks(self) -> tuple[tuple[tuple[int, int], ...], ...]:
         """Per rank, per window step: (its longest input, the peak so far). Collective. Every rank

@@ -1,10 +1,12 @@
 """Whole weights on rank 0 alone, for scripts that save from one rank under FSDP2.
 
-DeepSpeedExamples' scripts end with `if rank == 0: torch.save(save_without_random_ltd(model), f)`.
-Under DeepSpeed's ZeRO 0-2 each rank holds the whole parameters, so one rank can read them; under
-our stages 2 and 3 (FSDP2) each holds a shard, and gathering them is a collective the other ranks
-never join. So, armed at initialize for such a script (it binds one of the rank-0 savers), every
-other rank serves its shards to rank 0 from a thread on a process group of its own:
+DeepSpeedExamples' scripts end with `if rank == 0: torch.save(save_without_random_ltd(model), f)`,
+DeepSpeed-Chat's with `if rank == 0: torch.save(model.module.state_dict(), f)`. Under DeepSpeed's
+ZeRO 0-2 each rank holds the whole parameters, so one rank can read them; under our stages 2 and 3
+(FSDP2) each holds a shard, and gathering them is a collective the other ranks never join. So,
+armed at initialize wherever FSDP2 shards over several ranks (a tuner's measurement launch
+excepted: it exits after its window), every other rank serves its shards to rank 0 from a thread
+on a process group of its own:
 
 - rank 0 asks with its optimizer-step count; a serving rank waits until its engine has taken as
   many steps and is between steps, so the shards it sends belong to the same step as rank 0's;
@@ -168,18 +170,16 @@ def check_dim0_shards(state: dict[str, Any]) -> None:
 
 
 _service: RankZeroGather | None = None
-# Modules whose functions save one rank's state dict; a script that imported one before initialize
-# gets the service. (Our own code never imports them, so their presence is the script's doing.) The
-# real name: an import at the DeepSpeed path (autotuner.runtime.data_pipeline..., an alias) puts it there too.
-RANK_ZERO_SAVERS = ("autotuner.deepspeed_paths.runtime.data_pipeline.data_routing.helper",)
 
 
-def arm_if_wanted(module: torch.nn.Module, stage: int, world_size: int, gate: StepGate, timeout_s: float) -> None:
-    """Start the service when the script may save from one rank while FSDP2 shards the weights
-    (collective: every rank of the job calls initialize alike)."""
+def arm(module: torch.nn.Module, stage: int, world_size: int, gate: StepGate, timeout_s: float) -> RankZeroGather | None:
+    """Start the service where FSDP2 shards the weights over several ranks (collective: every rank of
+    the job calls initialize alike): a script may save from rank 0 alone at any time."""
     global _service
-    if stage >= 2 and world_size > 1 and any(name in sys.modules for name in RANK_ZERO_SAVERS):
+    if stage >= 2 and world_size > 1:
         _service = RankZeroGather(module, gate, timeout_s)
+        return _service
+    return None
 
 
 def service_for(module: torch.nn.Module) -> RankZeroGather | None:

@@ -3,10 +3,13 @@ summary table and its explanation. Reads the search's record; writes files; laun
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from autotuner.core.boundary import TUNED_VALUES_ENV
+from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.trials.trial import ExperimentSettings, picked_config, script_config
 from autotuner.tuning.reports.optimal_commands import (deepspeed_command, nodes_per_run, optimal_command,
                                                       optimal_script_args)
@@ -28,6 +31,9 @@ class TuningOutcome:
     optimal_script_args: tuple[str, ...] | None
     optimal_command: tuple[str, ...] | None
     deepspeed_command: tuple[str, ...] | None = None  # the same training with DeepSpeed's own launcher
+    # Variables the optimal training needs: the pick's tuned values, where the script builds its
+    # config in code and our engine laid the tuned values over it (the command carries them too).
+    optimal_env: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,10 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
     optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
     goodput = goodput_lines(list(record.launched), objective, record.noise_scale, settings.data_parallel_size,
                             record.critical_batch, pick=best)
+    optimal_env: tuple[tuple[str, str], ...] = ()
     if best is not None:
+        optimal_env = tuned_values_env(best.experiment, record.launched)
+        settings = replace(settings, placement_env=settings.placement_env + optimal_env)
         config = picked_config(best.experiment, settings)
         if objective.reference_batch:  # metric goodput (also where it fell back to throughput)
             config, script_args, line = scale_learning_rate(
@@ -79,7 +88,17 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
     summary = write_results(results_dir, list(everything), objective, record.elapsed_s, config,
                             list(optimal_cmd) if optimal_cmd else None, explanation,
                             list(deepspeed_cmd) if deepspeed_cmd else None)
-    return TuningOutcome(everything, best, summary, optimal_path, optimal_args, optimal_cmd, deepspeed_cmd)
+    return TuningOutcome(everything, best, summary, optimal_path, optimal_args, optimal_cmd, deepspeed_cmd,
+                         optimal_env)
+
+
+def tuned_values_env(pick: Experiment, launched: tuple[TrialResult, ...]) -> tuple[tuple[str, str], ...]:
+    """TUNED_VALUES_ENV with the pick's tuned values, where a launch's ranks laid tuned values over
+    the script's own config (it builds its config in code, so the optimal config file alone would
+    not reach it); else nothing."""
+    if not any(r.measurement is not None and r.measurement.tuned_over_script for r in launched):
+        return ()
+    return ((TUNED_VALUES_ENV, json.dumps(dict(pick.tuned_values()), separators=(",", ":"))),)
 
 
 def predicted_points(predictions: PredictiveOutcome | None) -> tuple[tuple[PredictedPoint, ...],

@@ -66,6 +66,14 @@ class Experiment:
             out[key] = dimensions.encode(key, value)
         return out
 
+    def tuned_values(self) -> tuple[tuple[str, Any], ...]:
+        """What this experiment sets, by DeepSpeed config key: the stage, micro-batch and gas, and
+        each dimension at its path (what the ranks must build, and report back)."""
+        return (("zero_optimization.stage", self.zero_stage),
+                ("train_micro_batch_size_per_gpu", self.micro_batch_size),
+                ("gradient_accumulation_steps", self.gradient_accumulation_steps),
+                *((".".join(dimensions.dimension(key).path), value) for key, value in self.knobs))
+
     def apply(self, base_config: dict[str, Any], data_parallel_size: int) -> dict[str, Any]:
         """The base config with this experiment's stage, batch triad and dimensions set."""
         config = copy.deepcopy(base_config)

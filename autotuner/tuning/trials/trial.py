@@ -253,7 +253,8 @@ class Trial:
                                   oom_marker_prefix=str(self.directory / METRICS_FILE),
                                   min_window_s=settings.min_window_s,
                                   max_steps_per_window=settings.max_steps_per_window,
-                                  gradient_noise=settings.objective.metric == "goodput")
+                                  gradient_noise=settings.objective.metric == "goodput",
+                                  tuned=self.experiment.tuned_values())
 
 
 def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
@@ -262,11 +263,47 @@ def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
 
 
 MISSING_METRIC = "metrics.json has no "  # a failure the metric caused: judged again when it changes
+# The flag a script usually gives each of the triad's keys (DeepSpeed-Chat's, Hugging Face's), for the
+# arg_mappings entry a mismatch suggests; a dimension suggests its own script flag.
+_USUAL_FLAGS = {"zero_optimization.stage": "--zero_stage",
+                "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+                "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+
+
+def built_mismatch(experiment: Experiment, measurement: Measurement, settings: ExperimentSettings) -> str | None:
+    """Why the ranks did not train the experiment, from what they reported building: the first tuned
+    key whose value differs (a script's own config won over the experiment's), else None. Keys an
+    engine cannot read back (a dimension the script applies on DeepSpeed's engine) are not judged."""
+    reported = {"zero_optimization.stage": measurement.zero_stage,
+                "train_micro_batch_size_per_gpu": measurement.micro_batch_size,
+                "gradient_accumulation_steps": measurement.gradient_accumulation_steps}
+    reported.update(measurement.built)
+    by_path = {".".join(d.path): d for d in dimensions.REGISTRY.values()}
+    for key, wanted in experiment.tuned_values():
+        got = reported.get(key)
+        dim = by_path.get(key)
+        if key not in reported or (dim is None and got is None):
+            continue  # not read back (a metrics file of DeepSpeed's own without these fields)
+        if dim is not None and settings.engine == "deepspeed" and dim.applied_by_script_on_deepspeed:
+            continue
+        if got is None and dim is not None and dim.neutral is not None:
+            got = dim.neutral  # a section left out is the engine's default: off
+        if got == wanted:
+            continue
+        flag = settings.arg_mappings.get(key)
+        where = (f"the script did not apply its mapped flag {flag}" if flag else
+                 "the script's own config set it; map the key to the script's flag in autotuning.arg_mappings, "
+                 f"e.g. \"{key}\": \"{(dim.script_flag if dim is not None else '') or _USUAL_FLAGS.get(key) or '--' + key.rsplit('.', 1)[-1]}\"")
+        return f"the ranks built {key} = {got!r}, not the experiment's {wanted!r} ({where})"
+    return None
 
 
 def scored(measurement: Measurement, settings: ExperimentSettings, common: dict) -> TrialResult:
     """A measured launch judged under this run's budget and objective (`common`: the result's
     other fields)."""
+    mismatch = built_mismatch(common["experiment"], measurement, settings)
+    if mismatch is not None:  # never recorded under a name it did not train
+        return TrialResult(state=TrialState.FAILED, measurement=measurement, error=mismatch, **common)
     measured = measurement.peak_memory_bytes
     longest = longest_batch(measurement, settings.max_sequence_length)
     at = ""

@@ -2,25 +2,22 @@
 
 Our ZeRO-3 is FSDP2, which shards a model built the ordinary way at initialize, so `Init` is a
 context that does nothing: the model trains as under DeepSpeed's Init, but each rank builds it
-whole first (its memory then, not its training, differs). Scripts
-enter `GatheredParameters` on every path (with enabled=False, or at stage 0-2): there it does
-nothing, as in DeepSpeed where parameters that are not partitioned need no gathering. Entered
-for FSDP2's sharded parameters (DTensors), it is refused with what to do instead.
+whole first (its memory then, not its training, differs). `GatheredParameters` does what
+DeepSpeed's does for FSDP2's sharded parameters (DTensors, ZeRO 2 and 3 here): every rank
+entering it sees them whole, through the parameter's `.data` and the module's attribute, and with
+`modifier_rank` that rank's changes reach every shard on exit (runtime/whole_weights.py). Entered
+with enabled=False, or for parameters that are not sharded (stage 0-1), it does nothing, as in
+DeepSpeed.
 """
 
 from __future__ import annotations
 
-from enum import Enum
 from typing import Any
 
 from autotuner.runtime.distributed import warn_once
-from autotuner.deepspeed_paths.unsupported import refuse
+from autotuner.runtime.whole_weights import Gathering, ZeroParamStatus
 
-
-class ZeroParamStatus(Enum):
-    AVAILABLE = 1
-    NOT_AVAILABLE = 2
-    INFLIGHT = 3
+__all__ = ["GatheredParameters", "Init", "ZeroParamStatus"]
 
 
 class Init:
@@ -44,14 +41,16 @@ class Init:
 
 class GatheredParameters:
     def __init__(self, params: Any, modifier_rank: int | None = None, fwd_module: Any = None, enabled: bool = True):
-        params = [params] if not isinstance(params, (list, tuple)) and not hasattr(params, "__next__") else list(params)
-        from autotuner.runtime.sharding import is_dtensor
-
-        if enabled and any(is_dtensor(p) for p in params):
-            raise refuse("zero.GatheredParameters")
+        if params is None:
+            params = []
+        elif not isinstance(params, (list, tuple)) and not hasattr(params, "__next__"):
+            params = [params]
+        self._gathering = Gathering(list(params), modifier_rank) if enabled else None
 
     def __enter__(self) -> None:
-        return None
+        if self._gathering is not None:
+            self._gathering.__enter__()
 
-    def __exit__(self, *_exc: Any) -> None:
-        return None
+    def __exit__(self, *exc: Any) -> None:
+        if self._gathering is not None:
+            self._gathering.__exit__(*exc)

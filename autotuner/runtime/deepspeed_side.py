@@ -1,0 +1,57 @@
+"""A model transformers built under DeepSpeed's own zero.Init, trained on our engine.
+
+DeepSpeed-Chat builds its model while a transformers `HfDeepSpeedConfig` at ZeRO stage 3 is alive,
+and transformers then builds it under DeepSpeed's zero.Init (`import deepspeed` inside
+`from_config`/`from_pretrained`: DeepSpeed's package, whatever the script imported). Two things
+make that work here, with DeepSpeed's own API only:
+
+- DeepSpeed's comm is pointed at our process group as soon as DeepSpeed loads, as the script's
+  `deepspeed.init_distributed()` would have done on DeepSpeed (its Init reads the world size
+  there, broadcasts rank 0's initial weights and partitions them over it);
+- at initialize the parameters it partitioned are gathered whole with DeepSpeed's
+  `GatheredParameters` and put back as ordinary parameters, which FSDP2 (or DDP) then wraps as it
+  wraps any model. The optimizer the script built on the partitioned ones is mapped by name.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch.nn as nn
+
+from autotuner.runtime.deepspeed_loaded import when_deepspeed_loads
+from autotuner.runtime.distributed import warn_once
+
+
+def follow_with_deepspeed_comm(backend: str) -> None:
+    """Once DeepSpeed loads in this process, initialise its comm on the process group we set up."""
+
+    def join() -> None:
+        comm = sys.modules["deepspeed"].comm
+        if not comm.is_initialized():
+            comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+    when_deepspeed_loads(join)
+
+
+def partitioned_by_deepspeed(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters DeepSpeed's zero.Init partitioned (its `ds_tensor`; our own markers never set one)."""
+    return [p for p in model.parameters() if "ds_tensor" in p.__dict__]
+
+
+def gather_deepspeed_partitions(model: nn.Module) -> None:
+    """Replace every parameter DeepSpeed's zero.Init partitioned with an ordinary whole one, in
+    every module that registers it (tied weights stay tied). Collective over DeepSpeed's group."""
+    partitioned = partitioned_by_deepspeed(model)
+    if not partitioned:
+        return
+    warn_once("the model was built under DeepSpeed's own zero.Init (transformers does so while an "
+              "HfDeepSpeedConfig at ZeRO stage 3 is alive): its partitions are gathered whole at initialize and "
+              "sharded by this engine's ZeRO stage")
+    deepspeed = sys.modules["deepspeed"]
+    with deepspeed.zero.GatheredParameters(partitioned):
+        whole = {id(p): nn.Parameter(p.data.detach().clone(), requires_grad=p.requires_grad) for p in partitioned}
+    for module in model.modules():
+        for name, value in list(module._parameters.items()):
+            if value is not None and id(value) in whole:
+                module._parameters[name] = whole[id(value)]
