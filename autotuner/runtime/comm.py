@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from autotuner.core.errors import UsageError
+from autotuner.runtime.deepspeed_side import follow_with_deepspeed_comm
 from autotuner.runtime.distributed import init_distributed as _join
 
 __all__ = [
@@ -39,9 +40,16 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      dist_init_required: bool | None = None, config: Any = None, rank: int = -1,
                      world_size: int = -1) -> None:
     """deepspeed.init_distributed: join the launcher's process group (a no-op when one exists).
-    Without launcher variables it forms a world of one; MPI discovery is not attempted."""
-    if dist.is_initialized():
-        return
+    Without launcher variables it forms a world of one; MPI discovery is not attempted. Should
+    DeepSpeed's own package load later (transformers builds a model under its zero.Init), its comm
+    joins the same group, as this call would have made it on DeepSpeed (deepspeed_side.py)."""
+    if not dist.is_initialized():
+        _init(dist_backend, distributed_port, timeout, init_method, dist_init_required, rank, world_size)
+    follow_with_deepspeed_comm(dist.get_backend())
+
+
+def _init(dist_backend: str | None, distributed_port: int, timeout: datetime.timedelta | None,
+          init_method: str | None, dist_init_required: bool | None, rank: int, world_size: int) -> None:
     if dist_init_required is False:
         raise UsageError("init_distributed(dist_init_required=False): no process group is initialised; "
                          "leave dist_init_required unset")

@@ -91,9 +91,6 @@ def init_distributed(timeout_s: float = 1800.0, *, default_port: int = 29500, ba
         if dist.get_backend() == "gloo":
             # A plain launch's script may never end the group itself; gloo's is local to end.
             atexit.register(end_process_group)
-        from autotuner.runtime.deepspeed_side import follow_with_deepspeed_comm
-
-        follow_with_deepspeed_comm(dist.get_backend())
     world_size = dist.get_world_size()
     return DistributedContext(
         rank=dist.get_rank(),

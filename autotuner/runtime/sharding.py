@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -94,6 +95,12 @@ def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: 
         s is not None and s.device == "cpu" for s in (zero.offload_optimizer, zero.offload_param)
     )
     offload = CPUOffloadPolicy(pin_memory=bool(zero.offload_param and zero.offload_param.pin_memory)) if offloading else OffloadPolicy()
+    if ctx.world_size > 1:
+        # Every rank starts from rank 0's weights, as DDP and DeepSpeed's engine (and its zero.Init)
+        # make them: FSDP2 keeps each rank's own slice of whatever that rank built.
+        with torch.no_grad():
+            for tensor in [*model.parameters(), *model.buffers()]:
+                dist.broadcast(tensor.data, src=0)
     reshard = stage == 3
     kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
     units = shard_units(model, zero.stage3_param_persistence_threshold or 0)

@@ -195,7 +195,8 @@ def create_hf_model(ds_config, hf_deepspeed_config):
         # way (under DeepSpeed's own zero.Init) is the reference for a stage-3 one.
         zero3 = {**ds_config, "zero_optimization": {**ds_config["zero_optimization"], "stage": 3}}
         dschf = HfDeepSpeedConfig(zero3)  # noqa: F841 - alive while the model is built, as in dschat
-    torch.manual_seed(1234)
+    # Each rank its own seed: the engine must start every rank from rank 0's weights, as DeepSpeed's does.
+    torch.manual_seed(1234 + torch.distributed.get_rank())
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -233,11 +234,14 @@ def main():
 
     model = create_hf_model(ds_config, args.hf_deepspeed_config)
     if args.lora_dim > 0:
+        torch.manual_seed(4321 + args.global_rank)
         model = convert_linear_layer_to_lora(model, args.lora_module_name, args.lora_dim)
         if args.only_optimize_lora:
             model = only_optimize_lora_parameters(model)
             model = make_model_gradient_checkpointing_compatible(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    if ENGINE == "deepspeed":
+        args.deepspeed_config = None  # the tuner's file is named, and the script's own dict wins (DeepSpeed takes one)
     model, optimizer, _, lr_scheduler = deepspeed.initialize(model=model, optimizer=optimizer, args=args,
                                                              config=ds_config, dist_init_required=True)
     if args.gradient_checkpointing:
