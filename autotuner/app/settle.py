@@ -115,9 +115,9 @@ def check_arg_mappings(config: DeepSpeedConfig, source: str, base: dict | None =
 
 def check_some_batch_is_valid(space: SearchSpace, data_parallel_size: int, source: str) -> None:
     """At least one micro-batch size must give a valid global batch, or every launch is wasted."""
-    candidates = space.fixed_micro_batch_sizes or range(space.min_micro_batch_size, space.max_micro_batch_size + 1)
-    if any(space.gas(micro) is not None for micro in candidates):
+    if space.valid_micro_batch_sizes(space.max_micro_batch_size):
         return
+    candidates = space.fixed_micro_batch_sizes or range(space.min_micro_batch_size, space.max_micro_batch_size + 1)
     smallest = train_batch_size(min(candidates), space.fixed_gradient_accumulation_steps or 1, data_parallel_size)
     if space.global_batch_exact:
         key = f"train_batch_size ({space.global_batch_size})"
@@ -137,8 +137,7 @@ TRAINER_BATCH_FLAGS = {"train_micro_batch_size_per_gpu": "--per_device_train_bat
 
 def _experiment_micro_batch_sizes(space: SearchSpace) -> list[int]:
     """Every micro-batch size an experiment may get (each with a valid accumulation count)."""
-    sizes = space.fixed_micro_batch_sizes or range(space.min_micro_batch_size, space.max_micro_batch_size + 1)
-    return sorted({m for m in sizes if space.gas(m) is not None})
+    return space.valid_micro_batch_sizes(space.max_micro_batch_size)
 
 
 def check_trainer_mappings(space: SearchSpace, arg_mappings: dict[str, str], source: str) -> None:

@@ -12,19 +12,20 @@ import copy
 from typing import Any, Mapping
 
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-_UNSET = object()
 
 
-def _lookup(config: Mapping[str, Any], path: list[str]) -> Any:
+def lookup(config: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
+    """(present, value) at `path` in a config dict."""
     node: Any = config
     for key in path:
         if not isinstance(node, Mapping) or key not in node:
-            return _UNSET
+            return False, None
         node = node[key]
-    return node
+    return True, node
 
 
-def _write(config: dict[str, Any], path: list[str], value: Any) -> None:
+def write(config: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    """Set `path` in `config` in place, copying each section on the way (the base is shared)."""
     node = config
     for key in path[:-1]:
         section = node.get(key)
@@ -39,11 +40,11 @@ def lay_tuned_values(raw: Mapping[str, Any], tuned: Mapping[str, Any]) -> tuple[
     config = copy.deepcopy(dict(raw))
     changes = []
     for key, value in tuned.items():
-        path = key.split(".")
-        was = _lookup(config, path)
-        if was is _UNSET or was != value:
-            changes.append(f"{key}: {'unset' if was is _UNSET else repr(was)} -> {value!r}")
-            _write(config, path, value)
+        path = tuple(key.split("."))
+        present, was = lookup(config, path)
+        if not present or was != value:
+            changes.append(f"{key}: {repr(was) if present else 'unset'} -> {value!r}")
+            write(config, path, value)
     if changes and all(key in tuned for key in BATCH_KEYS):
         config.pop("train_batch_size", None)  # derived from the tuned micro-batch x gas x world size
     return config, changes

@@ -6,7 +6,7 @@ ZeRO 0-2 each rank holds the whole parameters, so one rank can read them; under 
 (FSDP2) each holds a shard, and gathering them is a collective the other ranks never join. So,
 armed at initialize wherever FSDP2 shards over several ranks (a tuner's measurement launch
 excepted: it exits after its window), every other rank serves its shards to rank 0 from a thread
-on a process group of its own:
+on a gloo group of its own, which the script's process groups do not touch:
 
 - rank 0 asks with its optimizer-step count; a serving rank waits until its engine has taken as
   many steps and is between steps, so the shards it sends belong to the same step as rank 0's;
@@ -76,8 +76,7 @@ class RankZeroGather:
         self.shards = [(key, value) for key, value in module.state_dict(keep_vars=True).items() if is_dtensor(value)]
         check_dim0_shards(dict(self.shards))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        # Its own group: requests must not be matched against the script's collectives.
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.group = _private_gloo_group(self.rank, self.world_size, timeout_s)
         self._done = threading.Event()
         self._exiting_cleanly = True
         if self.rank == 0:
@@ -96,7 +95,7 @@ class RankZeroGather:
     # ----- rank 0 -----
     def whole_state_dict(self, state: dict) -> dict:
         """`state` (this rank's, with DTensor shards) with every shard replaced by the whole tensor."""
-        dist.broadcast(torch.tensor([_GATHER, self.gate.steps_done]), src=0, group=self.group)
+        self.group.broadcast(torch.tensor([_GATHER, self.gate.steps_done]), 0).wait()
         whole = {key: self._gathered(value) for key, value in self.shards}
         out = OrderedDict()
         for key, value in state.items():
@@ -115,23 +114,22 @@ class RankZeroGather:
                 pieces.append(value.to_local().detach().cpu())
             else:
                 piece = torch.empty((rows, *value.shape[1:]), dtype=value.dtype)
-                dist.recv(piece, src=rank, group=self.group)
+                self.group.recv([piece], rank, 0).wait()
                 pieces.append(piece)
         return torch.cat(pieces, dim=0) if pieces else torch.empty(value.shape, dtype=value.dtype)
 
     def _release(self) -> None:
-        if dist.is_initialized():
-            try:
-                dist.broadcast(torch.tensor([_DONE, 0]), src=0, group=self.group)
-            except Exception:  # the others are gone already: nothing to release
-                pass
+        try:
+            self.group.broadcast(torch.tensor([_DONE, 0]), 0).wait()
+        except Exception:  # the others are gone already: nothing to release
+            pass
 
     # ----- every other rank -----
     def _serve(self) -> None:
         try:
             while True:
                 request = torch.zeros(2, dtype=torch.int64)
-                dist.broadcast(request, src=0, group=self.group)
+                self.group.broadcast(request, 0).wait()
                 if int(request[0]) == _DONE:
                     return
                 lock = self.gate.hold_after(int(request[1]), self.timeout_s)
@@ -139,7 +137,7 @@ class RankZeroGather:
                     for _key, value in self.shards:
                         local = value.to_local().detach()
                         if local.numel():
-                            dist.send(local.contiguous().cpu(), dst=0, group=self.group)
+                            self.group.send([local.contiguous().cpu()], 0, 0).wait()
                 finally:
                     lock.release()
         except Exception:  # the group ended (the job is over, or rank 0 failed): stop serving
@@ -150,6 +148,21 @@ class RankZeroGather:
     def _wait_for_rank_zero(self) -> None:
         if self._exiting_cleanly:
             self._done.wait(self.timeout_s)
+
+
+_groups_made = 0
+
+
+def _private_gloo_group(rank: int, world_size: int, timeout_s: float) -> Any:
+    """A gloo group of the job's ranks that c10d does not know: requests are never matched against
+    the script's collectives, and a script's destroy_process_group() at its end (a rank that got
+    there first) does not end it while rank 0 still gathers. Made like new_group: every rank, at once."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    global _groups_made
+    _groups_made += 1
+    store = dist.PrefixStore(f"autotuner-rank-zero-gather-{_groups_made}", _get_default_store())
+    return dist.ProcessGroupGloo(store, rank, world_size, datetime.timedelta(seconds=timeout_s))
 
 
 def _chunk_rows(rows: int, world_size: int) -> list[int]:

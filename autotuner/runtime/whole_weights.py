@@ -84,7 +84,8 @@ def whole_state_dict_on_rank_zero(module: nn.Module, rank: int, service: Any) ->
 
 def whole_tensors(state: dict, service: Any) -> dict:
     """`state` with every DTensor shard replaced by the whole tensor: local where one rank holds it
-    all, else from the rank-zero service (None: refused, naming the first shard)."""
+    all, else from the rank-zero service on rank 0; refused in one line without the service or on
+    another rank."""
     sharded = [key for key, value in state.items() if is_dtensor(value)]
     if not sharded:
         return state

@@ -160,8 +160,7 @@ class Autotuner:
 
     def _size_pool(self) -> list[int]:
         space = self.space
-        return sorted(m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None) or \
-            space.valid_micro_batch_sizes(space.max_micro_batch_size)
+        return space.valid_micro_batch_sizes(space.max_micro_batch_size)
 
     def _sharding_cannot_win(self, profile: ModelProfile, stage: int) -> str | None:
         """sharding_gain.py's verdict from the unsharded profile launches: does every size fit

@@ -111,7 +111,10 @@ def engine_differences() -> set[tuple[str, str, str]]:
     module_members = set(dir(nn.Module))
     their_source = inspect.getsource(DeepSpeedEngine)
     found = set()
-    for member in sorted(name for name in dir(Engine) if not name.startswith("_") and name not in module_members):
+    # DeepSpeed's attribute pass-through to the wrapped model is part of its engine's surface.
+    passed_through = ["__getattr__"]
+    for member in sorted([*passed_through, *(name for name in dir(Engine)
+                                             if not name.startswith("_") and name not in module_members)]):
         ours = inspect.getattr_static(Engine, member)
         if not hasattr(DeepSpeedEngine, member):
             # DeepSpeed sets many of its engine's attributes in __init__: those exist, as attributes.
@@ -175,6 +178,18 @@ def test_every_signature_difference_is_listed_with_its_reason(deepspeed):
                    if name != "deepspeed.comm:*" and not any(f[:2] == (name, parameter) for f in found))
     assert not stale, "rows of docs/deepspeed_signatures.md that are no longer differences:\n" + "\n".join(stale)
     assert all(why for why in rows.values())
+
+
+def test_the_engine_passes_attributes_to_the_model_as_deepspeeds_does(deepspeed):
+    # Both engines override nn.Module's lookup with a pass-through to the wrapped model (what it
+    # passes, and its precedence, is tested on a real run in test_deepspeed_chat.py).
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from autotuner.runtime.engine import Engine
+
+    assert DeepSpeedEngine.__getattr__ is not nn.Module.__getattr__
+    assert Engine.__getattr__ is not nn.Module.__getattr__
+    assert not differences("Engine.__getattr__", DeepSpeedEngine.__getattr__, Engine.__getattr__)
 
 
 def test_the_comparison_sees_a_difference():

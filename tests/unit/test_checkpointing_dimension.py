@@ -273,3 +273,34 @@ def test_on_deepspeeds_engine_the_mapped_flags_carry_the_policy_and_compile_and_
         assert AC not in written and "compile" not in written  # DeepSpeed refuses compile.enabled
         ours = script_config(experiment_config(experiment, settings), "autotuner")
         assert ours[AC] == {"policy": policy} and ours["compile"]["enabled"] is compiled
+
+
+@pytest.mark.parametrize("tuner", ["gridsearch", "predictive"])
+def test_a_fixed_micro_batch_list_holds_for_every_variant(tuner):
+    """Issue 68's bug: with the user's list [2, 4], a variant searched above the sizes the ones
+    before it reach (none runs micro-batch 2 only, here) must still try only the listed sizes;
+    its first launch (at its smallest size) once went to 3, a size the user never allowed."""
+    from autotuner.tuning.searches.predictive_search import run_predictive_search
+
+    limits = {"none": 2, "selective": 2, "full": 8}
+
+    class Run(FakeRun):
+        def __call__(self, experiment: Experiment) -> TrialResult:
+            self.calls.append(experiment)
+            if experiment.micro_batch_size > limits[policy_of(experiment)]:
+                return TrialResult(experiment, TrialState.OOM, error="out of memory")
+            return TrialResult(experiment, TrialState.OK, value=float(experiment.micro_batch_size))
+
+    space = SearchSpace(stages=(0,), data_parallel_size=1, max_micro_batch_size=32, fixed_micro_batch_sizes=(2, 4),
+                        variants={0: POLICIES})
+    largest = {(0, v): limits[v[0][1]] for v in POLICIES}
+    run, policy = Run(), SearchPolicy(Objective("throughput"), tuner, 50, 50, 0, True)
+    fits_limits = lambda e: e.micro_batch_size <= limits[policy_of(e)]  # noqa: E731
+    if tuner == "predictive":
+        results = list(run_predictive_search(space, policy, largest, run, Prunes(), CostContext(), [],
+                                             fits_limits).results)
+    else:
+        results = run_search(space, policy, largest, run, Prunes(), fits_limits)
+    assert {e.micro_batch_size for e in run.calls} <= {2, 4}, [e.name for e in run.calls]
+    best = max((r for r in results if r.state is TrialState.OK), key=lambda r: r.value)
+    assert best.experiment == Experiment(0, 4, 1, POLICIES[2])  # full checkpointing reaches the listed 4

@@ -9,7 +9,7 @@ with only its deepspeed imports swapped for ours (`--engine deepspeed` keeps Dee
   and are fused at the end under GatheredParameters(modifier_rank=0), with the ds_id test;
 - engine.gradient_checkpointing_enable() reaches the model through the engine;
 - rank 0 saves model.module.state_dict() (save_hf_format), and at ZeRO 3 every rank then gathers each
-  parameter that has a ds_id (save_zero_three_model).
+  parameter that has a ds_id (save_zero_three_model); every rank then ends the process group.
 
 A tiny OPT is built from its config (no download); the data are random tokens, each rank's drawn from
 its own seed, so every stage trains on the same global batches. For the tests it also writes
@@ -281,6 +281,8 @@ def main():
                 json.dump(losses, handle)
         if args.zero_stage == 3:
             save_zero_three_model(model, args.global_rank, args.output_dir, zero_stage=args.zero_stage)
+    # Not in dschat, but in many scripts: a rank done first ends the group while rank 0 may still save.
+    torch.distributed.destroy_process_group()
 
 
 def _raises_attribute_error(engine):

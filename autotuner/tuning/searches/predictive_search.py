@@ -71,7 +71,7 @@ def candidate_space(space: SearchSpace, predicted_largest: PredictedLargest, fit
 def _rung_candidates(space: SearchSpace, stage: int, variant: Knobs, predicted: int, fits: Fits,
                      prune: Callable[..., None]) -> list[Experiment]:
     if space.fixed_micro_batch_sizes:
-        sizes = [m for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
+        sizes = space.valid_micro_batch_sizes(space.max_micro_batch_size)
     else:
         sizes = ladder_sizes(fitting_micro_batch_sizes(space, stage, predicted, fits))
         # Micro-batch 1 pays a micro-step's fixed cost for every sample: only when memory leaves nothing else.

@@ -66,7 +66,7 @@ def search_stage(space: SearchSpace, policy: SearchPolicy, stage: int, predicted
                  larger_than: int, fits: Fits = _always_fits) -> tuple[int | None, list[TrialResult]]:
     """Measure one stage; returns (its largest working micro-batch, results)."""
     if space.fixed_micro_batch_sizes:
-        candidates = [space.experiment(stage, m) for m in space.fixed_micro_batch_sizes if space.gas(m) is not None]
+        candidates = [space.experiment(stage, m) for m in space.valid_micro_batch_sizes(space.max_micro_batch_size)]
         candidates = [c for c in candidates if fits(c)]
         tuner = make_tuner(policy.tuner_type, candidates, policy.objective, policy.seed,
                            trials=open_tuner_trials(evaluate, f"ZeRO {stage}, the configured micro-batch sizes"))

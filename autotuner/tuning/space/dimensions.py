@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from autotuner.config.tuned_values import lookup, write  # noqa: F401 - the config's paths, read and written
 from autotuner.tuning.memory.estimate import StageSettings
 
 Engine = str  # "autotuner" (ours) or "deepspeed"
@@ -283,26 +284,6 @@ def memory_term(settings: StageSettings, name: str, value: Any) -> StageSettings
     """`settings` with one dimension's value folded in, by that dimension's term."""
     found = REGISTRY.get(name)
     return found.memory_term(settings, value) if found is not None else zero_knob_term(name)(settings, value)
-
-
-def lookup(config: Mapping[str, Any], path: tuple[str, ...]) -> tuple[bool, Any]:
-    """(present, value) at `path` in a config dict."""
-    node: Any = config
-    for key in path:
-        if not isinstance(node, Mapping) or key not in node:
-            return False, None
-        node = node[key]
-    return True, node
-
-
-def write(config: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    """Set `path` in `config` in place, copying each section on the way (the base is shared)."""
-    node = config
-    for key in path[:-1]:
-        section = node.get(key)
-        node[key] = dict(section) if isinstance(section, Mapping) else {}
-        node = node[key]
-    node[path[-1]] = value
 
 
 def full_mode_values(user_config: Mapping[str, Any], engine: Engine = "autotuner",

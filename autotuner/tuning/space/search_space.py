@@ -51,9 +51,18 @@ class SearchSpace:
         return gas_for(micro_batch_size, self.data_parallel_size, self.global_batch_size, self.global_batch_exact)
 
     def valid_micro_batch_sizes(self, upper: int) -> list[int]:
-        """Micro-batch sizes from the minimum up to `upper` that give a valid gas."""
-        upper = min(upper, self.max_micro_batch_size)
-        return [m for m in range(self.min_micro_batch_size, upper + 1) if self.gas(m) is not None]
+        """The micro-batch sizes a search may try up to `upper`, each with a valid gas: the one rule
+        every search reads. The user's list where they fixed one (an `upper` at or above the
+        space's maximum asks for all of it), else every size from the minimum up to the maximum;
+        either way none below the minimum, which a variant searched above the sizes the ones before
+        it reach raises (stage_search.py `beyond_previous_variant`)."""
+        if self.fixed_micro_batch_sizes:
+            limit = upper if upper < self.max_micro_batch_size else max(self.fixed_micro_batch_sizes)
+            sizes = sorted(set(self.fixed_micro_batch_sizes))
+        else:
+            limit = min(upper, self.max_micro_batch_size)
+            sizes = range(self.min_micro_batch_size, limit + 1)
+        return [m for m in sizes if self.min_micro_batch_size <= m <= limit and self.gas(m) is not None]
 
     def experiment(self, stage: int, micro_batch_size: int) -> Experiment:
         return Experiment(stage, micro_batch_size, self.gas(micro_batch_size) or 1, self.stage_knobs)
