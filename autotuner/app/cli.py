@@ -139,7 +139,7 @@ def _read_default_hostfile(args: argparse.Namespace) -> None:
     """Without --hostfile, DeepSpeed's default one where it exists (launch/resources.py)."""
     from autotuner.launch import resources
 
-    if args.hostfile is not None or args.backend != "local":
+    if args.hostfile is not None or not BACKENDS[args.backend].launches_plainly:
         return
     starts_one_node = bool(args.node_rank or args.master_addr or args.rdzv_endpoint)
     args.hostfile = resources.default_hostfile(os.path.isfile(resources.DEFAULT_HOSTFILE),

@@ -70,6 +70,9 @@ class BackendSpec:
     # Files of its own beside the optimal config, written after a tune (Slurm's sbatch script):
     # gets the request and the results folder, returns the lines to print.
     write_outputs: Callable[["RunnerRequest", Path], list[str]] | None = None
+    # It also starts plain launches (no --autotuning), on this node or a hostfile's (DeepSpeed's
+    # default hostfile is read when none is given); else it runs only the experiments of a tune.
+    launches_plainly: bool = False
 
 
 BACKENDS: dict[str, BackendSpec] = {}
@@ -104,8 +107,8 @@ def add_backend_flags(parser: argparse.ArgumentParser, default: str = "local") -
 
 
 def check_backend(args: argparse.Namespace) -> None:
-    """Another backend's flag is refused by name; a backend other than local needs --autotuning
-    tune|run; then the chosen backend's own checks."""
+    """Another backend's flag is refused by name; a backend that does not launch plainly needs
+    --autotuning tune|run; then the chosen backend's own checks."""
     chosen = BACKENDS[args.backend]
     for spec in BACKENDS.values():
         if spec is chosen:
@@ -113,7 +116,7 @@ def check_backend(args: argparse.Namespace) -> None:
         for flag in spec.flags:
             if getattr(args, flag.dest, flag.default) != flag.default:
                 raise UsageError(f"{flag.name}: only with --backend {spec.name}")
-    if chosen.name != "local" and getattr(args, "autotuning", None) not in ("tune", "run"):
+    if not chosen.launches_plainly and getattr(args, "autotuning", None) not in ("tune", "run"):
         raise UsageError(f"--backend {chosen.name}: runs the experiments of --autotuning tune|run; add "
                          "--autotuning tune, or drop --backend to launch here")
     if chosen.check is not None:
@@ -155,7 +158,8 @@ def _check_ray(args: argparse.Namespace) -> None:
 
 
 register_backend(BackendSpec(
-    "local", "experiments launched here, one at a time (the default)", _local_runner, uses_forkserver=True))
+    "local", "experiments launched here, one at a time (the default)", _local_runner, uses_forkserver=True,
+    launches_plainly=True))
 register_backend(BackendSpec(
     "ray", "each experiment a placement group on a Ray cluster, several at once when they fit "
     "(pip install 'autotuner[ray]')", _ray_runner, places_nodes=True, check=_check_ray, flags=(

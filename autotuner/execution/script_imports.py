@@ -44,11 +44,34 @@ def own_modules(script: str) -> list[Path]:
     return _walk(script)[1][1:]
 
 
+# Each script is parsed once per process while its files are unchanged: a tune asks several times.
+_walked: dict[Path, tuple[tuple[tuple[Path, tuple[int, int] | None], ...], tuple[list[ImportSite], list[Path]]]] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return stat.st_mtime_ns, stat.st_size
+
+
 def _walk(script: str) -> tuple[list[ImportSite], list[Path]]:
     """The import sites, and the files read: the script, then its own modules."""
-    script_dir = Path(script).resolve().parent
+    root = Path(script).resolve()
+    cached = _walked.get(root)
+    if cached is None or any(_stamp(path) != stamp for path, stamp in cached[0]):
+        sites, read = _parse_walk(root)
+        cached = (tuple((path, _stamp(path)) for path in [root, *read]), (sites, read))
+        _walked[root] = cached
+    sites, read = cached[1]
+    return list(sites), list(read)
+
+
+def _parse_walk(script: Path) -> tuple[list[ImportSite], list[Path]]:
+    script_dir = script.parent
     found: dict[str, ImportSite] = {}
-    pending, seen = [Path(script).resolve()], []
+    pending, seen = [script], []
     while pending:
         path = pending.pop(0)
         if path in seen:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from autotuner.app.cli import main
-from conftest import TOY, TOY_MAPPINGS as MAPPINGS, run_launcher
+from conftest import TOY, TOY_MAPPINGS as MAPPINGS, launcher_env, run_launcher
 
 
 def config_dict(autotuning: dict | None = None, **top) -> dict:
@@ -428,15 +430,34 @@ def test_results_dir_that_is_a_file(in_tmp, capsys, key):
     assert_refused(in_tmp, capsys, tune_argv(cfg), f"autotuning.{key}", "taken", "not a directory")
 
 
+def _without_file_permission_overrides() -> None:
+    """In the child, before it runs the launcher: drop CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from
+    the bounding set, so that even root, once it executes the interpreter, obeys file modes."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH
+        if libc.prctl(24, capability, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
 def test_results_dir_not_writable(in_tmp, capsys):
     locked = in_tmp / "locked"
     locked.mkdir()
     locked.chmod(0o500)
+    cfg = write(in_tmp / "ds.json", config_dict({"results_dir": "locked/results"}))
     try:
-        if os.access(locked, os.W_OK):
-            pytest.skip("running as root: a 0o500 directory is still writable")
-        cfg = write(in_tmp / "ds.json", config_dict({"results_dir": "locked/results"}))
-        assert_refused(in_tmp, capsys, tune_argv(cfg), "autotuning.results_dir", "locked/results", "not writable")
+        if os.geteuid() != 0:
+            assert_refused(in_tmp, capsys, tune_argv(cfg), "autotuning.results_dir", "locked/results", "not writable")
+            return
+        # As root (CI) a 0o500 directory is writable: the launcher runs without root's override of file modes.
+        done = subprocess.run([sys.executable, "-m", "autotuner", *tune_argv(cfg)], cwd=in_tmp, env=launcher_env(),
+                              capture_output=True, text=True, timeout=120, preexec_fn=_without_file_permission_overrides)
+        assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+        line = done.stderr.strip().splitlines()[-1]
+        assert line.startswith("launcher: error: ") and "Traceback" not in done.stderr
+        assert "autotuning.results_dir" in line and "locked/results" in line and "not writable" in line, line
+        assert not (in_tmp / "autotuning_exps").exists()
     finally:
         locked.chmod(0o700)
 

@@ -88,17 +88,18 @@ def test_bigger_buckets_and_overlap_cost_memory_and_offload_frees_it():
 
 def test_full_mode_sweeps_deepspeeds_knobs_and_offload_only_on_cuda():
     from autotuner.config import load_config
-    from autotuner.tuning.space.config_space import knob_values
+    from autotuner.tuning.space.dimensions import full_mode_values
 
     config = load_config({"train_micro_batch_size_per_gpu": "auto", "optimizer": {"type": "Adam", "params": {}},
                           "zero_optimization": {"stage": "all", "overlap_comm": False}})
-    on_cpu, on_cuda = knob_values(config, "deepspeed", cuda=False), knob_values(config, "deepspeed", cuda=True)
+    user = config.to_dict()
+    on_cpu, on_cuda = full_mode_values(user, "deepspeed", cuda=False), full_mode_values(user, "deepspeed", cuda=True)
     assert set(on_cpu[3]) == {"reduce_bucket_size", "stage3_prefetch_bucket_size",
                               "stage3_param_persistence_threshold", "stage3_max_live_parameters"}
     assert "overlap_comm" not in on_cpu[2]  # the user's scalar fixes it
     assert "offload_optimizer" not in on_cpu[2] and on_cuda[2]["offload_optimizer"] == ["none", "cpu"]
     assert on_cuda[3]["offload_param"] == ["none", "cpu"] and "offload_param" not in on_cuda[2]
-    assert knob_values(config)[0] != on_cpu[0]  # our engine keeps its own knobs
+    assert full_mode_values(user)[0] != on_cpu[0]  # our engine keeps its own knobs
 
 
 # ----- an unchanged DeepSpeed script, tuned and trained on 2 CPU ranks -----

@@ -14,7 +14,8 @@ import pytest
 
 from autotuner.config import load_config
 from autotuner.core.errors import ConfigError
-from autotuner.tuning.space.config_space import base_config, knob_values, search_space
+from autotuner.tuning.space.config_space import base_config, search_space
+from autotuner.tuning.space.dimensions import full_mode_values
 from autotuner.core.boundary import LaunchReport, Measurement, RankError, write_record
 from autotuner.launch.elastic import failure_report
 from autotuner.launch.options import RankFlags
@@ -180,14 +181,14 @@ def test_base_config_with_no_zero_section():
 
 
 def test_knob_values_defaults():
-    assert knob_values(load_config({"train_batch_size": 8})) == OUR_ENGINE_KNOBS
+    assert full_mode_values(load_config({"train_batch_size": 8}).to_dict()) == OUR_ENGINE_KNOBS
 
 
 def test_knob_values_user_scalar_fixes_and_user_list_replaces():
     config = load_config({"train_batch_size": 8, "zero_optimization": {
         "stage": "all", "reduce_bucket_size": 500_000, "contiguous_gradients": [True],
         "stage3_param_persistence_threshold": 10}})
-    values = knob_values(config)
+    values = full_mode_values(config.to_dict())
     assert values[0] == values[1] == {"contiguous_gradients": [True]}  # rbs fixed: not tuned
     assert values[2] == {"overlap_comm": [False, True]}
     assert values[3] == {"overlap_comm": [False, True]}  # ppt fixed at 10: not tuned
@@ -196,7 +197,7 @@ def test_knob_values_user_scalar_fixes_and_user_list_replaces():
 def test_knob_values_user_list_of_bucket_sizes():
     config = load_config({"train_batch_size": 8, "zero_optimization": {"reduce_bucket_size": [10, 20],
                                                                         "overlap_comm": [True]}})
-    values = knob_values(config)
+    values = full_mode_values(config.to_dict())
     assert values[0] == {"reduce_bucket_size": [10, 20], "contiguous_gradients": [False, True]}
     assert values[3] == {"overlap_comm": [True], "stage3_param_persistence_threshold": [0, 100_000]}
 
@@ -204,7 +205,7 @@ def test_knob_values_user_list_of_bucket_sizes():
 def test_knob_values_user_list_of_persistence_thresholds():
     config = load_config({"train_batch_size": 8, "zero_optimization": {
         "stage3_param_persistence_threshold": [0, 10, 1000], "stage3_prefetch_bucket_size": [0, 5]}})
-    assert knob_values(config)[3]["stage3_param_persistence_threshold"] == [0, 10, 1000]
+    assert full_mode_values(config.to_dict())[3]["stage3_param_persistence_threshold"] == [0, 10, 1000]
 
 
 def test_search_space_auto_micro_is_searched_under_a_cap():

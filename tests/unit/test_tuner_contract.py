@@ -24,7 +24,19 @@ try:
 except ImportError:
     HAVE_OPTUNA = False
 needs_optuna = pytest.mark.skipif(not HAVE_OPTUNA, reason="optuna not installed (pip install 'autotuner[bayes]')")
-TUNER_NAMES = [pytest.param(name, marks=needs_optuna) if name == "bayes" else name for name in sorted(TUNERS)]
+
+
+def pytest_generate_tests(metafunc):
+    """The contract's tuners are read when its tests are collected, after the installed plugins have
+    registered theirs (entry point group autotuner.plugins), not fixed when this module is imported."""
+    if "name" in metafunc.fixturenames and metafunc.cls is TestTunerContract:
+        from autotuner.core.plugins import load_plugins
+
+        load_plugins()
+        metafunc.parametrize("name", [pytest.param(name, marks=needs_optuna) if name == "bayes" else name
+                                      for name in sorted(TUNERS)])
+
+
 THROUGHPUT = Objective("throughput")
 LATENCY = Objective("latency")
 
@@ -116,7 +128,6 @@ def test_registry_is_what_make_tuner_builds():
         assert tuner.seed == 3
 
 
-@pytest.mark.parametrize("name", TUNER_NAMES)
 class TestTunerContract:
     def test_asks_each_experiment_exactly_once_then_none(self, name):
         space = grid()

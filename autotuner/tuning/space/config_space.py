@@ -11,10 +11,6 @@ from autotuner.tuning.space.dimensions import (dimension, dotted, finish_values,
 from autotuner.tuning.space.search_space import SearchSpace
 
 
-def _zero_settings(config: DeepSpeedConfig) -> dict[str, Any]:
-    return config.to_dict().get("zero_optimization", {})
-
-
 def base_config(config: DeepSpeedConfig) -> dict[str, Any]:
     """The user's config with every searchable value settled to a default; experiments set their own."""
     base = config.to_dict()
@@ -26,12 +22,6 @@ def base_config(config: DeepSpeedConfig) -> dict[str, Any]:
     base["zero_optimization"] = zero
     settle_variants(base)
     return base
-
-
-def knob_values(config: DeepSpeedConfig, engine: str = "autotuner",
-                cuda: bool = False) -> dict[int, dict[str, list[Any]]]:
-    """Full-mode values per stage and dimension (tuning/space/dimensions.py) for the script's engine."""
-    return full_mode_values(config.to_dict(), engine, cuda)
 
 
 def engine_dimensions(config: DeepSpeedConfig, engine: str, cuda: bool) -> dict[str, Any]:

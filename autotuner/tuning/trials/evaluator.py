@@ -37,7 +37,10 @@ class TuningFailed(AutotunerError):
     exit_code = 1
 
 
-class Launcher(Protocol):
+class ExperimentLauncher(Protocol):
+    """What the evaluator launches through (not the `launcher` command): one experiment at a time,
+    or `capacity` of them submitted at once."""
+
     capacity: int
 
     def launch(self, experiment: Experiment) -> TrialResult: ...
@@ -135,7 +138,7 @@ class Evaluator:
     tuners/base.py `ask`). A search's evaluator (`for_search`) also refuses a failed variant, and
     gives an answer it gave before again as it was."""
 
-    def __init__(self, ledger: TrialLedger, launcher: Launcher, refusals: Refusals | None = None):
+    def __init__(self, ledger: TrialLedger, launcher: ExperimentLauncher, refusals: Refusals | None = None):
         self.ledger = ledger
         self._launcher = launcher
         self._refusals = refusals
