@@ -27,6 +27,7 @@ class DeepSpeedAccessors:
     _grad_scaler: Any
     _global_grad_norm: torch.Tensor | None
     _step_applied: bool
+    _boundary_override: bool | None
     _client_optimizer: bool
     reporter: Any
 
@@ -86,9 +87,8 @@ class DeepSpeedAccessors:
         return self.batch.train_batch_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        override = getattr(self, "_boundary_override", None)
-        if override is not None:
-            return override
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:

@@ -75,6 +75,8 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         self.skipped_steps = 0
         self._global_grad_norm: torch.Tensor | None = None  # a tensor: reading it would sync the GPU each step
         self._step_applied = False
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary's
+        self.tuned_over_script: tuple[str, ...] = ()  # tuned keys laid over the script's own config (initialize)
         self._client_optimizer = client_optimizer
         self._local_optimizer = local_optimizer  # what DCP checkpoints: this rank's (partition of the) optimizer
         self._grad_scaler = grad_scaler

@@ -94,7 +94,7 @@ class OurEngineView:
 
     @property
     def tuned_over_script(self) -> tuple[str, ...]:
-        return tuple(getattr(self._engine, "tuned_over_script", ()))
+        return self._engine.tuned_over_script
 
     def built_values(self, keys: list[str]) -> tuple[tuple[str, Any], ...]:
         """The config the engine trains with (after settling), at the tuned keys."""
