@@ -76,13 +76,15 @@ def test_a_dimension_is_judged_by_what_the_ranks_read_back():
         "\"activation_checkpointing.policy\": \"--gradient_checkpointing\")")
     # On DeepSpeed's engine the script applies it through its mapped flag; the config cannot say.
     on_deepspeed = replace(settings, engine="deepspeed")
-    assert built_mismatch(experiment, ran(built=(("activation_checkpointing.policy", None),)), on_deepspeed) is None
+    on_its_engine = ran(built=(("activation_checkpointing.policy", None),), engine="deepspeed")
+    assert built_mismatch(experiment, on_its_engine, on_deepspeed) is None
+    # Judged by the engine the ranks built: a script importing both settles it only at the profile.
+    assert built_mismatch(experiment, on_its_engine, settings) is None
     # A section the script left out is the engine's default: off (no offload).
     offload = Experiment(2, 2, 1, (("offload_optimizer", "none"),))
-    assert built_mismatch(offload, ran(stage=2, built=(("zero_optimization.offload_optimizer.device", None),)),
-                          on_deepspeed) is None
-    assert built_mismatch(replace(offload, knobs=(("offload_optimizer", "cpu"),)),
-                          ran(stage=2, built=(("zero_optimization.offload_optimizer.device", None),)),
+    left_out = ran(stage=2, built=(("zero_optimization.offload_optimizer.device", None),), engine="deepspeed")
+    assert built_mismatch(offload, left_out, on_deepspeed) is None
+    assert built_mismatch(replace(offload, knobs=(("offload_optimizer", "cpu"),)), left_out,
                           on_deepspeed).startswith("the ranks built zero_optimization.offload_optimizer.device = 'none'")
 
 

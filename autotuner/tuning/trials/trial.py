@@ -284,8 +284,8 @@ def built_mismatch(experiment: Experiment, measurement: Measurement, settings: E
         dim = by_path.get(key)
         if key not in reported or (dim is None and got is None):
             continue  # not read back (a metrics file of DeepSpeed's own without these fields)
-        if dim is not None and settings.engine == "deepspeed" and dim.applied_by_script_on_deepspeed:
-            continue
+        if dim is not None and measurement.engine == "deepspeed" and dim.applied_by_script_on_deepspeed:
+            continue  # (the engine the ranks built: a script importing both may settle it only now)
         if got is None and dim is not None and dim.neutral is not None:
             got = dim.neutral  # a section left out is the engine's default: off
         if got == wanted:
