@@ -35,6 +35,10 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
         if choice.engine == "autotuner" and trains_on_ours(script):
             refuse_trainer_autos(config, path, choice.why)
         check_our_engine_sections(config, choice, path)  # only for a script settled on DeepSpeed's engine
+        if choice.settled and choice.engine == "autotuner":  # what our engine would train otherwise
+            from autotuner.config.engine_math import refuse_other_math
+
+            refuse_other_math(config, path)
     check_fixed_triad(config, world_size, path)
     stage = config.zero_optimization.stage
     if not isinstance(stage, int):

@@ -351,6 +351,10 @@ def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, scr
     """Refuse in one line what is wrong for the engine the script trains on, saying which and why."""
     check_trainer_autos(config, engine, script, source)
     check_model_parallel(config.autotuning.mp_size, engine, source)
+    if engine.settled and engine.engine == "autotuner":  # what our engine would train otherwise, before any launch
+        from autotuner.config.engine_math import refuse_other_math
+
+        refuse_other_math(config, source)
     check_deepspeed_precision(config.fp16.enabled, engine, script_args, source)
     check_our_engine_sections(config, engine, source, dict(config.autotuning.arg_mappings))
 

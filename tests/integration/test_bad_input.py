@@ -222,6 +222,17 @@ def test_bad_activation_checkpointing_policy(in_tmp, capsys, policy, says, autot
                    '"none", "full" or "selective", a list of them, or "auto"')
 
 
+@pytest.mark.parametrize("autotuning", [True, False], ids=["tune", "plain"])
+def test_tensor_parallel_on_our_engine_is_refused_before_any_launch(in_tmp, capsys, autotuning):
+    # DeepSpeed's AutoTP would shard the layers and halve the data-parallel size; accepted and
+    # ignored, every rank would train the whole model at twice DeepSpeed's global batch.
+    cfg = write(in_tmp / "ds.json", config_dict(tensor_parallel={"autotp_size": 2}))
+    argv = tune_argv(cfg) if autotuning else ["--nproc_per_node", "2", str(TOY), "--pid_dir", "pids", "--deepspeed",
+                                               str(cfg)]
+    assert_refused(in_tmp, capsys, argv, str(cfg), "tensor_parallel.autotp_size 2", "data parallel")
+    assert not (in_tmp / "pids").exists()
+
+
 @pytest.mark.parametrize("policy", ["auto", ["none", "full"]], ids=["auto", "list"])
 def test_a_tuned_activation_checkpointing_policy_is_refused_for_a_plain_run(in_tmp, capsys, policy):
     cfg = write(in_tmp / "ds.json", config_dict(activation_checkpointing={"policy": policy}))

@@ -662,6 +662,8 @@ def test_keys_deepspeed_removed_are_refused_as_deepspeed_refuses_them(raw, key):
     ({"data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {"enabled": True}}}},
      "data_efficiency is enabled"),
     ({"sequence_parallel_size": 2}, "sequence_parallel_size 2: DeepSpeed's engine splits each sequence"),
+    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size 2: DeepSpeed's AutoTP splits each"),
+    ({"tensor_parallel": {"autotp_size": "auto"}}, "tensor_parallel.autotp_size \"auto\": DeepSpeed's AutoTP"),
 ])
 def test_our_engine_refuses_deepspeed_keys_that_would_change_the_math(raw, named):
     from autotuner.config.engine_math import refuse_other_math
@@ -669,7 +671,8 @@ def test_our_engine_refuses_deepspeed_keys_that_would_change_the_math(raw, named
     loaded = load_config(raw)  # DeepSpeed's engine honours them, so the file itself loads
     with pytest.raises(ConfigError, match="ds.json: " + named.replace("(", r"\(")):
         refuse_other_math(loaded, "ds.json")
-    refuse_other_math(load_config({"gradient_allreduce_op": "mean", "torch_autocast": {"enabled": False}}), "ds.json")
+    refuse_other_math(load_config({"gradient_allreduce_op": "mean", "torch_autocast": {"enabled": False},
+                                   "tensor_parallel": {"autotp_size": 1}}), "ds.json")
     # Switched off, at the top or below, the sections change nothing: accepted, as DeepSpeed's engine ignores them.
     for off in ({"data_efficiency": {"enabled": False, "data_routing": {"enabled": True}}},
                 {"data_efficiency": {"enabled": True, "data_sampling": {"enabled": False}}}):
