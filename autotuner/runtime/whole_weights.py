@@ -142,7 +142,8 @@ class Gathering:
     """One `GatheredParameters` context over DTensor parameters (collective: every rank enters it)."""
 
     def __init__(self, params: Iterable[Any], modifier_rank: int | None):
-        self.params = list(dict.fromkeys(p for p in params if is_dtensor(p)))
+        # A parameter an enclosing context gathered stays its: whole already, as in DeepSpeed.
+        self.params = list(dict.fromkeys(p for p in params if is_dtensor(p) and type(p) is not _GatheredDTensor))
         self.modifier_rank = modifier_rank
         self._whole: list[nn.Parameter] = []
         self._owners: dict[int, list[tuple[nn.Module, str]]] = {}
