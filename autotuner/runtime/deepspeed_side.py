@@ -9,14 +9,17 @@ make that work here, with DeepSpeed's own API only:
   `deepspeed.init_distributed()` would have done on DeepSpeed (its Init reads the world size
   there, broadcasts rank 0's initial weights and partitions them over it);
 - at initialize the parameters it partitioned are gathered whole with DeepSpeed's
-  `GatheredParameters` and put back as ordinary parameters, which FSDP2 (or DDP) then wraps as it
-  wraps any model. The optimizer the script built on the partitioned ones is mapped by name.
+  `GatheredParameters` and put back as ordinary parameters (in fp32 where its Init cast them to the
+  config's bf16 or fp16, the values DeepSpeed's fp32 master weights start from), which FSDP2 (or
+  DDP) then wraps as it wraps any model. The optimizer the script built on the partitioned ones is
+  mapped by name.
 """
 
 from __future__ import annotations
 
 import sys
 
+import torch
 import torch.nn as nn
 
 from autotuner.runtime.deepspeed_loaded import when_deepspeed_loads
@@ -39,6 +42,14 @@ def partitioned_by_deepspeed(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if "ds_tensor" in p.__dict__]
 
 
+def _master(data: torch.Tensor) -> torch.Tensor:
+    """A whole copy in fp32 where DeepSpeed's Init cast it to the config's bf16 or fp16: DeepSpeed
+    then keeps fp32 master weights made from those values, and our engine keeps its parameters in
+    fp32 and computes in the config's precision."""
+    copy = data.detach().clone()
+    return copy.float() if copy.dtype in (torch.bfloat16, torch.float16) else copy
+
+
 def gather_deepspeed_partitions(model: nn.Module) -> None:
     """Replace every parameter DeepSpeed's zero.Init partitioned with an ordinary whole one, in
     every module that registers it (tied weights stay tied). Collective over DeepSpeed's group."""
@@ -50,7 +61,12 @@ def gather_deepspeed_partitions(model: nn.Module) -> None:
               "sharded by this engine's ZeRO stage")
     deepspeed = sys.modules["deepspeed"]
     with deepspeed.zero.GatheredParameters(partitioned):
-        whole = {id(p): nn.Parameter(p.data.detach().clone(), requires_grad=p.requires_grad) for p in partitioned}
+        whole = {id(p): nn.Parameter(_master(p.data), requires_grad=p.requires_grad) for p in partitioned}
+    # Parameters made later from the cast ones (transformers' resize_token_embeddings) carry their
+    # bf16 or fp16 without being partitioned: fp32 as well.
+    for param in model.parameters():
+        if id(param) not in whole and param.dtype in (torch.bfloat16, torch.float16):
+            whole[id(param)] = nn.Parameter(_master(param.data), requires_grad=param.requires_grad)
     for module in model.modules():
         for name, value in list(module._parameters.items()):
             if value is not None and id(value) in whole:

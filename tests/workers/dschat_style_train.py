@@ -257,6 +257,7 @@ def main():
                 "gradient_checkpointing": bool(model.module.is_gradient_checkpointing),
                 "generate_is_the_models": model.generate.__func__ is type(model.module).generate,
                 "missing_raises": _raises_attribute_error(model),
+                "parameter_dtypes": sorted({str(p.dtype) for p in model.module.parameters()}),
             }, handle)
 
     losses = []
