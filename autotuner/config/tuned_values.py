@@ -9,8 +9,14 @@ computed from its own micro-batch, is then derived again from the tuned micro-ba
 from __future__ import annotations
 
 import copy
+import json
+import os
 from typing import Any, Mapping
 
+from autotuner.core.boundary import RecordError, request_from_env
+
+# The pick's tuned values (JSON, by config key), for the training of a script that builds its config in code.
+TUNED_VALUES_ENV = "AUTOTUNER_TUNED_VALUES"
 BATCH_KEYS = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
@@ -48,3 +54,23 @@ def lay_tuned_values(raw: Mapping[str, Any], tuned: Mapping[str, Any]) -> tuple[
     if changes and all(key in tuned for key in BATCH_KEYS):
         config.pop("train_batch_size", None)  # derived from the tuned micro-batch x gas x world size
     return config, changes
+
+
+def tuned_values_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The tuned values a rank must train with, by DeepSpeed config key: a tuner's launch's (its
+    request), else the pick's (TUNED_VALUES_ENV, set for the training of a script that builds its
+    config in code); empty otherwise."""
+    environ = os.environ if environ is None else environ
+    request = request_from_env(environ)
+    if request is not None:
+        return request.tuned_values()
+    text = environ.get(TUNED_VALUES_ENV)
+    if not text:
+        return {}
+    try:
+        values = json.loads(text)
+    except ValueError as err:
+        raise RecordError(f"{TUNED_VALUES_ENV}: not a JSON object of config keys and values ({err})") from err
+    if not isinstance(values, dict):
+        raise RecordError(f"{TUNED_VALUES_ENV}: not a JSON object of config keys and values")
+    return values

@@ -23,8 +23,6 @@ from autotuner.core.atomic import write_json_atomic
 
 VERSION = 1
 REQUEST_ENV = "AUTOTUNER_MEASUREMENT_REQUEST"  # the MeasurementRequest file for this launch
-# The pick's tuned values (JSON, by config key), for the training of a script that builds its config in code.
-TUNED_VALUES_ENV = "AUTOTUNER_TUNED_VALUES"
 # Seconds a rank waits at most in rendezvous and on the store (a tuner's launch: its time limit).
 DIST_TIMEOUT_ENV = "AUTOTUNER_DIST_TIMEOUT_S"
 # The warm forkserver's preload (launch/warm_preload.py, which preloads when imported): what to
@@ -398,26 +396,6 @@ def rank_errors(directory: str | os.PathLike) -> list[RankError]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return sorted(found, key=lambda error: (error.time, error.rank))
-
-
-def tuned_values_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """The tuned values a rank must train with, by DeepSpeed config key: a tuner's launch's (its
-    request), else the pick's (TUNED_VALUES_ENV, set for the training of a script that builds its
-    config in code); empty otherwise."""
-    environ = os.environ if environ is None else environ
-    request = request_from_env(environ)
-    if request is not None:
-        return request.tuned_values()
-    text = environ.get(TUNED_VALUES_ENV)
-    if not text:
-        return {}
-    try:
-        values = json.loads(text)
-    except ValueError as err:
-        raise RecordError(f"{TUNED_VALUES_ENV}: not a JSON object of config keys and values ({err})") from err
-    if not isinstance(values, dict):
-        raise RecordError(f"{TUNED_VALUES_ENV}: not a JSON object of config keys and values")
-    return values
 
 
 def request_from_env(environ: dict[str, str] | None = None) -> MeasurementRequest | None:

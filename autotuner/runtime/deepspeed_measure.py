@@ -31,7 +31,7 @@ ENGINE_NAME = "deepspeed"
 def install(request: MeasurementRequest) -> None:
     """Measure the first DeepSpeedEngine this process creates: now, if deepspeed is loaded
     already (a warm rank forked from a server that preloaded it), else when it is imported."""
-    from autotuner.runtime.deepspeed_loaded import when_deepspeed_loads
+    from autotuner.runtime.deepspeed_side import unlink_shm_buffer, when_deepspeed_loads
 
     def patch() -> None:
         _patch(sys.modules["deepspeed.runtime.engine"].DeepSpeedEngine, request)
@@ -74,24 +74,9 @@ def _patch(engine_class: type, request: MeasurementRequest) -> None:
 
 
 def _unlink_shm_buffer(engine: Any) -> None:
-    """On CPU, DeepSpeed's shared-memory allreduce creates /dev/shm/deepspeed_allreduce_buffer_
-    <uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> (66 MiB) per rank and never unlinks it: in RAM, and
-    a new name for every launch's port, so a sweep would fill memory with them. Once every rank
-    has mapped every buffer (after the engine's init, behind a barrier) the names are not needed:
-    each rank unlinks its own, and the memory goes when the last rank that maps it exits."""
     import torch
-    import torch.distributed as dist
 
-    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if torch.device(engine.device).type != "cpu" or not addr or not port or not dist.is_initialized():
-        return
-    backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
-    if getattr(backend, "shm_comm_op", None) is None:
-        return  # no shm op on any rank (it is one build for all): nothing was created
-    dist.barrier()
-    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    unlink_shm_buffer(torch.device(engine.device).type == "cpu")
 
 
 class DeepSpeedView:

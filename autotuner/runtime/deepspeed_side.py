@@ -13,19 +13,78 @@ make that work here, with DeepSpeed's own API only:
   config's bf16 or fp16, the values DeepSpeed's fp32 master weights start from), which FSDP2 (or
   DDP) then wraps as it wraps any model. The optimizer the script built on the partitioned ones is
   mapped by name.
+
+Both need code run the moment DeepSpeed's own package has loaded in this process (now, if it has),
+as does the measurement of a script on DeepSpeed's engine (deepspeed_measure.py): one finder,
+`when_deepspeed_loads`, serves them. It stays installed until deepspeed is really executed:
+transformers and accelerate first ask `importlib.util.find_spec("deepspeed")` only to see that it
+is installed, and import it later.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
+import os
 import sys
+from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from autotuner.runtime.deepspeed_loaded import when_deepspeed_loads
 from autotuner.runtime.distributed import warn_once
 
 
+# ----- when DeepSpeed loads -----
+_callbacks: list[Callable[[], None]] = []
+
+
+def when_deepspeed_loads(callback: Callable[[], None]) -> None:
+    """Call `callback()` once `deepspeed` (DeepSpeed's own package) has been imported."""
+    if "deepspeed" in sys.modules and "deepspeed.runtime.engine" in sys.modules:
+        callback()
+        return
+    _callbacks.append(callback)
+    if not any(isinstance(finder, _DeepSpeedImportHook) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _DeepSpeedImportHook())
+
+
+class _DeepSpeedImportHook(importlib.abc.MetaPathFinder):
+    """Finds `deepspeed` through the other finders and runs the callbacks once it has loaded."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _CallingLoader(spec.loader, self)
+                return spec
+        return None
+
+
+class _CallingLoader(importlib.abc.Loader):
+    def __init__(self, loader, hook: _DeepSpeedImportHook):
+        self._loader = loader
+        self._hook = hook
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(self._hook)
+        self._loader.exec_module(module)
+        while _callbacks:
+            _callbacks.pop(0)()
+
+    def __getattr__(self, name):  # get_resource_reader, is_package, ...: the real loader's
+        return getattr(self._loader, name)
+
+
+# ----- DeepSpeed's comm, and its partitions gathered -----
 def follow_with_deepspeed_comm(backend: str) -> None:
     """Once DeepSpeed loads in this process, initialise its comm on the process group we set up."""
 
@@ -33,8 +92,30 @@ def follow_with_deepspeed_comm(backend: str) -> None:
         comm = sys.modules["deepspeed"].comm
         if not comm.is_initialized():
             comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+            unlink_shm_buffer(backend == "gloo")
 
     when_deepspeed_loads(join)
+
+
+def unlink_shm_buffer(on_cpu: bool) -> None:
+    """On CPU, DeepSpeed's comm (its shared-memory allreduce) creates /dev/shm/deepspeed_allreduce_buffer_
+    <uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank> (66 MiB) per rank and never unlinks it: in RAM, and a new
+    name for every launch's port, so runs would fill memory with them. Once every rank has mapped
+    every buffer (after DeepSpeed's comm or engine is set up, behind a barrier) the names are not
+    needed: each rank unlinks its own, and the memory goes when the last rank that maps it exits.
+    Collective where DeepSpeed's shm op exists (it is one build for all ranks)."""
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not on_cpu or not addr or not port or not dist.is_initialized():
+        return
+    backend = getattr(sys.modules.get("deepspeed.comm.comm"), "cdb", None)
+    if getattr(backend, "shm_comm_op", None) is None:
+        return  # no shm op on any rank: nothing was created
+    dist.barrier()
+    path = f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{dist.get_rank()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 def partitioned_by_deepspeed(model: nn.Module) -> list[nn.Parameter]:

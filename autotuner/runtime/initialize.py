@@ -13,8 +13,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from autotuner.config.batch import resolve_batch
 from autotuner.config.loader import ConfigSource, config_label, load_config, read_config_file
-from autotuner.config.tuned_values import lay_tuned_values
-from autotuner.core.boundary import tuned_values_from_env
+from autotuner.config.tuned_values import lay_tuned_values, tuned_values_from_env
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.config.engine_math import refuse_other_math
 from autotuner.config.trainer_auto import refuse_auto_batch, refuse_trainer_autos

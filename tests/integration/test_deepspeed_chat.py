@@ -104,6 +104,7 @@ def test_a_model_built_under_hf_deepspeed_config_trains_and_saves_at_stage_3(tmp
     # In bf16, as DeepSpeed-Chat trains: DeepSpeed's Init casts the weights to bf16, and they come back as
     # fp32 parameters holding those values (DeepSpeed's fp32 master weights start from them too).
     flags = (*LORA, "--hf_deepspeed_config", "--dtype", "bf16")
+    shm_before = set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*"))
     train(tmp_path / "z0", 0, *flags)
     done = train(tmp_path / "z3", 3, *flags)
     assert "built under DeepSpeed's own zero.Init" in done.stderr
@@ -112,6 +113,8 @@ def test_a_model_built_under_hf_deepspeed_config_trains_and_saves_at_stage_3(tmp
         pytest.approx(json.loads((tmp_path / "z0" / "losses.json").read_text()), abs=2e-2)
     assert {value.dtype for value in saved(tmp_path / "z3").values()} == {torch.float32}
     assert_same_model(tmp_path / "z3", tmp_path / "z0", atol=2e-3)
+    # DeepSpeed's comm on CPU makes a 66 MiB shared-memory buffer per rank: unlinked once every rank mapped them.
+    assert set(Path("/dev/shm").glob("deepspeed_allreduce_buffer_*")) <= shm_before
 
 
 IN_CODE_TUNING = {"enabled": True, "start_profile_step": 2, "end_profile_step": 4, "exp_timeout_s": 120,

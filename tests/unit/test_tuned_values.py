@@ -8,9 +8,8 @@ from dataclasses import replace
 
 import pytest
 
-from autotuner.config.tuned_values import lay_tuned_values
-from autotuner.core.boundary import (TUNED_VALUES_ENV, Measurement, MeasurementRequest, RecordError,
-                                     tuned_values_from_env)
+from autotuner.config.tuned_values import TUNED_VALUES_ENV, lay_tuned_values, tuned_values_from_env
+from autotuner.core.boundary import Measurement, MeasurementRequest, RecordError
 from autotuner.tuning.reports.outcome import tuned_values_env
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.records import TrialResult, TrialState

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
-from autotuner.core.boundary import TUNED_VALUES_ENV
+from autotuner.config.tuned_values import TUNED_VALUES_ENV
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.trials.trial import ExperimentSettings, picked_config, script_config
 from autotuner.tuning.reports.optimal_commands import (deepspeed_command, nodes_per_run, optimal_command,
