@@ -31,7 +31,7 @@ ENGINE_NAME = "deepspeed"
 def install(request: MeasurementRequest) -> None:
     """Measure the first DeepSpeedEngine this process creates: now, if deepspeed is loaded
     already (a warm rank forked from a server that preloaded it), else when it is imported."""
-    from autotuner.runtime.deepspeed_side import unlink_shm_buffer, when_deepspeed_loads
+    from autotuner.runtime.deepspeed_side import when_deepspeed_loads
 
     def patch() -> None:
         _patch(sys.modules["deepspeed.runtime.engine"].DeepSpeedEngine, request)
@@ -75,6 +75,8 @@ def _patch(engine_class: type, request: MeasurementRequest) -> None:
 
 def _unlink_shm_buffer(engine: Any) -> None:
     import torch
+
+    from autotuner.runtime.deepspeed_side import unlink_shm_buffer
 
     unlink_shm_buffer(torch.device(engine.device).type == "cpu")
 
