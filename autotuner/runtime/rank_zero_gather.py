@@ -4,8 +4,7 @@ DeepSpeedExamples' scripts end with `if rank == 0: torch.save(save_without_rando
 DeepSpeed-Chat's with `if rank == 0: torch.save(model.module.state_dict(), f)`. Under DeepSpeed's
 ZeRO 0-2 each rank holds the whole parameters, so one rank can read them; under our stages 2 and 3
 (FSDP2) each holds a shard, and gathering them is a collective the other ranks never join. So,
-armed at initialize wherever FSDP2 shards over several ranks (a tuner's measurement launch
-excepted: it exits after its window), every other rank serves its shards to rank 0 from a thread
+armed at initialize wherever FSDP2 shards over several ranks, every other rank serves its shards to rank 0 from a thread
 on a gloo group of its own, which the script's process groups do not touch:
 
 - rank 0 asks with its optimizer-step count; a serving rank waits until its engine has taken as
