@@ -131,6 +131,44 @@ def settled(config, settings: ExperimentSettings) -> dict:
             "space": search_space(config, settings.data_parallel_size, settings.engine, devices.on_gpu)}
 
 
+class BookOverLedger:
+    """A memory book on given facts over a ledger of its own, as the orchestrator holds one after
+    the profile: `learn` records a launch's result in the ledger, which the book reads its peaks
+    from; `with_facts` gives the book other facts (a record is never changed) over the same ledger."""
+
+    def __init__(self, facts, report: Callable[[str], None] = lambda line: None):
+        from autotuner.tuning.models.memory_book import MemoryBook
+        from autotuner.tuning.trials.ledger import TrialLedger
+
+        self.ledger = TrialLedger()
+        self.space = facts.space
+        self.memory = MemoryBook(facts, self.ledger.results, report)
+
+    def learn(self, result) -> None:
+        self.ledger.record(result)
+        self.memory.learn(result)
+
+    def with_facts(self, **changes) -> None:
+        from dataclasses import replace
+
+        from autotuner.tuning.models.memory_book import MemoryBook
+
+        self.memory = MemoryBook(replace(self.memory.facts, **changes), self.ledger.results, self.memory.report)
+
+
+def book_over_ledger(config, settings: ExperimentSettings, profile, precision: str = "fp32",
+                     budget_bytes: int = 2**30, device_type: str = "cpu", report=lambda line: None) -> BookOverLedger:
+    """The orchestrator's memory book for `config` as settled (its space), on `profile`."""
+    from autotuner.tuning.models.memory_book import memory_facts
+
+    facts = memory_facts(config, settled(config, settings)["space"], profile, precision,
+                         2**30 if device_type == "cuda" else None, 0, settings.nproc_per_node,
+                         settings.base_config["zero_optimization"])
+    from dataclasses import replace
+
+    return BookOverLedger(replace(facts, budget_bytes=budget_bytes), report)
+
+
 def profiled(answer):
     """Every trial gets `answer(trial)`; a profile trial (an experiment that also measures the
     model) gets a model info too."""

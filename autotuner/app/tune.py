@@ -13,7 +13,8 @@ from pathlib import Path
 from autotuner.app.settle import say as _say, settle, settle_built_engine
 from autotuner.core.errors import UsageError
 from autotuner.launch.stopping import Stopped
-from autotuner.tuning.orchestrator import Autotuner, TuningFailed
+from autotuner.tuning.orchestrator import Autotuner
+from autotuner.tuning.trials.evaluator import TuningFailed
 from autotuner.execution.forkserver import Forkserver
 from autotuner.execution.backends import RunnerRequest, backend_spec
 

@@ -578,7 +578,7 @@ def test_cpu_offload_on_a_cpu_machine_is_dropped_with_a_warning(capsys):
 
 
 def test_blind_memory_model_is_reported():
-    from autotuner.tuning.profiling import blind_spots
+    from autotuner.tuning.profiling.launches import blind_spots
 
     from fakes import model_info
 

@@ -244,6 +244,6 @@ def test_the_built_engine_settles_the_launches_and_the_dimensions_searched(tmp_p
     assert lines.count(f"engine: the ranks built {built}'s") == 1
     assert [t.settings.engine_settled for t in runner.trials][:2] == [False, True]
     assert {t.settings.engine for t in runner.trials[1:]} == {built}
-    searched = {value for variants in tuner.space.variants.values() for variant in variants
+    searched = {value for variants in tuner.profiled.job.space.variants.values() for variant in variants
                 for name, value in variant if name == "activation_checkpointing"}
     assert searched == policies

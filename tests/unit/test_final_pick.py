@@ -114,6 +114,11 @@ def test_contenders_are_remeasured_interleaved_and_the_best_median_is_the_pick(t
     table = pd.read_csv(tmp_path / "results" / "experiments.csv")
     assert list(table[table.chosen].name) == ["z0_gas1_mbs4"]
     assert sorted(table[table.phase == "remeasure"].run) == [1, 1, 2, 2]
+    # The ledger holds every trial: the re-measurements too, beside each experiment's first result.
+    remeasured = autotuner.ledger.remeasurements()
+    assert [(run, r.name, r.value) for run, r in remeasured] == [
+        (1, "z0_gas1_mbs8", 95.0), (1, "z0_gas1_mbs4", 104.0), (2, "z0_gas1_mbs4", 103.0), (2, "z0_gas1_mbs8", 96.0)]
+    assert {r.name: r.value for r in autotuner.ledger.results()}["z0_gas1_mbs8"] == 105.0
     assert list(table[table.phase == "profile"].name) == ["z0_gas1_mbs2", "z0_gas1_mbs4"]
     # A resumed run reads the re-measurements back rather than launching them again.
     again, _ = tuner(tmp_path, FakeRunner(never_called), remeasure_rounds=2)

@@ -49,7 +49,7 @@ def test_an_experiment_already_measured_is_answered_from_the_ledger_not_launched
     evaluate = evaluator_of(launches)
     first = evaluate(Experiment(0, 4))
     assert evaluate(Experiment(0, 4)) is first and launches.asked == [Experiment(0, 4)]
-    assert evaluate.ledger.results() == (first,) and evaluate.ledger.best(Objective()) is first
+    assert evaluate.ledger.results() == (first,) and Objective().best(list(evaluate.ledger.results())) is first
 
 
 def test_an_earlier_runs_record_is_recorded_as_reused_and_each_record_is_heard_once():

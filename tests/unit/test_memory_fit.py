@@ -8,12 +8,12 @@ import pytest
 
 from autotuner.config import load_config
 from autotuner.tuning.memory.estimate import ModelProfile, PeakFit, StageSettings, estimate, model_state_bytes
-from autotuner.tuning.profiling import peak_fit
+from autotuner.tuning.profiling.launches import peak_fit
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.searches.stage_search import run_search
 from autotuner.tuning.space.search_space import SearchPolicy
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, experiment_settings, model_info, never_called, ok, orchestrator
+from fakes import FakeRunner, book_over_ledger, experiment_settings, model_info, never_called, ok, orchestrator
 
 MiB = 2**20
 P = 100_000_000
@@ -102,12 +102,9 @@ def offload_tuner(tmp_path, device_type: str, zero: dict | None = None):
                           "zero_optimization": {"stage": "all", **(zero or {})},
                           "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 16}})
     settings = experiment_settings(config, script_args=(), nproc_per_node=1, data_parallel_size=1)
-    tuner = orchestrator(tmp_path, config, FakeRunner(never_called), settings)
-    tuner.memory.profile = ModelProfile(P, 100 * MiB, num_shard_units=10)
-    tuner.memory.precision = "bf16"
-    tuner.memory.budget_bytes = 1200 * MiB  # 100 M parameters need 1.6 GB of fp32 states and Adam moments alone
-    tuner.memory.device_type = device_type
-    return tuner
+    # 100 M parameters need 1.6 GB of fp32 states and Adam moments alone
+    return book_over_ledger(config, settings, ModelProfile(P, 100 * MiB, num_shard_units=10), "bf16", 1200 * MiB,
+                            device_type)
 
 
 def test_a_stage_that_fits_nothing_on_a_gpu_is_offered_offload(tmp_path):

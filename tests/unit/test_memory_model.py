@@ -20,7 +20,7 @@ from autotuner.tuning.memory.estimate import (
 )
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, experiment_settings, never_called, orchestrator
+from fakes import FakeRunner, book_over_ledger, experiment_settings, never_called, orchestrator
 
 P = 1_000_000  # parameters
 W = 2  # data-parallel ranks
@@ -270,9 +270,9 @@ def calibrating_tuner(tmp_path, budget_mib: int = 1000):
                           "autotuning": {"enabled": True}})
     settings = experiment_settings(config, script_args=())
     lines: list[str] = []
-    tuner = orchestrator(tmp_path, config, FakeRunner(never_called), settings, report=lines.append)
-    tuner.memory.profile = ModelProfile(25_000_000, 2**20, baseline_bytes=150 * MiB, num_shard_units=6)
-    tuner.memory.budget_bytes = budget_mib * MiB
+    tuner = book_over_ledger(config, settings, ModelProfile(25_000_000, 2**20, baseline_bytes=150 * MiB,
+                                                            num_shard_units=6),
+                             budget_bytes=budget_mib * MiB, report=lines.append)
     return tuner, lines
 
 
@@ -300,14 +300,14 @@ def test_a_measured_overrun_is_allowed_for_in_later_launches_of_that_engine(tmp_
     largest_before, largest_ddp_before = largest(2), largest(0)
     # An FSDP2 launch peaked 200 MiB over the model.
     probe = Experiment(3, 8)
-    tuner.memory.learn(measured(tuner, probe, tuner.memory.predicted_memory(probe) + 200 * MiB))
+    tuner.learn(measured(tuner, probe, tuner.memory.predicted_memory(probe) + 200 * MiB))
     largest_after = largest(2)
     # 200 MiB over: 200 MiB less room, 1 MiB per sample (sizes beyond the one measured keep the whole margin).
     assert largest_before - largest_after == pytest.approx(200, abs=2)
     # DDP, not measured yet, borrows FSDP2's fit and keeps the whole margin; once measured, it has its own.
     assert largest(0) == pytest.approx(largest_ddp_before - 200, abs=1)
     ddp = Experiment(0, 8)
-    tuner.memory.learn(measured(tuner, ddp, tuner.memory.analytic_memory(ddp) + 50 * MiB))
+    tuner.learn(measured(tuner, ddp, tuner.memory.analytic_memory(ddp) + 50 * MiB))
     assert largest(0) == pytest.approx(largest_ddp_before - 50, abs=1)
     assert largest_before - largest(2) == pytest.approx(200, abs=2)
     assert lines[0] == ("memory model: FSDP2 fitted on 1 measured peak(s): analytic + 200 MiB + 0.00 MiB per sample "
@@ -319,10 +319,10 @@ def test_on_a_cpu_half_the_margin_holds_only_up_to_the_largest_size_measured(tmp
     # sizes the profile measured, peaked at 1032 MiB (the RSS varies ~10% between launches).
     tuner, _ = calibrating_tuner(tmp_path)
     for micro in (4, 8):
-        tuner.memory.learn(measured(tuner, Experiment(0, micro), tuner.memory.predicted_memory(Experiment(0, micro))))
+        tuner.learn(measured(tuner, Experiment(0, micro), tuner.memory.predicted_memory(Experiment(0, micro))))
 
     def fits_at_93_percent(micro):
-        tuner.memory.budget_bytes = int(tuner.memory.predicted_memory(Experiment(0, micro)) / 0.93)
+        tuner.with_facts(budget_bytes=int(tuner.memory.predicted_memory(Experiment(0, micro)) / 0.93))
         return tuner.memory.fits(Experiment(0, micro))
 
     assert fits_at_93_percent(8) and fits_at_93_percent(4)  # measured range: half the margin
@@ -333,12 +333,12 @@ def test_on_a_gpu_a_measured_fit_keeps_the_whole_margin(tmp_path):
     # The fit is of allocated bytes; the caching allocator's reserved slack is what runs out. On an
     # H200 a ZeRO-0 launch predicted at 94% of the room (inside half the margin) ran out of memory.
     tuner, _ = calibrating_tuner(tmp_path)
-    tuner.memory.device_type = "cuda"
+    tuner.with_facts(device_type="cuda")
     for micro in (4, 8):
-        tuner.memory.learn(measured(tuner, Experiment(0, micro), tuner.memory.predicted_memory(Experiment(0, micro))))
-    tuner.memory.budget_bytes = int(tuner.memory.predicted_memory(Experiment(0, 8)) / 0.93)
+        tuner.learn(measured(tuner, Experiment(0, micro), tuner.memory.predicted_memory(Experiment(0, micro))))
+    tuner.with_facts(budget_bytes=int(tuner.memory.predicted_memory(Experiment(0, 8)) / 0.93))
     assert not tuner.memory.fits(Experiment(0, 8))  # 93% of the room: over the whole margin
-    tuner.memory.device_type = "cpu"  # where the fitted RSS is itself the limited quantity
+    tuner.with_facts(device_type="cpu")  # where the fitted RSS is itself the limited quantity
     assert tuner.memory.fits(Experiment(0, 8))
 
 
@@ -346,11 +346,11 @@ def test_peaks_at_two_sizes_fit_the_per_sample_growth_the_analytic_model_misses(
     tuner, lines = calibrating_tuner(tmp_path)
     truth = lambda e: tuner.memory.analytic_memory(e) + 30 * MiB + 3 * MiB * e.micro_batch_size  # noqa: E731
     for micro in (2, 32):
-        tuner.memory.learn(measured(tuner, Experiment(0, micro), truth(Experiment(0, micro))))
+        tuner.learn(measured(tuner, Experiment(0, micro), truth(Experiment(0, micro))))
     for micro in (1, 8, 64, 200):
         assert tuner.memory.predicted_memory(Experiment(0, micro)) == pytest.approx(truth(Experiment(0, micro)), abs=2)
     # FSDP2, measured once, keeps its own offset but borrows DDP's per-sample growth.
-    tuner.memory.learn(measured(tuner, Experiment(3, 16), tuner.memory.analytic_memory(Experiment(3, 16)) + 100 * MiB))
+    tuner.learn(measured(tuner, Experiment(3, 16), tuner.memory.analytic_memory(Experiment(3, 16)) + 100 * MiB))
     memory = tuner.memory
     fsdp = lambda m: memory.predicted_memory(Experiment(3, m)) - memory.analytic_memory(Experiment(3, m))  # noqa: E731
     assert fsdp(16) == pytest.approx(100 * MiB, abs=2)
@@ -362,10 +362,10 @@ def test_an_oom_raises_the_fitted_line_to_the_budget_there(tmp_path):
     tuner, lines = calibrating_tuner(tmp_path)
     for micro in (2, 16):
         e = Experiment(0, micro)
-        tuner.memory.learn(measured(tuner, e, tuner.memory.analytic_memory(e) + 10 * MiB))
+        tuner.learn(measured(tuner, e, tuner.memory.analytic_memory(e) + 10 * MiB))
     oom = Experiment(0, 100)
     assert tuner.memory.fits(Experiment(0, 90))
-    tuner.memory.learn(measured(tuner, oom, None, TrialState.OOM))
+    tuner.learn(measured(tuner, oom, None, TrialState.OOM))
     assert tuner.memory.predicted_memory(oom) >= tuner.memory.budget_bytes
     assert not tuner.memory.fits(Experiment(0, 90))  # the line pivots on 16, so sizes just below rise too
     e = Experiment(0, 16)
@@ -377,30 +377,29 @@ def test_an_allocator_oom_without_a_measured_peak_counts_as_the_whole_budget(tmp
     from autotuner.tuning.space.records import TrialState
     tuner, _ = calibrating_tuner(tmp_path)
     oom = Experiment(1, 64)
-    tuner.memory.learn(measured(tuner, oom, None, TrialState.OOM))
+    tuner.learn(measured(tuner, oom, None, TrialState.OOM))
     assert not tuner.memory.fits(oom)
 
 
 def test_a_cpu_budget_says_once_how_to_make_the_resident_set_predictable_unless_it_is():
     from autotuner.config.models import DeepSpeedConfig
-    from autotuner.tuning.models.memory_book import MemoryBook
+    from autotuner.tuning.memory.estimate import ModelProfile
+    from autotuner.tuning.models.memory_book import MemoryBook, memory_facts
     from autotuner.tuning.space.search_space import SearchSpace
 
-    def book(autotuning: dict) -> MemoryBook:
+    def book(autotuning: dict, device_memory: int | None = None) -> MemoryBook:
         config = DeepSpeedConfig.model_validate({"train_micro_batch_size_per_gpu": "auto",
                                                  "autotuning": {"enabled": True, **autotuning}})
-        return MemoryBook(config, SearchSpace(stages=(0,), data_parallel_size=2, max_micro_batch_size=8), 2,
-                          True, lambda line: None)
+        space = SearchSpace(stages=(0,), data_parallel_size=2, max_micro_batch_size=8)
+        return MemoryBook(memory_facts(config, space, ModelProfile(1000, 0), "fp32", device_memory, 2**34, 2, {}),
+                          lambda: ())
 
     budgeted = book({"memory_per_rank_bytes": 2**30})
-    budgeted.settle_budget(None)
     assert "MALLOC_MMAP_THRESHOLD_=131072" in budgeted.budget_note({})
     assert budgeted.budget_note({"MALLOC_MMAP_THRESHOLD_": "131072"}) is None
-    unbudgeted = book({})
-    unbudgeted.settle_budget(None)  # the machine's RAM: nothing to hold to
+    unbudgeted = book({})  # the machine's RAM: nothing to hold to
     assert unbudgeted.budget_note({}) is None
-    on_gpu = book({"memory_per_rank_bytes": 2**30})
-    on_gpu.settle_budget(80 * 2**30)
+    on_gpu = book({"memory_per_rank_bytes": 2**30}, 80 * 2**30)
     assert on_gpu.budget_note({}) is None
 
 
@@ -410,23 +409,25 @@ def test_a_variant_not_measured_yet_borrows_no_downward_correction():
     once one is, the fit applies as to any measured configuration."""
     from autotuner.config.models import DeepSpeedConfig
     from autotuner.tuning.memory.estimate import ModelProfile
-    from autotuner.tuning.models.memory_book import MemoryBook
+    from autotuner.tuning.models.memory_book import memory_facts
     from autotuner.tuning.space.search_space import SearchSpace
+    from fakes import BookOverLedger
 
     mib = 2**20
     config = DeepSpeedConfig.model_validate({"train_micro_batch_size_per_gpu": "auto", "compile": {"enabled": "auto"},
                                              "autotuning": {"enabled": True}})
-    book = MemoryBook(config, SearchSpace(stages=(0,), data_parallel_size=1, max_micro_batch_size=32), 1, True,
-                      lambda line: None)
-    book.settle_budget(None)
-    book.profile = ModelProfile(num_params=1_000_000, activation_bytes_per_sample=8 * mib)
+    space = SearchSpace(stages=(0,), data_parallel_size=1, max_micro_batch_size=32)
+    tuner = BookOverLedger(memory_facts(config, space, ModelProfile(num_params=1_000_000,
+                                                                   activation_bytes_per_sample=8 * mib),
+                                        "fp32", None, 2**34, 1, {"contiguous_gradients": True}))
+    book = tuner.memory
     eager = [Experiment(0, m, 1, (("compile", False),)) for m in (2, 8)]
     for experiment in eager:  # the analytic model over-counts eager peaks by 20 MiB at each size
-        book.learn(TrialResult(experiment, TrialState.OK, measured_memory_bytes=book.analytic_memory(experiment) - 20 * mib))
+        tuner.learn(TrialResult(experiment, TrialState.OK, measured_memory_bytes=book.analytic_memory(experiment) - 20 * mib))
     compiled = Experiment(0, 16, 1, (("compile", True),))
     assert book.predicted_memory(eager[1]) == book.analytic_memory(eager[1]) - 20 * mib
     assert book.predicted_memory(compiled) == book.analytic_memory(compiled)  # nothing of its own measured
-    book.learn(TrialResult(Experiment(0, 4, 1, (("compile", True),)), TrialState.OK,
+    tuner.learn(TrialResult(Experiment(0, 4, 1, (("compile", True),)), TrialState.OK,
                            measured_memory_bytes=book.analytic_memory(Experiment(0, 4, 1, (("compile", True),))) - 20 * mib))
     assert book.predicted_memory(compiled) < book.analytic_memory(compiled)
 

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from autotuner.tuning.orchestrator import TuningFailed
+from autotuner.tuning.trials.evaluator import TuningFailed
 from autotuner.tuning.trials.journal import fingerprint_of, load_journal, unmapped_args, write_entry
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
-from fakes import FakeRunner, ParallelFakeRunner, by_micro, fingerprint, model_info, never_called, ok, profiled, tuner
+from fakes import BookOverLedger, FakeRunner, ParallelFakeRunner, by_micro, fingerprint, model_info, never_called, ok, profiled, tuner
 
 MiB = 2**20
 
@@ -182,13 +182,13 @@ def test_no_micro_batch_as_large_as_one_that_ran_out_of_memory_fits_at_that_stag
     autotuner = tuner(tmp_path, FakeRunner(never_called), {"model_info": {"num_params": 1000},
                                                            "memory_per_rank_bytes": 750 * MiB},
                       train_micro_batch_size_per_gpu=[2, 4, 8, 16], zero_optimization={"stage": "all"})
-    autotuner._prepare_dirs()
-    autotuner._measure_model()
-    space, memory = autotuner.space, autotuner.memory
-    memory.learn(TrialResult(space.experiment(0, 4), TrialState.OOM, error="peak 795 MiB over the budget",
-                             measured_memory_bytes=795 * MiB))
+    profiled = autotuner._phase.run()  # model_info given: no launch
+    book = BookOverLedger(profiled.memory)
+    space, memory = profiled.job.space, book.memory
+    book.learn(TrialResult(space.experiment(0, 4), TrialState.OOM, error="peak 795 MiB over the budget",
+                           measured_memory_bytes=795 * MiB))
     for micro in (4, 8):
-        memory.learn(TrialResult(space.experiment(1, micro), TrialState.OK, value=1.0, measured_memory_bytes=600 * MiB))
+        book.learn(TrialResult(space.experiment(1, micro), TrialState.OK, value=1.0, measured_memory_bytes=600 * MiB))
     line = memory.predicted_memory(space.experiment(0, 8))
     assert line < 0.9 * 750 * MiB  # the fitted line says it fits...
     assert not memory.fits(space.experiment(0, 8)) and not memory.fits(space.experiment(0, 4))  # ...the OOM says no

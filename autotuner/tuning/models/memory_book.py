@@ -1,11 +1,15 @@
 """The tuner's memory bookkeeping: the analytic model for the profiled model, the per-rank budget,
 and per engine the residual line fitted to every measured peak (memory/peak_fit.py), refitted after
-each launch. The orchestrator asks it one question before every launch: does this fit?"""
+each launch. The orchestrator asks it one question before every launch: does this fit?
+
+What it stands on (`MemoryFacts`) is a frozen record, settled once the profile (or the config's
+model_info) has measured the model; the measured peaks are the trial ledger's results, read from
+it, never copied."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
 
 
 from autotuner.config.models import DeepSpeedConfig
@@ -64,36 +68,81 @@ def memory_budget(per_rank_bytes: int | None, device_memory: int | None, host_me
     return host_memory_bytes // max(1, nproc_per_node)
 
 
+@dataclass(frozen=True)
+class MemoryFacts:
+    """What the memory model stands on: the profiled model and the precision its launches ran in,
+    where the ranks run and the budget per rank there, the space searched and the config's ZeRO
+    settings. Built once (`memory_facts`); a computation that needs other facts builds its own."""
+
+    config: DeepSpeedConfig = field(hash=False)
+    space: SearchSpace
+    profile: ModelProfile
+    precision: str
+    device_type: str  # "cuda" or "cpu": where the ranks run
+    budget_bytes: int
+    # The config's scalar ZeRO settings besides the stage (they change the engine's buffers).
+    zero_settings: tuple[tuple[str, Any], ...] = ()
+    contiguous_gradients: bool = False
+
+    @property
+    def engine(self) -> str:
+        return self.profile.engine
+
+
+def memory_facts(config: DeepSpeedConfig, space: SearchSpace, profile: ModelProfile, precision: str,
+                 device_memory: int | None, host_memory_bytes: int, nproc_per_node: int,
+                 zero: dict[str, Any]) -> MemoryFacts:
+    """The facts once the device the ranks run on is known (the profile launch reads its memory;
+    the tuner's host may have none, a Slurm login node say); the budget is `memory_budget`'s."""
+    budget = memory_budget(config.autotuning.memory_per_rank_bytes, device_memory, host_memory_bytes, nproc_per_node)
+    settings = tuple(sorted((k, v) for k, v in zero.items() if k != "stage" and isinstance(v, (bool, int, float, str))))
+    return MemoryFacts(config, space, profile, precision, "cuda" if device_memory else "cpu", budget, settings,
+                       bool(zero.get("contiguous_gradients")))
+
+
+def peak_results(results: Sequence[TrialResult]) -> list[TrialResult]:
+    """The launches with a measured peak, or out of memory without one (a lower bound: the budget)."""
+    return [r for r in results if r.measured_memory_bytes is not None or r.state is TrialState.OOM]
+
+
 class MemoryBook:
-    """Bytes per rank for any experiment, as well as the launches so far let us know them.
+    """Bytes per rank for any experiment, as well as the launches so far let us know them: the
+    facts, and the peaks of the results `results` gives (the ledger's), refitted by `learn`."""
 
-    `profile`, `precision` and the device type are settled by the profile (or the config's
-    model_info); `budget_bytes` by the config, the GPU, or the host's memory per rank."""
-
-    def __init__(self, config: DeepSpeedConfig, space: SearchSpace, nproc_per_node: int,
-                 contiguous_gradients: bool, report: Callable[[str], None], zero_settings: dict[str, Any] | None = None,
-                 engine: str = "autotuner", host_memory_bytes: int = 0):
-        self.config = config
-        self.host_memory_bytes = host_memory_bytes  # read once, with the device facts
-        self.zero_settings = {k: v for k, v in (zero_settings or {}).items()
-                              if k != "stage" and isinstance(v, (bool, int, float, str))}
-        self._engine = engine  # until the profile says whose engine ran
-        self.space = space
-        self.nproc_per_node = nproc_per_node
-        self.contiguous_gradients = contiguous_gradients
+    def __init__(self, facts: MemoryFacts, results: Callable[[], Sequence[TrialResult]],
+                 report: Callable[[str], None] = lambda line: None):
+        self.facts = facts
+        self._results = results
         self.report = report
-        self.profile: ModelProfile | None = None
-        self.precision = "fp32"
-        self.budget_bytes: int | None = None
-        self.device_type = "cpu"  # where the ranks run
-        self._peak_results: list[TrialResult] = []  # launches with a peak (or an OOM), in order
+        self._fixed = _fixed_values(facts.config, facts.device_type == "cuda")  # the user's fixed fallback values
+        self._peak_results: list[TrialResult] = []
         self._residual_fits: dict[str, ResidualFit] = {}
-        self._fixed: dict[bool, tuple[tuple[str, Any], ...]] = {}  # the user's fixed fallback values, per device kind
+        self.refit()
 
     # ----- what is known -----
     @property
     def engine(self) -> str:
-        return self.profile.engine if self.profile is not None else self._engine
+        return self.facts.engine
+
+    @property
+    def space(self) -> SearchSpace:
+        return self.facts.space
+
+    @property
+    def profile(self) -> ModelProfile:
+        return self.facts.profile
+
+    @property
+    def precision(self) -> str:
+        return self.facts.precision
+
+    @property
+    def budget_bytes(self) -> int:
+        return self.facts.budget_bytes
+
+    @property
+    def device_type(self) -> str:
+        return self.facts.device_type
 
     def family(self, stage: int) -> str:
         return engine_family(stage, self.engine)
@@ -105,13 +154,6 @@ class MemoryBook:
         family = self.family(experiment.zero_stage)
         return family if policy == "none" else f"{family}, {policy} checkpointing"
 
-    def settle_budget(self, device_memory: int | None) -> None:
-        """The budget once the device the ranks run on is known (the profile launch reads its memory;
-        the tuner's host may have none, a Slurm login node say)."""
-        self.device_type = "cuda" if device_memory else "cpu"
-        self.budget_bytes = memory_budget(self.config.autotuning.memory_per_rank_bytes, device_memory,
-                                          self.host_memory_bytes, self.nproc_per_node)
-
     def report_budget(self, environ: dict[str, str]) -> None:
         """The settled budget, said once, with the CPU note where it applies."""
         self.report(f"memory budget: {self.budget_bytes / 2**20:.0f} MiB per rank (safety margin {SAFETY_MARGIN:.0%})")
@@ -122,7 +164,7 @@ class MemoryBook:
         """On a CPU under a given budget, what makes the resident set predictable, when it is not set:
         glibc's moving mmap threshold put one launch's peak at 638, 822 and over 1,024 MiB in three
         runs; with it fixed, the model predicted every launch within 4% (docs/autotuning.md)."""
-        if self.device_type != "cpu" or not self.config.autotuning.memory_per_rank_bytes:
+        if self.device_type != "cpu" or not self.facts.config.autotuning.memory_per_rank_bytes:
             return None
         if "MALLOC_MMAP_THRESHOLD_" in environ or "glibc.malloc.mmap_threshold" in environ.get("GLIBC_TUNABLES", ""):
             return None
@@ -133,13 +175,10 @@ class MemoryBook:
     def stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
                        knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
         # Ranks on a CPU-only machine drop offload (everything is host memory already).
-        settings = StageSettings(stage, self.precision, self.space.data_parallel_size, False, False,
-                                 self.contiguous_gradients, gradient_accumulation_steps,
-                                 tuple(sorted(self.zero_settings.items())))
-        on_gpu = self.device_type == "cuda"
-        if on_gpu not in self._fixed:  # the config does not change: read once per device kind
-            self._fixed[on_gpu] = _fixed_values(self.config, on_gpu)
-        for name, value in (*self._fixed[on_gpu], *knobs):
+        facts = self.facts
+        settings = StageSettings(stage, facts.precision, facts.space.data_parallel_size, False, False,
+                                 facts.contiguous_gradients, gradient_accumulation_steps, facts.zero_settings)
+        for name, value in (*self._fixed, *knobs):
             settings = dimensions.memory_term(settings, name, value)
         return settings
 
@@ -226,7 +265,7 @@ class MemoryBook:
         (torch's CPUOffloadPolicy needs a GPU). DeepSpeed offloads parameters only at stage 3, and
         on its own engine the optimizer from stage 1 on."""
         knobs = dimensions.fallback_knobs(stage, self.engine)
-        if knobs is None or self.device_type != "cuda" or _user_chose_a_fallback(self.config):
+        if knobs is None or self.device_type != "cuda" or _user_chose_a_fallback(self.facts.config):
             return None
         usable = usable_bytes(self.budget_bytes, SAFETY_MARGIN)
         space = replace(self.space, stage_knobs=tuple(sorted({**dict(variant), **knobs}.items())))
@@ -236,23 +275,17 @@ class MemoryBook:
 
     # ----- learning from launches -----
     def learn(self, result: TrialResult) -> None:
-        """Keep the launch's peak (an OOM without one is a lower bound: the whole budget) and refit."""
+        """`result` was recorded: with a peak (or out of memory), refit and say the new line."""
         if result.measured_memory_bytes is None and result.state is not TrialState.OOM:
             return
-        self._peak_results.append(result)
-        if self.profile is None:
-            return  # the profile launches are fitted once the profile exists
         self.refit()
         self.report_fit(self.fit_family(result.experiment))
 
-    def use_profile(self, profile: ModelProfile, precision: str) -> None:
-        """Adopt a profile with the precision its launches ran in, and refit: the residuals are taken
-        against the analytic model, which applies a phase fit only at its own precision (refitted
-        under the default fp32 after a bf16 profile, an H200 launch was predicted 13.6% high)."""
-        self.profile, self.precision = profile, precision
-        self.refit()
-
     def refit(self) -> None:
+        """Fit every peak recorded so far, against the analytic model at the facts' precision (a
+        phase fit applies only at its own: refitted under the default fp32 after a bf16 profile,
+        an H200 launch was predicted 13.6% high)."""
+        self._peak_results = peak_results(self._results())
         # The total per-sample cost never goes negative: the analytic activations bound the slope
         # (a checkpointing policy's own bytes per sample bound its family's).
         floors = {family: -float(self.profile.activation_bytes_per_sample) for family in engine_families(self.engine)}

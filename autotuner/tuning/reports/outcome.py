@@ -44,7 +44,7 @@ class SearchRecord:
     pruned: tuple[TrialResult, ...]
     profile_names: frozenset[str]
     best: TrialResult | None  # with its re-measured median as value
-    remeasurements: tuple[TrialResult, ...]
+    remeasurements: tuple[tuple[int, TrialResult], ...]  # (round, result): the final pick's
     lines: tuple[str, ...]  # for the summary: the transfer prior's, then the final pick's
     predictions: PredictiveOutcome | None  # what tuner_type "predictive" predicted
     elapsed_s: float

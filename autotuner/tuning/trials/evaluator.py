@@ -20,7 +20,7 @@ from autotuner.core.errors import AutotunerError
 from autotuner.launch.stopping import raise_if_stopped
 from autotuner.tuning.trials.trial import Trial
 from autotuner.tuning.trials.interference import interference_share
-from autotuner.tuning.trials.ledger import TrialLedger, TunerTrials
+from autotuner.tuning.trials.ledger import TrialKind, TrialLedger, TunerTrials
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.trials.runner import Runner
 from autotuner.tuning.space.experiment import Experiment
@@ -225,7 +225,7 @@ class Evaluator:
         # than the script) may be what the user changed since.
         reused = earlier is not None and earlier.model_info is not None and earlier.state is not TrialState.FAILED
         result = earlier if reused else launcher.run(launcher.trial_for(experiment, "", True))
-        self.ledger.record(result, reused)
+        self.ledger.record(result, reused, TrialKind.PROFILE)
         return result
 
     def earlier_remeasurement(self, experiment: Experiment, run: int) -> TrialResult | None:
@@ -235,14 +235,17 @@ class Evaluator:
     def remeasure(self, experiment: Experiment, run: int, reuse: bool) -> tuple[TrialResult, bool]:
         """The final pick's `run`th re-measurement of `experiment`, in its own directory: an earlier
         run's record of it where `reuse` and there is one, else launched. Returns (the result,
-        whether it is an earlier run's); not recorded as the experiment's result, which stays its
-        first measurement."""
+        whether it is an earlier run's); recorded in the ledger as a re-measurement, not as the
+        experiment's result, which stays its first measurement."""
         launcher = self._runner_launches()
         earlier = self.earlier_remeasurement(experiment, run) if reuse else None
-        if earlier is not None:
-            return earlier, True
-        name = remeasure_directory_name(experiment.name, run)
-        return launcher.run(launcher.trial_for(experiment, name, False)), False
+        if earlier is None:
+            name = remeasure_directory_name(experiment.name, run)
+            result, reused = launcher.run(launcher.trial_for(experiment, name, False)), False
+        else:
+            result, reused = earlier, True
+        self.ledger.record_remeasurement(run, result)
+        return result, reused
 
 
 def open_tuner_trials(evaluate: Callable[[Experiment], TrialResult], label: str) -> TunerTrials | None:

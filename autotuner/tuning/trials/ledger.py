@@ -1,7 +1,9 @@
 """The trial ledger: what this run has tried, in one place (as an optuna study holds its frozen
 trials, which samplers read and keep no copy of).
 
-It holds this run's result per experiment, the records an earlier run under the same fingerprint
+It holds this run's result per experiment with the kind of trial that first measured it (a
+profile launch or a search's), what was pruned unlaunched and why, the final pick's
+re-measurements, the records an earlier run under the same fingerprint
 left (reused, not launched again), the launch count, the prediction each search launch was asked
 on, every answer an evaluator gave (evaluator.py), so a search reads what it asked for from
 here, and one `TunerTrials` per tuner: what that tuner was told and what it has running, which the
@@ -11,17 +13,25 @@ journal and the history) through `keep`. Nothing here launches.
 
 from __future__ import annotations
 
+import enum
 from types import MappingProxyType
 from typing import Callable, Mapping, Sequence
 
 from autotuner.tuning.trials.trial import Trial
-from autotuner.tuning.space.records import Objective, TrialResult
+from autotuner.tuning.space.records import TrialResult
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.trials.trial_store import TrialStore
 from autotuner.tuning.models.cost_model import Prediction
 
 # Told of each result recorded: (the result, whether it is an earlier run's record).
 RecordListener = Callable[[TrialResult, bool], None]
+
+
+class TrialKind(str, enum.Enum):
+    """Which phase measured an experiment first: its result counts as a candidate either way."""
+
+    PROFILE = "profile"  # a profile launch: it also recorded the model
+    SEARCH = "search"
 
 
 class TunerTrials:
@@ -70,6 +80,9 @@ class TrialLedger:
     def __init__(self, stores: Sequence[TrialStore] = ()):
         self._stores = tuple(stores)
         self._results: dict[Experiment, TrialResult] = {}
+        self._kinds: dict[Experiment, TrialKind] = {}
+        self._pruned: list[TrialResult] = []  # not launched, each with its reason as the error
+        self._remeasured: list[tuple[int, TrialResult]] = []  # (round, result): the final pick's
         self._earlier: dict[str, TrialResult] = {}  # by directory name
         self._predictions: dict[Experiment, Prediction] = {}
         self._answers: list[TrialResult] = []
@@ -104,12 +117,22 @@ class TrialLedger:
     def __len__(self) -> int:
         return len(self._results)
 
-    def record(self, result: TrialResult, reused: bool = False) -> None:
-        """The result of its experiment in this run (`reused`: an earlier run's record); the
-        listeners are told after it is in."""
+    def record(self, result: TrialResult, reused: bool = False, kind: TrialKind = TrialKind.SEARCH) -> None:
+        """The result of its experiment in this run (`reused`: an earlier run's record), measured
+        by a trial of `kind`; the listeners are told after it is in."""
         self._results[result.experiment] = result
+        self._kinds.setdefault(result.experiment, kind)
         for listener in self._listeners:
             listener(result, reused)
+
+    def record_pruned(self, result: TrialResult) -> None:
+        """An experiment standing for a stage or variant that is not searched (further), with why."""
+        self._pruned.append(result)
+
+    def record_remeasurement(self, round_: int, result: TrialResult) -> None:
+        """The final pick's `round_`th re-measurement of an experiment; its first measurement stays
+        the experiment's result (what the search compared)."""
+        self._remeasured.append((round_, result))
 
     def rescore(self, rescore: Callable[[TrialResult], TrialResult]) -> None:
         """Every result judged again, in place (the objective changed: goodput's B_noise, once the
@@ -124,8 +147,15 @@ class TrialLedger:
         """One result per experiment, in the order each experiment was first recorded."""
         return tuple(self._results.values())
 
-    def best(self, objective: Objective) -> TrialResult | None:
-        return objective.best(list(self._results.values()))
+    def of_kind(self, kind: TrialKind) -> tuple[TrialResult, ...]:
+        """This run's results first measured by trials of `kind`, in order."""
+        return tuple(r for experiment, r in self._results.items() if self._kinds[experiment] is kind)
+
+    def pruned(self) -> tuple[TrialResult, ...]:
+        return tuple(self._pruned)
+
+    def remeasurements(self) -> tuple[tuple[int, TrialResult], ...]:
+        return tuple(self._remeasured)
 
     # ----- the tuners' trials -----
     def open_tuner_trials(self, label: str) -> TunerTrials:
