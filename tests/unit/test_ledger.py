@@ -70,7 +70,8 @@ def test_a_searchs_evaluator_refuses_a_failed_variant_but_gives_its_earlier_answ
     space = SearchSpace(stages=(0,), data_parallel_size=1, variants={0: (NONE, FULL)})
     failing = {Experiment(0, 2, 1, FULL)}
     launches = Launches(lambda e: TrialResult(e, TrialState.FAILED, error="x") if e in failing else ok(e))
-    search = evaluator_of(launches).for_search(FailedVariants(space))
+    evaluator = evaluator_of(launches)
+    search = evaluator.for_search(FailedVariants(space, evaluator.ledger.results))
     larger = search(Experiment(0, 4, 1, FULL))
     assert search(Experiment(0, 2, 1, FULL)).state is TrialState.FAILED
     assert search(Experiment(0, 4, 1, FULL)) is larger  # answered before the variant failed

@@ -44,8 +44,7 @@ class ProfileOutcome:
     profile: ModelProfile | None
     device_memory_bytes: int | None
     failure: TrialResult | None  # the launch that failed, when profile is None
-    runs: tuple[ModelInfo, ...] = ()
-    launches: tuple[TrialResult, ...] = ()  # every profile launch, in order: they are experiments too
+    runs: tuple[ModelInfo, ...] = ()  # what the launches that ran recorded (each launch is in the ledger)
     sharding_left_out: str | None = None  # why ZeRO 2 and 3 were not profiled (and are not searched)
 
 
@@ -54,11 +53,10 @@ def profile_model(stages: tuple[int, ...], settings: ExperimentSettings, launch:
                   sharding_cannot_win: ShardingCannotWin = _sharding_may_win) -> ProfileOutcome:
     """Profile at the lowest stage that runs; a higher stage is tried only after an OOM, and the
     next of `first_sizes` only after an OOM at every stage."""
-    outcome, earlier = None, ()
+    outcome = None
     for index, first_size in enumerate(first_sizes):
         outcome = _profile_at(stages, settings, launch, first_size, second_size, report, sharding_cannot_win)
-        outcome = replace(outcome, launches=earlier + outcome.launches)
-        earlier, failure = outcome.launches, outcome.failure
+        failure = outcome.failure
         if outcome.profile is not None or failure.state is not TrialState.OOM or index + 1 == len(first_sizes):
             break
         report(f"profile: micro-batch {first_size} ran out of memory at every stage; "
@@ -70,13 +68,11 @@ def _profile_at(stages: tuple[int, ...], settings: ExperimentSettings, launch: P
                 first_size: int, second_size: SecondSize, report,
                 sharding_cannot_win: ShardingCannotWin) -> ProfileOutcome:
     last_failure = None
-    launches: list[TrialResult] = []
 
     def run(stage: int, micro: int, what: str = "") -> ModelInfo | None:
         nonlocal last_failure
         report(f"profile: ZeRO {stage}, micro-batch {micro}{what} ...")
         result = launch(stage, micro)
-        launches.append(result)
         if result.model_info is None or result.state is not TrialState.OK:
             last_failure = result
             return None
@@ -117,8 +113,8 @@ def _profile_at(stages: tuple[int, ...], settings: ExperimentSettings, launch: P
             if len(sharded_infos) == len(sharded_sizes) and (fit := peak_fit(sharded_infos)) is not None:
                 fits.append(fit)
         profile = replace(profile, peak_fits=tuple(fits))
-        return ProfileOutcome(profile, infos[0].device_memory_bytes, None, tuple(infos), tuple(launches), left_out)
-    return ProfileOutcome(None, None, last_failure, (), tuple(launches))
+        return ProfileOutcome(profile, infos[0].device_memory_bytes, None, tuple(infos), left_out)
+    return ProfileOutcome(None, None, last_failure)
 
 
 def blind_spots(infos: list[ModelInfo]) -> list[str]:

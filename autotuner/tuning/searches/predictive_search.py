@@ -83,6 +83,7 @@ def _rung_candidates(space: SearchSpace, stage: int, variant: Knobs, predicted: 
 
 
 EXTRAPOLATION_LIMIT = 4  # no launch this many times beyond its engine's largest measured micro-batch
+MEMORY_REFITTED = "memory model, refitted"  # a candidate the refitted memory model no longer lets run
 
 
 class _SearchedPredictive(PredictiveTuner):
@@ -92,18 +93,16 @@ class _SearchedPredictive(PredictiveTuner):
     alone, it has never been tested)."""
 
     def __init__(self, candidates: list[Experiment], policy: SearchPolicy, context: CostContext, fits: Fits,
-                 failed: FailedVariants, on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None,
+                 search_space: SearchSpace, on_ask: Callable[[Experiment, Prediction], None] = lambda e, p: None,
                  family: Callable[[int], str] = engine_family, trials: TunerTrials | None = None):
         super().__init__(candidates, policy.objective, policy.seed, context, trials=trials)
         self.family = family  # the engine family of a stage (DDP, FSDP2, ...): whose measured sizes count
         self.on_ask = on_ask  # told each launch's prediction before it is launched (the history keeps it)
         self.fits = fits
-        self.failed = failed
-        self.search_space = failed.space
+        self.failed = FailedVariants(search_space, self._measured)  # from what it was told and shown
+        self.search_space = search_space
         self.stands_for: dict[Experiment, Experiment] = {}  # a variant's first launch: its most promising size
         self.stand_in_kind: dict[Experiment, str] = {}  # why a stand-in went first
-        self.memory_ruled_out: set[Experiment] = set()
-        self.variant_ruled_out: set[Experiment] = set()  # its variant failed, or cannot pay at its stage
         self.asked: list[PredictedCandidate] = []
         # A prior from earlier runs was already checked against this run's profile launches.
         self.checked = bool(context.prior)
@@ -111,15 +110,13 @@ class _SearchedPredictive(PredictiveTuner):
     def ask(self) -> Experiment | None:
         running = self.pending  # a copy; telling a refusal below does not change it
         for candidate in self.space:
-            if candidate in self.results or candidate in running or candidate in self.memory_ruled_out:
+            if candidate in self.results or candidate in running:
                 continue
             refused = self.failed.refusal(candidate) or self._not_memory_bound(candidate)
-            if refused is not None:
-                self.variant_ruled_out.add(candidate)
+            if refused is not None:  # its variant failed, or cannot pay at its stage
                 self.tell(refused)
             elif not self.fits(candidate):
-                self.memory_ruled_out.add(candidate)
-                self.tell(TrialResult(candidate, TrialState.PRUNED, error="memory model, refitted"))
+                self.tell(TrialResult(candidate, TrialState.PRUNED, error=MEMORY_REFITTED))
         experiment = super().ask()
         if experiment is not None:
             prediction = self.predict(experiment)
@@ -210,11 +207,20 @@ class _SearchedPredictive(PredictiveTuner):
 
     def tell(self, result: TrialResult) -> None:
         self.checked = self.checked or result.experiment in self.pending
-        self.failed.learn(result)
         super().tell(result)
 
     def could_improve(self, experiment: Experiment) -> bool:
         return not self.checked or super().could_improve(self.stands_for.get(experiment, experiment))
+
+
+def ruled_out_by(told: TrialResult | None) -> str:
+    """What ruled a candidate out, from what its tuner was told ("" where it was launched): never
+    told, the predictions; told pruned, the refitted memory model or the variant rules."""
+    if told is None:
+        return "prediction"
+    if told.state is not TrialState.PRUNED:
+        return ""
+    return "memory model" if told.error == MEMORY_REFITTED else "variant rules"
 
 
 def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: PredictedLargest,
@@ -227,7 +233,7 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
     """The candidates' search through the one driver (tuners/base.py `drive`): an evaluate with
     `capacity` slots (a Ray cluster) gets the k most optimistic bounds at once."""
     candidates = candidate_space(space, predicted_largest, fits, prune, offload_fallback, report)
-    tuner = _SearchedPredictive(candidates, policy, context, fits, FailedVariants(space), on_ask, family,
+    tuner = _SearchedPredictive(candidates, policy, context, fits, space, on_ask, family,
                                 open_tuner_trials(evaluate, "every stage's candidates, one step-time model"))
     for result in known:
         if result.experiment not in tuner.results:
@@ -236,16 +242,12 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
                     trust_predictions=True)
     launched = {r.experiment for r in results}
     at_launch = [c for c in tuner.asked if c.experiment in launched]
-    final = []
-    for candidate in tuner.space:
-        was_launched = candidate in tuner.results and tuner.results[candidate].state is not TrialState.PRUNED
-        reason = "" if was_launched else ("memory model" if candidate in tuner.memory_ruled_out
-                                          else "variant rules" if candidate in tuner.variant_ruled_out
-                                          else "prediction")
-        final.append(PredictedCandidate(candidate, tuner.predict(candidate), was_launched, reason))
+    final = [PredictedCandidate(candidate, tuner.predict(candidate), not ruled_out_by(tuner.results.get(candidate)),
+                                ruled_out_by(tuner.results.get(candidate))) for candidate in tuner.space]
     by_prediction = sum(1 for c in final if c.ruled_out_by == "prediction")
+    by_memory = sum(1 for c in final if c.ruled_out_by == "memory model")
     report(f"predictive: {len(results)} launched after the profile; of {len(final)} candidates, prediction "
-           f"ruled out {by_prediction} and the refitted memory model {len(tuner.memory_ruled_out)}")
+           f"ruled out {by_prediction} and the refitted memory model {by_memory}")
     everything = [r for r in tuner.results.values() if r.state is not TrialState.PRUNED]
     if not policy.fast:
         results += search_knobs(space, policy, everything, evaluate, fits=fits)

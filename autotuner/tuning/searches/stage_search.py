@@ -229,7 +229,8 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
     (it may learn from each launch's measured peak). A stage that fits nothing is searched with
     `offload_fallback`'s knobs when it offers some. Each stage's variants are searched in turn,
     each above the sizes the ones before it reached."""
-    evaluate_once = evaluator_of(evaluate).for_search(FailedVariants(space))
+    evaluator = evaluator_of(evaluate)
+    evaluate_once = evaluator.for_search(FailedVariants(space, evaluator.ledger.results))
 
     largest_so_far = 0
     for stage in sorted(space.stages):

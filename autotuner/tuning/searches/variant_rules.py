@@ -6,7 +6,7 @@ the predictive one (predictive_search.py); nothing here launches."""
 from __future__ import annotations
 
 import itertools
-from typing import Callable
+from typing import Callable, Sequence
 
 from autotuner.tuning.space import dimensions
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
@@ -41,23 +41,23 @@ def variant_of(space: SearchSpace, experiment: Experiment) -> Knobs:
 class FailedVariants:
     """Variants that failed other than by running out of memory: the script cannot run them (a
     model whose forward changes between the forward and the recompute, say), so no further size
-    of them is launched, as a first launch's failure stops the whole run."""
+    of them is launched, as a first launch's failure stops the whole run. It reads the failures
+    from `results` (the ledger's), keeping none of its own."""
 
-    def __init__(self, space: SearchSpace):
+    def __init__(self, space: SearchSpace, results: Callable[[], Sequence[TrialResult]]):
         self.space = space
-        self.first_failure: dict[Knobs, str] = {}
-
-    def learn(self, result: TrialResult) -> None:
-        variant = variant_of(self.space, result.experiment)
-        if variant and result.state is TrialState.FAILED:
-            self.first_failure.setdefault(variant, result.name)
+        self._results = results
 
     def refusal(self, experiment: Experiment) -> TrialResult | None:
         variant = variant_of(self.space, experiment)
-        if variant not in self.first_failure:
+        if not variant:
+            return None
+        first = next((r for r in self._results()
+                      if r.state is TrialState.FAILED and variant_of(self.space, r.experiment) == variant), None)
+        if first is None:
             return None
         return TrialResult(experiment, TrialState.PRUNED, error=f"{variant_text(variant)} failed in "
-                           f"{self.first_failure[variant]} (not out of memory): not launched again")
+                           f"{first.name} (not out of memory): not launched again")
 
 
 FINISH_TOP = 2  # at most this many of the best configurations are tried finished

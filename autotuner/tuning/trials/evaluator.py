@@ -124,10 +124,8 @@ class FunctionLaunches:
 
 
 class Refusals(Protocol):
-    """What a search refuses to launch, learnt from its results (searches/variant_rules.py
+    """What a search refuses to launch, read from the ledger's results (searches/variant_rules.py
     `FailedVariants`): given here so the ledger's side need not know the search's rules."""
-
-    def learn(self, result: TrialResult) -> None: ...
 
     def refusal(self, experiment: Experiment) -> TrialResult | None: ...
 
@@ -164,9 +162,7 @@ class Evaluator:
         refused = self._refusals.refusal(experiment)
         return self.ledger.answer(refused) if refused is not None else None
 
-    def _learn(self, result: TrialResult) -> TrialResult:
-        if self._refusals is not None:
-            self._refusals.learn(result)
+    def _answer(self, result: TrialResult) -> TrialResult:
         return self.ledger.answer(result)
 
     def _reuse(self, experiment: Experiment) -> TrialResult | None:
@@ -183,7 +179,7 @@ class Evaluator:
         if result is None:
             result = self._launcher.launch(experiment)
             self.ledger.record(result)
-        return self._learn(result)
+        return self._answer(result)
 
     def submit(self, experiment: Experiment) -> None:
         given = self._given_or_refused(experiment)
@@ -205,10 +201,10 @@ class Evaluator:
         if self._given:
             return self._given.popleft()
         if self._known:
-            return self._learn(self._known.popleft())
+            return self._answer(self._known.popleft())
         result = self._launcher.next_result()
         self.ledger.record(result)
-        return self._learn(result)
+        return self._answer(result)
 
     # ----- the orchestrator's launches outside the search (a runner's evaluator) -----
     def _runner_launches(self) -> RunnerLaunches:

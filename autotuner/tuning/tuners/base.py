@@ -5,7 +5,7 @@ what it has running live in its `TunerTrials`, which a search opens in the run's
 (trials/ledger.py). What a registered tuner asks next depends only on those trials and what it was
 made with (space, objective, seed, cost context), so one made again over the same trials asks the
 same (tests/unit/test_tuner_contract.py). The predictive search's subclass also keeps that
-search's own bookkeeping: what the memory model ruled out, which launch stands in for which."""
+search's own decisions: which launch stands in for which, and why each was asked for."""
 
 from __future__ import annotations
 
@@ -86,9 +86,14 @@ class Tuner(ABC):
         """Asked for, then not started: they may be asked for again."""
         self.trials.abandon(experiments)
 
+    def _measured(self) -> list[TrialResult]:
+        """The results the tuner judges by: those it was told (a subclass may add what it observed)."""
+        return list(self.results.values())
+
     @property
     def best(self) -> TrialResult | None:
-        return self.objective.best(list(self.results.values()))
+        """The best of `_measured` by the objective (records.py `Objective.best`, the one rule)."""
+        return self.objective.best(self._measured())
 
 
 def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_stopping: int,

@@ -60,10 +60,6 @@ class PredictiveTuner(Tuner):
     def _measured(self) -> list[TrialResult]:
         return [*self.observed.values(), *self.results.values()]
 
-    @property
-    def best(self) -> TrialResult | None:
-        return self.objective.best(self._measured())
-
     # ----- the objective <-> step time -----
     def _samples_per_step(self, experiment: Experiment) -> int:
         return experiment.train_batch_size(max(1, self.context.world_size))
