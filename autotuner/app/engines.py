@@ -14,13 +14,12 @@ engine and why (EngineChoice.why).
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.script_imports import ImportSite, import_sites
-from autotuner.tuning.space.dimensions import REGISTRY, Dimension, dotted
+from autotuner.tuning.space.dimensions import REGISTRY
 
 ENGINE_CHOICES = ("auto", "deepspeed", "autotuner")
 ENGINE_NAMES = {"deepspeed": "DeepSpeed's engine", "autotuner": "our engine"}
@@ -166,58 +165,14 @@ def check_deepspeed_precision(fp16_enabled: object, choice: EngineChoice, script
                       f"{{\"enabled\": false}}{flag} to train in fp32, or \"bf16\": {{\"enabled\": true}} in its place")
 
 
-# Our keys a script on DeepSpeed's engine may carry when autotuning.arg_mappings maps them to a
-# flag of its own: Hugging Face's Trainer checkpoints whole blocks with --gradient_checkpointing
-# and compiles with --torch_compile (accelerate then calls engine.compile()).
-# Read from the dimension registry: each such dimension's values on DeepSpeed's engine, and its flag.
-def _script_applied() -> dict[str, tuple]:
-    return {dotted(d): tuple(dict.fromkeys(v for per_stage in d.values.get("deepspeed", {}).values() for v in per_stage))
-            for d in REGISTRY.values() if d.applied_by_script_on_deepspeed}
-
-
-def _script_applier(key: str) -> Dimension:
-    return next(d for d in REGISTRY.values() if dotted(d) == key)
-
-
 def check_our_engine_sections(config, choice: EngineChoice, source: str,
                               arg_mappings: dict[str, str] | None = None) -> None:
-    """Keys only our engine acts on, for a script settled on DeepSpeed's engine: an activation
-    checkpointing policy (DeepSpeed never reads it, so it would be silently ignored) and our
-    compile keys (DeepSpeed 0.16+ refuses them in its compile section). Refused in one line,
-    unless arg_mappings hands the policy or compile.enabled to a flag of the script's own."""
+    """Keys only our engine acts on, for a script settled on DeepSpeed's engine: each dimension's
+    own refusals (an activation checkpointing policy DeepSpeed never reads, our compile keys that
+    DeepSpeed 0.16+ refuses), unless arg_mappings hands the key to a flag of the script's own.
+    Refused in one line."""
     if not choice.settled or choice.engine != "deepspeed":
         return
-    mapped = arg_mappings or {}
-    policy = config.activation_checkpointing.policy
-    _check_script_applied(source, choice, "activation_checkpointing.policy", policy, mapped, policy != "none")
-    ours = sorted(config.compile.model_fields_set & {"enabled", "backend", "kwargs"})
-    if "compile.enabled" in mapped:
-        ours = [key for key in ours if key != "enabled"]
-        _check_script_applied(source, choice, "compile.enabled", config.compile.enabled, mapped, True)
-    if ours:
-        raise ConfigError(f"{source}: compile.{ours[0]}: our engine's key, but {choice.why}; DeepSpeed's engine "
-                          "refuses it in its compile section (from 0.16 it compiles through engine.compile()); call "
-                          "engine.compile() in the script, map compile.enabled to its flag in autotuning.arg_mappings "
-                          "(Hugging Face's --torch_compile), or drop the key")
-
-
-def _check_script_applied(source: str, choice: EngineChoice, key: str, value, mapped: dict[str, str],
-                          used: bool) -> None:
-    """A script-applied key on DeepSpeed's engine: mapped to the script's flag, with values the
-    flag can express; else refused in one line (the dimension's own text and flag)."""
-    allowed = _script_applied()[key]
-    applier = _script_applier(key)
-    how, hint = applier.script_applies, applier.script_flag
-    if key not in mapped:
-        if used:
-            verb = "tuned" if value == "auto" or isinstance(value, list) else "applied"
-            raise ConfigError(f"{source}: {key}: {json.dumps(value)} is {verb} by our engine only, but {choice.why}; "
-                              f"on DeepSpeed's engine {how or 'the script applies it'}: map it to the script's flag "
-                              f"in autotuning.arg_mappings (e.g. \"{key}\": \"{hint}\"), or set it to "
-                              f"{json.dumps(allowed[0])} or leave it out")
-        return
-    values = value if isinstance(value, list) else [] if value == "auto" else [value]
-    wrong = [v for v in values if v not in allowed]
-    if wrong:
-        raise ConfigError(f"{source}: {key}: {json.dumps(wrong[0])} cannot be passed through {mapped[key]} on "
-                          f"DeepSpeed's engine ({choice.why}); allowed: {', '.join(json.dumps(v) for v in allowed)}")
+    for dim in REGISTRY.values():
+        for refusal in dim.deepspeed_refusals:
+            refusal(dim, config, source, choice.why, arg_mappings or {})

@@ -44,16 +44,9 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
     if not isinstance(stage, int):
         raise ConfigError(f"{path}: zero_optimization.stage: got {json.dumps(stage)}; a list or \"all\" is only for "
                           "--autotuning tune|run; give 0, 1, 2 or 3 to train")
-    if config.compile.enabled == "auto":
-        raise ConfigError(f"{path}: compile.enabled: got \"auto\"; it is only for --autotuning tune|run; give true "
-                          "or false to train")
-    for offload in config.zero_optimization.tuned_offloads:
-        raise ConfigError(f"{path}: zero_optimization.{offload}.device: got \"auto\"; it is only for --autotuning "
-                          "tune|run; give \"none\" or \"cpu\" to train")
-    policy = config.activation_checkpointing.policy
-    if config.activation_checkpointing.tuned:
-        raise ConfigError(f"{path}: activation_checkpointing.policy: got {json.dumps(policy)}; \"auto\" or a list is "
-                          "only for --autotuning tune|run; give \"none\", \"full\" or \"selective\" to train")
+    from autotuner.config.sections import refuse_unsettled
+
+    refuse_unsettled(config, path, in_rank=False)  # each dimension's tuned key (a plugin's too)
     from autotuner.runtime.optim import check_optimizer_and_scheduler
 
     check_optimizer_and_scheduler(config, path)

@@ -43,6 +43,7 @@ from autotuner.launch.plan import LaunchPlan
 from autotuner.launch.script_args import config_path, find_flag
 from autotuner.runtime.optim import check_optimizer_and_scheduler
 from autotuner.tuning.space.config_space import base_config, search_space
+from autotuner.tuning.space.dimensions import REGISTRY
 from autotuner.tuning.memory.varying_batches import declared_max_length
 from autotuner.tuning.trials.trial import ExperimentSettings, bool_flags, config_value
 from autotuner.tuning.trials.journal import Fingerprint, fingerprint_of, this_device, torch_version
@@ -296,10 +297,9 @@ def settle(args: argparse.Namespace) -> SettledJob:
     else:
         say(f"engine: {engine.reason}; the profile launch's ranks tell which engine it trains on, and what "
             "depends on the engine is settled from them, before any other launch")
-    if config.compile.tuned and tuning.start_profile_step < 2:
-        raise ConfigError(f"{source}: autotuning.start_profile_step: got {tuning.start_profile_step}; with compile.enabled "
-                          "\"auto\" it must be at least 2, so compiling (in the first step) falls before the timed "
-                          "window, where it is measured as a one-off")
+    for dim in REGISTRY.values():  # each dimension's own refusals of what it cannot tune (compile's window)
+        for refusal in dim.tune_refusals:
+            refusal(dim, config, source)
     max_length, max_length_from = declared_max_length(script_args, tuning.max_sequence_length)
     settings = ExperimentSettings(
         script=args.script,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import difflib
 import typing
-from typing import Any
+from typing import Any, Mapping
 
 from pydantic import AliasChoices, BaseModel
 
@@ -101,13 +101,17 @@ REMOVED_KEYS: dict[str, str] = {
 }
 
 
-def check_keys(raw: dict[str, Any], model: type[BaseModel], source: str, path: str = "") -> tuple[dict, list[str]]:
-    """Return a copy of `raw` without known-unused keys, and their dotted paths.
+def check_keys(raw: dict[str, Any], model: type[BaseModel], source: str, path: str = "",
+               sections: Mapping[str, type[BaseModel]] | None = None) -> tuple[dict, list[str]]:
+    """Return a copy of `raw` without known-unused keys, and their dotted paths. `sections` are
+    more keys `raw` may hold beside `model`'s own, each checked against its model (a plugin's
+    dimension's section, config/sections.py).
 
     Raises ConfigError on the first unknown key, with the closest known key, and on a key
     DeepSpeed 0.19.8 removed (it refuses such a file too).
     """
-    known = field_names(model)
+    extra = dict(sections or {})
+    known = field_names(model) | set(extra)
     unused_here = KNOWN_UNUSED_KEYS.get(path, frozenset())
     kept: dict[str, Any] = {}
     ignored: list[str] = []
@@ -118,7 +122,7 @@ def check_keys(raw: dict[str, Any], model: type[BaseModel], source: str, path: s
                               "0.19.8 refuses a config that holds it, enabled or not; remove it")
         if key in known:
             field = model.model_fields.get(key)
-            sub = section_model(field.annotation) if field is not None else None  # None: an alias
+            sub = extra.get(key) or (section_model(field.annotation) if field is not None else None)  # None: an alias
             if sub is not None and isinstance(value, dict):
                 value, sub_ignored = check_keys(value, sub, source, dotted)
                 ignored.extend(sub_ignored)

@@ -17,7 +17,9 @@ from pydantic import ValidationError
 
 from autotuner.config.keys import check_keys
 from autotuner.config.models import DeepSpeedConfig, ZeroConfig
+from autotuner.config.sections import SECTIONS
 from autotuner.core.errors import ConfigError
+from autotuner.core.plugins import plugins_loaded
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +116,13 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
-    """One line: source, dotted path, the bad value, what is allowed."""
+def _format_validation_error(err: ValidationError, source: str, section: str | None = None) -> str:
+    """One line: source, dotted path, the bad value, what is allowed. `section`: the registered
+    section whose own model raised it (its locations are inside it)."""
     first = err.errors(include_url=False)[0]
     # Union members add their type name to loc ("int", "literal['auto']"); drop those.
     parts = [str(p) for p in first["loc"] if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))]
+    parts = [section, *parts] if section else parts
     dotted = ".".join(parts) or "(top level)"
     if first["type"] == "value_error":
         allowed = first["msg"].removeprefix("Value error, ")
@@ -198,6 +202,7 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
     """
     if isinstance(source, DeepSpeedConfig):
         return source
+    plugins_loaded()  # a plugin's dimension may bring a section of its own (config/sections.py)
     if isinstance(source, Mapping):
         # Paths and other scalars become strings, as they would in a file.
         raw, label = json.loads(json.dumps(dict(source), default=str)), name or "config"
@@ -209,12 +214,22 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
                 raw = {(name if key == old else key): value for key, value in raw.items()}
     raw = _deprecated_zero_switch(raw, label)
     raw = _deprecated_offload_flags(raw, label)
-    kept, ignored = check_keys(raw, DeepSpeedConfig, label)
+    kept, ignored = check_keys(raw, DeepSpeedConfig, label, sections={k: s.model for k, s in SECTIONS.items()})
     if ignored:
         logger.warning("%s: accepted but not used by autotuner: %s", label, ", ".join(ignored))
+    own = {key: value for key, value in kept.items() if key not in SECTIONS}
     try:
-        config = DeepSpeedConfig.model_validate(kept)
+        config = DeepSpeedConfig.model_validate(own)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, label)) from err
     config._set_aside = {key: raw[key] for key in ignored if key in raw}
+    config._sections = {key: _validated_section(key, kept[key], label) for key in SECTIONS if key in kept}
     return config
+
+
+def _validated_section(key: str, value: Any, label: str) -> Any:
+    """A registered section's value through its own model; refused in one line naming the key."""
+    try:
+        return SECTIONS[key].model.model_validate(value)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, label, key)) from err

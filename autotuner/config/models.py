@@ -230,6 +230,13 @@ class DeepSpeedConfig(Section):
     def set_aside(self) -> dict[str, Any]:
         return dict(self._set_aside)
 
+    # The sections plugins' dimensions bring (config/sections.py), validated by their own models.
+    _sections: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    def section(self, key: str) -> Any:
+        """A registered section as its model validated it; None where the file has none."""
+        return self._sections.get(key)
+
     train_batch_size: BatchValue = Field(
         None, description="samples per optimizer step over all ranks = micro-batch x gas x data-parallel size")
     train_micro_batch_size_per_gpu: Union[BatchCount, Auto, list[BatchCount], None] = Field(
@@ -313,4 +320,10 @@ class DeepSpeedConfig(Section):
 
     def to_dict(self) -> dict[str, Any]:
         """A plain dict that loads back to an equal config (unset sections left out)."""
-        return self.model_dump(mode="json", exclude_unset=True)
+        return self.dump(exclude_unset=True)
+
+    def dump(self, **options: Any) -> dict[str, Any]:
+        """model_dump(mode="json", **options) with the registered sections beside the fields
+        (pydantic's own dump knows only the fields)."""
+        sections = {key: section.model_dump(mode="json", **options) for key, section in self._sections.items()}
+        return {**self.model_dump(mode="json", **options), **sections}

@@ -15,6 +15,7 @@ from autotuner.config.batch import resolve_batch
 from autotuner.config.loader import ConfigSource, config_label, load_config, read_config_file
 from autotuner.config.tuned_values import lay_tuned_values, tuned_values_from_env
 from autotuner.config.models import DeepSpeedConfig
+from autotuner.config.sections import refuse_unsettled
 from autotuner.config.engine_math import refuse_other_math
 from autotuner.config.trainer_auto import refuse_auto_batch, refuse_trainer_autos
 from autotuner.core.errors import ConfigError, UnsupportedError
@@ -299,14 +300,7 @@ def initialize(
     else:
         source = list(model_parameters) if model_parameters is not None else list(model.parameters())
     gather_deepspeed_partitions(model)  # a model built under DeepSpeed's own zero.Init; groups map by name
-    if cfg.compile.enabled == "auto":  # the tuner writes true or false into each experiment's config
-        raise ConfigError("compile.enabled: got \"auto\"; it is settled by --autotuning tune|run; give true or false")
-    for offload in cfg.zero_optimization.tuned_offloads:  # the tuner writes "none" or "cpu" into each experiment's
-        raise ConfigError(f"zero_optimization.{offload}.device: got \"auto\"; it is settled by --autotuning "
-                          "tune|run; give \"none\" or \"cpu\"")
-    if cfg.activation_checkpointing.tuned:  # the tuner writes a policy into each experiment's config
-        raise ConfigError(f"activation_checkpointing.policy: got {cfg.activation_checkpointing.policy!r}; \"auto\" "
-                          "or a list is settled by --autotuning tune|run; give \"none\", \"full\" or \"selective\"")
+    refuse_unsettled(cfg, None, in_rank=True)  # the tuner writes a value into each experiment's config
     apply_activation_checkpointing(model, cfg.activation_checkpointing.policy)  # before DDP/FSDP2 wrap
     if cfg.compile.enabled:
         compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs)  # after checkpointing, before sharding

@@ -98,7 +98,7 @@ class OurEngineView:
 
     def built_values(self, keys: list[str]) -> tuple[tuple[str, Any], ...]:
         """The config the engine trains with (after settling), at the tuned keys."""
-        return values_at(self._engine.config.model_dump(mode="json", by_alias=True), keys)
+        return values_at(self._engine.config.dump(by_alias=True), keys)
 
     def parameter_counts(self) -> None:
         return None  # the wrapped module's tensors (FSDP2's DTensors included) count themselves

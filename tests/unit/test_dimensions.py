@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from autotuner.config import load_config
+from autotuner.config import load_config, sections
 from autotuner.config.keys import check_keys
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.space import dimensions
@@ -18,7 +18,9 @@ from autotuner.tuning.trials.trial import Trial, experiment_config
 from autotuner.tuning.memory.estimate import StageSettings
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
+from autotuner.core.errors import ConfigError
 from fakes import OUR_ENGINE_KNOBS, FakeRunner, experiment_settings, model_info, ok, orchestrator
+from plugins.toy_dimension import DIMENSION as TOY
 
 DS_BUCKETS = [50_000_000, 500_000_000]
 DEEPSPEED_KNOBS = {
@@ -85,16 +87,102 @@ def test_the_config_names_its_tuned_offload_sections():
     assert load_config({"train_batch_size": 2}).zero_optimization.tuned_offloads == ()
 
 
-@pytest.mark.parametrize("name", sorted(dimensions.REGISTRY))
-def test_every_dimension_is_a_config_key_the_config_keeps(name):
-    """A user may fix or list any tuned dimension in ds.json; none is set aside as unused."""
-    dim = dimensions.REGISTRY[name]
-    value = next(v for engine in dim.values.values() for values in engine.values() for v in values)
-    raw: dict = {"train_batch_size": 8}
-    dimensions.write(raw, dim.path, value)
-    kept, set_aside = check_keys(raw, DeepSpeedConfig, "ds.json")
-    assert set_aside == []
-    assert dimensions.lookup(load_config(kept).to_dict(), dim.path) == (True, value)
+# ----- the contract every dimension keeps: the built-in ones, the installed plugins' and the toy's -----
+@pytest.fixture
+def toy_registered(monkeypatch):
+    """tests/plugins/toy_dimension.py's dimension and its config section, registered for one test."""
+    monkeypatch.setitem(sections.SECTIONS, TOY.section.key, TOY.section)
+    monkeypatch.setitem(dimensions.REGISTRY, TOY.name, TOY)
+
+
+def pytest_generate_tests(metafunc):
+    """The dimensions are read when the tests are collected, after the installed plugins registered theirs."""
+    if metafunc.cls is TestDimensionContract:
+        from autotuner.core.plugins import load_plugins
+
+        load_plugins()
+        metafunc.parametrize("name", sorted({*dimensions.REGISTRY, TOY.name}))
+
+
+@pytest.mark.usefixtures("toy_registered")
+class TestDimensionContract:
+    def test_its_path_is_a_config_key_the_config_keeps(self, name):
+        """A user may fix or list any tuned dimension in ds.json; none is set aside as unused."""
+        dim = dimensions.REGISTRY[name]
+        value = next(v for engine in dim.values.values() for values in engine.values() for v in values)
+        raw: dict = {"train_batch_size": 8}
+        dimensions.write(raw, dim.path, value)
+        kept, set_aside = check_keys(raw, DeepSpeedConfig, "ds.json", sections={k: s.model for k, s in
+                                                                                 sections.SECTIONS.items()})
+        assert set_aside == []
+        assert dimensions.lookup(load_config(kept).to_dict(), dim.path) == (True, value)
+
+    def test_auto_at_its_path_is_refused_outside_a_tune_by_the_launcher_and_the_ranks(self, name):
+        """A dimension the user asks to tune with "auto" declares its tuned key at the config layer,
+        which the launcher (before a training launch) and every rank read."""
+        dim = dimensions.REGISTRY[name]
+        if dim.role == "knob":
+            pytest.skip("a knob is tuned in full mode where the user left it out, never from \"auto\"")
+        raw: dict = {"train_batch_size": 8}
+        dimensions.write(raw, dim.path, "auto")
+        config = load_config(raw)
+        assert [tuned.path for tuned, _ in sections.unsettled_keys(config)] == [dim.path]
+        for in_rank, wording in ((False, "is only for --autotuning tune|run"), (True, "is settled by --autotuning")):
+            with pytest.raises(ConfigError) as refused:
+                sections.refuse_unsettled(config, "ds.json", in_rank)
+            assert str(refused.value).startswith(f'ds.json: {dimensions.dotted(dim)}: got "auto"; ')
+            assert wording in str(refused.value) and refused.value.exit_code == 2
+
+    def test_its_refusals_pass_a_config_that_does_not_use_it(self, name):
+        dim = dimensions.REGISTRY[name]
+        config = load_config({"train_batch_size": 8})
+        for refusal in dim.tune_refusals:
+            refusal(dim, config, "ds.json")
+        for refusal in dim.deepspeed_refusals:
+            refusal(dim, config, "ds.json", "the script imports deepspeed", {})
+
+
+def test_a_section_no_dimension_registered_is_still_an_unknown_key():
+    with pytest.raises(ConfigError) as refused:
+        load_config({"train_batch_size": 8, "toy_knob": {"level": "high"}}, name="ds.json")
+    assert str(refused.value).startswith("ds.json: unknown key 'toy_knob'; ")
+    assert refused.value.exit_code == 2
+
+
+@pytest.mark.usefixtures("toy_registered")
+@pytest.mark.parametrize("section, message", [
+    ({"level": "medium"}, 'ds.json: toy_knob.level: got "medium"; '),
+    ({"level": ["low", "auto"]}, "ds.json: toy_knob.level: got "),
+    ({"levle": "low"}, "ds.json: unknown key 'toy_knob.levle'; did you mean 'level'?"),
+    ("high", 'ds.json: toy_knob: got "high"; '),
+], ids=["value", "list", "typo", "not-a-section"])
+def test_a_registered_section_is_validated_by_its_own_model_in_one_line(section, message):
+    with pytest.raises(ConfigError) as refused:
+        load_config({"train_batch_size": 8, "toy_knob": section}, name="ds.json")
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value)
+    assert refused.value.exit_code == 2
+
+
+@pytest.mark.usefixtures("toy_registered")
+def test_a_registered_section_is_read_back_and_written_out():
+    config = load_config({"train_batch_size": 8, "toy_knob": {"level": "high"}})
+    assert config.section("toy_knob").level == "high"
+    assert config.to_dict()["toy_knob"] == {"level": "high"}
+    assert config.with_device_precision(False).section("toy_knob").level == "high"  # copies keep it
+    assert load_config({"train_batch_size": 8}).section("toy_knob") is None
+
+
+def test_a_section_the_config_has_already_is_refused(monkeypatch):
+    monkeypatch.setattr(sections, "SECTIONS", {})
+    for taken in ("compile", "pipeline", "amp"):  # our own, one set aside, one DeepSpeed removed
+        with pytest.raises(ValueError, match=f"config section '{taken}' is taken already"):
+            sections.register_section(sections.ConfigSection(taken, TOY.section.model))
+    sections.register_section(TOY.section)
+    with pytest.raises(ValueError, match="is taken already"):
+        sections.register_section(sections.ConfigSection("toy_knob", TOY.section.model))
+    outside = dataclasses.replace(TOY, name="elsewhere", tag="els", path=("compile", "level"))
+    with pytest.raises(ValueError, match="outside its section 'toy_knob'"):
+        dimensions.register_dimension(outside)
 
 
 def test_apply_writes_each_dimension_at_its_path_and_keeps_the_rest_of_its_section():

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.tuning.space.dimensions import (dimension, dotted, finish_values, full_mode_values, settle_variants,
-                                         variant_values)
+from autotuner.tuning.space.dimensions import (REGISTRY, dotted, finish_values, full_mode_values, lookup,
+                                               settle_variants, variant_values)
 from autotuner.tuning.space.search_space import SearchSpace
 
 
@@ -55,14 +55,16 @@ def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str =
 
 
 def untuned_offload_lines(config: DeepSpeedConfig, space: SearchSpace, engine: str, cuda: bool) -> list[str]:
-    """One line for each offload section whose device is "auto" but which the space has no value
-    to try for, saying why; every experiment then runs without offload (the base config's "none")."""
+    """One line for each dimension the user asked to tune with "auto" (offload, say) that the space
+    has no value to try for, saying why; every experiment then runs without it (the base config's
+    neutral value). (Named for offload, its first case; any registered dimension is read.)"""
     searched = {k for variants in space.variants.values() for v in variants for k, _ in v}
+    searched |= {k for finishes in space.finishes.values() for k in finishes}
+    user = config.to_dict()
     lines = []
-    for offload in config.zero_optimization.tuned_offloads:
-        if offload in searched:
+    for dim in REGISTRY.values():
+        if dim.role == "knob" or lookup(user, dim.path) != (True, "auto") or dim.name in searched:
             continue
-        dim = dimension(offload)
         if not cuda and dim.cuda_only:
             why = "this machine has no GPU, so parameters and optimizer state already live in host memory"
         elif engine in dim.untuned_reasons:

@@ -4,13 +4,14 @@ A dimension declares what the tuner needs of it: where its value goes in the con
 section), which values full mode tries for a stage on an engine and device, its tag in experiment
 names, its encoding for the tuners and cost models, its memory-model term, its term in the
 step-time model, its role in the search and the final pick, its script flag on DeepSpeed's
-engine, and the text of its refusals. The space, experiment names and configs, the tuners'
-features, the memory book, the step-time model, the planned run, the variant rules, the config
-space and the engine choice read this table and name no dimension themselves; the refusals of
-"auto" outside a tune (app/launch_checks.py) and the DeepSpeed script-flag checks (app/engines.py) still
-name the built-in ones. A plugin adds one
-with `register_dimension` (core/plugins.py); the engine inside the ranks honours its config key
-(its engine code: runtime/ for ours, DeepSpeed reads its own).
+engine, its refusals (refusals.py) and, for a plugin's, its config section. The space, experiment
+names and configs, the tuners' features, the memory book, the step-time model, the planned run,
+the variant rules, the config space, the engine choice and its checks, and the checks before a
+tune read this table and name no dimension themselves. What the config layer and the ranks must
+know (they cannot import this table) is declared at the config layer (config/sections.py: a
+section and its tuned keys, refused outside a tune by the launcher and every rank). A plugin adds
+one with `register_dimension` (core/plugins.py), which registers its section too; the engine
+inside the ranks honours its config key (its engine code: runtime/ for ours, DeepSpeed reads its own).
 """
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from autotuner.config.sections import ConfigSection, register_section
 from autotuner.config.tuned_values import lookup, write  # noqa: F401 - the config's paths, read and written
 from autotuner.tuning.memory.estimate import StageSettings
+from autotuner.tuning.space.refusals import (DeepSpeedRefusal, TuneRefusal, compile_before_the_window,
+                                             compile_on_deepspeed, policy_on_deepspeed)
 
 Engine = str  # "autotuner" (ours) or "deepspeed"
 MemoryTerm = Callable[[StageSettings, Any], StageSettings]
@@ -117,6 +121,14 @@ class Dimension:
     script_applies: str = ""
     # Why "auto" at its path is not tuned on an engine that offers it no value (per engine).
     untuned_reasons: Mapping[Engine, str] = field(default_factory=dict)
+    # The config section it brings, a plugin's (config/sections.py): the key the loader then
+    # accepts in the CLI and in every rank, its model, and its tuned keys, refused outside a tune.
+    # The built-in dimensions' sections are DeepSpeedConfig's own (their tuned keys: BUILT_IN_TUNED).
+    section: ConfigSection | None = None
+    # Its refusals (refusals.py), called for every registered dimension: before a tune, and for a
+    # script settled on DeepSpeed's engine.
+    tune_refusals: tuple[TuneRefusal, ...] = ()
+    deepspeed_refusals: tuple[DeepSpeedRefusal, ...] = ()
 
     def neutral_value(self) -> Any:
         if self.neutral is not None:
@@ -177,7 +189,7 @@ REGISTRY: dict[str, Dimension] = {d.name: d for d in (
                                   "autotuning.model_info is given, so no profile measured what each policy holds"),
               script_flag="--gradient_checkpointing",
               script_applies="the script checkpoints activations itself (deepspeed.checkpointing, or Hugging "
-                             "Face's --gradient_checkpointing)"),
+                             "Face's --gradient_checkpointing)", deepspeed_refusals=(policy_on_deepspeed,)),
     # torch.compile of the blocks: the memory model keeps the eager figure (inductor's fusions
     # only lower it) and measured peaks refit it like any other launch.
     # On DeepSpeed's engine through the mapped flag (Hugging Face's --torch_compile, which has
@@ -185,17 +197,23 @@ REGISTRY: dict[str, Dimension] = {d.name: d for d in (
     Dimension("compile", ("compile", "enabled"), "c",
               {"autotuner": {stage: ON_OFF for stage in range(4)}, "deepspeed": {stage: ON_OFF for stage in range(4)}},
               _same_memory, role="finish", flag_text=lambda enabled: _bool_text(bool(enabled)),
-              applied_by_script_on_deepspeed=True, script_flag="--torch_compile"),
+              applied_by_script_on_deepspeed=True, script_flag="--torch_compile",
+              tune_refusals=(compile_before_the_window,), deepspeed_refusals=(compile_on_deepspeed,)),
 )}
 
 
 def register_dimension(dim: Dimension) -> Dimension:
-    """Add a dimension (a plugin's); a name or tag already taken is refused, so none is replaced unseen."""
+    """Add a dimension (a plugin's) and its config section; a name, tag or section already taken is
+    refused, so none is replaced unseen."""
     taken = {d.tag: d.name for d in REGISTRY.values() if d.name != dim.name}
     if dim.name in REGISTRY and REGISTRY[dim.name] is not dim:
         raise ValueError(f"dimension {dim.name!r} is registered already")
     if dim.tag in taken:
         raise ValueError(f"dimension {dim.name!r}: tag {dim.tag!r} belongs to {taken[dim.tag]!r}")
+    if dim.section is not None:
+        if dim.path[0] != dim.section.key:
+            raise ValueError(f"dimension {dim.name!r}: its path {dotted(dim)} is outside its section {dim.section.key!r}")
+        register_section(dim.section)
     REGISTRY[dim.name] = dim
     return dim
 
