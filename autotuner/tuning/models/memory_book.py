@@ -27,7 +27,7 @@ SAFETY_MARGIN = 0.1
 def _user_chose_a_fallback(config: DeepSpeedConfig) -> bool:
     """Whether the user wrote a section of a fallback dimension (offload) at all, any value: then
     their choice stands and no fallback is offered."""
-    written = config.model_dump(mode="json")
+    written = config.dump()
     return any(dimensions.lookup(written, section)[1] is not None for dim in dimensions.REGISTRY.values()
                if dim.fallback for section in dim.user_sections)
 
@@ -35,7 +35,7 @@ def _user_chose_a_fallback(config: DeepSpeedConfig) -> bool:
 def _fixed_values(config: DeepSpeedConfig, on_gpu: bool) -> tuple[tuple[str, object], ...]:
     """The fallback dimensions' values the user fixed (offload "cpu"), folded into every estimate
     through their memory terms; off a GPU those offered on CUDA only are dropped, as the ranks drop them."""
-    written = config.model_dump(mode="json")
+    written = config.dump()
     fixed = []
     for dim in dimensions.REGISTRY.values():
         if not dim.fallback or (dim.cuda_only and not on_gpu):

@@ -21,7 +21,7 @@ from autotuner.tuning.models.sharding_gain import REASON_PREFIX, sharding_cannot
 from autotuner.tuning.profiling.job import ProfiledJob, TuningJob, cost_context
 from autotuner.tuning.profiling.launches import profile_from_config, profile_lines, profile_model
 from autotuner.tuning.searches.variant_rules import checkpointing_settled
-from autotuner.tuning.space.config_space import engine_dimensions, untuned_offload_lines
+from autotuner.tuning.space.config_space import engine_dimensions, untuned_dimension_lines
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.search_space import SearchSpace, ladder_sizes
@@ -64,7 +64,7 @@ class ProfilePhase:
     def run(self) -> ProfiledJob:
         profiled = self._settle_goodput(self._measure_model())
         job = profiled.job  # the dimensions offered now follow the engine the profile's ranks built
-        for line in untuned_offload_lines(job.config, job.space, job.settings.engine, job.devices.on_gpu):
+        for line in untuned_dimension_lines(job.config, job.space, job.settings.engine, job.devices.on_gpu):
             self._report(line)
         context = profiled.cost_context(self._ledger.results())
         prior = self._similar_runs.prior(  # the step-time model's prior, checked against the profile

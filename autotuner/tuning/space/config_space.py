@@ -54,7 +54,7 @@ def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str =
     )
 
 
-def untuned_offload_lines(config: DeepSpeedConfig, space: SearchSpace, engine: str, cuda: bool) -> list[str]:
+def untuned_dimension_lines(config: DeepSpeedConfig, space: SearchSpace, engine: str, cuda: bool) -> list[str]:
     """One line for each dimension the user asked to tune with "auto" (offload, say) that the space
     has no value to try for, saying why; every experiment then runs without it (the base config's
     neutral value). (Named for offload, its first case; any registered dimension is read.)"""
