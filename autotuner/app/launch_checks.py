@@ -54,7 +54,7 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
     if config.activation_checkpointing.tuned:
         raise ConfigError(f"{path}: activation_checkpointing.policy: got {json.dumps(policy)}; \"auto\" or a list is "
                           "only for --autotuning tune|run; give \"none\", \"full\" or \"selective\" to train")
-    from autotuner.runtime.optim import check_optimizer_and_scheduler
+    from autotuner.runtime.training.optim import check_optimizer_and_scheduler
 
     check_optimizer_and_scheduler(config, path)
     _check_online(config, path, online)
