@@ -52,7 +52,7 @@ class MLP(nn.Module):
         return self.head(x)
 
 
-# ----- the plain-PyTorch side, wrapped exactly as autotuner/runtime/sharding.py wraps it -----
+# ----- the plain-PyTorch side, wrapped exactly as autotuner/runtime/training/sharding.py wraps it -----
 def plain_model_and_optimizer(model: nn.Module, stage: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     if stage <= 1:
         wrapped = DistributedDataParallel(model)  # CPU: device_ids=None, default buckets (as zero.py)

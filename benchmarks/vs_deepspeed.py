@@ -365,7 +365,7 @@ def relative_command(command: str) -> str:
 
 def neutral_settings(args, harness: str) -> ExperimentSettings:
     """One launch per (pick, round) on `harness`'s engine, timed by our in-rank measurement: on our
-    engine its own timers, on DeepSpeed's the hook around DeepSpeedEngine (runtime/deepspeed_measure.py).
+    engine its own timers, on DeepSpeed's the hook around DeepSpeedEngine (runtime/measure/deepspeed_measure.py).
     Either way samples/s over the same profile steps, boundary to boundary, data loading included."""
     return measurement_settings(SCRIPT, tuple(workload_args(harness, "unused.json", args)[1:]),
                                 user_config("autotuner", harness, args, Path("r"), Path("e")),

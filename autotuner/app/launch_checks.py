@@ -47,7 +47,7 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
     from autotuner.config.sections import refuse_unsettled
 
     refuse_unsettled(config, path, in_rank=False)  # each dimension's tuned key (a plugin's too)
-    from autotuner.runtime.optim import check_optimizer_and_scheduler
+    from autotuner.runtime.training.optim import check_optimizer_and_scheduler
 
     check_optimizer_and_scheduler(config, path)
     _check_online(config, path, online)

@@ -41,7 +41,7 @@ from autotuner.execution.script_imports import own_modules
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import LaunchPlan
 from autotuner.launch.script_args import config_path, find_flag
-from autotuner.runtime.optim import check_optimizer_and_scheduler
+from autotuner.runtime.training.optim import check_optimizer_and_scheduler
 from autotuner.tuning.space.config_space import base_config, search_space
 from autotuner.tuning.space.dimensions import REGISTRY
 from autotuner.tuning.memory.varying_batches import declared_max_length

@@ -270,14 +270,14 @@ class ModelInfo:
     collective_timings: tuple[CollectiveTiming, ...] = ()
     engine: str = "autotuner"  # whose engine ran the launch: "autotuner" or "deepspeed"
     # What each activation checkpointing policy would hold at its peak, the largest over ranks,
-    # from the first micro-step run without checkpointing (runtime/profile.py); empty when the
+    # from the first micro-step run without checkpointing (runtime/measure/profile.py); empty when the
     # model has no repeated blocks, ran checkpointed, or on DeepSpeed's engine.
     activation_bytes_by_policy: tuple[tuple[str, int], ...] = ()
     # The workload signature's model family and device (tuning/models/transfer.py): a hash of the model's
     # module types and block structure, sizes left out, and the device's name.
     model_family: str = ""
     device_name: str = ""
-    sequence_length: int = 0  # of the model's first input, 0 where it has none (runtime/profile.py)
+    sequence_length: int = 0  # of the model's first input, 0 where it has none (runtime/measure/profile.py)
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:

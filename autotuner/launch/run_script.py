@@ -71,7 +71,7 @@ def _end_process_group(succeeded: list[bool]) -> None:
     """At exit, after a script that returned normally or exited 0 (see
     runtime.distributed.end_process_group). Registered before the script runs, so it runs after
     the exit handlers the script and the engine register (atexit runs last-in first-out): a rank
-    serving FSDP2 shards to rank 0 (runtime/rank_zero_gather.py) waits there first."""
+    serving FSDP2 shards to rank 0 (runtime/saving/rank_zero_gather.py) waits there first."""
     distributed = sys.modules.get("torch.distributed")
     if succeeded and distributed is not None and distributed.is_available() and distributed.is_initialized():
         from autotuner.runtime.distributed import end_process_group
@@ -85,7 +85,7 @@ def _measure_deepspeed_engine() -> None:
 
     request = request_from_env()
     if request is not None:
-        from autotuner.runtime.deepspeed_measure import install
+        from autotuner.runtime.measure.deepspeed_measure import install
 
         install(request)
 

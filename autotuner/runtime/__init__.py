@@ -1,4 +1,7 @@
-"""What runs inside each rank: the engine over DDP / ZeRO-1 / FSDP2, timers, metrics, checkpoints."""
+"""What runs inside each rank: the engine over DDP / ZeRO-1 / FSDP2 (engine.py, initialize.py).
+
+Rooms: training/ (optimizer, sharding, gradients), saving/ (checkpoints, whole weights), measure/ (the
+tuner's measurement in a rank), progress/ (DeepSpeed's reports), online/ (the online tuner)."""
 
 from autotuner.runtime.engine import Engine
 from autotuner.runtime.initialize import add_config_arguments, initialize

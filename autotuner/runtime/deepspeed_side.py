@@ -15,7 +15,7 @@ make that work here, with DeepSpeed's own API only:
   mapped by name.
 
 Both need code run the moment DeepSpeed's own package has loaded in this process (now, if it has),
-as does the measurement of a script on DeepSpeed's engine (deepspeed_measure.py): one finder,
+as does the measurement of a script on DeepSpeed's engine (measure/deepspeed_measure.py): one finder,
 `when_deepspeed_loads`, serves them. It stays installed until deepspeed is really executed:
 transformers and accelerate first ask `importlib.util.find_spec("deepspeed")` only to see that it
 is installed, and import it later.

@@ -13,26 +13,26 @@ from torch.nn.parallel import DistributedDataParallel
 
 from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.runtime.accessors import DeepSpeedAccessors
-from autotuner.runtime.engine_checkpoints import EngineCheckpoints
-from autotuner.runtime.activation_checkpointing import repeated_blocks
 from autotuner.runtime.distributed import DistributedContext
-from autotuner.runtime.grad_reduction import GradientReduction
-from autotuner.runtime.loss_scale import skips_non_finite
-from autotuner.runtime.gradient_noise import GradientNoiseProbe, MicroStepNoiseProbe
-from autotuner.runtime.measurement import OurEngineView, measurement_request
-from autotuner.runtime.metrics import is_out_of_memory, peak_memory_bytes
-from autotuner.runtime.profile import ActivationProbe, FlopProbe, sequence_length_of
-from autotuner.runtime.rank_zero_gather import StepGate
-from autotuner.runtime.rank_measurement import RankMeasurement
-from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom, write_oom_marker
+from autotuner.runtime.measure.gradient_noise import GradientNoiseProbe, MicroStepNoiseProbe
+from autotuner.runtime.measure.measurement import OurEngineView, measurement_request
+from autotuner.runtime.measure.memory_probes import PhasePeaks, mark_uncaught_oom, write_oom_marker
+from autotuner.runtime.measure.metrics import is_out_of_memory, peak_memory_bytes
+from autotuner.runtime.measure.profile import ActivationProbe, FlopProbe, sequence_length_of
+from autotuner.runtime.measure.rank_measurement import RankMeasurement
+from autotuner.runtime.measure.timers import ProfileWindow, Stopwatch
+from autotuner.runtime.measure.window_load import WindowWatch
 from autotuner.runtime.online import start_online
 from autotuner.runtime.online.apply import apply_fsdp_prefetch, fsdp_prefetch_depths, fsdp_units, read_applied, rewrap_ddp
-from autotuner.runtime.optim import step_scheduler
-from autotuner.runtime.sharding import average_gradients, finite_norm, gradient_norm, unwrap, wrap_ddp
-from autotuner.runtime.reporting import RunReporter
-from autotuner.runtime.timers import ProfileWindow, Stopwatch
-from autotuner.runtime.window_load import WindowWatch
+from autotuner.runtime.progress.reporting import RunReporter
+from autotuner.runtime.saving.engine_checkpoints import EngineCheckpoints
+from autotuner.runtime.saving.rank_zero_gather import StepGate
+from autotuner.runtime.training.accessors import DeepSpeedAccessors
+from autotuner.runtime.training.activation_checkpointing import repeated_blocks
+from autotuner.runtime.training.grad_reduction import GradientReduction
+from autotuner.runtime.training.loss_scale import skips_non_finite
+from autotuner.runtime.training.optim import step_scheduler
+from autotuner.runtime.training.sharding import average_gradients, finite_norm, gradient_norm, unwrap, wrap_ddp
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         self._global_grad_norm, non_finite = self._gradient_norm()
         self._step_applied = True
         if self._grad_scaler is not None:
-            # Skipped when a gradient overflowed; the scale then follows DeepSpeed's rule (loss_scale.py).
+            # Skipped when a gradient overflowed; the scale then follows DeepSpeed's rule (training/loss_scale.py).
             self._step_applied = self._grad_scaler.step(self.optimizer)
         elif self._skips_non_finite and non_finite:
             # DeepSpeed's ZeRO optimizers (and its bf16 optimizer at stage 0) skip a step whose

@@ -19,18 +19,18 @@ from autotuner.config.sections import refuse_unsettled
 from autotuner.config.engine_math import refuse_other_math
 from autotuner.config.trainer_auto import refuse_auto_batch, refuse_trainer_autos
 from autotuner.core.errors import ConfigError, UnsupportedError
-from autotuner.runtime.activation_checkpointing import apply_activation_checkpointing
-from autotuner.runtime.compiling import compile_blocks
 from autotuner.runtime.deepspeed_side import gather_deepspeed_partitions
 from autotuner.runtime.distributed import dist_timeout_s, init_distributed, warn_once
 from autotuner.runtime.engine import Engine
-from autotuner.runtime.measurement import measurement_request
-from autotuner.runtime.grad_reduction import GradientReduction
-from autotuner.runtime.gradient_noise import GradientNoiseProbe, MicroStepNoiseProbe
-from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
-from autotuner.runtime.rank_zero_gather import arm as arm_rank_zero_gather
-from autotuner.runtime.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
-from autotuner.runtime.whole_weights import mark_zero3_parameters, register_root, whole_state_dict_on_rank_zero
+from autotuner.runtime.measure.gradient_noise import GradientNoiseProbe, MicroStepNoiseProbe
+from autotuner.runtime.measure.measurement import measurement_request
+from autotuner.runtime.saving.rank_zero_gather import arm as arm_rank_zero_gather
+from autotuner.runtime.saving.whole_weights import mark_zero3_parameters, register_root, whole_state_dict_on_rank_zero
+from autotuner.runtime.training.activation_checkpointing import apply_activation_checkpointing
+from autotuner.runtime.training.compiling import compile_blocks
+from autotuner.runtime.training.grad_reduction import GradientReduction
+from autotuner.runtime.training.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
+from autotuner.runtime.training.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
 
 OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Optimizer], None]
 
@@ -134,7 +134,7 @@ def _gradient_noise_wanted(cfg: DeepSpeedConfig, stage: int) -> bool:
 
 
 def gradient_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: int) -> GradientNoiseProbe | None:
-    """With two ranks or more: read around the all-reduce (gradient_noise.py). Built before DDP
+    """With two ranks or more: read around the all-reduce (measure/gradient_noise.py). Built before DDP
     wraps the model, which takes its hook."""
     if not _gradient_noise_wanted(cfg, stage) or world_size < 2:
         return None
@@ -143,7 +143,7 @@ def gradient_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: in
 
 def micro_step_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: int,
                            parameters) -> MicroStepNoiseProbe | None:
-    """One rank with gradient accumulation: read over the micro-steps (gradient_noise.py)."""
+    """One rank with gradient accumulation: read over the micro-steps (measure/gradient_noise.py)."""
     if not _gradient_noise_wanted(cfg, stage) or world_size != 1 or batch.gradient_accumulation_steps < 2:
         return None
     return MicroStepNoiseProbe(list(parameters), batch.micro_batch_size, batch.gradient_accumulation_steps)
@@ -247,7 +247,7 @@ def _drive(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
 def _grad_scaler(config: DeepSpeedConfig, device: torch.device, stage: int):
     if config.precision != "fp16":
         return None
-    from autotuner.runtime.loss_scale import LossScaler
+    from autotuner.runtime.training.loss_scale import LossScaler
 
     return LossScaler(config.fp16, device, sharded=stage >= 2)
 
@@ -326,7 +326,7 @@ def initialize(
         gradient_noise=noise,
     )
     engine.tuned_over_script = tuned_over_script
-    if stage >= 2:  # FSDP2's shards: whole weights where a DeepSpeed script reads them (whole_weights.py)
+    if stage >= 2:  # FSDP2's shards: whole weights where a DeepSpeed script reads them (saving/whole_weights.py)
         user_module = unwrap(wrapped)
         register_root(user_module)
         if stage == 3:

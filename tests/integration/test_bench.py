@@ -84,8 +84,8 @@ def test_failed_sizes_are_not_a_baseline_and_keep_their_error_in_the_csv(tmp_pat
 
 def test_measurement_carries_per_step_times_and_round_trips():
     from autotuner.core.boundary import Measurement
-    from autotuner.runtime.metrics import build_measurement
-    from autotuner.runtime.timers import ProfileWindow
+    from autotuner.runtime.measure.metrics import build_measurement
+    from autotuner.runtime.measure.timers import ProfileWindow
 
     window = ProfileWindow(2, 4, step_wall_s=[0.1, 0.2, 0.3])
     measurement = build_measurement(window, train_batch_size=8, world_size=2, micro_batch_size=4,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autotuner.core.boundary import CollectiveTiming, ModelInfo, RecordError, read_record
-from autotuner.runtime.comm_probe import probe_collectives
+from autotuner.runtime.measure.comm_probe import probe_collectives
 from autotuner.tuning.models.comm_fit import fit_collectives
 
 from autotuner.config import read_config_file

@@ -567,7 +567,7 @@ def test_max_train_batch_size_below_the_ranks_is_refused_before_launch(tmp_path,
 
 def test_cpu_offload_on_a_cpu_machine_is_dropped_with_a_warning(capsys):
     from autotuner.config.models import ZeroConfig
-    from autotuner.runtime.sharding import settle_offload
+    from autotuner.runtime.training.sharding import settle_offload
 
     zero = ZeroConfig(stage=1, offload_optimizer={"device": "cpu"})
     settled = settle_offload(zero, 1, torch.device("cpu"))

@@ -408,7 +408,7 @@ def test_the_launchers_config_check_builds_the_optimizer_without_importing_dynam
         import sys, torch
         from autotuner.config import load_config
         from autotuner.core.errors import ConfigError
-        from autotuner.runtime.optim import check_optimizer_and_scheduler
+        from autotuner.runtime.training.optim import check_optimizer_and_scheduler
         ok = load_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
                           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}}})
         check_optimizer_and_scheduler(ok, "ds.json")

@@ -1,7 +1,7 @@
 """A DeepSpeedExamples-style fine-tuning script (tests/workers/random_ltd_style_train.py: token-based
 lr_kwargs on every step, rank 0 alone saving with save_without_random_ltd at the end, and once
 midway while the other rank goes on) trains and saves its whole model on our engine at every stage,
-2 ranks: FSDP2's shards are served to rank 0 (runtime/rank_zero_gather.py)."""
+2 ranks: FSDP2's shards are served to rank 0 (runtime/saving/rank_zero_gather.py)."""
 
 import json
 

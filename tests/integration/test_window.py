@@ -1,10 +1,10 @@
 """Profile windows long enough to trust, and the machine's load during them
-(runtime/timers.py ProfileWindow, runtime/window_load.py)."""
+(runtime/measure/timers.py ProfileWindow, runtime/measure/window_load.py)."""
 
 from __future__ import annotations
 
-from autotuner.runtime.timers import ProfileWindow
-from autotuner.runtime.window_load import others_share
+from autotuner.runtime.measure.timers import ProfileWindow
+from autotuner.runtime.measure.window_load import others_share
 
 
 def test_a_short_window_is_extended_until_it_has_lasted_long_enough():

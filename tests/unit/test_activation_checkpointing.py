@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autotuner.runtime.activation_checkpointing import apply_activation_checkpointing, repeated_blocks
+from autotuner.runtime.training.activation_checkpointing import apply_activation_checkpointing, repeated_blocks
 
 
 class Block(nn.Module):
@@ -116,7 +116,7 @@ def test_none_touches_nothing_and_an_unknown_policy_is_refused():
 def test_one_forward_without_checkpointing_tells_what_each_policy_holds():
     """The profile's probe, run once with no checkpointing, against what each policy really keeps
     alive after its forward (the output and a few views aside)."""
-    from autotuner.runtime.profile import ActivationProbe
+    from autotuner.runtime.measure.profile import ActivationProbe
 
     torch.manual_seed(0)
     model = Tower()
@@ -134,7 +134,7 @@ def test_one_forward_without_checkpointing_tells_what_each_policy_holds():
 
 
 def test_the_probe_without_blocks_says_nothing_of_policies():
-    from autotuner.runtime.profile import ActivationProbe
+    from autotuner.runtime.measure.profile import ActivationProbe
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     probe = ActivationProbe(list(model.parameters()))

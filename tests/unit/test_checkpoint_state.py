@@ -1,4 +1,4 @@
-"""The engine state a checkpoint keeps beside DCP's shards (autotuner/runtime/checkpoint.py): written
+"""The engine state a checkpoint keeps beside DCP's shards (autotuner/runtime/saving/checkpoint.py): written
 with torch.save, read back weights-only. No processes."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from autotuner.core.errors import AutotunerError
-from autotuner.runtime.checkpoint import engine_state_bytes
+from autotuner.runtime.saving.checkpoint import engine_state_bytes
 
 
 def test_a_schedules_counter_and_a_clients_tuples_and_int_keys_come_back_as_they_were():
@@ -38,7 +38,7 @@ def test_an_optimizer_state_saved_in_part_is_refused_not_reset():
     # there), so the missing max_exp_avg_sq is refused rather than the whole state dropped.
     from pathlib import Path
 
-    from autotuner.runtime.checkpoint import _parameters_saved_without_state
+    from autotuner.runtime.saving.checkpoint import _parameters_saved_without_state
 
     state = {"model": {"w": 0}, "optim": {"state.w.exp_avg": 0, "state.w.exp_avg_sq": 0, "state.w.max_exp_avg_sq": 0,
                                           "state.w.step": 0, "state.b.exp_avg": 0, "state.b.step": 0}}
@@ -54,7 +54,7 @@ def test_optimizer_groups_split_otherwise_than_when_saved_are_refused():
     # give the biases the weights' decay. Older checkpoints (no membership saved) check the count.
     from pathlib import Path
 
-    from autotuner.runtime.checkpoint import check_param_groups
+    from autotuner.runtime.saving.checkpoint import check_param_groups
 
     saved = {"param_groups": [{"lr": 1.0}, {"lr": 2.0}], "param_group_members": [["a.weight", "b.weight"], ["a.bias"]]}
     check_param_groups(Path("ckpt"), saved, [["b.weight", "a.weight"], ["a.bias"]])

@@ -18,7 +18,8 @@ import torch
 from autotuner.config import DeepSpeedConfig, fill_auto, load_config, read_config_file, resolve_batch
 from autotuner.config.models import OptimizerConfig, SchedulerConfig
 from autotuner.core.errors import ConfigError
-from autotuner.runtime.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs, lr_function
+from autotuner.runtime.training.optim import (build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs,
+                                              lr_function)
 
 from conftest import CONFIGS
 

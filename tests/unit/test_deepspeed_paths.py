@@ -42,6 +42,12 @@ def test_every_module_here_but_the_table_and_the_refusals_is_aliased():
                          f"{aliases.REAL_PACKAGE}.unsupported"}
 
 
+def test_the_engines_rooms_do_not_take_a_deepspeed_path():
+    # autotuner.runtime.zero is DeepSpeed's deepspeed.runtime.zero (the table): a room of that name would shadow it.
+    rooms = {p.name for p in (PACKAGE / "runtime").iterdir() if (p / "__init__.py").exists()}
+    assert rooms and not rooms & {path.partition(".")[2] for path in aliases.ALIASED if path.startswith("runtime.")}
+
+
 def test_names_from_an_alias_are_the_real_classes():
     from autotuner.deepspeed_paths.runtime.zero import partition_parameters
     from autotuner.zero import Init

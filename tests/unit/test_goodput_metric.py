@@ -212,7 +212,7 @@ def test_goodput_needs_its_reference_batch():
 
 @pytest.mark.parametrize("divide_by_gas", [True, False])
 def test_one_ranks_micro_steps_give_the_pair_of_squared_norms_whatever_the_loss_scaling(divide_by_gas):
-    from autotuner.runtime.gradient_noise import FIRST_STEP, MicroStepNoiseProbe
+    from autotuner.runtime.measure.gradient_noise import FIRST_STEP, MicroStepNoiseProbe
 
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 1)

@@ -96,3 +96,10 @@ def test_the_tuner_shows_its_layers_at_a_glance():
     contract orders (pyproject.toml)."""
     direct = [p.name for p in (PACKAGE / "tuning").glob("*.py")]
     assert len(direct) <= 10, direct
+
+
+def test_the_engine_shows_its_rooms_at_a_glance():
+    """At most 12 modules directly in runtime/: the engine's entry points and what every room shares;
+    the rest sit in its rooms (training/, saving/, measure/, progress/, online/)."""
+    direct = [p.name for p in (PACKAGE / "runtime").glob("*.py")]
+    assert len(direct) <= 12, direct

@@ -1,4 +1,4 @@
-"""fp16 loss scaling with DeepSpeed's rule on torch's GradScaler (autotuner/runtime/loss_scale.py),
+"""fp16 loss scaling with DeepSpeed's rule on torch's GradScaler (autotuner/runtime/training/loss_scale.py),
 stepped on CPU: a gradient made infinite is an overflow. No processes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from autotuner.config.models import FP16Config
-from autotuner.runtime.loss_scale import LossScaler
+from autotuner.runtime.training.loss_scale import LossScaler
 
 
 def run(fp16: dict, overflows: list[bool]) -> tuple[list[float], list[bool], LossScaler]:

@@ -15,7 +15,7 @@ from autotuner.app.cli import main
 from autotuner.config import load_config
 from autotuner.config.trainer_auto import TRAINER_FILLED, refuse_trainer_autos, trainer_auto_keys
 from autotuner.core.errors import ConfigError
-from autotuner.runtime.optim import check_optimizer_and_scheduler
+from autotuner.runtime.training.optim import check_optimizer_and_scheduler
 from autotuner.app.engines import EngineChoice
 from autotuner.app.settle import check_trainer_autos
 from autotuner.tuning.memory.deepspeed_states import DEFAULTS, deepspeed_state_bytes, zero_knob

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from autotuner.runtime.model_family import model_family
+from autotuner.runtime.measure.model_family import model_family
 from autotuner.tuning.models.cost_model import CostContext, Observation
 from autotuner.tuning.searches.predictive_search import run_predictive_search
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
@@ -171,7 +171,7 @@ def test_with_an_agreeing_prior_the_search_after_the_profile_launches_less_and_p
 
 
 def test_the_sequence_length_is_read_from_the_models_first_input_where_it_has_one():
-    from autotuner.runtime.profile import ActivationProbe, sequence_length_of
+    from autotuner.runtime.measure.profile import ActivationProbe, sequence_length_of
 
     assert sequence_length_of([torch.zeros(4, 128, dtype=torch.long)]) == 128  # token ids
     assert sequence_length_of([None, torch.zeros(4, 64, 16)]) == 64  # embeddings, after a non-tensor

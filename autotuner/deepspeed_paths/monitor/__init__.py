@@ -1,2 +1,2 @@
 """deepspeed.monitor: the TensorBoard, CSV and Weights & Biases monitors rank 0 writes
-(autotuner/runtime/monitor.py, the engine's)."""
+(autotuner/runtime/progress/monitor.py, the engine's)."""

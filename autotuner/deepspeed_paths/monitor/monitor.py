@@ -1,5 +1,5 @@
-"""`deepspeed.monitor.monitor`: the monitors the engine writes (autotuner/runtime/monitor.py)."""
+"""`deepspeed.monitor.monitor`: the monitors the engine writes (autotuner/runtime/progress/monitor.py)."""
 
-from autotuner.runtime.monitor import MonitorMaster, TensorBoardMonitor, WandbMonitor, csvMonitor
+from autotuner.runtime.progress.monitor import MonitorMaster, TensorBoardMonitor, WandbMonitor, csvMonitor
 
 __all__ = ["MonitorMaster", "TensorBoardMonitor", "WandbMonitor", "csvMonitor"]

@@ -1,6 +1,6 @@
 """Memory model: bytes per rank for a ZeRO stage, precision and micro-batch. Pure functions.
 
-It costs what our engine really holds (see autotuner/runtime/sharding.py):
+It costs what our engine really holds (see autotuner/runtime/training/sharding.py):
 - stage 0/1 (DDP): fp32 parameters and gradients, plus DDP's gradient buckets (a second
   gradient copy unless `contiguous_gradients` makes gradients views into the buckets);
   bf16/fp16 run under autocast, which keeps a low-precision copy of the weights;

@@ -41,7 +41,7 @@ MIN_PRIOR_STEPS = 2
 
 @dataclass(frozen=True)
 class WorkloadSignature:
-    family: str  # runtime/model_family.py: module types and block structure, sizes left out
+    family: str  # runtime/measure/model_family.py: module types and block structure, sizes left out
     engine: str
     device: str
     world_size: int

@@ -1,7 +1,7 @@
 """A window another process disturbed is measured again, not trusted.
 
 The ranks record the largest share of a node's CPU time that processes other than our own took
-during the profile window (runtime/window_load.py). Above INTERFERENCE_SHARE the window measured
+during the profile window (runtime/measure/window_load.py). Above INTERFERENCE_SHARE the window measured
 the machine's other work as much as the configuration, so a launch run on its own (evaluator.py
 `RunnerLaunches.run`) is launched once more and that measurement kept (with its own share on
 record if the machine is still busy). A launch submitted to a runner's slots (`capacity` above 1)

@@ -5,7 +5,7 @@ context that does nothing: the model trains as under DeepSpeed's Init, but each 
 whole first (its memory then, not its training, differs). `GatheredParameters` does what
 DeepSpeed's does for FSDP2's sharded parameters (DTensors, ZeRO 2 and 3 here): every rank
 entering it sees them whole, through the parameter's `.data` and the module's attribute, and with
-`modifier_rank` that rank's changes reach every shard on exit (runtime/whole_weights.py). Entered
+`modifier_rank` that rank's changes reach every shard on exit (runtime/saving/whole_weights.py). Entered
 with enabled=False, or for parameters that are not sharded (stage 0-1), it does nothing, as in
 DeepSpeed.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotuner.runtime.distributed import warn_once
-from autotuner.runtime.whole_weights import Gathering, ZeroParamStatus
+from autotuner.runtime.saving.whole_weights import Gathering, ZeroParamStatus
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus"]
 

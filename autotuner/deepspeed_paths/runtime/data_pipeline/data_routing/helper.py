@@ -7,7 +7,7 @@ itself). Converting layers to random-LTD ones would train differently: refused, 
 
 On our engine's FSDP2 stages (2 and 3) the parameters are DTensor shards, where DeepSpeed's ZeRO 2
 keeps whole ones on every rank; scripts call this on rank 0 only. There the other ranks serve their
-shards (runtime/rank_zero_gather.py, whole_weights.py), so the state dict holds whole tensors (on
+shards (runtime/saving/rank_zero_gather.py, whole_weights.py), so the state dict holds whole tensors (on
 the host) as under DeepSpeed.
 """
 
@@ -33,8 +33,8 @@ def remove_random_ltd_state_dict(state_dict):
 
 def save_without_random_ltd(model):
     """The state dict of `model.module` (or `model`), without random-LTD's key parts."""
-    from autotuner.runtime.rank_zero_gather import service_for
-    from autotuner.runtime.whole_weights import whole_tensors
+    from autotuner.runtime.saving.rank_zero_gather import service_for
+    from autotuner.runtime.saving.whole_weights import whole_tensors
 
     inner = model.module if hasattr(model, "module") else model
     return remove_random_ltd_state_dict(whole_tensors(inner.state_dict(), service_for(inner)))

@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel
 from autotuner.config.models import ZeroConfig
 from autotuner.core.errors import UnsupportedError
 from autotuner.runtime.distributed import DistributedContext, warn_once
-from autotuner.runtime.grad_reduction import GradientReduction, ddp_reduction_hook
-from autotuner.runtime.gradient_noise import GradientNoiseProbe, gradient_noise_hook
+from autotuner.runtime.measure.gradient_noise import GradientNoiseProbe, gradient_noise_hook
+from autotuner.runtime.training.grad_reduction import GradientReduction, ddp_reduction_hook
 
 _LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from autotuner.runtime.grad_reduction import GradientReduction, ddp_reduction_hook
+from autotuner.runtime.training.grad_reduction import GradientReduction, ddp_reduction_hook
 
 FIRST_STEP = 2  # step 1's gradients come from the initial weights: kept out, as the warm-up is
 

@@ -13,13 +13,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autotuner.core.boundary import CollectiveTiming, MeasurementRequest, ModelInfo, write_record
-from autotuner.runtime.comm_probe import probe_collectives
-from autotuner.runtime.leaving import leave_now
-from autotuner.runtime.memory_probes import PhasePeaks
-from autotuner.runtime.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
-from autotuner.runtime.profile import device_memory_bytes, write_model_info
-from autotuner.runtime.timers import ProfileWindow
-from autotuner.runtime.window_load import WindowWatch, load_average
+from autotuner.runtime.measure.comm_probe import probe_collectives
+from autotuner.runtime.measure.leaving import leave_now
+from autotuner.runtime.measure.memory_probes import PhasePeaks
+from autotuner.runtime.measure.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
+from autotuner.runtime.measure.profile import device_memory_bytes, write_model_info
+from autotuner.runtime.measure.timers import ProfileWindow
+from autotuner.runtime.measure.window_load import WindowWatch, load_average
 
 
 class EngineView(Protocol):
@@ -62,7 +62,7 @@ class EngineView(Protocol):
     def flops_per_micro_step(self) -> int | None: ...
 
     def gradient_noise(self) -> Any:
-        """The gradient noise probe (runtime/gradient_noise.py) where this engine has one, else None."""
+        """The gradient noise probe (runtime/measure/gradient_noise.py) where this engine has one, else None."""
 
 
 class RankMeasurement:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import psutil
 
-from autotuner.runtime.leaving import leave_now
+from autotuner.runtime.measure.leaving import leave_now
 
 GROUP_RANK_ENV = "GROUP_RANK"  # torch elastic: this node's index
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from autotuner.core.errors import UnsupportedError
-from autotuner.runtime.sharding import is_dtensor
+from autotuner.runtime.training.sharding import is_dtensor
 
 _GATHER, _DONE = 1, 0
 

@@ -3,7 +3,7 @@
 When a tuner's launch names a measurement request, each rank installs this before the user's
 script runs. The moment `deepspeed` is imported, `DeepSpeedEngine.__init__`, `forward`,
 `backward` and `step` are wrapped; the first engine the script creates is then measured exactly
-as our own engine measures itself (runtime/measurement.py):
+as our own engine measures itself (runtime/measure/measurement.py):
 - end-to-end time per optimizer step, from one accumulation boundary to the next, so the
   script's data loading is inside it; forward, backward and the boundary step apart;
 - the peak per rank: the CUDA allocator's on GPU, the resident set's high-water mark on CPU;
@@ -138,7 +138,7 @@ class DeepSpeedView:
 
     def built_values(self, keys: list[str]) -> tuple[tuple[str, Any], ...]:
         """The config DeepSpeed's engine was given (a file's or the script's own dict), at the tuned keys."""
-        from autotuner.runtime.measurement import values_at
+        from autotuner.runtime.measure.measurement import values_at
 
         given = getattr(getattr(self._engine, "_config", None), "_param_dict", None)
         return values_at(given if isinstance(given, dict) else {}, keys)
@@ -160,7 +160,7 @@ class DeepSpeedView:
         (under ZeRO its parameters are this rank's fp32 partitions)."""
         import torch
 
-        from autotuner.runtime.memory_probes import optimizer_state_bytes
+        from autotuner.runtime.measure.memory_probes import optimizer_state_bytes
 
         optimizer = self._engine.optimizer
         for _ in range(4):
@@ -193,10 +193,10 @@ class DeepSpeedMeasurement:
     when the ranks leave, is the shared protocol's (rank_measurement.py)."""
 
     def __init__(self, engine: Any, request: MeasurementRequest, engines: list[Any]):
-        from autotuner.runtime.memory_probes import PhasePeaks, mark_uncaught_oom
-        from autotuner.runtime.rank_measurement import RankMeasurement
-        from autotuner.runtime.timers import ProfileWindow, Stopwatch
-        from autotuner.runtime.window_load import WindowWatch
+        from autotuner.runtime.measure.memory_probes import PhasePeaks, mark_uncaught_oom
+        from autotuner.runtime.measure.rank_measurement import RankMeasurement
+        from autotuner.runtime.measure.timers import ProfileWindow, Stopwatch
+        from autotuner.runtime.measure.window_load import WindowWatch
 
         self.engine = engine
         self.request = request
@@ -286,8 +286,8 @@ class DeepSpeedMeasurement:
 
     # ----- the first micro-step's saved activations -----
     def _start_activation_probe(self) -> None:
-        from autotuner.runtime.activation_checkpointing import repeated_blocks
-        from autotuner.runtime.profile import ActivationProbe
+        from autotuner.runtime.measure.profile import ActivationProbe
+        from autotuner.runtime.training.activation_checkpointing import repeated_blocks
 
         self.activation_probe = ActivationProbe(list(self.engine.module.parameters()), repeated_blocks(self.engine.module),
                                                 model=self.engine.module)
@@ -295,8 +295,8 @@ class DeepSpeedMeasurement:
 
     @contextlib.contextmanager
     def _oom_guard(self):
-        from autotuner.runtime.memory_probes import write_oom_marker
-        from autotuner.runtime.metrics import is_out_of_memory
+        from autotuner.runtime.measure.memory_probes import write_oom_marker
+        from autotuner.runtime.measure.metrics import is_out_of_memory
 
         try:
             yield

@@ -1,5 +1,5 @@
 """The engine's checkpoints, as DeepSpeed's engine saves and loads them (save_checkpoint,
-load_checkpoint), over torch.distributed.checkpoint (runtime/checkpoint.py). A mixin of Engine:
+load_checkpoint), over torch.distributed.checkpoint (runtime/saving/checkpoint.py). A mixin of Engine:
 it reads the engine's step counts, optimizer, schedule and loss scale."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class EngineCheckpoints:
         `save_latest`: point the `latest` file at this tag; `exclude_frozen_parameters`: leave out
         the weights of parameters that do not train (such a checkpoint loads with
         load_module_strict=False, as in DeepSpeed)."""
-        from autotuner.runtime import checkpoint  # DCP imports DTensor: ~1 s, paid only when used
+        from autotuner.runtime.saving import checkpoint  # DCP imports DTensor: ~1 s, paid only when used
 
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)  # DeepSpeed's str(tag): a loss as a tag
         state = {
@@ -62,7 +62,7 @@ class EngineCheckpoints:
         load_state_dict, given every weight the checkpoint holds and with `load_module_strict` not
         applied. Under FSDP2 the model's weights come as this rank's DTensor shards, and weights
         the model has no tensor for as whole tensors on the CPU."""
-        from autotuner.runtime import checkpoint
+        from autotuner.runtime.saving import checkpoint
 
         resolved = checkpoint.resolve_tag(load_dir, None if tag is None else str(tag))
         if resolved is None:

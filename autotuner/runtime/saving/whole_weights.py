@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autotuner.core.errors import UnsupportedError
-from autotuner.runtime.sharding import is_dtensor
+from autotuner.runtime.training.sharding import is_dtensor
 
 
 class ZeroParamStatus(Enum):

@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from autotuner.core.boundary import MeasurementRequest, request_from_env
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.runtime.memory_probes import optimizer_state_bytes
-from autotuner.runtime.sharding import shard_units
+from autotuner.runtime.measure.memory_probes import optimizer_state_bytes
+from autotuner.runtime.training.sharding import shard_units
 
 
 def measurement_request(config: DeepSpeedConfig) -> MeasurementRequest | None:

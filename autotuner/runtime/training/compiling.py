@@ -13,7 +13,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from autotuner.runtime.activation_checkpointing import repeated_blocks
+from autotuner.runtime.training.activation_checkpointing import repeated_blocks
 
 
 def compile_blocks(model: nn.Module, backend: str = "inductor", kwargs: dict[str, Any] | None = None) -> int:

@@ -50,7 +50,7 @@ def _storage_bytes(tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
 
 
-# Autograd nodes of the ops whose outputs selective checkpointing keeps (activation_checkpointing.py),
+# Autograd nodes of the ops whose outputs selective checkpointing keeps (training/activation_checkpointing.py),
 # and of the views and reshapes that may sit between such an output and the op that saves it
 # (nn.Linear on 3-D input is a view of an mm; Hugging Face's Conv1D views an addmm).
 _MATMUL_NODES = frozenset({"MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0",
@@ -227,7 +227,7 @@ def write_model_info(
     sequence_length: int = 0,
 ) -> ModelInfo:
     total, trainable = parameter_counts or count_parameters(zero_stage_module)
-    from autotuner.runtime.model_family import device_name, model_family
+    from autotuner.runtime.measure.model_family import device_name, model_family
 
     info = ModelInfo(
         num_params=total,

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from autotuner.runtime.metrics import is_out_of_memory, write_json_atomic
+from autotuner.runtime.measure.metrics import is_out_of_memory, write_json_atomic
 
 
 class PhasePeaks:

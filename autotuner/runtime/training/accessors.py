@@ -162,7 +162,7 @@ class DeepSpeedAccessors:
     def save_16bit_model(self, save_dir: Any, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """The whole model's weights in the training precision, one file written by rank 0; collective."""
-        from autotuner.runtime.model_save import save_16bit_model
+        from autotuner.runtime.saving.model_save import save_16bit_model
 
         return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
@@ -180,7 +180,7 @@ class DeepSpeedAccessors:
         whole if it has none), as the `compile` section does before wrapping. DeepCompile's
         `schedule` and compiled autograd are DeepSpeed's own and refused."""
         from autotuner.core.errors import UnsupportedError
-        from autotuner.runtime.compiling import compile_blocks, is_compiled
+        from autotuner.runtime.training.compiling import compile_blocks, is_compiled
 
         if schedule is not None or compiled_autograd_enabled:
             raise UnsupportedError("engine.compile(schedule=..., compiled_autograd_enabled=True): DeepCompile's "
@@ -191,7 +191,7 @@ class DeepSpeedAccessors:
 
     @property
     def is_compiled(self) -> bool:
-        from autotuner.runtime.compiling import is_compiled
+        from autotuner.runtime.training.compiling import is_compiled
 
         return is_compiled(self.module)
 

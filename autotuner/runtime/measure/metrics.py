@@ -8,7 +8,7 @@ import torch
 
 from autotuner.core.atomic import write_json_atomic  # noqa: F401  (re-exported for the engine)
 from autotuner.core.boundary import Measurement, Summary
-from autotuner.runtime.timers import ProfileWindow
+from autotuner.runtime.measure.timers import ProfileWindow
 
 
 def is_out_of_memory(err: BaseException) -> bool:

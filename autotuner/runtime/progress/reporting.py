@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from autotuner.runtime.monitor import MonitorMaster
-from autotuner.runtime.throughput import ThroughputTimer
-from autotuner.runtime.wall_clock import WallClockBreakdown
+from autotuner.runtime.progress.monitor import MonitorMaster
+from autotuner.runtime.progress.throughput import ThroughputTimer
+from autotuner.runtime.progress.wall_clock import WallClockBreakdown
 
 
 def rank0_printer(rank: int):
@@ -50,7 +50,7 @@ class RunReporter:
     def forward_started(self, global_steps: int, first_micro_of_step: bool) -> None:
         self.tput_timer.start()
         if self._profile is not None and global_steps == self._profile.profile_step and first_micro_of_step:
-            from autotuner.runtime.flops_profiler import FlopsProfiler
+            from autotuner.runtime.progress.flops_profiler import FlopsProfiler
 
             self.flops_profiler = FlopsProfiler(self._engine.module, self._engine,
                                                 self._profile.recompute_fwd_factor)
