@@ -161,16 +161,19 @@ class MemoryBook:
             self.report(note)
 
     def budget_note(self, environ: dict[str, str]) -> str | None:
-        """On a CPU under a given budget, what makes the resident set predictable, when it is not set:
-        glibc's moving mmap threshold put one launch's peak at 638, 822 and over 1,024 MiB in three
-        runs; with it fixed, the model predicted every launch within 4% (docs/autotuning.md)."""
+        """On a CPU under a given budget, what makes the resident set predictable, when it is not set.
+        Not set for the user: it holds peaks within 1 MiB run to run, but cost 0.59-0.87x the
+        throughput on four of five CPU workloads (1 MiB and 8 MiB thresholds 0.69-0.90x), which
+        every measurement, and the training the pick is run with, would pay
+        (benchmarks/malloc_threshold.py, benchmarks/results/malloc_threshold*.csv)."""
         if self.device_type != "cpu" or not self.facts.config.autotuning.memory_per_rank_bytes:
             return None
         if "MALLOC_MMAP_THRESHOLD_" in environ or "glibc.malloc.mmap_threshold" in environ.get("GLIBC_TUNABLES", ""):
             return None
-        return ("note: on a CPU a rank's resident set follows glibc's heap, which varies by tens of percent run to "
-                "run; for a memory_per_rank_bytes budget the memory model can hold to, run the launcher with "
-                "MALLOC_MMAP_THRESHOLD_=131072 (allocation gets slower)")
+        return ("note: on a CPU a rank's resident set follows glibc's heap, whose peaks vary by up to 40% run to run "
+                "(FSDP2's doubled on one workload), so a launch may overrun memory_per_rank_bytes and count as out of "
+                "memory; MALLOC_MMAP_THRESHOLD_=131072 in the launcher's environment holds them within 1 MiB, at "
+                "0.59-0.87x the throughput on our CPU workloads, so it is yours to set (docs/autotuning.md)")
 
     def stage_settings(self, stage: int, gradient_accumulation_steps: int = 1,
                        knobs: tuple[tuple[str, Any], ...] = ()) -> StageSettings:
