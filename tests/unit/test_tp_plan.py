@@ -9,6 +9,7 @@ import torch.nn as nn
 from autotuner.core.errors import UnsupportedError
 from autotuner.runtime.training.tp_plan import (COLWISE, COLWISE_GATHERED, ROWWISE, divide_head_attributes,
                                                 dtensor_styles, tp_plan)
+from workers.tp_plan_ranks import Net  # the block model the rank test trains split
 
 
 def tiny_llama(**config):
@@ -17,33 +18,6 @@ def tiny_llama(**config):
     values = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=100, max_position_embeddings=32)
     return LlamaForCausalLM(LlamaConfig(**{**values, **config}))
-
-
-class Attention(nn.Module):
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.num_heads = heads
-        self.q, self.k, self.v, self.out = (nn.Linear(width, width) for _ in range(4))
-
-
-class Block(nn.Module):
-    """The attention's last Linear comes just before a norm (row-wise by AutoTP's rule); the MLP's
-    second is row-wise by its name."""
-
-    def __init__(self, width: int = 32, heads: int = 4):
-        super().__init__()
-        self.attn = Attention(width, heads)
-        self.norm = nn.LayerNorm(width)
-        self.up = nn.Linear(width, 4 * width)
-        self.down_proj = nn.Linear(4 * width, width)
-
-
-class Net(nn.Module):
-    def __init__(self, blocks: int = 2, block=Block):
-        super().__init__()
-        self.embed = nn.Embedding(50, 32)
-        self.blocks = nn.ModuleList(block() for _ in range(blocks))
-        self.head = nn.Linear(32, 50)
 
 
 def test_a_hugging_face_model_is_split_by_its_own_plan_with_an_untied_head_gathered():

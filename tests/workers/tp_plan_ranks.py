@@ -35,6 +35,9 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
+    """The attention's last Linear comes just before a norm (row-wise by AutoTP's rule); the MLP's
+    second is row-wise by its name."""
+
     def __init__(self, width: int = 32, heads: int = 4):
         super().__init__()
         self.attn = Attention(width, heads)
@@ -48,10 +51,10 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, blocks: int = 2, block=Block):
         super().__init__()
         self.embed = nn.Embedding(50, 32)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(block() for _ in range(blocks))
         self.head = nn.Linear(32, 50)
 
     def forward(self, ids, labels):
