@@ -7,6 +7,7 @@ import datetime
 import gc
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,14 +27,25 @@ class DistributedContext:
     backend: str
 
 
+_GLOO_DRAIN_S = 0.2  # ample for a worker thread to take the GIL once; paid once per rank, at exit
+
+
 def end_process_group() -> None:
     """End the default process group while the interpreter is whole, as torchrun's docs ask
     scripts to. Left to interpreter teardown, a freed DDP reducer and gloo's threads can abort a
     rank at exit ("terminate called without an active exception", status 134) after training
-    finished."""
-    if dist.is_available() and dist.is_initialized():
-        gc.collect()
+    finished.
+
+    Also when the script ended the group itself: a gloo worker thread frees each collective's
+    work after the caller's wait returned, and freeing its tensors takes the GIL. Should the
+    interpreter be finalising by then, that thread exits inside a C++ destructor and the rank
+    aborts (seen after a last broadcast just before exit). Sleeping hands the GIL over first."""
+    if not dist.is_available():
+        return
+    gc.collect()
+    if dist.is_initialized():
         dist.destroy_process_group()
+    time.sleep(_GLOO_DRAIN_S)
 
 
 _warned: set[str] = set()
