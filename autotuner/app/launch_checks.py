@@ -39,6 +39,9 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
             from autotuner.config.engine_math import refuse_other_math
 
             refuse_other_math(config, path)
+    tp = config.tensor_parallel.size
+    if tp > 1 and world_size % tp:
+        raise ConfigError(f"{path}: tensor_parallel.autotp_size {tp}: must divide the number of ranks ({world_size})")
     check_fixed_triad(config, world_size, path)
     stage = config.zero_optimization.stage
     if not isinstance(stage, int):

@@ -260,6 +260,10 @@ def settle(args: argparse.Namespace) -> SettledJob:
     results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
+    if config.tensor_parallel.size > 1:
+        raise UsageError(f"{source}: tensor_parallel.autotp_size {config.tensor_parallel.autotp_size}: --autotuning "
+                         "does not search or cost tensor-parallel layouts yet; train the layout with `launcher` "
+                         "without --autotuning, or tune with autotp_size 1")
     # DeepSpeed's engine splits each sequence over sequence_parallel_size ranks, and its batch
     # arithmetic divides the world by it as by a model-parallel size (ours refuses it at initialize).
     sequence_parallel = config.set_aside.get("sequence_parallel_size", 1)

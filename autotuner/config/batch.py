@@ -21,12 +21,13 @@ def train_batch_size(micro_batch_size: int, gradient_accumulation_steps: int, da
     return micro_batch_size * gradient_accumulation_steps * data_parallel_size
 
 
-def data_parallel_size(world_size: int, model_parallel_size: int = 1, source: str = "config") -> int:
+def data_parallel_size(world_size: int, model_parallel_size: int = 1, source: str = "config",
+                       key: str = "autotuning.mp_size") -> int:
     """The ranks that each hold a replica's batch: the world over the model-parallel size (the one
     place it is derived; every rank is data parallel here, so mp_size 1 gives the world size)."""
     size, rest = divmod(world_size, model_parallel_size)
     if size < 1 or rest:
-        raise ConfigError(f"{source}: autotuning.mp_size: got {model_parallel_size}; it must divide the world size "
+        raise ConfigError(f"{source}: {key}: got {model_parallel_size}; it must divide the world size "
                           f"({world_size})")
     return size
 
@@ -109,10 +110,36 @@ def resolve_batch(config: DeepSpeedConfig, data_parallel_size: int) -> BatchSize
 
 
 def check_fixed_triad(config: DeepSpeedConfig, world_size: int, source: str) -> None:
-    """When all three batch values are fixed integers, they must agree before anything launches."""
+    """When all three batch values are fixed integers, they must agree before anything launches
+    (over every rank or over dp where tensor parallelism divides it: an mpu's script counts dp)."""
     values = (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps)
     if all(isinstance(v, int) for v in values):
         try:
-            resolve_batch(config, world_size)
+            resolve_split_batch(config, world_size, config.tensor_parallel.size, counts_every_rank=True)
         except ConfigError as err:
             raise ConfigError(f"{source}: {err}") from None
+
+
+def resolve_split_batch(config: DeepSpeedConfig, world_size: int, tp_size: int,
+                        counts_every_rank: bool) -> tuple[BatchSizes, str | None]:
+    """The triad under tensor parallelism, as DeepSpeed 0.19.8 solves it: with an mpu, over the
+    data-parallel size (world / tp); without one (a config-only AutoTP run, Hugging Face's Trainer)
+    over every rank, TP replicas counted (`counts_every_rank`). Either way a step trains micro x
+    gas x dp samples, since a TP group shares one batch; that is what the result holds. A triad
+    consistent only over dp is taken too (the tuner writes those). Returns the sizes and, where
+    the config's train_batch_size is not the samples a step trains, the line that says so."""
+    dp = data_parallel_size(world_size, tp_size, "config", "tensor_parallel.autotp_size")
+    if tp_size == 1 or not counts_every_rank:
+        return resolve_batch(config, dp), None
+    try:
+        counted = resolve_batch(config, world_size)
+    except ConfigError:
+        return resolve_batch(config, dp), None
+    trained = BatchSizes(train_batch_size(counted.micro_batch_size, counted.gradient_accumulation_steps, dp),
+                         counted.micro_batch_size, counted.gradient_accumulation_steps, dp)
+    if not isinstance(config.train_batch_size, int):
+        return trained, None  # micro-batch and gas given: both counts agree on what a step trains
+    return trained, (f"train_batch_size {counted.train_batch_size} counts all {world_size} ranks, as DeepSpeed does "
+                     f"without an mpu; the {tp_size} ranks of a tensor-parallel group share one batch, so a step "
+                     f"trains {trained.train_batch_size} samples (micro-batch {trained.micro_batch_size} x gas "
+                     f"{trained.gradient_accumulation_steps} x data-parallel size {dp}), as on DeepSpeed")

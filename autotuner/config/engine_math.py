@@ -3,9 +3,8 @@ honours them; ours would train differently, so it refuses them in one line rathe
 
 from __future__ import annotations
 
-import json
-
 from autotuner.config.models import DeepSpeedConfig
+from autotuner.config.tensor_parallel import refuse_unsupported as refuse_unsupported_tp
 from autotuner.core.errors import ConfigError
 
 
@@ -33,13 +32,7 @@ def refuse_other_math(config: DeepSpeedConfig, source: str) -> None:
             raise ConfigError(f"{source}: {key} is enabled: {what} is not carried by autotuner's engine, so the run "
                               "would train differently from DeepSpeed; disable the section, or train on DeepSpeed's "
                               "engine (import deepspeed, or --engine deepspeed)")
-    tensor_parallel = config.set_aside.get("tensor_parallel")
-    autotp = tensor_parallel.get("autotp_size", 1) if isinstance(tensor_parallel, dict) else 1
-    if not (isinstance(autotp, int) and not isinstance(autotp, bool) and autotp <= 1):
-        raise ConfigError(f"{source}: tensor_parallel.autotp_size {json.dumps(autotp)}: DeepSpeed's AutoTP splits each "
-                          "Linear layer over that many ranks (and divides the data-parallel size by it); autotuner's "
-                          "engine trains every rank data parallel, so the run would train another model and batch; "
-                          "remove it (or set 1), or train on DeepSpeed's engine")
+    refuse_unsupported_tp(config.tensor_parallel, source)
     sequence_parallel = config.set_aside.get("sequence_parallel_size", 1)
     if isinstance(sequence_parallel, int) and not isinstance(sequence_parallel, bool) and sequence_parallel > 1:
         raise ConfigError(f"{source}: sequence_parallel_size {sequence_parallel}: DeepSpeed's engine splits each "

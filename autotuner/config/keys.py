@@ -23,7 +23,7 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
             "zero_force_ds_cpu_optimizer", "train_batch_size_per_gpu_at_fp16", "hybrid_engine",
             "comet", "log_level", "disable_python_gc",
             "use_data_before_expert_parallelism", "expert_parallel", "seq_parallel_communication_data_type",
-            "tensor_parallel", "sequence_parallel_size",
+            "sequence_parallel_size",
         }
     ),
     "zero_optimization": frozenset(

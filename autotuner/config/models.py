@@ -16,6 +16,7 @@ from pydantic import AliasChoices, Field, NonNegativeFloat, PositiveFloat, Priva
 from autotuner.config.autotuning import AutotuningConfig
 from autotuner.config.base import Auto, BatchCount, NonNegativeInt, PositiveInt, Section
 from autotuner.config.reporting import CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig, WandbConfig
+from autotuner.config.tensor_parallel import TensorParallelConfig
 
 
 class FP16Config(Section):
@@ -255,6 +256,9 @@ class DeepSpeedConfig(Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    data_parallel_size: PositiveInt | None = Field(
+        None, description="DeepSpeed's AutoTP examples state it; checked against world / tensor_parallel.autotp_size")
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)
     # What a run reports, and how gradients are reduced: DeepSpeed's keys and meanings.
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)

@@ -33,6 +33,8 @@ from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.loss_scale import skips_non_finite
 from autotuner.runtime.training.optim import step_scheduler
 from autotuner.runtime.training.sharding import average_gradients, finite_norm, gradient_norm, unwrap, wrap_ddp
+from autotuner.runtime.training.tensor_parallel import (ParallelLayout, SplitModel, check_same_batch,
+                                                         data_parallel_layout, tp_gradient_norm)
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         training_dataloader: Any = None,
         client_optimizer: bool = False,
         gradient_noise: GradientNoiseProbe | MicroStepNoiseProbe | None = None,
+        layout: ParallelLayout | None = None,
+        split: SplitModel | None = None,
     ):
         super().__init__()
         Engine.created_in_process += 1
@@ -66,6 +70,9 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         self.config = config
         self.batch = batch
         self.ctx = ctx
+        self.layout = layout or data_parallel_layout(ctx)
+        self._split = split  # what tensor parallelism split (None: every rank holds the whole model)
+        self._batch_checked = split is None  # a TP group's ranks compare their first batch
         self.training_dataloader = training_dataloader
         self.zero_stage = int(config.zero_optimization.stage)
         self.precision = config.precision
@@ -143,6 +150,9 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         if self._last_boundary_end is None:
             self._window_watch.note_steps_done(0)
             self._last_boundary_end = self._forward_watch.now()
+        if not self._batch_checked:
+            check_same_batch(self.layout, inputs, kwargs)
+            self._batch_checked = True
         sync = self.is_gradient_accumulation_boundary()
         # Only a forward with the sync on makes DDP reduce: earlier micro-steps' forwards through
         # the engine do not, when the boundary's went through the raw module.
@@ -207,6 +217,10 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         if measure_phases:
             self._phase_peaks.end_forward_backward(self.ctx.device)
         rewrap = self._reduce_what_ddp_missed()
+        if self._split is not None and not self._fsdp and self.layout.dp_size > 1:
+            # Stage 0 under tensor parallelism: no DDP; the data-parallel replicas average here.
+            average_gradients([p for p in self.wrapped.parameters() if p.requires_grad], self.layout.dp_size,
+                              self.layout.dp_group, GradientReduction.from_config(self.config))
         if self._noise is not None:
             self._noise.step_done(self.global_steps + 1, whole=not self._manually_averaged)
         self.step_gate.enter_step()  # another thread reading the shards waits for the update to finish
@@ -323,6 +337,11 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         """(The step's gradient norm, clipping with it; whether the gradients hold an inf or NaN). With
         compute_grad_norm false no norm is kept, as DeepSpeed keeps none, and the gradients are
         looked at only where a non-finite step is skipped (bf16's overflow check at ZeRO 1-2)."""
+        if self._split is not None:
+            named = list(unwrap(self.wrapped).named_parameters())
+            clip = self.config.gradient_clipping if self.config.zero_optimization.compute_grad_norm else 0.0
+            norm = tp_gradient_norm(named, self._split, self.layout, self._fsdp, clip)
+            return (norm if self.config.zero_optimization.compute_grad_norm else None), not finite_norm(norm)
         parameters = list(self.wrapped.parameters())
         if self.config.zero_optimization.compute_grad_norm:
             norm = gradient_norm(parameters, self.config.gradient_clipping)

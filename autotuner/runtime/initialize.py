@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from autotuner.config.batch import resolve_batch
+from autotuner.config.batch import resolve_split_batch
 from autotuner.config.loader import ConfigSource, config_label, load_config, read_config_file
 from autotuner.config.tuned_values import lay_tuned_values, tuned_values_from_env
 from autotuner.config.models import DeepSpeedConfig
@@ -31,6 +31,8 @@ from autotuner.runtime.training.compiling import compile_blocks
 from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.training.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
+from autotuner.runtime.training.tensor_parallel import (ParallelLayout, parallel_layout, refuse_on_device,
+                                                         split_model)
 
 OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Optimizer], None]
 
@@ -62,17 +64,33 @@ def _settle_local_rank(args: Any, local_rank: int) -> None:
     args.local_rank = local_rank
 
 
-def _check_mpu(mpu: Any, mesh_param: Any) -> None:
-    """Only pure data parallelism can be honoured: an mpu with one model-parallel rank."""
+def _check_mpu(mpu: Any, mesh_param: Any, layout: ParallelLayout) -> None:
+    """An mpu is honoured where it describes the config's layout: DeepSpeed reads its data-parallel
+    size for the batch and then uses its own groups (consecutive TP ranks), which must then be the
+    script's groups too. Anything else is refused in one line."""
     if mesh_param is not None:
         raise UnsupportedError("initialize(mesh_param=...): data/sequence-parallel meshes are not supported; "
-                               "every rank is data parallel here, so leave it out")
+                               "give tensor_parallel.autotp_size in the config instead")
     if mpu is None:
         return
-    size = getattr(mpu, "get_model_parallel_world_size", lambda: None)()
-    if size != 1:
-        raise UnsupportedError(f"initialize(mpu=...): model parallelism (model-parallel world size {size}) is not "
-                               "supported; autotuner trains data parallel only, so pass mpu=None")
+    tp = layout.tp_size
+    model = getattr(mpu, "get_model_parallel_world_size", lambda: None)()
+    if (tp == 1 and model != 1) or (tp > 1 and model not in (None, tp)):
+        raise UnsupportedError(f"initialize(mpu=...): the mpu's model-parallel world size is {model} but the config's "
+                               f"tensor_parallel.autotp_size gives {tp}; set autotp_size to the script's tensor-parallel "
+                               "size (autotuner splits the model by it), or pass mpu=None")
+    data = getattr(mpu, "get_data_parallel_world_size", lambda: None)()
+    if data is not None and data != layout.dp_size:
+        raise UnsupportedError(f"initialize(mpu=...): the mpu's data-parallel world size is {data}, but world / "
+                               f"autotp_size is {layout.dp_size}")
+    group = getattr(mpu, "get_model_parallel_group", lambda: None)()
+    if tp > 1 and group is not None:
+        ranks = dist.get_process_group_ranks(group)
+        expected = list(range(layout.tp_source_rank, layout.tp_source_rank + tp))
+        if ranks != expected:
+            raise UnsupportedError(f"initialize(mpu=...): this rank's tensor-parallel group is ranks {ranks}; DeepSpeed "
+                                   f"and autotuner put consecutive ranks together ({expected}), and the batches "
+                                   "would not match; build the groups that way")
 
 
 def _config_from(args: Any, config: ConfigSource | None) -> tuple[DeepSpeedConfig, tuple[str, ...]]:
@@ -133,9 +151,13 @@ def _gradient_noise_wanted(cfg: DeepSpeedConfig, stage: int) -> bool:
     return stage <= 1 and cfg.precision != "fp16" and request is not None and request.gradient_noise
 
 
-def gradient_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: int) -> GradientNoiseProbe | None:
+def gradient_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: int,
+                         layout: ParallelLayout | None = None) -> GradientNoiseProbe | None:
     """With two ranks or more: read around the all-reduce (measure/gradient_noise.py). Built before DDP
     wraps the model, which takes its hook."""
+    if _gradient_noise_wanted(cfg, stage) and layout is not None and layout.tensor_parallel:
+        raise UnsupportedError("autotuning.metric \"goodput\": the gradient noise is not read under tensor_parallel "
+                               "yet (a rank's gradient is a shard); use metric \"throughput\"")
     if not _gradient_noise_wanted(cfg, stage) or world_size < 2:
         return None
     return GradientNoiseProbe(None, batch.micro_batch_size * batch.gradient_accumulation_steps, world_size)
@@ -252,6 +274,27 @@ def _grad_scaler(config: DeepSpeedConfig, device: torch.device, stage: int):
     return LossScaler(config.fp16, device, sharded=stage >= 2)
 
 
+def _layout(cfg: DeepSpeedConfig, ctx: Any, stage: int) -> ParallelLayout:
+    """The ranks' (dp, tp) layout from the config's tensor_parallel section (collective)."""
+    tp = cfg.tensor_parallel.size
+    if tp > 1:
+        refuse_on_device(cfg.tensor_parallel.keep_module_on_host, ctx.device)
+        if stage == 1:
+            raise UnsupportedError("tensor_parallel.autotp_size with zero_optimization.stage 1: torch's "
+                                   "ZeroRedundancyOptimizer cannot hold split parameters, so stage 1 is not carried "
+                                   "with tensor parallelism yet; use stage 0 or 2 (2 also shards the gradients)")
+        if cfg.tensor_parallel.tp_overlap_comm:
+            warn_once("tensor_parallel.tp_overlap_comm: DeepSpeed's overlap of a column layer's input-gradient "
+                      "all-reduce with its weight gradient is a speed knob that torch's DTensor does not offer; "
+                      "the same math runs without it")
+    layout = parallel_layout(ctx, tp)
+    given = cfg.data_parallel_size
+    if given is not None and given != layout.dp_size:
+        raise ConfigError(f"data_parallel_size {given}: the world of {ctx.world_size} ranks over "
+                          f"tensor_parallel.autotp_size {tp} gives {layout.dp_size}; fix it or leave it out")
+    return layout
+
+
 def _dataloader(dataset: Dataset, collate_fn: Any, batch_size: int, rank: int, world_size: int) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, drop_last=True)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True)
@@ -278,7 +321,6 @@ def initialize(
     combination fails here, before training."""
     if model is None:
         raise ConfigError("initialize: model is required")
-    _check_mpu(mpu, mesh_param)
     if dist_init_required is False and not dist.is_initialized():
         raise ConfigError("initialize(dist_init_required=False): the process group is not initialised; call "
                           "init_distributed() first or leave dist_init_required unset")
@@ -293,7 +335,11 @@ def initialize(
     _settle_local_rank(args, ctx.local_rank)
     cfg = cfg.with_device_precision(ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
     cfg = cfg.model_copy(update={"zero_optimization": settle_offload(cfg.zero_optimization, stage, ctx.device)})
-    batch = resolve_batch(cfg, ctx.world_size)
+    layout = _layout(cfg, ctx, stage)
+    _check_mpu(mpu, mesh_param, layout)
+    batch, batch_note = resolve_split_batch(cfg, ctx.world_size, layout.tp_size, counts_every_rank=mpu is None)
+    if batch_note:
+        warn_once(batch_note)
     id_to_name = {id(p): name for name, p in model.named_parameters()}
     if isinstance(optimizer, torch.optim.Optimizer):
         source = [dict(group) for group in optimizer.param_groups]
@@ -301,12 +347,13 @@ def initialize(
         source = list(model_parameters) if model_parameters is not None else list(model.parameters())
     gather_deepspeed_partitions(model)  # a model built under DeepSpeed's own zero.Init; groups map by name
     refuse_unsettled(cfg, None, in_rank=True)  # the tuner writes a value into each experiment's config
+    split = split_model(model.to(ctx.device), layout) if layout.tensor_parallel else None  # torchtitan's order
     apply_activation_checkpointing(model, cfg.activation_checkpointing.policy)  # before DDP/FSDP2 wrap
     if cfg.compile.enabled:
         compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs)  # after checkpointing, before sharding
-    noise = gradient_noise_probe(cfg, stage, batch, ctx.world_size)
+    noise = gradient_noise_probe(cfg, stage, batch, ctx.world_size, layout)
     wrapped = wrap_model(model, stage, cfg.zero_optimization, cfg.precision, ctx, GradientReduction.from_config(cfg),
-                         noise)
+                         noise, dp_mesh=layout.mesh["dp"] if layout.tensor_parallel else None)
     noise = noise or micro_step_noise_probe(cfg, stage, batch, ctx.world_size, unwrap(wrapped).parameters())
     groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
     opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage)
@@ -316,7 +363,8 @@ def initialize(
         if not isinstance(training_data, Dataset):
             raise ConfigError(f"initialize(training_data=...): got {type(training_data).__name__}; "
                               "training data must be a torch Dataset")
-        loader = _dataloader(training_data, collate_fn, batch.micro_batch_size, ctx.rank, ctx.world_size)
+        # By data-parallel rank: the ranks of a tensor-parallel group draw the same batches.
+        loader = _dataloader(training_data, collate_fn, batch.micro_batch_size, layout.dp_rank, layout.dp_size)
     engine = Engine(
         wrapped, opt, scheduler, cfg, batch, ctx,
         local_optimizer=local_opt,
@@ -324,6 +372,8 @@ def initialize(
         training_dataloader=loader,
         client_optimizer=optimizer is not None,
         gradient_noise=noise,
+        layout=layout,
+        split=split,
     )
     engine.tuned_over_script = tuned_over_script
     if stage >= 2:  # FSDP2's shards: whole weights where a DeepSpeed script reads them (saving/whole_weights.py)
@@ -331,6 +381,9 @@ def initialize(
         register_root(user_module)
         if stage == 3:
             mark_zero3_parameters(user_module)
-        service = arm_rank_zero_gather(user_module, stage, ctx.world_size, engine.step_gate, dist_timeout_s())
+        service = arm_rank_zero_gather(user_module, stage, ctx.world_size, engine.step_gate, dist_timeout_s()) \
+            if split is None else None  # the service gathers FSDP2's dim-0 shards only
         whole_state_dict_on_rank_zero(user_module, ctx.rank, service)
+    elif split is not None:  # the split parameters: rank 0 alone cannot gather them; refused there in one line
+        whole_state_dict_on_rank_zero(unwrap(wrapped), ctx.rank, None)
     return engine, opt, loader, scheduler

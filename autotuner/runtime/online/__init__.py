@@ -22,6 +22,11 @@ def start_online(engine: Any, shard_units: int):
     tuning = online_enabled(config) and engine._request is None
     if not tuning and not online.knobs:
         return None
+    if engine.layout.tensor_parallel:
+        from autotuner.core.errors import UnsupportedError
+
+        raise UnsupportedError("autotuning.online: communication knobs are not tuned under tensor_parallel yet (at "
+                               "stage 0 no DDP reduces there); turn online tuning off, or use autotp_size 1")
     plan: KnobPlan = plan_knobs(stage=engine.zero_stage, zero=config.zero_optimization, online=online,
                                 world_size=engine.ctx.world_size,
                                 gradient_accumulation_steps=engine.batch.gradient_accumulation_steps,

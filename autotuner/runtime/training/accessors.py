@@ -17,6 +17,7 @@ class DeepSpeedAccessors:
     # Set by Engine.__init__ and its step.
     wrapped: nn.Module
     ctx: Any
+    layout: Any
     batch: Any
     config: Any
     optimizer: torch.optim.Optimizer
@@ -67,11 +68,27 @@ class DeepSpeedAccessors:
 
     @property
     def dp_world_size(self) -> int:
-        return self.ctx.world_size  # no model parallelism: every rank is a data-parallel rank
+        return self.layout.dp_size  # world / tensor_parallel.autotp_size
 
     @property
     def mp_world_size(self) -> int:
-        return 1
+        return self.layout.tp_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.layout.dp_rank
+
+    def get_tensor_parallel_rank(self) -> int:
+        return self.layout.tp_rank
+
+    def get_model_parallel_rank(self) -> int:
+        return self.layout.tp_rank  # tensor parallelism is the only model parallelism here, as in DeepSpeed's AutoTP
+
+    def autotp_size(self) -> int:
+        """DeepSpeed's engine.autotp_size(): the config's value (0 or 1: no tensor parallelism)."""
+        return self.config.tensor_parallel.autotp_size
+
+    def tensor_parallel_config(self) -> Any:
+        return self.config.tensor_parallel
 
     @property
     def device(self) -> torch.device:

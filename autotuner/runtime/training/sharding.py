@@ -76,11 +76,13 @@ def shard_units(model: nn.Module, persistence_threshold: int) -> list[nn.Module]
 
 
 def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: DistributedContext,
-           reduction: GradientReduction | None) -> nn.Module:
+           reduction: GradientReduction | None, dp_mesh: Any = None) -> nn.Module:
+    """FSDP2 over every rank, or over `dp_mesh` (the data-parallel side of a tensor-parallel layout,
+    whose split parameters FSDP2 then shards a second time)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
+    mesh = dp_mesh if dp_mesh is not None else init_device_mesh(ctx.device.type, (ctx.world_size,))
     mixed = MixedPrecisionPolicy()
     if precision in _LOW_PRECISION:
         # Gradients are reduced in fp32 so ranks agree to the last bit with DeepSpeed's default.
@@ -95,7 +97,7 @@ def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: 
         s is not None and s.device == "cpu" for s in (zero.offload_optimizer, zero.offload_param)
     )
     offload = CPUOffloadPolicy(pin_memory=bool(zero.offload_param and zero.offload_param.pin_memory)) if offloading else OffloadPolicy()
-    if ctx.world_size > 1:
+    if ctx.world_size > 1 and dp_mesh is None:  # a split model took rank 0's weights before it was split
         # Every rank starts from rank 0's weights, as DDP and DeepSpeed's engine (and its zero.Init)
         # make them: FSDP2 keeps each rank's own slice of whatever that rank built.
         with torch.no_grad():
@@ -117,12 +119,19 @@ def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: 
 
 
 def wrap_model(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: DistributedContext,
-               reduction: GradientReduction | None = None, noise: GradientNoiseProbe | None = None) -> nn.Module:
-    """Move `model` to the device and wrap it for `stage`. FSDP2 shards it in place."""
+               reduction: GradientReduction | None = None, noise: GradientNoiseProbe | None = None,
+               dp_mesh: Any = None) -> nn.Module:
+    """Move `model` to the device and wrap it for `stage`. FSDP2 shards it in place. A model split
+    by tensor parallelism comes with its `dp_mesh`: FSDP2 shards over it at stages 2-3; at stage 0
+    it stays unwrapped, its split parameters whole DTensors, and the engine averages the gradients
+    over the dp group at each boundary (DeepSpeed's stage 0 does its own all-reduce too), so that
+    every state dict still knows which tensors are split."""
     check_supported(stage, zero, precision, ctx.device)
     model = model.to(ctx.device)
     if stage >= 2:
-        return _fsdp2(model, stage, zero, precision, ctx, reduction)
+        return _fsdp2(model, stage, zero, precision, ctx, reduction, dp_mesh)
+    if dp_mesh is not None:
+        return model
     return wrap_ddp(model, zero, ctx, reduction=reduction, noise=noise)
 
 
@@ -152,25 +161,47 @@ def wrap_ddp(model: nn.Module, zero: ZeroConfig, ctx: DistributedContext,
     return ddp
 
 
-def average_gradients(parameters: list[nn.Parameter], world_size: int) -> None:
+_BUCKET_ELEMENTS = 2**23  # 32 MiB of fp32 gradients a bucket, about DDP's 25 MiB
+
+
+def average_gradients(parameters: list[nn.Parameter], world_size: int, group: Any = None,
+                      reduction: GradientReduction | None = None) -> None:
     """Average gradients over the ranks ourselves, for a step whose backward DDP did not reduce (or
     reduced only in part). A parameter with a gradient on some rank gets zeros elsewhere, as
     DDP's find_unused_parameters does; one with a gradient nowhere keeps None, so the optimizer
-    skips it. Averaging what DDP already averaged leaves it as it is: every rank holds the same."""
+    skips it. Averaging what DDP already averaged leaves it as it is: every rank holds the same.
+    `reduction` is DeepSpeed's dtype and division for the all-reduce, as DDP's hook applies them."""
     import torch.distributed as dist
 
     if not parameters:
         return
     device = parameters[0].device
     has_grad = torch.tensor([float(p.grad is not None) for p in parameters], device=device)
-    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
+    dist.all_reduce(has_grad, op=dist.ReduceOp.MAX, group=group)
+    grads: dict[torch.dtype, list[list[torch.Tensor]]] = {}
     for param, anywhere in zip(parameters, has_grad.tolist()):
         if not anywhere:
             continue
         if param.grad is None:
             param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad)
-        param.grad.div_(world_size)
+        local = param.grad.to_local() if is_dtensor(param.grad) else param.grad  # a split parameter's shard
+        buckets = grads.setdefault(local.dtype, [[]])
+        if buckets[-1] and sum(g.numel() for g in buckets[-1]) + local.numel() > _BUCKET_ELEMENTS:
+            buckets.append([])
+        buckets[-1].append(local)
+    for bucket in (bucket for buckets in grads.values() for bucket in buckets):  # one all-reduce a bucket, as DDP
+        flat = torch._utils._flatten_dense_tensors(bucket)
+        if reduction is not None and reduction.dtype is not None:
+            flat = flat.to(reduction.dtype)
+        before = world_size if reduction is not None and reduction.prescale else \
+            (reduction.predivide_factor if reduction is not None else 1.0)
+        if before != 1.0:
+            flat.mul_(1.0 / before)
+        dist.all_reduce(flat, group=group)
+        if before != world_size:
+            flat.mul_(before / world_size)
+        for grad, reduced in zip(bucket, torch._utils._unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(reduced)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

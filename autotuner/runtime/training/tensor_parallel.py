@@ -1,0 +1,165 @@
+"""Tensor parallelism on our engine: the (dp, tp) layout of the ranks, the model split by its plan
+with torch's DTensor, and what TP changes in a step (the gradient norm, the batch check).
+
+The layout is DeepSpeed's (`groups._init_tp_mesh_device`): the ranks of a TP group are
+consecutive, `[k*tp, ..., k*tp + tp - 1]`, so a TP group stays inside a node, and a rank's
+data-parallel rank is `rank // tp`. torch's `init_device_mesh` over `(dp, tp)` gives exactly
+that. Splitting comes first, on the `tp` mesh (`parallelize_module` with the plan of
+tp_plan.py); the ZeRO stage then works over the `dp` mesh, in torchtitan's order: DDP with
+`device_mesh=mesh["dp"]` at stages 0-1 (torch localises the split parameters for it), FSDP2's
+`fully_shard(mesh=mesh["dp"])` at 2-3 (it shards the split parameters again over dp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autotuner.core.errors import UnsupportedError, UsageError
+from autotuner.runtime.distributed import DistributedContext, warn_once
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this rank sits: its tensor-parallel group and its data-parallel replica."""
+
+    tp_size: int
+    dp_size: int
+    tp_rank: int
+    dp_rank: int
+    mesh: Any = None  # torch's DeviceMesh over ("dp", "tp"); None without tensor parallelism
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.tp_size > 1
+
+    @property
+    def tp_group(self) -> Any:
+        return self.mesh["tp"].get_group() if self.mesh is not None else None
+
+    @property
+    def dp_group(self) -> Any:
+        """The data-parallel group; None means the default group (every rank is data parallel)."""
+        return self.mesh["dp"].get_group() if self.mesh is not None else None
+
+    @property
+    def tp_source_rank(self) -> int:
+        """The global rank of this TP group's first rank (DeepSpeed's get_tensor_model_parallel_src_rank)."""
+        return self.dp_rank * self.tp_size
+
+
+def data_parallel_layout(ctx: DistributedContext) -> ParallelLayout:
+    return ParallelLayout(1, ctx.world_size, 0, ctx.rank)
+
+
+def parallel_layout(ctx: DistributedContext, tp_size: int) -> ParallelLayout:
+    """The (dp, tp) layout for `tp_size` (collective where it builds the mesh: every rank calls it)."""
+    if tp_size <= 1:
+        return data_parallel_layout(ctx)
+    if ctx.world_size % tp_size:
+        raise UsageError(f"tensor_parallel.autotp_size {tp_size}: must divide the number of ranks ({ctx.world_size})")
+    if tp_size > ctx.local_world_size or ctx.local_world_size % tp_size:
+        raise UsageError(f"tensor_parallel.autotp_size {tp_size}: a tensor-parallel group must lie inside one node, so "
+                         f"it must divide the ranks per node ({ctx.local_world_size})")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp_size = ctx.world_size // tp_size
+    mesh = init_device_mesh(ctx.device.type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
+    return ParallelLayout(tp_size, dp_size, ctx.rank % tp_size, ctx.rank // tp_size, mesh)
+
+
+@dataclass(frozen=True)
+class SplitModel:
+    """What splitting did: the plan's words for the log, and the parameters it split (by name from
+    the model's root), which the gradient norm counts on every TP rank."""
+
+    source: str
+    split_parameters: frozenset[str]
+
+
+def split_model(model: nn.Module, layout: ParallelLayout) -> SplitModel:
+    """Split `model` in place over the layout's `tp` mesh. Every rank first takes global rank 0's
+    weights, as DeepSpeed's engine broadcasts them, and its random state, so that dropout on the
+    activations a TP group shares draws the same mask on each of its ranks."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from autotuner.runtime.training.tp_plan import divide_head_attributes, dtensor_styles, tp_plan
+
+    plan = tp_plan(model, layout.tp_size)
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+    _share_random_state(layout)
+    parallelize_module(model, layout.mesh["tp"], dtensor_styles(plan))
+    divide_head_attributes(model, plan, layout.tp_size)
+    split = frozenset(name for name, param in model.named_parameters()
+                      if isinstance(param, DTensor) and any(isinstance(p, Shard) for p in param.placements))
+    warn_once(f"tensor_parallel: {len(plan.split)} Linear layers split over {layout.tp_size} ranks by {plan.source}; "
+              f"data-parallel size {layout.dp_size}")
+    return SplitModel(plan.source, split)
+
+
+def _share_random_state(layout: ParallelLayout) -> None:
+    state = [torch.get_rng_state()]
+    dist.broadcast_object_list(state, src=layout.tp_source_rank, group=layout.tp_group)
+    torch.set_rng_state(state[0])
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda_state = [torch.cuda.get_rng_state()]
+        dist.broadcast_object_list(cuda_state, src=layout.tp_source_rank, group=layout.tp_group)
+        torch.cuda.set_rng_state(cuda_state[0])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def tp_gradient_norm(named_parameters: Iterable[tuple[str, nn.Parameter]], split: SplitModel, layout: ParallelLayout,
+                     sharded_over_dp: bool, max_norm: float) -> torch.Tensor | None:
+    """The gradients' global 2-norm, DeepSpeed's way under AutoTP (runtime/utils.py clip_grad_norm_):
+    each split parameter's local gradient counts on every TP rank, a whole one on TP rank 0 only,
+    summed over the TP group, and over the dp group too where FSDP2 shards them there. Clipped to
+    `max_norm` when it is above 0 (the same coefficient on every rank). torch's clip_grad_norm_
+    cannot mix the split parameters' 2-D meshes with the others' 1-D ones."""
+    named = [(name, param) for name, param in named_parameters if param.grad is not None]
+    if not named:
+        return None
+    device = _local(named[0][1].grad).device
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for name, param in named:
+        if name in split.split_parameters or layout.tp_rank == 0:
+            squares += _local(param.grad).detach().float().pow(2).sum()
+    dist.all_reduce(squares, group=None if sharded_over_dp else layout.tp_group)
+    norm = squares.sqrt()
+    if max_norm > 0:
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for _, param in named:
+            _local(param.grad).mul_(coefficient.to(_local(param.grad).dtype))
+    return norm
+
+
+def check_same_batch(layout: ParallelLayout, inputs: tuple, kwargs: dict) -> None:
+    """Every rank of a TP group must see the same batch (they compute one replica's step together).
+    Compared once, at the first forward, as DeepSpeed's engine does (a one-shot forward pre-hook)."""
+    tensors = [value for value in [*inputs, *kwargs.values()] if isinstance(value, torch.Tensor)]
+    device = tensors[0].device if tensors else torch.device("cpu")
+    summary = torch.tensor([float(sum(t.numel() for t in tensors)),
+                            float(sum(t.detach().double().sum().item() for t in tensors if t.numel()))],
+                           dtype=torch.float64, device=device)
+    gathered = [torch.zeros_like(summary) for _ in range(layout.tp_size)]
+    dist.all_gather(gathered, summary, group=layout.tp_group)
+    if any(not torch.equal(other, gathered[0]) for other in gathered):
+        raise UsageError(f"tensor_parallel: the {layout.tp_size} ranks of a tensor-parallel group got different batches "
+                         "at the first forward; they must see the same one: take the engine's loader "
+                         "(initialize(training_data=...)), or shard your sampler by "
+                         "engine.get_data_parallel_rank() of engine.get_data_parallel_world_size()")
+
+
+def refuse_on_device(keep_module_on_host: bool, device: torch.device) -> None:
+    if keep_module_on_host and device.type == "cuda":
+        raise UnsupportedError("tensor_parallel.keep_module_on_host: keeping the shards in host memory is not carried "
+                               "on CUDA; remove it, or train on DeepSpeed's engine")
