@@ -222,14 +222,23 @@ def test_bad_activation_checkpointing_policy(in_tmp, capsys, policy, says, autot
                    '"none", "full" or "selective", a list of them, or "auto"')
 
 
-@pytest.mark.parametrize("autotuning", [True, False], ids=["tune", "plain"])
-def test_tensor_parallel_on_our_engine_is_refused_before_any_launch(in_tmp, capsys, autotuning):
-    # DeepSpeed's AutoTP would shard the layers and halve the data-parallel size; accepted and
-    # ignored, every rank would train the whole model at twice DeepSpeed's global batch.
+@pytest.mark.parametrize("section, says", [
+    ({"autotp_size": 2, "partition_config": {"layer_specs": []}}, "tensor_parallel.partition_config"),
+    ({"autotp_size": 3}, "tensor_parallel.autotp_size 3: must divide the number of ranks (2)"),
+    ({"autotp_size": 2, "unknown": 1}, "unknown key 'tensor_parallel.unknown'"),
+], ids=["not-carried", "indivisible", "typo"])
+def test_a_tensor_parallel_section_our_engine_cannot_train_is_refused_before_any_launch(in_tmp, capsys, section,
+                                                                                        says):
+    cfg = write(in_tmp / "ds.json", config_dict(tensor_parallel=section))
+    argv = ["--nproc_per_node", "2", str(TOY), "--pid_dir", "pids", "--deepspeed", str(cfg)]
+    assert_refused(in_tmp, capsys, argv, str(cfg), says)
+    assert not (in_tmp / "pids").exists()
+
+
+def test_tuning_a_tensor_parallel_config_is_refused_until_the_tuner_costs_layouts(in_tmp, capsys):
     cfg = write(in_tmp / "ds.json", config_dict(tensor_parallel={"autotp_size": 2}))
-    argv = tune_argv(cfg) if autotuning else ["--nproc_per_node", "2", str(TOY), "--pid_dir", "pids", "--deepspeed",
-                                               str(cfg)]
-    assert_refused(in_tmp, capsys, argv, str(cfg), "tensor_parallel.autotp_size 2", "data parallel")
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "tensor_parallel.autotp_size 2: --autotuning does not "
+                   "search or cost tensor-parallel layouts yet")
     assert not (in_tmp / "pids").exists()
 
 

@@ -425,7 +425,7 @@ class _ModelParallel:
 def test_initialize_refuses_model_parallelism_and_a_missing_group(monkeypatch):
     model = torch.nn.Linear(2, 2)
     config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
-    with pytest.raises(UnsupportedError, match="model-parallel world size 2"):
+    with pytest.raises(UnsupportedError, match="model-parallel world size is 2 but the config.s tensor_parallel.autotp_size gives 1"):
         autotuner.initialize(model=model, mpu=_ModelParallel(), config=config)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     with pytest.raises(ConfigError, match="dist_init_required=False"):

@@ -663,8 +663,13 @@ def test_keys_deepspeed_removed_are_refused_as_deepspeed_refuses_them(raw, key):
     ({"data_efficiency": {"enabled": True, "data_routing": {"enabled": True, "random_ltd": {"enabled": True}}}},
      "data_efficiency is enabled"),
     ({"sequence_parallel_size": 2}, "sequence_parallel_size 2: DeepSpeed's engine splits each sequence"),
-    ({"tensor_parallel": {"autotp_size": 2}}, "tensor_parallel.autotp_size 2: DeepSpeed's AutoTP splits each"),
-    ({"tensor_parallel": {"autotp_size": "auto"}}, "tensor_parallel.autotp_size \"auto\": DeepSpeed's AutoTP"),
+    ({"tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": []}}},
+     "tensor_parallel.partition_config: DeepSpeed's custom layer specs are not carried"),
+    ({"tensor_parallel": {"autotp_size": 2, "preset_model": "llama"}}, "tensor_parallel.preset_model"),
+    ({"tensor_parallel": {"autotp_size": 2, "vocab_parallel_lm_head": True}}, "tensor_parallel.vocab_parallel_lm_head"),
+    ({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_grain_size": 64}}}, "tensor_parallel.tp.tp_grain_size"),
+    ({"tensor_parallel": {"autotp_size": 2, "tp": {"tp_size": 4}}}, "tensor_parallel.tp.tp_size 4: must be 1 or "
+                                                                    "autotp_size"),
 ])
 def test_our_engine_refuses_deepspeed_keys_that_would_change_the_math(raw, named):
     from autotuner.config.engine_math import refuse_other_math

@@ -9,7 +9,7 @@ import torch.nn as nn
 from autotuner.core.errors import UnsupportedError
 from autotuner.runtime.training.tp_plan import (COLWISE, COLWISE_GATHERED, ROWWISE, divide_head_attributes,
                                                 dtensor_styles, tp_plan)
-from workers.tp_plan_ranks import Net  # the block model the rank test trains split
+from workers.tp_models import Net  # the block model the engine tests train split
 
 
 def tiny_llama(**config):

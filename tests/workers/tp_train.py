@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import autotuner as deepspeed  # noqa: E402  - the one line a DeepSpeed script changes
-from tp_plan_ranks import Net, llama  # noqa: E402
+from tp_models import Net, llama  # noqa: E402
 
 
 def main() -> None:
@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--save_checkpoint", default=None)
     parser.add_argument("--load_checkpoint", default=None)
     parser.add_argument("--rank0_state_dict", action="store_true", help="rank 0 alone reads model.module.state_dict()")
+    parser.add_argument("--unshared_batch", action="store_true", help="slice the data by global rank (a script's bug)")
     parser.add_argument("--local_rank", type=int, default=-1)
     parser = deepspeed.add_config_arguments(parser)
     args = parser.parse_args()
@@ -44,6 +45,8 @@ def main() -> None:
         engine.load_checkpoint(args.load_checkpoint)
     mbs, gas = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     dp, dp_rank = engine.dp_world_size, engine.get_data_parallel_rank()
+    if args.unshared_batch:
+        dp, dp_rank = dist.get_world_size(), dist.get_rank()
     losses = []
     for step in range(engine.global_steps, engine.global_steps + args.steps):
         total = 0.0

@@ -1,8 +1,9 @@
 """`engine.save_16bit_model`: one consolidated state dict of the model, written by rank 0.
 
 As in DeepSpeed, the weights are in the training precision (bf16 or fp16 when that is on, fp32
-otherwise) and every rank must call it. Under FSDP2 (our stages 2 and 3) the shards are gathered
-with torch.distributed.checkpoint's full state dict. At stage 3 DeepSpeed gathers only when
+otherwise) and every rank must call it. Under FSDP2 (our stages 2 and 3) and tensor parallelism the
+shards are gathered with torch.distributed.checkpoint's full state dict, so the file holds the whole
+model (DeepSpeed's AutoTP at ZeRO 0-2 writes rank 0's shards alone, a file that does not load). At stage 3 DeepSpeed gathers only when
 zero_optimization.stage3_gather_16bit_weights_on_model_save is true, and otherwise saves nothing
 and returns False; scripts (Hugging Face's Trainer among them) rely on that, so we do the same.
 """
@@ -24,7 +25,7 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _full_state_dict(engine: Any) -> dict[str, torch.Tensor]:
-    if not engine._fsdp:
+    if not engine._fsdp and engine._split is None:
         return {name: tensor.detach().cpu() for name, tensor in engine.module.state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
