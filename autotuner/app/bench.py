@@ -165,6 +165,10 @@ def setup(args: argparse.Namespace) -> BenchSetup:
     source = config_label(source)  # what messages call it: its path, or that it came base64-encoded
     check_arg_mappings(config, source)
     micro, gas = _batch_of(config, source)
+    if config.tensor_parallel.size > 1:
+        raise ConfigError(f"{source}: tensor_parallel.autotp_size {config.tensor_parallel.autotp_size}: --bench counts "
+                          "every rank as a data-parallel replica and does not bench tensor-parallel layouts yet; "
+                          "bench with autotp_size 1")
     stage = config.zero_optimization.stage
     if not isinstance(stage, int):
         raise ConfigError(f"{source}: zero_optimization.stage: got {stage!r}; --bench runs one stage: give 0, 1, 2 "

@@ -115,9 +115,10 @@ def test_measurement_carries_per_step_times_and_round_trips():
         (["--bench", "{toy}", "--deepspeed", "{auto}"], "train_micro_batch_size_per_gpu: got 'auto'"),
         (["--bench", "{toy}", "--deepspeed", "{unset}"], "train_micro_batch_size_per_gpu: missing"),
         (["--bench", "{toy}", "--deepspeed", "{stages}"], "zero_optimization.stage: got [1, 2]"),
+        (["--bench", "{toy}", "--deepspeed", "{split}"], "tensor_parallel.autotp_size 2: --bench counts every rank"),
     ],
     ids=["list_without_bench", "bad_list", "not_int", "zero_in_list", "one_iter", "no_warmup", "no_config",
-         "with_autotuning", "multi_node", "micro_auto", "micro_unset", "stage_list"],
+         "with_autotuning", "multi_node", "micro_auto", "micro_unset", "stage_list", "tensor_parallel"],
 )
 def test_usage_and_config_errors_exit_2_before_launching(argv, fragment, tmp_path, monkeypatch, capsys):
     configs = {
@@ -125,6 +126,7 @@ def test_usage_and_config_errors_exit_2_before_launching(argv, fragment, tmp_pat
         "auto": {"train_micro_batch_size_per_gpu": "auto"},
         "unset": {"train_batch_size": 8},
         "stages": {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": [1, 2]}},
+        "split": {"train_micro_batch_size_per_gpu": 4, "tensor_parallel": {"autotp_size": 2}},
     }
     paths = {}
     for name, values in configs.items():
