@@ -1,11 +1,12 @@
 """autotuner: DeepSpeed-style training API and ZeRO / micro-batch / gas autotuner on native PyTorch.
 
 `import autotuner as deepspeed` gives a training script the parts of DeepSpeed's API it uses:
-initialize, init_distributed, add_config_arguments, get_accelerator, and the comm, utils,
-accelerator, runtime.utils and ops.adam modules, and deepspeed.checkpointing. Every module path
-DeepSpeedExamples' scripts import imports here too (autotuner/deepspeed_paths/, at their DeepSpeed
-paths through its aliases.py); using a feature we do not carry (an MoE layer, a PipelineModule,
-init_inference, ...) fails with one line saying what to do instead.
+initialize, init_distributed, add_config_arguments, get_accelerator, tp_model_init,
+set_autotp_mode, and the comm, utils (utils.groups too), accelerator, runtime.utils and ops.adam
+modules, and deepspeed.checkpointing. Every module path DeepSpeedExamples' scripts import imports
+here too (autotuner/deepspeed_paths/, at their DeepSpeed paths through its aliases.py); using a
+feature we do not carry (an MoE layer, a PipelineModule, init_inference, ...) fails with one line
+saying what to do instead.
 """
 
 __version__ = "0.1.0"
@@ -35,6 +36,10 @@ def __getattr__(name: str):
         from autotuner.runtime.comm import init_distributed
 
         return init_distributed
+    if name in ("tp_model_init", "set_autotp_mode"):
+        from autotuner.runtime import tp_init
+
+        return getattr(tp_init, name)
     if name == "get_accelerator":
         from autotuner.runtime.accelerator import get_accelerator
 
@@ -49,4 +54,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'autotuner' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "__version__", "add_config_arguments", "get_accelerator", "init_distributed", "initialize"]
+__all__ = ["Engine", "__version__", "add_config_arguments", "get_accelerator", "init_distributed", "initialize",
+           "set_autotp_mode", "tp_model_init"]

@@ -32,7 +32,8 @@ from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.training.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
 from autotuner.runtime.training.tensor_parallel import (ParallelLayout, parallel_layout, refuse_on_device,
-                                                         split_model)
+                                                         register_layout, split_model)
+from autotuner.runtime.tp_init import merge_into_config, set_autotp_mode
 
 OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Optimizer], None]
 
@@ -91,6 +92,18 @@ def _check_mpu(mpu: Any, mesh_param: Any, layout: ParallelLayout) -> None:
             raise UnsupportedError(f"initialize(mpu=...): this rank's tensor-parallel group is ranks {ranks}; DeepSpeed "
                                    f"and autotuner put consecutive ranks together ({expected}), and the batches "
                                    "would not match; build the groups that way")
+
+
+def _check_tp_group(tp_group: Any, layout: ParallelLayout) -> None:
+    """tp_model_init's tp_group must be this rank's group of the layout (consecutive ranks), as an mpu's must."""
+    if tp_group is None or not layout.tensor_parallel:
+        return
+    ranks = dist.get_process_group_ranks(tp_group)
+    expected = list(range(layout.tp_source_rank, layout.tp_source_rank + layout.tp_size))
+    if ranks != expected:
+        raise UnsupportedError(f"tp_model_init(tp_group=...): this rank's group is ranks {ranks}; DeepSpeed and "
+                               f"autotuner put consecutive ranks together ({expected}), and the batches would not "
+                               "match; build the group that way")
 
 
 def _config_from(args: Any, config: ConfigSource | None) -> tuple[DeepSpeedConfig, tuple[str, ...]]:
@@ -292,6 +305,9 @@ def _layout(cfg: DeepSpeedConfig, ctx: Any, stage: int) -> ParallelLayout:
     if given is not None and given != layout.dp_size:
         raise ConfigError(f"data_parallel_size {given}: the world of {ctx.world_size} ranks over "
                           f"tensor_parallel.autotp_size {tp} gives {layout.dp_size}; fix it or leave it out")
+    if layout.tensor_parallel:  # deepspeed.utils.groups answers with it from now on, as DeepSpeed's engine sets it
+        register_layout(layout)
+        set_autotp_mode(training=True)
     return layout
 
 
@@ -335,8 +351,10 @@ def initialize(
     _settle_local_rank(args, ctx.local_rank)
     cfg = cfg.with_device_precision(ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
     cfg = cfg.model_copy(update={"zero_optimization": settle_offload(cfg.zero_optimization, stage, ctx.device)})
+    cfg, tp_group = merge_into_config(cfg, mpu)  # what deepspeed.tp_model_init noted, as DeepSpeed merges it
     layout = _layout(cfg, ctx, stage)
     _check_mpu(mpu, mesh_param, layout)
+    _check_tp_group(tp_group, layout)
     batch, batch_note = resolve_split_batch(cfg, ctx.world_size, layout.tp_size, counts_every_rank=mpu is None)
     if batch_note:
         warn_once(batch_note)

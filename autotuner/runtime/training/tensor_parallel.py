@@ -43,7 +43,7 @@ class ParallelLayout:
 
     @property
     def dp_group(self) -> Any:
-        """The data-parallel group; None means the default group (every rank is data parallel)."""
+        """The data-parallel group; None means the default group (every rank is data parallel, no mesh)."""
         return self.mesh["dp"].get_group() if self.mesh is not None else None
 
     @property
@@ -56,20 +56,59 @@ def data_parallel_layout(ctx: DistributedContext) -> ParallelLayout:
     return ParallelLayout(1, ctx.world_size, 0, ctx.rank)
 
 
+# The layout whose groups DeepSpeed's `utils.groups` functions answer with, beside the default
+# process group it was built in (a layout from an ended group is no layout). Set by initialize
+# under tensor parallelism, or by groups._init_tp_mesh_device before it, as DeepSpeed's groups
+# module keeps its TP and DP groups in module globals.
+_current: tuple[ParallelLayout, Any] | None = None
+
+
+def current_layout() -> ParallelLayout | None:
+    """The registered (dp, tp) layout; None before one is built in this process group."""
+    if _current is None or not dist.is_initialized():
+        return None
+    layout, world = _current
+    return layout if world is dist.group.WORLD else None
+
+
+def register_layout(layout: ParallelLayout) -> None:
+    global _current
+    _current = (layout, dist.group.WORLD)
+
+
 def parallel_layout(ctx: DistributedContext, tp_size: int) -> ParallelLayout:
-    """The (dp, tp) layout for `tp_size` (collective where it builds the mesh: every rank calls it)."""
+    """The (dp, tp) layout for `tp_size` (collective where it builds the mesh: every rank calls it).
+    A layout already built for the same size (by groups._init_tp_mesh_device, or an earlier
+    initialize) is reused, so the script's groups and the engine's are the same groups."""
     if tp_size <= 1:
         return data_parallel_layout(ctx)
+    existing = current_layout()
+    if existing is not None:
+        if existing.tp_size != tp_size:
+            raise UsageError(f"tensor_parallel.autotp_size {tp_size}: the tensor-parallel groups of this process "
+                             f"group were already built for {existing.tp_size} ranks (by "
+                             "deepspeed.utils.groups._init_tp_mesh_device or an earlier initialize); give the same size")
+        return existing
+    return mesh_layout(ctx, tp_size)
+
+
+def mesh_layout(ctx: DistributedContext, tp_size: int, dp_size: int | None = None,
+                what: str = "tensor_parallel.autotp_size") -> ParallelLayout:
+    """A new (dp, tp) mesh over the world, consecutive ranks in a TP group; tp_size 1 included (a
+    group of one per rank, as DeepSpeed's groups build it). Collective."""
     if ctx.world_size % tp_size:
-        raise UsageError(f"tensor_parallel.autotp_size {tp_size}: must divide the number of ranks ({ctx.world_size})")
+        raise UsageError(f"{what} {tp_size}: must divide the number of ranks ({ctx.world_size})")
     if tp_size > ctx.local_world_size or ctx.local_world_size % tp_size:
-        raise UsageError(f"tensor_parallel.autotp_size {tp_size}: a tensor-parallel group must lie inside one node, so "
+        raise UsageError(f"{what} {tp_size}: a tensor-parallel group must lie inside one node, so "
                          f"it must divide the ranks per node ({ctx.local_world_size})")
+    dp = ctx.world_size // tp_size
+    if dp_size is not None and dp_size != dp:
+        raise UsageError(f"{what} {tp_size} with data_parallel_size {dp_size}: the two must multiply to the "
+                         f"number of ranks ({ctx.world_size})")
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp_size = ctx.world_size // tp_size
-    mesh = init_device_mesh(ctx.device.type, (dp_size, tp_size), mesh_dim_names=("dp", "tp"))
-    return ParallelLayout(tp_size, dp_size, ctx.rank % tp_size, ctx.rank // tp_size, mesh)
+    mesh = init_device_mesh(ctx.device.type, (dp, tp_size), mesh_dim_names=("dp", "tp"))
+    return ParallelLayout(tp_size, dp, ctx.rank % tp_size, ctx.rank // tp_size, mesh)
 
 
 @dataclass(frozen=True)
