@@ -1,4 +1,5 @@
-"""`autotuner.utils`: what scripts take from `deepspeed.utils` (RepeatingLoader, logger, log_dist)."""
+"""`autotuner.utils`: what scripts take from `deepspeed.utils` (RepeatingLoader, logger, log_dist, and
+the `groups` module, imported when first reached)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,12 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
+
+
+def __getattr__(name: str):
+    # `deepspeed.utils.groups` after a bare `import deepspeed`, without importing torch for every script.
+    if name == "groups":
+        import importlib
+
+        return importlib.import_module(f"{__name__}.groups")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
