@@ -78,13 +78,11 @@ def _record(new: TPModelInitArgs) -> None:
                          f"{', tp_group=...' if old.tp_group is not None else ''}; call it with the same arguments")
 
 
-def _reset_for_tests() -> None:
-    global _recorded, _training_mode
-    _recorded, _training_mode = None, False
-
-
 _PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-_SECTION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# tensor_parallel.dtype as DeepSpeed names it in a file, and a torch.dtype given in a dict (the
+# config loader keeps it as its str()).
+_SECTION_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+                   **{str(dtype): dtype for dtype in (torch.float16, torch.bfloat16, torch.float32)}}
 
 
 def merge_into_config(cfg: DeepSpeedConfig, mpu: Any) -> tuple[DeepSpeedConfig, Any]:
