@@ -118,8 +118,8 @@ def merge_into_config(cfg: DeepSpeedConfig, mpu: Any) -> tuple[DeepSpeedConfig, 
     if "dtype" in given and section.dtype is not None:
         named = _SECTION_DTYPES.get(section.dtype.lower()) if isinstance(section.dtype, str) else section.dtype
         if named is not None and named != args.dtype:
-            raise ConfigError(f"tensor_parallel.dtype {section.dtype} in the config and tp_model_init(dtype={args.dtype}) "
-                              "disagree; give one dtype")
+            raise ConfigError(f"tensor_parallel.dtype {section.dtype} in the config and "
+                              f"tp_model_init(dtype={args.dtype}) disagree; give one dtype")
     update: dict[str, Any] = {}
     if "autotp_size" not in given:
         update["autotp_size"] = args.tp_size

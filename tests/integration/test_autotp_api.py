@@ -5,7 +5,7 @@ trains a tiny Llama split over 2 ranks to the losses of 1 unsplit rank, to DeepS
 engine's losses on the same script (its deepspeed.utils.groups answering as DeepSpeed's), and
 through deepspeed.tp_model_init and groups built before initialize too; an mpu or a tp_model_init
 that contradicts the config is refused in one line. The rank-free parts
-(tp_model_init's record and merge, the groups before initialize) are tests/unit/test_autotp_api.py."""
+(tp_model_init's record and merge, the groups before initialize) are tests/unit/test_autotp_calls.py."""
 
 from __future__ import annotations
 
@@ -107,9 +107,10 @@ def test_the_calls_take_deepspeeds_parameters():
         warnings.simplefilter("ignore")
         import deepspeed
         from deepspeed.utils import groups as their_groups
+    names = [*groups.__all__, "_init_tp_mesh_device"]
     pairs = [(deepspeed.tp_model_init, autotuner.tp_model_init), (deepspeed.set_autotp_mode, autotuner.set_autotp_mode),
              (deepspeed.module_inject.set_autotp_mode, autotuner.module_inject.set_autotp_mode),
-             *[(getattr(their_groups, name), getattr(groups, name)) for name in [*groups.__all__, "_init_tp_mesh_device"]]]
+             *[(getattr(their_groups, name), getattr(groups, name)) for name in names]]
     for theirs, ours in pairs:
         assert parameters(ours) == parameters(theirs), theirs.__qualname__
 

@@ -109,7 +109,8 @@ def groups_view(engine, built_first) -> dict:
         "tp_ranks": dist.get_process_group_ranks(groups.get_tensor_model_parallel_group()),
         "mp_ranks": dist.get_process_group_ranks(groups.get_model_parallel_group()),
         "dp_ranks": dist.get_process_group_ranks(groups.get_data_parallel_group()),
-        "engine": [engine.get_data_parallel_rank(), engine.get_tensor_parallel_rank(), engine.get_model_parallel_rank()],
+        "engine": [engine.get_data_parallel_rank(), engine.get_tensor_parallel_rank(),
+                   engine.get_model_parallel_rank()],
     }
     if built_first is not None:
         view["kept_the_groups_built_first"] = groups.get_tensor_model_parallel_group() is built_first[1]

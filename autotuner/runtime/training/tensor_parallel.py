@@ -86,8 +86,8 @@ def parallel_layout(ctx: DistributedContext, tp_size: int) -> ParallelLayout:
     if existing is not None:
         if existing.tp_size != tp_size:
             raise UsageError(f"tensor_parallel.autotp_size {tp_size}: the tensor-parallel groups of this process "
-                             f"group were already built for {existing.tp_size} ranks (by "
-                             "deepspeed.utils.groups._init_tp_mesh_device or an earlier initialize); give the same size")
+                             f"group were already built for {existing.tp_size} ranks (by deepspeed.utils.groups."
+                             "_init_tp_mesh_device or an earlier initialize); give the same size")
         return existing
     return mesh_layout(ctx, tp_size)
 
