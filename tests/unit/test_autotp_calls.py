@@ -120,11 +120,11 @@ def test_the_groups_are_refused_before_any_layout_is_built(name):
     assert str(refused.value).startswith(f"deepspeed.utils.groups.{name}(): the tensor-parallel groups are not built")
 
 
-def test_init_tp_mesh_device_needs_the_process_group():
+def test_init_tp_mesh_device_needs_the_process_group(monkeypatch):
     import torch.distributed as dist
 
     from autotuner.utils.groups import _init_tp_mesh_device
 
-    assert not dist.is_initialized()
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)  # another test of this process may have made one
     with pytest.raises(UsageError, match=r"call deepspeed.init_distributed\(\) first"):
         _init_tp_mesh_device(2)
