@@ -260,10 +260,10 @@ def settle(args: argparse.Namespace) -> SettledJob:
     results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
-    if config.tensor_parallel.size > 1:
-        raise UsageError(f"{source}: tensor_parallel.autotp_size {config.tensor_parallel.autotp_size}: --autotuning "
-                         "does not search or cost tensor-parallel layouts yet; train the layout with `launcher` "
-                         "without --autotuning, or tune with autotp_size 1")
+    tensor_parallel = config.tensor_parallel.size
+    if tensor_parallel > 1 and world_size % tensor_parallel:
+        raise ConfigError(f"{source}: tensor_parallel.autotp_size {tensor_parallel}: must divide the number of ranks "
+                          f"({world_size})")
     # DeepSpeed's engine splits each sequence over sequence_parallel_size ranks, and its batch
     # arithmetic divides the world by it as by a model-parallel size (ours refuses it at initialize).
     sequence_parallel = config.set_aside.get("sequence_parallel_size", 1)
@@ -271,13 +271,21 @@ def settle(args: argparse.Namespace) -> SettledJob:
     if sequence_parallel > 1 and world_size % (tuning.mp_size * sequence_parallel):
         raise ConfigError(f"{source}: sequence_parallel_size {sequence_parallel} x autotuning.mp_size "
                           f"{tuning.mp_size} must divide the world size ({world_size})")
-    data_parallel_size = data_parallel_size_of(world_size, tuning.mp_size * sequence_parallel, source)
-    check_fixed_triad(config, data_parallel_size, source)
+    data_parallel_size = data_parallel_size_of(world_size, tuning.mp_size * sequence_parallel * tensor_parallel,
+                                               source)
+    check_fixed_triad(config, world_size if tensor_parallel > 1 else data_parallel_size, source)
     engine = script_engine(args.script, getattr(args, "engine", "auto"))
+    if tensor_parallel > 1:
+        check_tensor_parallel_tune(config, engine, source)
     # The search space, built once for the run from the device facts read once (the engine's own
     # dimensions are swapped in after the profile where only its ranks can tell the engine).
     devices = read_device_facts()
     space = search_space(config, data_parallel_size, engine.engine, devices.on_gpu)
+    if tensor_parallel > 1 and 1 in space.stages:  # the engine refuses stage 1 with tensor parallelism
+        space = replace(space, stages=tuple(stage for stage in space.stages if stage != 1))
+        say(f"tensor parallel {tensor_parallel}: ZeRO stage 1 is not searched (not carried with tensor parallelism "
+            f"on our engine); every experiment splits the model over {tensor_parallel} ranks, data-parallel size "
+            f"{data_parallel_size}")
     check_some_batch_is_valid(space, data_parallel_size, source)
     if trains_with_trainer(args.script):
         check_trainer_mappings(space, dict(tuning.arg_mappings), source)
@@ -361,6 +369,22 @@ def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, scr
         refuse_other_math(config, source)
     check_deepspeed_precision(config.fp16.enabled, engine, script_args, source)
     check_our_engine_sections(config, engine, source, dict(config.autotuning.arg_mappings))
+
+
+def check_tensor_parallel_tune(config: DeepSpeedConfig, engine: EngineChoice, source: str) -> None:
+    """A tune at a fixed tensor-parallel degree: our engine only, and what it refuses there refused
+    before any launch. The degree itself is not searched yet."""
+    size = config.tensor_parallel.autotp_size
+    if not (engine.settled and engine.engine == "autotuner"):
+        raise UsageError(f"{source}: tensor_parallel.autotp_size {size}: a tensor-parallel tune runs on autotuner's "
+                         f"engine only ({engine.reason}); import autotuner in the script, or pass --engine autotuner")
+    stage = config.zero_optimization.stage
+    if stage == 1 or (isinstance(stage, list) and 1 in stage):
+        raise ConfigError(f"{source}: zero_optimization.stage: 1 with tensor_parallel.autotp_size {size} is not carried "
+                          "by autotuner's engine; search 0, 2 and 3 (\"all\" leaves 1 out by itself)")
+    if config.autotuning.metric == "goodput":
+        raise ConfigError(f"{source}: autotuning.metric \"goodput\" with tensor_parallel.autotp_size {size}: the "
+                          "gradient noise is not read under tensor parallelism yet; use metric \"throughput\"")
 
 
 def check_model_parallel(mp_size: int, engine: EngineChoice, source: str) -> None:

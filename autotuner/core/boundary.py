@@ -278,6 +278,10 @@ class ModelInfo:
     model_family: str = ""
     device_name: str = ""
     sequence_length: int = 0  # of the model's first input, 0 where it has none (runtime/measure/profile.py)
+    # Tensor parallelism the launch ran with (tensor_parallel.autotp_size), and the parameters its
+    # plan split (whole counts): each rank holds split / tensor_parallel of them and the rest whole.
+    tensor_parallel: int = 1
+    split_num_params: int = 0
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:

@@ -235,11 +235,18 @@ def test_a_tensor_parallel_section_our_engine_cannot_train_is_refused_before_any
     assert not (in_tmp / "pids").exists()
 
 
-def test_tuning_a_tensor_parallel_config_is_refused_until_the_tuner_costs_layouts(in_tmp, capsys):
-    cfg = write(in_tmp / "ds.json", config_dict(tensor_parallel={"autotp_size": 2}))
-    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "tensor_parallel.autotp_size 2: --autotuning does not "
-                   "search or cost tensor-parallel layouts yet")
-    assert not (in_tmp / "pids").exists()
+@pytest.mark.parametrize("extra, says", [
+    ({"zero_optimization": {"stage": [0, 1]}}, "zero_optimization.stage: 1 with tensor_parallel.autotp_size 2 is not "
+                                               "carried"),
+    ({"autotuning": {"metric": "goodput", "reference_batch_size": 8, "lr_scaling": "linear"}},
+     "autotuning.metric \"goodput\" with tensor_parallel.autotp_size 2"),
+], ids=["stage-1", "goodput"])
+def test_a_tensor_parallel_tune_our_engine_cannot_run_is_refused_before_any_launch(in_tmp, capsys, extra, says):
+    raw = config_dict(tensor_parallel={"autotp_size": 2})
+    for key, value in extra.items():
+        raw[key] = {**raw.get(key, {}), **value}
+    cfg = write(in_tmp / "ds.json", raw)
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), says)
 
 
 @pytest.mark.parametrize("policy", ["auto", ["none", "full"]], ids=["auto", "list"])
@@ -280,6 +287,13 @@ def test_our_engines_keys_for_a_script_on_deepspeeds_engine(in_tmp, capsys, auto
     argv = tune_argv(cfg, script=script) if autotuning else ["--nproc_per_node", "2", str(script), "--deepspeed",
                                                               str(cfg)]
     assert_refused(in_tmp, capsys, argv, str(cfg), *mentions)
+
+
+def test_a_tensor_parallel_tune_of_a_script_on_deepspeeds_engine_is_refused_before_any_launch(in_tmp, capsys):
+    script = write(in_tmp / "train.py", "import deepspeed\n")
+    cfg = write(in_tmp / "ds.json", config_dict(tensor_parallel={"autotp_size": 2}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg, script=script), str(cfg), "tensor_parallel.autotp_size 2: a "
+                   "tensor-parallel tune runs on autotuner's engine only")
 
 
 @pytest.mark.parametrize("section, key, value", [

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WORKERS, run_launcher, write_json
+from conftest import WORKERS, experiments_table, run_launcher, write_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SCRIPT = WORKERS / "tp_train.py"
@@ -106,3 +106,32 @@ def test_what_a_split_run_cannot_do_is_refused_in_one_line(tmp_path, flags, stag
     errors = [line for line in done.stderr.splitlines() if line.startswith("launcher: error: rank")]
     assert errors and message in errors[0], done.stderr[-3000:]
     assert not (tmp_path / "rank0.bin").exists()  # nothing written from shards
+
+
+def test_a_tune_at_the_configs_degree_searches_the_stages_that_carry_it_and_trains_its_pick(tmp_path):
+    # 4 ranks at autotp_size 2: every experiment splits the model in pairs, data-parallel size 2; ZeRO 1
+    # (not carried with tensor parallelism) is left out of "all"; the memory model counts a rank's share
+    # of the split model (the profile says how much), and the pick trains with the same layout.
+    tuning = {"enabled": True, "start_profile_step": 2, "end_profile_step": 4, "exp_timeout_s": 120,
+              "tuner_type": "gridsearch", "remeasure_rounds": 0, "history": False,
+              "max_train_micro_batch_size_per_gpu": 4, "arg_mappings": {}}
+    cfg = write_json(tmp_path / "ds.json", {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 1,
+                                            "zero_optimization": {"stage": "all"},
+                                            "tensor_parallel": {"autotp_size": 2}, "autotuning": tuning})
+    done = run_launcher("--autotuning", "run", "--nproc_per_node", "4", SCRIPT, "--steps", "8", "--out", tmp_path / "out",
+                        "--deepspeed", cfg, cwd=tmp_path, timeout=400)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    table = experiments_table(tmp_path / "autotuning_results")
+    assert set(table["zero_stage"]) == {0, 2, 3}
+    assert set(table["state"]) <= {"ok", "pruned"}  # every launch trained; pruned rows say why they were left out
+    said = done.stdout + done.stderr
+    assert "ZeRO stage 1 is not searched (not carried with tensor parallelism" in said
+    assert "profile: tensor parallel 2: 25,024 parameters split, 16,018 per rank" in said
+    measured = table.dropna(subset=["predicted_memory_mib", "measured_memory_mib"])
+    assert len(measured) and (abs(measured["predicted_memory_mib"] / measured["measured_memory_mib"] - 1) < 0.1).all()
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert "layout: tensor parallel 2 x data parallel 2 in every experiment" in summary
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    assert optimal["tensor_parallel"] == {"autotp_size": 2}
+    assert optimal["train_batch_size"] == optimal["train_micro_batch_size_per_gpu"] * 2  # gas 1 x dp 2
+    assert {(layout["dp"], layout["tp"]) for layout in layouts(tmp_path / "out")} == {(2, 2)}  # the run that trained

@@ -438,3 +438,23 @@ def test_the_memory_budget_is_the_users_else_the_ranks_device_else_the_hosts_sha
     assert memory_budget(3 * MiB, 80 * 2**30, 64 * 2**30, 2) == 3 * MiB
     assert memory_budget(None, 80 * 2**30, 64 * 2**30, 2) == 80 * 2**30
     assert memory_budget(None, None, 64 * 2**30, 2) == 32 * 2**30
+
+
+def test_tensor_parallel_divides_only_the_split_parameters_and_the_stage_divides_by_dp_once():
+    # DeepSpeed issue 6796: its autotuner shards the states over all 4 GPUs and then divides the sum by
+    # mp_size again, 20P / (4 x 2) at ZeRO 3 (fp16 Adam), below what any rank can hold. Here the plan's
+    # split parameters are divided by tp, the replicated ones not, and ZeRO 3 shards a rank's share over
+    # the data-parallel size (4 ranks / tp 2 = 2), once.
+    whole, split = 1_000_000, 800_000
+    profile = ModelProfile(num_params=whole, activation_bytes_per_sample=0, tensor_parallel=2, split_num_params=split)
+    assert profile.params_per_tp_rank == 200_000 + 400_000
+    z3 = model_state_bytes(profile, StageSettings(3, "fp32", world_size=2))
+    per_rank = 600_000 // 2
+    assert (z3.parameters, z3.gradients, z3.optimizer_states) == (4 * per_rank, 4 * per_rank, 8 * per_rank)
+    deepspeed_6796 = 20 * whole // (4 * 2)  # its fp16 figure: 2 + 2 + 16 bytes a parameter, divided twice
+    ours_fp16 = model_state_bytes(profile, StageSettings(3, "fp16", world_size=2))
+    assert ours_fp16.parameters + ours_fp16.gradients + ours_fp16.optimizer_states > deepspeed_6796
+    # Stage 0 holds a rank's share whole; without tensor parallelism nothing changes.
+    z0 = model_state_bytes(profile, StageSettings(0, "fp32", world_size=2))
+    assert z0.parameters == 4 * 600_000
+    assert ModelProfile(num_params=whole, activation_bytes_per_sample=0).params_per_tp_rank == whole

@@ -155,6 +155,9 @@ class DeepSpeedView:
     def num_shard_units(self) -> int:
         return 0  # DeepSpeed partitions parameters, not FSDP2 blocks
 
+    def tensor_parallel(self) -> tuple[int, int, int]:
+        return 1, 0, 0  # the tuner refuses a tensor-parallel tune on DeepSpeed's engine (app/settle.py)
+
     def optimizer_state_bytes(self) -> int:
         """This rank's optimizer states: those of the torch optimizer inside DeepSpeed's wrappers
         (under ZeRO its parameters are this rank's fp32 partitions)."""

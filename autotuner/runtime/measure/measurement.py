@@ -11,7 +11,7 @@ import torch.nn as nn
 from autotuner.core.boundary import MeasurementRequest, request_from_env
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.runtime.measure.memory_probes import optimizer_state_bytes
-from autotuner.runtime.training.sharding import shard_units
+from autotuner.runtime.training.sharding import shard_units, unwrap
 
 
 def measurement_request(config: DeepSpeedConfig) -> MeasurementRequest | None:
@@ -108,6 +108,18 @@ class OurEngineView:
 
     def optimizer_state_bytes(self) -> int:
         return optimizer_state_bytes(self._engine._local_optimizer)
+
+    def tensor_parallel(self) -> tuple[int, int, int]:
+        """(the degree, the parameters its plan split counted whole, the trainable elements this rank
+        holds): under tensor parallelism a rank's optimizer state covers its local shards only."""
+        split = self._engine._split
+        if split is None:
+            return 1, 0, 0
+        named = list(unwrap(self._engine.wrapped).named_parameters())
+        split_count = sum(param.numel() for name, param in named if name in split.split_parameters)
+        local = sum((param.to_local() if hasattr(param, "to_local") else param).numel()
+                    for _, param in named if param.requires_grad)
+        return self._engine.layout.tp_size, split_count, local
 
     def activation_bytes(self) -> int:
         return self._engine._activation_probe.bytes_saved

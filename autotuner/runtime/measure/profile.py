@@ -225,6 +225,8 @@ def write_model_info(
     engine: str = "autotuner",
     activation_bytes_by_policy: dict[str, int] | None = None,
     sequence_length: int = 0,
+    tensor_parallel: int = 1,
+    split_num_params: int = 0,
 ) -> ModelInfo:
     total, trainable = parameter_counts or count_parameters(zero_stage_module)
     from autotuner.runtime.measure.model_family import device_name, model_family
@@ -256,6 +258,8 @@ def write_model_info(
         model_family=model_family(zero_stage_module),
         device_name=device_name(),
         sequence_length=sequence_length,
+        tensor_parallel=tensor_parallel,
+        split_num_params=split_num_params,
     )
     write_record(path, info)
     return info

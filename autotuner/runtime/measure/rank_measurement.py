@@ -17,7 +17,7 @@ from autotuner.runtime.measure.comm_probe import probe_collectives
 from autotuner.runtime.measure.leaving import leave_now
 from autotuner.runtime.measure.memory_probes import PhasePeaks
 from autotuner.runtime.measure.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
-from autotuner.runtime.measure.profile import device_memory_bytes, write_model_info
+from autotuner.runtime.measure.profile import count_parameters, device_memory_bytes, write_model_info
 from autotuner.runtime.measure.timers import ProfileWindow
 from autotuner.runtime.measure.window_load import WindowWatch, load_average
 
@@ -49,6 +49,10 @@ class EngineView(Protocol):
 
     def optimizer_state_bytes(self) -> int:
         """This rank's optimizer states."""
+
+    def tensor_parallel(self) -> tuple[int, int, int]:
+        """(the tensor-parallel degree, the parameters it split counted whole, the trainable elements
+        this rank holds); (1, 0, 0) without tensor parallelism."""
 
     def activation_bytes(self) -> int:
         """Bytes the first micro-step saved for backward on this rank."""
@@ -111,6 +115,11 @@ class RankMeasurement:
         optimizer_per_rank = self.gather_max(view.optimizer_state_bytes())
         # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
         optimizer_bytes = optimizer_per_rank[0] if view.zero_stage == 0 else sum(optimizer_per_rank)
+        tp, split_count, local_trainable = view.tensor_parallel()
+        if tp > 1:  # a rank's state covers its shards: its bytes per element held, over the whole model
+            held = self.gather_max(local_trainable)
+            per_element = max(size / max(1, count) for size, count in zip(optimizer_per_rank, held))
+            optimizer_bytes = int(per_element * count_parameters(view.model())[1])
         peak_per_rank, reserved_per_rank = self._peaks()
         phases = None
         if self.phase_peaks is not None:
@@ -146,6 +155,8 @@ class RankMeasurement:
                 engine=view.name,
                 activation_bytes_by_policy=by_policy,
                 sequence_length=view.sequence_length(),
+                tensor_parallel=tp,
+                split_num_params=split_count,
             )
         if self.request.exit_after_model_info:
             self.leave()

@@ -60,6 +60,16 @@ class ModelProfile:
     # Per activation checkpointing policy, the bytes per sample it would hold at its peak
     # (ModelInfo.activation_bytes_by_policy over the profiled micro-batches); empty if not measured.
     activation_bytes_per_sample_by_policy: tuple[tuple[str, int], ...] = ()
+    # Tensor parallelism the profile ran with: the parameters its plan split (whole counts) lie
+    # split over `tensor_parallel` ranks, the rest whole on each; the ZeRO stage then shards a
+    # rank's share over the data-parallel ranks (never the whole model over both, DeepSpeed issue 6796).
+    tensor_parallel: int = 1
+    split_num_params: int = 0
+
+    @property
+    def params_per_tp_rank(self) -> int:
+        """The parameters one rank of a tensor-parallel group holds before any ZeRO sharding."""
+        return self.num_params - self.split_num_params + -(-self.split_num_params // max(1, self.tensor_parallel))
 
     def activation_bytes_per_sample_for(self, policy: str) -> int:
         """Bytes per sample held under an activation checkpointing policy: as the profile measured
@@ -111,7 +121,7 @@ class StageSettings:
 
 def model_state_bytes(profile: ModelProfile, settings: StageSettings) -> MemoryEstimate:
     """Everything except activations, for one rank."""
-    p, w, stage = profile.num_params, max(1, settings.world_size), settings.zero_stage
+    p, w, stage = profile.params_per_tp_rank, max(1, settings.world_size), settings.zero_stage
     compute = COMPUTE_BYTES[settings.precision]
     if profile.engine == "deepspeed":
         parts = deepspeed_state_bytes(p, profile.optimizer_state_bytes_per_param, stage, compute, w,
@@ -152,8 +162,8 @@ def model_state_bytes(profile: ModelProfile, settings: StageSettings) -> MemoryE
 def _block(profile: ModelProfile) -> int:
     """Parameters in one FSDP2 unit; the whole model when the block count is unknown."""
     if profile.num_shard_units > 0:
-        return -(-profile.num_params // profile.num_shard_units)
-    return profile.num_params
+        return -(-profile.params_per_tp_rank // profile.num_shard_units)
+    return profile.params_per_tp_rank
 
 
 def estimate(profile: ModelProfile, settings: StageSettings, micro_batch_size: int) -> MemoryEstimate:
@@ -189,7 +199,7 @@ def _fitted_estimate(profile: ModelProfile, fit: PeakFit, settings: StageSetting
     forward_backward = fit.fixed_bytes + per_sample * micro_batch_size + moved_weights + moved_buffers
     if settings.zero_stage <= 1 and settings.gradient_accumulation_steps > 1:
         # set_to_none frees DDP's gradients at each step; with accumulation they live through the next forward.
-        forward_backward += BYTES_FP32 * profile.num_params
+        forward_backward += BYTES_FP32 * profile.params_per_tp_rank
     step = fit.optimizer_step_bytes + moved_weights + moved_gradients
     if settings.zero_stage <= 1:
         step += moved_buffers  # DDP's buckets live through the step; FSDP2 has resharded by then

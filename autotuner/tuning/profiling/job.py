@@ -70,5 +70,5 @@ def cost_context(results: Sequence[TrialResult], data_parallel_size: int, profil
     profile launches timed on the job's process group."""
     timings = [t for r in results if r.model_info is not None for t in r.model_info.collective_timings]
     links = tuple(fit_collectives(timings).values())
-    return CostContext(profile.num_params if profile else 0, data_parallel_size, COMPUTE_BYTES.get(precision, 4),
+    return CostContext(profile.params_per_tp_rank if profile else 0, data_parallel_size, COMPUTE_BYTES.get(precision, 4),
                        links, prior.observations, engine)

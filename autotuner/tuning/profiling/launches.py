@@ -172,6 +172,8 @@ def _to_profile(infos: list[ModelInfo], settings: ExperimentSettings) -> ModelPr
         optimizer_state_bytes_per_param=first.optimizer_state_bytes_per_param,
         num_shard_units=first.num_shard_units,
         engine=first.engine,
+        tensor_parallel=first.tensor_parallel,
+        split_num_params=first.split_num_params,
     )
     stage_settings = StageSettings(first.zero_stage, first.precision, settings.data_parallel_size)
     # The smaller of the two: the first launch may also have built the script's data cache.
@@ -205,6 +207,9 @@ def profile_lines(profile: ModelProfile, engine: str) -> list[str]:
                     f"{by_policy['selective'] / 2**20:.2f})" if {"full", "selective"} <= by_policy.keys() else "")
     lines = [f"profile: {profile.num_params:,} parameters, {profile.activation_bytes_per_sample / 2**20:.2f} MiB "
              f"activations per sample{checkpointed}, baseline {profile.baseline_bytes / 2**20:.0f} MiB per rank"]
+    if profile.tensor_parallel > 1:
+        lines.append(f"profile: tensor parallel {profile.tensor_parallel}: {profile.split_num_params:,} parameters "
+                     f"split, {profile.params_per_tp_rank:,} per rank before the ZeRO stage shards them")
     for fit in profile.peak_fits:
         lines.append(f"profile: {engine_family(fit.zero_stage, engine)} measured peaks: forward+backward "
                      f"{fit.fixed_bytes / 2**20:.0f} MiB + {fit.per_sample_bytes / 2**20:.1f} MiB per sample, "
