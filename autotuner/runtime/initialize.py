@@ -279,12 +279,14 @@ def _drive(scheduler: Any, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step = noted_step
 
 
-def _grad_scaler(config: DeepSpeedConfig, device: torch.device, stage: int):
+def _grad_scaler(config: DeepSpeedConfig, device: torch.device, stage: int, split: bool = False):
+    """fp16's scaler; where a rank holds shards (FSDP2, or a split model) the overflow check is
+    agreed over every rank, so all skip a step together."""
     if config.precision != "fp16":
         return None
     from autotuner.runtime.training.loss_scale import LossScaler
 
-    return LossScaler(config.fp16, device, sharded=stage >= 2)
+    return LossScaler(config.fp16, device, sharded=stage >= 2 or split)
 
 
 def _layout(cfg: DeepSpeedConfig, ctx: Any, stage: int) -> ParallelLayout:
@@ -296,6 +298,10 @@ def _layout(cfg: DeepSpeedConfig, ctx: Any, stage: int) -> ParallelLayout:
             raise UnsupportedError("tensor_parallel.autotp_size with zero_optimization.stage 1: torch's "
                                    "ZeroRedundancyOptimizer cannot hold split parameters, so stage 1 is not carried "
                                    "with tensor parallelism yet; use stage 0 or 2 (2 also shards the gradients)")
+        if stage == 0 and cfg.precision == "fp16":
+            raise UnsupportedError("fp16 with tensor_parallel.autotp_size at zero_optimization.stage 0: torch's grad "
+                                   "scaler cannot unscale split and whole gradients together, so fp16's overflow "
+                                   "check is not carried there yet; use bf16, or stage 2 (FSDP2 shards them all)")
         if cfg.tensor_parallel.tp_overlap_comm:
             warn_once("tensor_parallel.tp_overlap_comm: DeepSpeed's overlap of a column layer's input-gradient "
                       "all-reduce with its weight gradient is a speed knob that torch's DTensor does not offer; "
@@ -386,7 +392,7 @@ def initialize(
     engine = Engine(
         wrapped, opt, scheduler, cfg, batch, ctx,
         local_optimizer=local_opt,
-        grad_scaler=_grad_scaler(cfg, ctx.device, stage),
+        grad_scaler=_grad_scaler(cfg, ctx.device, stage, split is not None),
         training_dataloader=loader,
         client_optimizer=optimizer is not None,
         gradient_noise=noise,

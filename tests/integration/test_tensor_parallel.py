@@ -19,15 +19,19 @@ SCRIPT = WORKERS / "tp_train.py"
 BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "gradient_clipping": 0.5}
 
 
-def config(path: Path, stage: int, tp: int, **extra) -> Path:
+def config(path: Path, stage: int, tp: int, fp16: bool = False, **extra) -> Path:
     zero = {"stage": stage, "stage3_gather_16bit_weights_on_model_save": True}
-    return write_json(path, {**BASE, "zero_optimization": zero, "tensor_parallel": {"autotp_size": tp}, **extra})
+    precision = {"fp16": {"enabled": True}} if fp16 else {}
+    return write_json(path, {**BASE, "zero_optimization": zero, "tensor_parallel": {"autotp_size": tp}, **precision,
+                             **extra})
 
 
 def train(out: Path, ranks: int, stage: int, tp: int, *flags: str, expect: int = 0):
     out.mkdir(parents=True, exist_ok=True)
+    fp16 = "--fp16" in flags  # the config's, not the script's
+    flags = tuple(flag for flag in flags if flag != "--fp16")
     done = run_launcher("--nproc_per_node", str(ranks), SCRIPT, "--out", out, *flags,
-                        "--deepspeed", config(out / "ds.json", stage, tp), cwd=out, timeout=300)
+                        "--deepspeed", config(out / "ds.json", stage, tp, fp16), cwd=out, timeout=300)
     assert done.returncode == expect, done.stdout[-2000:] + done.stderr[-3000:]
     return done
 
@@ -100,6 +104,7 @@ def test_a_checkpoint_saved_split_resumes_split_with_the_same_losses(tmp_path, r
     (("--rank0_state_dict",), 0, "state_dict: blocks.0.attn.q.weight is split by tensor_parallel over 2 ranks"),
     (("--unshared_batch",), 0, "ranks of a tensor-parallel group got different batches at the first forward"),
     ((), 1, "tensor_parallel.autotp_size with zero_optimization.stage 1"),
+    (("--fp16",), 0, "fp16 with tensor_parallel.autotp_size at zero_optimization.stage 0"),
 ])
 def test_what_a_split_run_cannot_do_is_refused_in_one_line(tmp_path, flags, stage, message):
     done = train(tmp_path, 2, stage, 2, *flags, expect=2)
