@@ -35,6 +35,7 @@ from autotuner.config.batch import check_fixed_triad, data_parallel_size as data
 from autotuner.config.keys import field_names, section_model
 from autotuner.config.loader import config_label, read_config_file
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
+from autotuner.app.tensor_parallel_checks import check_tensor_parallel_tune, degree_dividing
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.backends import BACKENDS, backend_spec
 from autotuner.execution.script_imports import own_modules
@@ -260,10 +261,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
     results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
-    tensor_parallel = config.tensor_parallel.size
-    if tensor_parallel > 1 and world_size % tensor_parallel:
-        raise ConfigError(f"{source}: tensor_parallel.autotp_size {tensor_parallel}: must divide the number of ranks "
-                          f"({world_size})")
+    tensor_parallel = degree_dividing(config, world_size, source)
     # DeepSpeed's engine splits each sequence over sequence_parallel_size ranks, and its batch
     # arithmetic divides the world by it as by a model-parallel size (ours refuses it at initialize).
     sequence_parallel = config.set_aside.get("sequence_parallel_size", 1)
@@ -369,22 +367,6 @@ def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, scr
         refuse_other_math(config, source)
     check_deepspeed_precision(config.fp16.enabled, engine, script_args, source)
     check_our_engine_sections(config, engine, source, dict(config.autotuning.arg_mappings))
-
-
-def check_tensor_parallel_tune(config: DeepSpeedConfig, engine: EngineChoice, source: str) -> None:
-    """A tune at a fixed tensor-parallel degree: our engine only, and what it refuses there refused
-    before any launch. The degree itself is not searched yet."""
-    size = config.tensor_parallel.autotp_size
-    if not (engine.settled and engine.engine == "autotuner"):
-        raise UsageError(f"{source}: tensor_parallel.autotp_size {size}: a tensor-parallel tune runs on autotuner's "
-                         f"engine only ({engine.reason}); import autotuner in the script, or pass --engine autotuner")
-    stage = config.zero_optimization.stage
-    if stage == 1 or (isinstance(stage, list) and 1 in stage):
-        raise ConfigError(f"{source}: zero_optimization.stage: 1 with tensor_parallel.autotp_size {size} is not carried "
-                          "by autotuner's engine; search 0, 2 and 3 (\"all\" leaves 1 out by itself)")
-    if config.autotuning.metric == "goodput":
-        raise ConfigError(f"{source}: autotuning.metric \"goodput\" with tensor_parallel.autotp_size {size}: the "
-                          "gradient noise is not read under tensor parallelism yet; use metric \"throughput\"")
 
 
 def check_model_parallel(mp_size: int, engine: EngineChoice, source: str) -> None:

@@ -31,9 +31,9 @@ from autotuner.runtime.training.compiling import compile_blocks
 from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.training.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
-from autotuner.runtime.training.tensor_parallel import (ParallelLayout, parallel_layout, refuse_on_device,
-                                                         register_layout, split_model)
-from autotuner.runtime.tp_init import merge_into_config, set_autotp_mode
+from autotuner.runtime.parallel_setup import check_mpu, check_tp_group, layout_for
+from autotuner.runtime.training.tensor_parallel import ParallelLayout, split_model
+from autotuner.runtime.tp_init import merge_into_config
 
 OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Optimizer], None]
 
@@ -63,47 +63,6 @@ def _settle_local_rank(args: Any, local_rank: int) -> None:
         raise ConfigError(f"args.local_rank={given} but LOCAL_RANK={local_rank} in the environment; "
                           "let the launcher pass --local_rank")
     args.local_rank = local_rank
-
-
-def _check_mpu(mpu: Any, mesh_param: Any, layout: ParallelLayout) -> None:
-    """An mpu is honoured where it describes the config's layout: DeepSpeed reads its data-parallel
-    size for the batch and then uses its own groups (consecutive TP ranks), which must then be the
-    script's groups too. Anything else is refused in one line."""
-    if mesh_param is not None:
-        raise UnsupportedError("initialize(mesh_param=...): data/sequence-parallel meshes are not supported; "
-                               "give tensor_parallel.autotp_size in the config instead")
-    if mpu is None:
-        return
-    tp = layout.tp_size
-    model = getattr(mpu, "get_model_parallel_world_size", lambda: None)()
-    if (tp == 1 and model != 1) or (tp > 1 and model not in (None, tp)):
-        raise UnsupportedError(f"initialize(mpu=...): the mpu's model-parallel world size is {model} but the config's "
-                               f"tensor_parallel.autotp_size gives {tp}; set autotp_size to the script's tensor-parallel "
-                               "size (autotuner splits the model by it), or pass mpu=None")
-    data = getattr(mpu, "get_data_parallel_world_size", lambda: None)()
-    if data is not None and data != layout.dp_size:
-        raise UnsupportedError(f"initialize(mpu=...): the mpu's data-parallel world size is {data}, but world / "
-                               f"autotp_size is {layout.dp_size}")
-    group = getattr(mpu, "get_model_parallel_group", lambda: None)()
-    if tp > 1 and group is not None:
-        ranks = dist.get_process_group_ranks(group)
-        expected = list(range(layout.tp_source_rank, layout.tp_source_rank + tp))
-        if ranks != expected:
-            raise UnsupportedError(f"initialize(mpu=...): this rank's tensor-parallel group is ranks {ranks}; DeepSpeed "
-                                   f"and autotuner put consecutive ranks together ({expected}), and the batches "
-                                   "would not match; build the groups that way")
-
-
-def _check_tp_group(tp_group: Any, layout: ParallelLayout) -> None:
-    """tp_model_init's tp_group must be this rank's group of the layout (consecutive ranks), as an mpu's must."""
-    if tp_group is None or not layout.tensor_parallel:
-        return
-    ranks = dist.get_process_group_ranks(tp_group)
-    expected = list(range(layout.tp_source_rank, layout.tp_source_rank + layout.tp_size))
-    if ranks != expected:
-        raise UnsupportedError(f"tp_model_init(tp_group=...): this rank's group is ranks {ranks}; DeepSpeed and "
-                               f"autotuner put consecutive ranks together ({expected}), and the batches would not "
-                               "match; build the group that way")
 
 
 def _config_from(args: Any, config: ConfigSource | None) -> tuple[DeepSpeedConfig, tuple[str, ...]]:
@@ -289,34 +248,6 @@ def _grad_scaler(config: DeepSpeedConfig, device: torch.device, stage: int, spli
     return LossScaler(config.fp16, device, sharded=stage >= 2 or split)
 
 
-def _layout(cfg: DeepSpeedConfig, ctx: Any, stage: int) -> ParallelLayout:
-    """The ranks' (dp, tp) layout from the config's tensor_parallel section (collective)."""
-    tp = cfg.tensor_parallel.size
-    if tp > 1:
-        refuse_on_device(cfg.tensor_parallel.keep_module_on_host, ctx.device)
-        if stage == 1:
-            raise UnsupportedError("tensor_parallel.autotp_size with zero_optimization.stage 1: torch's "
-                                   "ZeroRedundancyOptimizer cannot hold split parameters, so stage 1 is not carried "
-                                   "with tensor parallelism yet; use stage 0 or 2 (2 also shards the gradients)")
-        if stage == 0 and cfg.precision == "fp16":
-            raise UnsupportedError("fp16 with tensor_parallel.autotp_size at zero_optimization.stage 0: torch's grad "
-                                   "scaler cannot unscale split and whole gradients together, so fp16's overflow "
-                                   "check is not carried there yet; use bf16, or stage 2 (FSDP2 shards them all)")
-        if cfg.tensor_parallel.tp_overlap_comm:
-            warn_once("tensor_parallel.tp_overlap_comm: DeepSpeed's overlap of a column layer's input-gradient "
-                      "all-reduce with its weight gradient is a speed knob that torch's DTensor does not offer; "
-                      "the same math runs without it")
-    layout = parallel_layout(ctx, tp)
-    given = cfg.data_parallel_size
-    if given is not None and given != layout.dp_size:
-        raise ConfigError(f"data_parallel_size {given}: the world of {ctx.world_size} ranks over "
-                          f"tensor_parallel.autotp_size {tp} gives {layout.dp_size}; fix it or leave it out")
-    if layout.tensor_parallel:  # deepspeed.utils.groups answers with it from now on, as DeepSpeed's engine sets it
-        register_layout(layout)
-        set_autotp_mode(training=True)
-    return layout
-
-
 def _dataloader(dataset: Dataset, collate_fn: Any, batch_size: int, rank: int, world_size: int) -> DataLoader:
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, drop_last=True)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True)
@@ -358,9 +289,9 @@ def initialize(
     cfg = cfg.with_device_precision(ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
     cfg = cfg.model_copy(update={"zero_optimization": settle_offload(cfg.zero_optimization, stage, ctx.device)})
     cfg, tp_group = merge_into_config(cfg, mpu)  # what deepspeed.tp_model_init noted, as DeepSpeed merges it
-    layout = _layout(cfg, ctx, stage)
-    _check_mpu(mpu, mesh_param, layout)
-    _check_tp_group(tp_group, layout)
+    layout = layout_for(cfg, ctx, stage)
+    check_mpu(mpu, mesh_param, layout)
+    check_tp_group(tp_group, layout)
     batch, batch_note = resolve_split_batch(cfg, ctx.world_size, layout.tp_size, counts_every_rank=mpu is None)
     if batch_note:
         warn_once(batch_note)
