@@ -184,7 +184,10 @@ def tp_gradient_norm(named_parameters: Iterable[tuple[str, nn.Parameter]], split
 def check_same_batch(layout: ParallelLayout, inputs: tuple, kwargs: dict) -> None:
     """Every rank of a TP group must see the same batch (they compute one replica's step together).
     Compared once, at the first forward, as DeepSpeed's engine does (a one-shot forward pre-hook)."""
-    tensors = [value for value in [*inputs, *kwargs.values()] if isinstance(value, torch.Tensor)]
+    from torch.utils._pytree import tree_leaves
+
+    # Inside dicts, lists and tuples too: a script may pass its batch as one dict.
+    tensors = [value for value in tree_leaves((inputs, kwargs)) if isinstance(value, torch.Tensor)]
     device = tensors[0].device if tensors else torch.device("cpu")
     summary = torch.tensor([float(sum(t.numel() for t in tensors)),
                             float(sum(t.detach().double().sum().item() for t in tensors if t.numel()))],
