@@ -5,9 +5,12 @@ The layout is DeepSpeed's (`groups._init_tp_mesh_device`): the ranks of a TP gro
 consecutive, `[k*tp, ..., k*tp + tp - 1]`, so a TP group stays inside a node, and a rank's
 data-parallel rank is `rank // tp`. torch's `init_device_mesh` over `(dp, tp)` gives exactly
 that. Splitting comes first, on the `tp` mesh (`parallelize_module` with the plan of
-tp_plan.py); the ZeRO stage then works over the `dp` mesh, in torchtitan's order: DDP with
-`device_mesh=mesh["dp"]` at stages 0-1 (torch localises the split parameters for it), FSDP2's
-`fully_shard(mesh=mesh["dp"])` at 2-3 (it shards the split parameters again over dp).
+tp_plan.py); the ZeRO stage then works over the `dp` mesh, in torchtitan's order: FSDP2's
+`fully_shard(mesh=mesh["dp"])` at stages 2-3 (it shards the split parameters again over dp); at
+stage 0 no wrapper, the engine averaging the gradients over the dp group (DDP's device_mesh
+path would swap the split parameters for unmarked local tensors between forwards, and every
+state dict with them); stage 1 is refused (ZeroRedundancyOptimizer broadcasts parameters, which
+DTensor cannot).
 """
 
 from __future__ import annotations
