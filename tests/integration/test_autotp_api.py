@@ -144,3 +144,14 @@ def test_groups_built_before_initialize_are_this_process_groups_until_it_ends():
             groups.get_data_parallel_rank()
     finally:
         dist.destroy_process_group()
+
+
+def test_two_by_two_the_pairs_train_data_parallel_with_the_script_groups(tmp_path):
+    # 4 ranks, the script's own groups: tensor-parallel pairs (0, 1) and (2, 3), data-parallel
+    # groups (0, 2) and (1, 3). The same losses as 2 unsplit data-parallel ranks.
+    split = train(tmp_path / "2x2.json", 4, "--tp_size", "2")
+    whole = train(tmp_path / "dp2.json", 2, "--tp_size", "1")
+    assert split["losses"] == pytest.approx(whole["losses"], abs=1e-5)
+    rank2 = split["groups"][2]
+    assert rank2 == {"tp": [2, 0], "mp": [2, 0], "dp": [2, 1], "tp_source_rank": 2, "tp_ranks": [2, 3],
+                     "mp_ranks": [2, 3], "dp_ranks": [0, 2], "engine": [1, 0, 0]}
