@@ -115,10 +115,11 @@ def orchestrator(tmp_path: Path, config: DeepSpeedConfig, runner: FakeRunner, se
                  report: Callable[[str], None] = lambda line: None, run_fingerprint: Fingerprint | None = None,
                  **options) -> Autotuner:
     """The orchestrator over `config` and a fake runner, as the settle pass hands it over (device
-    facts and search space, `settled`), writing under `tmp_path`; `options` go to Autotuner."""
+    facts and search space, `settled`), writing under `tmp_path`; `options` go to Autotuner (a
+    space or devices given there replace the settled ones)."""
     settings = settings or experiment_settings(config)
     return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner,
-                     run_fingerprint or fingerprint(), report=report, **settled(config, settings), **options)
+                     run_fingerprint or fingerprint(), report=report, **{**settled(config, settings), **options})
 
 
 def settled(config, settings: ExperimentSettings) -> dict:

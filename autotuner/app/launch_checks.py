@@ -39,10 +39,6 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
             from autotuner.config.engine_math import refuse_other_math
 
             refuse_other_math(config, path)
-    tp = config.tensor_parallel.size
-    if tp > 1 and world_size % tp:
-        raise ConfigError(f"{path}: tensor_parallel.autotp_size {tp}: must divide the number of ranks ({world_size})")
-    check_fixed_triad(config, world_size, path)
     stage = config.zero_optimization.stage
     if not isinstance(stage, int):
         raise ConfigError(f"{path}: zero_optimization.stage: got {json.dumps(stage)}; a list or \"all\" is only for "
@@ -50,6 +46,10 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
     from autotuner.config.sections import refuse_unsettled
 
     refuse_unsettled(config, path, in_rank=False)  # each dimension's tuned key (a plugin's too)
+    tp = config.tensor_parallel.size
+    if tp > 1 and world_size % tp:
+        raise ConfigError(f"{path}: tensor_parallel.autotp_size {tp}: must divide the number of ranks ({world_size})")
+    check_fixed_triad(config, world_size, path)
     from autotuner.runtime.training.optim import check_optimizer_and_scheduler
 
     check_optimizer_and_scheduler(config, path)

@@ -35,13 +35,14 @@ from autotuner.config.batch import check_fixed_triad, data_parallel_size as data
 from autotuner.config.keys import field_names, section_model
 from autotuner.config.loader import config_label, read_config_file
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
-from autotuner.app.tensor_parallel_checks import check_tensor_parallel_tune, degree_dividing
+from autotuner.app.trainer_checks import check_trainer_mappings, check_trainer_step_counts, script_max_steps
+from autotuner.app.tensor_parallel_checks import check_tensor_parallel_tune, kept_degrees, settled_degrees
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.backends import BACKENDS, backend_spec
 from autotuner.execution.script_imports import own_modules
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import LaunchPlan
-from autotuner.launch.script_args import config_path, find_flag
+from autotuner.launch.script_args import config_path
 from autotuner.runtime.training.optim import check_optimizer_and_scheduler
 from autotuner.tuning.space.config_space import base_config, search_space
 from autotuner.tuning.space.dimensions import REGISTRY
@@ -71,20 +72,13 @@ class SettledJob:
     exps_dir: Path
     devices: DeviceFacts  # read once, here
     space: SearchSpace  # built once, here, for the engine settled here (the orchestrator swaps in the
-    # engine's dimensions after the profile only where the profile's ranks settle the engine)
+    # engine's dimensions after the profile only where the profile's ranks settle the engine), at degrees[0]
+    degrees: tuple[int, ...] = ()  # the tensor-parallel degrees a search runs in turn (none: the config's one)
+    left_out: tuple[tuple[int, str], ...] = ()  # the degrees a search leaves out, with why
 
 
 def say(line: str) -> None:
     print(f"autotuner: {line}", flush=True)
-
-
-def script_max_steps(script_args: tuple[str, ...]) -> int | None:
-    """The script's own run length, `--max_steps N` (Hugging Face's Trainer, torchtitan's
-    --training.steps is not read): the planned steps when autotuning.planned_steps is unset. HF's
-    -1 (train by epochs) and anything not a positive integer give none."""
-    found = find_flag(tuple(script_args), "--max_steps")
-    value = found[1] if found else None
-    return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
 
 
 def check_arg_mappings(config: DeepSpeedConfig, source: str, base: dict | None = None) -> None:
@@ -130,60 +124,6 @@ def check_some_batch_is_valid(space: SearchSpace, data_parallel_size: int, sourc
         allowed = (f"with {data_parallel_size} data-parallel ranks the smallest global batch is {smallest}; "
                    f"raise it to at least {smallest} or use fewer ranks")
     raise ConfigError(f"{source}: {key}: no micro-batch size gives a valid global batch: {allowed}")
-
-
-# Hugging Face's Trainer's flag for each batch key: it checks the config's value against it.
-TRAINER_BATCH_FLAGS = {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
-                       "gradient_accumulation_steps": "--gradient_accumulation_steps"}
-
-
-def _experiment_micro_batch_sizes(space: SearchSpace) -> list[int]:
-    """Every micro-batch size an experiment may get (each with a valid accumulation count)."""
-    return space.valid_micro_batch_sizes(space.max_micro_batch_size)
-
-
-def check_trainer_mappings(space: SearchSpace, arg_mappings: dict[str, str], source: str) -> None:
-    """For a Trainer script, a batch key that varies between experiments needs its flag mapped:
-    the Trainer refuses a config whose value differs from its flag's, so every launch but the one
-    matching the flag's value would fail (and the pick come from those that did not)."""
-    micros = _experiment_micro_batch_sizes(space)
-    values = {"train_micro_batch_size_per_gpu": micros,
-              "gradient_accumulation_steps": sorted({space.gas(m) for m in micros})}
-    for key, flag in TRAINER_BATCH_FLAGS.items():
-        if key not in arg_mappings and len(values[key]) > 1:
-            raise ConfigError(f"{source}: autotuning.arg_mappings: {key} varies between experiments "
-                              f"({values[key][0]}..{values[key][-1]}) but is mapped to no flag, and Hugging Face's "
-                              f"Trainer refuses a config value other than its {flag}; add \"{key}\": \"{flag}\"")
-
-
-def _ratio_warmup(script_args: tuple[str, ...]) -> bool:
-    """Whether the Trainer's warmup is a share of the run (--warmup_ratio, or --warmup_steps under 1)."""
-    for flag, is_ratio in (("--warmup_ratio", lambda v: v > 0), ("--warmup_steps", lambda v: 0 < v < 1)):
-        found = find_flag(script_args, flag)
-        try:
-            if found and found[1] is not None and is_ratio(float(found[1])):
-                return True
-        except ValueError:
-            pass
-    return False
-
-
-def check_trainer_step_counts(config: DeepSpeedConfig, space: SearchSpace, script_args: tuple[str, ...],
-                              source: str) -> None:
-    """Trained by epochs (no --max_steps), the Trainer derives the run's step count from each
-    experiment's batch and refuses a scheduler step count in the config that differs from it
-    (transformers' trainer_config_finalize): with batches that vary, every launch but one would fail."""
-    if script_max_steps(script_args) is not None or len(_experiment_micro_batch_sizes(space)) < 2:
-        return
-    params = config.scheduler.params if config.scheduler is not None else {}
-    derived = ["total_num_steps"] + (["warmup_num_steps"] if _ratio_warmup(script_args) else [])
-    for key in derived:
-        value = params.get(key)
-        if value is not None and value != "auto":
-            raise ConfigError(f"{source}: scheduler.params.{key}: got {value}; Hugging Face's Trainer trains by "
-                              "epochs here (no --max_steps), derives this count from each experiment's batch and "
-                              "refuses any other value, so every launch but one would fail; set it to \"auto\" or "
-                              "pass the script --max_steps")
 
 
 def check_trainer_autos(config: DeepSpeedConfig, choice: EngineChoice, script: str, source: str) -> None:
@@ -261,7 +201,10 @@ def settle(args: argparse.Namespace) -> SettledJob:
     results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
-    tensor_parallel = degree_dividing(config, world_size, source)
+    degrees = settled_degrees(config, world_size, plan.nproc_per_node, source)
+    searched = config.tensor_parallel.searched  # a search runs each degree in turn, counted from degree 1
+    tensor_parallel = 1 if searched else degrees[0]
+    left_out: tuple[tuple[int, str], ...] = ()
     # DeepSpeed's engine splits each sequence over sequence_parallel_size ranks, and its batch
     # arithmetic divides the world by it as by a model-parallel size (ours refuses it at initialize).
     sequence_parallel = config.set_aside.get("sequence_parallel_size", 1)
@@ -271,16 +214,24 @@ def settle(args: argparse.Namespace) -> SettledJob:
                           f"{tuning.mp_size} must divide the world size ({world_size})")
     data_parallel_size = data_parallel_size_of(world_size, tuning.mp_size * sequence_parallel * tensor_parallel,
                                                source)
-    check_fixed_triad(config, world_size if tensor_parallel > 1 else data_parallel_size, source)
+    if not searched:  # (a search checks the triad at each degree)
+        check_fixed_triad(config, world_size if tensor_parallel > 1 else data_parallel_size, source)
     engine = script_engine(args.script, getattr(args, "engine", "auto"))
-    if tensor_parallel > 1:
+    if max(degrees) > 1:
         check_tensor_parallel_tune(config, engine, source)
     # The search space, built once for the run from the device facts read once (the engine's own
     # dimensions are swapped in after the profile where only its ranks can tell the engine).
     devices = read_device_facts()
     space = search_space(config, data_parallel_size, engine.engine, devices.on_gpu)
-    if tensor_parallel > 1 and 1 in space.stages:  # the engine refuses stage 1 with tensor parallelism
-        space = replace(space, stages=tuple(stage for stage in space.stages if stage != 1))
+    if searched:
+        degrees, left_out = kept_degrees(config, space, degrees, data_parallel_size, source, say,
+                                         check_some_batch_is_valid)
+        tensor_parallel = degrees[0]
+    if searched or tensor_parallel > 1:  # each experiment sets its degree; the engine refuses stage 1 with TP
+        stage_one = 1 in space.stages
+        space = space.at_degree(tensor_parallel, data_parallel_size * (1 if searched else tensor_parallel))
+        data_parallel_size = space.data_parallel_size
+    if tensor_parallel > 1 and not searched and stage_one:
         say(f"tensor parallel {tensor_parallel}: ZeRO stage 1 is not searched (not carried with tensor parallelism "
             f"on our engine); every experiment splits the model over {tensor_parallel} ranks, data-parallel size "
             f"{data_parallel_size}")
@@ -345,7 +296,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
                                  measured_as=measured_as(settings), own_modules=tuple(own_modules(args.script)),
                                  bool_flags=bool_flags(dict(tuning.arg_mappings), settings.base_config))
     return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir,
-                      devices, space)
+                      devices, space, degrees if searched else (), left_out)
 
 
 def measured_as(settings: ExperimentSettings) -> str:

@@ -70,7 +70,8 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
                                    placement_env=tuple(getattr(runner, "placement_env", ())))
                 outcome = Autotuner(job.config, settings, results_dir, exps_dir, runner, fingerprint,
                                     report=_say, settle_engine=lambda built: settle_built_engine(job, built),
-                                    devices=job.devices, space=job.space).tune()
+                                    devices=job.devices, space=job.space, degrees=job.degrees,
+                                    left_out=job.left_out).tune()
             except Stopped as stop:  # the runner's exit below ends the running experiment
                 hint = getattr(stop, "resume_hint", "Resume with the same command.")
                 print(f"autotuner: stopped by {stop.name}; running experiment ended, finished records kept in "

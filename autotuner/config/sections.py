@@ -68,6 +68,7 @@ BUILT_IN_TUNED: tuple[TunedKey, ...] = (
     TunedKey(("zero_optimization", "offload_optimizer", "device"), '"none" or "cpu"'),
     TunedKey(("zero_optimization", "offload_param", "device"), '"none" or "cpu"'),
     TunedKey(("activation_checkpointing", "policy"), '"none", "full" or "selective"', lists=True),
+    TunedKey(("tensor_parallel", "autotp_size"), "an integer (0 or 1: no tensor parallelism)", lists=True),
 )
 SECTIONS: dict[str, ConfigSection] = {}  # a plugin's, by key
 

@@ -9,6 +9,7 @@ by it. What the section holds beyond that is either honoured here or refused in 
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional
 
 from pydantic import AliasChoices, Field
@@ -26,9 +27,10 @@ class TPGroupConfig(Section):
 
 
 class TensorParallelConfig(Section):
-    autotp_size: NonNegativeInt = Field(
+    autotp_size: NonNegativeInt | Literal["auto"] | list[PositiveInt] = Field(
         0, description="ranks each Linear layer is split over (DeepSpeed's AutoTP training); 0 or 1: no tensor "
-                       "parallelism. Divides the data-parallel size: dp = world / autotp_size")
+                       "parallelism. Divides the data-parallel size: dp = world / autotp_size. In a tune, \"auto\" "
+                       "searches the divisors of the ranks per node, and a list those degrees")
     tp_overlap_comm: bool = Field(False, description="DeepSpeed overlaps a column layer's input-gradient all-reduce "
                                                      "with its weight gradient; a speed knob, no effect here")
     dtype: Any = Field(None, description="the dtype tp_model_init was given (DeepSpeed checks it against bf16/fp16)")
@@ -47,19 +49,33 @@ class TensorParallelConfig(Section):
     injection_policy_tuple: Any = Field(None, description="DeepSpeed-internal; refused when set")
 
     @property
+    def searched(self) -> bool:
+        """Whether a tune settles the degree ("auto" or a list): outside one it is refused
+        (config/sections.py's tuned keys), so an engine never reads it unsettled."""
+        return not isinstance(self.autotp_size, int)
+
+    @property
     def size(self) -> int:
         """The tensor-parallel degree: 1 when the section is off (DeepSpeed's 0 and 1 both mean off)."""
+        if self.searched:
+            raise ConfigError(f"tensor_parallel.autotp_size: got {json.dumps(self.autotp_size)}; it is settled by "
+                              "--autotuning tune|run; give an integer to train")
         return max(1, self.autotp_size)
 
 
 def refuse_unsupported(section: TensorParallelConfig, source: str) -> None:
     """What of the section our engine does not carry, refused in one line (DeepSpeed would act on it)."""
-    tp = section.size
-    if tp == 1:
-        return
-    if section.tp.tp_size not in (1, tp):
-        raise ConfigError(f"{source}: tensor_parallel.tp.tp_size {section.tp.tp_size}: must be 1 or autotp_size ({tp}), "
-                          "as DeepSpeed requires")
+    if section.searched:  # a tune tries degrees above 1: what none of them carries is refused now
+        if section.tp.tp_size != 1:
+            raise ConfigError(f"{source}: tensor_parallel.tp.tp_size {section.tp.tp_size}: with autotp_size "
+                              f"{json.dumps(section.autotp_size)} the tune settles the degree; leave tp.tp_size at 1")
+    else:
+        tp = section.size
+        if tp == 1:
+            return
+        if section.tp.tp_size not in (1, tp):
+            raise ConfigError(f"{source}: tensor_parallel.tp.tp_size {section.tp.tp_size}: must be 1 or autotp_size "
+                              f"({tp}), as DeepSpeed requires")
     refused = {
         "partition_config": (section.partition_config is not None,
                              "DeepSpeed's custom layer specs are not carried; the model's Hugging Face plan or "

@@ -226,7 +226,11 @@ def test_bad_activation_checkpointing_policy(in_tmp, capsys, policy, says, autot
     ({"autotp_size": 2, "partition_config": {"layer_specs": []}}, "tensor_parallel.partition_config"),
     ({"autotp_size": 3}, "tensor_parallel.autotp_size 3: must divide the number of ranks (2)"),
     ({"autotp_size": 2, "unknown": 1}, "unknown key 'tensor_parallel.unknown'"),
-], ids=["not-carried", "indivisible", "typo"])
+    ({"autotp_size": "auto"}, 'tensor_parallel.autotp_size: got "auto"; "auto" or a list is only for --autotuning '
+                              "tune|run; give an integer (0 or 1: no tensor parallelism) to train"),
+    ({"autotp_size": [1, 2]}, "tensor_parallel.autotp_size: got [1, 2]; \"auto\" or a list is only for"),
+    ({"autotp_size": "two"}, "tensor_parallel.autotp_size"),
+], ids=["not-carried", "indivisible", "typo", "auto-plain", "list-plain", "not-a-size"])
 def test_a_tensor_parallel_section_our_engine_cannot_train_is_refused_before_any_launch(in_tmp, capsys, section,
                                                                                         says):
     cfg = write(in_tmp / "ds.json", config_dict(tensor_parallel=section))
@@ -240,7 +244,14 @@ def test_a_tensor_parallel_section_our_engine_cannot_train_is_refused_before_any
                                                "carried"),
     ({"autotuning": {"metric": "goodput", "reference_batch_size": 8, "lr_scaling": "linear"}},
      "autotuning.metric \"goodput\" with tensor_parallel.autotp_size 2"),
-], ids=["stage-1", "goodput"])
+    ({"tensor_parallel": {"autotp_size": "auto"}, "autotuning": {"metric": "goodput", "reference_batch_size": 8,
+                                                                 "lr_scaling": "linear"}},
+     "autotuning.metric \"goodput\" with tensor_parallel.autotp_size \"auto\""),
+    ({"tensor_parallel": {"autotp_size": [1, 3]}}, "tensor_parallel.autotp_size: 3 in [1, 3] does not divide the "
+                                                   "number of ranks (2)"),
+    ({"tensor_parallel": {"autotp_size": "auto", "tp": {"tp_size": 2}}}, "tensor_parallel.tp.tp_size 2: with "
+                                                                         "autotp_size \"auto\" the tune settles"),
+], ids=["stage-1", "goodput", "goodput-searched", "list-indivisible", "tp-size-searched"])
 def test_a_tensor_parallel_tune_our_engine_cannot_run_is_refused_before_any_launch(in_tmp, capsys, extra, says):
     raw = config_dict(tensor_parallel={"autotp_size": 2})
     for key, value in extra.items():
@@ -289,11 +300,12 @@ def test_our_engines_keys_for_a_script_on_deepspeeds_engine(in_tmp, capsys, auto
     assert_refused(in_tmp, capsys, argv, str(cfg), *mentions)
 
 
-def test_a_tensor_parallel_tune_of_a_script_on_deepspeeds_engine_is_refused_before_any_launch(in_tmp, capsys):
+@pytest.mark.parametrize("size", [2, "auto"])
+def test_a_tensor_parallel_tune_of_a_script_on_deepspeeds_engine_is_refused_before_any_launch(in_tmp, capsys, size):
     script = write(in_tmp / "train.py", "import deepspeed\n")
-    cfg = write(in_tmp / "ds.json", config_dict(tensor_parallel={"autotp_size": 2}))
-    assert_refused(in_tmp, capsys, tune_argv(cfg, script=script), str(cfg), "tensor_parallel.autotp_size 2: a "
-                   "tensor-parallel tune runs on autotuner's engine only")
+    cfg = write(in_tmp / "ds.json", config_dict(tensor_parallel={"autotp_size": size}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg, script=script), str(cfg), f"tensor_parallel.autotp_size "
+                   f"{json.dumps(size)}: a tensor-parallel tune runs on autotuner's engine only")
 
 
 @pytest.mark.parametrize("section, key, value", [

@@ -140,3 +140,39 @@ def test_a_tune_at_the_configs_degree_searches_the_stages_that_carry_it_and_trai
     assert optimal["tensor_parallel"] == {"autotp_size": 2}
     assert optimal["train_batch_size"] == optimal["train_micro_batch_size_per_gpu"] * 2  # gas 1 x dp 2
     assert {(layout["dp"], layout["tp"]) for layout in layouts(tmp_path / "out")} == {(2, 2)}  # the run that trained
+
+
+def test_a_degree_search_runs_each_degree_at_the_users_global_batch_and_trains_the_pick_at_its_layout(tmp_path):
+    # 4 ranks, "auto": degrees 1, 2 and 4 (the divisors of the ranks per node), each profiled split at
+    # its degree and searched over its own launches; train_batch_size 16 holds at each (gas makes up for
+    # the smaller data-parallel size); ZeRO 1 runs at degree 1 only; the pick trains at its layout.
+    tuning = {"enabled": True, "start_profile_step": 2, "end_profile_step": 4, "exp_timeout_s": 120,
+              "tuner_type": "gridsearch", "remeasure_rounds": 0, "history": False,
+              "max_train_micro_batch_size_per_gpu": 4, "arg_mappings": {}}
+    cfg = write_json(tmp_path / "ds.json", {"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
+                                            "zero_optimization": {"stage": [0, 1, 2]},
+                                            "tensor_parallel": {"autotp_size": "auto"}, "autotuning": tuning})
+    done = run_launcher("--autotuning", "run", "--nproc_per_node", "4", SCRIPT, "--steps", "4", "--out", tmp_path / "out",
+                        "--deepspeed", cfg, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    assert "tensor parallel: searching degrees 1, 2, 4" in said
+    table = experiments_table(tmp_path / "autotuning_results")
+    assert set(table["state"]) <= {"ok", "pruned"}  # each launch's ranks built its degree (else it fails)
+    assert set(table["tp"]) == {1, 2, 4}
+    assert set(table[table["tp"] > 1]["zero_stage"]) <= {0, 2}
+    for row in table[table["state"] == "ok"].itertuples():
+        assert f"_tp{row.tp}_" in row.name
+        assert row.micro_batch_size * row.gradient_accumulation_steps * (4 // row.tp) == 16
+        written = json.loads((tmp_path / "autotuning_exps" / row.name / "ds_config.json").read_text())
+        assert written["tensor_parallel"]["autotp_size"] == row.tp
+    for degree in (2, 4):  # each degree's profile counted its own split
+        assert f"profile: tensor parallel {degree}: 25,024 parameters split" in said
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    for degree, dp in ((1, 4), (2, 2), (4, 1)):
+        assert f"layout: tensor parallel {degree} x data parallel {dp}: kept" in summary
+    assert "train_batch_size 16 holds at this degree" in summary
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
+    pick = table[table["chosen"]].iloc[0]
+    assert optimal["tensor_parallel"]["autotp_size"] == pick.tp
+    assert {(layout["dp"], layout["tp"]) for layout in layouts(tmp_path / "out")} == {(4 // pick.tp, max(1, pick.tp))}

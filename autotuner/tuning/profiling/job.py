@@ -31,12 +31,23 @@ class TuningJob:
     space: SearchSpace
     devices: DeviceFacts
     policy: SearchPolicy
+    # The tensor-parallel degrees searched, each in turn (`at_degree`), where the config asks for a
+    # search (several, or "auto"); the space is at the first. (degree, why) for those left out.
+    degrees: tuple[int, ...] = ()
+    left_out: tuple[tuple[int, str], ...] = ()
 
     @classmethod
     def settled(cls, config: DeepSpeedConfig, settings: ExperimentSettings, space: SearchSpace,
-                devices: DeviceFacts) -> "TuningJob":
+                devices: DeviceFacts, degrees: tuple[int, ...] = (),
+                left_out: tuple[tuple[int, str], ...] = ()) -> "TuningJob":
         policy = SearchPolicy.from_tuning(settings.objective, config.autotuning, settings.planned_steps)
-        return cls(config, settings, space, devices, policy)
+        return cls(config, settings, space, devices, policy, degrees, left_out)
+
+    def at_degree(self, degree: int) -> "TuningJob":
+        """The job of one degree's search: data-parallel size ranks / degree, ZeRO 1 (not carried
+        with tensor parallelism) left out above 1, and every experiment setting the degree."""
+        space = self.space.at_degree(degree, self.space.data_parallel_size * max(1, self.space.tensor_parallel))
+        return replace(self, space=space, settings=replace(self.settings, data_parallel_size=space.data_parallel_size))
 
     @property
     def objective(self) -> Objective:

@@ -50,6 +50,7 @@ class SearchRecord:
     elapsed_s: float
     noise_scale: NoiseScale | None = None  # metric goodput: B_noise as the profile measured it
     critical_batch: int | None = None  # metric goodput: the config's critical_batch_size, used in its place
+    layout_lines: tuple[str, ...] = ()  # the tensor-parallel layouts: fixed, or each degree searched kept or not
 
 
 def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective: Objective, results_dir: Path,
@@ -76,7 +77,7 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
             # (DeepSpeed's launcher needs a hostfile for several nodes; without one it trains on one.)
             deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu)
         config = script_config(config, settings.engine)  # what the mapped flags carry stays out
-    compiled = layout_lines(settings) + compile_lines(list(record.launched), settings.planned_steps)
+    compiled = list(record.layout_lines) + compile_lines(list(record.launched), settings.planned_steps)
     compiled += goodput
     compiled += varying_batch_lines([r.measurement for r in record.launched if r.measurement is not None],
                                     settings.max_sequence_length, settings.max_sequence_length_from)
@@ -90,15 +91,6 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
                             list(deepspeed_cmd) if deepspeed_cmd else None)
     return TuningOutcome(everything, best, summary, optimal_path, optimal_args, optimal_cmd, deepspeed_cmd,
                          optimal_env)
-
-
-def layout_lines(settings: ExperimentSettings) -> list[str]:
-    """The parallel layout every experiment ran, where it is not every rank data parallel."""
-    tensor_parallel = int((settings.base_config.get("tensor_parallel") or {}).get("autotp_size") or 1)
-    if tensor_parallel <= 1:
-        return []
-    return [f"layout: tensor parallel {tensor_parallel} x data parallel {settings.data_parallel_size} in every "
-            "experiment (tensor_parallel.autotp_size as the config fixes it; the degree is not searched yet)"]
 
 
 def tuned_values_env(pick: Experiment, launched: tuple[TrialResult, ...]) -> tuple[tuple[str, str], ...]:

@@ -25,6 +25,8 @@ def _format_knob(value: Any) -> str:
     return str(value)
 
 
+TENSOR_PARALLEL_KEY = "tensor_parallel.autotp_size"
+
 # A set of dimension values by name, sorted: an experiment's knobs, or a variant of a stage.
 Knobs = tuple[tuple[str, Any], ...]
 
@@ -32,17 +34,22 @@ Knobs = tuple[tuple[str, Any], ...]
 @dataclass(frozen=True, order=True)
 class Experiment:
     """One training configuration to measure: a ZeRO stage, the batch triad, and a value for each
-    further dimension it sets (`knobs`, by name in tuning/space/dimensions.py)."""
+    further dimension it sets (`knobs`, by name in tuning/space/dimensions.py). `tensor_parallel`:
+    the degree it splits the model over (tensor_parallel.autotp_size), where the tune sets one (0:
+    the config's layout, data parallel); it divides the ranks, so the data-parallel size the
+    triad counts with is the caller's for that degree."""
 
     zero_stage: int
     micro_batch_size: int
     gradient_accumulation_steps: int = 1
     knobs: Knobs = field(default=())
+    tensor_parallel: int = 0
 
     @property
     def name(self) -> str:
+        layout = f"_tp{self.tensor_parallel}" if self.tensor_parallel else ""
         tags = "".join(f"_{dimensions.tag(k)}{_format_knob(v)}" for k, v in self.knobs)
-        return f"z{self.zero_stage}{tags}_gas{self.gradient_accumulation_steps}_mbs{self.micro_batch_size}"
+        return f"z{self.zero_stage}{layout}{tags}_gas{self.gradient_accumulation_steps}_mbs{self.micro_batch_size}"
 
     def train_batch_size(self, data_parallel_size: int) -> int:
         return train_batch_size(self.micro_batch_size, self.gradient_accumulation_steps, data_parallel_size)
@@ -51,7 +58,7 @@ class Experiment:
         """This experiment with `knobs` added (a knob it already has takes the new value)."""
         merged = {**dict(self.knobs), **knobs}
         return Experiment(self.zero_stage, self.micro_batch_size, self.gradient_accumulation_steps,
-                          tuple(sorted(merged.items())))
+                          tuple(sorted(merged.items())), self.tensor_parallel)
 
     def features(self) -> dict[str, float]:
         """Numeric description for cost models."""
@@ -64,20 +71,26 @@ class Experiment:
         }
         for key, value in self.knobs:
             out[key] = dimensions.encode(key, value)
+        if self.tensor_parallel:
+            out["log2_tensor_parallel"] = math.log2(self.tensor_parallel)
         return out
 
     def tuned_values(self) -> tuple[tuple[str, Any], ...]:
         """What this experiment sets, by DeepSpeed config key: the stage, micro-batch and gas, and
         each dimension at its path (what the ranks must build, and report back)."""
+        layout = ((TENSOR_PARALLEL_KEY, self.tensor_parallel),) if self.tensor_parallel else ()
         return (("zero_optimization.stage", self.zero_stage),
                 ("train_micro_batch_size_per_gpu", self.micro_batch_size),
                 ("gradient_accumulation_steps", self.gradient_accumulation_steps),
+                *layout,
                 *((".".join(dimensions.dimension(key).path), value) for key, value in self.knobs))
 
     def apply(self, base_config: dict[str, Any], data_parallel_size: int) -> dict[str, Any]:
         """The base config with this experiment's stage, batch triad and dimensions set."""
         config = copy.deepcopy(base_config)
         config["zero_optimization"] = {**(config.get("zero_optimization") or {}), "stage": self.zero_stage}
+        if self.tensor_parallel:
+            config["tensor_parallel"] = {**(config.get("tensor_parallel") or {}), "autotp_size": self.tensor_parallel}
         for key, value in self.knobs:
             dimensions.write(config, dimensions.dimension(key).path, value)
         config["train_micro_batch_size_per_gpu"] = self.micro_batch_size

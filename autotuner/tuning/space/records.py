@@ -110,7 +110,8 @@ class TrialResult:
             "experiment": {"zero_stage": self.experiment.zero_stage,
                            "micro_batch_size": self.experiment.micro_batch_size,
                            "gradient_accumulation_steps": self.experiment.gradient_accumulation_steps,
-                           "knobs": [list(kv) for kv in self.experiment.knobs]},
+                           "knobs": [list(kv) for kv in self.experiment.knobs],
+                           "tensor_parallel": self.experiment.tensor_parallel},
             "state": self.state.value,
             "value": self.value,
             "value_std": self.value_std,
@@ -127,7 +128,7 @@ class TrialResult:
     def from_json(cls, data: dict[str, Any]) -> "TrialResult":
         exp = data["experiment"]
         experiment = Experiment(exp["zero_stage"], exp["micro_batch_size"], exp["gradient_accumulation_steps"],
-                                tuple((k, v) for k, v in exp.get("knobs", [])))
+                                tuple((k, v) for k, v in exp.get("knobs", [])), exp.get("tensor_parallel", 0))
         return cls(
             experiment=experiment,
             state=TrialState(data["state"]),

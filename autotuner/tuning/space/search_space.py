@@ -5,7 +5,7 @@ candidate sizes drawn from the space. Pure records and functions: nothing here l
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from autotuner.config.batch import gas_for, train_batch_size
@@ -35,6 +35,16 @@ class SearchSpace:
     variants: dict[int, tuple[Knobs, ...]] = field(default_factory=dict, hash=False)
     # Per stage, the finishing dimensions' values (compile), tried last on the best configurations.
     finishes: dict[int, dict[str, list[Any]]] = field(default_factory=dict, hash=False)
+    # The tensor-parallel degree every experiment sets (Experiment.tensor_parallel; 0: the config's
+    # layout), which `data_parallel_size` is counted at: a degree search has one space per degree.
+    tensor_parallel: int = 0
+
+    def at_degree(self, degree: int, ranks: int) -> "SearchSpace":
+        """This space at tensor-parallel degree `degree` over `ranks` (the data-parallel size at
+        degree 1): data-parallel size ranks / degree, ZeRO 1 left out above degree 1 (our engine
+        does not carry it with tensor parallelism), every experiment setting the degree."""
+        stages = tuple(s for s in self.stages if degree == 1 or s != 1)
+        return replace(self, stages=stages, data_parallel_size=ranks // degree, tensor_parallel=degree)
 
     def variants_for(self, stage: int) -> tuple[Knobs, ...]:
         return self.variants.get(stage) or ((),)
@@ -65,7 +75,8 @@ class SearchSpace:
         return [m for m in sizes if self.min_micro_batch_size <= m <= limit and self.gas(m) is not None]
 
     def experiment(self, stage: int, micro_batch_size: int) -> Experiment:
-        return Experiment(stage, micro_batch_size, self.gas(micro_batch_size) or 1, self.stage_knobs)
+        return Experiment(stage, micro_batch_size, self.gas(micro_batch_size) or 1, self.stage_knobs,
+                          self.tensor_parallel)
 
 
 @dataclass(frozen=True)

@@ -197,3 +197,34 @@ class TrialLedger:
         for result in self._answers[since:]:
             first.setdefault(result.experiment, result)
         return first
+
+
+class DegreeLedger:
+    """The ledger as one tensor-parallel degree's search reads it: its own results, pruned and
+    kinds (a degree's profile, memory model and search learn from its own launches only), while
+    what it records goes into the one ledger, which keeps every degree's."""
+
+    def __init__(self, ledger: TrialLedger, degree: int):
+        self._ledger = ledger
+        self.degree = degree
+
+    def __getattr__(self, name: str):
+        return getattr(self._ledger, name)  # recording, answers, earlier records: the ledger's own
+
+    def __contains__(self, experiment: Experiment) -> bool:
+        return experiment in self._ledger
+
+    def __len__(self) -> int:
+        return len(self._ledger)
+
+    def _own(self, results: Sequence[TrialResult]) -> tuple[TrialResult, ...]:
+        return tuple(r for r in results if r.experiment.tensor_parallel == self.degree)
+
+    def results(self) -> tuple[TrialResult, ...]:
+        return self._own(self._ledger.results())
+
+    def of_kind(self, kind: TrialKind) -> tuple[TrialResult, ...]:
+        return self._own(self._ledger.of_kind(kind))
+
+    def pruned(self) -> tuple[TrialResult, ...]:
+        return self._own(self._ledger.pruned())

@@ -20,7 +20,7 @@ from autotuner.launch.options import RankFlags
 from autotuner.launch.script_args import set_flag
 from autotuner.tuning.memory.varying_batches import longest_batch
 from autotuner.tuning.space import dimensions
-from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.experiment import TENSOR_PARALLEL_KEY, Experiment
 from autotuner.tuning.space.planned_run import planned_value
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 
@@ -288,6 +288,8 @@ def built_mismatch(experiment: Experiment, measurement: Measurement, settings: E
             continue  # (the engine the ranks built: a script importing both may settle it only now)
         if got is None and dim is not None and dim.neutral is not None:
             got = dim.neutral  # a section left out is the engine's default: off
+        if key == TENSOR_PARALLEL_KEY and isinstance(got, int):
+            got = max(1, got)  # DeepSpeed's 0 and 1 both mean no tensor parallelism
         if got == wanted:
             continue
         flag = settings.arg_mappings.get(key)

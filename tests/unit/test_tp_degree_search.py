@@ -1,0 +1,151 @@
+"""Searching the tensor-parallel degree (issue 69): `tensor_parallel.autotp_size` "auto" or a list.
+The degrees settled before any launch, each kept or left out saying why; one profile and search
+per degree over its own launches (a degree's data-parallel size counts its batch), the pick
+across all, its config at its degree; experiments named and recorded with the degree."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pandas as pd
+import pytest
+
+from autotuner.app.tensor_parallel_checks import kept_degrees, settled_degrees
+from autotuner.app.settle import check_some_batch_is_valid
+from autotuner.config import load_config
+from autotuner.core.boundary import Measurement
+from autotuner.core.errors import ConfigError
+from autotuner.tuning.space.config_space import search_space
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.trials.ledger import DegreeLedger, TrialKind, TrialLedger
+from autotuner.tuning.trials.trial import built_mismatch, experiment_config
+from fakes import FakeRunner, MiB, experiment_settings, ok, orchestrator, profiled, settled
+
+
+def tp_config(autotp_size, **top):
+    return load_config({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": [0, 1, 2]},
+                        "tensor_parallel": {"autotp_size": autotp_size}, **top,
+                        "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30, "tuner_type": "gridsearch",
+                                       "history": False, "max_train_micro_batch_size_per_gpu": 4,
+                                       "remeasure_rounds": 0}})
+
+
+def test_an_experiment_carries_its_degree_in_its_name_config_record_and_tuned_values():
+    at_two = Experiment(2, 8, 4, tensor_parallel=2)
+    assert at_two.name == "z2_tp2_gas4_mbs8"
+    assert Experiment(2, 8, 4).name == "z2_gas4_mbs8"  # a tune that sets no degree names none
+    config = at_two.apply({"tensor_parallel": {"autotp_size": "auto", "tp_overlap_comm": False}}, 2)
+    assert config["tensor_parallel"] == {"autotp_size": 2, "tp_overlap_comm": False}
+    assert config["train_batch_size"] == 8 * 4 * 2  # the degree's data-parallel size, as given
+    assert ("tensor_parallel.autotp_size", 2) in at_two.tuned_values()
+    assert at_two.with_knobs({"overlap_comm": True}).tensor_parallel == 2
+    record = TrialResult(at_two, TrialState.OK, value=1.0)
+    assert TrialResult.from_json(record.to_json()).experiment == at_two
+    assert at_two != Experiment(2, 8, 4, tensor_parallel=1)
+
+
+def test_the_ranks_building_another_degree_fail_the_launch_and_0_and_1_are_the_same():
+    settings = experiment_settings(tp_config(2))
+    built = Measurement(throughput=1.0, latency=1.0, zero_stage=0, micro_batch_size=2, gradient_accumulation_steps=1,
+                        built=(("tensor_parallel.autotp_size", 0),))
+    assert built_mismatch(Experiment(0, 2, 1, tensor_parallel=1), built, settings) is None
+    why = built_mismatch(Experiment(0, 2, 1, tensor_parallel=2), built, settings)
+    assert why is not None and "tensor_parallel.autotp_size = 1, not the experiment's 2" in why
+
+
+@pytest.mark.parametrize("given, ranks, per_node, degrees", [
+    ("auto", 4, 4, (1, 2, 4)), ("auto", 8, 4, (1, 2, 4)), ("auto", 6, 6, (1, 2, 3, 6)), ([4, 2, 2], 4, 4, (2, 4)),
+    (2, 4, 4, (2,)), (0, 4, 4, (1,))])
+def test_the_degrees_searched_are_the_divisors_of_the_ranks_per_node_or_the_list(given, ranks, per_node, degrees):
+    assert settled_degrees(tp_config(given), ranks, per_node, "ds.json") == degrees
+
+
+def test_a_listed_degree_that_does_not_divide_the_ranks_is_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"ds.json: tensor_parallel.autotp_size: 3 in \[1, 3\] does not divide the "
+                                          r"number of ranks \(4\)"):
+        settled_degrees(tp_config([1, 3]), 4, 4, "ds.json")
+
+
+def test_a_degree_with_no_valid_global_batch_or_only_stage_1_is_left_out_saying_why():
+    said = []
+    config = tp_config("auto", train_batch_size=4, gradient_accumulation_steps=4)  # mbs x 4 x dp = 4: dp 1 only
+    space = search_space(config, 4)
+    with pytest.raises(ConfigError, match="no micro-batch size gives a valid global batch"):
+        kept_degrees(config, space, (1, 2), 4, "ds.json", said.append, check_some_batch_is_valid)
+    kept, left_out = kept_degrees(config, space, (1, 2, 4), 4, "ds.json", said.append, check_some_batch_is_valid)
+    assert kept == (4,) and [degree for degree, _ in left_out] == [1, 2]
+    assert said[0].startswith("tensor parallel 1: left out (train_batch_size (4): no micro-batch size gives")
+    only_one = load_config({**tp_config("auto").to_dict(), "zero_optimization": {"stage": 1}})
+    kept, left_out = kept_degrees(only_one, search_space(only_one, 4), (1, 2), 4, "ds.json", said.append,
+                                  check_some_batch_is_valid)
+    assert kept == (1,) and "only 1, which is not carried with tensor parallelism" in left_out[0][1]
+
+
+def test_a_degree_reads_only_its_own_launches_from_the_one_ledger():
+    ledger = TrialLedger()
+    for degree in (1, 2):
+        ledger.record(TrialResult(Experiment(0, 2, 1, tensor_parallel=degree), TrialState.OK, value=float(degree)),
+                      kind=TrialKind.PROFILE)
+    view = DegreeLedger(ledger, 2)
+    assert [r.value for r in view.results()] == [2.0] and [r.value for r in view.of_kind(TrialKind.PROFILE)] == [2.0]
+    view.record(TrialResult(Experiment(2, 2, 1, tensor_parallel=2), TrialState.OK, value=3.0))
+    assert len(ledger) == 3 and len(view.results()) == 2  # recorded into the one ledger
+
+
+def test_a_degree_search_profiles_each_degree_leaves_out_one_that_fails_and_picks_across_them(tmp_path):
+    # 4 ranks, train_batch_size 16 fixed: at degree 2 the data-parallel size halves, so gas doubles.
+    config = tp_config("auto", train_batch_size=16)
+    settings = experiment_settings(config, nproc_per_node=4, data_parallel_size=4)
+    speed = {1: 100.0, 2: 150.0}
+
+    def answer(trial):
+        degree = trial.experiment.tensor_parallel
+        if degree == 4:
+            return TrialResult(trial.experiment, TrialState.FAILED, error="rank 0: UnsupportedError: heads not divisible")
+        return ok(trial, speed[degree] * trial.experiment.micro_batch_size, 200 * MiB)
+
+    runner = FakeRunner(profiled(answer))
+    lines = []
+    place = settled(config, settings)
+    space = place["space"].at_degree(1, 4)
+    tuner = orchestrator(tmp_path, config, runner, settings, report=lines.append, degrees=(1, 2, 4),
+                         left_out=((8, "example"),), space=space)
+    # (the fake's `settled` gives the space at no degree; the settle pass gives it at the first)
+    outcome = tuner.tune()
+    asked = {trial.experiment.tensor_parallel for trial in runner.trials}
+    assert asked == {1, 2, 4}
+    for trial in runner.trials:  # every launch's config: its degree, and the user's global batch kept
+        written = experiment_config(trial.experiment, trial.settings)
+        degree = trial.experiment.tensor_parallel
+        assert written["tensor_parallel"]["autotp_size"] == degree
+        assert trial.settings.data_parallel_size == 4 // degree
+        assert trial.experiment.train_batch_size(4 // degree) == 16
+        assert degree == 1 or trial.experiment.zero_stage != 1  # ZeRO 1 at degree 1 only
+    assert outcome.best.experiment.tensor_parallel == 2 and outcome.best.experiment.micro_batch_size == 4
+    summary = outcome.summary
+    assert "layout: tensor parallel 8: left out (example)" in summary
+    assert "layout: tensor parallel 1 x data parallel 4: kept" in summary
+    assert "layout: tensor parallel 2 x data parallel 2: kept" in summary and "best z0_tp2_gas2_mbs4" in summary
+    assert "layout: tensor parallel 4: left out (the model did not run in the profile launch (failed): rank 0: " \
+           "UnsupportedError: heads not divisible" in summary
+    table = pd.read_csv(tmp_path / "results" / "experiments.csv")
+    assert set(table["tp"]) == {1, 2, 4} and all(f"_tp{tp}_" in name for tp, name in zip(table["tp"], table["name"]))
+    import json
+
+    optimal = json.loads((tmp_path / "results" / "ds_config_optimal.json").read_text())
+    assert optimal["tensor_parallel"]["autotp_size"] == 2
+    assert (optimal["train_micro_batch_size_per_gpu"], optimal["gradient_accumulation_steps"]) == (4, 2)
+
+
+def test_only_one_degree_left_fails_the_tune_as_before(tmp_path):
+    config = tp_config([2])
+    settings = experiment_settings(config, nproc_per_node=4, data_parallel_size=2)
+    runner = FakeRunner(lambda trial: TrialResult(trial.experiment, TrialState.FAILED, error="boom"))
+    place = settled(config, settings)
+    tuner = orchestrator(tmp_path, config, runner, settings, degrees=(2,),
+                         space=replace(place["space"], tensor_parallel=2))
+    from autotuner.tuning.trials.evaluator import TuningFailed
+
+    with pytest.raises(TuningFailed, match="the model did not run in the profile launch"):
+        tuner.tune()
