@@ -16,6 +16,7 @@ from autotuner.tuning.models.memory_book import MemoryBook
 from autotuner.tuning.profiling.job import ProfiledJob, TuningJob
 from autotuner.tuning.profiling.phase import ProfilePhase, record_pruned
 from autotuner.tuning.reports.outcome import SearchRecord, TuningOutcome, write_outcome
+from autotuner.tuning.searches.degree_rule import degree_cannot_help
 from autotuner.tuning.searches.final_pick import final_pick_rounds
 from autotuner.tuning.searches.predictive_search import PredictiveOutcome, run_predictive_search
 from autotuner.tuning.searches.stage_search import run_search
@@ -100,6 +101,7 @@ class Autotuner:
         self.memory: MemoryBook | None = None  # on its profiled job's facts, over its ledger's peaks
         self._searched: dict[int, DegreeSearch] = {}  # by Experiment.tensor_parallel, as each is profiled
         self._layout_lines: list[str] = []  # the summary's: each degree kept or left out, and why
+        self._reach: dict[int, tuple] = {}  # each degree profiled: (its memory reach, its ledger)
         self._predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
 
     # ----- set-up -----
@@ -225,6 +227,15 @@ class Autotuner:
         self.report("memory model, largest micro-batch per stage: " + ", ".join(
             f"z{key}={m}" if isinstance(key, int) else f"z{key[0]} {variant_text(key[1])}={m}"
             for key, m in largest.items()))
+        if searching:  # a degree that cannot beat one searched before is profiled only
+            before = {d: (reached, own.results()) for d, (reached, own) in self._reach.items()}  # searched since
+            why = degree_cannot_help(degree, (largest, ledger.results()), before, job.objective.unit)
+            self._reach[degree] = (largest, ledger)
+            if why is not None:
+                self._layout_lines.append(f"layout: tensor parallel {degree} x data parallel "
+                                          f"{job.space.data_parallel_size}: profiled, not searched ({why})")
+                self.report(self._layout_lines[-1])
+                return
         if tuner_spec(job.policy.tuner_type).search == "one_model":
             predicted = run_predictive_search(
                 job.space, job.policy, largest, evaluator, self._prune, self.cost_context(), list(ledger.results()),

@@ -6,6 +6,7 @@ whole model, and resume from their own checkpoints; what is not carried is refus
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -169,8 +170,10 @@ def test_a_degree_search_runs_each_degree_at_the_users_global_batch_and_trains_t
     for degree in (2, 4):  # each degree's profile counted its own split
         assert f"profile: tensor parallel {degree}: 25,024 parameters split" in said
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
-    for degree, dp in ((1, 4), (2, 2), (4, 1)):
-        assert f"layout: tensor parallel {degree} x data parallel {dp}: kept" in summary
+    assert "layout: tensor parallel 1 x data parallel 4: kept" in summary
+    for degree, dp in ((2, 2), (4, 1)):  # searched, or (slower and no larger a batch) profiled only
+        assert re.search(rf"layout: tensor parallel {degree} x data parallel {dp}: (kept|profiled, not searched "
+                         r"\(cannot help: tensor parallel \d reaches as large a micro-batch)", summary), summary
     assert "train_batch_size 16 holds at this degree" in summary
     optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
     pick = table[table["chosen"]].iloc[0]

@@ -23,10 +23,10 @@ from autotuner.tuning.trials.trial import built_mismatch, experiment_config
 from fakes import FakeRunner, MiB, experiment_settings, ok, orchestrator, profiled, settled
 
 
-def tp_config(autotp_size, **top):
+def tp_config(autotp_size, budget=4 * 2**30, **top):
     return load_config({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": [0, 1, 2]},
                         "tensor_parallel": {"autotp_size": autotp_size}, **top,
-                        "autotuning": {"enabled": True, "memory_per_rank_bytes": 4 * 2**30, "tuner_type": "gridsearch",
+                        "autotuning": {"enabled": True, "memory_per_rank_bytes": budget, "tuner_type": "gridsearch",
                                        "history": False, "max_train_micro_batch_size_per_gpu": 4,
                                        "remeasure_rounds": 0}})
 
@@ -149,3 +149,44 @@ def test_only_one_degree_left_fails_the_tune_as_before(tmp_path):
 
     with pytest.raises(TuningFailed, match="the model did not run in the profile launch"):
         tuner.tune()
+
+
+def _degree_search(tmp_path, speed, reach_mib=None):
+    """A fake 4-rank search over degrees 1 and 2 at micro-batches up to 4: `speed[degree]` per
+    sample; `reach_mib[degree]`: the peak per sample (a lower one fits larger micro-batches)."""
+    config = tp_config([1, 2], budget=2**30)
+    settings = experiment_settings(config, nproc_per_node=4, data_parallel_size=4, memory_budget_bytes=2**30)
+
+    def answer(trial):
+        per_sample = (reach_mib or {}).get(trial.experiment.tensor_parallel, 1)
+        return ok(trial, speed[trial.experiment.tensor_parallel] * trial.experiment.micro_batch_size,
+                  (200 + per_sample * trial.experiment.micro_batch_size) * MiB)
+
+    runner = FakeRunner(profiled(answer))
+    space = settled(config, settings)["space"].at_degree(1, 4)
+    outcome = orchestrator(tmp_path, config, runner, settings, degrees=(1, 2), space=space).tune()
+    return runner, outcome
+
+
+def test_a_degree_that_reaches_no_larger_batch_and_measures_slower_is_profiled_only(tmp_path):
+    runner, outcome = _degree_search(tmp_path, {1: 100.0, 2: 40.0})
+    at_two = [trial for trial in runner.trials if trial.experiment.tensor_parallel == 2]
+    assert at_two and all(trial.profile for trial in at_two)  # its profile launches, no search
+    assert outcome.best.experiment.tensor_parallel == 1
+    assert ("layout: tensor parallel 2 x data parallel 2: profiled, not searched (cannot help: tensor parallel 1 "
+            "reaches as large a micro-batch at every stage and measured faster") in outcome.summary
+
+
+def test_a_faster_degree_is_searched(tmp_path):
+    runner, outcome = _degree_search(tmp_path, {1: 100.0, 2: 160.0})
+    assert any(not trial.profile for trial in runner.trials if trial.experiment.tensor_parallel == 2)
+    assert outcome.best.experiment.tensor_parallel == 2
+    assert "layout: tensor parallel 2 x data parallel 2: kept" in outcome.summary
+
+
+def test_a_slower_degree_that_fits_a_larger_micro_batch_is_searched_and_can_win(tmp_path):
+    # Degree 1 holds 250 MiB a sample (micro-batch 2 at most in the 1 GiB budget), degree 2 50 MiB:
+    # slower at each size both profiled, but its micro-batch 4 beats degree 1's best.
+    runner, outcome = _degree_search(tmp_path, {1: 100.0, 2: 60.0}, reach_mib={1: 250, 2: 50})
+    assert "layout: tensor parallel 2 x data parallel 2: kept" in outcome.summary
+    assert outcome.best.experiment.tensor_parallel == 2 and outcome.best.experiment.micro_batch_size == 4
