@@ -25,10 +25,6 @@ def layout_for(cfg: DeepSpeedConfig, ctx: Any, stage: int) -> ParallelLayout:
             raise UnsupportedError("tensor_parallel.autotp_size with zero_optimization.stage 1: torch's "
                                    "ZeroRedundancyOptimizer cannot hold split parameters, so stage 1 is not carried "
                                    "with tensor parallelism yet; use stage 0 or 2 (2 also shards the gradients)")
-        if stage == 0 and cfg.precision == "fp16":
-            raise UnsupportedError("fp16 with tensor_parallel.autotp_size at zero_optimization.stage 0: torch's grad "
-                                   "scaler cannot unscale split and whole gradients together, so fp16's overflow "
-                                   "check is not carried there yet; use bf16, or stage 2 (FSDP2 shards them all)")
         if cfg.tensor_parallel.tp_overlap_comm:
             warn_once("tensor_parallel.tp_overlap_comm: DeepSpeed's overlap of a column layer's input-gradient "
                       "all-reduce with its weight gradient is a speed knob that torch's DTensor does not offer; "

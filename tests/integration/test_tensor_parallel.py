@@ -53,6 +53,8 @@ def runs(tmp_path_factory):
         "whole_dp2": (2, 0, 1, "--save"),  # two data-parallel ranks, each with the whole model
         "tp2_dp2_stage0": (4, 0, 2, "--save"),  # 2 x 2: split in pairs, the pairs data parallel
         "tp2_dp2_stage2": (4, 2, 2, "--save"),  # ... and FSDP2 over the pairs
+        "whole_dp2_fp16": (2, 0, 1, "--fp16"),  # fp16 loss scaling, whole ...
+        "tp2_dp2_stage0_fp16": (4, 0, 2, "--fp16"),  # ... and split: DTensor and whole gradients unscaled together
         "whole_llama": (1, 0, 1, "--model", "llama", "--save"),
         "tp2_llama_stage3": (2, 3, 2, "--model", "llama", "--save"),  # its Hugging Face plan, stage 3
     }
@@ -61,11 +63,14 @@ def runs(tmp_path_factory):
     return {name: root / name for name in plan}
 
 
-@pytest.mark.parametrize("split, whole", [("tp2_dp2_stage0", "whole_dp2"), ("tp2_dp2_stage2", "whole_dp2"),
-                                          ("tp2_llama_stage3", "whole_llama")])
-def test_a_split_model_trains_the_whole_models_losses_and_gradient_norm(runs, split, whole):
-    assert losses(runs[split]) == pytest.approx(losses(runs[whole]), abs=1e-5)
-    norms = {round(layout["grad_norm"], 4) for layout in layouts(runs[split]) + layouts(runs[whole])}
+@pytest.mark.parametrize("split, whole, within", [("tp2_dp2_stage0", "whole_dp2", 1e-5),
+                                                  ("tp2_dp2_stage2", "whole_dp2", 1e-5),
+                                                  ("tp2_llama_stage3", "whole_llama", 1e-5),
+                                                  ("tp2_dp2_stage0_fp16", "whole_dp2_fp16", 1e-3)])
+def test_a_split_model_trains_the_whole_models_losses_and_gradient_norm(runs, split, whole, within):
+    assert losses(runs[split]) == pytest.approx(losses(runs[whole]), abs=within)  # (fp16: its rounding)
+    digits = 2 if within > 1e-5 else 4
+    norms = {round(layout["grad_norm"], digits) for layout in layouts(runs[split]) + layouts(runs[whole])}
     assert len(norms) == 1, norms  # clipped with one norm, DeepSpeed's rule over split and whole parameters
 
 
@@ -105,7 +110,6 @@ def test_a_checkpoint_saved_split_resumes_split_with_the_same_losses(tmp_path, r
     (("--rank0_state_dict",), 0, "state_dict: blocks.0.attn.q.weight is split by tensor_parallel over 2 ranks"),
     (("--unshared_batch",), 0, "ranks of a tensor-parallel group got different batches at the first forward"),
     ((), 1, "tensor_parallel.autotp_size with zero_optimization.stage 1"),
-    (("--fp16",), 0, "fp16 with tensor_parallel.autotp_size at zero_optimization.stage 0"),
 ])
 def test_what_a_split_run_cannot_do_is_refused_in_one_line(tmp_path, flags, stage, message):
     done = train(tmp_path, 2, stage, 2, *flags, expect=2)

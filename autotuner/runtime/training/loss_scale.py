@@ -1,6 +1,7 @@
 """fp16 loss scaling as DeepSpeed's engine does it, on torch's GradScaler.
 
-torch's scaler (ShardedGradScaler under FSDP2) scales the loss, unscales the gradients, finds
+torch's scaler (ShardedGradScaler under FSDP2 or tensor parallelism, unscaling DTensors' local
+tensors) scales the loss, unscales the gradients, finds
 inf/NaN among them and skips the optimizer step. What the scale does next is DeepSpeed's rule,
 set through `update(new_scale=...)`, since torch's own halves on every overflow and has no floor:
 - `fp16.loss_scale` > 0: a static scale. An overflowing step is skipped; the scale stays.
@@ -70,6 +71,33 @@ class DynamicScale:
         return scale
 
 
+def _local_grad_scaler() -> type:
+    """torch's ShardedGradScaler (found_inf all-reduced over the world, so every rank skips the same
+    step), unscaling each DTensor gradient's local tensor: under tensor parallelism at ZeRO 0 a
+    rank's gradients are split DTensors beside whole tensors, which one foreach call cannot take."""
+    from collections import defaultdict
+
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    class LocalGradScaler(ShardedGradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+            grads = defaultdict(list)  # by (device, dtype), as torch groups them for its foreach kernel
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        if param.grad is None:
+                            continue
+                        local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+                        grads[(local.device, local.dtype)].append(local)
+                found = {}
+                for (device, _), tensors in grads.items():
+                    found.setdefault(device, found_inf.to(device))
+                    torch._amp_foreach_non_finite_check_and_unscale_(tensors, found[device], inv_scale.to(device))
+            return found or {found_inf.device: found_inf}
+
+    return LocalGradScaler
+
+
 class LossScaler:
     """torch's scaler for the mechanics, DeepSpeed's rule for the scale (module docstring)."""
 
@@ -77,9 +105,7 @@ class LossScaler:
         self._static = config.loss_scale if config.loss_scale > 0 else None
         initial = self._static or 2.0**config.initial_scale_power
         if sharded:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            self._torch = ShardedGradScaler(device.type, init_scale=initial, growth_interval=_NEVER)
+            self._torch = _local_grad_scaler()(device.type, init_scale=initial, growth_interval=_NEVER)
         else:
             self._torch = torch.amp.GradScaler(device.type, init_scale=initial, growth_interval=_NEVER)
         self._dynamic = None if self._static else DynamicScale(
