@@ -227,14 +227,9 @@ def settle(args: argparse.Namespace) -> SettledJob:
         degrees, left_out = kept_degrees(config, space, degrees, data_parallel_size, source, say,
                                          check_some_batch_is_valid)
         tensor_parallel = degrees[0]
-    if searched or tensor_parallel > 1:  # each experiment sets its degree; the engine refuses stage 1 with TP
-        stage_one = 1 in space.stages
+    if searched or tensor_parallel > 1:  # each experiment sets its degree
         space = space.at_degree(tensor_parallel, data_parallel_size * (1 if searched else tensor_parallel))
         data_parallel_size = space.data_parallel_size
-    if tensor_parallel > 1 and not searched and stage_one:
-        say(f"tensor parallel {tensor_parallel}: ZeRO stage 1 is not searched (not carried with tensor parallelism "
-            f"on our engine); every experiment splits the model over {tensor_parallel} ranks, data-parallel size "
-            f"{data_parallel_size}")
     check_some_batch_is_valid(space, data_parallel_size, source)
     if trains_with_trainer(args.script):
         check_trainer_mappings(space, dict(tuning.arg_mappings), source)

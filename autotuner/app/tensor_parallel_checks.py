@@ -22,10 +22,6 @@ def check_tensor_parallel_tune(config: DeepSpeedConfig, engine: EngineChoice, so
     if not (engine.settled and engine.engine == "autotuner"):
         raise UsageError(f"{source}: tensor_parallel.autotp_size {size}: a tensor-parallel tune runs on autotuner's "
                          f"engine only ({engine.reason}); import autotuner in the script, or pass --engine autotuner")
-    stage = config.zero_optimization.stage
-    if not section.searched and (stage == 1 or (isinstance(stage, list) and 1 in stage)):
-        raise ConfigError(f"{source}: zero_optimization.stage: 1 with tensor_parallel.autotp_size {size} is not carried "
-                          "by autotuner's engine; search 0, 2 and 3 (\"all\" leaves 1 out by itself)")
     if config.autotuning.metric == "goodput":
         raise ConfigError(f"{source}: autotuning.metric \"goodput\" with tensor_parallel.autotp_size {size}: the "
                           "gradient noise is not read under tensor parallelism yet; use metric \"throughput\"")
@@ -73,9 +69,6 @@ def kept_degrees(config: DeepSpeedConfig, space: SearchSpace, degrees: tuple[int
     for degree in degrees:
         at = space.at_degree(degree, ranks)
         try:
-            if not at.stages:
-                raise ConfigError(f"{source}: zero_optimization.stage: only 1, which is not carried with tensor "
-                                  "parallelism on autotuner's engine")
             check_fixed_triad(at_degree(config, degree), at.data_parallel_size, source)
             batch_is_valid(at, at.data_parallel_size, source)
         except ConfigError as err:
@@ -87,5 +80,5 @@ def kept_degrees(config: DeepSpeedConfig, space: SearchSpace, degrees: tuple[int
     if not kept:
         raise reasons[0]
     say(f"tensor parallel: searching degrees {', '.join(map(str, kept))} (each profiled at its own degree, data-"
-        f"parallel size {', '.join(str(ranks // d) for d in kept)}; ZeRO 1 runs at degree 1 only)")
+        f"parallel size {', '.join(str(ranks // d) for d in kept)})")
     return tuple(kept), tuple(left_out)

@@ -33,6 +33,7 @@ from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.loss_scale import skips_non_finite
 from autotuner.runtime.training.optim import step_scheduler
 from autotuner.runtime.training.sharding import average_gradients, finite_norm, gradient_norm, unwrap, wrap_ddp
+from autotuner.runtime.training.split_zero import SplitShadows
 from autotuner.runtime.training.tensor_parallel import (ParallelLayout, SplitModel, check_same_batch,
                                                          data_parallel_layout, tp_gradient_norm)
 
@@ -61,6 +62,7 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         gradient_noise: GradientNoiseProbe | MicroStepNoiseProbe | None = None,
         layout: ParallelLayout | None = None,
         split: SplitModel | None = None,
+        shadows: SplitShadows | None = None,
     ):
         super().__init__()
         Engine.created_in_process += 1
@@ -72,6 +74,7 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         self.ctx = ctx
         self.layout = layout or data_parallel_layout(ctx)
         self._split = split  # what tensor parallelism split (None: every rank holds the whole model)
+        self._shadows = shadows  # ZeRO 1 under tensor parallelism: what its optimizer steps (split_zero.py)
         self._batch_checked = split is None  # a TP group's ranks compare their first batch
         self.training_dataloader = training_dataloader
         self.zero_stage = int(config.zero_optimization.stage)
@@ -218,9 +221,11 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
             self._phase_peaks.end_forward_backward(self.ctx.device)
         rewrap = self._reduce_what_ddp_missed()
         if self._split is not None and not self._fsdp and self.layout.dp_size > 1:
-            # Stage 0 under tensor parallelism: no DDP; the data-parallel replicas average here.
+            # Stages 0-1 under tensor parallelism: no DDP; the data-parallel replicas average here.
             average_gradients([p for p in self.wrapped.parameters() if p.requires_grad], self.layout.dp_size,
                               self.layout.dp_group, GradientReduction.from_config(self.config))
+        if self._shadows is not None:
+            self._shadows.hand_gradients()
         if self._noise is not None:
             self._noise.step_done(self.global_steps + 1, whole=not self._manually_averaged)
         self.step_gate.enter_step()  # another thread reading the shards waits for the update to finish
@@ -328,6 +333,8 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self._shadows is not None:
+            self._shadows.drop_gradients()
         if not self._step_applied:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:  # DeepSpeed does not advance the schedule on a skipped step

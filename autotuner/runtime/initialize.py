@@ -32,6 +32,7 @@ from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.training.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
 from autotuner.runtime.parallel_setup import check_mpu, check_tp_group, layout_for
+from autotuner.runtime.training.split_zero import SplitShadows
 from autotuner.runtime.training.tensor_parallel import ParallelLayout, split_model
 from autotuner.runtime.tp_init import merge_into_config
 
@@ -160,16 +161,18 @@ def _remap_groups(params: Iterable, id_to_name: dict[int, str], new_by_name: dic
 
 
 def _build_optimizer(
-    client: OptimizerArg, config: DeepSpeedConfig, groups: list[dict], stage: int
+    client: OptimizerArg, config: DeepSpeedConfig, groups: list[dict], stage: int, dp_group: Any = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
     """(optimizer the user steps, optimizer whose state this rank holds). A client optimizer wins
-    over the config's 'optimizer' section, as in DeepSpeed, which is then not used."""
+    over the config's 'optimizer' section, as in DeepSpeed, which is then not used. `dp_group`:
+    ZeRO 1's group under tensor parallelism (its `groups` then hold the split parameters' shadows)."""
     if client is not None and config.optimizer is not None:
         warn_once(f"optimizer: using the optimizer passed to initialize() ({_optimizer_label(client)}); the "
                   f"config's 'optimizer' section ({config.optimizer.type}) is not used, as in DeepSpeed")
     if isinstance(client, torch.optim.Optimizer):
         if stage == 1:  # the client's groups with their own settings (a bias group's weight decay, say)
-            zero = zero_redundancy(_with_settings(client.param_groups, groups), type(client), dict(client.defaults))
+            zero = zero_redundancy(_with_settings(client.param_groups, groups), type(client), dict(client.defaults),
+                                   dp_group)
             return zero, zero.optim
         # Same optimizer object, pointed at the wrapped parameters; it has no state yet.
         for group, new in zip(client.param_groups, groups):
@@ -178,13 +181,14 @@ def _build_optimizer(
     if callable(client):
         built = client(groups)
         if stage == 1:
-            zero = zero_redundancy(_with_settings(built.param_groups, groups), type(built), dict(built.defaults))
+            zero = zero_redundancy(_with_settings(built.param_groups, groups), type(built), dict(built.defaults),
+                                   dp_group)
             return zero, zero.optim
         return built, built
     if config.optimizer is None:
         raise ConfigError("no optimizer: add an 'optimizer' section to the config or pass initialize(optimizer=...)")
     if stage == 1:
-        zero = zero_redundancy(groups, optimizer_class(config.optimizer), optimizer_kwargs(config.optimizer))
+        zero = zero_redundancy(groups, optimizer_class(config.optimizer), optimizer_kwargs(config.optimizer), dp_group)
         return zero, zero.optim
     built = build_optimizer(config.optimizer, groups)
     return built, built
@@ -311,7 +315,10 @@ def initialize(
                          noise, dp_mesh=layout.mesh["dp"] if layout.tensor_parallel else None)
     noise = noise or micro_step_noise_probe(cfg, stage, batch, ctx.world_size, unwrap(wrapped).parameters())
     groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
-    opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage)
+    shadows = None
+    if split is not None and stage == 1:  # ZeroRedundancyOptimizer over the dp group, on the shards' shadows
+        shadows, groups = SplitShadows.over(groups)
+    opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage, layout.dp_group if shadows else None)
     scheduler = _build_scheduler(lr_scheduler, cfg, opt, stage)
     loader = None
     if training_data is not None:
@@ -329,6 +336,7 @@ def initialize(
         gradient_noise=noise,
         layout=layout,
         split=split,
+        shadows=shadows,
     )
     engine.tuned_over_script = tuned_over_script
     if stage >= 2:  # FSDP2's shards: whole weights where a DeepSpeed script reads them (saving/whole_weights.py)

@@ -21,10 +21,6 @@ def layout_for(cfg: DeepSpeedConfig, ctx: Any, stage: int) -> ParallelLayout:
     tp = cfg.tensor_parallel.size
     if tp > 1:
         refuse_on_device(cfg.tensor_parallel.keep_module_on_host, ctx.device)
-        if stage == 1:
-            raise UnsupportedError("tensor_parallel.autotp_size with zero_optimization.stage 1: torch's "
-                                   "ZeroRedundancyOptimizer cannot hold split parameters, so stage 1 is not carried "
-                                   "with tensor parallelism yet; use stage 0 or 2 (2 also shards the gradients)")
         if cfg.tensor_parallel.tp_overlap_comm:
             warn_once("tensor_parallel.tp_overlap_comm: DeepSpeed's overlap of a column layer's input-gradient "
                       "all-reduce with its weight gradient is a speed knob that torch's DTensor does not offer; "

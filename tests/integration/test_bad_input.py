@@ -240,8 +240,6 @@ def test_a_tensor_parallel_section_our_engine_cannot_train_is_refused_before_any
 
 
 @pytest.mark.parametrize("extra, says", [
-    ({"zero_optimization": {"stage": [0, 1]}}, "zero_optimization.stage: 1 with tensor_parallel.autotp_size 2 is not "
-                                               "carried"),
     ({"autotuning": {"metric": "goodput", "reference_batch_size": 8, "lr_scaling": "linear"}},
      "autotuning.metric \"goodput\" with tensor_parallel.autotp_size 2"),
     ({"tensor_parallel": {"autotp_size": "auto"}, "autotuning": {"metric": "goodput", "reference_batch_size": 8,
@@ -251,7 +249,7 @@ def test_a_tensor_parallel_section_our_engine_cannot_train_is_refused_before_any
                                                    "number of ranks (2)"),
     ({"tensor_parallel": {"autotp_size": "auto", "tp": {"tp_size": 2}}}, "tensor_parallel.tp.tp_size 2: with "
                                                                          "autotp_size \"auto\" the tune settles"),
-], ids=["stage-1", "goodput", "goodput-searched", "list-indivisible", "tp-size-searched"])
+], ids=["goodput", "goodput-searched", "list-indivisible", "tp-size-searched"])
 def test_a_tensor_parallel_tune_our_engine_cannot_run_is_refused_before_any_launch(in_tmp, capsys, extra, says):
     raw = config_dict(tensor_parallel={"autotp_size": 2})
     for key, value in extra.items():

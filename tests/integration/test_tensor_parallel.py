@@ -52,6 +52,7 @@ def runs(tmp_path_factory):
     plan = {
         "whole_dp2": (2, 0, 1, "--save"),  # two data-parallel ranks, each with the whole model
         "tp2_dp2_stage0": (4, 0, 2, "--save"),  # 2 x 2: split in pairs, the pairs data parallel
+        "tp2_dp2_stage1": (4, 1, 2, "--save"),  # ... ZeroRedundancyOptimizer over the pairs (on the shards' shadows)
         "tp2_dp2_stage2": (4, 2, 2, "--save"),  # ... and FSDP2 over the pairs
         "whole_dp2_fp16": (2, 0, 1, "--fp16"),  # fp16 loss scaling, whole ...
         "tp2_dp2_stage0_fp16": (4, 0, 2, "--fp16"),  # ... and split: DTensor and whole gradients unscaled together
@@ -64,6 +65,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("split, whole, within", [("tp2_dp2_stage0", "whole_dp2", 1e-5),
+                                                  ("tp2_dp2_stage1", "whole_dp2", 1e-5),
                                                   ("tp2_dp2_stage2", "whole_dp2", 1e-5),
                                                   ("tp2_llama_stage3", "whole_llama", 1e-5),
                                                   ("tp2_dp2_stage0_fp16", "whole_dp2_fp16", 1e-3)])
@@ -85,8 +87,8 @@ def test_the_ranks_lie_as_deepspeed_lays_them_and_hold_a_share(runs):
     assert all(fsdp["held"] < split["held"] for fsdp, split in zip(layouts(runs["tp2_dp2_stage2"]), seen))
 
 
-@pytest.mark.parametrize("split, whole", [("tp2_dp2_stage0", "whole_dp2"), ("tp2_dp2_stage2", "whole_dp2"),
-                                          ("tp2_llama_stage3", "whole_llama")])
+@pytest.mark.parametrize("split, whole", [("tp2_dp2_stage0", "whole_dp2"), ("tp2_dp2_stage1", "whole_dp2"),
+                                          ("tp2_dp2_stage2", "whole_dp2"), ("tp2_llama_stage3", "whole_llama")])
 def test_save_16bit_model_writes_the_whole_model(runs, split, whole):
     saved = torch.load(runs[split] / "pytorch_model.bin", weights_only=True)
     expected = torch.load(runs[whole] / "pytorch_model.bin", weights_only=True)
@@ -106,10 +108,18 @@ def test_a_checkpoint_saved_split_resumes_split_with_the_same_losses(tmp_path, r
     assert losses(tmp_path / "first") + losses(tmp_path / "rest") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
 
 
+def test_a_zero_1_checkpoint_saved_split_resumes_with_every_partitions_optimizer_state(tmp_path, runs):
+    # tp 2 x dp 2 at stage 1: each data-parallel rank holds half the optimizer state, of its tp rank's
+    # shards; saved and resumed, the next steps are the uninterrupted run's.
+    train(tmp_path / "first", 4, 1, 2, "--steps", "2", "--save_checkpoint", str(tmp_path / "ckpt"))
+    train(tmp_path / "rest", 4, 1, 2, "--steps", "2", "--load_checkpoint", str(tmp_path / "ckpt"))
+    assert losses(tmp_path / "first") + losses(tmp_path / "rest") == pytest.approx(losses(runs["tp2_dp2_stage1"]),
+                                                                                    abs=1e-6)
+
+
 @pytest.mark.parametrize("flags, stage, message", [
     (("--rank0_state_dict",), 0, "state_dict: blocks.0.attn.q.weight is split by tensor_parallel over 2 ranks"),
     (("--unshared_batch",), 0, "ranks of a tensor-parallel group got different batches at the first forward"),
-    ((), 1, "tensor_parallel.autotp_size with zero_optimization.stage 1"),
 ])
 def test_what_a_split_run_cannot_do_is_refused_in_one_line(tmp_path, flags, stage, message):
     done = train(tmp_path, 2, stage, 2, *flags, expect=2)
@@ -118,10 +128,10 @@ def test_what_a_split_run_cannot_do_is_refused_in_one_line(tmp_path, flags, stag
     assert not (tmp_path / "rank0.bin").exists()  # nothing written from shards
 
 
-def test_a_tune_at_the_configs_degree_searches_the_stages_that_carry_it_and_trains_its_pick(tmp_path):
-    # 4 ranks at autotp_size 2: every experiment splits the model in pairs, data-parallel size 2; ZeRO 1
-    # (not carried with tensor parallelism) is left out of "all"; the memory model counts a rank's share
-    # of the split model (the profile says how much), and the pick trains with the same layout.
+def test_a_tune_at_the_configs_degree_searches_every_stage_and_trains_its_pick(tmp_path):
+    # 4 ranks at autotp_size 2: every experiment splits the model in pairs, data-parallel size 2, at
+    # each ZeRO stage; the memory model counts a rank's share of the split model (the profile says how
+    # much), and the pick trains with the same layout.
     tuning = {"enabled": True, "start_profile_step": 2, "end_profile_step": 4, "exp_timeout_s": 120,
               "tuner_type": "gridsearch", "remeasure_rounds": 0, "history": False,
               "max_train_micro_batch_size_per_gpu": 4, "arg_mappings": {}}
@@ -132,10 +142,10 @@ def test_a_tune_at_the_configs_degree_searches_the_stages_that_carry_it_and_trai
                         "--deepspeed", cfg, cwd=tmp_path, timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     table = experiments_table(tmp_path / "autotuning_results")
-    assert set(table["zero_stage"]) == {0, 2, 3}
+    assert set(table["zero_stage"]) == {0, 1, 2, 3}
     assert set(table["state"]) <= {"ok", "pruned"}  # every launch trained; pruned rows say why they were left out
+    assert all(name.startswith(f"z{stage}_tp2_") for name, stage in zip(table["name"], table["zero_stage"]))
     said = done.stdout + done.stderr
-    assert "ZeRO stage 1 is not searched (not carried with tensor parallelism" in said
     assert "profile: tensor parallel 2: 25,024 parameters split, 16,018 per rank" in said
     measured = table.dropna(subset=["predicted_memory_mib", "measured_memory_mib"])
     assert len(measured) and (abs(measured["predicted_memory_mib"] / measured["measured_memory_mib"] - 1) < 0.1).all()
@@ -150,7 +160,7 @@ def test_a_tune_at_the_configs_degree_searches_the_stages_that_carry_it_and_trai
 def test_a_degree_search_runs_each_degree_at_the_users_global_batch_and_trains_the_pick_at_its_layout(tmp_path):
     # 4 ranks, "auto": degrees 1, 2 and 4 (the divisors of the ranks per node), each profiled split at
     # its degree and searched over its own launches; train_batch_size 16 holds at each (gas makes up for
-    # the smaller data-parallel size); ZeRO 1 runs at degree 1 only; the pick trains at its layout.
+    # the smaller data-parallel size); the pick trains at its layout.
     tuning = {"enabled": True, "start_profile_step": 2, "end_profile_step": 4, "exp_timeout_s": 120,
               "tuner_type": "gridsearch", "remeasure_rounds": 0, "history": False,
               "max_train_micro_batch_size_per_gpu": 4, "arg_mappings": {}}
@@ -165,7 +175,6 @@ def test_a_degree_search_runs_each_degree_at_the_users_global_batch_and_trains_t
     table = experiments_table(tmp_path / "autotuning_results")
     assert set(table["state"]) <= {"ok", "pruned"}  # each launch's ranks built its degree (else it fails)
     assert set(table["tp"]) == {1, 2, 4}
-    assert set(table[table["tp"] > 1]["zero_stage"]) <= {0, 2}
     for row in table[table["state"] == "ok"].itertuples():
         assert f"_tp{row.tp}_" in row.name
         assert row.micro_batch_size * row.gradient_accumulation_steps * (4 // row.tp) == 16

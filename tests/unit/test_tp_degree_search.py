@@ -67,7 +67,7 @@ def test_a_listed_degree_that_does_not_divide_the_ranks_is_refused_in_one_line()
         settled_degrees(tp_config([1, 3]), 4, 4, "ds.json")
 
 
-def test_a_degree_with_no_valid_global_batch_or_only_stage_1_is_left_out_saying_why():
+def test_a_degree_with_no_valid_global_batch_is_left_out_saying_why():
     said = []
     config = tp_config("auto", train_batch_size=4, gradient_accumulation_steps=4)  # mbs x 4 x dp = 4: dp 1 only
     space = search_space(config, 4)
@@ -76,10 +76,6 @@ def test_a_degree_with_no_valid_global_batch_or_only_stage_1_is_left_out_saying_
     kept, left_out = kept_degrees(config, space, (1, 2, 4), 4, "ds.json", said.append, check_some_batch_is_valid)
     assert kept == (4,) and [degree for degree, _ in left_out] == [1, 2]
     assert said[0].startswith("tensor parallel 1: left out (train_batch_size (4): no micro-batch size gives")
-    only_one = load_config({**tp_config("auto").to_dict(), "zero_optimization": {"stage": 1}})
-    kept, left_out = kept_degrees(only_one, search_space(only_one, 4), (1, 2), 4, "ds.json", said.append,
-                                  check_some_batch_is_valid)
-    assert kept == (1,) and "only 1, which is not carried with tensor parallelism" in left_out[0][1]
 
 
 def test_a_degree_reads_only_its_own_launches_from_the_one_ledger():
@@ -121,7 +117,6 @@ def test_a_degree_search_profiles_each_degree_leaves_out_one_that_fails_and_pick
         assert written["tensor_parallel"]["autotp_size"] == degree
         assert trial.settings.data_parallel_size == 4 // degree
         assert trial.experiment.train_batch_size(4 // degree) == 16
-        assert degree == 1 or trial.experiment.zero_stage != 1  # ZeRO 1 at degree 1 only
     assert outcome.best.experiment.tensor_parallel == 2 and outcome.best.experiment.micro_batch_size == 4
     summary = outcome.summary
     assert "layout: tensor parallel 8: left out (example)" in summary

@@ -4,6 +4,7 @@ it reads the engine's step counts, optimizer, schedule and loss scale."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any, Callable
@@ -43,12 +44,23 @@ class EngineCheckpoints:
         }
         frozen = ({name for name, param in self._checkpoint_model().named_parameters() if not param.requires_grad}
                   if exclude_frozen_parameters else set())
-        return checkpoint.save(save_dir, tag, self._checkpoint_model(), self._local_optimizer, state,
-                               save_latest=save_latest, exclude=frozen)
+        with self._keyed_by_the_model(self._local_optimizer):
+            return checkpoint.save(save_dir, tag, self._checkpoint_model(), self._local_optimizer, state,
+                                   save_latest=save_latest, exclude=frozen)
+
+    def _keyed_by_the_model(self, optimizer) -> contextlib.AbstractContextManager:
+        """ZeRO 1 under tensor parallelism steps shadows of the split parameters: DCP sees the
+        optimizer keyed by the model's parameters meanwhile (training/split_zero.py)."""
+        shadows = getattr(self, "_shadows", None)
+        return shadows.as_model_parameters(optimizer) if shadows is not None and optimizer is not None \
+            else contextlib.nullcontext()
 
     def _param_group_members(self) -> list[list[str]]:
         """Each optimizer group's parameters by name, so a load can tell the groups were split alike."""
         names = {id(param): name for name, param in self._checkpoint_model().named_parameters()}
+        shadows = getattr(self, "_shadows", None)
+        for param, shadow in shadows.pairs if shadows is not None else ():
+            names[id(shadow)] = names.get(id(param), "(a parameter outside the model)")
         return [sorted(names.get(id(param), "(a parameter outside the model)") for param in group["params"])
                 for group in self.optimizer.param_groups]
 
@@ -69,8 +81,9 @@ class EngineCheckpoints:
             logger.warning("%s: no 'latest' file and no tag given; nothing loaded", load_dir)
             return None, None
         optimizer = self._local_optimizer if load_optimizer_states and not load_module_only else None
-        state = checkpoint.load(load_dir, resolved, self._checkpoint_model(), optimizer, strict=load_module_strict,
-                                custom_load_fn=custom_load_fn, param_group_members=self._param_group_members())
+        with self._keyed_by_the_model(optimizer):
+            state = checkpoint.load(load_dir, resolved, self._checkpoint_model(), optimizer, strict=load_module_strict,
+                                    custom_load_fn=custom_load_fn, param_group_members=self._param_group_members())
         if optimizer is not None:
             # ZeRO-1 copies its global groups' hyperparameters into the local optimizer at each
             # step, so they are restored from the engine state, not from the local optimizer.

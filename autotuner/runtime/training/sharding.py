@@ -209,9 +209,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def zero_redundancy(
-    param_groups: Iterable[dict[str, Any]], optimizer_cls: type[torch.optim.Optimizer], defaults: dict[str, Any]
+    param_groups: Iterable[dict[str, Any]], optimizer_cls: type[torch.optim.Optimizer], defaults: dict[str, Any],
+    process_group: Any = None,
 ) -> torch.optim.Optimizer:
-    """ZeRO-1: optimizer state sharded across ranks by torch's ZeroRedundancyOptimizer."""
+    """ZeRO-1: optimizer state sharded across ranks by torch's ZeroRedundancyOptimizer (over the
+    data-parallel `process_group` under tensor parallelism, else every rank)."""
     import inspect
 
     from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -220,7 +222,8 @@ def zero_redundancy(
     # records decoupled_weight_decay=True); only constructor arguments are passed on.
     accepted = set(inspect.signature(optimizer_cls.__init__).parameters)
     kwargs = {key: value for key, value in defaults.items() if key in accepted}
-    return ZeroRedundancyOptimizer(list(param_groups), optimizer_class=optimizer_cls, **kwargs)
+    return ZeroRedundancyOptimizer(list(param_groups), optimizer_class=optimizer_cls, process_group=process_group,
+                                   **kwargs)
 
 
 def gradient_norm(parameters: list[nn.Parameter], max_norm: float) -> torch.Tensor | None:

@@ -9,8 +9,8 @@ tp_plan.py); the ZeRO stage then works over the `dp` mesh, in torchtitan's order
 `fully_shard(mesh=mesh["dp"])` at stages 2-3 (it shards the split parameters again over dp); at
 stage 0 no wrapper, the engine averaging the gradients over the dp group (DDP's device_mesh
 path would swap the split parameters for unmarked local tensors between forwards, and every
-state dict with them); stage 1 is refused (ZeroRedundancyOptimizer broadcasts parameters, which
-DTensor cannot).
+state dict with them); stage 1 likewise, with ZeroRedundancyOptimizer over the dp group stepping
+shadows of the local shards (split_zero.py: it broadcasts parameters, which DTensor cannot).
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ class TuningJob:
         return cls(config, settings, space, devices, policy, degrees, left_out)
 
     def at_degree(self, degree: int) -> "TuningJob":
-        """The job of one degree's search: data-parallel size ranks / degree, ZeRO 1 (not carried
-        with tensor parallelism) left out above 1, and every experiment setting the degree."""
+        """The job of one degree's search: data-parallel size ranks / degree, every experiment
+        setting the degree."""
         space = self.space.at_degree(degree, self.space.data_parallel_size * max(1, self.space.tensor_parallel))
         return replace(self, space=space, settings=replace(self.settings, data_parallel_size=space.data_parallel_size))
 

@@ -41,10 +41,8 @@ class SearchSpace:
 
     def at_degree(self, degree: int, ranks: int) -> "SearchSpace":
         """This space at tensor-parallel degree `degree` over `ranks` (the data-parallel size at
-        degree 1): data-parallel size ranks / degree, ZeRO 1 left out above degree 1 (our engine
-        does not carry it with tensor parallelism), every experiment setting the degree."""
-        stages = tuple(s for s in self.stages if degree == 1 or s != 1)
-        return replace(self, stages=stages, data_parallel_size=ranks // degree, tensor_parallel=degree)
+        degree 1): data-parallel size ranks / degree, every experiment setting the degree."""
+        return replace(self, data_parallel_size=ranks // degree, tensor_parallel=degree)
 
     def variants_for(self, stage: int) -> tuple[Knobs, ...]:
         return self.variants.get(stage) or ((),)
