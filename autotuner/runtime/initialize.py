@@ -345,8 +345,10 @@ def initialize(
         if stage == 3:
             mark_zero3_parameters(user_module)
         service = arm_rank_zero_gather(user_module, stage, ctx.world_size, engine.step_gate, dist_timeout_s()) \
-            if split is None else None  # the service gathers FSDP2's dim-0 shards only
+            if split is None else None  # FSDP2 over split parameters: 2-D shards, refused on rank 0 alone
         whole_state_dict_on_rank_zero(user_module, ctx.rank, service)
-    elif split is not None:  # the split parameters: rank 0 alone cannot gather them; refused there in one line
-        whole_state_dict_on_rank_zero(unwrap(wrapped), ctx.rank, None)
+    elif split is not None:  # the split parameters of a TP group, served to rank 0 like FSDP2's shards
+        service = arm_rank_zero_gather(unwrap(wrapped), stage, ctx.world_size, engine.step_gate, dist_timeout_s(),
+                                       split=True)
+        whole_state_dict_on_rank_zero(unwrap(wrapped), ctx.rank, service)
     return engine, opt, loader, scheduler

@@ -51,8 +51,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp")
     plan = {
         "whole_dp2": (2, 0, 1, "--save"),  # two data-parallel ranks, each with the whole model
-        "tp2_dp2_stage0": (4, 0, 2, "--save"),  # 2 x 2: split in pairs, the pairs data parallel
-        "tp2_dp2_stage1": (4, 1, 2, "--save"),  # ... ZeroRedundancyOptimizer over the pairs (on the shards' shadows)
+        "tp2_dp2_stage0": (4, 0, 2, "--save", "--rank0_state_dict"),  # 2 x 2: split in pairs, the pairs data parallel
+        "tp2_dp2_stage1": (4, 1, 2, "--save", "--rank0_state_dict"),  # ... ZeroRedundancyOptimizer over the pairs (on the shards' shadows)
         "tp2_dp2_stage2": (4, 2, 2, "--save"),  # ... and FSDP2 over the pairs
         "whole_dp2_fp16": (2, 0, 1, "--fp16"),  # fp16 loss scaling, whole ...
         "tp2_dp2_stage0_fp16": (4, 0, 2, "--fp16"),  # ... and split: DTensor and whole gradients unscaled together
@@ -99,6 +99,17 @@ def test_save_16bit_model_writes_the_whole_model(runs, split, whole):
         assert torch.allclose(saved[key], value, atol=2e-3), key
 
 
+@pytest.mark.parametrize("split", ["tp2_dp2_stage0", "tp2_dp2_stage1"])
+def test_rank_0_alone_reads_the_whole_model_from_a_split_one(runs, split):
+    # DeepSpeed-Chat's `if rank == 0: torch.save(model.module.state_dict(), f)`: the other ranks of
+    # rank 0's TP group serve their slices (ZeRO 0-1; under FSDP2 as well it is refused, below).
+    alone = torch.load(runs[split] / "rank0.bin", weights_only=True)
+    every_rank = torch.load(runs[split] / "pytorch_model.bin", weights_only=True)  # save_16bit_model, collective
+    assert sorted(alone) == sorted(every_rank)
+    for key, value in every_rank.items():
+        assert type(alone[key]) is torch.Tensor and torch.equal(alone[key].to(value.dtype), value), key
+
+
 def test_a_checkpoint_saved_split_resumes_split_with_the_same_losses(tmp_path, runs):
     train(tmp_path / "first", 2, 2, 2, "--steps", "2", "--save_checkpoint", str(tmp_path / "ckpt"))
     train(tmp_path / "rest", 2, 2, 2, "--steps", "2", "--load_checkpoint", str(tmp_path / "ckpt"))
@@ -118,7 +129,7 @@ def test_a_zero_1_checkpoint_saved_split_resumes_with_every_partitions_optimizer
 
 
 @pytest.mark.parametrize("flags, stage, message", [
-    (("--rank0_state_dict",), 0, "state_dict: blocks.0.attn.q.weight is split by tensor_parallel over 2 ranks"),
+    (("--rank0_state_dict",), 2, "state_dict: blocks.0.attn.q.weight is split by tensor_parallel over 2 ranks"),
     (("--unshared_batch",), 0, "ranks of a tensor-parallel group got different batches at the first forward"),
 ])
 def test_what_a_split_run_cannot_do_is_refused_in_one_line(tmp_path, flags, stage, message):

@@ -1,16 +1,20 @@
-"""Whole weights on rank 0 alone, for scripts that save from one rank under FSDP2.
+"""Whole weights on rank 0 alone, for scripts that save from one rank under FSDP2 or tensor parallelism.
 
 DeepSpeedExamples' scripts end with `if rank == 0: torch.save(save_without_random_ltd(model), f)`,
 DeepSpeed-Chat's with `if rank == 0: torch.save(model.module.state_dict(), f)`. Under DeepSpeed's
 ZeRO 0-2 each rank holds the whole parameters, so one rank can read them; under our stages 2 and 3
-(FSDP2) each holds a shard, and gathering them is a collective the other ranks never join. So,
-armed at initialize wherever FSDP2 shards over several ranks, every other rank serves its shards to rank 0 from a thread
-on a gloo group of its own, which the script's process groups do not touch:
+(FSDP2) each holds a shard, and under tensor parallelism at stages 0-1 each rank of a TP group a
+slice; gathering them is a collective the other ranks never join. So, armed at initialize wherever
+FSDP2 shards over several ranks or tensor parallelism splits the model outside FSDP2, every other
+rank serves its shards to rank 0 from a thread on a gloo group of its own, which the script's
+process groups do not touch:
 
 - rank 0 asks with its optimizer-step count; a serving rank waits until its engine has taken as
   many steps and is between steps, so the shards it sends belong to the same step as rank 0's;
-- shards go point to point (gloo, on the host), in the state dict's order as it was at initialize;
-  rank 0 concatenates them along dim 0, FSDP2's sharding (torch.chunk's sizes). The serving thread
+- shards go point to point (gloo, on the host), in the state dict's order as it was at initialize,
+  from the ranks of rank 0's mesh of each tensor (every rank under FSDP2, rank 0's TP group under
+  tensor parallelism); rank 0 concatenates them along the sharded dim (torch.chunk's sizes: FSDP2
+  shards dim 0 so, and the TP plan splits evenly); a replicated DTensor is rank 0's own. The serving thread
   reads the sharded parameters it noted then, never the module: a forward on the main thread
   (waiting for rank 0 in its all-gather) may be swapping the module's parameters, never the shards;
 - a serving rank does not leave at the end of the script until rank 0 says it is done (rank 0
@@ -73,7 +77,7 @@ class RankZeroGather:
         self.module, self.gate, self.timeout_s = module, gate, timeout_s
         # The sharded parameters themselves (the optimizer updates them in place), by state-dict key.
         self.shards = [(key, value) for key, value in module.state_dict(keep_vars=True).items() if is_dtensor(value)]
-        check_dim0_shards(dict(self.shards))
+        check_gatherable(dict(self.shards))
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.group = _private_gloo_group(self.rank, self.world_size, timeout_s)
         self._done = threading.Event()
@@ -105,17 +109,23 @@ class RankZeroGather:
         return out
 
     def _gathered(self, value: Any) -> torch.Tensor:
+        dim = _sharded_dim(value)
+        if dim is None:  # replicated: rank 0 holds it whole
+            return value.to_local().detach().cpu()
+        ranks = value.device_mesh.mesh.flatten().tolist()
         pieces = []
-        for rank, rows in enumerate(_chunk_rows(value.shape[0], self.world_size)):
+        for rank, rows in zip(ranks, _chunk_rows(value.shape[dim], len(ranks))):
             if rows == 0:
                 continue
             if rank == 0:
                 pieces.append(value.to_local().detach().cpu())
             else:
-                piece = torch.empty((rows, *value.shape[1:]), dtype=value.dtype)
+                shape = list(value.shape)
+                shape[dim] = rows
+                piece = torch.empty(shape, dtype=value.dtype)
                 self.group.recv([piece], rank, 0).wait()
                 pieces.append(piece)
-        return torch.cat(pieces, dim=0) if pieces else torch.empty(value.shape, dtype=value.dtype)
+        return torch.cat(pieces, dim=dim) if pieces else torch.empty(value.shape, dtype=value.dtype)
 
     def _release(self) -> None:
         try:
@@ -135,7 +145,7 @@ class RankZeroGather:
                 try:
                     for _key, value in self.shards:
                         local = value.to_local().detach()
-                        if local.numel():
+                        if local.numel() and _sharded_dim(value) is not None and _serves_rank_zero(value):
                             self.group.send([local.contiguous().cpu()], 0, 0).wait()
                 finally:
                     lock.release()
@@ -170,25 +180,40 @@ def _chunk_rows(rows: int, world_size: int) -> list[int]:
     return sizes + [0] * (world_size - len(sizes))
 
 
-def check_dim0_shards(state: dict[str, Any]) -> None:
-    """The gather assumes FSDP2's default: every DTensor sharded along dim 0 of a one-dimensional mesh."""
-    from torch.distributed.tensor import Shard
+def _sharded_dim(value: Any) -> int | None:
+    """The dim a DTensor on a one-dimensional mesh is sharded along; None where it is replicated."""
+    placement = value.placements[0]
+    return placement.dim if placement.is_shard() else None
 
+
+def _serves_rank_zero(value: Any) -> bool:
+    """Whether rank 0 gathers this tensor from this rank: its mesh holds rank 0 (under tensor
+    parallelism the other data-parallel replicas' TP groups hold copies rank 0 does not need)."""
+    return 0 in value.device_mesh.mesh.flatten().tolist()
+
+
+def check_gatherable(state: dict[str, Any]) -> None:
+    """The gather reads DTensors on a one-dimensional mesh, sharded along one dim (FSDP2's dim 0, a
+    TP plan's column or row split) or replicated; FSDP2 over split parameters (a 2-D mesh) is not."""
     for key, value in state.items():
-        if is_dtensor(value) and (value.device_mesh.ndim != 1 or tuple(value.placements) != (Shard(0),)):
+        if is_dtensor(value) and (value.device_mesh.ndim != 1 or not (value.placements[0].is_shard()
+                                                                       or value.placements[0].is_replicate())):
             raise UnsupportedError(f"{key}: sharded as {value.placements} on a {value.device_mesh.ndim}-D mesh; "
-                                   "one rank can gather only FSDP2's dim-0 shards; save with "
-                                   "engine.save_16bit_model(dir) on every rank")
+                                   "one rank can gather only shards of a one-dimensional mesh (FSDP2's, or tensor "
+                                   "parallelism's at ZeRO 0-1); save with engine.save_16bit_model(dir) on every rank")
 
 
 _service: RankZeroGather | None = None
 
 
-def arm(module: torch.nn.Module, stage: int, world_size: int, gate: StepGate, timeout_s: float) -> RankZeroGather | None:
-    """Start the service where FSDP2 shards the weights over several ranks (collective: every rank of
-    the job calls initialize alike): a script may save from rank 0 alone at any time."""
+def arm(module: torch.nn.Module, stage: int, world_size: int, gate: StepGate, timeout_s: float,
+        split: bool = False) -> RankZeroGather | None:
+    """Start the service where FSDP2 shards the weights over several ranks, or tensor parallelism
+    splits them outside FSDP2 (`split` at stages 0-1; with FSDP2 as well the 2-D shards are refused
+    by the gather's check) (collective: every rank of the job calls initialize alike): a script may
+    save from rank 0 alone at any time."""
     global _service
-    if stage >= 2 and world_size > 1:
+    if (stage >= 2 or split) and world_size > 1:
         _service = RankZeroGather(module, gate, timeout_s)
         return _service
     return None

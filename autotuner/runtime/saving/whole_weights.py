@@ -93,11 +93,10 @@ def whole_tensors(state: dict, service: Any) -> dict:
         return OrderedDict((key, value.to_local() if is_dtensor(value) else value) for key, value in state.items())
     if service is None or service.rank != 0:
         where = "on rank 0 alone" if service is None else f"on rank {service.rank}: only rank 0 is served"
-        how = "split by tensor_parallel" if _tensor_parallel(state[sharded[0]]) else \
-            "sharded (ZeRO stage 2/3 here is FSDP2)"
-        raise UnsupportedError(f"state_dict: {sharded[0]} is {how} over {state[sharded[0]].device_mesh.size()} "
-                               f"ranks and cannot be gathered {where}; save with engine.save_16bit_model(dir) "
-                               "on every rank")
+        key = next(key for key in sharded if state[key].device_mesh.size() > 1)  # (one rank's DTensors are whole)
+        how = "split by tensor_parallel" if _tensor_parallel(state[key]) else "sharded (ZeRO stage 2/3 here is FSDP2)"
+        raise UnsupportedError(f"state_dict: {key} is {how} over {state[key].device_mesh.size()} ranks and cannot "
+                               f"be gathered {where}; save with engine.save_16bit_model(dir) on every rank")
     return service.whole_state_dict(state)
 
 
