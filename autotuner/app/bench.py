@@ -165,10 +165,11 @@ def setup(args: argparse.Namespace) -> BenchSetup:
     source = config_label(source)  # what messages call it: its path, or that it came base64-encoded
     check_arg_mappings(config, source)
     micro, gas = _batch_of(config, source)
-    if config.tensor_parallel.size > 1:
-        raise ConfigError(f"{source}: tensor_parallel.autotp_size {config.tensor_parallel.autotp_size}: --bench counts "
-                          "every rank as a data-parallel replica and does not bench tensor-parallel layouts yet; "
-                          "bench with autotp_size 1")
+    tensor_parallel = config.tensor_parallel.size  # each rank count splits the model so: dp = ranks / it
+    indivisible = [size for size in world_sizes if size % tensor_parallel]
+    if indivisible:
+        raise ConfigError(f"{source}: tensor_parallel.autotp_size {tensor_parallel}: does not divide --nproc_per_node "
+                          f"{','.join(map(str, indivisible))}; bench rank counts that are multiples of it")
     stage = config.zero_optimization.stage
     if not isinstance(stage, int):
         raise ConfigError(f"{source}: zero_optimization.stage: got {stage!r}; --bench runs one stage: give 0, 1, 2 "
@@ -189,17 +190,19 @@ def setup(args: argparse.Namespace) -> BenchSetup:
     if isinstance(config.train_batch_size, int):
         _say(f"note: {source} sets train_batch_size {config.train_batch_size}; --bench uses micro-batch x gas x "
              "world size instead (weak scaling)")
-    return BenchSetup(Experiment(stage, micro, gas), world_sizes, args.bench_warmup, args.bench_iters, settings,
-                      config.autotuning)
+    experiment = Experiment(stage, micro, gas, tensor_parallel=tensor_parallel if tensor_parallel > 1 else 0)
+    return BenchSetup(experiment, world_sizes, args.bench_warmup, args.bench_iters, settings, config.autotuning)
 
 
-def for_world_size(settings: ExperimentSettings, world_size: int) -> ExperimentSettings:
-    return replace(settings, nproc_per_node=world_size, data_parallel_size=data_parallel_size(world_size))
+def for_world_size(settings: ExperimentSettings, world_size: int, tensor_parallel: int = 1) -> ExperimentSettings:
+    """The settings at `world_size` ranks, data parallel over world / `tensor_parallel` of them."""
+    return replace(settings, nproc_per_node=world_size,
+                   data_parallel_size=data_parallel_size(world_size, tensor_parallel))
 
 
 def run_world_size(bench_setup: BenchSetup, world_size: int, results_dir: Path, runner: Runner) -> BenchResult:
     """Launch the script on `world_size` ranks and turn its measurement into samples/s statistics."""
-    settings = for_world_size(bench_setup.settings, world_size)
+    settings = for_world_size(bench_setup.settings, world_size, max(1, bench_setup.experiment.tensor_parallel))
     exp_dir = results_dir / f"world_size_{world_size}"
     result = runner.run(Trial(bench_setup.experiment, exp_dir, settings))
     where = f" (see {exp_dir}/stderr.log)"

@@ -115,10 +115,13 @@ def test_measurement_carries_per_step_times_and_round_trips():
         (["--bench", "{toy}", "--deepspeed", "{auto}"], "train_micro_batch_size_per_gpu: got 'auto'"),
         (["--bench", "{toy}", "--deepspeed", "{unset}"], "train_micro_batch_size_per_gpu: missing"),
         (["--bench", "{toy}", "--deepspeed", "{stages}"], "zero_optimization.stage: got [1, 2]"),
-        (["--bench", "{toy}", "--deepspeed", "{split}"], "tensor_parallel.autotp_size 2: --bench counts every rank"),
+        (["--bench", "--nproc_per_node", "2,3", "{toy}", "--deepspeed", "{split}"],
+         "tensor_parallel.autotp_size 2: does not divide --nproc_per_node 3"),
+        (["--bench", "{toy}", "--deepspeed", "{searched}"], 'tensor_parallel.autotp_size: got "auto"'),
     ],
     ids=["list_without_bench", "bad_list", "not_int", "zero_in_list", "one_iter", "no_warmup", "no_config",
-         "with_autotuning", "multi_node", "micro_auto", "micro_unset", "stage_list", "tensor_parallel"],
+         "with_autotuning", "multi_node", "micro_auto", "micro_unset", "stage_list", "tensor_parallel",
+         "tensor_parallel_searched"],
 )
 def test_usage_and_config_errors_exit_2_before_launching(argv, fragment, tmp_path, monkeypatch, capsys):
     configs = {
@@ -127,6 +130,7 @@ def test_usage_and_config_errors_exit_2_before_launching(argv, fragment, tmp_pat
         "unset": {"train_batch_size": 8},
         "stages": {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": [1, 2]}},
         "split": {"train_micro_batch_size_per_gpu": 4, "tensor_parallel": {"autotp_size": 2}},
+        "searched": {"train_micro_batch_size_per_gpu": 4, "tensor_parallel": {"autotp_size": "auto"}},
     }
     paths = {}
     for name, values in configs.items():

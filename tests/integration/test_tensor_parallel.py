@@ -203,3 +203,17 @@ def test_a_degree_search_runs_each_degree_at_the_users_global_batch_and_trains_t
     pick = table[table["chosen"]].iloc[0]
     assert optimal["tensor_parallel"]["autotp_size"] == pick.tp
     assert {(layout["dp"], layout["tp"]) for layout in layouts(tmp_path / "out")} == {(4 // pick.tp, max(1, pick.tp))}
+
+
+def test_bench_counts_each_rank_count_data_parallel_over_the_ranks_the_degree_leaves(tmp_path):
+    # --bench at autotp_size 2 on 2 and 4 ranks: data-parallel size 1 and 2, the model split in pairs.
+    cfg = write_json(tmp_path / "ds.json", {"train_micro_batch_size_per_gpu": 2, "tensor_parallel": {"autotp_size": 2}})
+    done = run_launcher("--bench", "--bench_warmup", "1", "--bench_iters", "3", "--nproc_per_node", "2,4", SCRIPT,
+                        "--steps", "8", "--out", tmp_path / "out", "--deepspeed", cfg, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for ranks, dp in ((2, 1), (4, 2)):
+        run = tmp_path / "bench_results" / f"world_size_{ranks}"
+        ran = json.loads((run / "ds_config.json").read_text())
+        assert ran["tensor_parallel"]["autotp_size"] == 2 and ran["train_batch_size"] == 2 * dp
+        assert json.loads((run / "metrics.json").read_text())["train_batch_size"] == 2 * dp  # what a step trained
+    assert re.search(r"Scaling efficiency on 4 rank\(s\): [\d.]+% \(baseline", done.stdout), done.stdout
