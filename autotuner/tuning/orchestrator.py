@@ -190,7 +190,8 @@ class Autotuner:
                               self.ledger.remeasurements(), priors + tuple(pick_lines), self._predictions,
                               time.monotonic() - self._started, profiled.noise_scale,
                               job.config.autotuning.critical_batch_size,  # the config allows it with goodput only
-                              tuple(self._layout_lines) + self._fixed_layout_lines(profiled.job))
+                              tuple(self._layout_lines) + self._fixed_layout_lines(profiled.job),
+                              job.config.autotuning.cost_per_gpu_hour)
         outcome = write_outcome(record, profiled.job.settings, profiled.job.objective, self.results_dir, self.report,
                                 job.devices.on_gpu)
         if self.history is not None and self.history.recorded:

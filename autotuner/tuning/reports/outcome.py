@@ -19,6 +19,7 @@ from autotuner.tuning.reports.goodput import goodput_lines, scale_learning_rate
 from autotuner.tuning.space.planned_run import compile_lines
 from autotuner.tuning.searches.predictive_search import PredictiveOutcome
 from autotuner.tuning.space.records import Objective, TrialResult
+from autotuner.tuning.reports.run_cost import cost_lines
 from autotuner.tuning.reports.results import Explanation, PredictedPoint, write_results
 
 
@@ -51,6 +52,7 @@ class SearchRecord:
     noise_scale: NoiseScale | None = None  # metric goodput: B_noise as the profile measured it
     critical_batch: int | None = None  # metric goodput: the config's critical_batch_size, used in its place
     layout_lines: tuple[str, ...] = ()  # the tensor-parallel layouts: fixed, or each degree searched kept or not
+    price_per_hour: float | None = None  # autotuning.cost_per_gpu_hour
 
 
 def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective: Objective, results_dir: Path,
@@ -78,6 +80,8 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
             deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu)
         config = script_config(config, settings.engine)  # what the mapped flags carry stays out
     compiled = list(record.layout_lines) + compile_lines(list(record.launched), settings.planned_steps)
+    compiled += cost_lines(list(record.launched), best, objective, settings.planned_steps, record.price_per_hour,
+                           on_gpu)
     compiled += goodput
     compiled += varying_batch_lines([r.measurement for r in record.launched if r.measurement is not None],
                                     settings.max_sequence_length, settings.max_sequence_length_from)
