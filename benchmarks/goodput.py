@@ -37,7 +37,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(WORKLOAD.parent))
 from label_noise import Task, make_model  # noqa: E402
 
-from autotuner.tuning.models.gradient_noise import scaled_learning_rate  # noqa: E402
+from autotuner.core.noise_scale import scaled_learning_rate  # noqa: E402
 
 MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
             "gradient_accumulation_steps": "--gradient_accumulation_steps"}

@@ -8,7 +8,7 @@ import torch
 
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.core.boundary import Measurement
-from autotuner.tuning.models.gradient_noise import estimate, statistical_efficiency
+from autotuner.core.noise_scale import estimate, statistical_efficiency
 from autotuner.tuning.reports.goodput import goodput_lines, scale_learning_rate
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
@@ -78,7 +78,7 @@ def result(name_batch: int, throughput: float, objective: Objective) -> TrialRes
 
 
 def test_the_summary_compares_the_two_picks_time_to_the_same_loss():
-    from autotuner.tuning.models.gradient_noise import NoiseScale
+    from autotuner.core.noise_scale import NoiseScale
 
     objective = Objective("goodput", reference_batch=32, noise_scale=64.0)
     results = [result(512, 1000.0, objective), result(64, 400.0, objective)]
@@ -89,7 +89,7 @@ def test_the_summary_compares_the_two_picks_time_to_the_same_loss():
 
 
 def test_a_critical_batch_from_the_config_stands_in_for_the_profiles_noise_scale_in_the_summary():
-    from autotuner.tuning.models.gradient_noise import NoiseScale
+    from autotuner.core.noise_scale import NoiseScale
 
     # B_crit 4096 where the profile read 64: the large batch is now the quicker to the loss.
     objective = Objective("goodput", reference_batch=32, noise_scale=4096.0)

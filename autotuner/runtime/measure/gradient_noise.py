@@ -7,8 +7,8 @@ B_small = micro-batch x gas samples; the all-reduced one averages B_big = B_smal
 DDP communication hook reads each bucket's squared norm before the all-reduce and after it; at
 the accumulation boundary the ranks' local figures are averaged (one scalar all-reduce), and the
 step's pair (mean |g_small|^2, |g_big|^2) is kept. On one rank, `MicroStepNoiseProbe` gives the
-same pairs from the micro-steps of an accumulation window. The estimator is the tuner's
-(tuning/models/gradient_noise.py). Nothing here changes the reduction: the hook runs the same one
+same pairs from the micro-steps of an accumulation window. The estimator (core/noise_scale.py) is
+the tuner's over a profile's steps, and a training run's smoothed over its steps. Nothing here changes the reduction: the hook runs the same one
 (DeepSpeed's prescale/predivide hook when the config sets it, else DDP's mean all-reduce).
 """
 

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.memory.estimate import COMPUTE_BYTES, ModelProfile
-from autotuner.tuning.models import gradient_noise
+from autotuner.core import noise_scale as gradient_noise
 from autotuner.tuning.models.comm_fit import fit_collectives
 from autotuner.tuning.models.cost_model import CostContext
 from autotuner.tuning.models.memory_book import MemoryFacts

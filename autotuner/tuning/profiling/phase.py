@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from autotuner.tuning.memory.estimate import ModelProfile
-from autotuner.tuning.models import gradient_noise
+from autotuner.core import noise_scale as gradient_noise
 from autotuner.tuning.models.cost_model import NOISE_FLOOR
 from autotuner.tuning.models.memory_book import MemoryBook, MemoryFacts, memory_facts
 from autotuner.tuning.models.sharding_gain import REASON_PREFIX, sharding_cannot_win

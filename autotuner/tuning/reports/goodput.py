@@ -13,7 +13,7 @@ from typing import Any
 
 from autotuner.config.models import SCHEDULER_DEFAULTS
 from autotuner.launch.script_args import find_flag, set_flag
-from autotuner.tuning.models.gradient_noise import NoiseScale, scaled_learning_rate
+from autotuner.core.noise_scale import NoiseScale, scaled_learning_rate
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 
 SCHEDULER_LR_KEYS = ("warmup_min_lr", "warmup_max_lr", "cycle_min_lr", "cycle_max_lr")

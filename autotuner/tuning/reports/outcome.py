@@ -14,7 +14,7 @@ from autotuner.tuning.trials.trial import ExperimentSettings, picked_config, scr
 from autotuner.tuning.reports.optimal_commands import (deepspeed_command, nodes_per_run, optimal_command,
                                                       optimal_script_args)
 from autotuner.tuning.memory.varying_batches import varying_batch_lines
-from autotuner.tuning.models.gradient_noise import NoiseScale
+from autotuner.core.noise_scale import NoiseScale
 from autotuner.tuning.reports.goodput import goodput_lines, scale_learning_rate
 from autotuner.tuning.space.planned_run import compile_lines
 from autotuner.tuning.searches.predictive_search import PredictiveOutcome

@@ -31,7 +31,7 @@ class Objective:
     """Which metric decides, and whether larger is better (latency is minimised).
 
     "goodput" is throughput times the statistical efficiency of the experiment's global batch
-    against `reference_batch` (models/gradient_noise.py); `noise_scale` is B_noise as the profile
+    against `reference_batch` (core/noise_scale.py); `noise_scale` is B_noise as the profile
     measured it, or the config's critical_batch_size, and until it is set a goodput value is the
     plain throughput."""
 

@@ -14,6 +14,11 @@ Past B_noise, steps to a loss fall only as S_min (1 + B_noise/B) and the samples
 E_min (1 + B/B_noise); the statistical efficiency of a global batch B against the batch B0 the
 learning rate was chosen for is (B_noise + B0) / (B_noise + B) (Pollux, OSDI'21, from the same
 model), and goodput is throughput times it.
+
+Read once over a tune's profile (`estimate`), or through a whole training run (`SmoothedNoiseScale`:
+the same precision-weighted terms, each an exponential moving average over the steps, as
+McCandlish's appendix A.1 and Pollux smooth them, so B_noise follows as it grows). Here in the
+core, the tuner and the ranks read one estimator.
 """
 
 from __future__ import annotations
@@ -83,6 +88,51 @@ def estimate(measurements: Iterable[Measurement]) -> NoiseScale | None:
     spread = math.sqrt((n - 1) / n * sum((x - statistics.fmean(leave_one_out)) ** 2 for x in leave_one_out)) \
         if n > 1 else float("inf")
     return NoiseScale(b_noise, spread, len(pairs), gradient, trace)
+
+
+@dataclass(frozen=True)
+class SmoothedNoiseScale:
+    """B_noise through training: |G|^2 and tr(Sigma) each a precision-weighted exponential moving
+    average of the steps' unbiased estimates (weights as `_terms`), forgetting with time constant
+    `window` steps; their ratio is B_noise. A record: `with_step` returns the next one."""
+
+    window: int
+    gradient_sum: float = 0.0  # sum of weight x estimate, decayed
+    gradient_weight: float = 0.0
+    trace_sum: float = 0.0
+    trace_weight: float = 0.0
+    steps: int = 0
+
+    def with_step(self, g_small: float, g_big: float, small: int, big: int) -> "SmoothedNoiseScale":
+        """The estimator after one more step's pair (B_small < B_big samples behind them)."""
+        if big <= small:
+            return self
+        decay = 1.0 - 1.0 / max(1, self.window)
+        gradient_w, trace_w = (big - small) ** 2, ((big - small) / big) ** 2
+        gradient = (big * g_big - small * g_small) / (big - small)
+        trace = (g_small - g_big) / (1 / small - 1 / big)
+        return SmoothedNoiseScale(self.window, decay * self.gradient_sum + gradient_w * gradient,
+                                  decay * self.gradient_weight + gradient_w, decay * self.trace_sum + trace_w * trace,
+                                  decay * self.trace_weight + trace_w, self.steps + 1)
+
+    @property
+    def b_noise(self) -> float | None:
+        """tr(Sigma) / |G|^2 from the averages; None before MIN_STEPS steps or while the true
+        gradient's average is not positive (the noise swamps it)."""
+        if self.steps < MIN_STEPS or self.gradient_weight <= 0 or self.trace_weight <= 0:
+            return None
+        gradient, trace = self.gradient_sum / self.gradient_weight, self.trace_sum / self.trace_weight
+        return trace / gradient if gradient > 0 and trace > 0 else None
+
+    def state(self) -> dict[str, float]:
+        """What a checkpoint keeps (`from_state` reads it back)."""
+        return {"window": self.window, "gradient_sum": self.gradient_sum, "gradient_weight": self.gradient_weight,
+                "trace_sum": self.trace_sum, "trace_weight": self.trace_weight, "steps": self.steps}
+
+    @classmethod
+    def from_state(cls, state: dict[str, float]) -> "SmoothedNoiseScale":
+        return cls(int(state["window"]), float(state["gradient_sum"]), float(state["gradient_weight"]),
+                   float(state["trace_sum"]), float(state["trace_weight"]), int(state["steps"]))
 
 
 def statistical_efficiency(global_batch: int, reference_batch: int, b_noise: float) -> float:
