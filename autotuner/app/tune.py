@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from autotuner.app.settle import say as _say, settle, settle_built_engine
+from autotuner.tuning.reports.batch_ramp_plan import ramp_lines
 from autotuner.core.errors import UsageError
 from autotuner.launch.stopping import Stopped
 from autotuner.tuning.orchestrator import Autotuner
@@ -98,4 +99,7 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
                           nproc_per_node=None if job.options.rank_flags().picks_ranks_itself
                           else job.plan.nproc_per_node)
         with environment(dict(outcome.optimal_env)):  # the pick's tuned values, for a config built in code
-            return runner.train(optimal, quiet=not args.debug)
+            status = runner.train(optimal, quiet=not args.debug)
+        for line in ramp_lines(results_dir):
+            _say(line)
+        return status

@@ -101,6 +101,14 @@ class AutotuningConfig(Section):
     lr_scaling: Literal["linear", "sqrt", "none"] = Field(
         "none", description="ours, with metric goodput: how the optimal config's learning rate follows its global "
                             "batch against reference_batch_size (linear: Goyal et al.; sqrt: for Adam-like optimizers)")
+    adapt_batch: bool = Field(False, description="ours, with metric goodput: the training run (--autotuning run, or "
+                              "the optimal config) keeps reading B_noise and grows the global batch through gradient "
+                              "accumulation when goodput says a larger one reaches the loss sooner (Pollux); the "
+                              "learning rate follows by lr_scaling, which must then be given")
+    adapt_interval: PositiveInt = Field(100, description="ours: the batch changes at most once in this many optimizer "
+                                        "steps (also the noise estimate's smoothing window)")
+    adapt_plan: str | None = Field(None, description="written by the tuner into the optimal config: the step costs "
+                                   "the batch ramp reads (batch_ramp.json)")
     start_profile_step: PositiveInt = Field(3, description="the first optimizer step timed")
     end_profile_step: PositiveInt = Field(5, description="the last step timed (more with min_window_s)")
     min_window_s: NonNegativeFloat = Field(
@@ -193,6 +201,12 @@ class AutotuningConfig(Section):
         if self.metric == "goodput" and self.reference_batch_size is None:
             raise ValueError('metric "goodput" needs reference_batch_size: the global batch the learning rate was '
                              "chosen for (efficiency is measured against it)")
+        if self.adapt_batch and self.metric != "goodput":
+            raise ValueError(f'adapt_batch grows the batch by goodput: it needs metric "goodput" (metric is '
+                             f'"{self.metric}")')
+        if self.adapt_batch and "lr_scaling" not in self.model_fields_set:
+            raise ValueError('adapt_batch changes the global batch during training: give lr_scaling ("linear", '
+                             '"sqrt", or "none" to keep the learning rate)')
         if self.min_train_micro_batch_size_per_gpu > self.max_train_micro_batch_size_per_gpu:
             raise ValueError(
                 f"min_train_micro_batch_size_per_gpu ({self.min_train_micro_batch_size_per_gpu}) is larger than "

@@ -33,6 +33,7 @@ from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.loss_scale import skips_non_finite
 from autotuner.runtime.training.optim import step_scheduler
 from autotuner.runtime.training.sharding import average_gradients, finite_norm, gradient_norm, unwrap, wrap_ddp
+from autotuner.runtime.training.batch_ramp import BatchRamp, ramp_after_step, scaled_schedule
 from autotuner.runtime.training.split_zero import SplitShadows
 from autotuner.runtime.training.tensor_parallel import (ParallelLayout, SplitModel, check_same_batch,
                                                          data_parallel_layout, tp_gradient_norm)
@@ -63,6 +64,7 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         layout: ParallelLayout | None = None,
         split: SplitModel | None = None,
         shadows: SplitShadows | None = None,
+        ramp: BatchRamp | None = None,
     ):
         super().__init__()
         Engine.created_in_process += 1
@@ -81,6 +83,7 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         self.precision = config.precision
         self.global_steps = 0
         self.micro_steps = 0
+        self._boundary_base = 0  # micro-steps before the batch last changed: accumulation counts from there
         self.global_samples = 0
         self.skipped_steps = 0
         self._global_grad_norm: torch.Tensor | None = None  # a tensor: reading it would sync the GPU each step
@@ -96,7 +99,8 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         self._engine_forwards = 0
         self._manually_averaged = False  # this step's gradients were averaged by us, not all by DDP
         self._find_unused_parameters = False
-        self._noise = gradient_noise  # a tuner's launch at ZeRO 0/1: the gradient noise's raw figures
+        self._noise = gradient_noise  # a tuner's launch at ZeRO 0/1 (or the batch ramp's): the gradient noise's figures
+        self._ramp = ramp  # autotuning.adapt_batch in the training run (training/batch_ramp.py)
         self._autocast = self.precision in _AUTOCAST_DTYPES and not self._fsdp
         request = measurement_request(config)
         self._request = request
@@ -174,7 +178,7 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
             if self._autocast
             else contextlib.nullcontext()
         )
-        self.reporter.forward_started(self.global_steps, self.micro_steps % self.batch.gradient_accumulation_steps == 0)
+        self.reporter.forward_started(self.global_steps, self._micro_in_step() == 0)
         self._forward_watch.start()
         with autocast, self._oom_guard():
             output = self.wrapped(*inputs, **kwargs)
@@ -251,6 +255,8 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         self._step_length = 0
         self._window_watch.note_steps_done(self.global_steps)
         self.reporter.step_done(step_s, boundary=True)
+        if self._ramp is not None:
+            ramp_after_step(self)
         if self._online is not None:
             self._online.after_step(self.global_steps, now)
         if self._activation_probe is not None and self.global_steps == self._model_info_step:
@@ -338,7 +344,8 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         if not self._step_applied:
             self.skipped_steps += 1
         elif self.lr_scheduler is not None:  # DeepSpeed does not advance the schedule on a skipped step
-            step_scheduler(self.lr_scheduler, lr_kwargs, self.batch.train_batch_size)
+            with scaled_schedule(self.optimizer, self._ramp.lr_factor if self._ramp is not None else 1.0):
+                step_scheduler(self.lr_scheduler, lr_kwargs, self.batch.train_batch_size)
 
     def _gradient_norm(self) -> tuple[torch.Tensor | None, bool]:
         """(The step's gradient norm, clipping with it; whether the gradients hold an inf or NaN). With

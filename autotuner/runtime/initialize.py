@@ -32,6 +32,7 @@ from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.training.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
 from autotuner.runtime.parallel_setup import check_mpu, check_tp_group, layout_for
+from autotuner.runtime.training.batch_ramp import batch_ramp, ramp_wanted
 from autotuner.runtime.training.split_zero import SplitShadows
 from autotuner.runtime.training.tensor_parallel import ParallelLayout, split_model
 from autotuner.runtime.tp_init import merge_into_config
@@ -118,10 +119,12 @@ def _named(value: Any) -> str:
 
 
 def _gradient_noise_wanted(cfg: DeepSpeedConfig, stage: int) -> bool:
-    """A tuner's launch that asks for it (metric goodput) at ZeRO 0 or 1, where each rank's
-    gradient is whole. fp16's loss scale, which changes between steps, would scale the norms."""
+    """A tuner's launch that asks for it (metric goodput), or a training run whose batch ramp reads
+    it (autotuning.adapt_batch), at ZeRO 0 or 1, where each rank's gradient is whole. fp16's loss
+    scale, which changes between steps, would scale the norms."""
     request = measurement_request(cfg)
-    return stage <= 1 and cfg.precision != "fp16" and request is not None and request.gradient_noise
+    asked = (request is not None and request.gradient_noise) or ramp_wanted(cfg)
+    return stage <= 1 and cfg.precision != "fp16" and asked
 
 
 def gradient_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: int,
@@ -314,6 +317,7 @@ def initialize(
     wrapped = wrap_model(model, stage, cfg.zero_optimization, cfg.precision, ctx, GradientReduction.from_config(cfg),
                          noise, dp_mesh=layout.mesh["dp"] if layout.tensor_parallel else None)
     noise = noise or micro_step_noise_probe(cfg, stage, batch, ctx.world_size, unwrap(wrapped).parameters())
+    ramp = batch_ramp(cfg, ctx.rank, noise is not None, stage)
     groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
     shadows = None
     if split is not None and stage == 1:  # ZeroRedundancyOptimizer over the dp group, on the shards' shadows
@@ -337,6 +341,7 @@ def initialize(
         layout=layout,
         split=split,
         shadows=shadows,
+        ramp=ramp,
     )
     engine.tuned_over_script = tuned_over_script
     if stage >= 2:  # FSDP2's shards: whole weights where a DeepSpeed script reads them (saving/whole_weights.py)

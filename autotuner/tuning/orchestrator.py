@@ -191,7 +191,9 @@ class Autotuner:
                               time.monotonic() - self._started, profiled.noise_scale,
                               job.config.autotuning.critical_batch_size,  # the config allows it with goodput only
                               tuple(self._layout_lines) + self._fixed_layout_lines(profiled.job),
-                              job.config.autotuning.cost_per_gpu_hour)
+                              job.config.autotuning.cost_per_gpu_hour,
+                              (job.config.autotuning.adapt_interval, job.config.autotuning.max_train_batch_size)
+                              if job.config.autotuning.adapt_batch else None)
         outcome = write_outcome(record, profiled.job.settings, profiled.job.objective, self.results_dir, self.report,
                                 job.devices.on_gpu)
         if self.history is not None and self.history.recorded:

@@ -626,3 +626,24 @@ def test_a_tuned_compile_needs_a_step_before_the_window(in_tmp, capsys):
     cfg = write(in_tmp / "ds.json", config_dict({"start_profile_step": 1}, compile={"enabled": "auto"}))
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "autotuning.start_profile_step: got 1",
                    "at least 2")
+
+
+GOODPUT_RAMP = {"metric": "goodput", "reference_batch_size": 8, "lr_scaling": "linear", "adapt_batch": True}
+
+
+@pytest.mark.parametrize("autotuning, says", [
+    ({**GOODPUT_RAMP, "adapt_interval": 0}, "autotuning.adapt_interval: got 0"),
+    ({"adapt_batch": True, "lr_scaling": "linear"}, 'adapt_batch grows the batch by goodput: it needs metric "goodput"'),
+    ({"metric": "goodput", "reference_batch_size": 8, "adapt_batch": True}, "adapt_batch changes the global batch "
+                                                                              "during training: give lr_scaling"),
+], ids=["interval-0", "without-goodput", "without-lr-scaling"])
+def test_a_batch_ramp_that_cannot_run_is_refused_before_any_launch(in_tmp, capsys, autotuning, says):
+    cfg = write(in_tmp / "ds.json", config_dict(autotuning))
+    assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), says)
+
+
+def test_a_batch_ramp_for_a_script_on_deepspeeds_engine_is_refused_before_any_launch(in_tmp, capsys):
+    script = write(in_tmp / "train.py", "import deepspeed\n")
+    cfg = write(in_tmp / "ds.json", config_dict(GOODPUT_RAMP))
+    assert_refused(in_tmp, capsys, tune_argv(cfg, script=script), str(cfg), "autotuning.adapt_batch",
+                   "the batch ramp runs on autotuner's engine only")

@@ -7,6 +7,7 @@ so the throughput curve, and so the true optimum, is known in advance.
 
 import argparse
 import importlib
+import json
 from importlib.util import find_spec
 import multiprocessing
 import os
@@ -111,6 +112,10 @@ def main() -> None:
     parser.add_argument("--teacher", action="store_true",
                         help="targets are a fixed linear function of the inputs plus a little noise, so the "
                              "gradient has a signal beside its noise (the goodput tests' noise scale)")
+    parser.add_argument("--slow_optimizer_ms", type=float, default=0.0, help="an optimizer whose step takes this "
+                        "much longer (a costly step a larger accumulation count amortises)")
+    parser.add_argument("--gas_log", default=None, help="each rank writes <this>.<rank>.json: the gas of each "
+                        "optimizer step it ran and the learning rate it stepped with (a batch ramp changes them)")
     parser.add_argument("--peak_to", default=None, help="each rank appends its peak resident set (bytes) here at the end")
     parser.add_argument("--check_deepspeed_first", action="store_true",
                         help="ask importlib.util.find_spec('deepspeed') before importing it, as transformers and "
@@ -142,6 +147,16 @@ def main() -> None:
         deepspeed = importlib.import_module("deepspeed")
         config["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's fused Adam is GPU-only
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    elif args.slow_optimizer_ms:
+        params = config.pop("optimizer")["params"]
+
+        class SlowAdamW(torch.optim.AdamW):
+            def step(self, closure=None):
+                time.sleep(args.slow_optimizer_ms / 1e3)
+                return super().step(closure)
+
+        engine, *_ = autotuner.initialize(model=model, optimizer=SlowAdamW(model.parameters(), lr=params["lr"]),
+                                          config=config)
     else:
         engine, *_ = autotuner.initialize(model=model, config=config)
     micro = engine.train_micro_batch_size_per_gpu()
@@ -182,7 +197,9 @@ def main() -> None:
     torch.manual_seed(1000 + engine.global_rank)  # each rank draws its own batches, as a sampler shards them
     per_sample_s = args.ms_per_sample / 1e3 * (4 if args.slow_above and micro > args.slow_above else 1)
     rank = engine.global_rank
+    ran: list[list[float]] = []  # (gas, lr) per optimizer step
     for step in range(1, args.steps + 1):
+        ran.append([engine.gradient_accumulation_steps(), engine.get_lr()[0]])
         if hang and step == args.hang_at_step:
             time.sleep(3600)
         if fires("exit") and step == args.exit_at_step:
@@ -219,6 +236,9 @@ def main() -> None:
             del held
             engine.step()
         time.sleep(ms_per_step / 1e3)
+    if args.gas_log:
+        with open(f"{args.gas_log}.{rank}.json", "w") as handle:
+            json.dump(ran, handle)
     if args.peak_to:
         with open(args.peak_to, "a") as handle:
             handle.write(f"{rank} {resident_peak_bytes()}\n")

@@ -42,6 +42,9 @@ class EngineCheckpoints:
             "zero_stage": self.zero_stage,
             "world_size": self.ctx.world_size,
         }
+        ramp = getattr(self, "_ramp", None)
+        if ramp is not None:  # the batch ramp's state, and the global batch it reached
+            state["batch_ramp"] = {**ramp.state(), "train_batch_size": self.batch.train_batch_size}
         frozen = ({name for name, param in self._checkpoint_model().named_parameters() if not param.requires_grad}
                   if exclude_frozen_parameters else set())
         with self._keyed_by_the_model(self._local_optimizer):
@@ -54,6 +57,24 @@ class EngineCheckpoints:
         shadows = getattr(self, "_shadows", None)
         return shadows.as_model_parameters(optimizer) if shadows is not None and optimizer is not None \
             else contextlib.nullcontext()
+
+    def _resume_batch_ramp(self, saved: dict | None) -> None:
+        """A checkpoint saved mid-ramp resumes at the global batch, learning-rate factor and noise
+        estimate it reached (the rate itself comes back with the optimizer's groups)."""
+        ramp = getattr(self, "_ramp", None)
+        if saved is None:
+            return
+        if ramp is None:
+            if saved["train_batch_size"] != self.batch.train_batch_size:
+                logger.warning("the checkpoint's batch ramp had reached global batch %d; without "
+                               "autotuning.adapt_batch this run trains at %d", saved["train_batch_size"],
+                               self.batch.train_batch_size)
+            return
+        from autotuner.runtime.training.batch_ramp import follow_batch
+
+        ramp.load(saved)
+        self.set_train_batch_size(int(saved["train_batch_size"]))
+        follow_batch(self._noise, self.batch)
 
     def _param_group_members(self) -> list[list[str]]:
         """Each optimizer group's parameters by name, so a load can tell the groups were split alike."""
@@ -94,8 +115,10 @@ class EngineCheckpoints:
         self.global_steps = state["global_steps"]
         # micro_steps is not restored, as in DeepSpeed: the gradients of a half-accumulated step are
         # not in the checkpoint, and a resumed run may accumulate over another count.
+        self._boundary_base = self.micro_steps  # the next micro-step starts an optimizer step
         self.global_samples = state["global_samples"]
         self.skipped_steps = state.get("skipped_steps", self.skipped_steps)
+        self._resume_batch_ramp(state.get("batch_ramp"))
         self.step_gate.leave_step(self.global_steps)
         if load_lr_scheduler_states and self.lr_scheduler is not None and state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

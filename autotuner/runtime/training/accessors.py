@@ -24,6 +24,7 @@ class DeepSpeedAccessors:
     zero_stage: int
     precision: str
     micro_steps: int
+    _boundary_base: int
     skipped_steps: int
     _grad_scaler: Any
     _global_grad_norm: torch.Tensor | None
@@ -106,7 +107,24 @@ class DeepSpeedAccessors:
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
             return self._boundary_override
-        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+        return self._micro_in_step() + 1 == self.batch.gradient_accumulation_steps
+
+    def _micro_in_step(self) -> int:
+        """Micro-steps of this optimizer step so far (counted from the last change of the batch)."""
+        return (self.micro_steps - self._boundary_base) % self.batch.gradient_accumulation_steps
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """DeepSpeed's: the global batch changed through gradient accumulation, the micro-batch kept
+        (ValueError, DeepSpeed's, where it does not divide micro-batch x data-parallel size). Called
+        between optimizer steps; unlike DeepSpeed's, whose boundary stays micro_steps modulo the new
+        count (so the next step can run short), the next step runs the whole new count."""
+        micro, dp = self.batch.micro_batch_size, self.batch.data_parallel_size
+        if train_batch_size % (micro * dp) != 0:
+            raise ValueError("Train batch size must be divisible by micro-batch data parallelism")
+        from autotuner.config.batch import BatchSizes
+
+        self.batch = BatchSizes(train_batch_size, micro, train_batch_size // (micro * dp), dp)
+        self._boundary_base = self.micro_steps
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's manual override of the accumulation boundary: it holds until set again

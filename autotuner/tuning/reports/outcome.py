@@ -15,6 +15,7 @@ from autotuner.tuning.reports.optimal_commands import (deepspeed_command, nodes_
                                                       optimal_script_args)
 from autotuner.tuning.memory.varying_batches import varying_batch_lines
 from autotuner.core.noise_scale import NoiseScale
+from autotuner.tuning.reports.batch_ramp_plan import write_plan
 from autotuner.tuning.reports.goodput import goodput_lines, scale_learning_rate
 from autotuner.tuning.space.planned_run import compile_lines
 from autotuner.tuning.searches.predictive_search import PredictiveOutcome
@@ -53,6 +54,7 @@ class SearchRecord:
     critical_batch: int | None = None  # metric goodput: the config's critical_batch_size, used in its place
     layout_lines: tuple[str, ...] = ()  # the tensor-parallel layouts: fixed, or each degree searched kept or not
     price_per_hour: float | None = None  # autotuning.cost_per_gpu_hour
+    ramp: tuple[int, int | None] | None = None  # adapt_batch: (adapt_interval, max_train_batch_size)
 
 
 def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective: Objective, results_dir: Path,
@@ -72,6 +74,13 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
                 objective.reference_batch, settings.lr_scaling, trainer=settings.trainer)
             settings = replace(settings, script_args=script_args)
             goodput.append(line)
+            if record.ramp is not None:  # the training run grows the batch: its plan, and the config's section
+                config["autotuning"] = write_plan(list(record.launched), best, objective, settings.lr_scaling,
+                                                  *record.ramp, results_dir)
+                goodput.append(f"batch ramp: the training run reads B_noise and may grow gradient accumulation every "
+                               f"{record.ramp[0]} steps from global batch "
+                               f"{best.experiment.train_batch_size(settings.data_parallel_size)} "
+                               f"({results_dir / 'batch_ramp.json'}; each change a row of batch_ramp.csv)")
         optimal_path = (results_dir / "ds_config_optimal.json").resolve()
         optimal_args = optimal_script_args(settings, config, optimal_path)
         optimal_cmd = optimal_command(settings, optimal_args)

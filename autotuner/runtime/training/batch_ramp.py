@@ -1,0 +1,256 @@
+"""The global batch grown through training as goodput says (Pollux, OSDI'21, on a DeepSpeed config).
+
+With `autotuning.adapt_batch` the training run keeps reading the gradient noise scale (the same
+probe as a goodput tune's launches, core/noise_scale.py's smoothed estimator), and every
+`adapt_interval` optimizer steps asks which global batch reaches the loss soonest: goodput =
+throughput x (B_noise + B0) / (B_noise + B), B0 the batch the learning rate was chosen for. The
+throughput of a batch comes from what the tune measured at the pick's micro-batch (`StepCost`:
+the time of a micro-step's forward and backward, and the rest of an optimizer step), so a step of
+g micro-steps takes g x micro_step_s + step_s (the optimizer step, timed by the engine, is what a
+larger count amortises; the rest of a step counts per micro-step, so the gain is never
+overstated). Until the run has read B_noise itself, the tune's stands in. Only gradient accumulation grows here; the
+micro-batch stays. The batch never shrinks, and changes at most once an interval.
+
+Every rank computes the same B_noise (the probe's figures are all-reduced), but rank 0 decides
+and broadcasts its decision, as the online tuner does, so every rank changes at the same step.
+The learning rate is scaled by `lr_scaling` against the batch it was set for: a factor the
+engine keeps over the schedule's own value (`scaled_schedule`). Each change is a row of the CSV.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from autotuner.core.noise_scale import SmoothedNoiseScale, scaled_learning_rate, statistical_efficiency
+
+CSV_FIELDS = ("step", "b_noise", "global_batch", "gradient_accumulation_steps", "lr", "predicted_goodput")
+WORTHWHILE = 1.03  # a change must promise this much more goodput (the run-to-run noise of a step time)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One micro-batch size's step time as the tune measured it."""
+
+    micro_batch_size: int
+    micro_step_s: float  # forward and backward of one micro-batch
+    step_s: float  # the rest of an optimizer step: the reduction, the optimizer
+
+    def throughput(self, gas: int, data_parallel_size: int) -> float:
+        return self.micro_batch_size * gas * data_parallel_size / (gas * self.micro_step_s + self.step_s)
+
+
+@dataclass(frozen=True)
+class RampPlan:
+    """What the tuner hands the training run (`<results_dir>/batch_ramp.json`)."""
+
+    reference_batch: int
+    lr_scaling: str
+    interval: int
+    costs: tuple[StepCost, ...]
+    max_global_batch: int | None = None
+    csv_path: str = ""
+    initial_b_noise: float | None = None  # the tune's (the profile's, or the critical batch it was given)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"reference_batch": self.reference_batch, "lr_scaling": self.lr_scaling, "interval": self.interval,
+                "costs": [vars(cost) for cost in self.costs], "max_global_batch": self.max_global_batch,
+                "csv_path": self.csv_path, "initial_b_noise": self.initial_b_noise}
+
+    @classmethod
+    def read(cls, path: str | Path) -> "RampPlan":
+        data = json.loads(Path(path).read_text())
+        return cls(int(data["reference_batch"]), str(data["lr_scaling"]), int(data["interval"]),
+                   tuple(StepCost(int(c["micro_batch_size"]), float(c["micro_step_s"]), float(c["step_s"]))
+                         for c in data["costs"]),
+                   data.get("max_global_batch"), str(data.get("csv_path") or ""), data.get("initial_b_noise"))
+
+    def cost(self, micro_batch_size: int) -> StepCost | None:
+        return next((c for c in self.costs if c.micro_batch_size == micro_batch_size), None)
+
+
+@dataclass(frozen=True)
+class Choice:
+    gradient_accumulation_steps: int
+    global_batch: int
+    predicted_goodput: float
+    current_goodput: float
+    b_noise: float | None = None  # what the choice was made at
+
+
+def goodput(cost: StepCost, gas: int, dp: int, b_noise: float, reference_batch: int) -> float:
+    batch = cost.micro_batch_size * gas * dp
+    return cost.throughput(gas, dp) * statistical_efficiency(batch, reference_batch, b_noise)
+
+
+def best_gas(plan: RampPlan, b_noise: float, micro_batch_size: int, gas: int, dp: int) -> Choice | None:
+    """The accumulation count at or above `gas` with the most goodput at `b_noise` (None: the
+    tune measured no cost at this micro-batch). Past the optimum goodput only falls, so the
+    search stops at the first decline beyond the batch B_noise would ask for."""
+    cost = plan.cost(micro_batch_size)
+    if cost is None:
+        return None
+    current = goodput(cost, gas, dp, b_noise, plan.reference_batch)
+    best = Choice(gas, micro_batch_size * gas * dp, current, current)
+    candidate = gas
+    while True:
+        candidate += 1
+        batch = micro_batch_size * candidate * dp
+        if plan.max_global_batch is not None and batch > plan.max_global_batch:
+            break
+        value = goodput(cost, candidate, dp, b_noise, plan.reference_batch)
+        if value > best.predicted_goodput:
+            best = Choice(candidate, batch, value, current)
+        elif batch > 4 * max(b_noise, best.global_batch):
+            break
+    return best
+
+
+class BatchRamp:
+    """The engine's ramp: fed each optimizer step's noise pairs, it changes the engine's gas and
+    learning-rate factor at the interval's boundaries; its state goes into checkpoints."""
+
+    def __init__(self, plan: RampPlan, rank: int):
+        self.plan = plan
+        self.rank = rank
+        self.estimator = SmoothedNoiseScale(window=plan.interval)
+        self.lr_factor = 1.0  # over the schedule's own learning rate
+        self.last_change = 0  # the step of the last change (0: none)
+
+    def observe(self, pairs: list[tuple[float, float]], batches: tuple[int, int]) -> None:
+        for g_small, g_big in pairs:
+            self.estimator = self.estimator.with_step(g_small, g_big, *batches)
+
+    def decide(self, step: int, micro_batch_size: int, gas: int, dp: int) -> Choice | None:
+        """At an interval's boundary: rank 0's choice (a larger gas), broadcast; None to stay."""
+        if step % self.plan.interval or step - self.last_change < self.plan.interval:
+            return None
+        b_noise = self.estimator.b_noise or self.plan.initial_b_noise  # the tune's until the run reads its own
+        proposal = torch.tensor([float(gas), 0.0, 0.0, 0.0], dtype=torch.float64)
+        if self.rank == 0 and b_noise is not None:
+            choice = best_gas(self.plan, b_noise, micro_batch_size, gas, dp)
+            if choice is not None and choice.gradient_accumulation_steps > gas \
+                    and choice.predicted_goodput > WORTHWHILE * choice.current_goodput:
+                proposal = torch.tensor([float(choice.gradient_accumulation_steps), choice.predicted_goodput,
+                                         choice.current_goodput, b_noise], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(proposal, 0)
+        new_gas = int(proposal[0])
+        if new_gas <= gas:
+            return None
+        return Choice(new_gas, micro_batch_size * new_gas * dp, float(proposal[1]), float(proposal[2]),
+                      float(proposal[3]))
+
+    def write_row(self, step: int, global_batch: int, gas: int, lr: float, predicted: float | None,
+                  b_noise: float | None) -> None:
+        """A row of the CSV (rank 0 only): what the ranks applied at `step`, at `b_noise`."""
+        if self.rank != 0 or not self.plan.csv_path:
+            return
+        path = Path(self.plan.csv_path)
+        new = not path.exists()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", newline="") as handle:
+            writer = csv.writer(handle)
+            if new:
+                writer.writerow(CSV_FIELDS)
+            writer.writerow([step, "" if b_noise is None else f"{b_noise:.6g}", global_batch, gas, f"{lr:.6g}",
+                             "" if predicted is None or not math.isfinite(predicted) else f"{predicted:.6g}"])
+
+    def state(self) -> dict[str, Any]:
+        return {"estimator": self.estimator.state(), "lr_factor": self.lr_factor, "last_change": self.last_change}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.estimator = SmoothedNoiseScale.from_state(state["estimator"])
+        self.lr_factor = float(state["lr_factor"])
+        self.last_change = int(state["last_change"])
+
+
+@contextlib.contextmanager
+def scaled_schedule(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """The schedule steps on its own rates (the factor taken off), then the factor goes back on:
+    a closed-form schedule (warm-up, decay) overwrites the rate, a chained one multiplies it, and
+    either way the ramp's factor is applied once."""
+    if factor == 1.0:
+        yield
+        return
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] / factor
+    try:
+        yield
+    finally:
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * factor
+
+
+def rescale(optimizer: torch.optim.Optimizer, old_factor: float, new_factor: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * new_factor / old_factor
+
+
+
+def ramp_after_step(engine: Any) -> None:
+    """After the engine's optimizer step: the step's noise pairs to the estimator, then (at an
+    interval's boundary) rank 0's choice applied on every rank: the engine's gas, its learning-rate
+    factor, the noise probe's batch sizes, and a row of the CSV."""
+    ramp: BatchRamp = engine._ramp
+    noise = engine._noise
+    if noise is not None and noise.steps:
+        ramp.observe(list(noise.steps), tuple(noise.batches))
+        noise.steps.clear()
+    step, batch = engine.global_steps, engine.batch
+    if step == 1 and ramp.last_change == 0:
+        ramp.write_row(0, batch.train_batch_size, batch.gradient_accumulation_steps, engine.get_lr()[0], None,
+                       ramp.plan.initial_b_noise)
+    choice = ramp.decide(step, batch.micro_batch_size, batch.gradient_accumulation_steps, batch.data_parallel_size)
+    if choice is None:
+        return
+    new_factor = ramp.lr_factor * scaled_learning_rate(1.0, choice.global_batch, batch.train_batch_size,
+                                                        ramp.plan.lr_scaling)
+    engine.set_train_batch_size(choice.global_batch)
+    rescale(engine.optimizer, ramp.lr_factor, new_factor)
+    ramp.lr_factor, ramp.last_change = new_factor, step
+    follow_batch(noise, engine.batch)
+    ramp.write_row(step, choice.global_batch, choice.gradient_accumulation_steps, engine.get_lr()[0],
+                   choice.predicted_goodput, choice.b_noise)
+
+
+def follow_batch(noise: Any, batch: Any) -> None:
+    """The noise probe counts the samples behind its figures from the batch it reads."""
+    if noise is None:
+        return
+    if hasattr(noise, "samples_per_rank"):  # around the all-reduce: B_small = micro-batch x gas
+        noise.samples_per_rank = batch.micro_batch_size * batch.gradient_accumulation_steps
+    else:  # over one rank's micro-steps
+        noise.batches = (batch.micro_batch_size, batch.micro_batch_size * batch.gradient_accumulation_steps)
+        noise.gas = batch.gradient_accumulation_steps
+
+
+def ramp_wanted(config: Any) -> bool:
+    """The training run of a goodput tune's pick with autotuning.adapt_batch (its plan written by the tuner)."""
+    tuning = config.autotuning
+    return bool(tuning.adapt_batch and tuning.adapt_plan)
+
+
+def batch_ramp(config: Any, rank: int, noise_read: bool, stage: int) -> BatchRamp | None:
+    """The ramp for this run, or None; where the gradient noise cannot be read here, one warning
+    says the batch stays as it is."""
+    if not ramp_wanted(config):
+        return None
+    if not noise_read:
+        from autotuner.runtime.distributed import warn_once
+
+        why = ("ZeRO 2-3 (FSDP2 reduce-scatters the gradients)" if stage >= 2 else
+               "fp16 (its loss scale changes the norms)" if config.precision == "fp16" else
+               "one rank without gradient accumulation (no smaller batch to compare with)")
+        warn_once(f"autotuning.adapt_batch: the gradient noise is not read with {why}; the global batch stays "
+                  "as the optimal config sets it")
+        return None
+    return BatchRamp(RampPlan.read(config.autotuning.adapt_plan), rank)
