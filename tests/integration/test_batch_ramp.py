@@ -66,3 +66,41 @@ def test_the_summary_and_the_optimal_config_carry_the_ramp(ramped):
     assert optimal["autotuning"]["adapt_plan"] == str((root / "autotuning_results" / "batch_ramp.json").resolve())
     assert plan["interval"] == 3 and plan["reference_batch"] == 8 and plan["costs"]
     assert all(cost["step_s"] >= 0.25 for cost in plan["costs"])  # the 300 ms optimizer step, as the engine timed it
+
+
+def ramp_config(out, interval: int = 3):
+    """The optimal config of a goodput tune with adapt_batch, and its plan, written by hand."""
+    from conftest import write_json
+
+    out.mkdir(parents=True, exist_ok=True)
+    plan = write_json(out / "batch_ramp.json", {
+        "reference_batch": 8, "lr_scaling": "sqrt", "interval": interval, "max_global_batch": 64,
+        "costs": [{"micro_batch_size": 2, "micro_step_s": 0.005, "step_s": 0.05}], "csv_path": str(out / "ramp.csv"),
+        "initial_b_noise": 30.0})
+    return write_json(out / "ds.json", {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0},
+        "autotuning": {"adapt_batch": True, "adapt_interval": interval, "metric": "goodput", "reference_batch_size": 8,
+                       "lr_scaling": "sqrt", "adapt_plan": str(plan)}})
+
+
+def train(out, *flags):
+    from conftest import WORKERS, run_launcher
+
+    done = run_launcher("--nproc_per_node", "2", WORKERS / "ramp_train.py", "--out", out, *flags, "--deepspeed",
+                        out / "ds.json", cwd=out, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return [json.loads((out / f"ran.{rank}.json").read_text()) for rank in (0, 1)]
+
+
+def test_a_run_resumed_mid_ramp_goes_on_at_the_same_batch_rate_and_losses(tmp_path):
+    ramp_config(tmp_path / "whole")
+    whole = train(tmp_path / "whole", "--steps", "12")
+    assert [entry[:2] for entry in whole[0]] == [entry[:2] for entry in whole[1]]  # both ranks alike
+    gas = [entry[0] for entry in whole[0]]
+    assert gas[0] == 1 and max(gas) > 1, gas  # it grew (B_noise 30 against global batch 4)
+    ramp_config(tmp_path / "split")
+    train(tmp_path / "split", "--steps", "12", "--save_at", "7")  # after the ramp changed the batch
+    resumed = train(tmp_path / "split", "--steps", "12", "--load")
+    for rank in (0, 1):
+        assert [entry[:2] for entry in resumed[rank]] == [entry[:2] for entry in whole[rank]]  # gas and rate
+        assert [entry[2] for entry in resumed[rank]] == pytest.approx([entry[2] for entry in whole[rank]], abs=1e-6)

@@ -1,0 +1,68 @@
+"""A training script whose global batch a batch ramp grows (autotuning.adapt_batch in its config,
+the plan written by tests/integration/test_batch_ramp.py): a regression with a costly optimizer
+step (one a larger accumulation count amortises), each rank's batches drawn from its step, micro-step
+and rank, so a run resumed from a checkpoint sees the batches the uninterrupted one saw.
+
+Writes to --out: ran.<rank>.json (per optimizer step: gas, learning rate, loss), and with
+--save_at N a DCP checkpoint after step N (then stops); --load resumes from it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn as nn
+
+import autotuner
+
+
+class SlowAdamW(torch.optim.AdamW):
+    def step(self, closure=None):
+        time.sleep(0.05)
+        return super().step(closure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--save_at", type=int, default=0)
+    parser.add_argument("--load", action="store_true")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = autotuner.add_config_arguments(parser)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    engine, *_ = autotuner.initialize(args=args, model=model, optimizer=SlowAdamW(model.parameters(), lr=1e-3))
+    teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
+    checkpoint = os.path.join(args.out, "ckpt")
+    ran = []
+    if args.load:
+        engine.load_checkpoint(checkpoint)
+        with open(os.path.join(args.out, f"ran.{engine.global_rank}.json")) as handle:
+            ran = json.load(handle)
+    micro = engine.train_micro_batch_size_per_gpu()
+    while engine.global_steps < args.steps:
+        step, gas, lr = engine.global_steps + 1, engine.gradient_accumulation_steps(), engine.get_lr()[0]
+        total = 0.0
+        for index in range(gas):
+            generator = torch.Generator().manual_seed(10_000 * step + 100 * index + engine.global_rank)
+            x = torch.randn(micro, 16, generator=generator)
+            y = x @ teacher + 0.5 * torch.randn(micro, 1, generator=generator)
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        ran.append([gas, lr, total / gas])
+        if args.save_at and engine.global_steps == args.save_at:
+            engine.save_checkpoint(checkpoint)
+            break
+    with open(os.path.join(args.out, f"ran.{engine.global_rank}.json"), "w") as handle:
+        json.dump(ran, handle)
+
+
+if __name__ == "__main__":
+    main()
