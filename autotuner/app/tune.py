@@ -69,10 +69,10 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
                 fingerprint = job.fingerprint if nodes is None else replace(job.fingerprint, device=nodes)
                 settings = replace(job.settings, placement_flags=tuple(getattr(runner, "placement_flags", ())),
                                    placement_env=tuple(getattr(runner, "placement_env", ())))
-                outcome = Autotuner(job.config, settings, results_dir, exps_dir, runner, fingerprint,
-                                    report=_say, settle_engine=lambda built: settle_built_engine(job, built),
-                                    devices=job.devices, space=job.space, degrees=job.degrees,
-                                    left_out=job.left_out).tune()
+                tuner = Autotuner(job.config, settings, results_dir, exps_dir, runner, fingerprint,
+                                  report=_say, settle_engine=lambda built: settle_built_engine(job, built),
+                                  devices=job.devices, space=job.space, degrees=job.degrees, left_out=job.left_out)
+                outcome = tuner.tune()
             except Stopped as stop:  # the runner's exit below ends the running experiment
                 hint = getattr(stop, "resume_hint", "Resume with the same command.")
                 print(f"autotuner: stopped by {stop.name}; running experiment ended, finished records kept in "
@@ -102,4 +102,5 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
             status = runner.train(optimal, quiet=not args.debug)
         for line in ramp_lines(results_dir):
             _say(line)
+        tuner.keep_late_noise()
         return status

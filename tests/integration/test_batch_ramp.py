@@ -23,7 +23,7 @@ def ramped(tmp_path_factory):
     """One tune and run: a 300 ms optimizer step (a costly step a larger accumulation count
     amortises) against 2 ms micro-steps, so goodput asks for a larger batch at any B_noise."""
     root = tmp_path_factory.mktemp("ramp")
-    config = write_config(root / "ds.json", RAMP)
+    config = write_config(root / "ds.json", {**RAMP, "history": True, "storage": f"sqlite:///{root}/history.db"})
     result = tune(root, config, "--teacher", "--steps", "15", "--slow_optimizer_ms", "300", "--ms_per_micro_step", "2",
                   "--gas_log", root / "ran", mode="run", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -104,3 +104,15 @@ def test_a_run_resumed_mid_ramp_goes_on_at_the_same_batch_rate_and_losses(tmp_pa
     for rank in (0, 1):
         assert [entry[:2] for entry in resumed[rank]] == [entry[:2] for entry in whole[rank]]  # gas and rate
         assert [entry[2] for entry in resumed[rank]] == pytest.approx([entry[2] for entry in whole[rank]], abs=1e-6)
+
+
+def test_the_runs_late_noise_scale_scores_the_next_tune_of_the_same_model(ramped):
+    root, result = ramped
+    late = json.loads((root / "autotuning_results" / "batch_ramp_last.json").read_text())
+    assert late["b_noise"] > 0 and late["step"] == 15
+    assert f"history: the training run's late B_noise {late['b_noise']:.1f} (step 15) kept in study" in result.stdout
+    # Another tune of the same model (another run length: another study) scores goodput with it.
+    again = tune(root, root / "ds.json", "--teacher", "--steps", "12", "--slow_optimizer_ms", "300",
+                 "--ms_per_micro_step", "2", timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"goodput: B_noise {late['b_noise']:.1f}, read at step 15 of an earlier run's training" in again.stdout

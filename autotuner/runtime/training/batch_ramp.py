@@ -33,6 +33,7 @@ import torch.distributed as dist
 from autotuner.core.noise_scale import SmoothedNoiseScale, scaled_learning_rate, statistical_efficiency
 
 CSV_FIELDS = ("step", "b_noise", "global_batch", "gradient_accumulation_steps", "lr", "predicted_goodput")
+LAST_FILE = "batch_ramp_last.json"  # beside the CSV: the run's latest B_noise
 WORTHWHILE = 1.03  # a change must promise this much more goodput (the run-to-run noise of a step time)
 
 
@@ -164,6 +165,17 @@ class BatchRamp:
             writer.writerow([step, "" if b_noise is None else f"{b_noise:.6g}", global_batch, gas, f"{lr:.6g}",
                              "" if predicted is None or not math.isfinite(predicted) else f"{predicted:.6g}"])
 
+    def write_last(self, step: int, global_batch: int) -> None:
+        """The run's own B_noise so far (rank 0, beside the CSV, each interval): the late figure the
+        tuner keeps in its history once training ends."""
+        if self.rank != 0 or not self.plan.csv_path:
+            return
+        from autotuner.core.atomic import write_json_atomic
+
+        write_json_atomic(Path(self.plan.csv_path).with_name(LAST_FILE),
+                          {"step": step, "b_noise": self.estimator.b_noise, "global_batch": global_batch,
+                           "steps_read": self.estimator.steps})
+
     def state(self) -> dict[str, Any]:
         return {"estimator": self.estimator.state(), "lr_factor": self.lr_factor, "last_change": self.last_change}
 
@@ -209,6 +221,8 @@ def ramp_after_step(engine: Any) -> None:
     if step == 1 and ramp.last_change == 0:
         ramp.write_row(0, batch.train_batch_size, batch.gradient_accumulation_steps, engine.get_lr()[0], None,
                        ramp.plan.initial_b_noise)
+    if step % ramp.plan.interval == 0:
+        ramp.write_last(step, batch.train_batch_size)
     choice = ramp.decide(step, batch.micro_batch_size, batch.gradient_accumulation_steps, batch.data_parallel_size)
     if choice is None:
         return

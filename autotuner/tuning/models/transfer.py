@@ -137,6 +137,29 @@ def load_prior_runs(storage, signature: WorkloadSignature, own_study: str) -> li
     return sorted(found, key=lambda run: -run.last_run_unix)[:MAX_PRIOR_RUNS]
 
 
+def load_late_noise(storage, signature: WorkloadSignature, own_study: str) -> tuple[float, str, int] | None:
+    """The latest B_noise a similar earlier run's training read (History.record_late_noise), by
+    when that run was tuned: (B_noise, its study, the step it was read at), or None."""
+    import optuna
+
+    found = []
+    for summary in optuna.get_all_study_summaries(storage, include_best_trial=False):
+        late, data = summary.user_attrs.get("late_noise_scale"), summary.user_attrs.get("signature")
+        if summary.study_name == own_study or not isinstance(late, dict) or not isinstance(data, dict):
+            continue
+        try:
+            similar = signature.similar(WorkloadSignature.from_json(data))
+        except TypeError:
+            continue
+        if similar and isinstance(late.get("b_noise"), (int, float)) and late["b_noise"] > 0:
+            found.append((float(summary.user_attrs.get("last_run_unix") or 0.0), float(late["b_noise"]),
+                          summary.study_name, int(late.get("step", 0))))
+    if not found:
+        return None
+    _, b_noise, study, step = max(found)
+    return b_noise, study, step
+
+
 def run_noise(steps: tuple[Observation, ...]) -> float:
     """An earlier run's relative run-to-run spread, as its final pick measured it (the configurations
     it launched more than once), never below a launch's NOISE_FLOOR."""

@@ -229,7 +229,18 @@ class ProfilePhase:
         noise = gradient_noise.estimate(measured)
         given = job.config.autotuning.critical_batch_size
         report = self._report
-        if given is not None:
+        late = None if given is not None or profiled.memory.profile is None else self._similar_runs.late_noise(
+            profiled.memory.profile, list(self._ledger.of_kind(TrialKind.PROFILE)))
+        if late is not None:
+            b_noise, study, step = late
+            objective = replace(current, noise_scale=b_noise)
+            profiled_text = (f"the profile's B_noise {noise.b_noise:.1f} +/- {noise.spread:.1f}" if noise is not None
+                             else "the profile did not measure B_noise")
+            report(f"goodput: B_noise {b_noise:.1f}, read at step {step} of an earlier run's training (study {study}, "
+                   f"the same model family), stands in as a critical batch would ({profiled_text}); each candidate "
+                   f"scores its throughput x ({b_noise:.1f} + {objective.reference_batch}) / ({b_noise:.1f} + its "
+                   "global batch)")
+        elif given is not None:
             objective = replace(current, noise_scale=float(given))
             profiled_text = (f"the profile's B_noise {noise.b_noise:.1f} +/- {noise.spread:.1f}" if noise is not None
                              else "the profile did not measure B_noise")

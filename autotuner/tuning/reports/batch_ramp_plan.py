@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from autotuner.core.atomic import write_json_atomic
-from autotuner.runtime.training.batch_ramp import RampPlan, StepCost
+from autotuner.runtime.training.batch_ramp import LAST_FILE, RampPlan, StepCost
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 
 PLAN_FILE = "batch_ramp.json"
@@ -42,9 +42,9 @@ def write_plan(results: list[TrialResult], pick: TrialResult, objective: Objecti
     path = (results_dir / PLAN_FILE).resolve()
     results_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, plan.to_json())
-    csv = results_dir / CSV_FILE
-    if csv.exists():  # a new pick's ramp starts its own rows
-        csv.unlink()
+    for stale in (results_dir / CSV_FILE, results_dir / LAST_FILE):  # a new pick's ramp starts its own
+        if stale.exists():
+            stale.unlink()
     return {"adapt_batch": True, "adapt_interval": interval, "metric": "goodput",
             "reference_batch_size": int(objective.reference_batch), "lr_scaling": lr_scaling, "adapt_plan": str(path)}
 
@@ -69,3 +69,15 @@ def ramp_lines(results_dir: Path) -> list[str]:
     steps = ", ".join(f"step {row['step']}: {row['global_batch']}" for row in changes)
     return [f"batch ramp: global batch {first['global_batch']} -> {last['global_batch']} ({steps}; B_noise "
             f"{last['b_noise'] or 'not read'} at the last change; {path})"]
+
+
+def late_noise(results_dir: Path) -> dict | None:
+    """The training run's last own B_noise (runtime/training/batch_ramp.py's LAST_FILE), or None."""
+    import json
+
+    path = results_dir / LAST_FILE
+    try:
+        late = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return late if isinstance(late.get("b_noise"), (int, float)) and late["b_noise"] > 0 else None

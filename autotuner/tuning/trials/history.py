@@ -148,6 +148,32 @@ class History:
             self._report(f"transfer: earlier runs not read ({type(err).__name__}) at {self.url}; tuning cold")
             return []
 
+    def record_late_noise(self, late: dict) -> None:
+        """The gradient noise scale the pick's training run read last (its batch ramp's), for the
+        next tune of the same model family's goodput."""
+        if self._off:
+            return
+        try:
+            if self._study is None:
+                self._study = self._open()
+            self._study.set_user_attr("late_noise_scale", late)
+        except Exception as err:  # noqa: BLE001
+            self._off = True
+            self._report(f"history: the late noise scale was not recorded ({type(err).__name__}) at {self.url}")
+
+    def late_noise_scale(self, signature) -> tuple[float, str, int] | None:
+        """The latest B_noise a similar earlier run's training read (same model family, engine,
+        device, ranks and precision): (B_noise, its study, the step), or None."""
+        if self._off:
+            return None
+        try:
+            from autotuner.tuning.models.transfer import load_late_noise
+
+            return load_late_noise(open_storage(self.url), signature, self.study_name)
+        except Exception as err:  # noqa: BLE001 - an optimisation: the profile's B_noise stands
+            self._report(f"goodput: earlier runs' noise scales not read ({type(err).__name__}) at {self.url}")
+            return None
+
     def record_pick(self, best: TrialResult | None) -> None:
         """The run's final pick (after re-measuring, the best median: not optuna's best single
         trial), kept on the study for `launcher --history`."""

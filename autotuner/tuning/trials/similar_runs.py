@@ -38,6 +38,11 @@ class SimilarRuns:
     def _priors(self, signature: WorkloadSignature) -> list[PriorRun]:
         return self.history.prior_runs(signature) if self.enabled else []
 
+    def late_noise(self, profile: ModelProfile, profile_results: list[TrialResult]) -> tuple[float, str, int] | None:
+        """The B_noise a similar earlier run's training read last (its batch ramp's), or None."""
+        signature = self._signature(profile, profile_results)
+        return self.history.late_noise_scale(signature) if signature is not None else None
+
     def prior(self, profile: ModelProfile, profile_results: list[TrialResult], context: Callable[[], CostContext],
               report: Callable[[str], None]) -> TransferPrior:
         """The signature goes on the run's study; the priors, each checked against the profile
