@@ -47,9 +47,6 @@ class OnlineConfig(Section):
         None, description="ours: the optimizer steps the training will run; each experiment is then scored by the "
                           "time to run them, one-off costs (compiling) included; unset: the script's --max_steps "
                           "when it has one, else the steady metric alone")
-    cost_per_gpu_hour: PositiveFloat | None = Field(
-        None, description="ours: the price of one device (GPU) for an hour, in your currency; the summary then gives "
-                          "the planned run's price at the pick and the runner-up beside its device-hours")
     remeasure_top: PositiveInt = Field(3, description="best points re-measured, interleaved, before the final pick")
     remeasure_windows: PositiveInt = Field(
         3, validation_alias=AliasChoices("remeasure_windows", "remeasure_rounds"),
