@@ -53,3 +53,16 @@ def test_a_tunes_summary_states_the_cost(tmp_path):
     assert "run cost, pick z0_gas1_mbs4: the 500 planned steps" in outcome.summary
     assert "run cost, runner-up z0_gas1_mbs2: the 500 planned steps" in outcome.summary
     assert "at 3 per hour (autotuning.cost_per_gpu_hour)" in outcome.summary
+
+
+def test_the_pick_and_runner_up_cost_what_the_final_pick_compared_their_medians_at():
+    # The runner-up's one lucky window (120) was re-measured at 90 and 95: its run is costed at its
+    # median (95), as the final pick compared it with the pick's (100), not at the lucky window.
+    from dataclasses import replace
+
+    pick = replace(result(4, 0.16), value=100.0)  # its re-measured median
+    lucky = replace(result(2, 0.1), value=120.0)
+    again = [(1, replace(lucky, value=90.0)), (2, replace(lucky, value=95.0))]
+    lines = cost_lines([pick, lucky], pick, Objective("throughput"), 1000, None, on_gpu=True, remeasurements=again)
+    assert lines[0].startswith("run cost, pick z0_gas1_mbs4: the 1000 planned steps in 2.7 min")  # 1000 x 16 / 100
+    assert lines[1].startswith("run cost, runner-up z0_gas1_mbs2: the 1000 planned steps in 1.4 min")  # x 8 / 95

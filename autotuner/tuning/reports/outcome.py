@@ -90,7 +90,7 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
         config = script_config(config, settings.engine)  # what the mapped flags carry stays out
     compiled = list(record.layout_lines) + compile_lines(list(record.launched), settings.planned_steps)
     compiled += cost_lines(list(record.launched), best, objective, settings.planned_steps, record.price_per_hour,
-                           on_gpu)
+                           on_gpu, record.remeasurements)
     compiled += goodput
     compiled += varying_batch_lines([r.measurement for r in record.launched if r.measurement is not None],
                                     settings.max_sequence_length, settings.max_sequence_length_from)

@@ -5,19 +5,31 @@ Pure: from the results' measurements."""
 
 from __future__ import annotations
 
+import statistics
+from typing import Sequence
+
 from autotuner.tuning.space.planned_run import planned_run_s
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 
 PER_STEPS = 1000  # without planned steps, the cost of this many steps
 
 
-def _device_hours(result: TrialResult, steps: int) -> tuple[float, float] | None:
-    """(the run's wall seconds, its device-hours) at `steps` optimizer steps, from the launch's
-    steady step time and one-off costs, over the ranks it ran on."""
+def _device_hours(result: TrialResult, value: float, objective: Objective, steps: int,
+                  planned: bool) -> tuple[float, float] | None:
+    """(the run's wall seconds, its device-hours) at `steps` optimizer steps over the ranks it ran
+    on: from the objective's value where it is a rate (throughput or latency, as the final pick
+    compared it: its median where re-measured; one-off costs included over a planned run, added
+    otherwise), else from the launch's steady step and one-off."""
     m = result.measurement
     if m is None or m.latency <= 0:
         return None
-    wall_s = planned_run_s(m, steps)
+    one_off = 0.0 if planned else m.one_off_s()
+    if objective.metric == "throughput" and value > 0 and m.train_batch_size:
+        wall_s = steps * m.train_batch_size / value + one_off
+    elif objective.metric == "latency" and value > 0:
+        wall_s = steps * value + one_off
+    else:
+        wall_s = planned_run_s(m, steps)
     return wall_s, wall_s * max(1, m.world_size or 1) / 3600
 
 
@@ -31,23 +43,42 @@ def _amount(value: float) -> str:
     return f"{value:.2f}" if value >= 1 else f"{value:.3g}"
 
 
-def _runner_up(results: list[TrialResult], pick: TrialResult, objective: Objective) -> TrialResult | None:
-    others = [r for r in results if r.state is TrialState.OK and r.value is not None and r.name != pick.name]
-    return objective.best(others)
+def compared_values(results: list[TrialResult], remeasurements: Sequence[tuple[int, TrialResult]]) -> dict[str, float]:
+    """Each result's value as the final pick compared it: the median of its measurements where it
+    was re-measured, else its one."""
+    found = {r.name: [r.value] for r in results if r.state is TrialState.OK and r.value is not None}
+    for _round, again in remeasurements:
+        if again.name in found and again.state is TrialState.OK and again.value is not None:
+            found[again.name].append(again.value)
+    return {name: statistics.median(values) for name, values in found.items()}
+
+
+def _runner_up(results: list[TrialResult], pick: TrialResult, objective: Objective,
+               values: dict[str, float]) -> TrialResult | None:
+    best = None
+    for result in results:
+        if result.name in values and result.name != pick.name and (
+                best is None or objective.better(values[result.name], values[best.name])):
+            best = result
+    return best
 
 
 def cost_lines(results: list[TrialResult], pick: TrialResult | None, objective: Objective,
-               planned_steps: int | None, price_per_hour: float | None, on_gpu: bool) -> list[str]:
-    """One line each for the pick and the runner-up: the run's time and device-hours (and price)."""
-    if pick is None:
+               planned_steps: int | None, price_per_hour: float | None, on_gpu: bool,
+               remeasurements: Sequence[tuple[int, TrialResult]] = ()) -> list[str]:
+    """One line each for the pick and the runner-up (by the values the final pick compared): the
+    run's time and device-hours, and its price."""
+    if pick is None or pick.value is None:
         return []
+    values = {**compared_values(results, remeasurements), pick.name: pick.value}
     steps = planned_steps or PER_STEPS
     unit = "GPU-hours" if on_gpu else "device-hours (CPU processes)"
     span = f"the {steps} planned steps" if planned_steps else \
         f"{steps} steps (set autotuning.planned_steps for the run's own)"
     lines = []
-    for role, result in (("pick", pick), ("runner-up", _runner_up(results, pick, objective))):
-        cost = _device_hours(result, steps) if result is not None else None
+    for role, result in (("pick", pick), ("runner-up", _runner_up(results, pick, objective, values))):
+        cost = _device_hours(result, values[result.name], objective, steps, bool(planned_steps)) \
+            if result is not None else None
         if cost is None:
             continue
         wall_s, hours = cost
