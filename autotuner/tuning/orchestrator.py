@@ -279,19 +279,6 @@ class Autotuner:
         """A profiled degree's job: what every degree shares (the config, objective and policy)."""
         return next(iter(self._searched.values())).profiled.job
 
-    def keep_late_noise(self) -> None:
-        """After the pick's training: the B_noise its batch ramp read last goes to the history, for
-        the next tune of the same model family (said in one line)."""
-        from autotuner.tuning.reports.batch_ramp_plan import late_noise
-
-        late = late_noise(self.results_dir)
-        if late is None or self.history is None:
-            return
-        self.history.record_late_noise(late)
-        self.report(f"history: the training run's late B_noise {late['b_noise']:.1f} (step {late['step']}) kept in "
-                    f"study {self.history.study_name}; the next goodput tune of this model family scores with it")
-
-    # ----- the final pick -----
     def _final_pick(self, results: list[TrialResult]) -> tuple[TrialResult | None, list[str]]:
         """Returns (the pick, with its median as value; summary lines). The re-measurements are the ledger's."""
         job = self._any_job()
