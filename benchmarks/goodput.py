@@ -1,17 +1,22 @@
-"""Goodput against throughput (issue 50): which tuned global batch reaches a held-out loss sooner.
+"""Goodput against throughput (issues 50 and 70): which tuned global batch reaches a held-out loss
+sooner, and whether growing it through training (autotuning.adapt_batch) does better.
 
-    python benchmarks/goodput.py [--label_noise 0.1,0.6] [--seeds 3] [--work_dir DIR]
+    python benchmarks/goodput.py [--label_noise 0.1,0.6] [--seeds 3] [--work_dir DIR] [--no_adaptive]
 
 For each label-noise level of benchmarks/workloads/label_noise.py (2 CPU ranks, ZeRO 0):
 1. B_noise measured directly: per-sample gradients (torch.func) of the initial model, and of the
    model after a few steps at reference_batch_size, over --direct_samples fresh samples;
    tr(Sigma) and |G|^2 unbiased, B_noise their ratio;
 2. `launcher --autotuning tune` twice, as a user runs it: metric "throughput", then metric
-   "goodput" (reference_batch_size, lr_scaling); the second prints the tuner's B_noise;
-3. each pick trained to --target_loss with its learning rate scaled by the same rule from
-   reference_batch_size (the goodput tune's optimal config; the throughput pick's scaled here,
-   as a user who chose the lr for reference_batch_size would), --seeds seeds, the picks
-   interleaved (A B A B ..); the training time to the target (held-out evaluations excluded).
+   "goodput" (reference_batch_size, lr_scaling, and adapt_batch so that it writes its ramp plan);
+   the second prints the tuner's B_noise;
+3. each arm trained to --target_loss, --seeds seeds, the arms interleaved (the order rotated
+   each seed); the training time to the target (held-out evaluations excluded):
+   - throughput: the throughput pick, its learning rate scaled from reference_batch_size by the
+     same rule (as a user who chose the lr for reference_batch_size would);
+   - goodput: the goodput pick, fixed, at the lr its optimal config gives;
+   - adaptive: the goodput pick with the optimal config's batch ramp on (the tune's plan, every
+     --adapt_interval steps; its CSV per run), the lr rescaled as the batch grows.
 Results: benchmarks/results/goodput.csv and a markdown table on stdout.
 """
 
@@ -86,7 +91,7 @@ def direct_noise_scale(task: Task, args: argparse.Namespace, steps: int) -> floa
 
 
 def config(args: argparse.Namespace, metric: str, lr: float, micro: int | None = None,
-           gas: int | None = None) -> dict:
+           gas: int | None = None, plan: Path | None = None) -> dict:
     # No max_train_batch_size: with it, each candidate's gas fills the cap, and every candidate
     # has the same global batch. Without it gas is 1 and the global batch is micro x ranks.
     autotuning = {"enabled": True, "arg_mappings": MAPPINGS, "metric": metric, "start_profile_step": 3,
@@ -96,6 +101,10 @@ def config(args: argparse.Namespace, metric: str, lr: float, micro: int | None =
         autotuning.update(reference_batch_size=args.reference_batch, lr_scaling=args.lr_scaling)
         if args.critical_batch:
             autotuning.update(critical_batch_size=args.critical_batch)
+        if args.adaptive and (plan is not None or micro is None):  # the tune writes the plan; the arm reads it
+            autotuning.update(adapt_batch=True, adapt_interval=args.adapt_interval)
+        if plan is not None:
+            autotuning.update(adapt_plan=str(plan))
     return {"train_micro_batch_size_per_gpu": micro or "auto", "gradient_accumulation_steps": gas or "auto",
             "steps_per_print": 100000, "optimizer": {"type": "AdamW", "params": {"lr": lr}},
             "zero_optimization": {"stage": 0}, "autotuning": autotuning}
@@ -133,16 +142,31 @@ def tune(work: Path, args: argparse.Namespace, label_noise: float, metric: str) 
     found = re.search(r"B_noise(?: =)? ([\d.]+) \+/- ([\d.]+)", done.stdout)
     import pandas as pd
     table = pd.read_csv(work / "autotuning_results" / "experiments.csv")
-    return {"metric": metric, "micro": micro, "gas": gas, "global_batch": batch, "lr": lr, "tune_s": took,
+    plan = work / "autotuning_results" / "batch_ramp.json"
+    return {"metric": metric, "arm": metric, "micro": micro, "gas": gas, "global_batch": batch, "lr": lr, "tune_s": took,
+            "plan": plan if plan.exists() else None,
             "launches": int(len(table)),
             "b_noise": float(found.group(1)) if found else None, "b_noise_spread": float(found.group(2)) if found else None}
 
 
+def run_plan(work: Path, pick: dict, seed: int) -> Path | None:
+    """The adaptive arm's copy of the tune's plan, its CSV in this run's own file."""
+    if pick["arm"] != "adaptive":
+        return None
+    plan = json.loads(Path(pick["plan"]).read_text())
+    plan["csv_path"] = str((work / f"batch_ramp_seed{seed}.csv").resolve())
+    Path(plan["csv_path"]).unlink(missing_ok=True)
+    path = work / f"batch_ramp_seed{seed}.json"
+    path.write_text(json.dumps(plan))
+    return path
+
+
 def train_to_target(work: Path, args: argparse.Namespace, label_noise: float, pick: dict, seed: int) -> dict:
     work.mkdir(parents=True, exist_ok=True)
-    ds = work / f"ds_{pick['metric']}.json"
-    ds.write_text(json.dumps(config(args, pick["metric"], pick["lr"], pick["micro"], pick["gas"])))
-    out = work / f"{pick['metric']}_seed{seed}.json"
+    ds = work / f"ds_{pick['arm']}.json"
+    plan = run_plan(work, pick, seed)
+    ds.write_text(json.dumps(config(args, pick["metric"], pick["lr"], pick["micro"], pick["gas"], plan)))
+    out = work / f"{pick['arm']}_seed{seed}.json"
     command = [sys.executable, "-m", "autotuner", "--nproc_per_node", str(args.nproc), str(WORKLOAD),
                *workload_args(args, label_noise), "--micro_batch_size", str(pick["micro"]),
                "--gradient_accumulation_steps", str(pick["gas"]), "--steps", str(args.max_steps),
@@ -150,8 +174,12 @@ def train_to_target(work: Path, args: argparse.Namespace, label_noise: float, pi
                "--result_out", str(out), "--deepspeed", str(ds)]
     done = subprocess.run(command, cwd=work, env=environment(), capture_output=True, text=True)
     if done.returncode != 0:
-        raise SystemExit(f"training {pick['metric']} seed {seed} failed:\n{done.stderr[-3000:]}")
-    return json.loads(out.read_text())
+        raise SystemExit(f"training {pick['arm']} seed {seed} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    if plan is not None:
+        rows = (work / f"batch_ramp_seed{seed}.csv").read_text().splitlines()[1:]
+        result["ramp"] = [row.split(",")[:3] for row in rows]  # step, B_noise, global batch
+    return result
 
 
 def main() -> None:
@@ -178,6 +206,9 @@ def main() -> None:
     parser.add_argument("--seed_for_direct", type=int, default=1)
     parser.add_argument("--work_dir", default="/tmp/goodput_bench")
     parser.add_argument("--csv", default=str(RESULTS / "goodput.csv"))
+    parser.add_argument("--no_adaptive", dest="adaptive", action="store_false",
+                        help="leave out the adaptive arm (the goodput pick with its batch ramp)")
+    parser.add_argument("--adapt_interval", type=int, default=50, help="the adaptive arm's autotuning.adapt_interval")
     parser.add_argument("--only", choices=("direct", "all"), default="all")
     args = parser.parse_args()
     rows = []
@@ -195,27 +226,34 @@ def main() -> None:
         args.target_loss = target
         work = Path(args.work_dir) / f"noise{label_noise}"
         picks = [tune(work / metric, args, label_noise, metric) for metric in ("throughput", "goodput")]
-        for pick in picks:
+        if args.adaptive:
+            if picks[1]["plan"] is None:
+                raise SystemExit(f"the goodput tune wrote no batch ramp plan, see {work / 'goodput' / 'tune.log'}")
+            picks.append({**picks[1], "arm": "adaptive"})
+        for pick in picks[:2]:
             print(f"  {pick['metric']} tune: micro {pick['micro']} gas {pick['gas']} global batch "
                   f"{pick['global_batch']} lr {pick['lr']:.4g} ({pick['launches']} launches, {pick['tune_s']:.0f} s)"
                   + (f"; tuner's B_noise {pick['b_noise']} +/- {pick['b_noise_spread']}" if pick["b_noise"] else ""),
                   flush=True)
-        times: dict[str, list[dict]] = {p["metric"]: [] for p in picks}
+        times: dict[str, list[dict]] = {p["arm"]: [] for p in picks}
         for seed in range(1, args.seeds + 1):
-            for pick in (picks if seed % 2 else picks[::-1]):
+            shift = (seed - 1) % len(picks)
+            for pick in picks[shift:] + picks[:shift]:  # interleaved, the order rotated each seed
                 run = train_to_target(work / "train", args, label_noise, pick, seed)
-                times[pick["metric"]].append(run)
+                times[pick["arm"]].append(run)
                 reached = run["reached"]
-                print(f"  seed {seed} {pick['metric']}: " + (f"{reached['training_s']:.2f} s, {reached['samples']} "
-                      f"samples, {reached['steps']} steps" if reached else "target not reached"), flush=True)
+                batch = (f", global batch {run['first_global_batch']} -> {run['global_batch']}"
+                         if run.get("first_global_batch", run["global_batch"]) != run["global_batch"] else "")
+                print(f"  seed {seed} {pick['arm']}: " + (f"{reached['training_s']:.2f} s, {reached['samples']} "
+                      f"samples, {reached['steps']} steps" if reached else "target not reached") + batch, flush=True)
         b_noise = picks[1]["b_noise"]
         for pick in picks:
-            runs = times[pick["metric"]]
+            runs = times[pick["arm"]]
             seconds = [r["reached"]["training_s"] for r in runs if r["reached"]]
             samples = [r["reached"]["samples"] for r in runs if r["reached"]]
             rows.append({"label_noise": label_noise, "target_loss": target, "direct_b_noise_init": round(direct0, 2),
                          "direct_b_noise": round(direct, 2), "tuner_b_noise": b_noise,
-                         "tuner_b_noise_spread": picks[1]["b_noise_spread"], "metric": pick["metric"],
+                         "tuner_b_noise_spread": picks[1]["b_noise_spread"], "metric": pick["metric"], "arm": pick["arm"],
                          "micro": pick["micro"], "gas": pick["gas"], "global_batch": pick["global_batch"],
                          "lr": round(pick["lr"], 6), "tune_s": round(pick["tune_s"], 1), "launches": pick["launches"],
                          "reached": f"{len(seconds)}/{len(runs)}",
@@ -223,7 +261,10 @@ def main() -> None:
                          "min_s": round(min(seconds), 2) if seconds else None,
                          "max_s": round(max(seconds), 2) if seconds else None,
                          "median_samples": statistics.median(samples) if samples else None,
-                         "seconds": " ".join(f"{s:.2f}" for s in seconds)})
+                         "seconds": " ".join(f"{s:.2f}" for s in seconds),
+                         "final_batches": " ".join(str(r["global_batch"]) for r in runs),
+                         "ramp": " | ".join(";".join(f"{row[0]}:{row[2]}" for row in r.get("ramp", [])[1:]) or "-"
+                                            for r in runs) if pick["arm"] == "adaptive" else ""})
     if rows:
         import pandas as pd
         table = pd.DataFrame(rows)

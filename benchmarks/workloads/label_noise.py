@@ -82,18 +82,17 @@ def main() -> None:
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
     })
     engine, *_ = autotuner.initialize(model=model, config=config)
-    micro, gas, batch = (engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
-                         engine.train_batch_size())
+    micro, first_batch = engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()
     generator = torch.Generator().manual_seed(args.seed * 1000 + engine.global_rank)
     eval_x, eval_y = task.held_out(args.eval_size, args.data_seed)
     training_s, next_eval, losses, reached = 0.0, args.eval_every, [], None
     started = time.perf_counter()
     while engine.global_steps < args.steps:
-        for _ in range(gas):
+        for _ in range(engine.gradient_accumulation_steps()):  # read each step: a batch ramp may grow it
             x, y = task.draw(micro, generator)
             engine.backward(F.cross_entropy(engine(x.to(engine.device)), y.to(engine.device)))
             engine.step()
-        samples = engine.global_steps * batch
+        samples = engine.global_samples
         if args.target_loss is not None and samples >= next_eval:
             training_s += time.perf_counter() - started
             next_eval += args.eval_every
@@ -109,12 +108,15 @@ def main() -> None:
                 break
             started = time.perf_counter()
     if engine.global_rank == 0:
-        print(f"done: {engine.global_steps} steps, global batch {batch}, "
+        batch = engine.train_batch_size()
+        print(f"done: {engine.global_steps} steps, global batch {first_batch}"
+              + (f" -> {batch}" if batch != first_batch else "") + ", "
               + (f"target {args.target_loss} reached after {reached['samples']} samples in "
                  f"{reached['training_s']:.2f} s" if reached else "target not reached"))
         if args.result_out:
             with open(args.result_out, "w") as handle:
-                json.dump({"micro_batch_size": micro, "gradient_accumulation_steps": gas, "global_batch": batch,
+                json.dump({"micro_batch_size": micro, "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+                           "first_global_batch": first_batch, "global_batch": batch,
                            "reached": reached, "held_out_losses": losses}, handle)
 
 
