@@ -307,9 +307,6 @@ def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, scr
     """Refuse in one line what is wrong for the engine the script trains on, saying which and why."""
     check_trainer_autos(config, engine, script, source)
     check_model_parallel(config.autotuning.mp_size, engine, source)
-    if config.autotuning.adapt_batch and engine.settled and engine.engine == "deepspeed":
-        raise ConfigError(f"{source}: autotuning.adapt_batch: {engine.why}; the batch ramp runs on autotuner's engine "
-                          "only so far; import autotuner in the script, or leave adapt_batch out")
     if engine.settled and engine.engine == "autotuner":  # what our engine would train otherwise, before any launch
         from autotuner.config.engine_math import refuse_other_math
 

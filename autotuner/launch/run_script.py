@@ -80,7 +80,8 @@ def _end_process_group(succeeded: list[bool]) -> None:
 
 
 def _measure_deepspeed_engine() -> None:
-    """In a tuner's launch: should the script train on DeepSpeed's own engine, measure it there."""
+    """Should the script train on DeepSpeed's own engine: in a tuner's launch, measure it there;
+    in a training run, give it the batch ramp its config may ask for (runtime/deepspeed_ramp.py)."""
     from autotuner.core.boundary import request_from_env
 
     request = request_from_env()
@@ -88,6 +89,10 @@ def _measure_deepspeed_engine() -> None:
         from autotuner.runtime.measure.deepspeed_measure import install
 
         install(request)
+    else:  # a training run: the batch ramp where the engine's config asks for it
+        from autotuner.runtime.deepspeed_ramp import install as install_ramp
+
+        install_ramp()
 
 
 def run(argv: list[str]) -> int:

@@ -640,10 +640,3 @@ GOODPUT_RAMP = {"metric": "goodput", "reference_batch_size": 8, "lr_scaling": "l
 def test_a_batch_ramp_that_cannot_run_is_refused_before_any_launch(in_tmp, capsys, autotuning, says):
     cfg = write(in_tmp / "ds.json", config_dict(autotuning))
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), says)
-
-
-def test_a_batch_ramp_for_a_script_on_deepspeeds_engine_is_refused_before_any_launch(in_tmp, capsys):
-    script = write(in_tmp / "train.py", "import deepspeed\n")
-    cfg = write(in_tmp / "ds.json", config_dict(GOODPUT_RAMP))
-    assert_refused(in_tmp, capsys, tune_argv(cfg, script=script), str(cfg), "autotuning.adapt_batch",
-                   "the batch ramp runs on autotuner's engine only")

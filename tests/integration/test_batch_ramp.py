@@ -6,26 +6,34 @@ learning rate following; each change a row of batch_ramp.csv, and the run's summ
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 
 import pytest
 
-from conftest import tune, write_config
+from conftest import launcher_env, tune, write_config
 
 pytestmark = pytest.mark.slow
 
 RAMP = {"metric": "goodput", "reference_batch_size": 8, "lr_scaling": "linear", "adapt_batch": True,
         "adapt_interval": 3, "max_train_micro_batch_size_per_gpu": 4, "tuner_type": "gridsearch"}
+BUDGET = 512 << 20  # memory_per_rank_bytes: the tune's launches and the ramped run's ranks under it
 
 
 @pytest.fixture(scope="module")
 def ramped(tmp_path_factory):
     """One tune and run: a 300 ms optimizer step (a costly step a larger accumulation count
-    amortises) against 2 ms micro-steps, so goodput asks for a larger batch at any B_noise."""
+    amortises) against 2 ms micro-steps, so goodput asks for a larger batch at any B_noise; each
+    micro-step holds 4 MiB a sample until its backward is done, as activations are held. glibc
+    returns those blocks at once (MALLOC_MMAP_THRESHOLD_, as the launcher advises under a CPU
+    budget), so a rank's peak resident set shows what it held at once, not what the heap kept."""
     root = tmp_path_factory.mktemp("ramp")
-    config = write_config(root / "ds.json", {**RAMP, "history": True, "storage": f"sqlite:///{root}/history.db"})
+    config = write_config(root / "ds.json", {**RAMP, "history": True, "storage": f"sqlite:///{root}/history.db",
+                                             "memory_per_rank_bytes": BUDGET})
     result = tune(root, config, "--teacher", "--steps", "15", "--slow_optimizer_ms", "300", "--ms_per_micro_step", "2",
-                  "--gas_log", root / "ran", mode="run", timeout=600)
+                  "--mem_per_sample_mb", "4",
+                  "--gas_log", root / "ran", "--peak_log", root / "peak", "--peak_to", root / "peaks.txt", mode="run",
+                  env={**launcher_env(), "MALLOC_MMAP_THRESHOLD_": "131072"}, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return root, result
 
@@ -54,6 +62,21 @@ def test_every_rank_runs_the_batch_the_csv_says_from_the_step_after_each_change(
         # the learning rate follows linearly (lr_scaling "linear"; the toy's config has no schedule)
         assert float(after["lr"]) / float(before["lr"]) == pytest.approx(
             int(after["global_batch"]) / int(before["global_batch"]), rel=1e-4)
+
+
+def test_the_ramped_run_stays_within_the_memory_budget_and_its_ranks_hold_no_more_after_a_change(ramped):
+    """Only gradient accumulation grows: a rank holds one micro-batch's activations and one set of
+    gradients whatever the count, so its peak after the batch grew is the peak before (a second
+    micro-batch held at once would add 16 MiB), and the run's peak is under the tune's budget."""
+    root, _ = ramped
+    changes = rows(root)
+    first = int(changes[1]["step"])  # the larger count runs from the step after this one
+    for rank in (0, 1):
+        peaks = json.loads((root / f"peak.{rank}.json").read_text())
+        assert peaks[-1] <= peaks[first - 1] + 4 * 2**20, (rank, first, peaks)
+        assert peaks[-1] <= BUDGET
+    ends = [int(line.split()[1]) for line in (root / "peaks.txt").read_text().splitlines()]
+    assert len(ends) == 2, ends  # the run's two ranks wrote at its end (a tuner's launch leaves at its window's)
 
 
 def test_the_summary_and_the_optimal_config_carry_the_ramp(ramped):
@@ -86,21 +109,29 @@ def ramp_config(out, interval: int = 3):
 def train(out, *flags):
     from conftest import WORKERS, run_launcher
 
-    done = run_launcher("--nproc_per_node", "2", WORKERS / "ramp_train.py", "--out", out, *flags, "--deepspeed",
+    # DeepSpeed's own flags: --deepspeed is a switch there, the file comes with --deepspeed_config.
+    config = ("--deepspeed", "--deepspeed_config") if "--use_deepspeed" in flags else ("--deepspeed",)
+    done = run_launcher("--nproc_per_node", "2", WORKERS / "ramp_train.py", "--out", out, *flags, *config,
                         out / "ds.json", cwd=out, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     return [json.loads((out / f"ran.{rank}.json").read_text()) for rank in (0, 1)]
 
 
-def test_a_run_resumed_mid_ramp_goes_on_at_the_same_batch_rate_and_losses(tmp_path):
+ENGINES = [pytest.param((), id="ours"), pytest.param(("--use_deepspeed",), id="deepspeed")]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_run_resumed_mid_ramp_goes_on_at_the_same_batch_rate_and_losses(tmp_path, engine):
+    if engine and importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs DeepSpeed: pip install 'autotuner[deepspeed]'")
     ramp_config(tmp_path / "whole")
-    whole = train(tmp_path / "whole", "--steps", "12")
+    whole = train(tmp_path / "whole", "--steps", "12", *engine)
     assert [entry[:2] for entry in whole[0]] == [entry[:2] for entry in whole[1]]  # both ranks alike
     gas = [entry[0] for entry in whole[0]]
     assert gas[0] == 1 and max(gas) > 1, gas  # it grew (B_noise 30 against global batch 4)
     ramp_config(tmp_path / "split")
-    train(tmp_path / "split", "--steps", "12", "--save_at", "7")  # after the ramp changed the batch
-    resumed = train(tmp_path / "split", "--steps", "12", "--load")
+    train(tmp_path / "split", "--steps", "12", "--save_at", "7", *engine)  # after the ramp changed the batch
+    resumed = train(tmp_path / "split", "--steps", "12", "--load", *engine)
     for rank in (0, 1):
         assert [entry[:2] for entry in resumed[rank]] == [entry[:2] for entry in whole[rank]]  # gas and rate
         assert [entry[2] for entry in resumed[rank]] == pytest.approx([entry[2] for entry in whole[rank]], abs=1e-6)
@@ -116,3 +147,24 @@ def test_the_runs_late_noise_scale_scores_the_next_tune_of_the_same_model(ramped
                  "--ms_per_micro_step", "2", timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"goodput: B_noise {late['b_noise']:.1f}, read at step 15 of an earlier run's training" in again.stdout
+
+
+def test_on_deepspeeds_engine_the_profile_reads_the_noise_and_the_run_ramps_through_its_own_calls(tmp_path):
+    """The same tune and run with the toy script on DeepSpeed's engine (ZeRO 0): the profile reads
+    B_noise around DeepSpeed's boundary all-reduce, and the training run grows gas with DeepSpeed's
+    set_train_batch_size, every rank at the same step, each step the whole count."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("needs DeepSpeed: pip install 'autotuner[deepspeed]'")
+    config = write_config(tmp_path / "ds.json", RAMP)
+    result = tune(tmp_path, config, "--teacher", "--steps", "15", "--slow_optimizer_ms", "300",
+                  "--ms_per_micro_step", "2", "--gas_log", tmp_path / "ran", "--use_deepspeed", mode="run", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "B_noise not measured" not in result.stdout and "samples (" in result.stdout  # read in the profile
+    ran = [json.loads((tmp_path / f"ran.{rank}.json").read_text()) for rank in (0, 1)]
+    assert ran[0] == ran[1]
+    changes = rows(tmp_path)
+    assert len(changes) >= 2, changes
+    for index, (gas, _lr) in enumerate(ran[0]):
+        applied = [row for row in changes if int(row["step"]) < index + 1][-1]
+        assert gas == int(applied["gradient_accumulation_steps"]), (index + 1, changes)
+    assert f"batch ramp: global batch {changes[0]['global_batch']} -> {changes[-1]['global_batch']}" in result.stdout

@@ -4,13 +4,15 @@ step (one a larger accumulation count amortises), each rank's batches drawn from
 and rank, so a run resumed from a checkpoint sees the batches the uninterrupted one saw.
 
 Writes to --out: ran.<rank>.json (per optimizer step: gas, learning rate, loss), and with
---save_at N a DCP checkpoint after step N (then stops); --load resumes from it."""
+--save_at N a checkpoint after step N (then stops); --load resumes from it. --use_deepspeed trains
+on DeepSpeed's own engine, through the same calls."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import sys
 import time
 
 import torch
@@ -32,11 +34,16 @@ def main() -> None:
     parser.add_argument("--save_at", type=int, default=0)
     parser.add_argument("--load", action="store_true")
     parser.add_argument("--local_rank", type=int, default=-1)
-    parser = autotuner.add_config_arguments(parser)
+    parser.add_argument("--use_deepspeed", action="store_true")
+    if "--use_deepspeed" in sys.argv:
+        import deepspeed as api
+    else:
+        api = autotuner
+    parser = api.add_config_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
-    engine, *_ = autotuner.initialize(args=args, model=model, optimizer=SlowAdamW(model.parameters(), lr=1e-3))
+    engine, *_ = api.initialize(args=args, model=model, optimizer=SlowAdamW(model.parameters(), lr=1e-3))
     teacher = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
     checkpoint = os.path.join(args.out, "ckpt")
     ran = []

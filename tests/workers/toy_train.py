@@ -116,6 +116,8 @@ def main() -> None:
                         "much longer (a costly step a larger accumulation count amortises)")
     parser.add_argument("--gas_log", default=None, help="each rank writes <this>.<rank>.json: the gas of each "
                         "optimizer step it ran and the learning rate it stepped with (a batch ramp changes them)")
+    parser.add_argument("--peak_log", default=None, help="each rank writes <this>.<rank>.json: its peak resident "
+                        "set so far (bytes) after each optimizer step")
     parser.add_argument("--peak_to", default=None, help="each rank appends its peak resident set (bytes) here at the end")
     parser.add_argument("--check_deepspeed_first", action="store_true",
                         help="ask importlib.util.find_spec('deepspeed') before importing it, as transformers and "
@@ -141,13 +143,8 @@ def main() -> None:
         model = ChainBlocks(args.blocks, args.width)
     else:
         model = nn.Sequential(nn.Linear(16, args.width), nn.ReLU(), nn.Linear(args.width, 1))
-    if args.use_deepspeed:
-        if args.check_deepspeed_first:
-            assert find_spec("deepspeed") is not None
-        deepspeed = importlib.import_module("deepspeed")
-        config["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's fused Adam is GPU-only
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    elif args.slow_optimizer_ms:
+    slow = None
+    if args.slow_optimizer_ms:
         params = config.pop("optimizer")["params"]
 
         class SlowAdamW(torch.optim.AdamW):
@@ -155,8 +152,17 @@ def main() -> None:
                 time.sleep(args.slow_optimizer_ms / 1e3)
                 return super().step(closure)
 
-        engine, *_ = autotuner.initialize(model=model, optimizer=SlowAdamW(model.parameters(), lr=params["lr"]),
+        slow = SlowAdamW(model.parameters(), lr=params["lr"])
+    if args.use_deepspeed:
+        if args.check_deepspeed_first:
+            assert find_spec("deepspeed") is not None
+        deepspeed = importlib.import_module("deepspeed")
+        if slow is None:
+            config["optimizer"]["params"]["torch_adam"] = True  # DeepSpeed's fused Adam is GPU-only
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), optimizer=slow,
                                           config=config)
+    elif slow is not None:
+        engine, *_ = autotuner.initialize(model=model, optimizer=slow, config=config)
     else:
         engine, *_ = autotuner.initialize(model=model, config=config)
     micro = engine.train_micro_batch_size_per_gpu()
@@ -198,6 +204,7 @@ def main() -> None:
     per_sample_s = args.ms_per_sample / 1e3 * (4 if args.slow_above and micro > args.slow_above else 1)
     rank = engine.global_rank
     ran: list[list[float]] = []  # (gas, lr) per optimizer step
+    peaks: list[int] = []
     for step in range(1, args.steps + 1):
         ran.append([engine.gradient_accumulation_steps(), engine.get_lr()[0]])
         if hang and step == args.hang_at_step:
@@ -236,9 +243,14 @@ def main() -> None:
             del held
             engine.step()
         time.sleep(ms_per_step / 1e3)
+        if args.peak_log:
+            peaks.append(resident_peak_bytes())
     if args.gas_log:
         with open(f"{args.gas_log}.{rank}.json", "w") as handle:
             json.dump(ran, handle)
+    if args.peak_log:
+        with open(f"{args.peak_log}.{rank}.json", "w") as handle:
+            json.dump(peaks, handle)
     if args.peak_to:
         with open(args.peak_to, "a") as handle:
             handle.write(f"{rank} {resident_peak_bytes()}\n")

@@ -184,8 +184,10 @@ class DeepSpeedView:
     def sequence_length(self) -> int:
         return self._sequence_length()
 
-    def gradient_noise(self) -> None:
-        return None  # DeepSpeed's engine reduces its own buckets: no hook of ours reads them
+    noise = None  # a goodput launch's DeepSpeedNoiseProbe, where DeepSpeed reduces at the boundary (ZeRO 0)
+
+    def gradient_noise(self):
+        return self.noise
 
     def flops_per_micro_step(self) -> None:
         return None  # not counted inside DeepSpeed's engine
@@ -222,6 +224,11 @@ class DeepSpeedMeasurement:
         self.exit_after_window = request.metrics_path is not None
         self.watch_window = WindowWatch(self.window, self.device, self.exit_after_window)
         self.protocol = RankMeasurement(request, self.view, self.window, self.watch_window, self.phase_peaks)
+        if request.gradient_noise:
+            from autotuner.runtime.measure.gradient_noise import DeepSpeedNoiseProbe
+
+            if DeepSpeedNoiseProbe.unusable(engine) is None:
+                self.view.noise = DeepSpeedNoiseProbe(engine)
         self.oom_marker = request.oom_marker(self.rank)
         if self.oom_marker:
             mark_uncaught_oom(self.oom_marker, self.rank)

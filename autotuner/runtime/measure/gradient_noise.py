@@ -96,6 +96,69 @@ class MicroStepNoiseProbe:
         self._micro = torch.zeros((), dtype=torch.float64)
 
 
+class DeepSpeedNoiseProbe:
+    """DeepSpeed's own engine at ZeRO 0 (fp32 or bf16), two ranks or more, data parallel only: its
+    accumulation boundary reduces the gradients in `buffered_allreduce_fallback`, in place, so the
+    same figures as `GradientNoiseProbe`'s are read around that call, from the very tensors it
+    reduces (the bf16 optimizer's fp32 accumulators where it keeps them). `usable` says why not
+    where DeepSpeed reduces elsewhere (ZeRO 1-3's optimizers, tensor or pipeline parallelism) or
+    a loss scale moves the norms (fp16)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.world_size = int(engine.dp_world_size)
+        self.samples_per_rank = int(engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps())
+        self.steps: list = []
+        original = engine.buffered_allreduce_fallback
+
+        def read_around(*args, **kwargs):
+            local = self._squared_norm()
+            result = original(*args, **kwargs)
+            self._step_read(local, self._squared_norm())
+            return result
+
+        engine.buffered_allreduce_fallback = read_around  # this engine only; DeepSpeed's class is untouched
+
+    @staticmethod
+    def unusable(engine) -> str | None:
+        """Why the noise cannot be read on this DeepSpeedEngine, or None."""
+        if getattr(engine, "zenflow", False):
+            return "ZenFlow on DeepSpeed's engine (it keeps its own step boundaries)"
+        if getattr(engine, "has_moe_layers", False):
+            return "MoE layers on DeepSpeed's engine (their experts reduce over their own groups)"
+        if int(engine.zero_optimization_stage()) != 0:
+            return f"ZeRO {int(engine.zero_optimization_stage())} on DeepSpeed's engine (its optimizer reduces the gradients)"
+        if engine.fp16_enabled():
+            return "fp16 (its loss scale changes the norms)"
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if world < 2 or int(engine.dp_world_size) != world:
+            return ("one rank (no smaller batch to compare with)" if world < 2 else
+                    "model parallelism on DeepSpeed's engine (a rank's gradient is a shard)")
+        return None
+
+    @property
+    def batches(self) -> tuple[int, int]:
+        return self.samples_per_rank, self.samples_per_rank * self.world_size
+
+    def _squared_norm(self) -> torch.Tensor:
+        engine = self.engine
+        getter = getattr(engine.optimizer, "get_grads_for_reduction", None)  # DeepSpeed's bf16 optimizer
+        grads = getter()[0] if getter is not None else engine._get_gradients_for_reduction()[0]
+        total = torch.zeros((), dtype=torch.float64)
+        for gradient in grads:
+            if gradient is not None:
+                total = total.to(gradient.device) + _squared_norm(gradient)
+        return total
+
+    def _step_read(self, local: torch.Tensor, reduced: torch.Tensor) -> None:
+        if self.engine.global_steps + 1 < FIRST_STEP:
+            return
+        figures = torch.stack([local, reduced.to(local.device)]).to(torch.float64)
+        dist.all_reduce(figures)  # every rank reduced here, at the same boundary
+        local_sum, reduced_sum = figures.tolist()
+        self.steps.append((local_sum / self.world_size, reduced_sum / self.world_size))
+
+
 def _squared_norm(tensor: torch.Tensor) -> torch.Tensor:
     """A reduction, with no copy of the bucket: a float64 copy of each 25 MiB bucket raised a CPU
     rank's resident peak by about 200 MiB, which the launch then reported as its own."""

@@ -251,7 +251,8 @@ class ProfilePhase:
             why = ("too few steps, or noise that swamps the gradient: lengthen the profile window"
                    if any(m.gradient_norms for m in measured) else
                    "it is read on our engine at ZeRO 0 or 1, around the all-reduce with two ranks or more, or over "
-                   "the micro-steps of one rank's gradient accumulation, and no profile launch ran so")
+                   "the micro-steps of one rank's gradient accumulation, and on DeepSpeed's engine at ZeRO 0 with "
+                   "two ranks or more, and no profile launch ran so")
             report(f"goodput: the gradient noise scale was not measured ({why}); scoring by throughput")
             # The learning rate still follows the pick's global batch (lr_scaling), from the same reference.
             objective = Objective("throughput", reference_batch=current.reference_batch)

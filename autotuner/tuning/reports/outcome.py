@@ -87,6 +87,9 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
         if settings.engine == "deepspeed" and nodes_per_run(settings) == 1:
             # (DeepSpeed's launcher needs a hostfile for several nodes; without one it trains on one.)
             deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu)
+            if record.ramp is not None:
+                goodput.append("batch ramp: the ranks this launcher starts run it; under DeepSpeed's launcher the "
+                               "script trains at the optimal config's batch throughout")
         config = script_config(config, settings.engine)  # what the mapped flags carry stays out
     compiled = list(record.layout_lines) + compile_lines(list(record.launched), settings.planned_steps)
     compiled += cost_lines(list(record.launched), best, objective, settings.planned_steps, record.price_per_hour,
