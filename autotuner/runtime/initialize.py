@@ -32,7 +32,7 @@ from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.training.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
 from autotuner.runtime.parallel_setup import check_mpu, check_tp_group, layout_for
-from autotuner.runtime.training.batch_ramp import batch_ramp, ramp_wanted
+from autotuner.runtime.training.batch_ramp import ResizableBatchSampler, batch_ramp, ramp_wanted
 from autotuner.runtime.training.split_zero import SplitShadows
 from autotuner.runtime.training.tensor_parallel import ParallelLayout, split_model
 from autotuner.runtime.tp_init import merge_into_config
@@ -255,9 +255,18 @@ def _grad_scaler(config: DeepSpeedConfig, device: torch.device, stage: int, spli
     return LossScaler(config.fp16, device, sharded=stage >= 2 or split)
 
 
-def _dataloader(dataset: Dataset, collate_fn: Any, batch_size: int, rank: int, world_size: int) -> DataLoader:
+def _dataloader(dataset: Dataset, collate_fn: Any, batch_size: int, rank: int, world_size: int,
+                resizable: bool = False) -> DataLoader:
+    """DeepSpeed's training loader: each rank its shard, the batch the micro-batch; under a batch
+    ramp its batches can grow between optimizer steps (training/batch_ramp.py)."""
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, drop_last=True)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True)
+    if not resizable:
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=True)
+    loader = DataLoader(dataset, batch_sampler=ResizableBatchSampler(sampler, batch_size), collate_fn=collate_fn)
+    # Scripts call loader.sampler.set_epoch(epoch) as on the plain loader: the same DistributedSampler
+    # (DataLoader refuses to set it after construction, and would hold a default one otherwise).
+    object.__setattr__(loader, "sampler", sampler)
+    return loader
 
 
 def initialize(
@@ -330,7 +339,8 @@ def initialize(
             raise ConfigError(f"initialize(training_data=...): got {type(training_data).__name__}; "
                               "training data must be a torch Dataset")
         # By data-parallel rank: the ranks of a tensor-parallel group draw the same batches.
-        loader = _dataloader(training_data, collate_fn, batch.micro_batch_size, layout.dp_rank, layout.dp_size)
+        loader = _dataloader(training_data, collate_fn, batch.micro_batch_size, layout.dp_rank, layout.dp_size,
+                             resizable=ramp is not None)
     engine = Engine(
         wrapped, opt, scheduler, cfg, batch, ctx,
         local_optimizer=local_opt,

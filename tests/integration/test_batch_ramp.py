@@ -92,14 +92,17 @@ def test_the_summary_and_the_optimal_config_carry_the_ramp(ramped):
 
 
 def ramp_config(out, interval: int = 3):
-    """The optimal config of a goodput tune with adapt_batch, and its plan, written by hand."""
+    """The optimal config of a goodput tune with adapt_batch, and its plan, written by hand: at
+    micro-batch 4 a micro-step costs hardly more than at 2, so the ramp grows the micro-batch where
+    it may (the engine's own loader), and gas otherwise."""
     from conftest import write_json
 
     out.mkdir(parents=True, exist_ok=True)
     plan = write_json(out / "batch_ramp.json", {
         "reference_batch": 8, "lr_scaling": "sqrt", "interval": interval, "max_global_batch": 64,
-        "costs": [{"micro_batch_size": 2, "micro_step_s": 0.005, "step_s": 0.05}], "csv_path": str(out / "ramp.csv"),
-        "initial_b_noise": 30.0})
+        "costs": [{"micro_batch_size": 2, "micro_step_s": 0.005, "step_s": 0.05},
+                  {"micro_batch_size": 4, "micro_step_s": 0.006, "step_s": 0.05}],
+        "csv_path": str(out / "ramp.csv"), "initial_b_noise": 30.0})
     return write_json(out / "ds.json", {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "zero_optimization": {"stage": 0},
         "autotuning": {"adapt_batch": True, "adapt_interval": interval, "metric": "goodput", "reference_batch_size": 8,
@@ -117,7 +120,8 @@ def train(out, *flags):
     return [json.loads((out / f"ran.{rank}.json").read_text()) for rank in (0, 1)]
 
 
-ENGINES = [pytest.param((), id="ours"), pytest.param(("--use_deepspeed",), id="deepspeed")]
+ENGINES = [pytest.param((), id="ours"), pytest.param(("--engine_loader",), id="ours-engine-loader"),
+           pytest.param(("--use_deepspeed",), id="deepspeed")]
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -127,13 +131,19 @@ def test_a_run_resumed_mid_ramp_goes_on_at_the_same_batch_rate_and_losses(tmp_pa
     ramp_config(tmp_path / "whole")
     whole = train(tmp_path / "whole", "--steps", "12", *engine)
     assert [entry[:2] for entry in whole[0]] == [entry[:2] for entry in whole[1]]  # both ranks alike
-    gas = [entry[0] for entry in whole[0]]
-    assert gas[0] == 1 and max(gas) > 1, gas  # it grew (B_noise 30 against global batch 4)
+    gas, micro = [entry[0] for entry in whole[0]], [entry[3] for entry in whole[0]]
+    batches = [entry[0] * entry[3] for entry in whole[0]]
+    assert batches[0] == 2 and max(batches) > 2, whole[0]  # it grew (B_noise 30 against global batch 4)
+    if engine == ("--engine_loader",):
+        assert max(micro) == 4, whole[0]  # the micro-batch grew, the loader's batches with it
+    else:
+        assert set(micro) == {2} and max(gas) > 1, whole[0]  # a loader of the script's own: gas only
+    assert all(entry[4] == [entry[3]] for entry in whole[0]), whole[0]  # every batch the engine's size
     ramp_config(tmp_path / "split")
     train(tmp_path / "split", "--steps", "12", "--save_at", "7", *engine)  # after the ramp changed the batch
     resumed = train(tmp_path / "split", "--steps", "12", "--load", *engine)
     for rank in (0, 1):
-        assert [entry[:2] for entry in resumed[rank]] == [entry[:2] for entry in whole[rank]]  # gas and rate
+        assert [entry[:2] + entry[3:] for entry in resumed[rank]] == [entry[:2] + entry[3:] for entry in whole[rank]]
         assert [entry[2] for entry in resumed[rank]] == pytest.approx([entry[2] for entry in whole[rank]], abs=1e-6)
 
 

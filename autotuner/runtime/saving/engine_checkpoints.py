@@ -44,7 +44,8 @@ class EngineCheckpoints:
         }
         ramp = getattr(self, "_ramp", None)
         if ramp is not None:  # the batch ramp's state, and the global batch it reached
-            state["batch_ramp"] = {**ramp.state(), "train_batch_size": self.batch.train_batch_size}
+            state["batch_ramp"] = {**ramp.state(), "train_batch_size": self.batch.train_batch_size,
+                                   "micro_batch_size": self.batch.micro_batch_size}
         frozen = ({name for name, param in self._checkpoint_model().named_parameters() if not param.requires_grad}
                   if exclude_frozen_parameters else set())
         with self._keyed_by_the_model(self._local_optimizer):
@@ -70,10 +71,10 @@ class EngineCheckpoints:
                                "autotuning.adapt_batch this run trains at %d", saved["train_batch_size"],
                                self.batch.train_batch_size)
             return
-        from autotuner.runtime.training.batch_ramp import follow_batch
+        from autotuner.runtime.training.batch_ramp import follow_batch, resize
 
         ramp.load(saved)
-        self.set_train_batch_size(int(saved["train_batch_size"]))
+        resize(self, int(saved.get("micro_batch_size", self.batch.micro_batch_size)), int(saved["train_batch_size"]))
         follow_batch(self._noise, self.batch)
 
     def _param_group_members(self) -> list[list[str]]:

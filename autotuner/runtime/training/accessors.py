@@ -126,6 +126,14 @@ class DeepSpeedAccessors:
         self.batch = BatchSizes(train_batch_size, micro, train_batch_size // (micro * dp), dp)
         self._boundary_base = self.micro_steps
 
+    def set_train_micro_batch_size(self, micro_batch_size: int) -> None:
+        """DeepSpeed's: the micro-batch changed, the accumulation count kept (the global batch follows).
+        The engine's own loader is not resized here, as DeepSpeed's is not (the batch ramp does that)."""
+        from autotuner.config.batch import BatchSizes, train_batch_size
+
+        gas, dp = self.batch.gradient_accumulation_steps, self.batch.data_parallel_size
+        self.batch = BatchSizes(train_batch_size(micro_batch_size, gas, dp), micro_batch_size, gas, dp)
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
         """DeepSpeed's manual override of the accumulation boundary: it holds until set again
         (None goes back to counting micro-steps)."""

@@ -8,8 +8,11 @@ throughput of a batch comes from what the tune measured at the pick's micro-batc
 the time of a micro-step's forward and backward, and the rest of an optimizer step), so a step of
 g micro-steps takes g x micro_step_s + step_s (the optimizer step, timed by the engine, is what a
 larger count amortises; the rest of a step counts per micro-step, so the gain is never
-overstated). Until the run has read B_noise itself, the tune's stands in. Only gradient accumulation grows here; the
-micro-batch stays. The batch never shrinks, and changes at most once an interval.
+overstated). Until the run has read B_noise itself, the tune's stands in. Gradient accumulation
+grows on any engine; the micro-batch too where the script trains on the engine's own loader (a
+`ResizableBatchSampler`, and the script drew from it), and only to sizes the tune launched at the
+pick's configuration and that ran within its memory budget (the plan's costs). The global batch
+never shrinks, and changes at most once an interval.
 
 Every rank computes the same B_noise (the probe's figures are all-reduced), but rank 0 decides
 and broadcasts its decision, as the online tuner does, so every rank changes at the same step.
@@ -32,7 +35,8 @@ import torch.distributed as dist
 
 from autotuner.core.noise_scale import SmoothedNoiseScale, scaled_learning_rate, statistical_efficiency
 
-CSV_FIELDS = ("step", "b_noise", "global_batch", "gradient_accumulation_steps", "lr", "predicted_goodput")
+CSV_FIELDS = ("step", "b_noise", "global_batch", "micro_batch_size", "gradient_accumulation_steps", "lr",
+              "predicted_goodput")
 LAST_FILE = "batch_ramp_last.json"  # beside the CSV: the run's latest B_noise
 WORTHWHILE = 1.03  # a change must promise this much more goodput (the run-to-run noise of a step time)
 
@@ -80,6 +84,7 @@ class RampPlan:
 
 @dataclass(frozen=True)
 class Choice:
+    micro_batch_size: int
     gradient_accumulation_steps: int
     global_batch: int
     predicted_goodput: float
@@ -92,26 +97,32 @@ def goodput(cost: StepCost, gas: int, dp: int, b_noise: float, reference_batch: 
     return cost.throughput(gas, dp) * statistical_efficiency(batch, reference_batch, b_noise)
 
 
-def best_gas(plan: RampPlan, b_noise: float, micro_batch_size: int, gas: int, dp: int) -> Choice | None:
-    """The accumulation count at or above `gas` with the most goodput at `b_noise` (None: the
-    tune measured no cost at this micro-batch). Past the optimum goodput only falls, so the
-    search stops at the first decline beyond the batch B_noise would ask for."""
+def best_batch(plan: RampPlan, b_noise: float, micro_batch_size: int, gas: int, dp: int,
+               grow_micro: bool = False) -> Choice | None:
+    """The (micro-batch, accumulation count) with the most goodput at `b_noise` whose global batch
+    is at least today's (None: the tune measured no cost at today's micro-batch). The micro-batch
+    stays unless `grow_micro`, and then only grows, to the sizes the plan has costs for. For each
+    size, past the optimum goodput only falls, so the search stops at the first decline beyond the
+    batch B_noise would ask for."""
     cost = plan.cost(micro_batch_size)
     if cost is None:
         return None
+    batch = micro_batch_size * gas * dp
     current = goodput(cost, gas, dp, b_noise, plan.reference_batch)
-    best = Choice(gas, micro_batch_size * gas * dp, current, current)
-    candidate = gas
-    while True:
-        candidate += 1
-        batch = micro_batch_size * candidate * dp
-        if plan.max_global_batch is not None and batch > plan.max_global_batch:
-            break
-        value = goodput(cost, candidate, dp, b_noise, plan.reference_batch)
-        if value > best.predicted_goodput:
-            best = Choice(candidate, batch, value, current)
-        elif batch > 4 * max(b_noise, best.global_batch):
-            break
+    best = Choice(micro_batch_size, gas, batch, current, current)
+    sizes = [c for c in plan.costs if c.micro_batch_size > micro_batch_size] if grow_micro else []
+    for size in [cost, *sizes]:
+        candidate = gas if size is cost else max(1, -(-batch // (size.micro_batch_size * dp)))
+        while True:
+            global_batch = size.micro_batch_size * candidate * dp
+            if plan.max_global_batch is not None and global_batch > plan.max_global_batch:
+                break
+            value = goodput(size, candidate, dp, b_noise, plan.reference_batch)
+            if value > best.predicted_goodput:
+                best = Choice(size.micro_batch_size, candidate, global_batch, value, current)
+            elif global_batch > 4 * max(b_noise, best.global_batch):
+                break
+            candidate += 1
     return best
 
 
@@ -130,27 +141,28 @@ class BatchRamp:
         for g_small, g_big in pairs:
             self.estimator = self.estimator.with_step(g_small, g_big, *batches)
 
-    def decide(self, step: int, micro_batch_size: int, gas: int, dp: int) -> Choice | None:
-        """At an interval's boundary: rank 0's choice (a larger gas), broadcast; None to stay."""
+    def decide(self, step: int, micro_batch_size: int, gas: int, dp: int, grow_micro: bool = False) -> Choice | None:
+        """At an interval's boundary: rank 0's choice (another micro-batch or count, the global batch
+        no smaller), broadcast; None to stay."""
         if step % self.plan.interval or step - self.last_change < self.plan.interval:
             return None
         b_noise = self.estimator.b_noise or self.plan.initial_b_noise  # the tune's until the run reads its own
-        proposal = torch.tensor([float(gas), 0.0, 0.0, 0.0], dtype=torch.float64)
+        proposal = torch.tensor([float(micro_batch_size), float(gas), 0.0, 0.0, 0.0], dtype=torch.float64)
         if self.rank == 0 and b_noise is not None:
-            choice = best_gas(self.plan, b_noise, micro_batch_size, gas, dp)
-            if choice is not None and choice.gradient_accumulation_steps > gas \
-                    and choice.predicted_goodput > WORTHWHILE * choice.current_goodput:
-                proposal = torch.tensor([float(choice.gradient_accumulation_steps), choice.predicted_goodput,
-                                         choice.current_goodput, b_noise], dtype=torch.float64)
+            choice = best_batch(self.plan, b_noise, micro_batch_size, gas, dp, grow_micro)
+            if choice is not None and (choice.micro_batch_size, choice.gradient_accumulation_steps) != \
+                    (micro_batch_size, gas) and choice.predicted_goodput > WORTHWHILE * choice.current_goodput:
+                proposal = torch.tensor([float(choice.micro_batch_size), float(choice.gradient_accumulation_steps),
+                                         choice.predicted_goodput, choice.current_goodput, b_noise], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast(proposal, 0)
-        new_gas = int(proposal[0])
-        if new_gas <= gas:
+        new_micro, new_gas = int(proposal[0]), int(proposal[1])
+        if (new_micro, new_gas) == (micro_batch_size, gas):
             return None
-        return Choice(new_gas, micro_batch_size * new_gas * dp, float(proposal[1]), float(proposal[2]),
-                      float(proposal[3]))
+        return Choice(new_micro, new_gas, new_micro * new_gas * dp, float(proposal[2]), float(proposal[3]),
+                      float(proposal[4]))
 
-    def write_row(self, step: int, global_batch: int, gas: int, lr: float, predicted: float | None,
+    def write_row(self, step: int, global_batch: int, micro: int, gas: int, lr: float, predicted: float | None,
                   b_noise: float | None) -> None:
         """A row of the CSV (rank 0 only): what the ranks applied at `step`, at `b_noise`."""
         if self.rank != 0 or not self.plan.csv_path:
@@ -162,7 +174,7 @@ class BatchRamp:
             writer = csv.writer(handle)
             if new:
                 writer.writerow(CSV_FIELDS)
-            writer.writerow([step, "" if b_noise is None else f"{b_noise:.6g}", global_batch, gas, f"{lr:.6g}",
+            writer.writerow([step, "" if b_noise is None else f"{b_noise:.6g}", global_batch, micro, gas, f"{lr:.6g}",
                              "" if predicted is None or not math.isfinite(predicted) else f"{predicted:.6g}"])
 
     def write_last(self, step: int, global_batch: int) -> None:
@@ -219,21 +231,66 @@ def ramp_after_step(engine: Any) -> None:
         noise.steps.clear()
     step, batch = engine.global_steps, engine.batch
     if step == 1 and ramp.last_change == 0:
-        ramp.write_row(0, batch.train_batch_size, batch.gradient_accumulation_steps, engine.get_lr()[0], None,
-                       ramp.plan.initial_b_noise)
+        ramp.write_row(0, batch.train_batch_size, batch.micro_batch_size, batch.gradient_accumulation_steps,
+                       engine.get_lr()[0], None, ramp.plan.initial_b_noise)
     if step % ramp.plan.interval == 0:
         ramp.write_last(step, batch.train_batch_size)
-    choice = ramp.decide(step, batch.micro_batch_size, batch.gradient_accumulation_steps, batch.data_parallel_size)
+    loader = engine_loader(engine)
+    choice = ramp.decide(step, batch.micro_batch_size, batch.gradient_accumulation_steps, batch.data_parallel_size,
+                         grow_micro=loader is not None and loader.drawn > 0)
     if choice is None:
         return
     new_factor = ramp.lr_factor * scaled_learning_rate(1.0, choice.global_batch, batch.train_batch_size,
                                                         ramp.plan.lr_scaling)
-    engine.set_train_batch_size(choice.global_batch)
+    resize(engine, choice.micro_batch_size, choice.global_batch)
     rescale(engine.optimizer, ramp.lr_factor, new_factor)
     ramp.lr_factor, ramp.last_change = new_factor, step
     follow_batch(noise, engine.batch)
-    ramp.write_row(step, choice.global_batch, choice.gradient_accumulation_steps, engine.get_lr()[0],
-                   choice.predicted_goodput, choice.b_noise)
+    ramp.write_row(step, choice.global_batch, choice.micro_batch_size, choice.gradient_accumulation_steps,
+                   engine.get_lr()[0], choice.predicted_goodput, choice.b_noise)
+
+
+def resize(engine: Any, micro_batch_size: int, train_batch_size: int) -> None:
+    """Between optimizer steps: the engine's micro-batch (DeepSpeed's set_train_micro_batch_size,
+    and the engine's own loader with it), then its global batch (set_train_batch_size: the count)."""
+    if micro_batch_size != engine.batch.micro_batch_size:
+        engine.set_train_micro_batch_size(micro_batch_size)
+        loader = engine_loader(engine)
+        if loader is None:
+            raise RuntimeError("batch ramp: the micro-batch changes only with the engine's own loader")
+        loader.batch_size = micro_batch_size
+    engine.set_train_batch_size(train_batch_size)
+
+
+def engine_loader(engine: Any) -> "ResizableBatchSampler | None":
+    """The batch sampler of the loader the engine built, where it can change its size."""
+    sampler = getattr(getattr(engine, "training_dataloader", None), "batch_sampler", None)
+    return sampler if isinstance(sampler, ResizableBatchSampler) else None
+
+
+class ResizableBatchSampler(torch.utils.data.Sampler):
+    """The engine's loader under a batch ramp: batches of `batch_size` indices from `sampler` (each
+    rank's DistributedSampler), the size read as each batch starts, so a change between optimizer
+    steps holds from the next micro-step (the loader's workers, if any, may have a few batches of the
+    old size queued: the engine builds its loader without them). `drawn` counts the batches handed
+    out: none means the script trains on a loader of its own, whose batches the engine cannot grow."""
+
+    def __init__(self, sampler: torch.utils.data.Sampler, batch_size: int):
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drawn = 0
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batch: list[int] = []
+        for index in self.sampler:
+            batch.append(index)
+            if len(batch) >= self.batch_size:
+                self.drawn += 1
+                yield batch
+                batch = []  # the tail of an epoch shorter than a batch is dropped, as drop_last does
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.batch_size
 
 
 def follow_batch(noise: Any, batch: Any) -> None:
