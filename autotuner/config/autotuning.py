@@ -100,8 +100,9 @@ class AutotuningConfig(Section):
                             "batch against reference_batch_size (linear: Goyal et al.; sqrt: for Adam-like optimizers)")
     adapt_batch: bool = Field(False, description="ours, with metric goodput: the training run (--autotuning run, or "
                               "the optimal config) keeps reading B_noise and grows the global batch through gradient "
-                              "accumulation when goodput says a larger one reaches the loss sooner (Pollux); the "
-                              "learning rate follows by lr_scaling, which must then be given")
+                              "accumulation (and the micro-batch, on the engine's own loader) when goodput says a "
+                              "larger one reaches the loss sooner (Pollux); the learning rate follows by lr_scaling, "
+                              "which must then be given")
     adapt_interval: PositiveInt = Field(100, description="ours: the batch changes at most once in this many optimizer "
                                         "steps (also the noise estimate's smoothing window)")
     adapt_plan: str | None = Field(None, description="written by the tuner into the optimal config: the step costs "
