@@ -2,6 +2,11 @@
 sooner, and whether growing it through training (autotuning.adapt_batch) does better.
 
     python benchmarks/goodput.py [--label_noise 0.1,0.6] [--seeds 3] [--work_dir DIR] [--no_adaptive]
+    python benchmarks/goodput.py --workload gpt2 --target_loss 5.5 [--seeds 3]
+
+--workload gpt2 trains the GPT-2 example (examples/hf_gpt2, tiny) instead, on its own loader (the
+engine's, so the ramp may grow the micro-batch), to --target_loss on its held-out blocks; there is no
+direct B_noise.
 
 For each label-noise level of benchmarks/workloads/label_noise.py (2 CPU ranks, ZeRO 0):
 1. B_noise measured directly: per-sample gradients (torch.func) of the initial model, and of the
@@ -44,8 +49,11 @@ from label_noise import Task, make_model  # noqa: E402
 
 from autotuner.core.noise_scale import scaled_learning_rate  # noqa: E402
 
-MAPPINGS = {"train_micro_batch_size_per_gpu": "--micro_batch_size",
-            "gradient_accumulation_steps": "--gradient_accumulation_steps"}
+GPT2 = ROOT / "examples" / "hf_gpt2" / "train.py"
+MAPPINGS = {"label_noise": {"train_micro_batch_size_per_gpu": "--micro_batch_size",
+                            "gradient_accumulation_steps": "--gradient_accumulation_steps"},
+            "gpt2": {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+                     "gradient_accumulation_steps": "--gradient_accumulation_steps"}}
 
 
 def target_loss(label_noise: float, classes: int, over_floor: float) -> float:
@@ -94,7 +102,7 @@ def config(args: argparse.Namespace, metric: str, lr: float, micro: int | None =
            gas: int | None = None, plan: Path | None = None) -> dict:
     # No max_train_batch_size: with it, each candidate's gas fills the cap, and every candidate
     # has the same global batch. Without it gas is 1 and the global batch is micro x ranks.
-    autotuning = {"enabled": True, "arg_mappings": MAPPINGS, "metric": metric, "start_profile_step": 3,
+    autotuning = {"enabled": True, "arg_mappings": MAPPINGS[args.workload], "metric": metric, "start_profile_step": 3,
                   "end_profile_step": 10, "max_train_micro_batch_size_per_gpu": args.max_micro,
                   "exp_timeout_s": 300}
     if metric == "goodput":
@@ -111,8 +119,18 @@ def config(args: argparse.Namespace, metric: str, lr: float, micro: int | None =
 
 
 def workload_args(args: argparse.Namespace, label_noise: float) -> list[str]:
+    if args.workload == "gpt2":
+        return ["--model_size", "tiny", "--output_dir", str(Path(args.work_dir) / "gpt2_out")]  # one corpus cache
     return ["--features", str(args.features), "--classes", str(args.classes), "--hidden", str(args.hidden),
             "--label_noise", str(label_noise)]
+
+
+def script(args: argparse.Namespace) -> Path:
+    return GPT2 if args.workload == "gpt2" else WORKLOAD
+
+
+def step_args(args: argparse.Namespace, steps: int) -> list[str]:
+    return ["--max_steps" if args.workload == "gpt2" else "--steps", str(steps)]
 
 
 def environment() -> dict[str, str]:
@@ -127,7 +145,7 @@ def tune(work: Path, args: argparse.Namespace, label_noise: float, metric: str) 
     ds = work / "ds.json"
     ds.write_text(json.dumps(config(args, metric, args.lr)))
     command = [sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", str(args.nproc),
-               str(WORKLOAD), *workload_args(args, label_noise), "--steps", "40", "--deepspeed", str(ds)]
+               str(script(args)), *workload_args(args, label_noise), *step_args(args, 40), "--deepspeed", str(ds)]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=work, env=environment(), capture_output=True, text=True)
     took = time.perf_counter() - started
@@ -167,9 +185,10 @@ def train_to_target(work: Path, args: argparse.Namespace, label_noise: float, pi
     plan = run_plan(work, pick, seed)
     ds.write_text(json.dumps(config(args, pick["metric"], pick["lr"], pick["micro"], pick["gas"], plan)))
     out = work / f"{pick['arm']}_seed{seed}.json"
-    command = [sys.executable, "-m", "autotuner", "--nproc_per_node", str(args.nproc), str(WORKLOAD),
-               *workload_args(args, label_noise), "--micro_batch_size", str(pick["micro"]),
-               "--gradient_accumulation_steps", str(pick["gas"]), "--steps", str(args.max_steps),
+    mappings = MAPPINGS[args.workload]
+    command = [sys.executable, "-m", "autotuner", "--nproc_per_node", str(args.nproc), str(script(args)),
+               *workload_args(args, label_noise), mappings["train_micro_batch_size_per_gpu"], str(pick["micro"]),
+               "--gradient_accumulation_steps", str(pick["gas"]), *step_args(args, args.max_steps),
                "--target_loss", str(args.target_loss), "--eval_every", str(args.eval_every), "--seed", str(seed),
                "--result_out", str(out), "--deepspeed", str(ds)]
     done = subprocess.run(command, cwd=work, env=environment(), capture_output=True, text=True)
@@ -184,6 +203,7 @@ def train_to_target(work: Path, args: argparse.Namespace, label_noise: float, pi
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=("label_noise", "gpt2"), default="label_noise")
     parser.add_argument("--label_noise", default="0.1")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--nproc", type=int, default=2)
@@ -200,7 +220,9 @@ def main() -> None:
                         help="held-out loss to reach (default: per noise level, --target_over_floor above its floor)")
     parser.add_argument("--target_over_floor", type=float, default=0.25)
     parser.add_argument("--max_steps", type=int, default=100000)
-    parser.add_argument("--eval_every", type=int, default=4096)
+    parser.add_argument("--eval_every", type=int, default=None,
+                        help="samples between held-out evaluations (label_noise, default 4096), or optimizer steps "
+                             "(gpt2, default 10)")
     parser.add_argument("--direct_samples", type=int, default=4096)
     parser.add_argument("--direct_steps", type=int, default=3)
     parser.add_argument("--seed_for_direct", type=int, default=1)
@@ -211,13 +233,19 @@ def main() -> None:
     parser.add_argument("--adapt_interval", type=int, default=50, help="the adaptive arm's autotuning.adapt_interval")
     parser.add_argument("--only", choices=("direct", "all"), default="all")
     args = parser.parse_args()
+    if args.eval_every is None:
+        args.eval_every = 10 if args.workload == "gpt2" else 4096
     rows = []
     for label_noise in [float(v) for v in args.label_noise.split(",")]:
-        task = Task(args.features, args.classes, label_noise, 0)
-        direct0 = direct_noise_scale(task, args, 0)
-        direct = direct_noise_scale(task, args, args.direct_steps)
-        print(f"label noise {label_noise}: direct B_noise {direct0:.1f} at initialisation, {direct:.1f} after "
-              f"{args.direct_steps} steps", flush=True)
+        direct0 = direct = float("nan")
+        if args.workload == "label_noise":
+            task = Task(args.features, args.classes, label_noise, 0)
+            direct0 = direct_noise_scale(task, args, 0)
+            direct = direct_noise_scale(task, args, args.direct_steps)
+            print(f"label noise {label_noise}: direct B_noise {direct0:.1f} at initialisation, {direct:.1f} after "
+                  f"{args.direct_steps} steps", flush=True)
+        elif args.target_loss is None:
+            raise SystemExit("--workload gpt2: give --target_loss (the held-out loss to reach)")
         if args.only == "direct":
             continue
         target = args.target_loss

@@ -11,6 +11,7 @@ is text already on this machine (see data.py).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -53,6 +54,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--corpus_mb", type=float, default=8.0, help="MB of standard-library text to train on")
     parser.add_argument("--tokenizer_vocab", type=int, default=4096, help="BPE vocabulary trained on the corpus")
+    parser.add_argument("--target_loss", type=float, default=None,
+                        help="train until the held-out loss (the corpus's last --eval_blocks blocks, kept out of "
+                             "training) is at most this, evaluated every --eval_every steps with the timer paused; "
+                             "then --result_out gets the training time, steps and samples (no checkpoint is saved)")
+    parser.add_argument("--eval_every", type=int, default=10, help="optimizer steps between held-out evaluations")
+    parser.add_argument("--eval_blocks", type=int, default=64)
+    parser.add_argument("--result_out", default=None)
     parser.add_argument("--local_rank", type=int, default=-1, help="set by the launcher (as DeepSpeed's does)")
     autotuner.add_config_arguments(parser)
     args = parser.parse_args()
@@ -89,6 +97,10 @@ def main() -> None:
     output_dir = Path(args.output_dir)
     tokens, vocab = load_tokens(output_dir / "cache", args.tokenizer_vocab, args.corpus_mb)
     model = build_model(args.model_size, args.seq_len, vocab, args.n_layer, args.n_embd)
+    held_out = None
+    if args.target_loss is not None:  # the last blocks are the held-out set, never trained on
+        cut = len(tokens) - args.eval_blocks * args.seq_len
+        tokens, held_out = tokens[:cut], tokens[cut:].view(args.eval_blocks, args.seq_len)
     engine, _, loader, _ = autotuner.initialize(model=model, config=config,
                                                 training_data=TokenBlocks(tokens, args.seq_len))
     steps_per_epoch = len(loader) // engine.gradient_accumulation_steps()
@@ -101,7 +113,8 @@ def main() -> None:
 
     epoch, running, window_start = 0, 0.0, time.perf_counter()
     print_every = engine.config.steps_per_print
-    while engine.global_steps < max_steps:
+    target = TargetLoss(engine, held_out, args) if held_out is not None else None
+    while engine.global_steps < max_steps and not (target and target.reached):
         loader.sampler.set_epoch(epoch)
         for batch in loader:
             batch = batch.to(engine.device)
@@ -120,12 +133,60 @@ def main() -> None:
                 running, window_start = 0.0, time.perf_counter()
             elif engine.global_steps % print_every == 0:
                 running = 0.0
+            if target is not None and engine.global_steps % args.eval_every == 0 and target.check():
+                break
             if engine.global_steps >= max_steps:
                 break
         epoch += 1
+    if target is not None:
+        target.write()
+        return
     path = engine.save_checkpoint(output_dir / "checkpoints")
     if engine.global_rank == 0:
         print(f"saved checkpoint to {path}", flush=True)
+
+
+class TargetLoss:
+    """Training time to a held-out loss: rank 0 evaluates, the timer paused, and every rank stops
+    at the same step once it is reached."""
+
+    def __init__(self, engine, held_out: torch.Tensor, args: argparse.Namespace):
+        self.engine, self.held_out, self.args = engine, held_out, args
+        self.training_s, self.started, self.reached, self.losses = 0.0, time.perf_counter(), None, []
+        self.first_batch = engine.train_batch_size()
+
+    def check(self) -> bool:
+        engine = self.engine
+        self.training_s += time.perf_counter() - self.started
+        with torch.no_grad():
+            engine.module.eval()
+            losses = [engine.module(input_ids=block, labels=block).loss.item()
+                      for block in self.held_out.to(engine.device).split(16)]
+            engine.module.train()
+        loss = sum(losses) / len(losses)
+        self.losses.append((engine.global_steps, engine.global_samples, round(loss, 4)))
+        stop = torch.tensor([float(loss <= self.args.target_loss)])
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast(stop, src=0)  # rank 0's verdict: every rank stops at this step
+        if stop.item():
+            self.reached = {"training_s": self.training_s, "steps": engine.global_steps,
+                            "samples": engine.global_samples, "held_out_loss": loss}
+        self.started = time.perf_counter()
+        return bool(stop.item())
+
+    def write(self) -> None:
+        engine = self.engine
+        if engine.global_rank != 0:
+            return
+        print(f"done: {engine.global_steps} steps, global batch {self.first_batch} -> {engine.train_batch_size()}, "
+              + (f"target {self.args.target_loss} reached after {self.reached['samples']} samples in "
+                 f"{self.reached['training_s']:.2f} s" if self.reached else "target not reached"), flush=True)
+        if self.args.result_out:
+            with open(self.args.result_out, "w") as handle:
+                json.dump({"micro_batch_size": engine.train_micro_batch_size_per_gpu(),
+                           "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+                           "first_global_batch": self.first_batch, "global_batch": engine.train_batch_size(),
+                           "reached": self.reached, "held_out_losses": self.losses}, handle)
 
 
 if __name__ == "__main__":
