@@ -234,6 +234,10 @@ def settle(args: argparse.Namespace) -> SettledJob:
     if trains_with_trainer(args.script):
         check_trainer_mappings(space, dict(tuning.arg_mappings), source)
         check_trainer_step_counts(config, space, script_args, source)
+        if tuning.adapt_batch:  # its loop counts gas from its flag and steps its schedule by that count
+            raise ConfigError(f"{source}: autotuning.adapt_batch: {args.script} trains with Hugging Face's Trainer, "
+                              "which counts gradient accumulation itself (--gradient_accumulation_steps) and would "
+                              "not follow a batch the ramp grows; leave adapt_batch out")
     if tuning.metric == "goodput" and isinstance(config.train_batch_size, int):
         raise ConfigError(f"{source}: train_batch_size: got {config.train_batch_size}; metric \"goodput\" picks the "
                           "global batch, so leave it \"auto\" or absent")

@@ -61,6 +61,14 @@ class DeepSpeedRampTarget:
                          int(engine.dp_world_size), int(engine.train_batch_size()))
 
     @property
+    def _boundary_override(self) -> bool | None:
+        """Set where the script drives DeepSpeed's boundary (accelerate does, by
+        set_gradient_accumulation_boundary, or managed_gradient_accumulation is off)."""
+        engine = self.engine
+        managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
+        return engine._is_gradient_accumulation_boundary if managed else True
+
+    @property
     def optimizer(self) -> Any:
         return self.engine.optimizer
 

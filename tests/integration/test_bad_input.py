@@ -640,3 +640,12 @@ GOODPUT_RAMP = {"metric": "goodput", "reference_batch_size": 8, "lr_scaling": "l
 def test_a_batch_ramp_that_cannot_run_is_refused_before_any_launch(in_tmp, capsys, autotuning, says):
     cfg = write(in_tmp / "ds.json", config_dict(autotuning))
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), says)
+
+
+def test_a_batch_ramp_for_a_trainer_script_is_refused_before_any_launch(in_tmp, capsys):
+    script = write(in_tmp / "train.py", "from transformers import Trainer\n")
+    cfg = write(in_tmp / "ds.json", config_dict({**GOODPUT_RAMP, "arg_mappings": {
+        "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
+        "gradient_accumulation_steps": "--gradient_accumulation_steps"}}))
+    assert_refused(in_tmp, capsys, tune_argv(cfg, script=script), str(cfg), "autotuning.adapt_batch",
+                   "trains with Hugging Face's Trainer", "leave adapt_batch out")

@@ -83,3 +83,34 @@ def test_the_plan_reads_back_as_written(tmp_path):
 
     path.write_text(json.dumps(PLAN.to_json()))
     assert RampPlan.read(path) == PLAN
+
+
+class _Engine:
+    """What ramp_after_step reads of an engine, recording the batch it is given."""
+
+    def __init__(self, boundary_override):
+        from autotuner.config.batch import BatchSizes
+        from autotuner.runtime.training.batch_ramp import BatchRamp
+
+        self._boundary_override = boundary_override
+        self._ramp = BatchRamp(RampPlan(8, "linear", 1, PLAN.costs, initial_b_noise=1e6), rank=0)
+        self._noise = None
+        self.global_steps = 2
+        self.batch = BatchSizes(8, 4, 1, 2)
+        self.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        self.set = []
+
+    def get_lr(self):
+        return [self.optimizer.param_groups[0]["lr"]]
+
+    def set_train_batch_size(self, size):
+        self.set.append(size)
+
+
+@pytest.mark.parametrize("override, changed", [(None, True), (True, False)])
+def test_the_ramp_leaves_a_boundary_the_script_drives_alone(override, changed):
+    from autotuner.runtime.training.batch_ramp import ramp_after_step
+
+    engine = _Engine(override)
+    ramp_after_step(engine)
+    assert bool(engine.set) == changed  # B_noise 1e6 and a 100 ms step ask for more gas, unless the script counts it

@@ -226,6 +226,12 @@ def ramp_after_step(engine: Any) -> None:
     factor, the noise probe's batch sizes, and a row of the CSV."""
     ramp: BatchRamp = engine._ramp
     noise = engine._noise
+    if getattr(engine, "_boundary_override", None) is not None:
+        from autotuner.runtime.distributed import warn_once
+
+        warn_once("autotuning.adapt_batch: the script sets the accumulation boundary itself "
+                  "(set_gradient_accumulation_boundary), so a count the ramp set would not hold; the batch stays")
+        return
     if noise is not None and noise.steps:
         ramp.observe(list(noise.steps), tuple(noise.batches))
         noise.steps.clear()
