@@ -100,9 +100,9 @@ class DeepSpeedNoiseProbe:
     """DeepSpeed's own engine at ZeRO 0 (fp32 or bf16), two ranks or more, data parallel only: its
     accumulation boundary reduces the gradients in `buffered_allreduce_fallback`, in place, so the
     same figures as `GradientNoiseProbe`'s are read around that call, from the very tensors it
-    reduces (the bf16 optimizer's fp32 accumulators where it keeps them). `usable` says why not
-    where DeepSpeed reduces elsewhere (ZeRO 1-3's optimizers, tensor or pipeline parallelism) or
-    a loss scale moves the norms (fp16)."""
+    reduces (the bf16 optimizer's fp32 accumulators where it keeps them; tested at fp32 only).
+    `unusable` says why not where DeepSpeed reduces elsewhere (ZeRO 1-3's optimizers, tensor or
+    pipeline parallelism) or a loss scale moves the norms (fp16)."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
