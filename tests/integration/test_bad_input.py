@@ -643,7 +643,11 @@ def test_a_batch_ramp_that_cannot_run_is_refused_before_any_launch(in_tmp, capsy
 
 
 def test_a_batch_ramp_for_a_trainer_script_is_refused_before_any_launch(in_tmp, capsys):
-    script = write(in_tmp / "train.py", "from transformers import Trainer\n")
+    """Hugging Face's own run_clm.py, unchanged (../shared/clients), as CI has it beside the repo."""
+    from hf_configs import RUN_CLM
+
+    assert RUN_CLM.is_file(), f"needs Hugging Face's run_clm.py at {RUN_CLM}"
+    script = RUN_CLM
     cfg = write(in_tmp / "ds.json", config_dict({**GOODPUT_RAMP, "arg_mappings": {
         "train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
         "gradient_accumulation_steps": "--gradient_accumulation_steps"}}))
