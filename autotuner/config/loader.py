@@ -15,7 +15,7 @@ from typing import Any, Mapping, Union
 import hjson
 from pydantic import ValidationError
 
-from autotuner.config.keys import check_keys
+from autotuner.config.keys import UNUSED_KEY_NOTES, check_keys
 from autotuner.config.models import DeepSpeedConfig, ZeroConfig
 from autotuner.config.sections import SECTIONS
 from autotuner.core.errors import ConfigError
@@ -216,7 +216,8 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
     raw = _deprecated_offload_flags(raw, label)
     kept, ignored = check_keys(raw, DeepSpeedConfig, label, sections={k: s.model for k, s in SECTIONS.items()})
     if ignored:
-        logger.warning("%s: accepted but not used by autotuner: %s", label, ", ".join(ignored))
+        notes = "".join(f" ({UNUSED_KEY_NOTES[key]})" for key in ignored if key in UNUSED_KEY_NOTES)
+        logger.warning("%s: accepted but not used by autotuner: %s%s", label, ", ".join(ignored), notes)
     own = {key: value for key, value in kept.items() if key not in SECTIONS}
     try:
         config = DeepSpeedConfig.model_validate(own)

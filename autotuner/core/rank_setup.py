@@ -11,6 +11,7 @@ tracebacks print as usual. No torch import: this runs at `import autotuner` in e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -38,6 +39,37 @@ def quiet_repeated_warnings() -> None:
     rank 0's: the config loader's warnings are then silenced in this process."""
     if os.environ.get(CONFIG_CHECKED_ENV) or os.environ.get("RANK", "0") != "0":
         logging.getLogger("autotuner.config").setLevel(logging.ERROR)
+
+
+_shown_config_warnings: set[str] = set()
+
+
+@contextlib.contextmanager
+def config_warnings_shown(in_code: bool):
+    """A config built in code (initialize(config=dict)), which the launcher never saw: its loader's
+    warnings print on rank 0 all the same, each text once in the process (a script making four
+    engines from like dicts says each once)."""
+    log = logging.getLogger("autotuner.config")
+    if not in_code or os.environ.get("RANK", "0") != "0":
+        yield
+        return
+
+    def first_time(record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if text in _shown_config_warnings:
+            return False
+        _shown_config_warnings.add(text)
+        return True
+
+    loader = logging.getLogger("autotuner.config.loader")  # filters apply where a record is logged
+    level = log.level
+    log.setLevel(min(level, logging.WARNING) if level else logging.NOTSET)
+    loader.addFilter(first_time)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+        loader.removeFilter(first_time)
 
 
 def install_rank_excepthook() -> None:

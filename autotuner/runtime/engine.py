@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from typing import Any
 
@@ -30,7 +31,10 @@ from autotuner.runtime.saving.rank_zero_gather import StepGate
 from autotuner.runtime.training.accessors import DeepSpeedAccessors
 from autotuner.runtime.training.activation_checkpointing import repeated_blocks
 from autotuner.runtime.training.grad_reduction import GradientReduction
+from autotuner.core.errors import UnsupportedError
 from autotuner.runtime.training.loss_scale import skips_non_finite
+from autotuner.runtime.training.method_calls import MethodCalls
+from autotuner.runtime.training.overflow import attach_overflow_record
 from autotuner.runtime.training.optim import step_scheduler
 from autotuner.runtime.training.sharding import average_gradients, finite_norm, gradient_norm, unwrap, wrap_ddp
 from autotuner.runtime.training.batch_ramp import BatchRamp, ramp_after_step, scaled_schedule
@@ -44,9 +48,12 @@ _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
-    created_in_process = 0  # a GAN makes two; the profile then sees only one of them
     """Returned by `autotuner.initialize`. Call it for forward, then `backward(loss)` and `step()`
-    on every micro-batch; the optimizer steps only at the gradient-accumulation boundary."""
+    on every micro-batch; the optimizer steps only at the gradient-accumulation boundary. Built
+    without an optimizer (DeepSpeed-Chat's reference and reward models) it runs forward only."""
+
+    created_in_process = 0  # a GAN makes two, DeepSpeed-Chat's step 3 four
+    training_engines_in_process = 0  # with an optimizer: the first is the one a tuner measures
 
     def __init__(
         self,
@@ -65,9 +72,12 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         split: SplitModel | None = None,
         shadows: SplitShadows | None = None,
         ramp: BatchRamp | None = None,
+        measured: bool = True,
     ):
         super().__init__()
         Engine.created_in_process += 1
+        Engine.training_engines_in_process += int(optimizer is not None)
+        self.measured = measured  # the engine a tuner's launch measures (initialize._measured_here)
         self.wrapped = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -102,8 +112,10 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         self._noise = gradient_noise  # a tuner's launch at ZeRO 0/1 (or the batch ramp's): the gradient noise's figures
         self._ramp = ramp  # autotuning.adapt_batch in the training run (training/batch_ramp.py)
         self._autocast = self.precision in _AUTOCAST_DTYPES and not self._fsdp
-        request = measurement_request(config)
+        request = measurement_request(config) if measured else None
         self._request = request
+        if optimizer is not None:
+            attach_overflow_record(optimizer, self)
         self._window = ProfileWindow(request.start_profile_step, request.end_profile_step, request.min_window_s,
                                      request.max_steps_per_window) if request else \
             ProfileWindow(config.autotuning.start_profile_step, config.autotuning.end_profile_step)
@@ -138,6 +150,22 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         self._online = start_online(self, len(fsdp_units(self.wrapped)) if self._fsdp else 0)
         self.reporter = RunReporter(self)  # monitors, tput_timer, wall-clock timers, flops profiler
         self.step_gate = StepGate()
+        # A model method a script calls through the engine runs as the engine's forward would (method_calls.py).
+        self._method_calls = MethodCalls(unwrap(self.wrapped), _AUTOCAST_DTYPES[self.precision] if self._autocast
+                                         else None, ctx.device, self._before_method_call)
+
+    def _before_method_call(self) -> None:
+        if self._fsdp and self.optimizer is not None:
+            self._set_gradient_sync(self.is_gradient_accumulation_boundary())
+
+    def _through_engine(self, name: str, value: Any) -> Any:
+        """A bound method of the user's model, reached through the engine's attribute pass-through:
+        run in the forward's context (method_calls.py); anything else as it is."""
+        calls = self.__dict__.get("_method_calls")  # (set last in __init__)
+        if (calls is not None and calls.needed and inspect.ismethod(value) and value.__self__ is unwrap(self.wrapped)
+                and name != "forward" and not hasattr(nn.Module, name)):
+            return calls.wrap(value)
+        return value
 
     # ----- training -----
     def _set_gradient_sync(self, sync: bool) -> None:
@@ -192,6 +220,8 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         """Backward of loss / gas (of loss itself with `scale_wrt_gas=False`, as in DeepSpeed);
         gradients are synchronised only at the accumulation boundary. Returns the loss as scaled
         for accumulation, as DeepSpeed's engine does."""
+        if self.optimizer is None:
+            raise _forward_only("backward")
         gas = self.batch.gradient_accumulation_steps
         scaled = loss / gas if scale_wrt_gas and gas > 1 else loss
         gas_scaled = scaled
@@ -210,6 +240,8 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Call on every micro-batch. At the boundary: clip, optimizer step, zero grad, scheduler step
         (with `lr_kwargs` as keywords, as DeepSpeed passes them)."""
+        if self.optimizer is None:
+            raise _forward_only("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self._step_applied = False
@@ -322,6 +354,12 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         return read_applied(self.wrapped, self._reshard_after_backward)
 
     def _optimizer_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        if self.optimizer.skip_step:
+            # Set by the script after check_overflow (DeepSpeed-Chat's --align_overflow: the other
+            # engine overflowed): this step's gradients are dropped, the loss scale stays.
+            self.optimizer.skip_step = False
+            self._drop_step()
+            return
         if self._grad_scaler is not None:
             self._grad_scaler.unscale_(self.optimizer)
         self._global_grad_norm, non_finite = self._gradient_norm()
@@ -338,14 +376,24 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
                                self.global_steps + 1)
         else:
             self.optimizer.step()
+        self.optimizer.overflow = not self._step_applied  # DeepSpeed's optimizers' record of the last step
+        if not self._step_applied:
+            self._drop_step()
+            return
         self.optimizer.zero_grad(set_to_none=True)
         if self._shadows is not None:
             self._shadows.drop_gradients()
-        if not self._step_applied:
-            self.skipped_steps += 1
-        elif self.lr_scheduler is not None:  # DeepSpeed does not advance the schedule on a skipped step
+        if self.lr_scheduler is not None:  # DeepSpeed does not advance the schedule on a skipped step
             with scaled_schedule(self.optimizer, self._ramp.lr_factor if self._ramp is not None else 1.0):
                 step_scheduler(self.lr_scheduler, lr_kwargs, self.batch.train_batch_size)
+
+    def _drop_step(self) -> None:
+        """A skipped step: gradients dropped, counted, the schedule not advanced."""
+        self._step_applied = False
+        self.optimizer.zero_grad(set_to_none=True)
+        if self._shadows is not None:
+            self._shadows.drop_gradients()
+        self.skipped_steps += 1
 
     def _gradient_norm(self) -> tuple[torch.Tensor | None, bool]:
         """(The step's gradient norm, clipping with it; whether the gradients hold an inf or NaN). With
@@ -376,3 +424,9 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
             if self._oom_marker and is_out_of_memory(err):
                 write_oom_marker(self._oom_marker, self.ctx.rank, err)
             raise
+
+
+def _forward_only(call: str) -> UnsupportedError:
+    return UnsupportedError(f"engine.{call}: this engine was built without an optimizer (initialize(model=..., "
+                            "config=...) with no optimizer=... and no 'optimizer' section), so it runs forward only, "
+                            "as DeepSpeed's does; pass an optimizer to initialize to train it")

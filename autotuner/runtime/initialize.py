@@ -19,6 +19,7 @@ from autotuner.config.sections import refuse_unsettled
 from autotuner.config.engine_math import refuse_other_math
 from autotuner.config.trainer_auto import refuse_auto_batch, refuse_trainer_autos
 from autotuner.core.errors import ConfigError, UnsupportedError
+from autotuner.core.rank_setup import config_warnings_shown
 from autotuner.runtime.deepspeed_side import gather_deepspeed_partitions
 from autotuner.runtime.distributed import dist_timeout_s, init_distributed, warn_once
 from autotuner.runtime.engine import Engine
@@ -67,8 +68,10 @@ def _settle_local_rank(args: Any, local_rank: int) -> None:
     args.local_rank = local_rank
 
 
-def _config_from(args: Any, config: ConfigSource | None) -> tuple[DeepSpeedConfig, tuple[str, ...]]:
-    """(the config, the tuned keys laid over the script's own values). As DeepSpeed:
+def _config_from(args: Any, config: ConfigSource | None, client_optimizer: bool = False,
+                 ) -> tuple[DeepSpeedConfig, tuple[str, ...], bool]:
+    """(the config, the tuned keys laid over the script's own values, whether this engine is the one
+    a tuner measures: the first in the process that trains, see `_measured_here`). As DeepSpeed:
     args.deepspeed_config (or the older deepscale_config; a path or a dict) or
     initialize(config=...), not both. Ours besides: Hugging Face's style `--deepspeed PATH`, read
     only where neither is given (DeepSpeed's --deepspeed is a switch, never a config)."""
@@ -88,25 +91,46 @@ def _config_from(args: Any, config: ConfigSource | None) -> tuple[DeepSpeedConfi
     source = config if config is not None else given[0]
     if isinstance(source, os.PathLike):
         source = os.fspath(source)
-    laid, label, tuned_over = _with_tuned_values(source)
-    loaded = load_config(laid, name=label)
+    raw = source if isinstance(source, (Mapping, DeepSpeedConfig)) else read_config_file(source)
+    trains = client_optimizer or _has_optimizer_section(raw)
+    measured = _measured_here(trains)
+    laid, label, tuned_over = _with_tuned_values(source if isinstance(source, DeepSpeedConfig) else raw,
+                                                 config_label(source) if not isinstance(source, Mapping) else None,
+                                                 measured)
+    with config_warnings_shown(isinstance(source, Mapping)):
+        loaded = load_config(laid, name=label)
     # No Trainer runs before our engine to fill its "auto" values in, nor the tuner its batch sizes.
     named = str(source) if isinstance(source, (str, os.PathLike)) else "config"
     refuse_auto_batch(loaded, named)
     refuse_trainer_autos(loaded, named)
     refuse_other_math(loaded, str(source) if isinstance(source, (str, os.PathLike)) else "config")
-    return loaded, tuned_over
+    return loaded, tuned_over, measured
 
 
-def _with_tuned_values(source: ConfigSource) -> tuple[ConfigSource, str | None, tuple[str, ...]]:
+def _has_optimizer_section(raw: Any) -> bool:
+    if isinstance(raw, DeepSpeedConfig):
+        return raw.optimizer is not None
+    return isinstance(raw, Mapping) and raw.get("optimizer") is not None
+
+
+def _measured_here(trains: bool) -> bool:
+    """The engine a tuner measures, and the only one its tuned values are laid over: the first in
+    this process built to train (with an optimizer). DeepSpeed-Chat's step 3 builds four (actor,
+    reference, critic, reward); the forward-only ones and the later trained ones keep their own
+    configs, as each DeepSpeed engine keeps the config it was given."""
+    return trains and Engine.training_engines_in_process == 0
+
+
+def _with_tuned_values(source: Any, label: str | None, measured: bool,
+                       ) -> tuple[ConfigSource, str | None, tuple[str, ...]]:
     """(the config source, its name, the keys that differed): in a tuner's launch, and in the
-    training its pick runs, the tuned values laid over it (config/tuned_values.py), each that
-    differed said once in the log."""
+    training its pick runs, the tuned values laid over the measured engine's config
+    (config/tuned_values.py), each that differed said once in the log."""
     tuned = tuned_values_from_env()
-    if not tuned or isinstance(source, DeepSpeedConfig):
-        return source, None, ()
-    named = "initialize(config=...)" if isinstance(source, Mapping) else config_label(source)
-    raw = source if isinstance(source, Mapping) else read_config_file(source)
+    if not tuned or not measured or isinstance(source, DeepSpeedConfig):
+        return source, label, ()
+    named = label or "initialize(config=...)"
+    raw = source
     laid, changes = lay_tuned_values(raw, tuned)
     if changes:
         warn_once(f"{named}: the script's config differs from the tuned values, which our engine trains with: "
@@ -293,7 +317,12 @@ def initialize(
     if dist_init_required is False and not dist.is_initialized():
         raise ConfigError("initialize(dist_init_required=False): the process group is not initialised; call "
                           "init_distributed() first or leave dist_init_required unset")
-    cfg, tuned_over_script = _config_from(args, config if config is not None else config_params)
+    cfg, tuned_over_script, measured = _config_from(args, config if config is not None else config_params,
+                                                    client_optimizer=optimizer is not None)
+    trains = optimizer is not None or cfg.optimizer is not None
+    if not trains and lr_scheduler is not None:
+        raise ConfigError("initialize(lr_scheduler=...): this engine has no optimizer (no optimizer=... and no "
+                          "'optimizer' section), so the schedule would drive nothing; pass the optimizer too")
     stage = cfg.zero_optimization.stage
     if not isinstance(stage, int):
         raise ConfigError(
@@ -322,17 +351,19 @@ def initialize(
     apply_activation_checkpointing(model, cfg.activation_checkpointing.policy)  # before DDP/FSDP2 wrap
     if cfg.compile.enabled:
         compile_blocks(model, cfg.compile.backend, cfg.compile.kwargs)  # after checkpointing, before sharding
-    noise = gradient_noise_probe(cfg, stage, batch, ctx.world_size, layout)
+    noise = gradient_noise_probe(cfg, stage, batch, ctx.world_size, layout) if measured else None
     wrapped = wrap_model(model, stage, cfg.zero_optimization, cfg.precision, ctx, GradientReduction.from_config(cfg),
-                         noise, dp_mesh=layout.mesh["dp"] if layout.tensor_parallel else None)
-    noise = noise or micro_step_noise_probe(cfg, stage, batch, ctx.world_size, unwrap(wrapped).parameters())
-    ramp = batch_ramp(cfg, ctx.rank, noise is not None, stage)
-    groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
-    shadows = None
-    if split is not None and stage == 1:  # ZeroRedundancyOptimizer over the dp group, on the shards' shadows
-        shadows, groups = SplitShadows.over(groups)
-    opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage, layout.dp_group if shadows else None)
-    scheduler = _build_scheduler(lr_scheduler, cfg, opt, stage)
+                         noise, dp_mesh=layout.mesh["dp"] if layout.tensor_parallel else None, forward_only=not trains)
+    if measured:
+        noise = noise or micro_step_noise_probe(cfg, stage, batch, ctx.world_size, unwrap(wrapped).parameters())
+    ramp = batch_ramp(cfg, ctx.rank, noise is not None, stage) if measured else None
+    shadows = opt = local_opt = scheduler = None
+    if trains:
+        groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
+        if split is not None and stage == 1:  # ZeroRedundancyOptimizer over the dp group, on the shards' shadows
+            shadows, groups = SplitShadows.over(groups)
+        opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage, layout.dp_group if shadows else None)
+        scheduler = _build_scheduler(lr_scheduler, cfg, opt, stage)
     loader = None
     if training_data is not None:
         if not isinstance(training_data, Dataset):
@@ -344,7 +375,7 @@ def initialize(
     engine = Engine(
         wrapped, opt, scheduler, cfg, batch, ctx,
         local_optimizer=local_opt,
-        grad_scaler=_grad_scaler(cfg, ctx.device, stage, split is not None),
+        grad_scaler=_grad_scaler(cfg, ctx.device, stage, split is not None) if trains else None,
         training_dataloader=loader,
         client_optimizer=optimizer is not None,
         gradient_noise=noise,
@@ -352,6 +383,7 @@ def initialize(
         split=split,
         shadows=shadows,
         ramp=ramp,
+        measured=measured,
     )
     engine.tuned_over_script = tuned_over_script
     if stage >= 2:  # FSDP2's shards: whole weights where a DeepSpeed script reads them (saving/whole_weights.py)

@@ -68,7 +68,7 @@ def save(
     save_dir: str | Path,
     tag: str,
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | None,
     engine_state: dict[str, Any],
     *,
     save_latest: bool = True,
@@ -78,10 +78,9 @@ def save(
     `save_latest`, `latest`. Model weights named in `exclude` are left out."""
     path = Path(save_dir) / tag
     engine_bytes = engine_state_bytes(engine_state)  # on every rank, before any collective: all refuse alike
-    state = {
-        "model": {name: value for name, value in get_model_state_dict(model).items() if name not in exclude},
-        "optim": get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS),
-    }
+    state = {"model": {name: value for name, value in get_model_state_dict(model).items() if name not in exclude}}
+    if optimizer is not None:  # (an engine built without one saves its weights alone)
+        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIM_OPTIONS)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), overwrite=True))
     if dist.get_rank() == 0:
         tmp = path / f".{ENGINE_STATE_FILE}.tmp"

@@ -37,7 +37,7 @@ class EngineCheckpoints:
             "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
             "grad_scaler": self._grad_scaler.state_dict() if self._grad_scaler is not None else None,
             "client_state": client_state or {},
-            "param_groups": [checkpoint.plain_hyperparameters(group) for group in self.optimizer.param_groups],
+            "param_groups": [checkpoint.plain_hyperparameters(group) for group in self._optimizer_groups()],
             "param_group_members": self._param_group_members(),
             "zero_stage": self.zero_stage,
             "world_size": self.ctx.world_size,
@@ -84,7 +84,11 @@ class EngineCheckpoints:
         for param, shadow in shadows.pairs if shadows is not None else ():
             names[id(shadow)] = names.get(id(param), "(a parameter outside the model)")
         return [sorted(names.get(id(param), "(a parameter outside the model)") for param in group["params"])
-                for group in self.optimizer.param_groups]
+                for group in self._optimizer_groups()]
+
+    def _optimizer_groups(self) -> list[dict]:
+        """The optimizer's groups; none for an engine built without an optimizer (forward only)."""
+        return self.optimizer.param_groups if self.optimizer is not None else []
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -109,7 +113,7 @@ class EngineCheckpoints:
         if optimizer is not None:
             # ZeRO-1 copies its global groups' hyperparameters into the local optimizer at each
             # step, so they are restored from the engine state, not from the local optimizer.
-            for group, saved in zip(self.optimizer.param_groups, state.get("param_groups", [])):
+            for group, saved in zip(self._optimizer_groups(), state.get("param_groups", [])):
                 group.update(saved)
         if load_module_only:
             return str(Path(load_dir) / resolved), state.get("client_state", {})

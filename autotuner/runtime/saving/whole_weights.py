@@ -148,6 +148,11 @@ class Gathering:
     """One `GatheredParameters` context over DTensor parameters (collective: every rank enters it)."""
 
     def __init__(self, params: Iterable[Any], modifier_rank: int | None):
+        params = list(params)
+        for param in params:  # whole tensors need nothing; one that holds no values cannot be gathered
+            if isinstance(param, torch.Tensor) and param.is_meta:
+                raise UnsupportedError(f"GatheredParameters: a parameter of shape {tuple(param.shape)} is on the "
+                                       "meta device (no values on any rank); materialise the model before gathering")
         # A parameter an enclosing context gathered stays its: whole already, as in DeepSpeed.
         self.params = list(dict.fromkeys(p for p in params if is_dtensor(p) and type(p) is not _GatheredDTensor))
         self.modifier_rank = modifier_rank

@@ -36,7 +36,8 @@ class DeepSpeedAccessors:
     def __getattr__(self, name: str) -> Any:
         """DeepSpeed's pass-through: a name the engine lacks is looked up on the user's model
         (`engine.generate`, `engine.gradient_checkpointing_enable()`); the engine's own names come
-        first, nn.Module's parameters, buffers and submodules included."""
+        first, nn.Module's parameters, buffers and submodules included. A model method found there
+        runs as the engine's forward would (training/method_calls.py)."""
         try:
             return super().__getattr__(name)  # nn.Module's: what it registered
         except AttributeError:
@@ -45,9 +46,11 @@ class DeepSpeedAccessors:
         if wrapped is not None:
             inner = wrapped.module if isinstance(wrapped, DistributedDataParallel) else wrapped
             try:
-                return getattr(inner, name)
+                value = getattr(inner, name)
             except AttributeError:
                 pass
+            else:
+                return self._through_engine(name, value)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     @property
@@ -146,10 +149,12 @@ class DeepSpeedAccessors:
         raise _no_pipeline_engine()
 
     def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer is not None else []
 
     def get_mom(self) -> list[Any]:
         """Adam's betas, or SGD's momentum, per param group (DeepSpeed's get_mom)."""
+        if self.optimizer is None:
+            return []
         return [group.get("betas", group.get("momentum")) for group in self.optimizer.param_groups]
 
     def fp16_enabled(self) -> bool:
@@ -184,6 +189,8 @@ class DeepSpeedAccessors:
         return self.config.fp16.loss_scale == 0
 
     def optimizer_name(self) -> str | None:
+        if self.optimizer is None:
+            return None  # DeepSpeed's, for an engine built without one
         return self.config.optimizer.type if self.config.optimizer is not None and not self._client_optimizer \
             else type(self.optimizer).__name__
 

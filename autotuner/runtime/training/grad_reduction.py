@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_KEYS = ("communication_data_type", "prescale_gradients", "gradient_predivide_factor")
 
 
 @dataclass(frozen=True)
@@ -25,15 +24,16 @@ class GradientReduction:
     dtype: torch.dtype | None  # None: the gradients' own dtype
     prescale: bool
     predivide_factor: float
-    scaling_set: bool  # prescale_gradients or gradient_predivide_factor given in the config
+    scaling_set: bool  # prescale_gradients true or a gradient_predivide_factor other than 1: not DeepSpeed's default
 
     @classmethod
     def from_config(cls, config: Any) -> "GradientReduction | None":
-        """None when the config sets none of the keys: torch's own reduction, unchanged."""
-        if not set(_KEYS) & config.model_fields_set:
-            return None
+        """None when the config asks for DeepSpeed's default reduction (none of the keys, or
+        `prescale_gradients: false` and factor 1, as DeepSpeed-Chat writes them): torch's own, unchanged."""
         dtype = DTYPES[config.communication_data_type] if config.communication_data_type else None
-        scaling_set = bool({"prescale_gradients", "gradient_predivide_factor"} & config.model_fields_set)
+        scaling_set = bool(config.prescale_gradients) or config.gradient_predivide_factor != 1.0
+        if dtype is None and not scaling_set:
+            return None
         return cls(dtype, config.prescale_gradients, config.gradient_predivide_factor, scaling_set)
 
 

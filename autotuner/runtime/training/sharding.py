@@ -100,9 +100,7 @@ def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: 
     if ctx.world_size > 1 and dp_mesh is None:  # a split model took rank 0's weights before it was split
         # Every rank starts from rank 0's weights, as DDP and DeepSpeed's engine (and its zero.Init)
         # make them: FSDP2 keeps each rank's own slice of whatever that rank built.
-        with torch.no_grad():
-            for tensor in [*model.parameters(), *model.buffers()]:
-                dist.broadcast(tensor.data, src=0)
+        broadcast_from_rank_zero(model)
     reshard = stage == 3
     kwargs: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, offload_policy=offload)
     units = shard_units(model, zero.stage3_param_persistence_threshold or 0)
@@ -118,19 +116,32 @@ def _fsdp2(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: 
     return model
 
 
+def broadcast_from_rank_zero(model: nn.Module) -> None:
+    """Every rank's parameters and buffers set to rank 0's (collective)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
 def wrap_model(model: nn.Module, stage: int, zero: ZeroConfig, precision: str, ctx: DistributedContext,
                reduction: GradientReduction | None = None, noise: GradientNoiseProbe | None = None,
-               dp_mesh: Any = None) -> nn.Module:
+               dp_mesh: Any = None, forward_only: bool = False) -> nn.Module:
     """Move `model` to the device and wrap it for `stage`. FSDP2 shards it in place. A model split
     by tensor parallelism comes with its `dp_mesh`: FSDP2 shards over it at stages 2-3; at stage 0
     it stays unwrapped, its split parameters whole DTensors, and the engine averages the gradients
     over the dp group at each boundary (DeepSpeed's stage 0 does its own all-reduce too), so that
-    every state dict still knows which tensors are split."""
+    every state dict still knows which tensors are split. `forward_only`: an engine without an
+    optimizer (DeepSpeed-Chat's reference and reward models), which never reduces a gradient: at
+    stages 0-1 no DDP, only rank 0's weights on every rank, as DeepSpeed's engine broadcasts them."""
     check_supported(stage, zero, precision, ctx.device)
     model = model.to(ctx.device)
     if stage >= 2:
         return _fsdp2(model, stage, zero, precision, ctx, reduction, dp_mesh)
     if dp_mesh is not None:
+        return model
+    if forward_only:
+        if ctx.world_size > 1:
+            broadcast_from_rank_zero(model)
         return model
     return wrap_ddp(model, zero, ctx, reduction=reduction, noise=noise)
 

@@ -5,9 +5,11 @@ context that does nothing: the model trains as under DeepSpeed's Init, but each 
 whole first (its memory then, not its training, differs). `GatheredParameters` does what
 DeepSpeed's does for FSDP2's sharded parameters (DTensors, ZeRO 2 and 3 here): every rank
 entering it sees them whole, through the parameter's `.data` and the module's attribute, and with
-`modifier_rank` that rank's changes reach every shard on exit (runtime/saving/whole_weights.py). Entered
-with enabled=False, or for parameters that are not sharded (stage 0-1), it does nothing, as in
-DeepSpeed.
+`modifier_rank` that rank's changes reach every shard on exit (runtime/saving/whole_weights.py).
+Parameters DeepSpeed's own zero.Init partitioned (a model transformers built under it, not yet
+through our initialize) are gathered by DeepSpeed's own `GatheredParameters`, changes written back
+alike. Entered with enabled=False, or for parameters that are whole already (stage 0-1), it does
+nothing, as in DeepSpeed; anything else it was given and cannot gather is refused in one line.
 """
 
 from __future__ import annotations
@@ -45,12 +47,31 @@ class GatheredParameters:
             params = []
         elif not isinstance(params, (list, tuple)) and not hasattr(params, "__next__"):
             params = [params]
-        self._gathering = Gathering(list(params), modifier_rank) if enabled else None
+        params = list(params)
+        self._contexts = []
+        if not enabled:
+            return
+        # A model DeepSpeed's own zero.Init partitioned (built while transformers' HfDeepSpeedConfig
+        # at ZeRO 3 was alive, before our initialize gathered it whole): DeepSpeed's own context
+        # gathers those partitions and writes modifier_rank's changes back into them.
+        partitions = [p for p in params if "ds_tensor" in getattr(p, "__dict__", {})]
+        if partitions:
+            import sys
+
+            self._contexts.append(sys.modules["deepspeed"].zero.GatheredParameters(
+                partitions, modifier_rank=modifier_rank, fwd_module=fwd_module, enabled=True))
+        ours = [p for p in params if "ds_tensor" not in getattr(p, "__dict__", {})]
+        self._contexts.append(Gathering(ours, modifier_rank))
 
     def __enter__(self) -> None:
-        if self._gathering is not None:
-            self._gathering.__enter__()
+        for entered, context in enumerate(self._contexts):
+            try:
+                context.__enter__()
+            except BaseException:
+                for earlier in reversed(self._contexts[:entered]):
+                    earlier.__exit__(None, None, None)
+                raise
 
     def __exit__(self, *exc: Any) -> None:
-        if self._gathering is not None:
-            self._gathering.__exit__(*exc)
+        for context in reversed(self._contexts):
+            context.__exit__(*exc)
