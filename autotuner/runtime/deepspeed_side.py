@@ -85,14 +85,30 @@ class _CallingLoader(importlib.abc.Loader):
 
 
 # ----- DeepSpeed's comm, and its partitions gathered -----
+_SHM_OP = "deepspeed_shm_comm"  # DeepSpeed's CPU shared-memory collectives (its ShareMemCommBuilder.NAME)
+
+
 def follow_with_deepspeed_comm(backend: str) -> None:
     """Once DeepSpeed loads in this process, initialise its comm on the process group we set up."""
 
     def join() -> None:
-        comm = sys.modules["deepspeed"].comm
-        if not comm.is_initialized():
-            comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-            unlink_shm_buffer(backend == "gloo")
+        deepspeed = sys.modules["deepspeed"]
+        if deepspeed.comm.is_initialized():
+            return
+        # Without DeepSpeed's CPU shared-memory allreduce, whose setup waits for every rank's buffer:
+        # joining stays local to this rank, so a rank that alone imports DeepSpeed (transformers does
+        # inside rank 0's save_pretrained) does not hang. DeepSpeed's comm here carries only its
+        # zero.Init's broadcasts and its GatheredParameters, which torch's collectives serve.
+        compatible = getattr(deepspeed.ops, "__compatible_ops__", {})
+        before = compatible.get(_SHM_OP)
+        compatible[_SHM_OP] = False
+        try:
+            deepspeed.comm.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        finally:
+            if before is None:
+                compatible.pop(_SHM_OP, None)
+            else:
+                compatible[_SHM_OP] = before
 
     when_deepspeed_loads(join)
 

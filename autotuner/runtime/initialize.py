@@ -38,6 +38,7 @@ from autotuner.runtime.training.split_zero import SplitShadows
 from autotuner.runtime.training.tensor_parallel import ParallelLayout, split_model
 from autotuner.runtime.tp_init import merge_into_config
 
+IN_CODE = "initialize(config=...)"  # how a config built in code is named in messages
 OptimizerArg = Union[torch.optim.Optimizer, Callable[[Iterable], torch.optim.Optimizer], None]
 
 
@@ -94,9 +95,9 @@ def _config_from(args: Any, config: ConfigSource | None, client_optimizer: bool 
     raw = source if isinstance(source, (Mapping, DeepSpeedConfig)) else read_config_file(source)
     trains = client_optimizer or _has_optimizer_section(raw)
     measured = _measured_here(trains)
-    laid, label, tuned_over = _with_tuned_values(source if isinstance(source, DeepSpeedConfig) else raw,
-                                                 config_label(source) if not isinstance(source, Mapping) else None,
-                                                 measured)
+    label = IN_CODE if isinstance(source, Mapping) else None if isinstance(source, DeepSpeedConfig) else \
+        config_label(source)
+    laid, label, tuned_over = _with_tuned_values(raw, label, measured)
     with config_warnings_shown(isinstance(source, Mapping)):
         loaded = load_config(laid, name=label)
     # No Trainer runs before our engine to fill its "auto" values in, nor the tuner its batch sizes.
@@ -129,9 +130,8 @@ def _with_tuned_values(source: Any, label: str | None, measured: bool,
     tuned = tuned_values_from_env()
     if not tuned or not measured or isinstance(source, DeepSpeedConfig):
         return source, label, ()
-    named = label or "initialize(config=...)"
-    raw = source
-    laid, changes = lay_tuned_values(raw, tuned)
+    named = label or IN_CODE
+    laid, changes = lay_tuned_values(source, tuned)
     if changes:
         warn_once(f"{named}: the script's config differs from the tuned values, which our engine trains with: "
                   f"{'; '.join(changes)}")
