@@ -282,6 +282,9 @@ class ModelInfo:
     # plan split (whole counts): each rank holds split / tensor_parallel of them and the rest whole.
     tensor_parallel: int = 1
     split_num_params: int = 0
+    # The measured engine's model class: where a script builds several engines, the one the tuned
+    # values are for (our engine: the first built with an optimizer; DeepSpeed's: the first built).
+    measured_model: str = ""
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import WORKERS, run_launcher
+from conftest import WORKERS, experiments_table, run_launcher, tune, write_json
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
@@ -128,3 +128,34 @@ def test_without_align_overflow_each_engine_skips_what_it_overflowed(root):
     record, _ = ppo(root, "fp16_z0_own", 0, "--dtype", "fp16", "--num_steps", "5")
     steps = record["steps"]
     assert record["skipped"] == [sum(step["overflow"][0] for step in steps), sum(step["overflow"][1] for step in steps)]
+
+
+PPO_TUNING = {"enabled": True, "start_profile_step": 2, "end_profile_step": 3, "exp_timeout_s": 120,
+              "tuner_type": "gridsearch", "remeasure_rounds": 0, "history": False,
+              # Only the batch is mapped; the stage is laid over the measured engine's own dict.
+              "arg_mappings": {"train_micro_batch_size_per_gpu": "--per_device_training_batch_size",
+                               "gradient_accumulation_steps": "--gradient_accumulation_steps"}}
+
+
+def test_a_tune_is_for_the_first_engine_built_with_an_optimizer_and_leaves_the_others_their_own(root, tmp_path,
+                                                                                            no_orphans):
+    config = write_json(tmp_path / "ds.json", {"train_micro_batch_size_per_gpu": [1, 2],
+                                              "gradient_accumulation_steps": 1, "zero_optimization": {"stage": [0, 2]},
+                                              "autotuning": PPO_TUNING})
+    done = tune(tmp_path, config, "--checkpoints", root / "checkpoints", "--dtype", "fp32", "--num_steps", "4",
+                "--output_dir", tmp_path / "out", "--critic_zero_stage", "0", script=SCRIPT, mode="run")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = experiments_table(tmp_path / "autotuning_results")
+    assert set(table.state) == {"ok"} and set(table.zero_stage) == {0, 2}
+    for row in table.itertuples():  # each experiment's measured (actor) engine ran what it is recorded under
+        metrics = json.loads((tmp_path / "autotuning_exps" / row.name / "metrics.json").read_text())
+        assert (metrics["zero_stage"], metrics["micro_batch_size"]) == (row.zero_stage, row.micro_batch_size)
+    assert ("the script made 4 engines; the tuned values are for the first it built with an optimizer "
+            "(OPTForCausalLM), and are laid over that engine's config only") in done.stdout
+    # The pick trains on the actor; the reference follows --actor_zero_stage's 0 (dschat's rule), the
+    # critic its own flag and the reward model the critic's: their configs are their own.
+    picked = table[table.chosen].iloc[0]
+    record = json.loads((tmp_path / "out" / "record.json").read_text())
+    assert record["stages"] == [int(picked.zero_stage), 0, 0, 0]
+    assert record["micro_batches"] == [int(picked.micro_batch_size)] * 4  # the mapped flag reaches every engine
+    assert all(math.isfinite(step["actor_loss"]) for step in record["steps"])

@@ -376,8 +376,11 @@ def main():
     actor_path, critic_path = write_checkpoints(args.checkpoints)
     rlhf_engine = DeepSpeedRLHFEngine(actor_path, critic_path, args)
     trainer = DeepSpeedPPOTrainer(rlhf_engine, args)
+    engines = (rlhf_engine.actor, rlhf_engine.ref, rlhf_engine.critic, rlhf_engine.reward)
     record = {"engines": [type(engine.optimizer).__name__ if engine.optimizer is not None else None
-                          for engine in (rlhf_engine.actor, rlhf_engine.ref, rlhf_engine.critic, rlhf_engine.reward)]}
+                          for engine in engines],
+              "stages": [engine.zero_optimization_stage() for engine in engines],
+              "micro_batches": [engine.train_micro_batch_size_per_gpu() for engine in engines]}
     expected = torch.load(os.path.join(critic_path, "pytorch_model.bin"), weights_only=True)
     if rank == 0:  # (at ZeRO 2-3 the other ranks serve rank 0's whole state_dict meanwhile)
         record["critic_and_reward_from_checkpoint"] = [state_matches(engine.module, expected)

@@ -227,6 +227,7 @@ def write_model_info(
     sequence_length: int = 0,
     tensor_parallel: int = 1,
     split_num_params: int = 0,
+    measured_model: str = "",
 ) -> ModelInfo:
     total, trainable = parameter_counts or count_parameters(zero_stage_module)
     from autotuner.runtime.measure.model_family import device_name, model_family
@@ -260,6 +261,7 @@ def write_model_info(
         sequence_length=sequence_length,
         tensor_parallel=tensor_parallel,
         split_num_params=split_num_params,
+        measured_model=measured_model,
     )
     write_record(path, info)
     return info

@@ -157,6 +157,7 @@ class RankMeasurement:
                 sequence_length=view.sequence_length(),
                 tensor_parallel=tp,
                 split_num_params=split_count,
+                measured_model=model_class_name(view.model()),
             )
         if self.request.exit_after_model_info:
             self.leave()
@@ -233,3 +234,12 @@ class RankMeasurement:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         leave_now(0)
+
+
+def model_class_name(model: Any) -> str:
+    """The user's model class behind DDP's wrapper and FSDP2's generated `FSDP<Name>` class."""
+    inner = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+    for cls in type(inner).__mro__:
+        if not cls.__name__.startswith("FSDP") and cls.__module__.split(".")[0] != "torch":
+            return cls.__name__
+    return type(inner).__name__

@@ -19,7 +19,6 @@ than `forward` through it: DeepSpeed-Chat's PPO trainer trains its critic throug
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Any, Callable
 
 import torch
@@ -91,15 +90,32 @@ class MethodCalls:
     def needed(self) -> bool:
         return self._gather is not None or self._autocast is not None
 
-    def wrap(self, bound: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(bound)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self._before_call()
-            autocast = torch.autocast(self._device.type, dtype=self._autocast) if self._autocast is not None \
-                else contextlib.nullcontext()
-            with autocast:
-                if self._gather is not None:
-                    return self._gather.call(bound, *args, **kwargs)
-                return bound(*args, **kwargs)
+    def wrap(self, bound: Callable[..., Any]) -> "EngineMethod":
+        return EngineMethod(self, bound)
 
-        return call
+    def call(self, bound: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        self._before_call()
+        autocast = torch.autocast(self._device.type, dtype=self._autocast) if self._autocast is not None \
+            else contextlib.nullcontext()
+        with autocast:
+            if self._gather is not None:
+                return self._gather.call(bound, *args, **kwargs)
+            return bound(*args, **kwargs)
+
+
+class EngineMethod:
+    """The model's bound method as the engine calls it; reads as that method otherwise (`__func__`,
+    `__self__`, `__name__`, and inspect.signature through `__wrapped__`)."""
+
+    def __init__(self, calls: MethodCalls, bound: Callable[..., Any]):
+        self._calls = calls
+        self.__wrapped__ = bound
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._calls.call(self.__wrapped__, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["__wrapped__"], name)
+
+    def __repr__(self) -> str:
+        return f"<engine call of {self.__wrapped__!r}>"

@@ -127,9 +127,19 @@ def blind_spots(infos: list[ModelInfo]) -> list[str]:
                         "(engine(x)), so the memory model cannot see activation memory; call the engine, or " + how)
     engines = max(info.engines_in_process for info in infos)
     if engines > 1:
-        warnings.append(f"the script made {engines} engines (a GAN's two networks, say); the profile measures only "
-                        "one of them, so the memory model under-counts; " + how)
+        warnings.append(f"the script made {engines} engines; " + measured_engine(infos[0]) + ", so the memory model "
+                        "under-counts the others; " + how)
     return warnings
+
+
+def measured_engine(info: ModelInfo) -> str:
+    """Which of a script's engines the tune measured and tuned (DeepSpeed-Chat's step 3 builds four)."""
+    model = f" ({info.measured_model})" if info.measured_model else ""
+    if info.engine == "autotuner":
+        return (f"the tuned values are for the first it built with an optimizer{model}, and are laid over that "
+                "engine's config only; the others train with their own, as each DeepSpeed engine keeps the config "
+                "it was given; the profile measures only that engine")
+    return f"the profile measures only the first it built{model}"
 
 
 def peak_fit(infos: list[ModelInfo]) -> PeakFit | None:
