@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autotuner.core.errors import ConfigError, UsageError
-from autotuner.execution.script_imports import ImportSite, import_sites
+from autotuner.core.script_imports import ImportSite, import_sites
+from autotuner.launch.accelerate_launch import trains_through_accelerate
 from autotuner.tuning.space.dimensions import REGISTRY
 
 ENGINE_CHOICES = ("auto", "deepspeed", "autotuner")
@@ -108,6 +109,13 @@ def engine_choice(script: str, requested: str = "auto") -> EngineChoice:
         return EngineChoice("deepspeed", True, "imports",
                             f"{script} imports deepspeed ({_site_text(deepspeed, script)})")
     through = None if ours is not None else next((site for site in sites if site.name in DEEPSPEED_THROUGH), None)
+    if through is None and trains_through_accelerate(script):
+        site = next(site for site in sites if site.top_level == "accelerate")
+        return EngineChoice("deepspeed", True, "imports",
+                            f"{script} imports {site.name.replace(':', '.')} ({_site_text(site, script)}) and takes "
+                            "no --deepspeed flag of its own: accelerate's DeepSpeed plugin trains it on DeepSpeed's "
+                            "engine, given --deepspeed's config through accelerate's environment as `accelerate "
+                            "launch` gives it")
     if through is not None:
         return EngineChoice("deepspeed", True, "imports",
                             f"{script} imports {through.name.replace(':', '.')} ({_site_text(through, script)}), "

@@ -39,7 +39,7 @@ from autotuner.app.trainer_checks import check_trainer_mappings, check_trainer_s
 from autotuner.app.tensor_parallel_checks import check_tensor_parallel_tune, kept_degrees, settled_degrees
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.backends import BACKENDS, backend_spec
-from autotuner.execution.script_imports import own_modules
+from autotuner.core.script_imports import own_modules
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import LaunchPlan
 from autotuner.launch.script_args import config_path

@@ -143,7 +143,7 @@ _TYPE_TAGS = {"int", "bool", "float", "str", "list", "dict", "none", "constraine
 _ALLOWED = {
     "train_batch_size": 'expected a positive integer or "auto"',
     "train_micro_batch_size_per_gpu": 'expected a positive integer, "auto", or a list of positive integers',
-    "gradient_accumulation_steps": 'expected a positive integer or "auto"',
+    "gradient_accumulation_steps": 'expected a positive integer or "auto" (a tune derives gas from the micro-batch and the global batch; list the micro-batches instead)',
     "stage": 'expected a ZeRO stage 0, 1, 2 or 3, a list of them, or "all"',
     "optimizer.type": 'expected "Adam", "AdamW" or "SGD"',
     "scheduler.type": 'expected "WarmupLR", "WarmupDecayLR" or "WarmupCosineLR"',

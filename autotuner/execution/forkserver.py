@@ -20,7 +20,7 @@ import psutil
 
 from autotuner.core.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
 from autotuner.core.boundary import WARM_PRELOAD_REPORT_ENV as REPORT_ENV
-from autotuner.execution.script_imports import script_imports
+from autotuner.core.script_imports import script_imports
 from autotuner.launch.stopping import make_temporary_dir, remove_temporary_dir
 from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from autotuner.core.boundary import ERROR_DIR_ENV, RankError, error_message, write_record
 from autotuner.core.parent_death import die_with_parent
 from autotuner.core.rank_setup import QUIET_ERRORS_ENV, setup_rank
+from autotuner.launch.accelerate_launch import accelerate_rank_args, cpu_world_for_accelerate, trains_through_accelerate
 
 
 def _record(kind: str, message: str, exit_code: int, ours: bool = False) -> None:
@@ -98,6 +99,9 @@ def _measure_deepspeed_engine() -> None:
 def run(argv: list[str]) -> int:
     """Run `argv[0]` with arguments `argv[1:]` as __main__; return the process's exit status."""
     script, *args = argv
+    if trains_through_accelerate(script):  # accelerate launch's part (launch/accelerate_launch.py)
+        args = list(accelerate_rank_args(script, tuple(args), os.environ))
+        cpu_world_for_accelerate()
     sys.argv = [script, *args]
     # `python -m` put the working directory first; `python train.py` (and torchrun, and DeepSpeed's
     # launcher) put only the script's, so a module in the working directory must not shadow one.

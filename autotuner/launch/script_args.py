@@ -79,3 +79,18 @@ def replace_config(args: tuple[str, ...], path: str) -> tuple[str, ...]:
         if found and found[1] is not None:
             return set_flag(args, flag, path)
     raise UsageError("no config among the script's arguments: pass --deepspeed PATH after the script")
+
+
+def without_flag(args: tuple[str, ...], flag: str) -> tuple[str, ...]:
+    """`args` with every `--flag V`, `--flag=V` and bare `--flag` of a valued flag taken out."""
+    out: list[str] = []
+    index = 0
+    while index < len(args):
+        arg = args[index]
+        if arg == flag:
+            index += 2 if _is_value(args[index + 1] if index + 1 < len(args) else None, False) else 1
+            continue
+        if not arg.startswith(flag + "="):
+            out.append(arg)
+        index += 1
+    return tuple(out)

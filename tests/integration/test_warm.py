@@ -20,7 +20,7 @@ import pytest
 from autotuner.launch.options import LaunchOptions
 from autotuner.launch.plan import build_plan, rank_launch
 from autotuner.launch.warm_rank import script_argv
-from autotuner.execution.script_imports import script_imports
+from autotuner.core.script_imports import script_imports
 from conftest import WORKERS, experiments_table, launcher_env, tune, write_config
 
 WARM_TUNING = {"model_info": {"num_params": 1000}}

@@ -16,7 +16,7 @@ from autotuner.app.engines import EngineChoice, check_our_engine_sections, engin
 from autotuner.app.settle import settle, settle_built_engine
 from autotuner.config import load_config
 from autotuner.core.errors import ConfigError, UsageError
-from autotuner.execution.script_imports import import_sites
+from autotuner.core.script_imports import import_sites
 from autotuner.tuning.orchestrator import Autotuner
 from autotuner.tuning.trials.trial import launched_config
 from autotuner.tuning.space.experiment import Experiment

@@ -359,7 +359,7 @@ def test_knob_values_that_round_alike_get_names_of_their_own():
 
 
 def test_the_fingerprint_sees_the_scripts_own_modules_beside_it(tmp_path):
-    from autotuner.execution.script_imports import own_modules
+    from autotuner.core.script_imports import own_modules
 
     script = tmp_path / "train.py"
     script.write_text("import torch\nfrom model import Net\n")

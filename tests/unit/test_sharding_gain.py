@@ -34,6 +34,24 @@ def test_sharding_is_left_out_only_when_everything_fits_unsharded_and_its_collec
     assert sharding_cannot_win((0, 1, 2, 3), True, bf16, 1.0, 0.03) is not None
 
 
+def test_on_deepspeeds_engine_its_own_zero_collectives_are_costed_and_named():
+    # DeepSpeed's ZeRO 2 reduce-scatters where its ZeRO 1 all-reduces, and both gather the same
+    # compute copy: with a reduce-scatter at half an all-reduce's cost, 40 MB of fp32 gradients at
+    # 1 GB/s saves 20 ms, which may win on a 0.5 s step (FSDP2's rule would prune it: ZeRO 1's fp32
+    # gather against its own reduce-scatter and gather).
+    links = (LinkFit("all_reduce", 1e-4, 1e9), LinkFit("all_gather", 1e-4, 1e9), LinkFit("reduce_scatter", 1e-4, 2e9))
+    ours = CostContext(num_params=10_000_000, world_size=2, compute_bytes=4, links=links)
+    theirs = dataclasses.replace(ours, engine="deepspeed")
+    assert theirs.communication_s(1, 1) - theirs.communication_s(2, 1) > 0.019
+    assert sharding_cannot_win((0, 1, 2, 3), True, theirs, 0.5, 0.03) is None
+    # On gloo (no reduce-scatter: costed as the all-reduce) it saves nothing, and says whose ZeRO 2 it costed.
+    gloo = dataclasses.replace(theirs, links=LINKS[:2])
+    reason = sharding_cannot_win((0, 1, 2, 3), True, gloo, 0.5, 0.03)
+    assert reason is not None and "DeepSpeed's ZeRO 2 saves 0.0 ms" in reason and "FSDP2" not in reason
+    assert "FSDP2 saves" in sharding_cannot_win((0, 1, 2, 3), True, dataclasses.replace(gloo, engine="autotuner"),
+                                                0.5, 0.03)
+
+
 def probed(trial: Trial) -> TrialResult:
     """5 samples/s per sample of the micro-batch, FSDP2 20% slower; a profile launch also carries a collective probe (1 GB/s)."""
     micro = trial.experiment.micro_batch_size

@@ -11,7 +11,8 @@ Step time of one optimizer step, for ZeRO stage s, micro-batch m and gas g:
   profile timed on the real process group (comm_fit.LinkFit): DDP all-reduces the fp32
   gradients; ZeRO 1 then also gathers the updated parameters; FSDP2 gathers the compute copy
   of the parameters (stage 2 once per step, stage 3 before forward and backward of every
-  micro-step) and reduce-scatters the gradients.
+  micro-step) and reduce-scatters the gradients. On DeepSpeed's engine its own ZeRO optimizers'
+  collectives are costed instead (communication_s).
 - under activation checkpointing, g x r_p m adds policy p's recompute, learned per policy from
   its launches (its prior: zero, within half the compute per sample).
 - offset(group) is what the costing misses for one stage and knob setting (overlap with
@@ -79,7 +80,13 @@ class CostContext:
         gradients = FP32_BYTES * self.num_params
         weights = self.compute_bytes * self.num_params
         calls: list[tuple[str, float, int]] = []
-        if stage <= 1:
+        if self.engine == "deepspeed" and stage >= 1:
+            # DeepSpeed's ZeRO optimizers: stage 1 all-reduces the gradients, 2 and 3 reduce-scatter
+            # them; stages 1 and 2 then all-gather the updated compute copy of every partition, and
+            # stage 3 gathers the parameters before forward and backward of every micro-step.
+            calls.append(("all_reduce" if stage == 1 else "reduce_scatter", gradients, 1))
+            calls.append(("all_gather", weights, 1 if stage < 3 else 2 * gradient_accumulation_steps))
+        elif stage <= 1:
             calls.append(("all_reduce", gradients, 1))
             if stage == 1:
                 calls.append(("all_gather", FP32_BYTES * self.num_params, 1))

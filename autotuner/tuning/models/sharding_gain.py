@@ -5,8 +5,10 @@ Sharding buys memory. Its one speed gain, the optimizer step on 1/N of the param
 micro-batch of the space fits unsharded, FSDP2 can beat ZeRO 1 only where its collectives cost
 less than ZeRO 1's (a bf16 gather moves half the bytes of ZeRO 1's fp32 one); by the links the
 profile's collective probe timed, that gain is costed, and below the noise it is not worth a
-launch. Overlap of gathers with compute is not costed: a GPU job whose communication is large
-against its step should leave the probe's verdict to a launch (it is shown in the summary).
+launch. On DeepSpeed's engine the same question is put to its own ZeRO optimizers' collectives
+(cost_model.communication_s: its ZeRO 2 reduce-scatters where its ZeRO 1 all-reduces). Overlap
+of gathers with compute is not costed: a GPU job whose communication is large against its step
+should leave the probe's verdict to a launch (it is shown in the summary).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def sharding_cannot_win(stages: tuple[int, ...], every_size_fits_unsharded: bool
     gain_s = context.communication_s(1, 1) - context.communication_s(2, 1)
     if gain_s > noise * step_time_s:
         return None
-    return (f"{REASON_PREFIX}: every micro-batch fits unsharded, and by the collective probe FSDP2 saves "
+    sharded = "DeepSpeed's ZeRO 2 saves" if context.engine == "deepspeed" else "FSDP2 saves"
+    return (f"{REASON_PREFIX}: every micro-batch fits unsharded, and by the collective probe {sharded} "
             f"{max(gain_s, 0.0) * 1e3:.1f} ms of a {step_time_s * 1e3:.0f} ms step over ZeRO 1, under the "
             f"{noise:.0%} noise: sharding cannot be faster")
