@@ -30,8 +30,13 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
     if script is not None:
         from autotuner.config.trainer_auto import refuse_trainer_autos
         from autotuner.app.engines import check_our_engine_sections, engine_choice, trains_on_ours
+        from autotuner.core.script_imports import import_sites
 
         choice = engine_choice(script, engine)
+        if choice.engine == "deepspeed" and choice.decided_by == "imports" and not any(
+                site.top_level == "deepspeed" for site in import_sites(script)):
+            # Through a library (accelerate, the Trainer): which engine trains is not in the script's imports.
+            print(f"launcher: note: engine: {choice.why}", file=sys.stderr)
         if choice.engine == "autotuner" and trains_on_ours(script):
             refuse_trainer_autos(config, path, choice.why)
         check_our_engine_sections(config, choice, path)  # only for a script settled on DeepSpeed's engine

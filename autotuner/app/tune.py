@@ -91,7 +91,9 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
             for line in spec.write_outputs(request, results_dir):
                 _say(line)
         if outcome.deepspeed_command is not None:
-            _say(f"or with DeepSpeed's own launcher: {(results_dir / 'cmd_optimal_deepspeed.txt').read_text().strip()}")
+            other = (results_dir / 'cmd_optimal_deepspeed.txt').read_text().strip()
+            whose = "accelerate's" if " launch --use_deepspeed " in other else "DeepSpeed's"
+            _say(f"or with {whose} own launcher: {other}")
         if args.autotuning == "tune":
             return 0
         _say("training with the optimal config ...")

@@ -70,7 +70,8 @@ def accelerate_rank_args(script: str, args: tuple[str, ...], environ: dict[str, 
 
 def cpu_world_for_accelerate() -> None:
     """On CPU under DeepSpeed, accelerate's state is given the gloo backend it finds no accelerator
-    for (module docstring); where it finds one, or DeepSpeed is off, it decides as it would."""
+    for (module docstring); where it finds one, or DeepSpeed is off, it decides as it would. Where
+    its world still differs from the launch's, the rank stops in one line (refuse_another_world)."""
 
     def patch() -> None:
         state = sys.modules["accelerate.state"]
@@ -90,5 +91,28 @@ def cpu_world_for_accelerate() -> None:
 
         prepare_backend.autotuner_cpu_world = True  # type: ignore[attr-defined]
         state.PartialState._prepare_backend = prepare_backend
+        started = state.PartialState.__init__
+
+        def checked_init(self, *args, **kwargs) -> None:
+            started(self, *args, **kwargs)
+            refuse_another_world(getattr(self, "num_processes", None))
+
+        state.PartialState.__init__ = checked_init
 
     when_loaded("accelerate.state", patch)
+
+
+def refuse_another_world(processes: int | None) -> None:
+    """accelerate's state must count the launch's ranks: with fewer, every rank reads the same
+    batches (and a tune would count them as distinct samples). Refused in one line, in the rank."""
+    import torch.distributed as dist
+
+    if processes is None or not dist.is_available() or not dist.is_initialized():
+        return
+    world = dist.get_world_size()
+    if processes != world:
+        from autotuner.core.errors import UnsupportedError
+
+        raise UnsupportedError(f"accelerate counts {processes} process(es) while the launch runs {world} ranks, so "
+                               "its data sharding and gathers would not be the ranks' (with fewer, every rank trains "
+                               "on the same batches); let accelerate see the launch's process group")

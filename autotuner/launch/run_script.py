@@ -49,6 +49,10 @@ def _record_usage_errors() -> None:
         return
 
     def error(parser: argparse.ArgumentParser, message: str):
+        if "unrecognized arguments" in message and "--local_rank" in message:
+            # DeepSpeed's launcher passes it too; torchrun and accelerate launch do not.
+            message += (" (the launcher passes --local_rank=N to every rank, as DeepSpeed's does; a script that "
+                        "does not declare it needs the launcher's --no_local_rank)")
         _record("argparse", f"{parser.prog}: error: {message}", 2)
         return original(parser, message)
 
@@ -101,7 +105,7 @@ def run(argv: list[str]) -> int:
     script, *args = argv
     if trains_through_accelerate(script):  # accelerate launch's part (launch/accelerate_launch.py)
         args = list(accelerate_rank_args(script, tuple(args), os.environ))
-        cpu_world_for_accelerate()
+    cpu_world_for_accelerate()  # (the Trainer's accelerate state too: it sets ACCELERATE_USE_DEEPSPEED itself)
     sys.argv = [script, *args]
     # `python -m` put the working directory first; `python train.py` (and torchrun, and DeepSpeed's
     # launcher) put only the script's, so a module in the working directory must not shadow one.

@@ -424,3 +424,14 @@ def test_the_launchers_config_check_builds_the_optimizer_without_importing_dynam
     out = subprocess.run([sys.executable, "-c", probe], env=launcher_env(), capture_output=True, text=True,
                          check=True).stdout.split()
     assert out == ["False", "True", "False"]
+
+
+@pytest.mark.slow
+def test_a_script_that_does_not_declare_local_rank_is_told_of_no_local_rank(tmp_path, no_orphans):
+    script = tmp_path / "strict.py"
+    script.write_text("import argparse\nargparse.ArgumentParser().parse_args()\n")
+    done = run_launcher("--nproc_per_node", "1", script)
+    assert done.returncode == 2
+    assert ("unrecognized arguments: --local_rank=0 (the launcher passes --local_rank=N to every rank, as DeepSpeed's "
+            "does; a script that does not declare it needs the launcher's --no_local_rank)") in done.stderr
+    assert run_launcher("--nproc_per_node", "1", "--no_local_rank", script).returncode == 0

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from autotuner.launch.plan import thread_env
-from autotuner.launch.script_args import find_flag, replace_config
+from autotuner.launch.accelerate_launch import trains_through_accelerate
+from autotuner.launch.script_args import CONFIG_FLAGS, config_path, find_flag, replace_config, without_flag
 from autotuner.tuning.trials.trial import ExperimentSettings, mapped_script_args, rank_count_flags
 
 
@@ -43,6 +44,8 @@ def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gp
     DeepSpeed's launcher beside the measured interpreter; on a CPU-only machine, LOCAL_SIZE, from
     which DeepSpeed counts CPU slots."""
     environ = os.environ if environ is None else environ
+    if trains_through_accelerate(settings.script):
+        return accelerate_command(settings, args, on_gpu)
     count = rank_count_flags(settings)
     rank_flags: tuple[str, ...] = ("--num_gpus", count[1]) if count else ()
     visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
@@ -56,3 +59,19 @@ def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gp
     launcher = Path(settings.python).parent / "deepspeed"
     program = str(launcher) if launcher.is_file() else "deepspeed"
     return (*env, program, *rank_flags, *settings.rank_flags.to_argv(), settings.script, *args)
+
+
+def accelerate_command(settings: ExperimentSettings, args: tuple[str, ...], on_gpu: bool) -> tuple[str, ...] | None:
+    """For a script that trains through accelerate: `accelerate launch --use_deepspeed
+    --deepspeed_config_file CONFIG --num_processes N script args`, as accelerate's users run it. None
+    on a CPU-only machine, where accelerate counts one process under DeepSpeed however many run
+    (launch/accelerate_launch.py), and with several nodes or the deepspeed launcher's device flags."""
+    config = config_path(args)
+    if not on_gpu or config is None or settings.placement_flags or settings.rank_flags.to_argv():
+        return None
+    for flag in CONFIG_FLAGS:
+        args = without_flag(args, flag)
+    launcher = Path(settings.python).parent / "accelerate"
+    program = str(launcher) if launcher.is_file() else "accelerate"
+    return (program, "launch", "--use_deepspeed", "--deepspeed_config_file", config, "--num_processes",
+            str(settings.nproc_per_node), settings.script, *args)
