@@ -152,6 +152,9 @@ def test_a_tune_is_for_the_first_engine_built_with_an_optimizer_and_leaves_the_o
         assert (metrics["zero_stage"], metrics["micro_batch_size"]) == (row.zero_stage, row.micro_batch_size)
     assert ("the script made 4 engines; the tuned values are for the first it built with an optimizer "
             "(OPTForCausalLM), and are laid over that engine's config only") in done.stdout
+    summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
+    assert "Engines: the script made 4; the tuned values are for the first it built with an optimizer " \
+           "(OPTForCausalLM)" in summary
     # The pick trains on the actor; the reference follows --actor_zero_stage's 0 (dschat's rule), the
     # critic its own flag and the reward model the critic's: their configs are their own.
     picked = table[table.chosen].iloc[0]

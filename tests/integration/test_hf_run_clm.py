@@ -8,10 +8,9 @@ The model is a tiny GPT-2 and a word-level BPE tokenizer made here; nothing is d
 Skipped without the shared script, transformers, accelerate, datasets, evaluate, tokenizers or
 DeepSpeed.
 
-On a CPU-only machine accelerate sees no distributed backend under DeepSpeed, so each rank's
-Trainer believes it is rank 0 of 1 while DeepSpeed's engine runs on 2 (a Hugging Face limitation,
-absent on GPUs): both ranks read the same batches and both write output_dir. The timings are
-DeepSpeed's 2 ranks all the same, and the throughput counts its global batch (micro x gas x 2).
+On a CPU-only machine accelerate alone sees no distributed backend under DeepSpeed (each rank's
+Trainer would think it is rank 0 of 1); the ranks our launcher starts give it the launch's gloo
+world (launch/accelerate_launch.py), so the Trainer shards the data over both ranks as on GPUs.
 """
 
 from __future__ import annotations

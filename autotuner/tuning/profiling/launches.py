@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from autotuner.core.boundary import ModelInfo
+from autotuner.tuning.reports.results import measured_engine
 from autotuner.tuning.trials.trial import ExperimentSettings
 from autotuner.tuning.memory.estimate import ModelProfile, PeakFit, StageSettings, calibrate_baseline, engine_family
 from autotuner.tuning.space.records import TrialResult, TrialState
@@ -130,16 +131,6 @@ def blind_spots(infos: list[ModelInfo]) -> list[str]:
         warnings.append(f"the script made {engines} engines; " + measured_engine(infos[0]) + ", so the memory model "
                         "under-counts the others; " + how)
     return warnings
-
-
-def measured_engine(info: ModelInfo) -> str:
-    """Which of a script's engines the tune measured and tuned (DeepSpeed-Chat's step 3 builds four)."""
-    model = f" ({info.measured_model})" if info.measured_model else ""
-    if info.engine == "autotuner":
-        return (f"the tuned values are for the first it built with an optimizer{model}, and are laid over that "
-                "engine's config only; the others train with their own, as each DeepSpeed engine keeps the config "
-                "it was given; the profile measures only that engine")
-    return f"the profile measures only the first it built{model}"
 
 
 def peak_fit(infos: list[ModelInfo]) -> PeakFit | None:

@@ -10,7 +10,7 @@ from typing import Any
 from tabulate import tabulate
 
 from autotuner.core.atomic import write_json_atomic
-from autotuner.core.boundary import Summary
+from autotuner.core.boundary import ModelInfo, Summary
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 
 
@@ -71,7 +71,8 @@ def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: 
     if explanation.remeasurements or explanation.profile_names:
         footer += (f" Launches: {launches} ({len(explanation.profile_names)} of them profile launches, "
                    f"{len(explanation.remeasurements)} re-measurements).")
-    lines = [footer, *engine_lines(launched), *memory_lines(launched), *prediction_lines(explanation),
+    lines = [footer, *engine_lines(launched), *several_engines_lines(launched), *memory_lines(launched),
+             *prediction_lines(explanation),
              *explanation.final_pick_lines]
     return f"{table}\n" + "\n".join(lines) + "\n"
 
@@ -84,6 +85,24 @@ def engine_lines(results: list[TrialResult]) -> list[str]:
         return []
     return [f"Engine: DeepSpeed's own (DeepSpeedEngine) ran {on_deepspeed} of {len(measured)} measured launches; "
             "the figures are our end-to-end timers around it, not DeepSpeed's timer sum."]
+
+
+def measured_engine(info: ModelInfo) -> str:
+    """Which of a script's engines the tune measured and tuned (DeepSpeed-Chat's step 3 builds four)."""
+    model = f" ({info.measured_model})" if info.measured_model else ""
+    if info.engine == "autotuner":
+        return (f"the tuned values are for the first it built with an optimizer{model}, and are laid over that "
+                "engine's config only; the others train with their own, as each DeepSpeed engine keeps the config "
+                "it was given; the profile measures only that engine")
+    return f"the profile measures only the first it built{model}"
+
+
+def several_engines_lines(results: list[TrialResult]) -> list[str]:
+    """Where the script built several engines: which one the values were tuned for."""
+    infos = [r.model_info for r in results if r.model_info is not None and r.model_info.engines_in_process > 1]
+    if not infos:
+        return []
+    return [f"Engines: the script made {infos[0].engines_in_process}; {measured_engine(infos[0])}."]
 
 
 def memory_lines(results: list[TrialResult]) -> list[str]:
