@@ -12,13 +12,14 @@ rank refuse an unsettled tuned key from `tuned_keys()`; a plugin registers both 
 from __future__ import annotations
 
 import json
+import typing
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from pydantic import BaseModel
 
 from autotuner.config.keys import KNOWN_UNUSED_KEYS, REMOVED_KEYS
-from autotuner.config.models import DeepSpeedConfig
+from autotuner.config.models import DeepSpeedConfig, ZeroConfig
 from autotuner.config.tuned_values import lookup
 from autotuner.core.errors import ConfigError
 
@@ -97,7 +98,25 @@ def unsettled_keys(config: DeepSpeedConfig) -> list[tuple[TunedKey, Any]]:
     return [(tuned, value) for tuned, unsettled, value in found if unsettled]
 
 
+def zero_list_knobs() -> tuple[str, ...]:
+    """The ZeRO knobs that take a list (full mode searches it), read from ZeroConfig's own types;
+    the stage, which a training launch refuses on its own, aside."""
+    def takes_list(annotation: Any) -> bool:
+        return typing.get_origin(annotation) is list or any(takes_list(arg) for arg in typing.get_args(annotation))
+
+    return tuple(name for name, field in ZeroConfig.model_fields.items()
+                 if name != "stage" and takes_list(field.annotation))
+
+
 def refuse_unsettled(config: DeepSpeedConfig, source: str | None, in_rank: bool) -> None:
-    """Refuse in one line the first tuned key `config` leaves to a tune (ConfigError, exit 2)."""
+    """Refuse in one line the first tuned key `config` leaves to a tune (ConfigError, exit 2): a
+    dimension's "auto" or list, or a list at any ZeRO knob."""
+    prefix = f"{source}: " if source else ""
     for tuned, value in unsettled_keys(config):
-        raise ConfigError((f"{source}: " if source else "") + tuned.refusal(value, in_rank))
+        raise ConfigError(prefix + tuned.refusal(value, in_rank))
+    for knob in zero_list_knobs():
+        value = getattr(config.zero_optimization, knob)
+        if isinstance(value, list):
+            settled = "settled by" if in_rank else "only for"
+            raise ConfigError(f"{prefix}zero_optimization.{knob}: got {json.dumps(value)}; a list is {settled} "
+                              "--autotuning tune|run (full mode searches it); give one value to train")

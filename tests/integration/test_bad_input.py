@@ -653,3 +653,34 @@ def test_a_batch_ramp_for_a_trainer_script_is_refused_before_any_launch(in_tmp, 
         "gradient_accumulation_steps": "--gradient_accumulation_steps"}}))
     assert_refused(in_tmp, capsys, tune_argv(cfg, script=script), str(cfg), "autotuning.adapt_batch",
                    "trains with Hugging Face's Trainer", "leave adapt_batch out")
+
+
+def _list_knobs():
+    from autotuner.config.sections import zero_list_knobs
+
+    return zero_list_knobs()
+
+
+@pytest.mark.parametrize("knob", _list_knobs())
+def test_a_list_at_any_zero_knob_outside_a_tune_is_refused_before_any_rank_starts(in_tmp, capsys, knob):
+    # Full mode searches such a list; a plain launch would have trained on it (overlap_comm [false]
+    # is true to an `if`, reduce_bucket_size [1e6, 5e6] a bare TypeError in DDP's bucket size).
+    value = [False] if knob in ("overlap_comm", "contiguous_gradients") else [1000000, 5000000]
+    config = write(in_tmp / "ds.json", config_dict(zero_optimization={"stage": 2, knob: value}))
+    assert_refused(in_tmp, capsys, ["--nproc_per_node", "2", str(TOY), "--deepspeed", str(config)],
+                   f"zero_optimization.{knob}: got {json.dumps(value)}; a list is only for --autotuning tune|run")
+
+
+@pytest.mark.parametrize("knob", _list_knobs())
+def test_a_list_at_any_zero_knob_reaching_a_rank_is_refused_there_in_one_line(knob):
+    from autotuner.config import load_config
+    from autotuner.config.sections import refuse_unsettled
+    from autotuner.core.errors import ConfigError
+
+    value = [True, False] if knob in ("overlap_comm", "contiguous_gradients") else [1000000]
+    config = load_config({"zero_optimization": {knob: value}})
+    with pytest.raises(ConfigError) as refused:
+        refuse_unsettled(config, None, in_rank=True)
+    assert str(refused.value) == (f"zero_optimization.{knob}: got {json.dumps(value)}; a list is settled by "
+                                  "--autotuning tune|run (full mode searches it); give one value to train")
+    refuse_unsettled(load_config({"zero_optimization": {knob: value[0]}}), None, in_rank=True)  # one value trains

@@ -163,6 +163,8 @@ def test_a_two_engine_script_is_settled_without_a_refusal_and_the_built_engine_i
 
 
 def test_a_settled_engine_is_checked_before_any_launch_and_the_flag_overrides_the_imports(tmp_path, monkeypatch):
+    # Whether DeepSpeed is installed here or not: its absence is refused first, and is tested on its own.
+    monkeypatch.setattr(engines, "deepspeed_installed", lambda: True)
     with pytest.raises(ConfigError, match=r"tuned by our engine only, but train.py imports deepspeed \(line 1\), so "
                                           r"it is taken to train on DeepSpeed's engine \(pass --engine autotuner"):
         settle_in(tmp_path, monkeypatch, "import deepspeed\n")
