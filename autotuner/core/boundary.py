@@ -29,7 +29,6 @@ DIST_TIMEOUT_ENV = "AUTOTUNER_DIST_TIMEOUT_S"
 # import, and where to report.
 WARM_PRELOAD_ENV = "AUTOTUNER_WARM_PRELOAD"
 WARM_PRELOAD_REPORT_ENV = "AUTOTUNER_WARM_PRELOAD_REPORT"
-LAUNCH_REPORT_ENV = "AUTOTUNER_LAUNCH_REPORT"  # where the launcher writes its LaunchReport
 from autotuner.core.errors import ERROR_DIR_ENV  # noqa: E402,F401 - where each rank records its uncaught exception
 ONLINE_ENV = "AUTOTUNER_ONLINE"  # "1": tune communication knobs online (launcher --autotuning online)
 
