@@ -77,7 +77,7 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         super().__init__()
         Engine.created_in_process += 1
         Engine.training_engines_in_process += int(optimizer is not None)
-        self.measured = measured  # the engine a tuner's launch measures (initialize._measured_here)
+        self.measured = measured  # the engine a tuner's launch measures (script_config._measured_here)
         self.wrapped = module
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
