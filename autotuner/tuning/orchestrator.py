@@ -24,12 +24,12 @@ from autotuner.tuning.searches.variant_rules import variant_text
 from autotuner.tuning.space.devices import DeviceFacts
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.planned_run import objective_line
-from autotuner.tuning.space.records import TrialResult
+from autotuner.tuning.space.records import Reason, TrialResult
 from autotuner.tuning.space.search_space import SearchSpace
 from autotuner.tuning.trials.evaluator import Evaluator, RunnerLaunches, TuningFailed
 from autotuner.tuning.trials.history import HISTORY_FILE, make_history
 from autotuner.tuning.trials.journal import Fingerprint
-from autotuner.tuning.trials.ledger import DegreeLedger, TrialKind, TrialLedger
+from autotuner.tuning.trials.ledger import TrialKind, TrialLedger
 from autotuner.tuning.trials.runner import Runner
 from autotuner.tuning.trials.similar_runs import SimilarRuns
 from autotuner.tuning.trials.trial import ExperimentSettings, Trial, rescored
@@ -117,7 +117,7 @@ class Autotuner:
         self.results_dir.mkdir(parents=True, exist_ok=True)
         for directory in (self.exps_dir, self.results_dir):  # ours alone: the tuner holds the lock
             sweep_partial_writes(directory)
-        # Rescored: the objective and budget may have changed since (they are not fingerprinted).
+        # Scored under this run's objective and budget: they may have changed since (they are not fingerprinted).
         settings = self.job.settings
         self.ledger.resume(lambda result: rescored(result, settings))
 
@@ -130,7 +130,7 @@ class Autotuner:
         links its profile launches timed."""
         profiled = profiled or self.profiled
         degree = profiled.job.space.tensor_parallel
-        context = profiled.cost_context([r for r in self.ledger.results() if r.experiment.tensor_parallel == degree])
+        context = profiled.cost_context(self.ledger.view(degree).results())
         if not context.links and profiled.job.settings.data_parallel_size > 1 and not quiet:
             self.report("predictive: no collective timings in the profile; communication is learned from "
                         "launches only")
@@ -154,9 +154,9 @@ class Autotuner:
         if searched is not None:
             searched.memory.learn(result)
 
-    def _prune(self, stage: int, reason: str, variant: tuple = ()) -> None:
+    def _prune(self, stage: int, reason: Reason, text: str, variant: tuple = ()) -> None:
         record_pruned(self.ledger, self.profiled.job.space, self.memory.predicted_memory, self.report, stage, reason,
-                      variant)
+                      text, variant)
 
     def _progress(self, result: TrialResult, reused: bool) -> None:
         objective = self._current_job().objective
@@ -208,10 +208,10 @@ class Autotuner:
         searching = bool(self.job.degrees)
         self.profiled = self.memory = None  # until this degree's profile: its phase's job is the current one
         job = self.job.at_degree(degree) if searching else self.job
-        ledger = DegreeLedger(self.ledger, degree) if searching else self.ledger
-        evaluator = Evaluator(ledger, self.launcher) if searching else self.evaluator
+        evaluator = self.evaluator.at_degree(degree) if searching else self.evaluator
+        ledger = evaluator.view  # what this degree's phases read: its own records
         if searching:
-            self._phase = ProfilePhase(job, ledger, evaluator, self.report, self.settle_engine, self._similar_runs,
+            self._phase = ProfilePhase(job, self.ledger, evaluator, self.report, self.settle_engine, self._similar_runs,
                                        self.exps_dir)
             self.report(f"tensor parallel {degree}: profiling and searching at data-parallel size "
                         f"{job.space.data_parallel_size}")

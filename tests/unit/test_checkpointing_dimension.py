@@ -89,8 +89,8 @@ class FakeRun:
 
 
 class Prunes(list):
-    def __call__(self, stage, reason, variant=()):
-        self.append((stage, variant, reason))
+    def __call__(self, stage, reason, text, variant=()):
+        self.append((stage, variant, text))
 
 
 def fits(experiment: Experiment) -> bool:

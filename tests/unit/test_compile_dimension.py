@@ -85,7 +85,7 @@ def test_compile_is_tried_last_on_the_best_and_on_the_next_only_where_the_predic
     space = SearchSpace(stages=(0,), data_parallel_size=1, max_micro_batch_size=16,
                         finishes={0: {"compile": [False, True]}})
     run_search(space, SearchPolicy(THROUGHPUT, "gridsearch", 50, 50, 0, True), {0: 16}, evaluate,
-               lambda stage, reason: None, report=lines.append)
+               lambda stage, reason, text: None, report=lines.append)
     compiled = [e for e in calls if dict(e.knobs).get("compile")]
     eager = [e for e in calls if not e.knobs]
     assert calls[-len(compiled):] == compiled  # after everything else

@@ -133,7 +133,7 @@ def test_the_search_launches_only_offloaded_experiments_when_nothing_else_fits(t
         return TrialResult(experiment, TrialState.OK, value=float(experiment.micro_batch_size))
 
     run_search(tuner.space, SearchPolicy(Objective("throughput"), "gridsearch", 5, 50, 0, True), tuner.memory.predicted_largest(), evaluate,
-               lambda stage, reason: lines.append(f"pruned {stage}"), tuner.memory.fits, tuner.memory.offload_fallback,
+               lambda stage, reason, text: lines.append(f"pruned {stage}"), tuner.memory.fits, tuner.memory.offload_fallback,
                lines.append)
     assert launched and all(dict(e.knobs).get("offload_optimizer") == "cpu" for e in launched)
     assert {e.zero_stage for e in launched} <= {2, 3}

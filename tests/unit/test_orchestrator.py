@@ -11,7 +11,7 @@ import pytest
 
 from autotuner.tuning.trials.evaluator import TuningFailed
 from autotuner.tuning.trials.journal import fingerprint_of, load_journal, unmapped_args, write_entry
-from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.records import Reason, TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
 from fakes import BookOverLedger, FakeRunner, ParallelFakeRunner, by_micro, fingerprint, model_info, never_called, ok, profiled, tuner
 
@@ -329,7 +329,7 @@ def test_a_result_that_lacked_the_earlier_metric_is_judged_again_not_failed_fore
 
     def no_flops(trial):
         return replace(measured(trial), state=TrialState.FAILED, value=None,
-                       error="metrics.json has no 'FLOPS_per_gpu'")
+                       error="metrics.json has no 'FLOPS_per_gpu'", reason=Reason.MISSING_METRIC)
 
     with pytest.raises(TuningFailed):
         tuner(tmp_path, FakeRunner(no_flops), autotuning={"metric": "flops"}).tune()

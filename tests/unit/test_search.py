@@ -45,8 +45,8 @@ class FakeRun:
 
 
 class Prunes(list):
-    def __call__(self, stage: int, reason: str) -> None:
-        self.append((stage, reason))
+    def __call__(self, stage: int, reason, text: str) -> None:
+        self.append((stage, text))
 
 
 def space(stages=(0, 1, 2, 3), **kwargs) -> SearchSpace:

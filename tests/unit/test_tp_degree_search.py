@@ -18,7 +18,7 @@ from autotuner.core.errors import ConfigError
 from autotuner.tuning.space.config_space import search_space
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.records import TrialResult, TrialState
-from autotuner.tuning.trials.ledger import DegreeLedger, TrialKind, TrialLedger
+from autotuner.tuning.trials.ledger import TrialKind, TrialLedger
 from autotuner.tuning.trials.trial import built_mismatch, experiment_config
 from fakes import FakeRunner, MiB, experiment_settings, ok, orchestrator, profiled, settled
 
@@ -83,10 +83,11 @@ def test_a_degree_reads_only_its_own_launches_from_the_one_ledger():
     for degree in (1, 2):
         ledger.record(TrialResult(Experiment(0, 2, 1, tensor_parallel=degree), TrialState.OK, value=float(degree)),
                       kind=TrialKind.PROFILE)
-    view = DegreeLedger(ledger, 2)
+    view = ledger.view(degree=2)
     assert [r.value for r in view.results()] == [2.0] and [r.value for r in view.of_kind(TrialKind.PROFILE)] == [2.0]
-    view.record(TrialResult(Experiment(2, 2, 1, tensor_parallel=2), TrialState.OK, value=3.0))
-    assert len(ledger) == 3 and len(view.results()) == 2  # recorded into the one ledger
+    ledger.record(TrialResult(Experiment(2, 2, 1, tensor_parallel=2), TrialState.OK, value=3.0))
+    assert len(ledger) == 3 and len(view) == 2 and len(ledger.view(degree=1)) == 1  # the view filters the one ledger
+    assert not hasattr(view, "record")  # a view reads; appending is the ledger's alone
 
 
 def test_a_degree_search_profiles_each_degree_leaves_out_one_that_fails_and_picks_across_them(tmp_path):

@@ -17,13 +17,13 @@ from autotuner.tuning.memory.estimate import ModelProfile
 from autotuner.core import noise_scale as gradient_noise
 from autotuner.tuning.models.cost_model import NOISE_FLOOR
 from autotuner.tuning.models.memory_book import MemoryBook, MemoryFacts, memory_facts
-from autotuner.tuning.models.sharding_gain import REASON_PREFIX, sharding_cannot_win
+from autotuner.tuning.models.sharding_gain import sharding_cannot_win
 from autotuner.tuning.profiling.job import ProfiledJob, TuningJob, cost_context
 from autotuner.tuning.profiling.launches import profile_from_config, profile_lines, profile_model
 from autotuner.tuning.searches.variant_rules import checkpointing_settled
 from autotuner.tuning.space.config_space import engine_dimensions, untuned_dimension_lines
 from autotuner.tuning.space.experiment import Experiment
-from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.records import Objective, Reason, TrialResult, TrialState
 from autotuner.tuning.space.search_space import SearchSpace, ladder_sizes
 from autotuner.tuning.trials.evaluator import Evaluator, TuningFailed
 from autotuner.tuning.trials.ledger import TrialKind, TrialLedger
@@ -35,15 +35,14 @@ PROFILE_MAX_GAS = 8
 
 
 def record_pruned(ledger: TrialLedger, space: SearchSpace, predicted: Callable[[Experiment], int],
-                  report: Callable[[str], None], stage: int, reason: str, variant: tuple = ()) -> None:
-    """A stage (or a variant of it: its reason starts with the variant) not searched further, into
-    the ledger with its reason, and said."""
+                  report: Callable[[str], None], stage: int, reason: Reason, text: str, variant: tuple = ()) -> None:
+    """A stage (or a variant of it: `text` then starts with the variant) not searched further,
+    into the ledger with its reason, and said."""
     experiment = space.experiment(stage, space.min_micro_batch_size).with_knobs(dict(variant))
-    ledger.record_pruned(TrialResult(experiment, TrialState.PRUNED, error=reason,
+    ledger.record_pruned(TrialResult(experiment, TrialState.PRUNED, error=text, reason=reason,
                                      predicted_memory_bytes=predicted(experiment)))
-    own_reason = reason.split(": ", 1)[1] if variant else reason
-    searched = "not launched" if own_reason.startswith(("memory model", REASON_PREFIX)) else "not searched further"
-    report(f"ZeRO {stage}: pruned, {searched} ({reason})")
+    searched = "not launched" if reason.never_launched else "not searched further"
+    report(f"ZeRO {stage}: pruned, {searched} ({text})")
 
 
 class ProfilePhase:
@@ -54,8 +53,9 @@ class ProfilePhase:
     def __init__(self, job: TuningJob, ledger: TrialLedger, evaluator: Evaluator, report: Callable[[str], None],
                  settle_engine: Callable[[str], str], similar_runs: SimilarRuns, exps_dir: Path):
         self.job = job  # replaced as the launches settle it
-        self._ledger = ledger
+        self._ledger = ledger  # written: pruned stages, the scoring
         self._evaluator = evaluator
+        self._view = evaluator.view  # read: this degree's records
         self._report = report
         self._settle_engine = settle_engine
         self._similar_runs = similar_runs
@@ -66,9 +66,9 @@ class ProfilePhase:
         job = profiled.job  # the dimensions offered now follow the engine the profile's ranks built
         for line in untuned_dimension_lines(job.config, job.space, job.settings.engine, job.devices.on_gpu):
             self._report(line)
-        context = profiled.cost_context(self._ledger.results())
+        context = profiled.cost_context(self._view.results())
         prior = self._similar_runs.prior(  # the step-time model's prior, checked against the profile
-            profiled.memory.profile, list(self._ledger.of_kind(TrialKind.PROFILE)), lambda: context, self._report)
+            profiled.memory.profile, list(self._view.of_kind(TrialKind.PROFILE)), lambda: context, self._report)
         return replace(profiled, prior=prior)
 
     # ----- the launches -----
@@ -105,7 +105,7 @@ class ProfilePhase:
 
     def _book(self, profile: ModelProfile, precision: str, device_memory: int | None) -> MemoryBook:
         """The memory model on a profile the phase is still measuring, over the peaks so far."""
-        return MemoryBook(self._facts(self.job.space, profile, precision, device_memory), self._ledger.results)
+        return MemoryBook(self._facts(self.job.space, profile, precision, device_memory), self._view.results)
 
     def _size_pool(self) -> list[int]:
         space = self.job.space
@@ -129,7 +129,7 @@ class ProfilePhase:
 
         def second(profile: ModelProfile, stage: int) -> int | None:
             # This stage's first launch: the latest that ran (one at a lower stage may have run out of memory).
-            first = next(r for r in reversed(self._ledger.results())
+            first = next(r for r in reversed(self._view.results())
                          if r.model_info is not None and r.state is TrialState.OK)
             book = self._book(profile, first.model_info.precision, first.model_info.device_memory_bytes)
             fitting = [m for m in pool if book.fits(self.job.space.experiment(stage, m))]
@@ -148,7 +148,7 @@ class ProfilePhase:
     def _sharding_cannot_win(self, profile: ModelProfile, stage: int) -> str | None:
         """sharding_gain.py's verdict from the unsharded profile launches: does every size fit
         unsharded, and what do the probe's links cost FSDP2's collectives at."""
-        results = self._ledger.results()
+        results = self._view.results()
         ran = [r for r in results if r.model_info is not None]
         steps = [r.measurement.latency for r in results
                  if r.state is TrialState.OK and r.measurement is not None and r.measurement.latency > 0]
@@ -184,11 +184,11 @@ class ProfilePhase:
         space, checkpointing_line = checkpointing_settled(
             space, dict(profile.activation_bytes_per_sample_by_policy), True)
         facts = self._facts(space, profile, outcome.runs[0].precision, outcome.device_memory_bytes)
-        book = MemoryBook(facts, self._ledger.results, self._report)
+        book = MemoryBook(facts, self._view.results, self._report)
         if outcome.sharding_left_out:
             for stage in [s for s in job.space.stages if s >= 2]:
                 record_pruned(self._ledger, job.space, book.predicted_memory, self._report, stage,
-                              outcome.sharding_left_out)
+                              Reason.SHARDING_CANNOT_WIN, outcome.sharding_left_out)
         if profile.engine == "deepspeed":
             self._report("engine: the script trains on DeepSpeed's own engine (DeepSpeedEngine); every experiment "
                          "runs there, costed by DeepSpeed's ZeRO memory model")
@@ -204,7 +204,7 @@ class ProfilePhase:
         precision = job.config.with_device_precision(job.devices.cuda_bf16).precision
         self._report(f"model_info given: {profile.num_params:,} parameters; no profile run")
         space, line = checkpointing_settled(job.space, dict(profile.activation_bytes_per_sample_by_policy), False)
-        book = MemoryBook(self._facts(space, profile, precision, job.devices.gpu_memory_bytes), self._ledger.results,
+        book = MemoryBook(self._facts(space, profile, precision, job.devices.gpu_memory_bytes), self._view.results,
                           self._report)
         return self._settled(replace(job, space=space), book, line, profiled=False)
 
@@ -225,12 +225,12 @@ class ProfilePhase:
         current = job.objective
         if current.metric != "goodput":
             return profiled
-        measured = [r.measurement for r in self._ledger.results() if r.measurement is not None]
+        measured = [r.measurement for r in self._view.results() if r.measurement is not None]
         noise = gradient_noise.estimate(measured)
         given = job.config.autotuning.critical_batch_size
         report = self._report
         late = None if given is not None or profiled.memory.profile is None else self._similar_runs.late_noise(
-            profiled.memory.profile, list(self._ledger.of_kind(TrialKind.PROFILE)))
+            profiled.memory.profile, list(self._view.of_kind(TrialKind.PROFILE)))
         if late is not None:
             b_noise, study, step = late
             objective = replace(current, noise_scale=b_noise)
@@ -264,7 +264,7 @@ class ProfilePhase:
                    f"in training can be far below the critical batch at the loss you train to (15-65x on "
                    f"docs/benchmarks/goodput.md's tasks); where you know it, set autotuning.critical_batch_size")
         job = job.with_objective(objective)
-        self._ledger.rescore(lambda result: rescored(result, job.settings))
+        self._ledger.score_with(lambda result: rescored(result, job.settings))  # the records stay as measured
         self.job = job
         return replace(profiled, job=job, noise_scale=noise)
 

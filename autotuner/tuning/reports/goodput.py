@@ -110,8 +110,8 @@ def goodput_lines(results: list[TrialResult], objective: Objective, noise: Noise
     def throughput(r: TrialResult) -> float:  # over the planned run, as scored; without the goodput factor
         return r.value / objective.efficiency(batch(r))
 
-    by_goodput = pick if pick is not None and pick.value else max(ok, key=lambda r: r.value)
-    by_throughput = max(ok, key=throughput)
+    by_goodput = pick if pick is not None and pick.value else objective.best(ok)
+    by_throughput = objective.best(ok, throughput)  # (goodput is maximised: the same ranking)
     ratio = by_throughput.value / by_goodput.value
     measured = (f"B_noise {noise.b_noise:.1f} +/- {noise.spread:.1f} samples ({noise.steps} profile steps)"
                 if noise is not None else "B_noise not measured")

@@ -11,7 +11,7 @@ from tabulate import tabulate
 
 from autotuner.core.atomic import write_json_atomic
 from autotuner.core.boundary import ModelInfo, Summary
-from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.records import Objective, Reason, TrialResult, TrialState
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,7 @@ class PredictedPoint:
     low: float
     high: float
     launched: bool = True
-    ruled_out_by: str = ""
+    ruled_out_by: Reason | None = None  # when never launched
     why: str = ""  # why it was launched
 
 
@@ -119,8 +119,8 @@ def memory_lines(results: list[TrialResult]) -> list[str]:
 def prediction_lines(explanation: Explanation) -> list[str]:
     if not explanation.curves:
         return []
-    by_prediction = [p.name for p in explanation.curves if p.ruled_out_by == "prediction"]
-    by_memory = [p.name for p in explanation.curves if p.ruled_out_by == "memory model"]
+    by_prediction = [p.name for p in explanation.curves if p.ruled_out_by is Reason.PREDICTION]
+    by_memory = [p.name for p in explanation.curves if p.ruled_out_by is Reason.MEMORY_REFITTED]
     line = (f"Throughput model: {len(explanation.curves)} candidates; prediction ruled out {len(by_prediction)} "
             f"without launching them")
     if by_memory:

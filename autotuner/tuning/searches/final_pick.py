@@ -52,7 +52,7 @@ def contenders(results: list[TrialResult], objective: Objective, top: int, noise
     def value(result: TrialResult) -> float:
         return medians.get(result.experiment, result.value)
 
-    ranked = sorted(ok, key=value, reverse=objective.maximize)
+    ranked = objective.rank(ok, value)
     unique: list[TrialResult] = []
     for result in ranked:
         if result.experiment not in {u.experiment for u in unique}:
@@ -126,7 +126,7 @@ def pick(contenders_with_runs: list[Contender], objective: Objective, noise: flo
 
 def stands_apart(values: dict[Experiment, list[float]], objective: Objective, noise: float) -> bool:
     """Whether the best median beats every other contender's by more than twice the noise."""
-    medians = sorted((statistics.median(v) for v in values.values() if v), reverse=objective.maximize)
+    medians = objective.order(statistics.median(v) for v in values.values() if v)
     if len(medians) < 2:
         return True
     return abs(medians[0] - medians[1]) > 2 * noise * abs(medians[0])
@@ -136,7 +136,7 @@ def settled(values: dict[Experiment, list[float]], objective: Objective, noise: 
     """Whether another round is not worth it: the best median stands apart, or every re-measured
     contender is within the noise of it, and never less than TIE_FLOOR (the most a further round
     could find is a gain under the minimum worthwhile one; the search stops at the same gain)."""
-    medians = sorted((statistics.median(v) for v in values.values() if v), reverse=objective.maximize)
+    medians = objective.order(statistics.median(v) for v in values.values() if v)
     if len(medians) < 2 or stands_apart(values, objective, noise):
         return True
     remeasured = all(len(v) >= 2 for v in values.values())

@@ -15,7 +15,7 @@ from typing import Callable
 
 from autotuner.tuning.memory.estimate import engine_family
 from autotuner.tuning.models.cost_model import CostContext
-from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.records import Reason, TrialResult, TrialState
 from autotuner.tuning.searches.stage_search import (FailedVariants, not_memory_bound, variant_measured, variant_of,
                                      OffloadFallback, PredictedLargest, _always_fits, _no_fallback, prune_variant,
                                      beyond_previous_variant, search_finishes, search_knobs, stage_space_for)
@@ -36,7 +36,7 @@ class PredictedCandidate:
     experiment: Experiment
     prediction: Prediction
     launched: bool
-    ruled_out_by: str = ""  # "prediction" or "memory model" when never launched
+    ruled_out_by: Reason | None = None  # when never launched: the prediction, the refitted memory model, ...
     why: str = ""  # when launched: why the search asked for it
 
 
@@ -78,12 +78,12 @@ def _rung_candidates(space: SearchSpace, stage: int, variant: Knobs, predicted: 
         sizes = [m for m in sizes if m > 1] or sizes
     candidates = [c for c in (space.experiment(stage, m) for m in sizes) if fits(c)]
     if not candidates:
-        prune_variant(prune, stage, variant, "memory model, with the peaks measured so far: no micro-batch fits")
+        prune_variant(prune, stage, variant, Reason.MEMORY_MODEL,
+                      "memory model, with the peaks measured so far: no micro-batch fits")
     return candidates
 
 
 EXTRAPOLATION_LIMIT = 4  # no launch this many times beyond its engine's largest measured micro-batch
-MEMORY_REFITTED = "memory model, refitted"  # a candidate the refitted memory model no longer lets run
 
 
 class _SearchedPredictive(PredictiveTuner):
@@ -116,7 +116,8 @@ class _SearchedPredictive(PredictiveTuner):
             if refused is not None:  # its variant failed, or cannot pay at its stage
                 self.tell(refused)
             elif not self.fits(candidate):
-                self.tell(TrialResult(candidate, TrialState.PRUNED, error=MEMORY_REFITTED))
+                self.tell(TrialResult(candidate, TrialState.PRUNED, error=Reason.MEMORY_REFITTED.value,
+                                      reason=Reason.MEMORY_REFITTED))
         experiment = super().ask()
         if experiment is not None:
             prediction = self.predict(experiment)
@@ -196,7 +197,7 @@ class _SearchedPredictive(PredictiveTuner):
             return None
         measured = [r for r in self._measured() if r.experiment in first]
         reason = not_memory_bound(self.objective, stage, measured)
-        return TrialResult(candidate, TrialState.PRUNED, error=reason) if reason else None
+        return TrialResult(candidate, TrialState.PRUNED, error=reason, reason=Reason.NOT_MEMORY_BOUND) if reason else None
 
     def _first_variant_sizes(self, stage: int) -> set[int]:
         """Micro-batch sizes the stage ran under its first variant: a later variant (which only buys
@@ -213,14 +214,14 @@ class _SearchedPredictive(PredictiveTuner):
         return not self.checked or super().could_improve(self.stands_for.get(experiment, experiment))
 
 
-def ruled_out_by(told: TrialResult | None) -> str:
-    """What ruled a candidate out, from what its tuner was told ("" where it was launched): never
+def ruled_out_by(told: TrialResult | None) -> Reason | None:
+    """What ruled a candidate out, from what its tuner was told (None where it was launched): never
     told, the predictions; told pruned, the refitted memory model or the variant rules."""
     if told is None:
-        return "prediction"
+        return Reason.PREDICTION
     if told.state is not TrialState.PRUNED:
-        return ""
-    return "memory model" if told.error == MEMORY_REFITTED else "variant rules"
+        return None
+    return Reason.MEMORY_REFITTED if told.reason is Reason.MEMORY_REFITTED else Reason.VARIANT_RULES
 
 
 def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: PredictedLargest,
@@ -242,10 +243,10 @@ def run_predictive_search(space: SearchSpace, policy: SearchPolicy, predicted_la
                     trust_predictions=True)
     launched = {r.experiment for r in results}
     at_launch = [c for c in tuner.asked if c.experiment in launched]
-    final = [PredictedCandidate(candidate, tuner.predict(candidate), not ruled_out_by(tuner.results.get(candidate)),
+    final = [PredictedCandidate(candidate, tuner.predict(candidate), ruled_out_by(tuner.results.get(candidate)) is None,
                                 ruled_out_by(tuner.results.get(candidate))) for candidate in tuner.space]
-    by_prediction = sum(1 for c in final if c.ruled_out_by == "prediction")
-    by_memory = sum(1 for c in final if c.ruled_out_by == "memory model")
+    by_prediction = sum(1 for c in final if c.ruled_out_by is Reason.PREDICTION)
+    by_memory = sum(1 for c in final if c.ruled_out_by is Reason.MEMORY_REFITTED)
     report(f"predictive: {len(results)} launched after the profile; of {len(final)} candidates, prediction "
            f"ruled out {by_prediction} and the refitted memory model {by_memory}")
     everything = [r for r in tuner.results.values() if r.state is not TrialState.PRUNED]

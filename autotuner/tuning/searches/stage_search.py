@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from autotuner.tuning.trials.evaluator import Evaluator, evaluator_of, open_tuner_trials
-from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.records import Reason, TrialResult, TrialState
 from autotuner.tuning.space.search_space import (Evaluate, Fits, SearchPolicy, SearchSpace, fitting_micro_batch_sizes,
                                            spread_micro_batch_sizes)
 from autotuner.tuning.space.experiment import Knobs
@@ -149,13 +149,13 @@ def search_knobs(space: SearchSpace, policy: SearchPolicy, fast_results: list[Tr
     for result in fast_results:
         if result.state is TrialState.OK:
             by_stage.setdefault(result.experiment.zero_stage, []).append(result)
-    ranked = sorted(by_stage, key=lambda s: objective.best(by_stage[s]).value, reverse=objective.maximize)
+    ranked = [r.experiment.zero_stage for r in objective.rank(objective.best(by_stage[s]) for s in by_stage)]
     results: list[TrialResult] = []
     for stage in ranked[:top_stages]:
         knobs = knob_space(space, stage)
         if not knobs:
             continue
-        best_first = sorted(by_stage[stage], key=lambda r: r.value, reverse=objective.maximize)[:top_micro]
+        best_first = objective.rank(by_stage[stage])[:top_micro]
         candidates = [c for c in (r.experiment.with_knobs(k) for r in best_first for k in knobs) if fits(c)]
         if not candidates:
             continue
@@ -194,7 +194,7 @@ def stage_space_for(space: SearchSpace, stage: int, predicted_largest: Predicted
         return space, predicted
     fallback = offload_fallback(stage, variant)
     if fallback is None or min(fallback[1], space.max_micro_batch_size) < space.min_micro_batch_size:
-        prune_variant(prune, stage, variant, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
+        prune_variant(prune, stage, variant, Reason.MEMORY_MODEL, f"memory model: not even micro-batch {space.min_micro_batch_size} fits")
         return None
     knobs, largest_offloaded = fallback
     predicted = min(largest_offloaded, space.max_micro_batch_size)
@@ -212,7 +212,7 @@ def beyond_previous_variant(stage_space: SearchSpace, stage: int, variant: Knobs
     if not variant or reached <= 0:
         return stage_space
     if predicted <= reached:
-        prune_variant(prune, stage, variant, f"cannot help: its largest micro-batch ({predicted}) is no larger than "
+        prune_variant(prune, stage, variant, Reason.CANNOT_HELP, f"cannot help: its largest micro-batch ({predicted}) is no larger than "
                                              f"the stage reaches with the variants before it ({reached}), and it "
                                              "only adds time")
         return None
@@ -230,7 +230,7 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
     `offload_fallback`'s knobs when it offers some. Each stage's variants are searched in turn,
     each above the sizes the ones before it reached."""
     evaluator = evaluator_of(evaluate)
-    evaluate_once = evaluator.for_search(FailedVariants(space, evaluator.ledger.results))
+    evaluate_once = evaluator.for_search(FailedVariants(space, evaluator.results))
 
     largest_so_far = 0
     for stage in sorted(space.stages):
@@ -245,12 +245,13 @@ def run_search(space: SearchSpace, policy: SearchPolicy, predicted_largest: Pred
                 continue
             later = variant_of(space, stage_space.experiment(stage, 1))
             if later and (reason := not_memory_bound(policy.objective, stage, evaluate_once.answered())):
-                prune_variant(prune, stage, variant, reason)
+                prune_variant(prune, stage, variant, Reason.NOT_MEMORY_BOUND, reason)
                 continue
             if later and not variant_measured(evaluate_once.answered(), space, variant):
                 predicted = first_of_variant(searched, stage, predicted, evaluate_once, fits)
                 if predicted is None:
-                    prune_variant(prune, stage, variant, "its first launch, at its smallest size, did not run")
+                    prune_variant(prune, stage, variant, Reason.VARIANT_FAILED,
+                                  "its first launch, at its smallest size, did not run")
                     continue
             largest = search_rung(searched, policy, stage, variant, predicted, largest_so_far, evaluate_once,
                                   prune, fits)
@@ -287,13 +288,14 @@ def search_rung(space: SearchSpace, policy: SearchPolicy, stage: int, variant: K
         reason = probe_stage(space, policy, stage, evaluate.answered(), evaluate, fits)
         if reason is not None:
             before = "an earlier stage or variant's" if variant else "a lower stage's"
-            prune_variant(prune, stage, variant, f"cannot help: its largest micro-batch ({predicted}) is no larger "
+            prune_variant(prune, stage, variant, Reason.CANNOT_HELP, f"cannot help: its largest micro-batch ({predicted}) is no larger "
                                                   f"than {before} ({largest_so_far}){reason}")
             return None
         must_beat = 0  # faster at the same size: its other sizes may be too
     largest, stage_results = search_stage(space, policy, stage, predicted, evaluate, must_beat, fits)
     if not stage_results:
-        prune_variant(prune, stage, variant, "memory model, with the overhead measured so far: no micro-batch fits")
+        prune_variant(prune, stage, variant, Reason.MEMORY_MODEL,
+                      "memory model, with the overhead measured so far: no micro-batch fits")
     return largest
 
 

@@ -9,7 +9,7 @@ import itertools
 from typing import Callable, Sequence
 
 from autotuner.tuning.space import dimensions
-from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.records import Objective, Reason, TrialResult, TrialState
 from autotuner.tuning.space.search_space import Evaluate, Fits, SearchPolicy, SearchSpace
 from autotuner.tuning.space.experiment import Experiment, Knobs
 
@@ -22,11 +22,12 @@ def variant_text(variant: Knobs) -> str:
     return ", ".join(f"{k}={v}" for k, v in variant)
 
 
-def prune_variant(prune: Callable[..., None], stage: int, variant: Knobs, reason: str) -> None:
+def prune_variant(prune: Callable[..., None], stage: int, variant: Knobs, reason: Reason, text: str) -> None:
+    """`prune(stage, reason, text[, variant])`: a stage, or a variant of it, not searched (further)."""
     if variant:
-        prune(stage, f"{variant_text(variant)}: {reason}", variant)
+        prune(stage, reason, f"{variant_text(variant)}: {text}", variant)
     else:
-        prune(stage, reason)
+        prune(stage, reason, text)
 
 
 def variant_of(space: SearchSpace, experiment: Experiment) -> Knobs:
@@ -57,7 +58,7 @@ class FailedVariants:
         if first is None:
             return None
         return TrialResult(experiment, TrialState.PRUNED, error=f"{variant_text(variant)} failed in "
-                           f"{first.name} (not out of memory): not launched again")
+                           f"{first.name} (not out of memory): not launched again", reason=Reason.VARIANT_FAILED)
 
 
 FINISH_TOP = 2  # at most this many of the best configurations are tried finished
@@ -76,7 +77,7 @@ def search_finishes(space: SearchSpace, policy: SearchPolicy, results: list[Tria
 
     objective = policy.objective
     ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
-    best_first = sorted(ok, key=lambda r: r.value, reverse=objective.maximize)
+    best_first = objective.rank(ok)
     finished: list[TrialResult] = []
     effects: dict[Knobs, FinishEffect] = {}  # per finishing combination, from the best it was tried on
     tried = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Callable, Iterable, Literal
 
 from autotuner.core.boundary import Measurement, ModelInfo
 from autotuner.tuning.space.experiment import Experiment
@@ -21,6 +21,28 @@ class TrialState(str, enum.Enum):
     def finished(self) -> bool:
         """A state that a resumed run can reuse (it ran to a verdict)."""
         return self is not TrialState.PRUNED
+
+
+class Reason(str, enum.Enum):
+    """Why a trial was not launched, or did not count: what the tuner acts on. The result's
+    `error` holds the text for display; nothing decides by that text."""
+
+    MEMORY_MODEL = "memory model"  # predicted not to fit
+    MEMORY_REFITTED = "memory model, refitted"  # the memory model refitted on launches rules it out
+    SHARDING_CANNOT_WIN = "sharding cannot win"  # the cost model: unsharded fits and is faster
+    CANNOT_HELP = "cannot help"  # a variant reaching no larger micro-batch than one before it
+    NOT_MEMORY_BOUND = "not memory bound"  # a memory-saving variant where memory did not limit
+    VARIANT_FAILED = "variant failed"  # a variant whose first launch did not run
+    PREDICTION = "prediction"  # the step-time model says it cannot beat the best
+    VARIANT_RULES = "variant rules"  # refused by the rules on a failed variant
+    MISSING_METRIC = "missing metric"  # the metrics file lacks the objective's figure
+    BUILT_OTHERWISE = "built otherwise"  # the ranks built other values than the experiment's
+    OVER_BUDGET = "over budget"  # peak memory over the per-rank budget
+
+    @property
+    def never_launched(self) -> bool:
+        """A pruned stage or variant that was not launched at all (else: launched, searched no further)."""
+        return self in (Reason.MEMORY_MODEL, Reason.MEMORY_REFITTED, Reason.SHARDING_CANNOT_WIN)
 
 
 METRIC_KEYS = {"throughput": "throughput", "latency": "latency", "FLOPS": "FLOPS_per_gpu", "goodput": "throughput"}
@@ -63,11 +85,22 @@ class Objective:
             return True
         return candidate > incumbent if self.maximize else candidate < incumbent
 
-    def best(self, results: list["TrialResult"]) -> "TrialResult | None":
-        ok = [r for r in results if r.state is TrialState.OK and r.value is not None]
-        if not ok:
-            return None
-        return max(ok, key=lambda r: r.value) if self.maximize else min(ok, key=lambda r: r.value)
+    def rank(self, results: Iterable["TrialResult"],
+             value: Callable[["TrialResult"], float | None] | None = None) -> list["TrialResult"]:
+        """The results that ran with a value, best first (ties keep their order): the one ranking
+        every pick, progress line, summary row and search rule uses. `value`: what to rank by
+        (a median of re-measurements, say); each result's own value by default."""
+        of = value or (lambda r: r.value)
+        return self.order([r for r in results if r.state is TrialState.OK and of(r) is not None], of)
+
+    def best(self, results: Iterable["TrialResult"],
+             value: Callable[["TrialResult"], float | None] | None = None) -> "TrialResult | None":
+        ranked = self.rank(results, value)
+        return ranked[0] if ranked else None
+
+    def order(self, items: Iterable[Any], value: Callable[[Any], float] = float) -> list[Any]:
+        """Any items by `value`, best first, ties in their order (plain values by default: medians, say)."""
+        return sorted(items, key=value, reverse=self.maximize)
 
 
 @dataclass(frozen=True)
@@ -85,6 +118,7 @@ class TrialResult:
     wall_time_s: float = 0.0
     error: str | None = None
     model_info: ModelInfo | None = field(default=None, compare=False)
+    reason: Reason | None = None  # why it was not launched or did not count, where the tuner acts on it
     hosts: tuple[str, ...] = field(default=(), compare=False)  # where it ran on a cluster (Slurm node names, Ray nodes)
 
     @property
@@ -121,6 +155,7 @@ class TrialResult:
             "measured_memory_bytes": self.measured_memory_bytes,
             "wall_time_s": self.wall_time_s,
             "error": self.error,
+            "reason": self.reason.value if self.reason is not None else None,
             "hosts": list(self.hosts),
         }
 
@@ -139,6 +174,7 @@ class TrialResult:
             measured_memory_bytes=data.get("measured_memory_bytes"),
             wall_time_s=data.get("wall_time_s", 0.0),
             error=data.get("error"),
+            reason=Reason(data["reason"]) if data.get("reason") else None,
             model_info=ModelInfo.from_json(data["model_info"]) if data.get("model_info") else None,
             hosts=tuple(data.get("hosts", ())),
         )

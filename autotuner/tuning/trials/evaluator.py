@@ -13,14 +13,16 @@ ledger's stores; `FunctionLaunches` stands a plain `evaluate` (a test's) in its 
 
 from __future__ import annotations
 
+import shutil
 from collections import deque
+from dataclasses import replace
 from typing import Callable, Protocol
 
 from autotuner.core.errors import AutotunerError
 from autotuner.launch.stopping import raise_if_stopped
 from autotuner.tuning.trials.trial import Trial
 from autotuner.tuning.trials.interference import interference_share
-from autotuner.tuning.trials.ledger import TrialKind, TrialLedger, TunerTrials
+from autotuner.tuning.trials.ledger import LedgerView, TrialKind, TrialLedger, TunerTrials
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.trials.runner import Runner
 from autotuner.tuning.space.experiment import Experiment
@@ -29,6 +31,7 @@ from autotuner.tuning.space.search_space import slots
 
 # The trial of an experiment: (experiment, its directory's name ("": the experiment's), profile launch?).
 TrialFor = Callable[[Experiment, str, bool], Trial]
+DISTURBED_TAG = "_disturbed"  # a disturbed launch's directory, kept beside the one launched again
 
 
 class TuningFailed(AutotunerError):
@@ -43,7 +46,8 @@ class ExperimentLauncher(Protocol):
 
     capacity: int
 
-    def launch(self, experiment: Experiment) -> TrialResult: ...
+    def launch(self, experiment: Experiment) -> tuple[TrialResult, ...]:
+        """Every launch's result in order (one, or more where a disturbed window was measured again)."""
 
     def submit(self, experiment: Experiment) -> None: ...
 
@@ -61,18 +65,20 @@ class RunnerLaunches:
         self.capacity = max(1, int(runner.capacity))
         self._always_busy = False  # two disturbed windows in a row: stop measuring windows again
 
-    def run(self, trial: Trial) -> TrialResult:
-        """Run one trial and keep its result. A window another process disturbed is measured
-        once more (interference.py); each run counts as a launch."""
+    def run(self, trial: Trial) -> tuple[TrialResult, ...]:
+        """Run one trial and keep each launch's result: a window another process disturbed is
+        measured once more (interference.py), the disturbed launch's files moved aside to
+        <directory>_disturbed first. Returns every launch's result in order; the last counts."""
         raise_if_stopped()
         result = self._runner.run(trial)
-        self._ledger.count_launch()
+        results = [result]
         share = interference_share(result)
         if share is not None and not self._always_busy:
             self._report(f"{trial.experiment.name}: other processes took {share:.0%} of the CPUs during its profile "
                          "window; measuring it again")
+            self._ledger.keep(self._set_aside(trial), result)
             result = self._runner.run(trial)
-            self._ledger.count_launch()
+            results.append(result)
             again = interference_share(result)
             if again is not None:
                 # The machine stays busy: a third window would be disturbed too. Every experiment is
@@ -81,23 +87,33 @@ class RunnerLaunches:
                 self._report(f"other processes still took {again:.0%} of the CPUs; this machine stays busy, so "
                              "windows are no longer measured again (the final pick re-measures interleaved)")
         self._ledger.keep(trial, result)
-        return result
+        return tuple(results)
 
-    def launch(self, experiment: Experiment) -> TrialResult:
+    @staticmethod
+    def _set_aside(trial: Trial) -> Trial:
+        """The trial as it stands in the directory its disturbed launch's files are moved to."""
+        aside = trial.directory.with_name(trial.directory.name + DISTURBED_TAG)
+        if trial.directory.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+            trial.directory.rename(aside)
+        return replace(trial, directory=aside)
+
+    def launch(self, experiment: Experiment) -> tuple[TrialResult, ...]:
         trial = self.trial_for(experiment, "", False)
-        result = self.run(trial)
-        if (self._ledger.launches == 1 and result.state is TrialState.FAILED
+        first = self._ledger.launches == 0
+        results = self.run(trial)
+        result = results[-1]
+        if (first and result.state is TrialState.FAILED
                 and not any(r.state is TrialState.OK for r in self._ledger.results())):
             # No result ran, so no profile launch did: a crash (not OOM) on the first launch is the
             # script or its arguments, not the configuration; every other experiment would fail alike.
             raise TuningFailed(f"the first experiment {result.name} failed: {result.error}; "
                                f"see {trial.directory}/stderr.log")
-        return result
+        return results
 
     def submit(self, experiment: Experiment) -> None:
         raise_if_stopped()
         self._runner.submit(self.trial_for(experiment, "", False))
-        self._ledger.count_launch()
 
     def next_result(self) -> TrialResult:
         trial, result = self._runner.next_result()
@@ -113,8 +129,8 @@ class FunctionLaunches:
         self._evaluate = evaluate
         self.capacity = slots(evaluate)
 
-    def launch(self, experiment: Experiment) -> TrialResult:
-        return self._evaluate(experiment)
+    def launch(self, experiment: Experiment) -> tuple[TrialResult, ...]:
+        return (self._evaluate(experiment),)
 
     def submit(self, experiment: Experiment) -> None:
         self._evaluate.submit(experiment)  # type: ignore[attr-defined]
@@ -136,8 +152,10 @@ class Evaluator:
     tuners/base.py `ask`). A search's evaluator (`for_search`) also refuses a failed variant, and
     gives an answer it gave before again as it was."""
 
-    def __init__(self, ledger: TrialLedger, launcher: ExperimentLauncher, refusals: Refusals | None = None):
+    def __init__(self, ledger: TrialLedger, launcher: ExperimentLauncher, refusals: Refusals | None = None,
+                 view: LedgerView | None = None):
         self.ledger = ledger
+        self.view = view if view is not None else ledger.view()  # what its search reads: one degree's records, say
         self._launcher = launcher
         self._refusals = refusals
         self._since = ledger.mark()
@@ -147,7 +165,15 @@ class Evaluator:
 
     def for_search(self, refusals: Refusals) -> "Evaluator":
         """This evaluator for one search: its answers from here on, refusing what `refusals` refuses."""
-        return Evaluator(self.ledger, self._launcher, refusals)
+        return Evaluator(self.ledger, self._launcher, refusals, self.view)
+
+    def at_degree(self, degree: int) -> "Evaluator":
+        """This evaluator for one tensor-parallel degree's phases: they read that degree's records."""
+        return Evaluator(self.ledger, self._launcher, self._refusals, self.ledger.view(degree))
+
+    def results(self) -> tuple[TrialResult, ...]:
+        """The results its search reads (its view's)."""
+        return self.view.results()
 
     def answered(self) -> list[TrialResult]:
         """The answers given since this evaluator was made, one per experiment, in the order given."""
@@ -160,7 +186,7 @@ class Evaluator:
         if given is not None:
             return given
         refused = self._refusals.refusal(experiment)
-        return self.ledger.answer(refused) if refused is not None else None
+        return self.ledger.answer(refused, refused=True) if refused is not None else None
 
     def _answer(self, result: TrialResult) -> TrialResult:
         return self.ledger.answer(result)
@@ -168,7 +194,7 @@ class Evaluator:
     def _reuse(self, experiment: Experiment) -> TrialResult | None:
         known = self.ledger.known(experiment)
         if known is not None and experiment not in self.ledger:
-            self.ledger.record(known, reused=True)
+            return self.ledger.record(known, reused=True)
         return known
 
     def __call__(self, experiment: Experiment) -> TrialResult:
@@ -177,8 +203,7 @@ class Evaluator:
             return given
         result = self._reuse(experiment)
         if result is None:
-            result = self._launcher.launch(experiment)
-            self.ledger.record(result)
+            result = self.ledger.record_launches(self._launcher.launch(experiment))
         return self._answer(result)
 
     def submit(self, experiment: Experiment) -> None:
@@ -202,9 +227,7 @@ class Evaluator:
             return self._given.popleft()
         if self._known:
             return self._answer(self._known.popleft())
-        result = self._launcher.next_result()
-        self.ledger.record(result)
-        return self._answer(result)
+        return self._answer(self.ledger.record(self._launcher.next_result()))
 
     # ----- the orchestrator's launches outside the search (a runner's evaluator) -----
     def _runner_launches(self) -> RunnerLaunches:
@@ -219,10 +242,9 @@ class Evaluator:
         earlier = self.ledger.earlier(experiment)
         # A failed record is launched again: what failed it (a metric it lacked, a window longer
         # than the script) may be what the user changed since.
-        reused = earlier is not None and earlier.model_info is not None and earlier.state is not TrialState.FAILED
-        result = earlier if reused else launcher.run(launcher.trial_for(experiment, "", True))
-        self.ledger.record(result, reused, TrialKind.PROFILE)
-        return result
+        if earlier is not None and earlier.model_info is not None and earlier.state is not TrialState.FAILED:
+            return self.ledger.record(earlier, True, TrialKind.PROFILE)
+        return self.ledger.record_launches(launcher.run(launcher.trial_for(experiment, "", True)), TrialKind.PROFILE)
 
     def earlier_remeasurement(self, experiment: Experiment, run: int) -> TrialResult | None:
         """An earlier run's record of the final pick's `run`th re-measurement of `experiment`."""
@@ -235,13 +257,10 @@ class Evaluator:
         experiment's result, which stays its first measurement."""
         launcher = self._runner_launches()
         earlier = self.earlier_remeasurement(experiment, run) if reuse else None
-        if earlier is None:
-            name = remeasure_directory_name(experiment.name, run)
-            result, reused = launcher.run(launcher.trial_for(experiment, name, False)), False
-        else:
-            result, reused = earlier, True
-        self.ledger.record_remeasurement(run, result)
-        return result, reused
+        name = remeasure_directory_name(experiment.name, run)
+        if earlier is not None:
+            return self.ledger.record_remeasurements(run, (earlier,), reused_from=name), True
+        return self.ledger.record_remeasurements(run, launcher.run(launcher.trial_for(experiment, name, False))), False
 
 
 def open_tuner_trials(evaluate: Callable[[Experiment], TrialResult], label: str) -> TunerTrials | None:

@@ -1,37 +1,85 @@
-"""The trial ledger: what this run has tried, in one place (as an optuna study holds its frozen
-trials, which samplers read and keep no copy of).
+"""The trial ledger: what this run has tried, as one append-only list of frozen records (as an
+optuna study holds its frozen trials, which samplers read and keep no copy of).
 
-It holds this run's result per experiment with the kind of trial that first measured it (a
-profile launch or a search's), what was pruned unlaunched and why, the final pick's
-re-measurements, the records an earlier run under the same fingerprint
-left (reused, not launched again), the launch count, the prediction each search launch was asked
-on, every answer an evaluator gave (evaluator.py), so a search reads what it asked for from
-here, and one `TunerTrials` per tuner: what that tuner was told and what it has running, which the
-tuner reads and keeps no copy of (tuners/base.py). Launches reach the stores (trial_store.py: the
-journal and the history) through `keep`. Nothing here launches.
+Each `TrialRecord` is one thing that happened to one experiment: a profile, search or
+re-measurement launch, the same trial launched again because another process disturbed its
+window (`REPEAT`), a stage or variant pruned unlaunched, a search's refusal; an earlier run's
+record reused is marked with where it came from. A record keeps what the launch measured; its
+value is computed when read, under the scoring the ledger holds now (goodput's noise scale,
+the budget), so a record never changes after it is appended. Everything else is a view:
+`results()` (per experiment, its latest measurement), `of_kind`, `pruned`, `remeasurements`,
+`view(degree=...)`. Appended launches reach the stores (trial_store.py: the journal and the
+history) once each, through `keep`. One `TunerTrials` per tuner holds what that tuner was told
+and has running, which the tuner reads and keeps no copy of (tuners/base.py). Nothing here launches.
 """
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 from autotuner.tuning.trials.trial import Trial
-from autotuner.tuning.space.records import TrialResult
+from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.trials.trial_store import TrialStore
 from autotuner.tuning.models.cost_model import Prediction
 
-# Told of each result recorded: (the result, whether it is an earlier run's record).
+# Told of each result recorded: (the result as scored now, whether it is an earlier run's record).
 RecordListener = Callable[[TrialResult, bool], None]
+# A launch's result judged under the run's scoring as it stands (trial.py `rescored`).
+Scoring = Callable[[TrialResult], TrialResult]
 
 
 class TrialKind(str, enum.Enum):
-    """Which phase measured an experiment first: its result counts as a candidate either way."""
+    """What a record is. The first three and `REPEAT` are launches (unless reused); a profile or
+    search launch's result counts as a candidate either way."""
 
     PROFILE = "profile"  # a profile launch: it also recorded the model
     SEARCH = "search"
+    REMEASURE = "remeasure"  # the final pick's: never the experiment's result
+    REPEAT = "repeat"  # launched again after interference disturbed its window: the experiment's result now
+    PRUNED = "pruned"  # a stage or variant not searched (further), with its reason
+    REFUSED = "refused"  # a search's refusal (a failed variant's rules), not launched
+
+    @property
+    def measures(self) -> bool:
+        """A kind whose record (or its latest repeat) is its experiment's measurement."""
+        return self in (TrialKind.PROFILE, TrialKind.SEARCH)
+
+    @property
+    def launches(self) -> bool:
+        return self in (TrialKind.PROFILE, TrialKind.SEARCH, TrialKind.REMEASURE, TrialKind.REPEAT)
+
+
+@dataclass(frozen=True)
+class TrialRecord:
+    """One appended entry: `result` as the launch (or the rule) gave it, its `number` in the
+    ledger, the re-measurement's `run`, the earlier run's directory it was `reused_from` ("" when
+    this run made it), the prediction a search launch was asked on, and for a `REPEAT` the number
+    of the record it launched again (which stays, disturbed, on record)."""
+
+    number: int
+    kind: TrialKind
+    result: TrialResult
+    run: int = 0
+    reused_from: str = ""
+    prediction: Prediction | None = None
+    repeats: int | None = None
+
+    @property
+    def experiment(self) -> Experiment:
+        return self.result.experiment
+
+    @property
+    def degree(self) -> int:
+        return self.result.experiment.tensor_parallel
+
+    @property
+    def launched(self) -> bool:
+        """Whether this record is a launch of this run's (a reused record is not)."""
+        return self.kind.launches and not self.reused_from
 
 
 class TunerTrials:
@@ -79,83 +127,149 @@ class TunerTrials:
 class TrialLedger:
     def __init__(self, stores: Sequence[TrialStore] = ()):
         self._stores = tuple(stores)
-        self._results: dict[Experiment, TrialResult] = {}
-        self._kinds: dict[Experiment, TrialKind] = {}
-        self._pruned: list[TrialResult] = []  # not launched, each with its reason as the error
-        self._remeasured: list[tuple[int, TrialResult]] = []  # (round, result): the final pick's
-        self._earlier: dict[str, TrialResult] = {}  # by directory name
-        self._predictions: dict[Experiment, Prediction] = {}
-        self._answers: list[TrialResult] = []
+        self._records: list[TrialRecord] = []
+        self._scoring: Scoring = lambda result: result  # a launch is scored as it ran until the objective changes
+        self._earlier_scoring: Scoring = self._scoring  # an earlier run's records: under this run's objective
+        self._scored: dict[int, TrialResult] = {}  # by record number, under the scoring now (a cache)
+        self._earlier: Mapping[str, TrialResult] = MappingProxyType({})  # by directory name, as the stores kept them
+        self._asked: dict[Experiment, Prediction] = {}  # the prediction of a launch asked for, until it is recorded
+        self._answers: list[int] = []  # the record number of each answer an evaluator gave, in order
         self._listeners: list[RecordListener] = []
         self._tuner_trials: list[TunerTrials] = []
-        self.launches = 0
+
+    # ----- scoring -----
+    def score_with(self, scoring: Scoring) -> None:
+        """Judge every record, this run's and an earlier run's, under `scoring` from now on (the
+        objective changed: goodput's B_noise once the profile measured it). No record changes."""
+        self._scoring = self._earlier_scoring = scoring
+        self._scored = {}
+
+    def scored(self, record: TrialRecord) -> TrialResult:
+        """`record`'s result under the scoring now, computed from what it measured."""
+        result = self._scored.get(record.number)
+        if result is None:
+            result = self._scored[record.number] = self._scoring(record.result)
+        return result
 
     # ----- an earlier run's records -----
-    def resume(self, rescore: Callable[[TrialResult], TrialResult] = lambda result: result) -> None:
-        """Read what the stores kept of an earlier run under this fingerprint, each through `rescore`."""
+    def resume(self, scoring: Scoring = lambda result: result) -> None:
+        """Read what the stores kept of an earlier run under this fingerprint, to be judged under
+        `scoring` (this run's budget and objective, which the fingerprint leaves out)."""
+        self._earlier_scoring = scoring
+        earlier: dict[str, TrialResult] = {}
         for store in self._stores:
-            self._earlier.update({name: rescore(result) for name, result in store.earlier().items()})
+            earlier.update(store.earlier())
+        self._earlier = MappingProxyType(earlier)
 
     def earlier(self, experiment: Experiment, directory_name: str | None = None) -> TrialResult | None:
         """An earlier run's record of `experiment`'s launch in that directory (its own by default, a
-        re-measurement's say); only when the record measured that experiment, not another that
-        shares its name."""
+        re-measurement's say), under the scoring now; only when the record measured that
+        experiment, not another that shares its name."""
         record = self._earlier.get(directory_name or experiment.name)
-        return record if record is not None and record.experiment == experiment else None
+        return self._earlier_scoring(record) if record is not None and record.experiment == experiment else None
 
-    # ----- this run's results -----
-    def known(self, experiment: Experiment) -> TrialResult | None:
-        """This run's result for `experiment`, else an earlier run's record under its name (which
-        is this run's once recorded), else None: it has to be launched. An earlier record is
-        reused only for the experiment it measured, not for another that shares its name."""
-        result = self._results.get(experiment)
-        return result if result is not None else self.earlier(experiment)
+    # ----- appending -----
+    @property
+    def records(self) -> tuple[TrialRecord, ...]:
+        return tuple(self._records)
 
-    def __contains__(self, experiment: Experiment) -> bool:
-        return experiment in self._results
+    def _append(self, kind: TrialKind, result: TrialResult, *, run: int = 0, reused_from: str = "",
+                repeats: int | None = None) -> TrialRecord:
+        prediction = self._asked.pop(result.experiment, None) if kind is TrialKind.SEARCH else None
+        record = TrialRecord(len(self._records), kind, result, run, reused_from, prediction, repeats)
+        self._records.append(record)
+        return record
 
-    def __len__(self) -> int:
-        return len(self._results)
+    def _root(self, record: TrialRecord) -> TrialRecord:
+        """The record a repeat launched again (itself for any other)."""
+        return self._records[record.repeats] if record.repeats is not None else record
 
-    def record(self, result: TrialResult, reused: bool = False, kind: TrialKind = TrialKind.SEARCH) -> None:
-        """The result of its experiment in this run (`reused`: an earlier run's record), measured
-        by a trial of `kind`; the listeners are told after it is in."""
-        self._results[result.experiment] = result
-        self._kinds.setdefault(result.experiment, kind)
+    def _launched_again(self, kind: TrialKind, results: Sequence[TrialResult], run: int = 0) -> TrialRecord:
+        """One trial's launches in order: the first of `kind`, each launched again after it a
+        `REPEAT` of that first one; returns the last record."""
+        record = self._append(kind, results[0], run=run)
+        for again in results[1:]:
+            record = self._append(TrialKind.REPEAT, again, run=run, repeats=self._root(record).number)
+        return record
+
+    def record(self, result: TrialResult, reused: bool = False, kind: TrialKind = TrialKind.SEARCH) -> TrialResult:
+        """A measurement of its experiment in this run (`reused`: an earlier run's record), by a
+        trial of `kind`; the listeners are told after it is in. Returns it as scored now."""
+        record = self._append(kind, result, reused_from=result.name if reused else "")
+        scored = self.scored(record)
         for listener in self._listeners:
-            listener(result, reused)
+            listener(scored, reused)
+        return scored
+
+    def record_launches(self, results: Sequence[TrialResult], kind: TrialKind = TrialKind.SEARCH) -> TrialResult:
+        """One trial's launches (more than one where interference disturbed a window): the last
+        is the experiment's measurement; the listeners are told of it. Returns it as scored now."""
+        scored = self.scored(self._launched_again(kind, results))
+        for listener in self._listeners:
+            listener(scored, False)
+        return scored
 
     def record_pruned(self, result: TrialResult) -> None:
         """An experiment standing for a stage or variant that is not searched (further), with why."""
-        self._pruned.append(result)
+        self._append(TrialKind.PRUNED, result)
 
-    def record_remeasurement(self, round_: int, result: TrialResult) -> None:
-        """The final pick's `round_`th re-measurement of an experiment; its first measurement stays
-        the experiment's result (what the search compared)."""
-        self._remeasured.append((round_, result))
-
-    def rescore(self, rescore: Callable[[TrialResult], TrialResult]) -> None:
-        """Every result judged again, in place (the objective changed: goodput's B_noise, once the
-        profile measured it). The stores keep the measurements, which are unchanged; nobody is told."""
-        self._results = {experiment: rescore(result) for experiment, result in self._results.items()}
-        self._earlier = {name: rescore(result) for name, result in self._earlier.items()}  # reused later: alike
+    def record_remeasurements(self, round_: int, results: Sequence[TrialResult], reused_from: str = "") -> TrialResult:
+        """The final pick's `round_`th re-measurement of an experiment (its launches, or the
+        earlier run's record in the directory `reused_from`); the experiment's result stays its
+        first measurement (what the search compared). Returns the last as scored now."""
+        if reused_from:
+            return self.scored(self._append(TrialKind.REMEASURE, results[-1], run=round_, reused_from=reused_from))
+        return self.scored(self._launched_again(TrialKind.REMEASURE, results, round_))
 
     def on_record(self, listener: RecordListener) -> None:
         self._listeners.append(listener)
 
+    # ----- views -----
+    def view(self, degree: int | None = None) -> "LedgerView":
+        return LedgerView(self, degree)
+
+    def _measurements(self, degree: int | None = None) -> dict[Experiment, tuple[TrialRecord, TrialRecord]]:
+        """Per experiment, in the order first measured: (its first measuring record, its latest)."""
+        found: dict[Experiment, tuple[TrialRecord, TrialRecord]] = {}
+        for record in self._records:
+            if self._root(record).kind.measures and (degree is None or record.degree == degree):
+                first = found.get(record.experiment, (record, record))[0]
+                found[record.experiment] = (first, record)
+        return found
+
+    def known(self, experiment: Experiment) -> TrialResult | None:
+        """This run's result for `experiment`, else an earlier run's record under its name (which
+        is this run's once recorded), else None: it has to be launched. An earlier record is
+        reused only for the experiment it measured, not for another that shares its name."""
+        measured = self._measurements().get(experiment)
+        return self.scored(measured[1]) if measured is not None else self.earlier(experiment)
+
+    def __contains__(self, experiment: Experiment) -> bool:
+        return any(r.kind.measures and r.experiment == experiment for r in self._records)  # (a repeat's root is one)
+
+    def __len__(self) -> int:
+        return len(self._measurements())
+
+    @property
+    def launches(self) -> int:
+        """This run's launches so far: every launched record (repeats and re-measurements included)."""
+        return sum(1 for record in self._records if record.launched)
+
     def results(self) -> tuple[TrialResult, ...]:
-        """One result per experiment, in the order each experiment was first recorded."""
-        return tuple(self._results.values())
+        return self.view().results()
 
     def of_kind(self, kind: TrialKind) -> tuple[TrialResult, ...]:
-        """This run's results first measured by trials of `kind`, in order."""
-        return tuple(r for experiment, r in self._results.items() if self._kinds[experiment] is kind)
+        return self.view().of_kind(kind)
 
     def pruned(self) -> tuple[TrialResult, ...]:
-        return tuple(self._pruned)
+        return self.view().pruned()
 
     def remeasurements(self) -> tuple[tuple[int, TrialResult], ...]:
-        return tuple(self._remeasured)
+        latest: dict[int, TrialRecord] = {}  # by the re-measurement's first record: its last launch
+        for record in self._records:
+            if self._root(record).kind is TrialKind.REMEASURE:
+                latest[self._root(record).number] = record
+        return tuple((r.run, self.scored(r)) for r in latest.values())
 
     # ----- the tuners' trials -----
     def open_tuner_trials(self, label: str) -> TunerTrials:
@@ -169,23 +283,25 @@ class TrialLedger:
         return tuple(self._tuner_trials)
 
     # ----- launches -----
-    def count_launch(self) -> None:
-        self.launches += 1
-
     def note_prediction(self, experiment: Experiment, prediction: Prediction) -> None:
-        """What the predictive tuner expected of `experiment` when it asked for it (kept with its launch)."""
-        self._predictions[experiment] = prediction
+        """What the predictive tuner expected of `experiment` when it asked for it (kept with its record)."""
+        self._asked[experiment] = prediction
 
     def keep(self, trial: Trial, result: TrialResult) -> None:
         """A launch's result into every store, with the prediction it was asked on."""
         for store in self._stores:
-            store.keep(trial, result, self._predictions.get(trial.experiment))
+            store.keep(trial, result, self._asked.get(trial.experiment))
 
     # ----- answers -----
-    def answer(self, result: TrialResult) -> TrialResult:
-        """An evaluator's answer (a result, or a refusal that is recorded nowhere else); returned."""
-        self._answers.append(result)
-        return result
+    def answer(self, result: TrialResult, refused: bool = False) -> TrialResult:
+        """An evaluator's answer: a measurement this ledger holds (by its experiment's latest
+        record), or a refusal, appended as a record of its own. Returned as scored now."""
+        if refused:
+            record = self._append(TrialKind.REFUSED, result)
+        else:
+            record = self._measurements()[result.experiment][1]
+        self._answers.append(record.number)
+        return self.scored(record)
 
     def mark(self) -> int:
         """Where the answers stand now: `answered(since=mark)` gives those after it."""
@@ -194,37 +310,35 @@ class TrialLedger:
     def answered(self, since: int = 0) -> dict[Experiment, TrialResult]:
         """The answers given after `since`, the first per experiment, in the order given."""
         first: dict[Experiment, TrialResult] = {}
-        for result in self._answers[since:]:
-            first.setdefault(result.experiment, result)
+        for number in self._answers[since:]:
+            record = self._records[number]
+            if record.experiment not in first:
+                first[record.experiment] = self.scored(record)
         return first
 
 
-class DegreeLedger:
-    """The ledger as one tensor-parallel degree's search reads it: its own results, pruned and
-    kinds (a degree's profile, memory model and search learn from its own launches only), while
-    what it records goes into the one ledger, which keeps every degree's."""
+@dataclass(frozen=True)
+class LedgerView:
+    """The ledger filtered: one tensor-parallel degree's records (a degree's profile, memory model
+    and search learn from its own launches only), or all of them (`degree` None)."""
 
-    def __init__(self, ledger: TrialLedger, degree: int):
-        self._ledger = ledger
-        self.degree = degree
+    ledger: TrialLedger
+    degree: int | None = None
 
-    def __getattr__(self, name: str):
-        return getattr(self._ledger, name)  # recording, answers, earlier records: the ledger's own
-
-    def __contains__(self, experiment: Experiment) -> bool:
-        return experiment in self._ledger
-
-    def __len__(self) -> int:
-        return len(self._ledger)
-
-    def _own(self, results: Sequence[TrialResult]) -> tuple[TrialResult, ...]:
-        return tuple(r for r in results if r.experiment.tensor_parallel == self.degree)
+    def _own(self, records: Iterable[TrialRecord]) -> tuple[TrialResult, ...]:
+        return tuple(self.ledger.scored(r) for r in records if self.degree is None or r.degree == self.degree)
 
     def results(self) -> tuple[TrialResult, ...]:
-        return self._own(self._ledger.results())
+        """One result per experiment (its latest measurement), in the order each was first measured."""
+        return self._own(latest for _, latest in self.ledger._measurements(self.degree).values())
 
     def of_kind(self, kind: TrialKind) -> tuple[TrialResult, ...]:
-        return self._own(self._ledger.of_kind(kind))
+        """The results of the experiments first measured by trials of `kind`, in order."""
+        return self._own(latest for first, latest in self.ledger._measurements(self.degree).values()
+                         if first.kind is kind)
 
     def pruned(self) -> tuple[TrialResult, ...]:
-        return self._own(self._ledger.pruned())
+        return self._own(r for r in self.ledger.records if r.kind is TrialKind.PRUNED)
+
+    def __len__(self) -> int:
+        return len(self.results())

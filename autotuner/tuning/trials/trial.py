@@ -22,7 +22,7 @@ from autotuner.tuning.memory.varying_batches import longest_batch
 from autotuner.tuning.space import dimensions
 from autotuner.tuning.space.experiment import TENSOR_PARALLEL_KEY, Experiment
 from autotuner.tuning.space.planned_run import planned_value
-from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.records import Objective, Reason, TrialResult, TrialState
 
 METRICS_FILE = "metrics.json"
 MODEL_INFO_FILE = "model_info.json"
@@ -262,7 +262,6 @@ def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
     return () if settings.rank_flags.picks_ranks_itself else ("--nproc_per_node", str(settings.nproc_per_node))
 
 
-MISSING_METRIC = "metrics.json has no "  # a failure the metric caused: judged again when it changes
 # The flag a script usually gives each of the triad's keys (DeepSpeed-Chat's, Hugging Face's), for the
 # arg_mappings entry a mismatch suggests; a dimension suggests its own script flag.
 _USUAL_FLAGS = {"zero_optimization.stage": "--zero_stage",
@@ -305,7 +304,8 @@ def scored(measurement: Measurement, settings: ExperimentSettings, common: dict)
     other fields)."""
     mismatch = built_mismatch(common["experiment"], measurement, settings)
     if mismatch is not None:  # never recorded under a name it did not train
-        return TrialResult(state=TrialState.FAILED, measurement=measurement, error=mismatch, **common)
+        return TrialResult(state=TrialState.FAILED, measurement=measurement, error=mismatch,
+                           reason=Reason.BUILT_OTHERWISE, **common)
     measured = measurement.peak_memory_bytes
     longest = longest_batch(measurement, settings.max_sequence_length)
     at = ""
@@ -315,11 +315,13 @@ def scored(measurement: Measurement, settings: ExperimentSettings, common: dict)
     common = dict(common, measured_memory_bytes=measured)
     if settings.memory_budget_bytes and measured and measured > settings.memory_budget_bytes:
         return TrialResult(state=TrialState.OOM, measurement=measurement, error=f"peak {measured / 2**20:.0f} MiB{at} "
-                           f"over the per-rank budget of {settings.memory_budget_bytes / 2**20:.0f} MiB", **common)
+                           f"over the per-rank budget of {settings.memory_budget_bytes / 2**20:.0f} MiB",
+                           reason=Reason.OVER_BUDGET, **common)
     value = measurement.value(settings.objective.key)
     if value is None:
         return TrialResult(state=TrialState.FAILED, measurement=measurement,
-                           error=f"{MISSING_METRIC}'{settings.objective.key}'", **common)
+                           error=f"metrics.json has no '{settings.objective.key}'", reason=Reason.MISSING_METRIC,
+                           **common)
     spread = measurement.throughput_std if settings.objective.metric in ("throughput", "goodput") else None
     planned = planned_value(measurement, settings.objective, settings.planned_steps, float(value))
     planned *= settings.objective.efficiency(measurement.train_batch_size)  # goodput; else 1
@@ -333,7 +335,7 @@ def rescored(result: TrialResult, settings: ExperimentSettings) -> TrialResult:
     sit in the autotuning section outside the fingerprint: a value scored under another objective
     must never be compared with this run's. Results without a measurement stay as they are; so does
     a failure, unless all it lacked was an earlier metric's figure (this run's may be there)."""
-    lacked_metric = result.state is TrialState.FAILED and (result.error or "").startswith(MISSING_METRIC)
+    lacked_metric = result.state is TrialState.FAILED and result.reason is Reason.MISSING_METRIC
     if result.measurement is None or (result.state not in (TrialState.OK, TrialState.OOM) and not lacked_metric):
         return result
     common = dict(experiment=result.experiment, predicted_memory_bytes=result.predicted_memory_bytes,
