@@ -193,8 +193,9 @@ class Autotuner:
                               tuple(self._layout_lines) + self._fixed_layout_lines(profiled.job),
                               job.config.autotuning.cost_per_gpu_hour,
                               (job.config.autotuning.adapt_interval, job.config.autotuning.max_train_batch_size)
-                              if job.config.autotuning.adapt_batch else None)
-        outcome = write_outcome(record, profiled.job.settings, profiled.job.objective, self.results_dir, self.report,
+                              if job.config.autotuning.adapt_batch else None, self.ledger.launches,
+                              sum(1 for r in self.ledger.records if r.kind is TrialKind.REPEAT))
+        outcome = write_outcome(record, profiled.job.settings, profiled.job.objective, self.results_dir,
                                 job.devices.on_gpu)
         if self.history is not None and self.history.recorded:
             self.history.record_pick(best)

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shlex
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -480,10 +481,10 @@ def _rows(summary: str) -> dict[str, list[str]]:
 def test_summary_rows_per_stage_and_global():
     summary = summary_text(RESULTS, THROUGHPUT, 3723.456)
     rows = _rows(summary)
-    assert rows["z0"] == ["2", "10", "z0_gas1_mbs4"]
-    assert rows["z1"] == ["2", "20", "z1_gas2_mbs8"]
-    assert rows["z2"][0] == "1" and rows["z2"][2] == ""  # launched, nothing succeeded
-    assert rows["global"] == ["5", "20", "z1_gas2_mbs8"]
+    assert rows["z0"] == ["2", "10", "single run", "z0_gas1_mbs4"]
+    assert rows["z1"] == ["2", "20", "single run", "z1_gas2_mbs8"]
+    assert rows["z2"][0] == "1" and rows["z2"][3] == ""  # launched, nothing succeeded
+    assert rows["global"] == ["5", "20", "single run", "z1_gas2_mbs8"]
     assert list(rows)[-1] == "global"
     assert summary.rstrip().endswith("Tuning completed in 1:02:03.46. Total number of experiments: 5.")
 
@@ -494,15 +495,18 @@ def test_the_picks_stage_row_agrees_with_the_global_row():
     from autotuner.tuning.reports.results import Explanation
 
     chosen = TrialResult(Experiment(1, 4), TrialState.OK, value=22.0, measurement=RESULTS[3].measurement)
-    rows = _rows(summary_text(RESULTS, THROUGHPUT, 1.0, Explanation(chosen=chosen)))
-    assert rows["z1"] == ["2", "22", "z1_gas1_mbs4"] and rows["global"] == ["5", "22", "z1_gas1_mbs4"]
-    assert rows["z0"] == ["2", "10", "z0_gas1_mbs4"]
+    remeasured = tuple((run, replace(chosen, value=v)) for run, v in ((1, 22.0), (2, 24.0)))
+    rows = _rows(summary_text(RESULTS, THROUGHPUT, 1.0, Explanation(remeasurements=remeasured, chosen=chosen)))
+    # Each row names its value: the pick's is the median of its 3 runs, the others' a single run.
+    assert rows["z1"] == ["2", "22", "median of 3 runs", "z1_gas1_mbs4"]
+    assert rows["global"] == ["5", "22", "median of 3 runs", "z1_gas1_mbs4"]
+    assert rows["z0"] == ["2", "10", "single run", "z0_gas1_mbs4"]
 
 
 def test_summary_with_latency_picks_the_minimum():
     rows = _rows(summary_text(RESULTS, Objective("latency"), 1.0))
-    assert rows["z1"][1:] == ["15", "z1_gas1_mbs4"]
-    assert rows["global"][1:] == ["10", "z0_gas1_mbs4"]
+    assert rows["z1"][1:] == ["15", "single run", "z1_gas1_mbs4"]
+    assert rows["global"][1:] == ["10", "single run", "z0_gas1_mbs4"]
 
 
 @pytest.mark.parametrize(("seconds", "text"), [(0.0, "0:00:00.00"), (5.5, "0:00:05.50"), (61.25, "0:01:01.25"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 from autotuner.config.tuned_values import TUNED_VALUES_ENV
 from autotuner.tuning.space.experiment import Experiment
@@ -55,10 +54,12 @@ class SearchRecord:
     layout_lines: tuple[str, ...] = ()  # the tensor-parallel layouts: fixed, or each degree searched kept or not
     price_per_hour: float | None = None  # autotuning.cost_per_gpu_hour
     ramp: tuple[int, int | None] | None = None  # adapt_batch: (adapt_interval, max_train_batch_size)
+    launches: int | None = None  # every launch this run made (the ledger's count)
+    repeats: int = 0  # of them, launched again after interference disturbed the window
 
 
 def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective: Objective, results_dir: Path,
-                  report: Callable[[str], None], on_gpu: bool) -> TuningOutcome:
+                  on_gpu: bool) -> TuningOutcome:
     best = record.best
     optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
     goodput = goodput_lines(list(record.launched), objective, record.noise_scale, settings.data_parallel_size,
@@ -97,10 +98,10 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
     compiled += goodput
     compiled += varying_batch_lines([r.measurement for r in record.launched if r.measurement is not None],
                                     settings.max_sequence_length, settings.max_sequence_length_from)
-    for line in compiled:
-        report(line)
+    # (These lines are the summary's, which is printed once at the end: not reported here as well.)
     explanation = Explanation(record.profile_names, record.remeasurements, tuple(compiled) + record.lines,
-                              *predicted_points(record.predictions), chosen=best)
+                              *predicted_points(record.predictions), chosen=best, launches=record.launches,
+                              repeats=record.repeats)
     everything = record.launched + record.pruned
     summary = write_results(results_dir, list(everything), objective, record.elapsed_s, config,
                             list(optimal_cmd) if optimal_cmd else None, explanation,

@@ -40,6 +40,8 @@ class Explanation:
     at_launch: tuple[PredictedPoint, ...] = ()
     curves: tuple[PredictedPoint, ...] = ()
     chosen: TrialResult | None = None  # the pick (its value: the median when re-measured); else the best
+    launches: int | None = None  # every launch of this run (the ledger's: repeats after interference included)
+    repeats: int = 0  # of them, launched again because another process disturbed the window
 
 
 def _format_duration(seconds: float) -> str:
@@ -49,9 +51,21 @@ def _format_duration(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:05.2f}"
 
 
+def value_kind(result: TrialResult | None, explanation: Explanation) -> str:
+    """What a row's value is: the pick's median of its runs where the final pick re-measured it,
+    else the single run the search measured."""
+    if result is None:
+        return ""
+    runs = 1 + sum(1 for _, r in explanation.remeasurements
+                   if r.experiment == result.experiment and r.state is TrialState.OK)
+    remeasured = explanation.chosen is not None and result.experiment == explanation.chosen.experiment and runs > 1
+    return f"median of {runs} runs" if remeasured else "single run"
+
+
 def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: float,
                  explanation: Explanation = Explanation()) -> str:
-    """One row per tuning space (z0..z3) and a global row, as DeepSpeed prints."""
+    """One row per tuning space (z0..z3) and a global row, as DeepSpeed prints, each naming what
+    its value is (a single run, or the pick's median of re-measured runs)."""
     launched = [r for r in results if r.state is not TrialState.PRUNED]
     chosen = explanation.chosen
     rows = []
@@ -59,18 +73,21 @@ def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: 
         in_space = [r for r in launched if r.experiment.zero_stage == stage]
         best = objective.best(in_space)
         if chosen is not None and chosen.experiment.zero_stage == stage:
-            best = chosen  # its stage's row agrees with the global one: the re-measured pick and median
-        rows.append([f"z{stage}", len(in_space), _value(best), best.name if best else None])
+            best = chosen  # its stage's row agrees with the global one, and says it holds a median
+        rows.append([f"z{stage}", len(in_space), _value(best), value_kind(best, explanation),
+                     best.name if best else None])
     best = explanation.chosen or objective.best(launched)
-    rows.append(["global", len(launched), _value(best), best.name if best else None])
+    rows.append(["global", len(launched), _value(best), value_kind(best, explanation), best.name if best else None])
     table = tabulate(rows, headers=["tuning_space", "num_experiments", f"best_metric_val ({objective.unit})",
-                                       "best_exp_name"],
+                                       "value_of", "best_exp_name"],
                      tablefmt="pipe")
-    launches = len(launched) + len(explanation.remeasurements)
+    launches = (explanation.launches if explanation.launches is not None
+                else len(launched) + len(explanation.remeasurements))
     footer = f"Tuning completed in {_format_duration(wall_time_s)}. Total number of experiments: {len(launched)}."
-    if explanation.remeasurements or explanation.profile_names:
+    if explanation.remeasurements or explanation.profile_names or explanation.repeats:
+        repeats = f", {explanation.repeats} launched again after interference" if explanation.repeats else ""
         footer += (f" Launches: {launches} ({len(explanation.profile_names)} of them profile launches, "
-                   f"{len(explanation.remeasurements)} re-measurements).")
+                   f"{len(explanation.remeasurements)} re-measurements{repeats}).")
     lines = [footer, *engine_lines(launched), *several_engines_lines(launched), *memory_lines(launched),
              *prediction_lines(explanation),
              *explanation.final_pick_lines]

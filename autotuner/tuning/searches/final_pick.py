@@ -225,12 +225,8 @@ def final_pick_rounds(results: list[TrialResult], objective: Objective, top: int
     standing = [e for e in values if e in chosen and e not in out_of_memory]
     if not standing:
         fallback = objective.best([r for r in results if r.experiment not in out_of_memory])
-        for line in lines:
-            report(line)
         return fallback, remeasurements, lines
     final = pick([Contender(e, tuple(values[e]), failed[e]) for e in standing], objective, noise.relative)
-    lines += describe(final, objective)
-    for line in lines:
-        report(line)
+    lines += describe(final, objective)  # the summary's lines: printed once, there
     original = next(r for r in results if r.experiment == final.chosen.experiment and r.state is TrialState.OK)
     return replace(original, value=final.chosen.median), remeasurements, lines
