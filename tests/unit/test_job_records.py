@@ -3,10 +3,12 @@ orchestrator replaces neither after building it, and the ledger holds every tria
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
 
+from autotuner.core.frozen import FrozenError
 from autotuner.tuning.trials.ledger import TrialKind
 from fakes import FakeRunner, by_micro, tuner
 
@@ -16,10 +18,13 @@ MiB = 2**20
 def test_the_settled_and_profiled_jobs_are_frozen_and_not_replaced_after_they_are_built(tmp_path):
     autotuner = tuner(tmp_path, FakeRunner(by_micro({2: 10.0, 4: 20.0})), {"memory_per_rank_bytes": 3 * MiB})
     settled = autotuner.job
-    settled_fields = dataclasses.asdict(settled.policy), settled.settings, settled.space
+    # A snapshot (deep copies), not the objects themselves: a write into them would change both sides.
+    before = copy.deepcopy((dataclasses.asdict(settled.policy), dataclasses.asdict(settled.settings),
+                            dataclasses.asdict(settled.space)))
     autotuner.tune()
     assert autotuner.job is settled  # the settled job stays what it was
-    assert (dataclasses.asdict(settled.policy), settled.settings, settled.space) == settled_fields
+    assert (dataclasses.asdict(settled.policy), dataclasses.asdict(settled.settings),
+            dataclasses.asdict(settled.space)) == before
     profiled = autotuner.profiled
     for record, name in ((settled, "space"), (profiled, "job"), (profiled, "memory"), (profiled.job, "settings"),
                          (profiled.memory, "budget_bytes"), (profiled.memory, "profile")):
@@ -30,6 +35,54 @@ def test_the_settled_and_profiled_jobs_are_frozen_and_not_replaced_after_they_ar
     for name in ("space", "profile", "budget_bytes", "device_type", "precision", "engine"):
         with pytest.raises(AttributeError):
             setattr(autotuner.memory, name, None)
+
+
+def _writes(mapping):
+    """Every way of writing into a config mapping, at its top and one level down."""
+    nested = next((v for v in mapping.values() if isinstance(v, (dict, list))), None)
+    yield lambda: mapping.__setitem__("written", 1)
+    yield lambda: mapping.update(written=1)
+    yield lambda: mapping.setdefault("written", 1)
+    yield lambda: mapping.pop(next(iter(mapping)))
+    yield mapping.clear
+    if isinstance(nested, dict):
+        yield lambda: nested.__setitem__("written", 1)
+    elif isinstance(nested, list):
+        yield lambda: nested.append(1)
+
+
+def test_writing_into_any_records_mapping_after_it_is_built_raises(tmp_path):
+    autotuner = tuner(tmp_path, FakeRunner(by_micro({2: 10.0, 4: 20.0})), {"memory_per_rank_bytes": 3 * MiB},
+                      zero_optimization={"stage": [0, 1]})
+    autotuner.tune()
+    settings = autotuner.profiled.job.settings
+    space = autotuner.profiled.job.space
+    mappings = {"base_config": settings.base_config, "user_config": settings.user_config,
+                "arg_mappings": settings.arg_mappings,
+                "knob_values": space.knob_values, "variants": space.variants, "finishes": space.finishes}
+    writable = {}
+    for name, mapping in mappings.items():
+        if not mapping:
+            continue  # empty here: nothing to write into (its freezing is the same code)
+        before = copy.deepcopy(mapping)
+        for write in _writes(mapping):
+            try:
+                write()
+            except FrozenError:
+                continue
+            writable[name] = write
+        assert mapping == before  # nothing was written
+        # What a caller changes is a copy, writable, and the record is as it was.
+        changed = copy.deepcopy(mapping)
+        changed["written"] = 1
+        assert "written" not in mapping
+    assert not writable, f"written into after it was built: {sorted(writable)}"
+    assert settings.base_config and space.knob_values  # (the ones this tune holds something in)
+    # The ledger's records are frozen and append-only from outside.
+    record = autotuner.ledger.records[0]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        record.kind = TrialKind.SEARCH
+    assert isinstance(autotuner.ledger.records, tuple)
 
 
 def test_the_ledger_holds_the_profile_launches_the_search_and_what_was_pruned_by_kind(tmp_path):

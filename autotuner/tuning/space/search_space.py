@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from autotuner.core.frozen import freeze
 from autotuner.config.batch import gas_for, train_batch_size
 from autotuner.config.autotuning import AutotuningConfig
 from autotuner.tuning.space.records import Objective, TrialResult
@@ -38,6 +39,10 @@ class SearchSpace:
     # The tensor-parallel degree every experiment sets (Experiment.tensor_parallel; 0: the config's
     # layout), which `data_parallel_size` is counted at: a degree search has one space per degree.
     tensor_parallel: int = 0
+
+    def __post_init__(self):
+        for name in ("knob_values", "variants", "finishes"):  # read-only at every depth, as the record is
+            object.__setattr__(self, name, freeze(getattr(self, name)))
 
     def at_degree(self, degree: int, ranks: int) -> "SearchSpace":
         """This space at tensor-parallel degree `degree` over `ranks` (the data-parallel size at

@@ -16,6 +16,7 @@ from autotuner.config.keys import section_model
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.core.boundary import Measurement, MeasurementRequest
 from autotuner.core.errors import ConfigError
+from autotuner.core.frozen import freeze
 from autotuner.launch.options import RankFlags
 from autotuner.launch.script_args import set_flag
 from autotuner.tuning.memory.varying_batches import longest_batch
@@ -71,6 +72,12 @@ class ExperimentSettings:
     # Hugging Face's Trainer builds the engine: it checks the config's learning rate and batch sizes
     # against its own flags, so what is written must say the same in both.
     trainer: bool = False
+
+    def __post_init__(self):
+        # Read-only at every depth: a record frozen only at its surface could be written into after
+        # every experiment was derived from it.
+        for name in ("base_config", "arg_mappings", "user_config"):
+            object.__setattr__(self, name, freeze(getattr(self, name)))
 
 
 def config_value(config: dict[str, Any], dotted_key: str) -> Any:
