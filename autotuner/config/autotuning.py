@@ -117,8 +117,9 @@ class AutotuningConfig(Section):
     model_info_path: str | None = None
     # Checked against the tuner registry when a tune is settled (app/settle.py): a plugin's tuner is a
     # name this layer cannot know, and ranks validate the file without the tuners loaded.
-    tuner_type: str = Field("predictive", description='gridsearch, random, model_based, bayes or predictive, or a '
-                            "plugin's tuner (docs/architecture.md); DeepSpeed's default is gridsearch; ours, predictive, "
+    tuner_type: str = Field("predictive", description='gridsearch, random, model_based, bayes, predictive or '
+                            "first_fit (grid's order, stopping at the first that runs), or a plugin's tuner "
+                            "(docs/architecture.md); DeepSpeed's default is gridsearch; ours, predictive, "
                             "won our benchmarks")
     tuner_early_stopping: PositiveInt = Field(5, description="stop after this many experiments without improvement")
     tuner_num_trials: PositiveInt = Field(50, description="at most this many experiments")

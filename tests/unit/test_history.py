@@ -9,6 +9,7 @@ import pytest
 
 from autotuner.app.history import history_rows
 from autotuner.tuning.trials.history import default_url, study_name
+from autotuner.tuning.tuners import TUNERS
 
 optuna = pytest.importorskip("optuna")
 
@@ -108,7 +109,7 @@ def test_history_off_writes_no_database(tmp_path):
     assert not (tmp_path / "results" / "history.db").exists()
 
 
-@pytest.mark.parametrize("tuner_type", ["gridsearch", "random", "model_based", "bayes", "predictive"])
+@pytest.mark.parametrize("tuner_type", sorted(TUNERS))
 def test_every_tuner_records_each_of_its_launches(tmp_path, tuner_type):
     runner = FakeRunner(by_micro({2: 10.0, 4: 20.0, 8: 30.0}))
     tuner(tmp_path, runner, autotuning={"tuner_type": tuner_type},

@@ -1,7 +1,13 @@
 """One contract for every tuner in TUNERS (a new tuner is covered by registering it),
-plus ModelBasedTuner's own promise: it picks the best predicted untried experiment.
+plus ModelBasedTuner's own promise: it picks the best predicted untried experiment, and
+FirstFitTuner's: it stops at the first experiment that runs.
 A tuner keeps no trials of its own: they are in its `TunerTrials` (in the run's ledger), and a
 tuner made again over them asks the same.
+
+A tuner is two things the contract checks apart: the order it asks in (checked with the driver's
+rules, its own stop rule held aside by `ordering_only`), and its own stop rule (tuners/stopping.py,
+`Tuner.should_stop`), which a drive must honour exactly, serial or parallel, and which reads only
+the drive's progress. A toy tuner that stops after N checks the extension point itself.
 
 Pure: tuners are driven with a fake `evaluate`; nothing is launched."""
 
@@ -16,7 +22,8 @@ import pytest
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.trials.ledger import TrialLedger
-from autotuner.tuning.tuners import TUNERS, GridSearchTuner, ModelBasedTuner, Tuner, TunerSpec, drive, make_tuner
+from autotuner.tuning.tuners import (TUNERS, DriveProgress, FirstFitTuner, GridSearchTuner, ModelBasedTuner, Tuner,
+                                     TunerSpec, drive, make_tuner)
 
 try:
     import optuna  # noqa: F401  (the bayes tuner's optional extra)
@@ -108,6 +115,57 @@ def exhaust(tuner: Tuner, evaluate=evaluate_smooth) -> list[Experiment]:
     pytest.fail(f"{type(tuner).__name__}.ask() never returned None")
 
 
+def ordering_only(tuner: Tuner) -> Tuner:
+    """`tuner` with its own stop rule held aside (the default's: never), for the tests of the order
+    it asks in and of the driver's rules; its own rule has tests of its own (`TestTunerContract`'s
+    stop-rule tests)."""
+    tuner.should_stop = lambda progress: False  # type: ignore[method-assign]
+    return tuner
+
+
+def its_rule_says_stop(name: str, space: list[Experiment], objective: Objective, seed: int,
+                       results: list[TrialResult]) -> bool:
+    """What the stop rule of a tuner of `name` made again, and told `results` (in that order), says
+    after a drive that gave them: the rule reads only the progress, so it says what the driven
+    tuner's rule said at that point."""
+    again = make_tuner(name, space, objective, seed=seed)
+    for result in results:
+        again.tell(result)
+    return again.should_stop(DriveProgress.now(again.results, results))
+
+
+class Watching(Slots):
+    """`Slots` that, at each submit, asks the tuner's stop rule what it says over the progress the
+    driver saw before that ask (what has arrived, what is running): it must not be "stop"."""
+
+    def __init__(self, capacity: int, tuner: Tuner, evaluate=evaluate_smooth):
+        super().__init__(capacity, evaluate)
+        self.tuner, self.arrived, self.said_stop_at_a_submit = tuner, [], []
+
+    def submit(self, experiment: Experiment) -> None:
+        if self.tuner.should_stop(DriveProgress.now(self.tuner.results, self.arrived, len(self.running))):
+            self.said_stop_at_a_submit.append(experiment)
+        super().submit(experiment)
+
+    def next_result(self) -> TrialResult:
+        result = super().next_result()
+        self.arrived.append(result)
+        return result
+
+
+def first_failing(count: int):
+    """An evaluate whose first `count` calls fail and whose later ones run (the smooth surface)."""
+    calls = []
+
+    def evaluate(experiment: Experiment) -> TrialResult:
+        calls.append(experiment)
+        if len(calls) <= count:
+            return TrialResult(experiment, TrialState.FAILED, error="boom")
+        return evaluate_smooth(experiment)
+
+    return evaluate
+
+
 def results_held_outside_the_trials(tuner: Tuner) -> list[str]:
     """The tuner's attributes, other than its trials, that hold a result."""
     held = []
@@ -120,7 +178,7 @@ def results_held_outside_the_trials(tuner: Tuner) -> list[str]:
 
 def test_registry_is_what_make_tuner_builds():
     expected = {"gridsearch": "GridSearchTuner", "random": "RandomTuner", "model_based": "ModelBasedTuner",
-                "bayes": "BayesTuner", "predictive": "PredictiveTuner"}
+                "bayes": "BayesTuner", "predictive": "PredictiveTuner", "first_fit": "FirstFitTuner"}
     assert expected.items() <= {name: type(make_tuner(name, grid(), THROUGHPUT)).__name__ for name in TUNERS}.items()
     for name, spec in TUNERS.items():
         tuner = make_tuner(name, grid(), THROUGHPUT, seed=3)
@@ -192,7 +250,7 @@ class TestTunerContract:
         assert tuner.results == {}
 
     def test_drive_stops_at_max_trials(self, name):
-        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        tuner = ordering_only(make_tuner(name, grid(), THROUGHPUT, seed=0))
         results = drive(tuner, evaluate_smooth, early_stopping=100, max_trials=5)
         assert len(results) == 5
         assert len(tuner.results) == 5
@@ -204,19 +262,19 @@ class TestTunerContract:
 
     @pytest.mark.parametrize("early_stopping", [1, 3, 6])
     def test_drive_stops_after_early_stopping_results_without_improvement(self, name, early_stopping):
-        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        tuner = ordering_only(make_tuner(name, grid(), THROUGHPUT, seed=0))
         evaluate = Counting(first=100.0, step=-1.0)  # only the first result improves
         results = drive(tuner, evaluate, early_stopping=early_stopping, max_trials=100)
         assert len(results) == 1 + early_stopping
 
     def test_drive_early_stopping_counts_for_latency_too(self, name):
-        tuner = make_tuner(name, grid(), LATENCY, seed=0)
+        tuner = ordering_only(make_tuner(name, grid(), LATENCY, seed=0))
         evaluate = Counting(first=1.0, step=+0.5)  # larger latency: never an improvement after the first
         results = drive(tuner, evaluate, early_stopping=3, max_trials=100)
         assert len(results) == 4
 
     def test_drive_early_stopping_counts_failures(self, name):
-        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        tuner = ordering_only(make_tuner(name, grid(), THROUGHPUT, seed=0))
         results = drive(tuner, lambda e: TrialResult(e, TrialState.OOM, error="oom"), early_stopping=4,
                         max_trials=100)
         assert len(results) == 4
@@ -224,14 +282,14 @@ class TestTunerContract:
 
     def test_drive_stops_when_exhausted(self, name):
         space = grid(stages=(0,), micros=(1, 2, 4, 8))
-        tuner = make_tuner(name, space, THROUGHPUT, seed=0)
+        tuner = ordering_only(make_tuner(name, space, THROUGHPUT, seed=0))
         results = drive(tuner, evaluate_smooth, early_stopping=100, max_trials=100)
         assert sorted(r.experiment for r in results) == sorted(space)
         assert tuner.ask() is None
 
     def test_failures_never_become_best(self, name):
         space = grid()
-        tuner = make_tuner(name, space, THROUGHPUT, seed=0)
+        tuner = ordering_only(make_tuner(name, space, THROUGHPUT, seed=0))
 
         def evaluate(experiment):
             if experiment.micro_batch_size == 8:
@@ -255,20 +313,20 @@ class TestTunerContract:
         assert tuner.best.experiment == Experiment(0, 1)
 
     def test_all_failures_give_no_best(self, name):
-        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        tuner = ordering_only(make_tuner(name, grid(), THROUGHPUT, seed=0))
         drive(tuner, lambda e: TrialResult(e, TrialState.FAILED, error="boom"), early_stopping=100, max_trials=100)
         assert len(tuner.results) == 12
         assert tuner.best is None
 
     def test_best_maximises_throughput(self, name):
-        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        tuner = ordering_only(make_tuner(name, grid(), THROUGHPUT, seed=0))
         drive(tuner, lambda e: ok(e, float(e.micro_batch_size * (e.zero_stage + 1))), early_stopping=100,
               max_trials=100)
         assert tuner.best.experiment == Experiment(2, 8)
         assert tuner.best.value == 24.0
 
     def test_best_minimises_latency(self, name):
-        tuner = make_tuner(name, grid(), LATENCY, seed=0)
+        tuner = ordering_only(make_tuner(name, grid(), LATENCY, seed=0))
         drive(tuner, lambda e: ok(e, float(e.micro_batch_size * (e.zero_stage + 1))), early_stopping=100,
               max_trials=100)
         assert tuner.best.experiment == Experiment(0, 1)
@@ -279,7 +337,7 @@ class TestTunerContract:
         space = grid()
         optimum = max(space, key=smooth_value)
         assert sorted(smooth_value(e) for e in space)[-2] < smooth_value(optimum)  # unique
-        tuner = make_tuner(name, space, THROUGHPUT, seed=seed)
+        tuner = ordering_only(make_tuner(name, space, THROUGHPUT, seed=seed))
         drive(tuner, evaluate_smooth, early_stopping=len(space), max_trials=len(space))
         assert tuner.best.experiment == optimum == Experiment(1, 4)
 
@@ -300,7 +358,7 @@ class TestTunerContract:
     @pytest.mark.parametrize("capacity", [2, 3])
     def test_a_parallel_drive_fills_every_slot_and_finds_the_optimum(self, name, capacity):
         space = grid()
-        tuner = make_tuner(name, space, THROUGHPUT, seed=0)
+        tuner = ordering_only(make_tuner(name, space, THROUGHPUT, seed=0))
         slots = Slots(capacity)
         results = drive(tuner, slots, early_stopping=len(space), max_trials=len(space))
         assert slots.most_at_once == capacity
@@ -308,9 +366,9 @@ class TestTunerContract:
         assert tuner.best.experiment == Experiment(1, 4)
 
     def test_a_parallel_drive_stops_starting_at_max_trials_and_early_stopping(self, name):
-        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        tuner = ordering_only(make_tuner(name, grid(), THROUGHPUT, seed=0))
         assert len(drive(tuner, Slots(3), early_stopping=100, max_trials=5)) == 5
-        tuner = make_tuner(name, grid(), THROUGHPUT, seed=0)
+        tuner = ordering_only(make_tuner(name, grid(), THROUGHPUT, seed=0))
         slots = Slots(2, Counting(first=100.0, step=-1.0))  # only the first result to arrive improves
         results = drive(tuner, slots, early_stopping=3, max_trials=100)
         # Stopped once 3 in a row brought nothing; the one still running then is waited for and kept.
@@ -318,9 +376,47 @@ class TestTunerContract:
 
     def test_finds_the_minimum_latency_of_a_smooth_space(self, name):
         space = grid()
-        tuner = make_tuner(name, space, LATENCY, seed=0)
+        tuner = ordering_only(make_tuner(name, space, LATENCY, seed=0))
         drive(tuner, lambda e: ok(e, 200.0 - smooth_value(e)), early_stopping=len(space), max_trials=len(space))
         assert tuner.best.experiment == Experiment(1, 4)
+
+    # ----- its own stop rule -----
+
+    @pytest.mark.parametrize("failures", [0, 3])
+    @pytest.mark.parametrize("seed", [0, 5])
+    def test_a_drive_stops_exactly_when_its_own_stop_rule_first_says_so(self, name, failures, seed):
+        space = grid()
+        tuner = make_tuner(name, space, THROUGHPUT, seed=seed)
+        results = drive(tuner, first_failing(failures), early_stopping=100, max_trials=100)
+        assert results and list(tuner.results.values()) == results
+        # Before each of its results the rule said go on (asked again over the same trials, it says
+        # the same: it reads only the progress); after the last it said stop, or the space ran out.
+        for count in range(len(results)):
+            assert not its_rule_says_stop(name, space, THROUGHPUT, seed, results[:count]), count
+        assert len(results) == len(space) or its_rule_says_stop(name, space, THROUGHPUT, seed, results)
+        assert tuner.pending == set()
+
+    @pytest.mark.parametrize("capacity", [2, 3])
+    def test_a_parallel_drive_starts_nothing_once_its_own_stop_rule_says_stop(self, name, capacity):
+        space = grid()
+        tuner = make_tuner(name, space, THROUGHPUT, seed=0)
+        slots = Watching(capacity, tuner)
+        results = drive(tuner, slots, early_stopping=100, max_trials=100)
+        assert slots.said_stop_at_a_submit == []
+        # What was running when it said stop was still waited for and told.
+        assert sorted(r.experiment for r in results) == sorted(slots.submitted) == sorted(tuner.results)
+        assert tuner.pending == set()
+        assert len(results) == len(space) or tuner.should_stop(DriveProgress.now(tuner.results, slots.arrived))
+
+    def test_its_stop_rule_reads_only_the_progress(self, name):
+        space = grid()
+        first = ordering_only(make_tuner(name, space, THROUGHPUT, seed=0))
+        results = drive(first, first_failing(2), early_stopping=100, max_trials=4)
+        driven = make_tuner(name, space, THROUGHPUT, seed=0, trials=first.trials)
+        progress = DriveProgress.now(driven.results, results)
+        said = {driven.should_stop(progress) for _ in range(5)}  # asked again and again: the same answer
+        again = make_tuner(name, space, THROUGHPUT, seed=0, trials=first.trials)
+        assert said == {again.should_stop(progress)}
 
 
 def test_a_factory_that_makes_its_tuner_without_the_trials_still_writes_to_the_ledger(monkeypatch):
@@ -329,6 +425,97 @@ def test_a_factory_that_makes_its_tuner_without_the_trials_still_writes_to_the_l
     tuner = make_tuner("plain", grid(), THROUGHPUT, trials=ledger.open_tuner_trials("ZeRO 0"))
     drive(tuner, evaluate_smooth, early_stopping=100, max_trials=3)
     assert len(ledger.tuner_trials()[0].told) == 3
+
+
+# ----- the stop-rule extension point, on a toy tuner -----
+
+class StopsAfter(GridSearchTuner):
+    """Grid's order; its own rule says stop once `count` results are told (`started`: once this
+    drive has started that many)."""
+
+    def __init__(self, *args, count: int, started: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.count, self.started = count, started
+
+    def should_stop(self, progress: DriveProgress) -> bool:
+        return (progress.started if self.started else len(progress.told)) >= self.count
+
+
+def stops_after(monkeypatch, count: int, started: bool = False) -> Tuner:
+    """The toy registered as a tuner (as a plugin would be) and made by the registry."""
+    monkeypatch.setitem(TUNERS, "stops_after", TunerSpec(
+        "stops_after", lambda a: StopsAfter(a.space, a.objective, trials=a.trials, count=count, started=started),
+        "test"))
+    return make_tuner("stops_after", grid(), THROUGHPUT)
+
+
+@pytest.mark.parametrize("count", [1, 3, 5])
+def test_a_tuner_whose_rule_says_stop_after_n_is_told_exactly_n(monkeypatch, count):
+    tuner = stops_after(monkeypatch, count)
+    results = drive(tuner, evaluate_smooth, early_stopping=100, max_trials=100)
+    assert len(results) == len(tuner.results) == count
+    assert [r.experiment for r in results] == grid()[:count]
+    assert drive(tuner, evaluate_smooth, early_stopping=100, max_trials=100) == []  # it says stop still
+    assert tuner.pending == set()
+
+
+def test_results_told_before_the_drive_count_for_the_tuners_rule_and_the_drivers_rules_take_turns(monkeypatch):
+    tuner = stops_after(monkeypatch, 5)
+    for experiment in grid()[-2:]:
+        tuner.tell(evaluate_smooth(experiment))  # a confirmation run's, say
+    assert len(drive(tuner, evaluate_smooth, early_stopping=100, max_trials=100)) == 3
+    tuner = stops_after(monkeypatch, 5)
+    assert len(drive(tuner, evaluate_smooth, early_stopping=100, max_trials=2)) == 2  # max_trials first
+    tuner = stops_after(monkeypatch, 5)
+    assert len(drive(tuner, Counting(first=100.0, step=-1.0), early_stopping=1, max_trials=100)) == 2
+
+
+@pytest.mark.parametrize("capacity", [2, 3])
+@pytest.mark.parametrize("count", [1, 4])
+def test_a_parallel_drive_submits_nothing_once_the_tuners_rule_says_stop(monkeypatch, capacity, count):
+    tuner = stops_after(monkeypatch, count, started=True)
+    slots = Watching(capacity, tuner)
+    results = drive(tuner, slots, early_stopping=100, max_trials=100)
+    assert len(slots.submitted) == len(results) == len(tuner.results) == count  # each started one told
+    assert slots.said_stop_at_a_submit == []
+    # A rule on what was told: the ones running when it says stop finish, and are told, but no more start.
+    tuner = stops_after(monkeypatch, count)
+    slots = Watching(capacity, tuner)
+    results = drive(tuner, slots, early_stopping=100, max_trials=100)
+    assert slots.said_stop_at_a_submit == []
+    assert count <= len(results) == len(slots.submitted) == len(tuner.results) < count + capacity
+    assert tuner.pending == set()
+
+
+# ----- FirstFitTuner -----
+
+def test_first_fit_asks_in_the_spaces_order_and_stops_at_the_first_that_runs():
+    space = grid()
+    tuner = make_tuner("first_fit", space, THROUGHPUT)
+    assert isinstance(tuner, FirstFitTuner)
+    results = drive(tuner, first_failing(3), early_stopping=100, max_trials=100)
+    assert [r.experiment for r in results] == space[:4]
+    assert [r.state for r in results] == [TrialState.FAILED] * 3 + [TrialState.OK]
+    assert tuner.best.experiment == space[3]
+
+
+def test_first_fit_runs_nothing_when_it_was_told_a_fit_before_the_drive():
+    tuner = make_tuner("first_fit", grid(), THROUGHPUT)
+    tuner.tell(evaluate_smooth(Experiment(2, 8)))  # a stage's confirmation of its largest micro-batch
+    assert drive(tuner, evaluate_smooth, early_stopping=100, max_trials=100) == []
+
+
+def test_first_fit_with_nothing_that_runs_tries_everything():
+    tuner = make_tuner("first_fit", grid(), THROUGHPUT)
+    results = drive(tuner, first_failing(100), early_stopping=100, max_trials=100)
+    assert len(results) == 12 and tuner.best is None
+
+
+def test_first_fit_in_parallel_waits_for_what_runs_and_starts_no_more():
+    tuner = make_tuner("first_fit", grid(), THROUGHPUT)
+    slots = Slots(3)  # last in, first out: the third asked arrives first and fits
+    results = drive(tuner, slots, early_stopping=100, max_trials=100)
+    assert slots.submitted == grid()[:3] and len(results) == 3
 
 
 def test_random_tuner_seeds_change_the_order():

@@ -1,7 +1,8 @@
 """Search strategies behind one ask/tell interface, and the registry that names them.
 
 A tuner is a `TunerSpec` in `TUNERS`: its name (the config's `autotuning.tuner_type`), its
-factory, the search that drives it, and a check of what it needs installed. The settle pass's
+factory, the search that drives it, and a check of what it needs installed. When a drive stops is
+its own extension point (stopping.py): a tuner may stop itself with `should_stop`. The settle pass's
 refusal of an unknown `tuner_type` reads the registry (the config's description lists the
 built-in names by hand); a plugin adds one with `register_tuner` (core/plugins.py), with no edit
 here.
@@ -18,10 +19,12 @@ from autotuner.tuning.space.records import Objective
 from autotuner.tuning.trials.ledger import TunerTrials
 from autotuner.tuning.tuners.base import Tuner, drive
 from autotuner.tuning.tuners.bayes import BayesTuner  # optuna is imported only when it asks
+from autotuner.tuning.tuners.first_fit import FirstFitTuner
 from autotuner.tuning.tuners.grid import GridSearchTuner
 from autotuner.tuning.tuners.model_based import ModelBasedTuner
 from autotuner.tuning.tuners.predictive import PredictiveTuner
 from autotuner.tuning.tuners.random_search import RandomTuner
+from autotuner.tuning.tuners.stopping import DriveProgress, StopRule
 
 
 @dataclass(frozen=True)
@@ -79,8 +82,14 @@ for _spec in (
                                                   trials=a.trials),
               "one step-time model over every stage; launches only what could win (ours, the default)",
               search="one_model", uses_earlier_runs=True),
+    TunerSpec("first_fit", lambda a: FirstFitTuner(a.space, a.objective, seed=a.seed, trials=a.trials),
+              "candidates in order, stopping at the first that runs"),
 ):
     register_tuner(_spec)
+
+# The names this package registers (in that order), before any plugin's: what the golden record of
+# launches covers (tests/unit/test_tuner_launches.py).
+BUILT_IN_TUNERS: tuple[str, ...] = tuple(TUNERS)
 
 
 def tuner_spec(name: str) -> TunerSpec:
@@ -99,5 +108,6 @@ def make_tuner(tuner_type: str, space: Sequence[Experiment], objective: Objectiv
     return tuner
 
 
-__all__ = ["TUNERS", "BayesTuner", "GridSearchTuner", "ModelBasedTuner", "PredictiveTuner", "RandomTuner", "Tuner",
-           "TunerArgs", "TunerSpec", "drive", "make_tuner", "register_tuner", "tuner_spec"]
+__all__ = ["BUILT_IN_TUNERS", "TUNERS", "BayesTuner", "DriveProgress", "FirstFitTuner", "GridSearchTuner",
+           "ModelBasedTuner", "PredictiveTuner", "RandomTuner", "StopRule", "Tuner", "TunerArgs",
+           "TunerSpec", "drive", "make_tuner", "register_tuner", "tuner_spec"]

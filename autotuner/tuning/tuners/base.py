@@ -13,10 +13,11 @@ import random
 from abc import ABC, abstractmethod
 from typing import Callable, Mapping, Sequence
 
-from autotuner.tuning.space.records import Objective, TrialResult, TrialState
+from autotuner.tuning.space.records import Objective, TrialResult
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.search_space import ParallelEvaluate, slots
 from autotuner.tuning.trials.ledger import TunerTrials
+from autotuner.tuning.tuners.stopping import DriveProgress, MaxTrials, NoImprovement, StopRule, any_says_stop
 
 
 class Tuner(ABC):
@@ -77,6 +78,12 @@ class Tuner(ABC):
             raise ValueError(f"{result.name} is not in this tuner's space")
         self.trials.tell(result)
 
+    def should_stop(self, progress: DriveProgress) -> bool:
+        """The tuner's own stop rule (stopping.py `StopRule`), asked by the driver with its own
+        before each ask: whether to start nothing more. It reads only `progress`, so a tuner made
+        again over the same trials says the same. By default a tuner never stops itself."""
+        return False
+
     def could_improve(self, experiment: Experiment) -> bool:
         """Whether `experiment` could beat the best result so far. Tuners without a model of the
         objective cannot rule anything out."""
@@ -98,16 +105,17 @@ class Tuner(ABC):
 
 def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_stopping: int,
           max_trials: int, trust_predictions: bool = False) -> list[TrialResult]:
-    """Ask/evaluate/tell until the space is exhausted, `max_trials` ran, or `early_stopping`
-    experiments in a row brought no improvement; with `trust_predictions`, also when the tuner
-    says the experiment it asks for could not beat the best so far. An evaluate with a
-    `capacity` above 1 gets an ask for every free slot (`drive_parallel`)."""
+    """Ask/evaluate/tell until the space is exhausted or a stop rule says stop (`stop_rules`:
+    `max_trials` started, `early_stopping` results in a row without improvement, or the tuner's
+    own `should_stop`); with `trust_predictions`, also when the tuner says the experiment it asks
+    for could not beat the best so far. The rules are asked before each ask, so after each result
+    too. An evaluate with a `capacity` above 1 gets an ask for every free slot (`drive_parallel`)."""
     if slots(evaluate) > 1:
         return drive_parallel(tuner, evaluate, early_stopping=early_stopping, max_trials=max_trials,  # type: ignore[arg-type]
                               trust_predictions=trust_predictions)
     results: list[TrialResult] = []
-    streak = _NoImprovement(tuner)
-    while len(results) < max_trials:
+    rules = stop_rules(tuner, early_stopping=early_stopping, max_trials=max_trials)
+    while not any_says_stop(rules, DriveProgress.now(tuner.results, results)):
         experiment = tuner.ask()
         if experiment is None:
             break
@@ -117,53 +125,47 @@ def drive(tuner: Tuner, evaluate: Callable[[Experiment], TrialResult], *, early_
         result = evaluate(experiment)
         tuner.tell(result)
         results.append(result)
-        if streak.after(result) >= early_stopping:
-            break
     return results
 
 
-class _NoImprovement:
-    """How many results in a row have not beaten the best so far (results told before driving,
-    e.g. a confirmation run, count as the best)."""
-
-    def __init__(self, tuner: Tuner):
-        incumbent = tuner.best
-        self.objective = tuner.objective
-        self.best: float | None = incumbent.value if incumbent is not None else None
-        self.count = 0
-
-    def after(self, result: TrialResult) -> int:
-        if result.state is TrialState.OK and self.objective.better(result.value, self.best):
-            self.best, self.count = result.value, 0
-        else:
-            self.count += 1
-        return self.count
+def stop_rules(tuner: Tuner, *, early_stopping: int, max_trials: int) -> tuple[StopRule, ...]:
+    """The rules a drive of `tuner` asks: the driver's two, then the tuner's own. Made when the
+    drive starts, so results told before it (a confirmation run's) set the best to beat."""
+    incumbent = tuner.best
+    return (MaxTrials(max_trials),
+            NoImprovement(early_stopping, tuner.objective, incumbent.value if incumbent is not None else None),
+            tuner)
 
 
 def drive_parallel(tuner: Tuner, evaluate: ParallelEvaluate, *, early_stopping: int, max_trials: int,
                    trust_predictions: bool = False) -> list[TrialResult]:
     """`drive` with up to `evaluate.capacity` experiments running: each free slot is filled by an
-    ask, results are told as they finish (in any order), and the stopping rules count results in
-    the order they arrive. An answer the evaluate already holds (a resumed run's record) is told
+    ask, results are told as they finish (in any order), and the stop rules read results in the
+    order they arrive. An answer the evaluate already holds (a resumed run's record) is told
     before the next ask, as a launch's would have been: asked together, a resumed run's asks saw
     less than the first run's and could ask for what it never launched. Once a rule says stop,
-    nothing new is started and the experiments still running are waited for (their results are
-    kept)."""
+    nothing new is started, whatever a rule says later, and the experiments still running are
+    waited for (their results are kept and told)."""
     results: list[TrialResult] = []
-    streak = _NoImprovement(tuner)
+    rules = stop_rules(tuner, early_stopping=early_stopping, max_trials=max_trials)
     running = 0
     stopping = False
 
+    def check() -> bool:
+        nonlocal stopping
+        stopping = stopping or any_says_stop(rules, DriveProgress.now(tuner.results, results, running))
+        return stopping
+
     def take() -> None:
-        nonlocal running, stopping
+        nonlocal running
         result = evaluate.next_result()
         running -= 1
         tuner.tell(result)
         results.append(result)
-        stopping = streak.after(result) >= early_stopping or stopping
+        check()  # a streak is judged at each result, as it arrives
 
     while True:
-        while not stopping and running < evaluate.capacity and len(results) + running < max_trials:
+        while running < evaluate.capacity and not check():
             experiment = tuner.ask()
             if experiment is None:
                 break
