@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "for a script that imports both, with --autotuning, the one the profile launch's ranks "
                              "build")
     parser.add_argument("--report_file", default=None, help=argparse.SUPPRESS)  # the tuner's launches: see LaunchReport
+    parser.add_argument("--tuned_values", default=None, metavar="FILE",
+                        help="a tune's tuned_values.json (cmd_optimal.txt names it): our engine trains with the "
+                             "pick's values where the script builds its config in code")
     parser.add_argument("--autotuning", choices=("tune", "run", "online"), default=None,
                         help="tune: search ZeRO stage x micro-batch x gas and write the optimum; run: tune, then "
                              "train; online: train the config as written, tuning its communication knobs as it goes")

@@ -173,6 +173,9 @@ def check_results_dir(path: Path, key: str) -> None:
 def settle(args: argparse.Namespace) -> SettledJob:
     """Check the request and settle it, or raise a one-line ConfigError/UsageError."""
     script_args = tuple(args.script_args)
+    if getattr(args, "tuned_values", None) is not None:  # each experiment's values are its request's
+        raise UsageError(f"--tuned_values {args.tuned_values}: a tune writes the pick's own (named in its "
+                         "cmd_optimal.txt); drop it with --autotuning")
     given = config_path(script_args)
     if given is None:
         raise UsageError("--autotuning needs the script's config: add --deepspeed ds.json after the script")

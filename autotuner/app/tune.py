@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import fcntl
 import os
+import shlex
 import sys
 from contextlib import contextmanager
 from dataclasses import replace
@@ -40,21 +41,6 @@ def exclusive_lock(results_dir: Path):
         handle.close()
 
 
-@contextmanager
-def environment(variables: dict[str, str]):
-    """os.environ with `variables` set, as it was afterwards (the ranks inherit it)."""
-    before = {name: os.environ.get(name) for name in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> int:
     """`forkserver`: the warm path's, started early by the command line (it preloads meanwhile)."""
     job = settle(args)
@@ -85,13 +71,13 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
                                f"{results_dir}/experiments.csv and each experiment's stderr.log under {exps_dir}")
         _say(f"{outcome.best.name} is the optimal setup; config: {outcome.optimal_config_path}")
         where = f" (on each of the {job.num_nodes} nodes)" if "--rdzv_endpoint" in settings.placement_flags else ""
-        _say(f"train with it{where}: {(results_dir / 'cmd_optimal.txt').read_text().strip()}")
+        _say(f"train with it{where}: {shlex.join(outcome.optimal_command or ())}")
         spec = backend_spec(getattr(args, "backend", "local"))
         if spec.write_outputs is not None:
             for line in spec.write_outputs(request, results_dir):
                 _say(line)
         if outcome.deepspeed_command is not None:
-            other = (results_dir / 'cmd_optimal_deepspeed.txt').read_text().strip()
+            other = shlex.join(outcome.deepspeed_command)
             whose = "accelerate's" if " launch --use_deepspeed " in other else "DeepSpeed's"
             _say(f"or with {whose} own launcher: {other}")
         if args.autotuning == "tune":
@@ -99,9 +85,9 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
         _say("training with the optimal config ...")
         optimal = replace(job.options, script_args=outcome.optimal_script_args,
                           nproc_per_node=None if job.options.rank_flags().picks_ranks_itself
-                          else job.plan.nproc_per_node)
-        with environment(dict(outcome.optimal_env)):  # the pick's tuned values, for a config built in code
-            status = runner.train(optimal, quiet=not args.debug)
+                          else job.plan.nproc_per_node,
+                          tuned_values=None if outcome.tuned_values_path is None else str(outcome.tuned_values_path))
+        status = runner.train(optimal, quiet=not args.debug)
         for line in ramp_lines(results_dir):
             _say(line)
         tuner.keep_late_noise()

@@ -1,6 +1,7 @@
 """The records that cross the process boundary between the tuner and the ranks.
 
-Down: a `MeasurementRequest`, in a file named by AUTOTUNER_MEASUREMENT_REQUEST. Up: a
+Down: a `MeasurementRequest`, in a file named by AUTOTUNER_MEASUREMENT_REQUEST; after a tune, the
+pick's `TunedValues`, in the file `launcher --tuned_values` names. Up: a
 `Measurement` (the profile window's timings and peaks), `ModelInfo` (the profile, with the
 `CollectiveTiming`s of the job's process group), one `RankError` per rank that raised, and the
 launcher's `LaunchReport` (which rank failed first, its exit status and exception line). Every
@@ -111,6 +112,30 @@ class MeasurementRequest:
         values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
         values["tuned"] = tuple((str(key), value) for key, value in values.get("tuned") or ())
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class TunedValues:
+    """The pick's tuned values, by DeepSpeed config key ("zero_optimization.stage"), for the training
+    of a script that builds its config in code, where the optimal config file alone would not reach
+    it: a tune writes them to a file beside cmd_optimal.txt, and `launcher --tuned_values FILE` has
+    our engine lay them over the measured engine's config (config/tuned_values.py)."""
+
+    values: tuple[tuple[str, Any], ...]
+    version: int = VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return {"values": dict(self.values), "version": self.version}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "TunedValues":
+        if not isinstance(data, dict):
+            raise RecordError("tuned values record: not a JSON object")
+        _check_version(data, "tuned values")
+        values = data.get("values")
+        if not isinstance(values, dict):
+            raise RecordError("tuned values record without a 'values' object of config keys and values")
+        return cls(tuple((str(key), value) for key, value in values.items()))
 
 
 @dataclass(frozen=True)

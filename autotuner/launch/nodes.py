@@ -29,7 +29,7 @@ from pathlib import Path
 from autotuner.core.errors import UsageError
 from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.launch.options import LaunchOptions
-from autotuner.launch.plan import DEFAULT_MASTER_PORT, default_nproc_per_node
+from autotuner.launch.plan import DEFAULT_MASTER_PORT, default_nproc_per_node, tuned_values_env
 from autotuner.launch.resources import is_this_host, parse_hostfile, select_slots
 from autotuner.launch.slurm import (Allocation, allocation_pool, check_whole_slots, ranks_per_node, require_job,
                                     uses_allocation)
@@ -230,6 +230,9 @@ def nodes_plan(options: LaunchOptions, python: str, cwd: str, environ: dict[str,
             passthrough += [flag, value]
     passthrough += [flag for flag, on in (("--no_local_rank", options.no_local_rank),
                                           ("--bind_cores_to_rank", options.bind_cores_to_rank)) if on]
+    if options.tuned_values is not None:  # each node's agent names it to its ranks; read here first, once
+        (path,) = tuned_values_env(options).values()
+        passthrough += ["--tuned_values", path]
     notes: tuple[str, ...] = ()
     slots_per_node, srun_args = 1, ()
     if slurm:

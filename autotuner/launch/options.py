@@ -74,6 +74,8 @@ class LaunchOptions:
     ssh_check: bool = True
     # A tuner's launch: the launcher writes its LaunchReport here (and run_script records the ranks' failures).
     report_file: str | None = None
+    # A tune's tuned_values.json: our engine lays the pick's values over a script's config built in code.
+    tuned_values: str | None = None
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> "LaunchOptions":
@@ -89,7 +91,7 @@ class LaunchOptions:
             launcher_args=getattr(args, "launcher_args", ""), slurm_comment=getattr(args, "slurm_comment", None),
             force_multi=args.force_multi,
             ssh_port=getattr(args, "ssh_port", None), ssh_check=not getattr(args, "no_ssh_check", False),
-            report_file=args.report_file,
+            report_file=args.report_file, tuned_values=getattr(args, "tuned_values", None),
         )
         return cls(**{**fields, **overrides})
 
@@ -113,7 +115,8 @@ class LaunchOptions:
                 ("--exclude", self.exclude, None), ("--bind_core_list", self.bind_core_list, None),
                 ("--enable_each_rank_log", self.each_rank_log_dir, None), ("--launcher", self.launcher, "pdsh"),
                 ("--launcher_args", self.launcher_args, ""), ("--slurm_comment", self.slurm_comment, None),
-                ("--ssh_port", self.ssh_port, None), ("--report_file", self.report_file, None)):
+                ("--ssh_port", self.ssh_port, None), ("--report_file", self.report_file, None),
+                ("--tuned_values", self.tuned_values, None)):
             if value != default:
                 # A value that starts with a dash (--launcher_args) would read as a flag of its own.
                 argv += [f"{flag}={value}"] if str(value).startswith("-") else [flag, str(value)]

@@ -190,7 +190,7 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
         raise UsageError(f"--master_port: got {options.master_port}; expected 1..65535")
     command, rank_env, rank_notes = _rank_command(options, python, nproc, environ)
     notes = [*notes, *rank_notes]
-    env = {**thread_env(nproc, environ), **device_env, **rank_env,
+    env = {**thread_env(nproc, environ), **device_env, **rank_env, **tuned_values_env(options),
            # What DeepSpeed's launch.py sets besides torch elastic's variables (CROSS_RANK is the
            # node's rank as the rendezvous gave it: run_script sets it from GROUP_RANK).
            "LOCAL_SIZE": str(nproc), "CROSS_RANK": str(options.node_rank), "CROSS_SIZE": str(options.num_nodes)}
@@ -235,6 +235,19 @@ def build_plan(options: LaunchOptions, python: str, environ: dict[str, str] | No
     return LaunchPlan(command, nproc, 1, "c10d", f"{local_addr}:{port}", rdzv_configs, run_id, local_addr=local_addr,
                       env=env,
                       **extra)
+
+
+def tuned_values_env(options: LaunchOptions) -> dict[str, str]:
+    """The ranks' variable naming the --tuned_values file (as a tuner's launch names its request
+    file). The file is read here first, so a missing or damaged one is one line (exit 2) before any
+    rank starts rather than one per rank."""
+    if options.tuned_values is None:
+        return {}
+    # Here, not at the top: the config package (pydantic) stays out of the launcher's first imports.
+    from autotuner.config.tuned_values import TUNED_VALUES_ENV, read_tuned_values
+
+    read_tuned_values(options.tuned_values)
+    return {TUNED_VALUES_ENV: str(Path(options.tuned_values).resolve())}
 
 
 def parse_rdzv_conf(text: str) -> dict[str, str]:

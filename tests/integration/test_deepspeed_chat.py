@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -148,13 +149,31 @@ def test_on_our_engine_the_tuned_stage_wins_over_the_scripts_own_config(tmp_path
     stderr = (tmp_path / "autotuning_exps" / "z1_gas1_mbs2" / "stderr.log").read_text()
     assert ("initialize(config=...): the script's config differs from the tuned values, which our engine trains "
             "with: zero_optimization.stage: 0 -> 1") in stderr
-    # The pick trains with its values too: the command carries them, and `run` gives them to the ranks.
-    command = (results / "cmd_optimal.txt").read_text()
+    # The pick trains with its values too: the tune writes them to a file, the command names it, and
+    # `run` gives the same file to the ranks.
     picked = table[table.chosen].iloc[0]
-    assert f'"zero_optimization.stage":{picked.zero_stage}' in command and "AUTOTUNER_TUNED_VALUES=" in command
+    tuned = results.resolve() / "tuned_values.json"
+    assert json.loads(tuned.read_text()) == {"values": {"zero_optimization.stage": int(picked.zero_stage),
+                                                        "train_micro_batch_size_per_gpu": 2,
+                                                        "gradient_accumulation_steps": 1}, "version": 1}
+    command = shlex.split((results / "cmd_optimal.txt").read_text())
+    assert command[command.index("--tuned_values") + 1] == str(tuned)
+    assert not [word for word in command if "AUTOTUNER_" in word]  # a path on a flag, not an env payload
     if picked.zero_stage == 1:
         assert "zero_optimization.stage: 0 -> 1" in done.stderr.split("training with the optimal config")[-1]
     assert json.loads((tmp_path / "out" / "losses.json").read_text())
+    # Run by hand, the command trains with what the file says: a stage written there is the one built.
+    tuned.write_text(json.dumps({"values": {"zero_optimization.stage": 1}, "version": 1}))
+    by_hand = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=300)
+    assert by_hand.returncode == 0, by_hand.stderr[-3000:]
+    assert "zero_optimization.stage: 0 -> 1" in by_hand.stderr
+    # Without the file, one line naming it, and no rank starts.
+    tuned.unlink()
+    missing = subprocess.run(command, cwd=tmp_path, env=launcher_env(), capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2, missing.stderr[-3000:]
+    assert missing.stderr.strip().splitlines() == [f"launcher: error: --tuned_values {tuned}: no such file (a tune "
+                                                   "writes its tuned_values.json in autotuning.results_dir and names "
+                                                   "it in cmd_optimal.txt)"]
 
 
 @needs_deepspeed

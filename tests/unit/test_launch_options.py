@@ -26,7 +26,7 @@ VALUES = {
     "bind_core_list": [None, "0,2-5"], "each_rank_log_dir": [None, "logs"], "launcher": ["pdsh", "slurm"],
     "launcher_args": ["", "--account=ml", "--qos high -p debug"], "slurm_comment": [None, "run 7"],
     "force_multi": [False, True], "ssh_port": [None, 2222], "ssh_check": [True, False],
-    "report_file": [None, "r.json"],
+    "report_file": [None, "r.json"], "tuned_values": [None, "autotuning_results/tuned_values.json"],
 }
 
 

@@ -4,13 +4,21 @@ the ranks reported building, and carried to the pick's training (issue 67)."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
 
 import pytest
 
-from autotuner.config.tuned_values import TUNED_VALUES_ENV, lay_tuned_values, tuned_values_from_env
-from autotuner.core.boundary import Measurement, MeasurementRequest, RecordError
-from autotuner.tuning.reports.outcome import tuned_values_env
+from autotuner.config.tuned_values import (TUNED_VALUES_ENV, lay_tuned_values, read_tuned_values,
+                                           tuned_values_from_env)
+from autotuner.core.boundary import REQUEST_ENV, Measurement, MeasurementRequest, TunedValues, write_record
+from autotuner.app.cli import main
+from autotuner.core.errors import ConfigError
+from autotuner.launch.nodes import nodes_plan
+from autotuner.launch.options import LaunchOptions
+from autotuner.launch.plan import build_plan
+from autotuner.tuning.reports.optimal_commands import optimal_command
+from autotuner.tuning.reports.outcome import pick_tuned_values
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.trials.trial import built_mismatch
@@ -87,18 +95,50 @@ def test_a_dimension_is_judged_by_what_the_ranks_read_back():
                           on_deepspeed).startswith("the ranks built zero_optimization.offload_optimizer.device = 'none'")
 
 
-def test_the_pick_carries_its_values_only_where_a_launch_laid_them_over_the_scripts_config():
+def test_the_pick_carries_its_values_only_where_a_launch_laid_them_over_the_scripts_config(tmp_path):
     pick = Experiment(1, 2, 1)
     plain = TrialResult(experiment=pick, state=TrialState.OK, value=1.0, measurement=ran(stage=1))
-    assert tuned_values_env(pick, (plain,)) == ()
+    assert pick_tuned_values(pick, (plain,)) is None
     laid = replace(plain, measurement=ran(stage=1, tuned_over_script=("zero_optimization.stage",)))
-    (name, value), = tuned_values_env(pick, (plain, laid))
-    assert name == TUNED_VALUES_ENV
-    assert json.loads(value) == {"zero_optimization.stage": 1, "train_micro_batch_size_per_gpu": 2,
-                                 "gradient_accumulation_steps": 1}
-    assert tuned_values_from_env({TUNED_VALUES_ENV: value}) == json.loads(value)
-    with pytest.raises(RecordError, match=TUNED_VALUES_ENV):
-        tuned_values_from_env({TUNED_VALUES_ENV: "[1, 2]"})
+    record = pick_tuned_values(pick, (plain, laid))
+    values = {"zero_optimization.stage": 1, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}
+    assert record == TunedValues(tuple(values.items()))
+    # A versioned record in a file; the ranks get its path, never the values, in their environment.
+    path = tmp_path / "tuned_values.json"
+    write_record(path, record)
+    assert json.loads(path.read_text()) == {"values": values, "version": 1}
+    assert read_tuned_values(path) == values
+    assert tuned_values_from_env({TUNED_VALUES_ENV: str(path)}) == values
+    assert tuned_values_from_env({}) == {}
+    # A tuner's launch trains with its own request's values, whatever else is named.
+    request = tmp_path / "request.json"
+    write_record(request, MeasurementRequest(2, 4, tuned=Experiment(0, 4, 1).tuned_values()))
+    assert tuned_values_from_env({REQUEST_ENV: str(request), TUNED_VALUES_ENV: str(path)}) == \
+        dict(Experiment(0, 4, 1).tuned_values())
+
+
+@pytest.mark.parametrize("text, why", [
+    (None, "no such file (a tune writes its tuned_values.json in autotuning.results_dir and names it in "
+           "cmd_optimal.txt)"),
+    ("{", "not a tuned values record (Expecting property name"),
+    ("[1, 2]", "not a tuned values record (tuned values record: not a JSON object)"),
+    ('{"zero_optimization.stage": 1}', "not a tuned values record (tuned values record without a 'values' object"),
+    ('{"values": {}, "version": 9}', "not a tuned values record (tuned values record version 9; this autotuner "
+                                     "reads version 1)"),
+    (b"\xff\xfe", "cannot be read ("),
+])
+def test_a_tuned_values_file_that_is_missing_or_ill_formed_is_one_line_naming_it(tmp_path, text, why):
+    path = tmp_path / "tuned_values.json"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
+        path.write_text(text)
+    with pytest.raises(ConfigError) as raised:
+        tuned_values_from_env({TUNED_VALUES_ENV: str(path)})
+    assert str(raised.value).startswith(f"--tuned_values {path}: {why}")
+    assert "\n" not in str(raised.value) and raised.value.exit_code == 2
+    with pytest.raises(ConfigError, match="cannot be read"):  # a directory in its place
+        read_tuned_values(tmp_path)
 
 
 def test_the_request_and_measurement_carry_the_tuned_values_through_json():
@@ -106,3 +146,52 @@ def test_the_request_and_measurement_carry_the_tuned_values_through_json():
     assert MeasurementRequest.from_json(json.loads(json.dumps(request.to_json()))) == request
     measurement = ran(built=(("compile.enabled", False),), tuned_over_script=("zero_optimization.stage",))
     assert Measurement.from_json(json.loads(json.dumps(measurement.to_json()))) == measurement
+
+
+def test_the_launcher_names_the_file_to_its_ranks_on_every_node_and_the_optimal_command_names_it(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    path = tmp_path / "results" / "tuned_values.json"
+    write_record(path, TunedValues((("zero_optimization.stage", 1),)))
+    options = LaunchOptions(script=str(script), nproc_per_node=2, tuned_values="results/tuned_values.json")
+    # The ranks' environment holds the file's absolute path (they may start elsewhere), not its values.
+    assert build_plan(options, sys.executable).env[TUNED_VALUES_ENV] == str(path)
+    assert TUNED_VALUES_ENV not in build_plan(replace(options, tuned_values=None), sys.executable).env
+    # Each other node's agent is given the flag, and names it to its own ranks.
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("worker-0 slots=2\nworker-1 slots=2\n")
+    nodes = nodes_plan(replace(options, hostfile=str(hostfile), nproc_per_node=None), sys.executable, str(tmp_path),
+                       {}, num_nodes=None)
+    for node in nodes.nodes:
+        assert f"--tuned_values {path} " in node.cmd[-1]
+    # cmd_optimal.txt, run by hand, names it among the launcher's flags.
+    settings = make_settings()
+    command = optimal_command(settings, ("--deepspeed", "o.json"), path)
+    at = command.index("--tuned_values")
+    assert command[at:at + 3] == ("--tuned_values", str(path), "train.py")
+    assert "--tuned_values" not in optimal_command(settings, ("--deepspeed", "o.json"))
+
+
+def test_a_launch_naming_a_missing_tuned_values_file_is_one_line_before_any_rank_starts(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('a rank started')\n")
+    missing = tmp_path / "tuned_values.json"
+    code = main(["--nproc_per_node", "2", "--tuned_values", str(missing), str(script)])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert err.strip().splitlines() == [f"launcher: error: --tuned_values {missing}: no such file (a tune writes its "
+                                        "tuned_values.json in autotuning.results_dir and names it in cmd_optimal.txt)"]
+
+
+def test_a_tune_given_tuned_values_is_refused_in_one_line(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "autotuning": {"warm_start": False}}))
+    code = main(["--autotuning", "tune", "--tuned_values", "t.json", str(script), "--deepspeed", str(config)])
+    out, err = capsys.readouterr()
+    assert code == 2, out + err
+    assert err.strip().splitlines() == ["launcher: error: --tuned_values t.json: a tune writes the pick's own (named "
+                                        "in its cmd_optimal.txt); drop it with --autotuning"]

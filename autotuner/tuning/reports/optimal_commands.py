@@ -17,14 +17,17 @@ def optimal_script_args(settings: ExperimentSettings, config: dict[str, Any], co
     return replace_config(mapped_script_args(settings.script_args, settings.arg_mappings, config), str(config_path))
 
 
-def optimal_command(settings: ExperimentSettings, args: tuple[str, ...]) -> tuple[str, ...]:
-    """The command that trains with the optimum: our launcher, the user's script, its arguments."""
+def optimal_command(settings: ExperimentSettings, args: tuple[str, ...],
+                    tuned_values: Path | None = None) -> tuple[str, ...]:
+    """The command that trains with the optimum: our launcher, the user's script, its arguments;
+    with `tuned_values` (the pick's TunedValues file), `--tuned_values FILE` among the launcher's flags."""
     # The launcher of the interpreter the measured launches ran under, not whichever is first on PATH.
     launcher = Path(settings.python).parent / "launcher"
     prefix = [str(launcher)] if launcher.is_file() else [settings.python, "-m", "autotuner"]
     env = ("env", *(f"{name}={value}" for name, value in settings.placement_env)) if settings.placement_env else ()
+    tuned = ("--tuned_values", str(tuned_values)) if tuned_values is not None else ()
     return (*env, *prefix, *settings.placement_flags, *rank_count_flags(settings), *settings.rank_flags.to_argv(),
-            settings.script, *args)
+            *tuned, settings.script, *args)
 
 
 def nodes_per_run(settings: ExperimentSettings) -> int:

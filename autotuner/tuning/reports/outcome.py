@@ -3,11 +3,11 @@ summary table and its explanation. Reads the search's record; writes files; laun
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from autotuner.config.tuned_values import TUNED_VALUES_ENV
+from autotuner.config.tuned_values import TUNED_VALUES_FILE
+from autotuner.core.boundary import TunedValues, write_record
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.trials.trial import ExperimentSettings, picked_config, script_config
 from autotuner.tuning.reports.optimal_commands import (deepspeed_command, nodes_per_run, optimal_command,
@@ -32,9 +32,9 @@ class TuningOutcome:
     optimal_script_args: tuple[str, ...] | None
     optimal_command: tuple[str, ...] | None
     deepspeed_command: tuple[str, ...] | None = None  # the same training with DeepSpeed's own launcher
-    # Variables the optimal training needs: the pick's tuned values, where the script builds its
-    # config in code and our engine laid the tuned values over it (the command carries them too).
-    optimal_env: tuple[tuple[str, str], ...] = ()
+    # The pick's TunedValues file, where the script builds its config in code and our engine laid the
+    # tuned values over it: the optimal command names it (--tuned_values), as `run`'s training does.
+    tuned_values_path: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,12 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
     optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
     goodput = goodput_lines(list(record.launched), objective, record.noise_scale, settings.data_parallel_size,
                             record.critical_batch, pick=best)
-    optimal_env: tuple[tuple[str, str], ...] = ()
+    tuned_path = None
     if best is not None:
-        optimal_env = tuned_values_env(best.experiment, record.launched)
-        settings = replace(settings, placement_env=settings.placement_env + optimal_env)
+        tuned = pick_tuned_values(best.experiment, record.launched)
+        if tuned is not None:  # written before the command that names it
+            tuned_path = (results_dir / TUNED_VALUES_FILE).resolve()
+            write_record(tuned_path, tuned)
         config = picked_config(best.experiment, settings)
         if objective.reference_batch:  # metric goodput (also where it fell back to throughput)
             config, script_args, line = scale_learning_rate(
@@ -84,7 +86,7 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
                                f"({results_dir / 'batch_ramp.json'}; each change a row of batch_ramp.csv)")
         optimal_path = (results_dir / "ds_config_optimal.json").resolve()
         optimal_args = optimal_script_args(settings, config, optimal_path)
-        optimal_cmd = optimal_command(settings, optimal_args)
+        optimal_cmd = optimal_command(settings, optimal_args, tuned_path)
         if settings.engine == "deepspeed" and nodes_per_run(settings) == 1:
             # (DeepSpeed's launcher needs a hostfile for several nodes; without one it trains on one.)
             deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu)
@@ -92,6 +94,8 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
                 goodput.append("batch ramp: the ranks this launcher starts run it; under DeepSpeed's launcher the "
                                "script trains at the optimal config's batch throughout")
         config = script_config(config, settings.engine)  # what the mapped flags carry stays out
+    if tuned_path is None:
+        (results_dir / TUNED_VALUES_FILE).unlink(missing_ok=True)  # an earlier tune's, for another pick
     compiled = list(record.layout_lines) + compile_lines(list(record.launched), settings.planned_steps)
     compiled += cost_lines(list(record.launched), best, objective, settings.planned_steps, record.price_per_hour,
                            on_gpu, record.remeasurements)
@@ -107,16 +111,15 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
                             list(optimal_cmd) if optimal_cmd else None, explanation,
                             list(deepspeed_cmd) if deepspeed_cmd else None)
     return TuningOutcome(everything, best, summary, optimal_path, optimal_args, optimal_cmd, deepspeed_cmd,
-                         optimal_env)
+                         tuned_path)
 
 
-def tuned_values_env(pick: Experiment, launched: tuple[TrialResult, ...]) -> tuple[tuple[str, str], ...]:
-    """TUNED_VALUES_ENV with the pick's tuned values, where a launch's ranks laid tuned values over
-    the script's own config (it builds its config in code, so the optimal config file alone would
-    not reach it); else nothing."""
+def pick_tuned_values(pick: Experiment, launched: tuple[TrialResult, ...]) -> TunedValues | None:
+    """The pick's tuned values, where a launch's ranks laid tuned values over the script's own config
+    (it builds its config in code, so the optimal config file alone would not reach it); else None."""
     if not any(r.measurement is not None and r.measurement.tuned_over_script for r in launched):
-        return ()
-    return ((TUNED_VALUES_ENV, json.dumps(dict(pick.tuned_values()), separators=(",", ":"))),)
+        return None
+    return TunedValues(pick.tuned_values())
 
 
 def predicted_points(predictions: PredictiveOutcome | None) -> tuple[tuple[PredictedPoint, ...],
