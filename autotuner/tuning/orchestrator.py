@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass
+from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -24,15 +25,15 @@ from autotuner.tuning.searches.variant_rules import variant_text
 from autotuner.tuning.space.devices import DeviceFacts
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.planned_run import objective_line
-from autotuner.tuning.space.records import Reason, TrialResult
+from autotuner.tuning.space.records import TrialResult
 from autotuner.tuning.space.search_space import SearchSpace
-from autotuner.tuning.trials.evaluator import Evaluator, RunnerLaunches, TuningFailed
+from autotuner.tuning.trials.evaluator import Evaluator, RunnerLaunches, TrialFactory, TuningFailed
 from autotuner.tuning.trials.history import HISTORY_FILE, make_history
 from autotuner.tuning.trials.journal import Fingerprint
 from autotuner.tuning.trials.ledger import TrialKind, TrialLedger
 from autotuner.tuning.trials.runner import Runner
 from autotuner.tuning.trials.similar_runs import SimilarRuns
-from autotuner.tuning.trials.trial import ExperimentSettings, Trial, rescored
+from autotuner.tuning.trials.trial import ExperimentSettings, rescored
 from autotuner.tuning.trials.trial_store import HistoryStore, JournalStore
 from autotuner.tuning.tuners import tuner_spec
 from autotuner.tuning.tuners.predictive import pooled_rule
@@ -41,10 +42,33 @@ from autotuner.tuning.tuners.predictive import pooled_rule
 @dataclass(frozen=True)
 class DegreeSearch:
     """One tensor-parallel degree's profiled job and memory model (a tune that does not search the
-    degree has one, at the config's layout)."""
+    degree has one, at the config's layout), and the evaluator its launches go through."""
 
     profiled: ProfiledJob
     memory: MemoryBook
+    evaluator: Evaluator
+
+
+@dataclass(frozen=True)
+class DegreeOutcome:
+    """What one degree's profile and search produced: its search (None: its profile failed), the
+    memory model's reach (for the next degree's rule), its summary line and what the predictive
+    tuner predicted there."""
+
+    degree: int
+    searched: DegreeSearch | None
+    reach: dict | None = field(default=None, hash=False)
+    layout_line: str | None = None
+    predictions: PredictiveOutcome | None = None
+
+
+def joined_predictions(outcomes: tuple[DegreeOutcome, ...]) -> PredictiveOutcome | None:
+    """Every degree's predictions, in turn (a search without the predictive tuner: none)."""
+    found = [o.predictions for o in outcomes if o.predictions is not None]
+    if not found:
+        return None
+    return PredictiveOutcome(tuple(r for p in found for r in p.results), tuple(c for p in found for c in p.at_launch),
+                             tuple(c for p in found for c in p.final))
 
 
 def kept_line(degree: int, job: TuningJob, measured: list[TrialResult]) -> str:
@@ -69,9 +93,11 @@ def follow_the_launch(built: str) -> str:
 
 
 class Autotuner:
-    """Runs one tuning job: the profile phase (profiling/phase.py) turns the settled job into the
-    profiled one; the search, the final pick and the outcome read that record, which nothing
-    changes. `report` receives progress lines; `settle_engine` goes to the profile phase."""
+    """Runs one tuning job: for each tensor-parallel degree, profile -> memory model -> search,
+    each degree's outcome a frozen record the next reads (`DegreeOutcome`); then the final pick
+    across them and the outcome. The profile phase (profiling/phase.py) turns the settled job into
+    the profiled one, which nothing changes. `report` receives progress lines; `settle_engine`
+    goes to the profile phase."""
 
     def __init__(self, config: DeepSpeedConfig, settings: ExperimentSettings, results_dir: Path, exps_dir: Path,
                  runner: Runner, fingerprint: Fingerprint, report: Callable[[str], None] = print,
@@ -90,19 +116,28 @@ class Autotuner:
         self.history = make_history(config.autotuning, results_dir, fingerprint, settings.objective, report)
         stores = [JournalStore(exps_dir, fingerprint, report)] + ([HistoryStore(self.history)] if self.history else [])
         self.ledger = TrialLedger(stores)  # what has been tried: every phase reads and writes it
-        self.ledger.on_record(self._recorded)
-        self.launcher = RunnerLaunches(runner, self.ledger, self._trial, report)
+        self.ledger.on_record(self._progress)
+        self.launcher = RunnerLaunches(runner, self.ledger, report)
         self.evaluator = Evaluator(self.ledger, self.launcher)
         self._similar_runs = SimilarRuns(self.history, tuner_spec(self.job.policy.tuner_type).uses_earlier_runs
                                          and bool(config.autotuning.transfer))
-        self._phase = ProfilePhase(self.job, self.ledger, self.evaluator, report, settle_engine, self._similar_runs,
-                                   exps_dir)
-        self.profiled: ProfiledJob | None = None  # the degree searched now: its profile phase's record
-        self.memory: MemoryBook | None = None  # on its profiled job's facts, over its ledger's peaks
-        self._searched: dict[int, DegreeSearch] = {}  # by Experiment.tensor_parallel, as each is profiled
-        self._layout_lines: list[str] = []  # the summary's: each degree kept or left out, and why
-        self._reach: dict[int, tuple] = {}  # each degree profiled: (its memory reach, its ledger)
-        self._predictions: PredictiveOutcome | None = None  # what tuner_type "predictive" predicted
+        self.outcomes: tuple[DegreeOutcome, ...] = ()  # each degree's, once the tune has run
+
+    @property
+    def _searched(self) -> dict[int, DegreeSearch]:
+        """The degrees searched (profiled), by Experiment.tensor_parallel."""
+        return {o.degree: o.searched for o in self.outcomes if o.searched is not None}
+
+    @property
+    def profiled(self) -> ProfiledJob | None:
+        """The last degree profiled: its profile phase's record (a test's view after the tune)."""
+        searched = list(self._searched.values())
+        return searched[-1].profiled if searched else None
+
+    @property
+    def memory(self) -> MemoryBook | None:
+        searched = list(self._searched.values())
+        return searched[-1].memory if searched else None
 
     # ----- set-up -----
     def _prepare_dirs(self) -> None:
@@ -121,14 +156,8 @@ class Autotuner:
         settings = self.job.settings
         self.ledger.resume(lambda result: rescored(result, settings))
 
-    def _current_job(self) -> TuningJob:
-        """The job as it stands: the profile phase's until it returns the profiled one."""
-        return self.profiled.job if self.profiled is not None else self._phase.job
-
-    def cost_context(self, profiled: ProfiledJob | None = None, quiet: bool = False) -> CostContext:
-        """The step-time model's context on a profiled job (the degree searched now by default): the
-        links its profile launches timed."""
-        profiled = profiled or self.profiled
+    def cost_context(self, profiled: ProfiledJob, quiet: bool = False) -> CostContext:
+        """The step-time model's context on a profiled job: the links its profile launches timed."""
         degree = profiled.job.space.tensor_parallel
         context = profiled.cost_context(self.ledger.view(degree).results())
         if not context.links and profiled.job.settings.data_parallel_size > 1 and not quiet:
@@ -136,31 +165,12 @@ class Autotuner:
                         "launches only")
         return context
 
-    # ----- the ledger's trials -----
-    def _trial(self, experiment: Experiment, directory_name: str = "", profile: bool = False) -> Trial:
-        """The launch of `experiment` in exps_dir/<directory_name, else its name>, with the job's
-        settings as they stand (the profile may settle the engine); a profile launch carries no prediction."""
-        searched = self._searched.get(experiment.tensor_parallel)  # (each degree counts its own dp)
-        job = searched.profiled.job if searched is not None else self._current_job()
-        predicted = None if profile or searched is None else searched.memory.predicted_memory(experiment)
-        return Trial(experiment, self.exps_dir / (directory_name or experiment.name), job.settings,
-                     profile=profile, predicted_memory_bytes=predicted)
-
-    def _recorded(self, result: TrialResult, reused: bool) -> None:
-        """Told of every result the ledger records: the progress line and the memory model's refit
-        (once the profile made it: the profile launches are fitted when it is)."""
-        self._progress(result, reused)
-        searched = self._searched.get(result.experiment.tensor_parallel)
-        if searched is not None:
-            searched.memory.learn(result)
-
-    def _prune(self, stage: int, reason: Reason, text: str, variant: tuple = ()) -> None:
-        record_pruned(self.ledger, self.profiled.job.space, self.memory.predicted_memory, self.report, stage, reason,
-                      text, variant)
-
+    # ----- the ledger's records, as they are appended -----
     def _progress(self, result: TrialResult, reused: bool) -> None:
-        objective = self._current_job().objective
-        best = objective.best(list(self.ledger.results()))
+        objective = self.job.objective
+        if objective.metric == "goodput":  # scored with B_noise once a degree's profile measured it
+            objective = next((s.profiled.job.objective for s in reversed(self._searched.values())), objective)
+        best = objective.best(self.ledger.results())
         value = f"{result.value:.4g} {objective.unit}" if result.value is not None else result.error
         best_text = f"{best.name} {best.value:.4g}" if best else "none yet"
         elapsed = time.strftime("%H:%M:%S", time.gmtime(time.monotonic() - self._started))
@@ -175,11 +185,12 @@ class Autotuner:
                               bool(job.space.finishes))
         if line:
             self.report(line)
-        self._layout_lines = [f"layout: tensor parallel {degree}: left out ({why})" for degree, why in job.left_out]
         for degree in job.degrees or (job.space.tensor_parallel,):
-            self._search_degree(degree)
+            self.outcomes += (self._search_degree(degree, self.outcomes),)
+        left_out = tuple(f"layout: tensor parallel {degree}: left out ({why})" for degree, why in job.left_out)
+        layout_lines = left_out + tuple(o.layout_line for o in self.outcomes if o.layout_line)
         if not self._searched:
-            raise TuningFailed("no tensor-parallel degree could be profiled: " + "; ".join(self._layout_lines))
+            raise TuningFailed("no tensor-parallel degree could be profiled: " + "; ".join(layout_lines))
         best, pick_lines = self._final_pick(list(self.ledger.results()))
         # The outcome is written with the pick's degree's job (its data-parallel size counts the batch).
         picked = self._searched.get(best.experiment.tensor_parallel) if best else None
@@ -187,10 +198,11 @@ class Autotuner:
         priors = tuple(line for s in self._searched.values() for line in s.profiled.prior.lines)
         record = SearchRecord(self.ledger.results(), self.ledger.pruned(),
                               frozenset(r.name for r in self.ledger.of_kind(TrialKind.PROFILE)), best,
-                              self.ledger.remeasurements(), priors + tuple(pick_lines), self._predictions,
+                              self.ledger.remeasurements(), priors + tuple(pick_lines),
+                              joined_predictions(self.outcomes),
                               time.monotonic() - self._started, profiled.noise_scale,
                               job.config.autotuning.critical_batch_size,  # the config allows it with goodput only
-                              tuple(self._layout_lines) + self._fixed_layout_lines(profiled.job),
+                              layout_lines + self._fixed_layout_lines(profiled.job),
                               job.config.autotuning.cost_per_gpu_hour,
                               (job.config.autotuning.adapt_interval, job.config.autotuning.max_train_batch_size)
                               if job.config.autotuning.adapt_batch else None, self.ledger.launches,
@@ -203,57 +215,67 @@ class Autotuner:
                         f"list the runs with: launcher --history {self.history.url}")
         return outcome
 
-    def _search_degree(self, degree: int) -> None:
-        """The profile and the search at one tensor-parallel degree (the config's layout, where the
-        degree is not searched). A degree whose profile fails is left out when others remain."""
+    def profile_phase(self, degree: int) -> ProfilePhase:
+        """The profile phase at one tensor-parallel degree (the config's layout, where the degree is
+        not searched): its job, launched through an evaluator reading that degree's records."""
         searching = bool(self.job.degrees)
-        self.profiled = self.memory = None  # until this degree's profile: its phase's job is the current one
         job = self.job.at_degree(degree) if searching else self.job
-        evaluator = self.evaluator.at_degree(degree) if searching else self.evaluator
-        ledger = evaluator.view  # what this degree's phases read: its own records
+        evaluator = self.evaluator.for_job(TrialFactory(self.exps_dir, job.settings), degree if searching else None)
+        return ProfilePhase(job, self.ledger, evaluator, self.report, self.settle_engine, self._similar_runs,
+                            self.exps_dir)
+
+    def _search_degree(self, degree: int, before: tuple[DegreeOutcome, ...]) -> DegreeOutcome:
+        """The profile and the search at one tensor-parallel degree (the config's layout, where the
+        degree is not searched), after the degrees `before` it. A degree whose profile fails is
+        left out when others remain."""
+        searching = bool(self.job.degrees)
+        phase = self.profile_phase(degree)
+        job = phase.job
+        own = self.ledger.view(degree if searching else None)  # what this degree's phases read: its own records
         if searching:
-            self._phase = ProfilePhase(job, self.ledger, evaluator, self.report, self.settle_engine, self._similar_runs,
-                                       self.exps_dir)
             self.report(f"tensor parallel {degree}: profiling and searching at data-parallel size "
                         f"{job.space.data_parallel_size}")
         try:
-            self.profiled = profiled = self._phase.run()
+            profiled = phase.run()
         except TuningFailed as failure:
             if len(self.job.degrees) < 2:
                 raise
-            self._layout_lines.append(f"layout: tensor parallel {degree}: left out ({failure})")
-            self.report(self._layout_lines[-1])
-            return
-        self.memory = memory = MemoryBook(profiled.memory, ledger.results, self.report)
-        self._searched[degree] = DegreeSearch(profiled, memory)
+            line = f"layout: tensor parallel {degree}: left out ({failure})"
+            self.report(line)
+            return DegreeOutcome(degree, None, layout_line=line)
+        memory = MemoryBook(profiled.memory, own.results, self.report)
+        # Refitted on each of this degree's results from here on (the profile's are fitted already).
+        self.ledger.on_record(lambda result, reused: memory.learn(result)
+                              if result.experiment.tensor_parallel == degree else None)
         job = profiled.job
+        evaluator = self.evaluator.for_job(TrialFactory(self.exps_dir, job.settings, memory.predicted_memory),
+                                           degree if searching else None)
+        searched = DegreeSearch(profiled, memory, evaluator)
         largest = memory.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " + ", ".join(
             f"z{key}={m}" if isinstance(key, int) else f"z{key[0]} {variant_text(key[1])}={m}"
             for key, m in largest.items()))
         if searching:  # a degree that cannot beat one searched before is profiled only
-            before = {d: (reached, own.results()) for d, (reached, own) in self._reach.items()}  # searched since
-            why = degree_cannot_help(degree, (largest, ledger.results()), before, job.objective.unit)
-            self._reach[degree] = (largest, ledger)
+            reached = {o.degree: (o.reach, self.ledger.view(o.degree).results()) for o in before
+                       if o.reach is not None}
+            why = degree_cannot_help(degree, (largest, own.results()), reached, job.objective.unit)
             if why is not None:
-                self._layout_lines.append(f"layout: tensor parallel {degree} x data parallel "
-                                          f"{job.space.data_parallel_size}: profiled, not searched ({why})")
-                self.report(self._layout_lines[-1])
-                return
+                line = (f"layout: tensor parallel {degree} x data parallel {job.space.data_parallel_size}: "
+                        f"profiled, not searched ({why})")
+                self.report(line)
+                return DegreeOutcome(degree, searched, largest, line)
+        prune = partial(record_pruned, self.ledger, job.space, memory.predicted_memory, self.report)
+        predicted = None
         if tuner_spec(job.policy.tuner_type).search == "one_model":
             predicted = run_predictive_search(
-                job.space, job.policy, largest, evaluator, self._prune, self.cost_context(), list(ledger.results()),
+                job.space, job.policy, largest, evaluator, prune, self.cost_context(profiled), list(own.results()),
                 memory.fits, memory.offload_fallback, self.report, on_ask=self.ledger.note_prediction,
                 family=memory.family)
-            earlier = self._predictions  # a degree search: every degree's, in turn
-            self._predictions = predicted if earlier is None else PredictiveOutcome(
-                earlier.results + predicted.results, earlier.at_launch + predicted.at_launch,
-                earlier.final + predicted.final)
         else:
-            run_search(job.space, job.policy, largest, evaluator, self._prune, memory.fits, memory.offload_fallback,
+            run_search(job.space, job.policy, largest, evaluator, prune, memory.fits, memory.offload_fallback,
                        self.report)
-        if searching:
-            self._layout_lines.append(kept_line(degree, job, [r for r in ledger.results() if r.value is not None]))
+        line = kept_line(degree, job, [r for r in own.results() if r.value is not None]) if searching else None
+        return DegreeOutcome(degree, searched, largest, line, predicted)
 
     def _fixed_layout_lines(self, job: TuningJob) -> tuple[str, ...]:
         """The layout every experiment ran, where the config fixes a degree above 1."""
@@ -296,14 +318,14 @@ class Autotuner:
             return degree == best.experiment.tensor_parallel and degree in rules and rules[degree](result, best)
 
         def reusable(experiment: Experiment, run: int) -> bool:
-            return self.evaluator.earlier_remeasurement(experiment, run) is not None
+            return self.evaluator.earlier_remeasurement(experiment, run) is not None  # (the ledger's)
 
         best, _, lines = final_pick_rounds(results, job.objective, tuning.remeasure_top, tuning.remeasure_rounds,
                                            self._remeasure, self.report, reusable, ruled_out)
         return best, lines
 
     def _remeasure(self, experiment: Experiment, run: int, reuse: bool) -> TrialResult:
-        result, reused = self.evaluator.remeasure(experiment, run, reuse)
+        result, reused = self._searched[experiment.tensor_parallel].evaluator.remeasure(experiment, run, reuse)
         objective = self._any_job().objective
         value = f"{result.value:.4g} {objective.unit}" if result.value is not None else result.error
         tag = " (from an earlier run)" if reused else ""

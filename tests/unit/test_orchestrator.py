@@ -182,7 +182,7 @@ def test_no_micro_batch_as_large_as_one_that_ran_out_of_memory_fits_at_that_stag
     autotuner = tuner(tmp_path, FakeRunner(never_called), {"model_info": {"num_params": 1000},
                                                            "memory_per_rank_bytes": 750 * MiB},
                       train_micro_batch_size_per_gpu=[2, 4, 8, 16], zero_optimization={"stage": "all"})
-    profiled = autotuner._phase.run()  # model_info given: no launch
+    profiled = autotuner.profile_phase(0).run()  # model_info given: no launch
     book = BookOverLedger(profiled.memory)
     space, memory = profiled.job.space, book.memory
     book.learn(TrialResult(space.experiment(0, 4), TrialState.OOM, error="peak 795 MiB over the budget",

@@ -96,6 +96,8 @@ class ProfilePhase:
         if built != job.settings.engine:
             space = replace(space, **engine_dimensions(job.config, built, job.devices.on_gpu))
         self.job = replace(job, space=space, settings=replace(job.settings, engine=built, engine_settled=True))
+        # The launches from here on are built from the settled job's settings.
+        self._evaluator = self._evaluator.for_job(replace(self._evaluator.trials, settings=self.job.settings))
 
     def _facts(self, space: SearchSpace, profile: ModelProfile, precision: str,
                device_memory: int | None) -> MemoryFacts:

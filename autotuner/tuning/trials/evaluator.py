@@ -6,8 +6,9 @@ ledger's result (this run's, or an earlier run's record under its name), else a 
 time (`__call__`) or, with `capacity` above 1, in parallel (`submit`, then `next_result` as they
 finish: tuners/base.py `drive_parallel`). Every answer is written to the ledger.
 
-Only the launcher launches: `RunnerLaunches` builds the trial, hands it to the runner, measures a
-disturbed window once more (interference.py), counts the launch and keeps the result in the
+Only the launcher launches: the evaluator builds each trial from the job it was given
+(`TrialFactory`: its settings and memory prediction), and `RunnerLaunches` hands it to the runner,
+measures a disturbed window once more (interference.py) and keeps each launch's result in the
 ledger's stores; `FunctionLaunches` stands a plain `evaluate` (a test's) in its place.
 """
 
@@ -15,12 +16,13 @@ from __future__ import annotations
 
 import shutil
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Protocol
 
 from autotuner.core.errors import AutotunerError
 from autotuner.launch.stopping import raise_if_stopped
-from autotuner.tuning.trials.trial import Trial
+from autotuner.tuning.trials.trial import ExperimentSettings, Trial
 from autotuner.tuning.trials.interference import interference_share
 from autotuner.tuning.trials.ledger import LedgerView, TrialKind, TrialLedger, TunerTrials
 from autotuner.tuning.space.records import TrialResult, TrialState
@@ -29,9 +31,23 @@ from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.trials.trial_store import remeasure_directory_name
 from autotuner.tuning.space.search_space import slots
 
-# The trial of an experiment: (experiment, its directory's name ("": the experiment's), profile launch?).
-TrialFor = Callable[[Experiment, str, bool], Trial]
 DISTURBED_TAG = "_disturbed"  # a disturbed launch's directory, kept beside the one launched again
+
+
+@dataclass(frozen=True)
+class TrialFactory:
+    """How the job an evaluator is given turns an experiment into a launch: in exps_dir/<name>,
+    with the job's settings, carrying the memory model's prediction once there is one (a
+    profile launch carries none)."""
+
+    exps_dir: Path
+    settings: ExperimentSettings
+    predicted_memory: Callable[[Experiment], int] | None = None
+
+    def trial(self, experiment: Experiment, directory_name: str = "", profile: bool = False) -> Trial:
+        predicted = None if profile or self.predicted_memory is None else self.predicted_memory(experiment)
+        return Trial(experiment, self.exps_dir / (directory_name or experiment.name), self.settings,
+                     profile=profile, predicted_memory_bytes=predicted)
 
 
 class TuningFailed(AutotunerError):
@@ -46,10 +62,10 @@ class ExperimentLauncher(Protocol):
 
     capacity: int
 
-    def launch(self, experiment: Experiment) -> tuple[TrialResult, ...]:
+    def launch(self, experiment: Experiment, trial: Trial | None) -> tuple[TrialResult, ...]:
         """Every launch's result in order (one, or more where a disturbed window was measured again)."""
 
-    def submit(self, experiment: Experiment) -> None: ...
+    def submit(self, experiment: Experiment, trial: Trial | None) -> None: ...
 
     def next_result(self) -> TrialResult: ...
 
@@ -57,10 +73,9 @@ class ExperimentLauncher(Protocol):
 class RunnerLaunches:
     """Launches through a runner, each counted in the ledger and kept in its stores."""
 
-    def __init__(self, runner: Runner, ledger: TrialLedger, trial_for: TrialFor, report: Callable[[str], None]):
+    def __init__(self, runner: Runner, ledger: TrialLedger, report: Callable[[str], None]):
         self._runner = runner
         self._ledger = ledger
-        self.trial_for = trial_for
         self._report = report
         self.capacity = max(1, int(runner.capacity))
         self._always_busy = False  # two disturbed windows in a row: stop measuring windows again
@@ -98,8 +113,7 @@ class RunnerLaunches:
             trial.directory.rename(aside)
         return replace(trial, directory=aside)
 
-    def launch(self, experiment: Experiment) -> tuple[TrialResult, ...]:
-        trial = self.trial_for(experiment, "", False)
+    def launch(self, experiment: Experiment, trial: Trial | None) -> tuple[TrialResult, ...]:
         first = self._ledger.launches == 0
         results = self.run(trial)
         result = results[-1]
@@ -111,9 +125,9 @@ class RunnerLaunches:
                                f"see {trial.directory}/stderr.log")
         return results
 
-    def submit(self, experiment: Experiment) -> None:
+    def submit(self, experiment: Experiment, trial: Trial | None) -> None:
         raise_if_stopped()
-        self._runner.submit(self.trial_for(experiment, "", False))
+        self._runner.submit(trial)
 
     def next_result(self) -> TrialResult:
         trial, result = self._runner.next_result()
@@ -129,10 +143,10 @@ class FunctionLaunches:
         self._evaluate = evaluate
         self.capacity = slots(evaluate)
 
-    def launch(self, experiment: Experiment) -> tuple[TrialResult, ...]:
+    def launch(self, experiment: Experiment, trial: Trial | None) -> tuple[TrialResult, ...]:
         return (self._evaluate(experiment),)
 
-    def submit(self, experiment: Experiment) -> None:
+    def submit(self, experiment: Experiment, trial: Trial | None) -> None:
         self._evaluate.submit(experiment)  # type: ignore[attr-defined]
 
     def next_result(self) -> TrialResult:
@@ -153,9 +167,10 @@ class Evaluator:
     gives an answer it gave before again as it was."""
 
     def __init__(self, ledger: TrialLedger, launcher: ExperimentLauncher, refusals: Refusals | None = None,
-                 view: LedgerView | None = None):
+                 view: LedgerView | None = None, trials: TrialFactory | None = None):
         self.ledger = ledger
         self.view = view if view is not None else ledger.view()  # what its search reads: one degree's records, say
+        self.trials = trials  # how its job's experiments are launched (a plain function's: none)
         self._launcher = launcher
         self._refusals = refusals
         self._since = ledger.mark()
@@ -165,11 +180,16 @@ class Evaluator:
 
     def for_search(self, refusals: Refusals) -> "Evaluator":
         """This evaluator for one search: its answers from here on, refusing what `refusals` refuses."""
-        return Evaluator(self.ledger, self._launcher, refusals, self.view)
+        return Evaluator(self.ledger, self._launcher, refusals, self.view, self.trials)
 
-    def at_degree(self, degree: int) -> "Evaluator":
-        """This evaluator for one tensor-parallel degree's phases: they read that degree's records."""
-        return Evaluator(self.ledger, self._launcher, self._refusals, self.ledger.view(degree))
+    def for_job(self, trials: TrialFactory, degree: int | None = None) -> "Evaluator":
+        """This evaluator for a job: launching its experiments through `trials`, reading one
+        tensor-parallel degree's records where `degree` is given (else the records it read)."""
+        view = self.ledger.view(degree) if degree is not None else self.view
+        return Evaluator(self.ledger, self._launcher, self._refusals, view, trials)
+
+    def _trial(self, experiment: Experiment, directory_name: str = "", profile: bool = False) -> Trial | None:
+        return self.trials.trial(experiment, directory_name, profile) if self.trials is not None else None
 
     def results(self) -> tuple[TrialResult, ...]:
         """The results its search reads (its view's)."""
@@ -203,7 +223,7 @@ class Evaluator:
             return given
         result = self._reuse(experiment)
         if result is None:
-            result = self.ledger.record_launches(self._launcher.launch(experiment))
+            result = self.ledger.record_launches(self._launcher.launch(experiment, self._trial(experiment)))
         return self._answer(result)
 
     def submit(self, experiment: Experiment) -> None:
@@ -215,7 +235,7 @@ class Evaluator:
         if known is not None:
             self._known.append(known)
         else:
-            self._launcher.submit(experiment)
+            self._launcher.submit(experiment, self._trial(experiment))
 
     def answer_ready(self) -> bool:
         """Whether `next_result` has an answer without waiting for a launch."""
@@ -231,8 +251,8 @@ class Evaluator:
 
     # ----- the orchestrator's launches outside the search (a runner's evaluator) -----
     def _runner_launches(self) -> RunnerLaunches:
-        if not isinstance(self._launcher, RunnerLaunches):
-            raise TypeError("profile and re-measurement launches need a runner (RunnerLaunches)")
+        if not isinstance(self._launcher, RunnerLaunches) or self.trials is None:
+            raise TypeError("profile and re-measurement launches need a runner (RunnerLaunches) and a job's trials")
         return self._launcher
 
     def profile(self, experiment: Experiment) -> TrialResult:
@@ -244,7 +264,7 @@ class Evaluator:
         # than the script) may be what the user changed since.
         if earlier is not None and earlier.model_info is not None and earlier.state is not TrialState.FAILED:
             return self.ledger.record(earlier, True, TrialKind.PROFILE)
-        return self.ledger.record_launches(launcher.run(launcher.trial_for(experiment, "", True)), TrialKind.PROFILE)
+        return self.ledger.record_launches(launcher.run(self.trials.trial(experiment, "", True)), TrialKind.PROFILE)
 
     def earlier_remeasurement(self, experiment: Experiment, run: int) -> TrialResult | None:
         """An earlier run's record of the final pick's `run`th re-measurement of `experiment`."""
@@ -260,7 +280,7 @@ class Evaluator:
         name = remeasure_directory_name(experiment.name, run)
         if earlier is not None:
             return self.ledger.record_remeasurements(run, (earlier,), reused_from=name), True
-        return self.ledger.record_remeasurements(run, launcher.run(launcher.trial_for(experiment, name, False))), False
+        return self.ledger.record_remeasurements(run, launcher.run(self.trials.trial(experiment, name, False))), False
 
 
 def open_tuner_trials(evaluate: Callable[[Experiment], TrialResult], label: str) -> TunerTrials | None:

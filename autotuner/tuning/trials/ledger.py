@@ -21,7 +21,7 @@ from types import MappingProxyType
 from typing import Callable, Iterable, Mapping, Sequence
 
 from autotuner.tuning.trials.trial import Trial
-from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.records import TrialResult
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.trials.trial_store import TrialStore
 from autotuner.tuning.models.cost_model import Prediction
