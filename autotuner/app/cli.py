@@ -13,6 +13,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Any
 
+from autotuner.app.backend_options import backend_options
 from autotuner.app.launch_checks import check_training_config
 from autotuner.core.errors import AutotunerError, UsageError
 from autotuner.core.plugins import load_plugins
@@ -321,7 +322,7 @@ def _main(argv: list[str], script_at: int) -> int:
         if args.no_ssh:
             raise UsageError("--no_ssh: DeepSpeed's start of this node alone from a hostfile is not supported; start "
                              "each node with --num_nodes N --node_rank R --master_addr ADDR (or --rdzv_endpoint)")
-        check_backend(args)
+        check_backend(backend_options(args))
         _read_default_hostfile(args)
         if args.bench:
             return _bench(args)

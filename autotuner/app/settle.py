@@ -349,3 +349,4 @@ def check_tuner_type(name: str, source: str) -> None:
                           "(or a plugin's tuner: entry point group autotuner.plugins)")
     if spec.check is not None:
         spec.check(f'{source}: autotuning.tuner_type "{name}"')
+

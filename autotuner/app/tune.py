@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
+from autotuner.app.backend_options import backend_options
 from autotuner.app.settle import say as _say, settle, settle_built_engine
 from autotuner.tuning.reports.batch_ramp_plan import ramp_lines
 from autotuner.core.errors import UsageError
@@ -45,7 +46,8 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
     """`forkserver`: the warm path's, started early by the command line (it preloads meanwhile)."""
     job = settle(args)
     results_dir, exps_dir = job.results_dir, job.exps_dir
-    request = RunnerRequest(args, job.config.autotuning, job.settings, job.num_nodes, _say, forkserver)
+    request = RunnerRequest(backend_options(args), job.config.autotuning, job.settings, job.num_nodes, _say,
+                            forkserver)
     with backend_spec(getattr(args, "backend", "local")).open_runner(request) as runner:
         with exclusive_lock(results_dir):
             try:

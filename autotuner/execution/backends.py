@@ -43,12 +43,39 @@ class Flag:
 
 
 @dataclass(frozen=True)
-class RunnerRequest:
-    """What a backend's factory gets: the parsed command line (its own flags included), the
-    autotuning section, the settled experiment settings, the node count asked for, where progress
-    lines go, and the warm path's forkserver if one was started early."""
+class BackendOptions:
+    """The command line as a backend reads it (built from the parsed arguments in app/): which
+    backend, each registered backend flag's value by its dest, whether --hostfile, --include or
+    --exclude chose the hosts, and the --autotuning mode (None: a plain launch)."""
 
-    args: argparse.Namespace
+    backend: str = "local"
+    values: tuple[tuple[str, Any], ...] = ()
+    picks_hosts: bool = False
+    autotuning: str | None = None
+
+    def value(self, dest: str) -> Any:
+        """A backend flag's value (its default where not given)."""
+        found = dict(self.values)
+        if dest not in found:
+            raise KeyError(f"no backend flag with dest {dest!r} is registered")
+        return found[dest]
+
+    @classmethod
+    def of(cls, given: Mapping[str, Any], backend: str = "local", picks_hosts: bool = False,
+           autotuning: str | None = None) -> "BackendOptions":
+        """From the values given by dest: each registered backend flag's, its default where absent."""
+        values = tuple((flag.dest, given.get(flag.dest, flag.default))
+                       for spec in BACKENDS.values() for flag in spec.flags)
+        return cls(backend, values, picks_hosts, autotuning)
+
+
+@dataclass(frozen=True)
+class RunnerRequest:
+    """What a backend's factory gets: the command line's backend options (its own flags
+    included), the autotuning section, the settled experiment settings, the node count asked for,
+    where progress lines go, and the warm path's forkserver if one was started early."""
+
+    options: BackendOptions
     tuning: AutotuningConfig
     settings: ExperimentSettings
     num_nodes: int
@@ -62,7 +89,7 @@ class BackendSpec:
     summary: str  # --backend's help and the docs
     open_runner: Callable[[RunnerRequest], AbstractContextManager[Runner]]
     flags: tuple[Flag, ...] = ()
-    check: Callable[[argparse.Namespace], None] | None = None  # refuses (UsageError) what it cannot run
+    check: Callable[[BackendOptions], None] | None = None  # refuses (UsageError) what it cannot run
     # The cluster places each experiment's ranks on nodes (--num_nodes: nodes per experiment); else
     # the experiments run on this node, and --num_nodes above 1 is refused.
     places_nodes: bool = False
@@ -106,21 +133,21 @@ def add_backend_flags(parser: argparse.ArgumentParser, default: str = "local") -
                 group.add_argument(flag.name, **dict(flag.options))
 
 
-def check_backend(args: argparse.Namespace) -> None:
+def check_backend(options: BackendOptions) -> None:
     """Another backend's flag is refused by name; a backend that does not launch plainly needs
     --autotuning tune|run; then the chosen backend's own checks."""
-    chosen = BACKENDS[args.backend]
+    chosen = BACKENDS[options.backend]
     for spec in BACKENDS.values():
         if spec is chosen:
             continue
         for flag in spec.flags:
-            if getattr(args, flag.dest, flag.default) != flag.default:
+            if options.value(flag.dest) != flag.default:
                 raise UsageError(f"{flag.name}: only with --backend {spec.name}")
-    if not chosen.launches_plainly and getattr(args, "autotuning", None) not in ("tune", "run"):
+    if not chosen.launches_plainly and options.autotuning not in ("tune", "run"):
         raise UsageError(f"--backend {chosen.name}: runs the experiments of --autotuning tune|run; add "
                          "--autotuning tune, or drop --backend to launch here")
     if chosen.check is not None:
-        chosen.check(args)
+        chosen.check(options)
 
 
 # ----- the built-in backends -----
@@ -137,10 +164,10 @@ def _local_runner(request: RunnerRequest) -> Iterator[Runner]:
 def _ray_runner(request: RunnerRequest) -> Iterator[Runner]:
     from autotuner.execution.ray_runner import RayOptions, RayRunner  # ray is imported only here
 
-    args = request.args
-    options = RayOptions(address=args.ray_address, placement=args.ray_placement, max_concurrent=args.ray_max_concurrent,
-                         cpus_per_rank=args.ray_cpus_per_rank, gpus_per_rank=args.ray_gpus_per_rank,
-                         num_nodes=request.num_nodes)
+    given = request.options.value
+    options = RayOptions(address=given("ray_address"), placement=given("ray_placement"),
+                         max_concurrent=given("ray_max_concurrent"), cpus_per_rank=given("ray_cpus_per_rank"),
+                         gpus_per_rank=given("ray_gpus_per_rank"), num_nodes=request.num_nodes)
     runner = RayRunner(options, request.settings.nproc_per_node, request.say)
     try:
         yield runner
@@ -148,12 +175,13 @@ def _ray_runner(request: RunnerRequest) -> Iterator[Runner]:
         runner.close()
 
 
-def _check_ray(args: argparse.Namespace) -> None:
-    if args.hostfile or args.include or args.exclude:
+def _check_ray(options: BackendOptions) -> None:
+    if options.picks_hosts:
         raise UsageError("--backend ray: the cluster places the ranks; drop --hostfile/--include/--exclude")
-    if args.ray_max_concurrent is not None and args.ray_max_concurrent < 1:
-        raise UsageError(f"--ray_max_concurrent: got {args.ray_max_concurrent}; expected at least 1")
-    if args.ray_cpus_per_rank <= 0 or (args.ray_gpus_per_rank is not None and args.ray_gpus_per_rank < 0):
+    most, cpus, gpus = (options.value(d) for d in ("ray_max_concurrent", "ray_cpus_per_rank", "ray_gpus_per_rank"))
+    if most is not None and most < 1:
+        raise UsageError(f"--ray_max_concurrent: got {most}; expected at least 1")
+    if cpus <= 0 or (gpus is not None and gpus < 0):
         raise UsageError("--ray_cpus_per_rank must be above 0 and --ray_gpus_per_rank at least 0")
 
 
@@ -188,22 +216,23 @@ def _slurm_runner(request: RunnerRequest) -> Iterator[Runner]:
     if warm is None:
         request.say("warm start off (autotuning.warm_start: false): each experiment starts cold")
     runner = SlurmRunner(allocation, request.num_nodes, request.settings.nproc_per_node, request.say,
-                         max_concurrent=request.args.slurm_max_concurrent, warm=warm)
+                         max_concurrent=request.options.value("slurm_max_concurrent"), warm=warm)
     try:
         yield runner
     finally:
         runner.close()
 
 
-def _check_slurm(args: argparse.Namespace) -> None:
+def _check_slurm(options: BackendOptions) -> None:
     if not (os.environ.get("SLURM_JOB_ID") or os.environ.get("SLURM_JOBID")):
         raise UsageError("--backend slurm: not inside a Slurm allocation (SLURM_JOB_ID is not set); run the tune "
                          "inside salloc or sbatch, or use --backend ray or the default local backend")
-    if args.hostfile or args.include or args.exclude:
+    if options.picks_hosts:
         raise UsageError("--backend slurm: the experiments run on the allocation's nodes; drop "
                          "--hostfile/--include/--exclude and choose the nodes with salloc/sbatch (-w, -x, -N)")
-    if args.slurm_max_concurrent is not None and args.slurm_max_concurrent < 1:
-        raise UsageError(f"--slurm_max_concurrent: got {args.slurm_max_concurrent}; expected at least 1")
+    most = options.value("slurm_max_concurrent")
+    if most is not None and most < 1:
+        raise UsageError(f"--slurm_max_concurrent: got {most}; expected at least 1")
 
 
 def _sbatch_script(request: RunnerRequest, results_dir: Path) -> list[str]:

@@ -45,7 +45,7 @@ def open_marking_runner(request):
 
         def run(self, trial):
             result = super().run(trial)
-            (trial.directory / "backend.txt").write_text(request.args.toy_label)
+            (trial.directory / "backend.txt").write_text(request.options.value("toy_label"))
             return result
 
     runner = Marking()

@@ -8,7 +8,9 @@ import pytest
 
 from autotuner.app.settle import check_tuner_type
 from autotuner.core.errors import ConfigError, UsageError
-from autotuner.execution.backends import BACKENDS, BackendSpec, Flag, add_backend_flags, check_backend, register_backend
+from autotuner.app.backend_options import backend_options
+from autotuner.execution.backends import (BACKENDS, BackendOptions, BackendSpec, Flag, add_backend_flags, check_backend,
+                                         register_backend)
 from autotuner.tuning.tuners import TUNERS, TunerSpec, register_tuner
 
 
@@ -25,13 +27,13 @@ def test_an_unknown_tuner_type_lists_every_registered_one():
     assert all(f'"{name}"' in str(err.value) for name in TUNERS)
 
 
-def _parse(*argv: str) -> argparse.Namespace:
+def _parse(*argv: str) -> BackendOptions:
     parser = argparse.ArgumentParser()
     parser.add_argument("--autotuning", default=None)
     for name in ("--hostfile", "--include", "--exclude"):
         parser.add_argument(name, default=None)
     add_backend_flags(parser)
-    return parser.parse_args(list(argv))
+    return backend_options(parser.parse_args(list(argv)))
 
 
 def test_a_backends_flags_and_name_come_from_its_spec(monkeypatch):
@@ -39,7 +41,7 @@ def test_a_backends_flags_and_name_come_from_its_spec(monkeypatch):
     register_backend(BackendSpec("toy", "a toy", lambda request: None, flags=(Flag("--toy_depth", {"type": int,
                                                                                                      "default": 1}),)))
     args = _parse("--autotuning", "tune", "--backend", "toy", "--toy_depth", "3")
-    assert args.toy_depth == 3
+    assert args.value("toy_depth") == 3 and args.picks_hosts is False
     check_backend(args)
     with pytest.raises(UsageError, match="^--toy_depth: only with --backend toy$"):
         check_backend(_parse("--autotuning", "tune", "--toy_depth", "3"))
