@@ -88,7 +88,7 @@ def test_auto_compile_tries_the_best_compiled_and_scores_the_planned_run(tmp_pat
     table = experiments(tmp_path)
     compiled = table[table.name.str.contains("_cT_")]
     assert len(compiled) in (1, 2) and (compiled.state == "ok").all()  # the best; the next only if it paid
-    lines = [line for line in result.stdout.splitlines() if line.startswith("autotuner: compile: ")]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("compile: ")]  # (the summary's)
     assert len(lines) == len(compiled)
     assert all("pays back after" in line or "never pays back" in line for line in lines)
     summary = (tmp_path / "autotuning_results" / "summary.txt").read_text()
