@@ -3,8 +3,9 @@
 The ranks record the largest share of a node's CPU time that processes other than our own took
 during the profile window (runtime/measure/window_load.py). Above INTERFERENCE_SHARE the window measured
 the machine's other work as much as the configuration, so a launch run on its own (evaluator.py
-`RunnerLaunches.run`) is launched once more and that measurement kept (with its own share on
-record if the machine is still busy). A launch submitted to a runner's slots (`capacity` above 1)
+`RunnerLaunches.run`) is launched once more: the disturbed launch stays on record (and its files
+in <name>_disturbed), and the repeat's measurement counts (with its own share on record if the
+machine is still busy). A launch submitted to a runner's slots (`capacity` above 1)
 is not: its result is kept as it arrives, and the final pick's interleaved re-measurement (one
 launch at a time) compares the contenders.
 """
