@@ -113,13 +113,17 @@ def tuner(tmp_path: Path, runner: FakeRunner, autotuning: dict | None = None, pr
 
 def orchestrator(tmp_path: Path, config: DeepSpeedConfig, runner: FakeRunner, settings: ExperimentSettings | None = None,
                  report: Callable[[str], None] = lambda line: None, run_fingerprint: Fingerprint | None = None,
-                 **options) -> Autotuner:
-    """The orchestrator over `config` and a fake runner, as the settle pass hands it over (device
-    facts and search space, `settled`), writing under `tmp_path`; `options` go to Autotuner (a
-    space or devices given there replace the settled ones)."""
+                 settle_engine: Callable[[str], str] | None = None, **job) -> Autotuner:
+    """The orchestrator over `config` and a fake runner, with the job as the settle pass builds it
+    (device facts and search space, `settled`), writing under `tmp_path`; `job` replaces fields of
+    TuningJob.settled (space, devices, degrees, left_out, placement)."""
+    from autotuner.tuning.profiling.job import TuningJob
+
     settings = settings or experiment_settings(config)
-    return Autotuner(config, settings, tmp_path / "results", tmp_path / "exps", runner,
-                     run_fingerprint or fingerprint(), report=report, **{**settled(config, settings), **options})
+    built = TuningJob.settled(config, settings, fingerprint=run_fingerprint or fingerprint(),
+                              **{**settled(config, settings), **job})
+    extra = {} if settle_engine is None else {"settle_engine": settle_engine}
+    return Autotuner(built, tmp_path / "results", tmp_path / "exps", runner, report=report, **extra)
 
 
 def settled(config, settings: ExperimentSettings) -> dict:

@@ -257,12 +257,13 @@ def _autotune(args: argparse.Namespace) -> int:
     from autotuner.launch.stopping import raise_if_stopped
 
     with _early_forkserver(args) as forkserver:
+        from autotuner.app.request import TuneRequest
         from autotuner.app.tune import autotune  # torch and the tuner: seconds of imports
 
         # A stop during those imports raised inside a library, which may have swallowed it (a bare
         # except around an optional import): the stop stands all the same.
         raise_if_stopped()
-        return autotune(args, forkserver)
+        return autotune(TuneRequest.of(args), forkserver)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,10 +5,12 @@ Settled here, once: the launch plan; the data-parallel size (config/batch.py); t
 (tuning/space/devices.py); the search space, whose tuned sections' "auto" become their candidate
 values, and the experiments' base config with every other "auto" of ours settled
 (config_space.base_config); the batch triad's check; the engine where the script's imports say;
-the planned steps and the longest batch; the experiment settings and the run's fingerprint. Every
+the planned steps and the longest batch; the experiment settings. Every
 check of the request's config and flags that can refuse it runs here, except three that need
 what comes later: the backend's own flags (the command line, before this), the results
 directory's lock (tune.py), and a cluster's size (the Ray or Slurm runner, when it connects).
+Once the runner has opened, `tuning_job` builds the job the tuner runs from the settled request
+and the runner's placement, with the run's fingerprint: nothing is laid over it afterwards.
 
 Settled later because a launch must say, each in one place:
 - the engine of a script that imports both: `settle_built_engine`, from the profile launch's
@@ -22,7 +24,6 @@ bf16.enabled "auto" stays in the experiments' configs: each rank settles it on i
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -40,6 +41,7 @@ from autotuner.app.tensor_parallel_checks import check_tensor_parallel_tune, kep
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.backends import BACKENDS, backend_spec
 from autotuner.core.script_imports import own_modules
+from autotuner.app.request import TuneRequest
 from autotuner.launch import LaunchOptions, build_plan
 from autotuner.launch.plan import LaunchPlan
 from autotuner.launch.script_args import config_path
@@ -48,7 +50,9 @@ from autotuner.tuning.space.config_space import base_config, search_space
 from autotuner.tuning.space.dimensions import REGISTRY
 from autotuner.tuning.memory.varying_batches import declared_max_length
 from autotuner.tuning.trials.trial import ExperimentSettings, bool_flags, config_value
-from autotuner.tuning.trials.journal import Fingerprint, fingerprint_of, this_device, torch_version
+from autotuner.tuning.trials.journal import fingerprint_of, this_device, torch_version
+from autotuner.tuning.trials.runner import Placement
+from autotuner.tuning.profiling.job import TuningJob
 from autotuner.tuning.space.records import Objective
 from autotuner.tuning.space.devices import DeviceFacts, read_device_facts
 from autotuner.tuning.space.experiment import Experiment
@@ -67,7 +71,6 @@ class SettledJob:
     num_nodes: int  # the nodes each experiment spans
     engine: EngineChoice  # settled here, or (a script that imports both) by the profile launch's ranks
     settings: ExperimentSettings
-    fingerprint: Fingerprint
     results_dir: Path
     exps_dir: Path
     devices: DeviceFacts  # read once, here
@@ -170,11 +173,12 @@ def check_results_dir(path: Path, key: str) -> None:
                 pass
 
 
-def settle(args: argparse.Namespace) -> SettledJob:
-    """Check the request and settle it, or raise a one-line ConfigError/UsageError."""
-    script_args = tuple(args.script_args)
-    if getattr(args, "tuned_values", None) is not None:  # each experiment's values are its request's
-        raise UsageError(f"--tuned_values {args.tuned_values}: a tune writes the pick's own (named in its "
+def settle(request: TuneRequest) -> SettledJob:
+    """Check the request and settle it, or raise a one-line ConfigError/UsageError. Reads the config
+    file, the script and the device; writes nothing (a results directory it probes is removed)."""
+    script, script_args = request.script, request.script_args
+    if request.launch.tuned_values is not None:  # each experiment's values are its request's
+        raise UsageError(f"--tuned_values {request.launch.tuned_values}: a tune writes the pick's own (named in its "
                          "cmd_optimal.txt); drop it with --autotuning")
     given = config_path(script_args)
     if given is None:
@@ -184,12 +188,12 @@ def settle(args: argparse.Namespace) -> SettledJob:
     tuning = config.autotuning
     if not tuning.enabled:
         # The flag states the intent; DeepSpeed would silently do nothing here.
-        say(f"{source}: autotuning.enabled is false; tuning anyway because --autotuning {args.autotuning} was given")
+        say(f"{source}: autotuning.enabled is false; tuning anyway because --autotuning {request.mode} was given")
     base = base_config(config)  # every experiment's config starts from it: the tuned sections' "auto" settled
     check_arg_mappings(config, source, base)
     check_tuner_type(tuning.tuner_type, source)
-    options = LaunchOptions.from_args(args, rdzv_endpoint=None, rdzv_id=None)
-    placed = backend_spec(getattr(args, "backend", "local")).places_nodes
+    options = request.launch
+    placed = backend_spec(request.backend.backend).places_nodes
     num_nodes = options.num_nodes
     if placed:  # the cluster places each experiment's nodes: one node's plan describes the ranks
         options = replace(options, num_nodes=1, node_rank=0, master_addr=None)
@@ -219,7 +223,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
                                                source)
     if not searched:  # (a search checks the triad at each degree)
         check_fixed_triad(config, world_size if tensor_parallel > 1 else data_parallel_size, source)
-    engine = script_engine(args.script, getattr(args, "engine", "auto"))
+    engine = script_engine(script, request.engine)
     if max(degrees) > 1:
         check_tensor_parallel_tune(config, engine, source)
     # The search space, built once for the run from the device facts read once (the engine's own
@@ -234,11 +238,11 @@ def settle(args: argparse.Namespace) -> SettledJob:
         space = space.at_degree(tensor_parallel, data_parallel_size * (1 if searched else tensor_parallel))
         data_parallel_size = space.data_parallel_size
     check_some_batch_is_valid(space, data_parallel_size, source)
-    if trains_with_trainer(args.script):
+    if trains_with_trainer(script):
         check_trainer_mappings(space, dict(tuning.arg_mappings), source)
         check_trainer_step_counts(config, space, script_args, source)
         if tuning.adapt_batch:  # its loop counts gas from its flag and steps its schedule by that count
-            raise ConfigError(f"{source}: autotuning.adapt_batch: {args.script} trains with Hugging Face's Trainer, "
+            raise ConfigError(f"{source}: autotuning.adapt_batch: {script} trains with Hugging Face's Trainer, "
                               "which counts gradient accumulation itself (--gradient_accumulation_steps) and would "
                               "not follow a batch the ramp grows; leave adapt_batch out")
     if tuning.metric == "goodput" and isinstance(config.train_batch_size, int):
@@ -252,7 +256,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
             "data-parallel ranks) or fix gradient_accumulation_steps")
     check_optimizer_and_scheduler(config, source)
     if engine.settled:
-        check_engine(config, engine, args.script, script_args, source)
+        check_engine(config, engine, script, script_args, source)
     elif tuning.model_info is not None and tuning.model_info.num_params:
         raise UsageError(f"{engine.reason}, so only the profile launch's ranks can tell which engine it trains on, "
                          f"and {source}'s autotuning.model_info skips that launch; pass --engine deepspeed or --engine "
@@ -265,7 +269,7 @@ def settle(args: argparse.Namespace) -> SettledJob:
             refusal(dim, config, source)
     max_length, max_length_from = declared_max_length(script_args, tuning.max_sequence_length)
     settings = ExperimentSettings(
-        script=args.script,
+        script=script,
         script_args=script_args,
         base_config=base,
         nproc_per_node=plan.nproc_per_node,
@@ -288,17 +292,26 @@ def settle(args: argparse.Namespace) -> SettledJob:
         max_sequence_length=max_length,
         max_sequence_length_from=max_length_from,
         lr_scaling=tuning.lr_scaling,
-        trainer=trains_with_trainer(args.script),
+        trainer=trains_with_trainer(script),
     )
-    fingerprint = fingerprint_of(script=args.script, script_args=script_args,
-                                 mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
-                                 nproc_per_node=plan.nproc_per_node, num_nodes=num_nodes if placed else 1,
-                                 launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
-                                 device=this_device(), user_config=settings.user_config,
-                                 measured_as=measured_as(settings), own_modules=tuple(own_modules(args.script)),
-                                 bool_flags=bool_flags(dict(tuning.arg_mappings), settings.base_config))
-    return SettledJob(source, config, options, plan, num_nodes, engine, settings, fingerprint, results_dir, exps_dir,
+    return SettledJob(source, config, options, plan, num_nodes, engine, settings, results_dir, exps_dir,
                       devices, space, degrees if searched else (), left_out)
+
+
+def tuning_job(job: SettledJob, placement: Placement) -> TuningJob:
+    """The job the tuner runs: the settled request where the runner places its experiments. The
+    fingerprint's device is the runner's hardware (a cluster's nodes) where it names one, so a
+    resume elsewhere reuses no record."""
+    settings, tuning = job.settings, job.config.autotuning
+    fingerprint = fingerprint_of(script=settings.script, script_args=settings.script_args,
+                                 mapped_flags=tuple(tuning.arg_mappings.values()), base_config=settings.base_config,
+                                 nproc_per_node=job.plan.nproc_per_node, num_nodes=job.num_nodes,
+                                 launcher_args=settings.rank_flags.to_argv(), torch_version=torch_version(),
+                                 device=placement.hardware or this_device(), user_config=settings.user_config,
+                                 measured_as=measured_as(settings), own_modules=tuple(own_modules(settings.script)),
+                                 bool_flags=bool_flags(dict(tuning.arg_mappings), settings.base_config))
+    return TuningJob.settled(job.config, settings, job.space, job.devices, fingerprint, placement, job.degrees,
+                             job.left_out)
 
 
 def measured_as(settings: ExperimentSettings) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import os
 import shlex
@@ -11,13 +10,14 @@ from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
-from autotuner.app.backend_options import backend_options
-from autotuner.app.settle import say as _say, settle, settle_built_engine
+from autotuner.app.request import TuneRequest
+from autotuner.app.settle import say as _say, settle, settle_built_engine, tuning_job
 from autotuner.tuning.reports.batch_ramp_plan import ramp_lines
 from autotuner.core.errors import UsageError
 from autotuner.launch.stopping import Stopped
 from autotuner.tuning.orchestrator import Autotuner
 from autotuner.tuning.trials.evaluator import TuningFailed
+from autotuner.tuning.trials.runner import Placement
 from autotuner.execution.forkserver import Forkserver
 from autotuner.execution.backends import RunnerRequest, backend_spec
 
@@ -42,24 +42,21 @@ def exclusive_lock(results_dir: Path):
         handle.close()
 
 
-def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> int:
+def autotune(request: TuneRequest, forkserver: Forkserver | None = None) -> int:
     """`forkserver`: the warm path's, started early by the command line (it preloads meanwhile)."""
-    job = settle(args)
-    results_dir, exps_dir = job.results_dir, job.exps_dir
-    request = RunnerRequest(backend_options(args), job.config.autotuning, job.settings, job.num_nodes, _say,
-                            forkserver)
-    with backend_spec(getattr(args, "backend", "local")).open_runner(request) as runner:
+    settled = settle(request)
+    results_dir, exps_dir = settled.results_dir, settled.exps_dir
+    spec = backend_spec(request.backend.backend)
+    runner_request = RunnerRequest(request.backend, settled.config.autotuning, settled.settings, settled.num_nodes,
+                                   _say, forkserver)
+    with spec.open_runner(runner_request) as runner:
+        # Where the runner places the experiments (a cluster's nodes) goes into the job before it is
+        # built: the device a resume is checked against, and where the optimal command trains.
+        job = tuning_job(settled, Placement.of(runner))
         with exclusive_lock(results_dir):
             try:
-                # Where the runner placed the experiments (a cluster's nodes) is the device a resume is
-                # checked against, and where the optimal command trains. (A plugin's runner may say neither.)
-                nodes = getattr(runner, "hardware", None)
-                fingerprint = job.fingerprint if nodes is None else replace(job.fingerprint, device=nodes)
-                settings = replace(job.settings, placement_flags=tuple(getattr(runner, "placement_flags", ())),
-                                   placement_env=tuple(getattr(runner, "placement_env", ())))
-                tuner = Autotuner(job.config, settings, results_dir, exps_dir, runner, fingerprint,
-                                  report=_say, settle_engine=lambda built: settle_built_engine(job, built),
-                                  devices=job.devices, space=job.space, degrees=job.degrees, left_out=job.left_out)
+                tuner = Autotuner(job, results_dir, exps_dir, runner, report=_say,
+                                  settle_engine=lambda built: settle_built_engine(settled, built))
                 outcome = tuner.tune()
             except Stopped as stop:  # the runner's exit below ends the running experiment
                 hint = getattr(stop, "resume_hint", "Resume with the same command.")
@@ -72,24 +69,23 @@ def autotune(args: argparse.Namespace, forkserver: Forkserver | None = None) -> 
             raise TuningFailed(f"no experiment succeeded ({len(outcome.results)} recorded); see "
                                f"{results_dir}/experiments.csv and each experiment's stderr.log under {exps_dir}")
         _say(f"{outcome.best.name} is the optimal setup; config: {outcome.optimal_config_path}")
-        where = f" (on each of the {job.num_nodes} nodes)" if "--rdzv_endpoint" in settings.placement_flags else ""
+        where = f" (on each of the {settled.num_nodes} nodes)" if job.placement.rendezvous else ""
         _say(f"train with it{where}: {shlex.join(outcome.optimal_command or ())}")
-        spec = backend_spec(getattr(args, "backend", "local"))
         if spec.write_outputs is not None:
-            for line in spec.write_outputs(request, results_dir):
+            for line in spec.write_outputs(runner_request, results_dir):
                 _say(line)
         if outcome.deepspeed_command is not None:
             other = shlex.join(outcome.deepspeed_command)
             whose = "accelerate's" if " launch --use_deepspeed " in other else "DeepSpeed's"
             _say(f"or with {whose} own launcher: {other}")
-        if args.autotuning == "tune":
+        if request.mode == "tune":
             return 0
         _say("training with the optimal config ...")
-        optimal = replace(job.options, script_args=outcome.optimal_script_args,
-                          nproc_per_node=None if job.options.rank_flags().picks_ranks_itself
-                          else job.plan.nproc_per_node,
+        optimal = replace(settled.options, script_args=outcome.optimal_script_args,
+                          nproc_per_node=None if settled.options.rank_flags().picks_ranks_itself
+                          else settled.plan.nproc_per_node,
                           tuned_values=None if outcome.tuned_values_path is None else str(outcome.tuned_values_path))
-        status = runner.train(optimal, quiet=not args.debug)
+        status = runner.train(optimal, quiet=not request.debug)
         for line in ramp_lines(results_dir):
             _say(line)
         tuner.keep_late_noise()

@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Callable
 
 from autotuner.core.atomic import sweep_partial_writes
-from autotuner.config.models import DeepSpeedConfig
 from autotuner.launch.stopping import mark_work_started
 from autotuner.tuning.models.cost_model import CostContext
 from autotuner.tuning.models.memory_book import MemoryBook
@@ -22,18 +21,15 @@ from autotuner.tuning.searches.final_pick import final_pick_rounds
 from autotuner.tuning.searches.predictive_search import PredictiveOutcome, run_predictive_search
 from autotuner.tuning.searches.stage_search import run_search
 from autotuner.tuning.searches.variant_rules import variant_text
-from autotuner.tuning.space.devices import DeviceFacts
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.planned_run import objective_line
 from autotuner.tuning.space.records import TrialResult
-from autotuner.tuning.space.search_space import SearchSpace
 from autotuner.tuning.trials.evaluator import Evaluator, RunnerLaunches, TrialFactory, TuningFailed
 from autotuner.tuning.trials.history import HISTORY_FILE, make_history
-from autotuner.tuning.trials.journal import Fingerprint
 from autotuner.tuning.trials.ledger import TrialKind, TrialLedger
 from autotuner.tuning.trials.runner import Runner
 from autotuner.tuning.trials.similar_runs import SimilarRuns
-from autotuner.tuning.trials.trial import ExperimentSettings, rescored
+from autotuner.tuning.trials.trial import rescored
 from autotuner.tuning.trials.trial_store import HistoryStore, JournalStore
 from autotuner.tuning.tuners import tuner_spec
 from autotuner.tuning.tuners.predictive import pooled_rule
@@ -99,22 +95,20 @@ class Autotuner:
     the profiled one, which nothing changes. `report` receives progress lines; `settle_engine`
     goes to the profile phase."""
 
-    def __init__(self, config: DeepSpeedConfig, settings: ExperimentSettings, results_dir: Path, exps_dir: Path,
-                 runner: Runner, fingerprint: Fingerprint, report: Callable[[str], None] = print,
-                 settle_engine: Callable[[str], str] = follow_the_launch, *, devices: DeviceFacts,
-                 space: SearchSpace, degrees: tuple[int, ...] = (), left_out: tuple[tuple[int, str], ...] = ()):
-        """`devices` and `space`: the settle pass's (app/settle.py), read and built once there;
-        `degrees`: the tensor-parallel degrees it settled to search, each in turn (none: the
-        config's layout), and those it `left_out` with why."""
-        self.job = TuningJob.settled(config, settings, space, devices, degrees, left_out)
+    def __init__(self, job: TuningJob, results_dir: Path, exps_dir: Path, runner: Runner,
+                 report: Callable[[str], None] = print, settle_engine: Callable[[str], str] = follow_the_launch):
+        """`job`: the settle pass's (app/settle.py `tuning_job`), built once, with the runner's
+        placement in it; the orchestrator reads it and builds no other."""
+        self.job = job
+        config = job.config
         self.settle_engine = settle_engine
         self.runner = runner
         self.results_dir = results_dir
         self.exps_dir = exps_dir
         self.report = report
         self._started = time.monotonic()
-        self.history = make_history(config.autotuning, results_dir, fingerprint, settings.objective, report)
-        stores = [JournalStore(exps_dir, fingerprint, report)] + ([HistoryStore(self.history)] if self.history else [])
+        self.history = make_history(config.autotuning, results_dir, job.fingerprint, job.objective, report)
+        stores = [JournalStore(exps_dir, job.fingerprint, report)] + ([HistoryStore(self.history)] if self.history else [])
         self.ledger = TrialLedger(stores)  # what has been tried: every phase reads and writes it
         self.ledger.on_record(self._progress)
         self.launcher = RunnerLaunches(runner, self.ledger, report)
@@ -208,7 +202,7 @@ class Autotuner:
                               if job.config.autotuning.adapt_batch else None, self.ledger.launches,
                               sum(1 for r in self.ledger.records if r.kind is TrialKind.REPEAT))
         outcome = write_outcome(record, profiled.job.settings, profiled.job.objective, self.results_dir,
-                                job.devices.on_gpu)
+                                job.devices.on_gpu, job.placement)
         if self.history is not None and self.history.recorded:
             self.history.record_pick(best)
             self.report(f"history: {self.history.recorded} launches recorded in study {self.history.study_name}; "

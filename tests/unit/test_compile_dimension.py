@@ -10,6 +10,7 @@ import json
 import pytest
 
 from autotuner.app.cli import build_parser
+from autotuner.app.request import TuneRequest
 from autotuner.app.settle import script_max_steps, settle
 from autotuner.core.boundary import Measurement
 from autotuner.config.models import DeepSpeedConfig
@@ -127,4 +128,4 @@ def test_settled_planned_steps_come_from_the_config_first_then_the_scripts_max_s
     args = build_parser().parse_args(["--autotuning", "tune", "--nproc_per_node", "2", "train.py", "--max_steps",
                                       "120", "--deepspeed", "ds.json"])
     args.nproc_per_node = 2  # as cli.main settles it
-    assert settle(args).settings.planned_steps == expected
+    assert settle(TuneRequest.of(args)).settings.planned_steps == expected

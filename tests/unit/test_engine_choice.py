@@ -13,6 +13,7 @@ import pytest
 from autotuner.app import engines
 from autotuner.app.cli import build_parser
 from autotuner.app.engines import EngineChoice, check_our_engine_sections, engine_choice, script_engine
+from autotuner.app.request import TuneRequest
 from autotuner.app.settle import settle, settle_built_engine
 from autotuner.config import load_config
 from autotuner.core.errors import ConfigError, UsageError
@@ -138,7 +139,7 @@ def settle_in(tmp_path: Path, monkeypatch, text: str, *flags: str, autotuning: d
     args = build_parser().parse_args(["--autotuning", "tune", *flags, "--nproc_per_node", "2", "train.py",
                                       "--deepspeed", "ds.json"])
     args.nproc_per_node = 2  # as cli.main settles it
-    return settle(args)
+    return settle(TuneRequest.of(args))
 
 
 def test_a_two_engine_script_is_settled_without_a_refusal_and_the_built_engine_is_checked(tmp_path, monkeypatch,

@@ -97,3 +97,42 @@ def test_the_ledger_holds_the_profile_launches_the_search_and_what_was_pruned_by
     assert ledger.pruned() and all(r.state.value == "pruned" and r.error for r in ledger.pruned())
     # What the outcome reports is the ledger's, every kind: nothing kept elsewhere.
     assert set(outcome.results) == set(ledger.results()) | set(ledger.pruned())
+
+
+def test_the_runners_placement_goes_into_the_job_as_it_is_built_and_nothing_is_laid_over_it(tmp_path, monkeypatch):
+    # settle() reads a typed request (no argparse Namespace); the job the tuner runs is built once,
+    # from the settled request and where the runner places the experiments.
+    import json
+
+    from autotuner.app.cli import build_parser
+    from autotuner.app.request import TuneRequest
+    from autotuner.app.settle import settle, tuning_job
+    from autotuner.tuning.trials.journal import this_device
+    from autotuner.tuning.trials.runner import Placement
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("import autotuner\n")
+    (tmp_path / "ds.json").write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto",
+                                                  "autotuning": {"enabled": True}}))
+    args = build_parser().parse_args(["--autotuning", "tune", "--nproc_per_node", "2", "train.py",
+                                      "--deepspeed", "ds.json"])
+    args.nproc_per_node = 2  # as cli.main settles it
+    request = TuneRequest.of(args)
+    assert request.mode == "tune" and request.script == "train.py" and request.backend.backend == "local"
+    settled = settle(request)
+    here = tuning_job(settled, Placement())
+    assert here.fingerprint.device == this_device() and here.placement == Placement()
+    cluster = Placement("slurm: 2 x node (cpu)", ("--launcher", "slurm", "--num_nodes", "2"))
+    there = tuning_job(settled, cluster)
+    assert there.fingerprint.device == "slurm: 2 x node (cpu)" and there.placement is cluster
+    # The settings are the settled ones, not copies with fields laid over them; only the device differs.
+    assert there.settings is settled.settings and here.settings is settled.settings
+    assert dataclasses.replace(there.fingerprint, device=here.fingerprint.device) == here.fingerprint
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        there.placement = Placement()
+    # The orchestrator takes the job as built: it derives no policy or job of its own.
+    from autotuner.tuning.orchestrator import Autotuner
+    from fakes import FakeRunner, by_micro
+
+    tuner_over = Autotuner(there, tmp_path / "results", tmp_path / "exps", FakeRunner(by_micro({2: 1.0})))
+    assert tuner_over.job is there

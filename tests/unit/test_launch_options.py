@@ -93,18 +93,21 @@ def test_the_optimal_command_of_a_slurm_tune_trains_on_the_allocations_nodes():
 
     runner = SlurmRunner(Allocation("7", "node[1-4]", ("node1", "node2", "node3", "node4")), 2, 2, print)
     assert runner.placement_flags == ("--launcher", "slurm", "--num_nodes", "2")
-    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}),
-                                   placement_flags=runner.placement_flags)
-    command = optimal_command(settings, ("--deepspeed", "o.json"))
+    from autotuner.tuning.trials.runner import Placement
+
+    placement = Placement.of(runner)
+    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}))
+    command = optimal_command(settings, ("--deepspeed", "o.json"), placement=placement)
     at = command.index("--launcher")
     assert command[at:at + 6] == ("--launcher", "slurm", "--num_nodes", "2", "--nproc_per_node", "2")
 
     # DeepSpeed's own launcher trains on one node without a hostfile: its command is written for
     # one-node experiments only.
-    from autotuner.tuning.reports.optimal_commands import nodes_per_run
+    from autotuner.tuning.reports.optimal_commands import deepspeed_command
 
-    assert nodes_per_run(settings) == 2
-    assert nodes_per_run(experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}))) == 1
+    assert placement.nodes == 2 and Placement().nodes == 1
+    assert deepspeed_command(settings, ("--deepspeed", "o.json"), False, {}, placement=placement) is None
+    assert deepspeed_command(settings, ("--deepspeed", "o.json"), False, {}) is not None
 
 
 def test_deepspeeds_command_runs_as_the_experiments_ran():
@@ -136,6 +139,8 @@ def test_a_ray_tunes_optimal_command_keeps_the_ranks_thread_count():
     from autotuner.tuning.reports.optimal_commands import optimal_command
     from fakes import experiment_settings
 
-    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}),
-                                   placement_env=(("OMP_NUM_THREADS", "1"),))
-    assert optimal_command(settings, ())[:2] == ("env", "OMP_NUM_THREADS=1")
+    from autotuner.tuning.trials.runner import Placement
+
+    settings = experiment_settings(load_config({"train_micro_batch_size_per_gpu": 2}))
+    placement = Placement(env=(("OMP_NUM_THREADS", "1"),))
+    assert optimal_command(settings, (), placement=placement)[:2] == ("env", "OMP_NUM_THREADS=1")

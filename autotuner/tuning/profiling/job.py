@@ -17,6 +17,8 @@ from autotuner.tuning.models.transfer import TransferPrior
 from autotuner.tuning.space.devices import DeviceFacts
 from autotuner.tuning.space.records import Objective, TrialResult
 from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace
+from autotuner.tuning.trials.journal import Fingerprint
+from autotuner.tuning.trials.runner import Placement
 from autotuner.tuning.trials.trial import ExperimentSettings
 
 
@@ -31,6 +33,8 @@ class TuningJob:
     space: SearchSpace
     devices: DeviceFacts
     policy: SearchPolicy
+    fingerprint: Fingerprint  # what a resume is checked against (the runner's hardware its device)
+    placement: Placement  # where the runner runs the experiments, and so where the optimal command trains
     # The tensor-parallel degrees searched, each in turn (`at_degree`), where the config asks for a
     # search (several, or "auto"); the space is at the first. (degree, why) for those left out.
     degrees: tuple[int, ...] = ()
@@ -38,10 +42,11 @@ class TuningJob:
 
     @classmethod
     def settled(cls, config: DeepSpeedConfig, settings: ExperimentSettings, space: SearchSpace,
-                devices: DeviceFacts, degrees: tuple[int, ...] = (),
-                left_out: tuple[tuple[int, str], ...] = ()) -> "TuningJob":
+                devices: DeviceFacts, fingerprint: Fingerprint, placement: Placement = Placement(),
+                degrees: tuple[int, ...] = (), left_out: tuple[tuple[int, str], ...] = ()) -> "TuningJob":
+        """The job with its search policy derived once, here, from the settings and the config."""
         policy = SearchPolicy.from_tuning(settings.objective, config.autotuning, settings.planned_steps)
-        return cls(config, settings, space, devices, policy, degrees, left_out)
+        return cls(config, settings, space, devices, policy, fingerprint, placement, degrees, left_out)
 
     def at_degree(self, degree: int) -> "TuningJob":
         """The job of one degree's search: data-parallel size ranks / degree, every experiment

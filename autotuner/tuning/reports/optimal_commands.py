@@ -8,7 +8,8 @@ from typing import Any, Mapping
 
 from autotuner.launch.plan import thread_env
 from autotuner.launch.accelerate_launch import trains_through_accelerate
-from autotuner.launch.script_args import CONFIG_FLAGS, config_path, find_flag, replace_config, without_flag
+from autotuner.launch.script_args import CONFIG_FLAGS, config_path, replace_config, without_flag
+from autotuner.tuning.trials.runner import Placement
 from autotuner.tuning.trials.trial import ExperimentSettings, mapped_script_args, rank_count_flags
 
 
@@ -17,27 +18,23 @@ def optimal_script_args(settings: ExperimentSettings, config: dict[str, Any], co
     return replace_config(mapped_script_args(settings.script_args, settings.arg_mappings, config), str(config_path))
 
 
-def optimal_command(settings: ExperimentSettings, args: tuple[str, ...],
-                    tuned_values: Path | None = None) -> tuple[str, ...]:
-    """The command that trains with the optimum: our launcher, the user's script, its arguments;
-    with `tuned_values` (the pick's TunedValues file), `--tuned_values FILE` among the launcher's flags."""
+def optimal_command(settings: ExperimentSettings, args: tuple[str, ...], tuned_values: Path | None = None,
+                    placement: Placement = Placement()) -> tuple[str, ...]:
+    """The command that trains with the optimum: our launcher, the user's script, its arguments,
+    where the experiments ran (`placement`: a cluster's launcher flags and variables); with
+    `tuned_values` (the pick's TunedValues file), `--tuned_values FILE` among the launcher's flags."""
     # The launcher of the interpreter the measured launches ran under, not whichever is first on PATH.
     launcher = Path(settings.python).parent / "launcher"
     prefix = [str(launcher)] if launcher.is_file() else [settings.python, "-m", "autotuner"]
-    env = ("env", *(f"{name}={value}" for name, value in settings.placement_env)) if settings.placement_env else ()
+    env = ("env", *(f"{name}={value}" for name, value in placement.env)) if placement.env else ()
     tuned = ("--tuned_values", str(tuned_values)) if tuned_values is not None else ()
-    return (*env, *prefix, *settings.placement_flags, *rank_count_flags(settings), *settings.rank_flags.to_argv(),
+    return (*env, *prefix, *placement.flags, *rank_count_flags(settings), *settings.rank_flags.to_argv(),
             *tuned, settings.script, *args)
 
 
-def nodes_per_run(settings: ExperimentSettings) -> int:
-    """The nodes the optimal command trains on: each experiment's, as its placement flags say."""
-    found = find_flag(settings.placement_flags, "--num_nodes")
-    return int(found[1]) if found and found[1] else 1
-
-
 def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gpu: bool,
-                      environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:
+                      environ: Mapping[str, str] | None = None,
+                      placement: Placement = Placement()) -> tuple[str, ...] | None:
     """The optimum as DeepSpeed's own launcher runs it: `deepspeed --num_gpus N script args`, with
     the user's DeepSpeed launcher flags (--include and friends set the count themselves), as the
     experiments ran it. So: the thread count each rank had (DeepSpeed's launcher leaves
@@ -45,10 +42,13 @@ def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gp
     CUDA_VISIBLE_DEVICES chose them (DeepSpeed drops it under --num_gpus and takes GPUs 0..N-1:
     --include names them, or, with the user's own --include/--exclude over it, none is written);
     DeepSpeed's launcher beside the measured interpreter; on a CPU-only machine, LOCAL_SIZE, from
-    which DeepSpeed counts CPU slots."""
+    which DeepSpeed counts CPU slots. None where the experiments ran on several nodes: DeepSpeed's
+    launcher needs a hostfile for that, and without one trains on one node."""
+    if placement.nodes > 1:
+        return None
     environ = os.environ if environ is None else environ
     if trains_through_accelerate(settings.script):
-        return accelerate_command(settings, args, on_gpu)
+        return accelerate_command(settings, args, on_gpu, placement)
     count = rank_count_flags(settings)
     rank_flags: tuple[str, ...] = ("--num_gpus", count[1]) if count else ()
     visible = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
@@ -64,13 +64,14 @@ def deepspeed_command(settings: ExperimentSettings, args: tuple[str, ...], on_gp
     return (*env, program, *rank_flags, *settings.rank_flags.to_argv(), settings.script, *args)
 
 
-def accelerate_command(settings: ExperimentSettings, args: tuple[str, ...], on_gpu: bool) -> tuple[str, ...] | None:
+def accelerate_command(settings: ExperimentSettings, args: tuple[str, ...], on_gpu: bool,
+                       placement: Placement = Placement()) -> tuple[str, ...] | None:
     """For a script that trains through accelerate: `accelerate launch --use_deepspeed
     --deepspeed_config_file CONFIG --num_processes N script args`, as accelerate's users run it. None
     on a CPU-only machine, where accelerate counts one process under DeepSpeed however many run
     (launch/accelerate_launch.py), and with several nodes or the deepspeed launcher's device flags."""
     config = config_path(args)
-    if not on_gpu or config is None or settings.placement_flags or settings.rank_flags.to_argv():
+    if not on_gpu or config is None or placement.flags or settings.rank_flags.to_argv():
         return None
     for flag in CONFIG_FLAGS:
         args = without_flag(args, flag)

@@ -9,8 +9,9 @@ from pathlib import Path
 from autotuner.config.tuned_values import TUNED_VALUES_FILE
 from autotuner.core.boundary import TunedValues, write_record
 from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.trials.runner import Placement
 from autotuner.tuning.trials.trial import ExperimentSettings, picked_config, script_config
-from autotuner.tuning.reports.optimal_commands import (deepspeed_command, nodes_per_run, optimal_command,
+from autotuner.tuning.reports.optimal_commands import (deepspeed_command, optimal_command,
                                                       optimal_script_args)
 from autotuner.tuning.memory.varying_batches import varying_batch_lines
 from autotuner.core.noise_scale import NoiseScale
@@ -59,7 +60,7 @@ class SearchRecord:
 
 
 def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective: Objective, results_dir: Path,
-                  on_gpu: bool) -> TuningOutcome:
+                  on_gpu: bool, placement: Placement = Placement()) -> TuningOutcome:
     best = record.best
     optimal_path = optimal_args = optimal_cmd = config = deepspeed_cmd = None
     goodput = goodput_lines(list(record.launched), objective, record.noise_scale, settings.data_parallel_size,
@@ -86,11 +87,10 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
                                f"({results_dir / 'batch_ramp.json'}; each change a row of batch_ramp.csv)")
         optimal_path = (results_dir / "ds_config_optimal.json").resolve()
         optimal_args = optimal_script_args(settings, config, optimal_path)
-        optimal_cmd = optimal_command(settings, optimal_args, tuned_path)
-        if settings.engine == "deepspeed" and nodes_per_run(settings) == 1:
-            # (DeepSpeed's launcher needs a hostfile for several nodes; without one it trains on one.)
-            deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu)
-            if record.ramp is not None:
+        optimal_cmd = optimal_command(settings, optimal_args, tuned_path, placement)
+        if settings.engine == "deepspeed":
+            deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu, placement=placement)
+            if deepspeed_cmd is not None and record.ramp is not None:
                 goodput.append("batch ramp: the ranks this launcher starts run it; under DeepSpeed's launcher the "
                                "script trains at the optimal config's batch throughout")
         config = script_config(config, settings.engine)  # what the mapped flags carry stays out

@@ -9,9 +9,11 @@ with one slot gets them from `OneSlot`, which runs the trial at `next_result`.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import Protocol
 
 from autotuner.launch.options import LaunchOptions
+from autotuner.launch.script_args import find_flag
 from autotuner.tuning.trials.trial import Trial
 from autotuner.tuning.space.records import TrialResult
 
@@ -43,6 +45,34 @@ class Runner(Protocol):
 
     def close(self) -> None:
         """Release what the runner holds (a forkserver, say)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a runner's experiments run, as the job and the optimal command need it: the hardware
+    in words where it is not this machine (None: this machine's), the launcher flags and the
+    variables that make the optimal command train there."""
+
+    hardware: str | None = None
+    flags: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    @classmethod
+    def of(cls, runner: object) -> "Placement":
+        """A runner's (a plugin's may declare none of it: this machine's then)."""
+        return cls(getattr(runner, "hardware", None), tuple(getattr(runner, "placement_flags", ())),
+                   tuple(getattr(runner, "placement_env", ())))
+
+    @property
+    def nodes(self) -> int:
+        """The nodes the optimal command trains on: each experiment's, as the flags say."""
+        found = find_flag(self.flags, "--num_nodes")
+        return int(found[1]) if found and found[1] else 1
+
+    @property
+    def rendezvous(self) -> bool:
+        """The optimal command meets its nodes through a rendezvous endpoint (run on each node)."""
+        return "--rdzv_endpoint" in self.flags
 
 
 class OneSlot:

@@ -52,10 +52,6 @@ class ExperimentSettings:
     max_steps_per_window: int = 0  # ... or hold this many steps
     arg_mappings: dict[str, str] = field(default_factory=dict, hash=False)
     rank_flags: RankFlags = RankFlags()  # the user's launcher flags every launch carries over
-    # Launcher flags that make the optimal command train where the experiments ran (Slurm's
-    # `--launcher slurm --num_nodes N`); none: on this machine.
-    placement_flags: tuple[str, ...] = ()
-    placement_env: tuple[tuple[str, str], ...] = ()  # and the variables its ranks had there (Ray's threads)
     memory_budget_bytes: int | None = None  # per rank; above it a CPU run counts as OOM
     user_config: dict[str, Any] = field(default_factory=dict, hash=False)  # the file as the user wrote it
     python: str = sys.executable
