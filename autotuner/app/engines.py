@@ -17,13 +17,13 @@ import importlib.util
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from autotuner.core.engine_kind import Engine
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.core.script_imports import ImportSite, import_sites
 from autotuner.launch.accelerate_launch import trains_through_accelerate
 from autotuner.tuning.space.dimensions import REGISTRY
 
-ENGINE_CHOICES = ("auto", "deepspeed", "autotuner")
-ENGINE_NAMES = {"deepspeed": "DeepSpeed's engine", "autotuner": "our engine"}
+ENGINE_CHOICES = ("auto", *(engine.value for engine in Engine))  # --engine's words
 INSTALL_HINT = ("pip install 'autotuner[deepspeed]' (on a CPU-only machine: DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "
                 "pip install --no-build-isolation deepspeed)")
 
@@ -55,7 +55,7 @@ DEEPSPEED_THROUGH = TRAINER_CLASSES | {"accelerate:DeepSpeedPlugin", "accelerate
 class EngineChoice:
     """Whose engine the script trains on, how that was decided, and why, in words for messages."""
 
-    engine: str  # "deepspeed" or "autotuner"; while not settled, the one the profile launch expects
+    engine: Engine  # while not settled, the one the profile launch expects
     settled: bool  # False: the script imports both engines, and the profile launch's ranks settle it
     decided_by: str  # "--engine", "imports" or "ranks"
     reason: str  # the fact: "train.py imports deepspeed (line 3)", "--engine deepspeed was given"
@@ -67,21 +67,20 @@ class EngineChoice:
         --engine autotuner if it trains on ours)"."""
         if self.decided_by != "imports" or not self.settled:
             return self.reason
-        other = "autotuner" if self.engine == "deepspeed" else "deepspeed"
-        other_name = "ours" if other == "autotuner" else "DeepSpeed's"
-        return (f"{self.reason}, so it is taken to train on {ENGINE_NAMES[self.engine]} (pass --engine {other} "
+        other = self.engine.other
+        other_name = "ours" if other is Engine.OURS else "DeepSpeed's"
+        return (f"{self.reason}, so it is taken to train on {self.engine.label} (pass --engine {other} "
                 f"if it trains on {other_name})")
 
     def built(self, engine: str) -> EngineChoice:
         """Settled by the engine the profile launch's ranks built."""
-        if engine not in ENGINE_NAMES:
-            raise ValueError(f"unknown engine {engine!r}")
+        engine = Engine(engine)  # (an unknown name: ValueError)
         if not self.settled:
-            reason = f"{self.reason}, and the profile launch's ranks built {ENGINE_NAMES[engine]}"
+            reason = f"{self.reason}, and the profile launch's ranks built {engine.label}"
         elif engine == self.engine:
             return self
         else:
-            reason = f"the profile launch's ranks built {ENGINE_NAMES[engine]}, though {self.reason}"
+            reason = f"the profile launch's ranks built {engine.label}, though {self.reason}"
         return replace(self, engine=engine, settled=True, decided_by="ranks", reason=reason)
 
 
@@ -97,39 +96,39 @@ def engine_choice(script: str, requested: str = "auto") -> EngineChoice:
     if requested not in ENGINE_CHOICES:
         raise UsageError(f"--engine: got {requested!r}; choose one of {', '.join(ENGINE_CHOICES)}")
     if requested != "auto":
-        return EngineChoice(requested, True, "--engine", f"--engine {requested} was given")
+        return EngineChoice(Engine(requested), True, "--engine", f"--engine {requested} was given")
     sites = import_sites(script)
     deepspeed = next((site for site in sites if site.top_level == "deepspeed"), None)
     ours = next((site for site in sites if site.top_level == "autotuner"), None)
     if deepspeed is not None and ours is not None:
-        return EngineChoice("autotuner", False, "imports",
+        return EngineChoice(Engine.OURS, False, "imports",
                             f"{script} imports both deepspeed ({_site_text(deepspeed, script)}) and autotuner "
                             f"({_site_text(ours, script)})")
     if deepspeed is not None:
-        return EngineChoice("deepspeed", True, "imports",
+        return EngineChoice(Engine.DEEPSPEED, True, "imports",
                             f"{script} imports deepspeed ({_site_text(deepspeed, script)})")
     through = None if ours is not None else next((site for site in sites if site.name in DEEPSPEED_THROUGH), None)
     if through is None and trains_through_accelerate(script):
         site = next(site for site in sites if site.top_level == "accelerate")
-        return EngineChoice("deepspeed", True, "imports",
+        return EngineChoice(Engine.DEEPSPEED, True, "imports",
                             f"{script} imports {site.name.replace(':', '.')} ({_site_text(site, script)}) and takes "
                             "no --deepspeed flag of its own: accelerate's DeepSpeed plugin trains it on DeepSpeed's "
                             "engine, given --deepspeed's config through accelerate's environment as `accelerate "
                             "launch` gives it")
     if through is not None:
-        return EngineChoice("deepspeed", True, "imports",
+        return EngineChoice(Engine.DEEPSPEED, True, "imports",
                             f"{script} imports {through.name.replace(':', '.')} ({_site_text(through, script)}), "
                             "which trains on DeepSpeed's engine with --deepspeed")
     reason = (f"{script} imports autotuner ({_site_text(ours, script)}) and not deepspeed" if ours is not None
               else f"{script} imports neither deepspeed nor autotuner")
-    return EngineChoice("autotuner", True, "imports", reason)
+    return EngineChoice(Engine.OURS, True, "imports", reason)
 
 
 def script_engine(script: str, requested: str = "auto") -> EngineChoice:
     """`engine_choice`, refused in one line where it needs DeepSpeed and DeepSpeed is not
     installed. A script that imports both engines is not refused: its fallback may be ours."""
     choice = engine_choice(script, requested)
-    if choice.settled and choice.engine == "deepspeed" and not deepspeed_installed():
+    if choice.settled and choice.engine == Engine.DEEPSPEED and not deepspeed_installed():
         imports_deepspeed = any(site.top_level == "deepspeed" for site in import_sites(script))
         instead = ("" if not imports_deepspeed or choice.decided_by != "imports" else ", or change the script's "
                    "`import deepspeed` to `import autotuner as deepspeed` to train on our engine")
@@ -140,7 +139,7 @@ def script_engine(script: str, requested: str = "auto") -> EngineChoice:
 def trains_on_ours(script: str) -> bool:
     """The script imports autotuner and nothing that would put it on DeepSpeed's engine."""
     choice = engine_choice(script)
-    return choice.settled and choice.engine == "autotuner" and any(
+    return choice.settled and choice.engine == Engine.OURS and any(
         site.top_level == "autotuner" for site in import_sites(script))
 
 
@@ -163,7 +162,7 @@ def check_deepspeed_precision(fp16_enabled: object, choice: EngineChoice, script
 
     # "auto" beside the Trainer's --fp16 is true once the Trainer fills it in.
     fp16 = fp16_enabled is True or (fp16_enabled == "auto" and "--fp16" in script_args)
-    if (not choice.settled or choice.engine != "deepspeed" or not fp16 or torch.cuda.is_available()
+    if (not choice.settled or choice.engine != Engine.DEEPSPEED or not fp16 or torch.cuda.is_available()
             or deepspeed_cpu_runs_fp16()):
         return
     flag = " and drop the script's --fp16" if "--fp16" in script_args else ""
@@ -179,7 +178,7 @@ def check_our_engine_sections(config, choice: EngineChoice, source: str,
     own refusals (an activation checkpointing policy DeepSpeed never reads, our compile keys that
     DeepSpeed 0.16+ refuses), unless arg_mappings hands the key to a flag of the script's own.
     Refused in one line."""
-    if not choice.settled or choice.engine != "deepspeed":
+    if not choice.settled or choice.engine != Engine.DEEPSPEED:
         return
     for dim in REGISTRY.values():
         for refusal in dim.deepspeed_refusals:

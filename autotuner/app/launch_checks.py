@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
+from autotuner.core.engine_kind import Engine
 from autotuner.core.errors import ConfigError, UsageError
 
 
@@ -37,10 +38,10 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
                 site.top_level == "deepspeed" for site in import_sites(script)):
             # Through a library (accelerate, the Trainer): which engine trains is not in the script's imports.
             print(f"launcher: note: engine: {choice.why}", file=sys.stderr)
-        if choice.engine == "autotuner" and trains_on_ours(script):
+        if choice.engine == Engine.OURS and trains_on_ours(script):
             refuse_trainer_autos(config, path, choice.why)
         check_our_engine_sections(config, choice, path)  # only for a script settled on DeepSpeed's engine
-        if choice.settled and choice.engine == "autotuner":  # what our engine would train otherwise
+        if choice.settled and choice.engine == Engine.OURS:  # what our engine would train otherwise
             from autotuner.config.engine_math import refuse_other_math
 
             refuse_other_math(config, path)

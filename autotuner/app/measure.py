@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from autotuner.core.engine_kind import Engine
 from autotuner.core.atomic import write_json_atomic
 from autotuner.config import load_config
 from autotuner.config.batch import data_parallel_size
@@ -32,7 +33,7 @@ __all__ = ["Experiment", "ExperimentSettings", "TrialResult", "TrialState", "col
 def measurement_settings(script: str | Path, script_args: tuple[str, ...], config: dict[str, Any], *,
                          nproc_per_node: int = 2, start_profile_step: int = 3, end_profile_step: int = 5,
                          arg_mappings: dict[str, str] | None = None, memory_budget_bytes: int | None = None,
-                         engine: str = "autotuner", timeout_s: float = 300) -> ExperimentSettings:
+                         engine: Engine = Engine.OURS, timeout_s: float = 300) -> ExperimentSettings:
     """Settings to measure experiments of `script` over one node's ranks, from a ds.json dict
     (its autotuning section is not used: each experiment sets the batch triad and stage). The
     config flag is added to the script's arguments when they have none; each trial points it

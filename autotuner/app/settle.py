@@ -29,6 +29,7 @@ import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from autotuner.core.engine_kind import Engine
 from autotuner.app.engines import (EngineChoice, check_deepspeed_precision, check_our_engine_sections,
                                    script_engine, trains_on_ours, trains_with_trainer)
 from autotuner.config import DeepSpeedConfig, load_config
@@ -136,15 +137,15 @@ def check_trainer_autos(config: DeepSpeedConfig, choice: EngineChoice, script: s
     if not choice.settled:
         return
     engine = choice.engine
-    if engine == "autotuner" and (choice.decided_by == "ranks" or trains_on_ours(script)):
+    if engine == Engine.OURS and (choice.decided_by == "ranks" or trains_on_ours(script)):
         refuse_trainer_autos(config, source, choice.why)
-    note = passed_through_note(config, source) if engine == "deepspeed" else None
+    note = passed_through_note(config, source) if engine == Engine.DEEPSPEED else None
     if note:
         say(f"note: {note}")
     info = config.autotuning.model_info
     # bf16.enabled "auto" is ours to settle on our engine (bf16 where the device has it).
     auto = [key for key, value in (("fp16.enabled", config.fp16.enabled), ("bf16.enabled", config.bf16.enabled))
-            if value == "auto" and (key == "fp16.enabled" or engine == "deepspeed")]
+            if value == "auto" and (key == "fp16.enabled" or engine == Engine.DEEPSPEED)]
     if info is not None and info.num_params and auto:
         raise ConfigError(f"{source}: {auto[0]} is \"auto\" and autotuning.model_info is given, so no profile launch "
                           f"sees the precision Hugging Face's Trainer picks; set {auto[0]} to true or false, or drop "
@@ -327,7 +328,7 @@ def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, scr
     """Refuse in one line what is wrong for the engine the script trains on, saying which and why."""
     check_trainer_autos(config, engine, script, source)
     check_model_parallel(config.autotuning.mp_size, engine, source)
-    if engine.settled and engine.engine == "autotuner":  # what our engine would train otherwise, before any launch
+    if engine.settled and engine.engine == Engine.OURS:  # what our engine would train otherwise, before any launch
         from autotuner.config.engine_math import refuse_other_math
 
         refuse_other_math(config, source)
@@ -338,7 +339,7 @@ def check_engine(config: DeepSpeedConfig, engine: EngineChoice, script: str, scr
 def check_model_parallel(mp_size: int, engine: EngineChoice, source: str) -> None:
     """Our engine trains every rank data parallel: an mp_size above 1 would size every global batch
     for a data-parallel world that many times smaller than the one that trains."""
-    if mp_size > 1 and engine.settled and engine.engine == "autotuner":
+    if mp_size > 1 and engine.settled and engine.engine == Engine.OURS:
         raise ConfigError(f"{source}: autotuning.mp_size: got {mp_size}; {engine.why}, whose every rank is data "
                           "parallel (no tensor or pipeline parallelism), so only 1 is allowed; mp_size above 1 is "
                           "for a script on DeepSpeed's engine with model parallelism of its own")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from autotuner.core.engine_kind import Engine
 from autotuner.app.engines import EngineChoice
 from autotuner.config.batch import check_fixed_triad
 from autotuner.config.models import DeepSpeedConfig
@@ -19,7 +20,7 @@ def check_tensor_parallel_tune(config: DeepSpeedConfig, engine: EngineChoice, so
     only, and what it refuses there refused before any launch."""
     section = config.tensor_parallel
     size = json.dumps(section.autotp_size)
-    if not (engine.settled and engine.engine == "autotuner"):
+    if not (engine.settled and engine.engine == Engine.OURS):
         raise UsageError(f"{source}: tensor_parallel.autotp_size {size}: a tensor-parallel tune runs on autotuner's "
                          f"engine only ({engine.reason}); import autotuner in the script, or pass --engine autotuner")
     if config.autotuning.metric == "goodput":

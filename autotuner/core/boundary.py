@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from autotuner.core.engine_kind import Engine
 from autotuner.core.atomic import write_json_atomic
 
 VERSION = 1
@@ -165,7 +166,7 @@ class Measurement:
     start_profile_step: int | None = None
     end_profile_step: int | None = None
     FLOPS_per_gpu: float | None = None
-    engine: str = "autotuner"  # whose engine ran the launch: "autotuner" or "deepspeed"
+    engine: Engine = Engine.OURS  # whose engine ran the launch
     # The machine during the window: the largest share of a node's CPU time that processes other
     # than our ranks took, and the 1-minute load average at its end.
     cpu_taken_by_others: float | None = None
@@ -225,7 +226,16 @@ class Measurement:
                                      for rank in values.get("step_peaks") or ())
         values["built"] = tuple((str(key), value) for key, value in values.get("built") or ())
         values["tuned_over_script"] = tuple(str(key) for key in values.get("tuned_over_script") or ())
+        values["engine"] = _engine(values.get("engine", Engine.OURS), "measurement")
         return cls(**values)
+
+
+def _engine(value: Any, record: str) -> Engine:
+    try:
+        return Engine(value)
+    except ValueError:
+        allowed = ", ".join(repr(e.value) for e in Engine)
+        raise RecordError(f"{record} record: engine {value!r}; expected one of {allowed}") from None
 
 
 COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather")
@@ -292,7 +302,7 @@ class ModelInfo:
     # Taken after the profile window when the launch times one (so the window never measures
     # the probe); empty with one rank, or in a file from before the probe.
     collective_timings: tuple[CollectiveTiming, ...] = ()
-    engine: str = "autotuner"  # whose engine ran the launch: "autotuner" or "deepspeed"
+    engine: Engine = Engine.OURS  # whose engine ran the launch
     # What each activation checkpointing policy would hold at its peak, the largest over ranks,
     # from the first micro-step run without checkpointing (runtime/measure/profile.py); empty when the
     # model has no repeated blocks, ran checkpointed, or on DeepSpeed's engine.
@@ -330,6 +340,7 @@ class ModelInfo:
                 CollectiveTiming.from_json(item) for item in values.get("collective_timings") or ())
             values["activation_bytes_by_policy"] = tuple(
                 (str(policy), int(size)) for policy, size in sorted((values.get("activation_bytes_by_policy") or {}).items()))
+            values["engine"] = _engine(values.get("engine", Engine.OURS), "model info")
             return cls(**values)
         except (TypeError, KeyError, ValueError) as err:
             raise RecordError(f"model info record: {err}") from None

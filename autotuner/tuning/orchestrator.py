@@ -31,7 +31,7 @@ from autotuner.tuning.trials.runner import Runner
 from autotuner.tuning.trials.similar_runs import SimilarRuns
 from autotuner.tuning.trials.trial import rescored
 from autotuner.tuning.trials.trial_store import HistoryStore, JournalStore
-from autotuner.tuning.tuners import tuner_spec
+from autotuner.tuning.tuners import SearchKind, tuner_spec
 from autotuner.tuning.tuners.predictive import pooled_rule
 
 
@@ -260,7 +260,7 @@ class Autotuner:
                 return DegreeOutcome(degree, searched, largest, line)
         prune = partial(record_pruned, self.ledger, job.space, memory.predicted_memory, self.report)
         predicted = None
-        if tuner_spec(job.policy.tuner_type).search == "one_model":
+        if tuner_spec(job.policy.tuner_type).search is SearchKind.ONE_MODEL:
             predicted = run_predictive_search(
                 job.space, job.policy, largest, evaluator, prune, self.cost_context(profiled), list(own.results()),
                 memory.fits, memory.offload_fallback, self.report, on_ask=self.ledger.note_prediction,
@@ -305,7 +305,7 @@ class Autotuner:
         rules = {degree: pooled_rule([r for r in results if r.experiment.tensor_parallel == degree], job.objective,
                                      self.cost_context(searched.profiled, quiet=True))
                  for degree, searched in self._searched.items()
-                 if tuner_spec(searched.profiled.job.policy.tuner_type).search == "one_model"}
+                 if tuner_spec(searched.profiled.job.policy.tuner_type).search is SearchKind.ONE_MODEL}
 
         def ruled_out(result: TrialResult, best: TrialResult) -> bool:
             degree = result.experiment.tensor_parallel

@@ -437,6 +437,22 @@ def test_trial_result_json_round_trip():
     assert back.name == result.name
 
 
+def test_the_engine_a_record_names_is_read_back_as_the_engine_type_and_an_unknown_one_is_refused():
+    from autotuner.core.boundary import ModelInfo, RecordError
+    from autotuner.core.engine_kind import Engine
+    from fakes import model_info
+
+    measured = Measurement.from_json({"throughput": 1.0, "latency": 0.1, "engine": "deepspeed"})
+    assert measured.engine is Engine.DEEPSPEED and json.loads(json.dumps(measured.to_json()))["engine"] == "deepspeed"
+    assert Measurement.from_json({"throughput": 1.0, "latency": 0.1}).engine is Engine.OURS
+    info = ModelInfo.from_json({**model_info().to_json(), "engine": "autotuner"})
+    assert info.engine is Engine.OURS
+    for record, data in ((Measurement, {"throughput": 1.0, "latency": 0.1, "engine": "megatron"}),
+                         (ModelInfo, {**model_info().to_json(), "engine": "megatron"})):
+        with pytest.raises(RecordError, match="engine 'megatron'; expected one of 'deepspeed', 'autotuner'"):
+            record.from_json(data)
+
+
 @pytest.mark.parametrize("state", list(TrialState))
 def test_trial_result_json_round_trip_every_state(state):
     result = TrialResult(Experiment(0, 1), state, error=None if state is TrialState.OK else "why")

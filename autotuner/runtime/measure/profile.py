@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from autotuner.core.engine_kind import Engine
 from autotuner.core.boundary import CollectiveTiming, ModelInfo, write_record
 
 
@@ -222,7 +223,7 @@ def write_model_info(
     backend: str | None = None,
     collective_timings: tuple[CollectiveTiming, ...] = (),
     parameter_counts: tuple[int, int] | None = None,
-    engine: str = "autotuner",
+    engine: Engine = Engine.OURS,
     activation_bytes_by_policy: dict[str, int] | None = None,
     sequence_length: int = 0,
     tensor_parallel: int = 1,

@@ -16,7 +16,7 @@ Activations come from the profile run, per activation checkpointing policy (the 
 policy would hold, measured on the profile's own step). `baseline_bytes` is what the process holds
 before the model (CUDA context, or on CPU the interpreter and libraries).
 
-A script that trains on DeepSpeed's own engine (`engine == "deepspeed"`) is costed from
+A script that trains on DeepSpeed's own engine (`engine == Engine.DEEPSPEED`) is costed from
 DeepSpeed's formulas instead (deepspeed_states.py); each engine's families are fitted apart.
 """
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from autotuner.core.engine_kind import Engine
 from autotuner.tuning.memory.deepspeed_states import deepspeed_state_bytes
 
 BYTES_FP32 = 4
@@ -56,7 +57,7 @@ class ModelProfile:
     num_shard_units: int = 0  # blocks FSDP2 shards separately (0: unknown)
     sharded_baseline_bytes: int | None = None  # stage 2/3 process overhead, when measured apart (DTensor)
     peak_fits: tuple[PeakFit, ...] = ()  # measured on CUDA; they replace the analytic sum for their engine
-    engine: str = "autotuner"  # whose engine the profile ran on: "autotuner" or "deepspeed"
+    engine: Engine = Engine.OURS  # whose engine the profile ran on
     # Per activation checkpointing policy, the bytes per sample it would hold at its peak
     # (ModelInfo.activation_bytes_by_policy over the profiled micro-batches); empty if not measured.
     activation_bytes_per_sample_by_policy: tuple[tuple[str, int], ...] = ()
@@ -80,7 +81,7 @@ class ModelProfile:
     def peak_fit(self, stage: int) -> PeakFit | None:
         family = engine_family(stage, self.engine)
         own = next((f for f in self.peak_fits if engine_family(f.zero_stage, self.engine) == family), None)
-        if own is not None or self.engine != "deepspeed":
+        if own is not None or self.engine != Engine.DEEPSPEED:
             return own
         # DeepSpeed's engine runs the same module in the same precision at every stage, so the
         # activations a fit measured at one stage hold at all (on an H200, a ZeRO-0 fit moved to
@@ -123,7 +124,7 @@ def model_state_bytes(profile: ModelProfile, settings: StageSettings) -> MemoryE
     """Everything except activations, for one rank."""
     p, w, stage = profile.params_per_tp_rank, max(1, settings.world_size), settings.zero_stage
     compute = COMPUTE_BYTES[settings.precision]
-    if profile.engine == "deepspeed":
+    if profile.engine == Engine.DEEPSPEED:
         parts = deepspeed_state_bytes(p, profile.optimizer_state_bytes_per_param, stage, compute, w,
                                       dict(settings.zero_knobs), settings.offload_optimizer, settings.offload_param)
         baseline = profile.baseline_bytes
@@ -210,16 +211,16 @@ def _fitted_estimate(profile: ModelProfile, fit: PeakFit, settings: StageSetting
                           activations, total - explained)
 
 
-def engine_family(stage: int, engine: str = "autotuner") -> str:
+def engine_family(stage: int, engine: Engine = Engine.OURS) -> str:
     """Stages 0-1 run under DDP, 2-3 under FSDP2: each engine has its own unmodelled overhead.
     On DeepSpeed's engine: stage 0 is its plain data parallel, 1-2 DeepSpeedZeroOptimizer, 3 its
     Stage3 optimizer."""
-    if engine == "deepspeed":
+    if engine == Engine.DEEPSPEED:
         return "DeepSpeed ZeRO-0" if stage == 0 else "DeepSpeed ZeRO-1/2" if stage <= 2 else "DeepSpeed ZeRO-3"
     return "DDP" if stage <= 1 else "FSDP2"
 
 
-def engine_families(engine: str) -> tuple[str, ...]:
+def engine_families(engine: Engine) -> tuple[str, ...]:
     return tuple(dict.fromkeys(engine_family(stage, engine) for stage in range(4)))
 
 

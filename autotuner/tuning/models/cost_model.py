@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autotuner.core.engine_kind import Engine
 from autotuner.tuning.models.comm_fit import LinkFit
 from autotuner.tuning.space import dimensions
 from autotuner.tuning.space.experiment import Experiment
@@ -61,7 +62,7 @@ class CostContext:
     # Step times of similar earlier runs, scaled to this model (tuning/models/transfer.py): fitted with
     # the launches, at their wider noise.
     prior: tuple["Observation", ...] = ()
-    engine: str = "autotuner"  # whose engine runs the launches: which stages share a family
+    engine: Engine = Engine.OURS  # whose engine runs the launches: which stages share a family
 
     def family(self, stage: int) -> str:
         from autotuner.tuning.memory.estimate import engine_family
@@ -80,7 +81,7 @@ class CostContext:
         gradients = FP32_BYTES * self.num_params
         weights = self.compute_bytes * self.num_params
         calls: list[tuple[str, float, int]] = []
-        if self.engine == "deepspeed" and stage >= 1:
+        if self.engine == Engine.DEEPSPEED and stage >= 1:
             # DeepSpeed's ZeRO optimizers: stage 1 all-reduces the gradients, 2 and 3 reduce-scatter
             # them; stages 1 and 2 then all-gather the updated compute copy of every partition, and
             # stage 3 gathers the parameters before forward and backward of every micro-step.

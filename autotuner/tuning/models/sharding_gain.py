@@ -13,6 +13,7 @@ should leave the probe's verdict to a launch (it is shown in the summary).
 
 from __future__ import annotations
 
+from autotuner.core.engine_kind import Engine
 from autotuner.tuning.models.cost_model import CostContext
 
 REASON_PREFIX = "cost model"
@@ -30,7 +31,7 @@ def sharding_cannot_win(stages: tuple[int, ...], every_size_fits_unsharded: bool
     gain_s = context.communication_s(1, 1) - context.communication_s(2, 1)
     if gain_s > noise * step_time_s:
         return None
-    sharded = "DeepSpeed's ZeRO 2 saves" if context.engine == "deepspeed" else "FSDP2 saves"
+    sharded = "DeepSpeed's ZeRO 2 saves" if context.engine == Engine.DEEPSPEED else "FSDP2 saves"
     return (f"{REASON_PREFIX}: every micro-batch fits unsharded, and by the collective probe {sharded} "
             f"{max(gain_s, 0.0) * 1e3:.1f} ms of a {step_time_s * 1e3:.0f} ms step over ZeRO 1, under the "
             f"{noise:.0%} noise: sharding cannot be faster")

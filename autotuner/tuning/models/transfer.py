@@ -26,6 +26,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from autotuner.core.engine_kind import Engine
 from autotuner.core.boundary import ModelInfo
 from autotuner.tuning.models.cost_model import BOUND_Z, NOISE_FLOOR, CostContext, Observation, StepTimeModel
 from autotuner.tuning.models.noise import NoiseLevel
@@ -42,7 +43,7 @@ MIN_PRIOR_STEPS = 2
 @dataclass(frozen=True)
 class WorkloadSignature:
     family: str  # runtime/measure/model_family.py: module types and block structure, sizes left out
-    engine: str
+    engine: Engine
     device: str
     world_size: int
     precision: str
@@ -74,7 +75,7 @@ def flops_per_sample(results: list[TrialResult]) -> float | None:
     return None
 
 
-def signature_of(info: ModelInfo, engine: str, activation_bytes_per_sample: int,
+def signature_of(info: ModelInfo, engine: Engine, activation_bytes_per_sample: int,
                  profile_results: list[TrialResult]) -> WorkloadSignature:
     return WorkloadSignature(info.model_family, engine, info.device_name, info.world_size, info.precision,
                              info.num_params, int(activation_bytes_per_sample), flops_per_sample(profile_results),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
+from autotuner.core.engine_kind import Engine
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.memory.estimate import COMPUTE_BYTES, ModelProfile
 from autotuner.core import noise_scale as gradient_noise
@@ -81,7 +82,7 @@ class ProfiledJob:
 
 
 def cost_context(results: Sequence[TrialResult], data_parallel_size: int, profile: ModelProfile | None,
-                 precision: str, engine: str, prior: TransferPrior = TransferPrior()) -> CostContext:
+                 precision: str, engine: Engine, prior: TransferPrior = TransferPrior()) -> CostContext:
     """What the throughput model knows before timing a step: the model's size and the links the
     profile launches timed on the job's process group."""
     timings = [t for r in results if r.model_info is not None for t in r.model_info.collective_timings]

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
+from autotuner.core.engine_kind import Engine
 from autotuner.core.boundary import ModelInfo
 from autotuner.tuning.reports.results import measured_engine
 from autotuner.tuning.trials.trial import ExperimentSettings
@@ -200,7 +201,7 @@ def profile_from_config(model_info: Any) -> ModelProfile:
     )
 
 
-def profile_lines(profile: ModelProfile, engine: str) -> list[str]:
+def profile_lines(profile: ModelProfile, engine: Engine) -> list[str]:
     """What the profile measured, said once: the model's size and activations (per checkpointing
     policy where they were measured), then each engine family's fitted peaks."""
     by_policy = dict(profile.activation_bytes_per_sample_by_policy)

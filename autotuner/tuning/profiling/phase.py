@@ -2,8 +2,9 @@
 
 It runs the profile launches (launches.py), or reads the config's model_info instead, and
 returns a `ProfiledJob`: the job with the engine the first launch's ranks built, the stages and
-checkpointing variants the profile kept, goodput's objective, and the memory model's facts. The
-job it holds meanwhile is replaced, never changed; what the launches measured is the ledger's.
+checkpointing variants the profile kept, goodput's objective, and the memory model's facts. Each
+step returns a new record; the one job the phase holds is replaced once, when the first launch's
+ranks settle the engine. What the launches measured is the ledger's.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+from autotuner.core.engine_kind import Engine
 from autotuner.tuning.memory.estimate import ModelProfile
 from autotuner.core import noise_scale as gradient_noise
 from autotuner.tuning.models.cost_model import NOISE_FLOOR
@@ -52,7 +54,9 @@ class ProfilePhase:
 
     def __init__(self, job: TuningJob, ledger: TrialLedger, evaluator: Evaluator, report: Callable[[str], None],
                  settle_engine: Callable[[str], str], similar_runs: SimilarRuns, exps_dir: Path):
-        self.job = job  # replaced as the launches settle it
+        # The job the launches are built from: replaced once, where the first launch's ranks settle
+        # the engine (_follow_engine); every later step returns a new record instead.
+        self.job = job
         self._ledger = ledger  # written: pruned stages, the scoring
         self._evaluator = evaluator
         self._view = evaluator.view  # read: this degree's records
@@ -191,7 +195,7 @@ class ProfilePhase:
             for stage in [s for s in job.space.stages if s >= 2]:
                 record_pruned(self._ledger, job.space, book.predicted_memory, self._report, stage,
                               Reason.SHARDING_CANNOT_WIN, outcome.sharding_left_out)
-        if profile.engine == "deepspeed":
+        if profile.engine == Engine.DEEPSPEED:
             self._report("engine: the script trains on DeepSpeed's own engine (DeepSpeedEngine); every experiment "
                          "runs there, costed by DeepSpeed's ZeRO memory model")
         book.report_fits()
@@ -215,7 +219,6 @@ class ProfilePhase:
         if checkpointing_line:
             self._report(checkpointing_line)
         book.report_budget(dict(os.environ))
-        self.job = job
         return ProfiledJob(job, book.facts, profiled=profiled)
 
     # ----- goodput -----
@@ -267,6 +270,5 @@ class ProfilePhase:
                    f"docs/benchmarks/goodput.md's tasks); where you know it, set autotuning.critical_batch_size")
         job = job.with_objective(objective)
         self._ledger.score_with(lambda result: rescored(result, job.settings))  # the records stay as measured
-        self.job = job
         return replace(profiled, job=job, noise_scale=noise)
 

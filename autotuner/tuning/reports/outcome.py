@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from autotuner.core.engine_kind import Engine
 from autotuner.config.tuned_values import TUNED_VALUES_FILE
 from autotuner.core.boundary import TunedValues, write_record
 from autotuner.tuning.space.experiment import Experiment
@@ -88,7 +89,7 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
         optimal_path = (results_dir / "ds_config_optimal.json").resolve()
         optimal_args = optimal_script_args(settings, config, optimal_path)
         optimal_cmd = optimal_command(settings, optimal_args, tuned_path, placement)
-        if settings.engine == "deepspeed":
+        if settings.engine == Engine.DEEPSPEED:
             deepspeed_cmd = deepspeed_command(settings, optimal_args, on_gpu, placement=placement)
             if deepspeed_cmd is not None and record.ramp is not None:
                 goodput.append("batch ramp: the ranks this launcher starts run it; under DeepSpeed's launcher the "

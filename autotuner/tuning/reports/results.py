@@ -9,6 +9,7 @@ from typing import Any
 
 from tabulate import tabulate
 
+from autotuner.core.engine_kind import Engine
 from autotuner.core.atomic import write_json_atomic
 from autotuner.core.boundary import ModelInfo, Summary
 from autotuner.tuning.space.records import Objective, Reason, TrialResult, TrialState
@@ -97,7 +98,7 @@ def summary_text(results: list[TrialResult], objective: Objective, wall_time_s: 
 def engine_lines(results: list[TrialResult]) -> list[str]:
     """Whose engine the measured launches ran on, when it was DeepSpeed's (the records say so)."""
     measured = [r.measurement.engine for r in results if r.measurement is not None]
-    on_deepspeed = measured.count("deepspeed")
+    on_deepspeed = measured.count(Engine.DEEPSPEED)
     if not on_deepspeed:
         return []
     return [f"Engine: DeepSpeed's own (DeepSpeedEngine) ran {on_deepspeed} of {len(measured)} measured launches; "
@@ -107,7 +108,7 @@ def engine_lines(results: list[TrialResult]) -> list[str]:
 def measured_engine(info: ModelInfo) -> str:
     """Which of a script's engines the tune measured and tuned (DeepSpeed-Chat's step 3 builds four)."""
     model = f" ({info.measured_model})" if info.measured_model else ""
-    if info.engine == "autotuner":
+    if info.engine == Engine.OURS:
         return (f"the tuned values are for the first it built with an optimizer{model}, and are laid over that "
                 "engine's config only; the others train with their own, as each DeepSpeed engine keeps the config "
                 "it was given; the profile measures only that engine")

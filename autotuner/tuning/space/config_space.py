@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autotuner.core.engine_kind import Engine
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.tuning.space.dimensions import (REGISTRY, dotted, finish_values, full_mode_values, lookup,
                                                settle_variants, variant_values)
@@ -24,7 +25,7 @@ def base_config(config: DeepSpeedConfig) -> dict[str, Any]:
     return base
 
 
-def engine_dimensions(config: DeepSpeedConfig, engine: str, cuda: bool) -> dict[str, Any]:
+def engine_dimensions(config: DeepSpeedConfig, engine: Engine, cuda: bool) -> dict[str, Any]:
     """The SearchSpace fields that follow the script's engine and device: full mode's knobs, the
     variants searched beside each stage and the finishing dimensions."""
     user = config.to_dict()
@@ -32,7 +33,7 @@ def engine_dimensions(config: DeepSpeedConfig, engine: str, cuda: bool) -> dict[
             "finishes": finish_values(user, engine, cuda)}
 
 
-def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str = "autotuner",
+def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: Engine = Engine.OURS,
                  cuda: bool = False) -> SearchSpace:
     tuning = config.autotuning
     micro = config.train_micro_batch_size_per_gpu
@@ -54,7 +55,7 @@ def search_space(config: DeepSpeedConfig, data_parallel_size: int, engine: str =
     )
 
 
-def untuned_dimension_lines(config: DeepSpeedConfig, space: SearchSpace, engine: str, cuda: bool) -> list[str]:
+def untuned_dimension_lines(config: DeepSpeedConfig, space: SearchSpace, engine: Engine, cuda: bool) -> list[str]:
     """One line for each dimension the user asked to tune with "auto" (offload, say) that the space
     has no value to try for, saying why; every experiment then runs without it (the base config's
     neutral value). (Named for offload, its first case; any registered dimension is read.)"""

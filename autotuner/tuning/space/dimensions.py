@@ -21,13 +21,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping
 
+from autotuner.core.engine_kind import Engine
 from autotuner.config.sections import ConfigSection, register_section
 from autotuner.config.tuned_values import lookup, write  # noqa: F401 - the config's paths, read and written
 from autotuner.tuning.memory.estimate import StageSettings
 from autotuner.tuning.space.refusals import (DeepSpeedRefusal, TuneRefusal, compile_before_the_window,
                                              compile_on_deepspeed, policy_on_deepspeed)
 
-Engine = str  # "autotuner" (ours) or "deepspeed"
 MemoryTerm = Callable[[StageSettings, Any], StageSettings]
 
 
@@ -133,7 +133,7 @@ class Dimension:
     def neutral_value(self) -> Any:
         if self.neutral is not None:
             return self.neutral
-        return next(iter(self.values_for(0, "autotuner", False)), None)
+        return next(iter(self.values_for(0, Engine.OURS, False)), None)
 
     def values_for(self, stage: int, engine: Engine, cuda: bool) -> tuple[Any, ...]:
         if self.cuda_only and not cuda:
@@ -153,36 +153,36 @@ def _zero(name: str, tag: str, values: Mapping[Engine, Mapping[int, tuple[Any, .
 
 REGISTRY: dict[str, Dimension] = {d.name: d for d in (
     _zero("reduce_bucket_size", "rbs", {
-        "autotuner": {0: BUCKET_SIZES, 1: BUCKET_SIZES},
-        "deepspeed": {1: DEEPSPEED_BUCKETS, 2: DEEPSPEED_BUCKETS, 3: DEEPSPEED_BUCKETS}}),
-    _zero("allgather_bucket_size", "abs", {"deepspeed": {1: DEEPSPEED_BUCKETS, 2: DEEPSPEED_BUCKETS}}),
-    _zero("overlap_comm", "oc", {"autotuner": {2: ON_OFF, 3: ON_OFF}, "deepspeed": {2: ON_OFF, 3: ON_OFF}}),
-    _zero("contiguous_gradients", "cg", {"autotuner": {0: ON_OFF, 1: ON_OFF}, "deepspeed": {2: ON_OFF}}),
-    _zero("stage3_prefetch_bucket_size", "pbs", {"deepspeed": {3: (5_000_000, 50_000_000)}}),
+        Engine.OURS: {0: BUCKET_SIZES, 1: BUCKET_SIZES},
+        Engine.DEEPSPEED: {1: DEEPSPEED_BUCKETS, 2: DEEPSPEED_BUCKETS, 3: DEEPSPEED_BUCKETS}}),
+    _zero("allgather_bucket_size", "abs", {Engine.DEEPSPEED: {1: DEEPSPEED_BUCKETS, 2: DEEPSPEED_BUCKETS}}),
+    _zero("overlap_comm", "oc", {Engine.OURS: {2: ON_OFF, 3: ON_OFF}, Engine.DEEPSPEED: {2: ON_OFF, 3: ON_OFF}}),
+    _zero("contiguous_gradients", "cg", {Engine.OURS: {0: ON_OFF, 1: ON_OFF}, Engine.DEEPSPEED: {2: ON_OFF}}),
+    _zero("stage3_prefetch_bucket_size", "pbs", {Engine.DEEPSPEED: {3: (5_000_000, 50_000_000)}}),
     _zero("stage3_param_persistence_threshold", "ppt",
-          {"autotuner": {3: (0, 100_000)}, "deepspeed": {3: (10_000, 100_000)}}),
-    _zero("stage3_max_live_parameters", "mlive", {"deepspeed": {3: (100_000_000, 1_000_000_000)}}),
+          {Engine.OURS: {3: (0, 100_000)}, Engine.DEEPSPEED: {3: (10_000, 100_000)}}),
+    _zero("stage3_max_live_parameters", "mlive", {Engine.DEEPSPEED: {3: (100_000_000, 1_000_000_000)}}),
     # CPU offload, on a GPU only: device "auto" searches it beside the stage, like a checkpointing
     # policy (it changes what fits). On DeepSpeed's engine the optimizer from stage 1 and the
     # parameters at 3, also swept in full mode when the user wrote no offload section; on ours
     # FSDP2's CPUOffloadPolicy at stages 2 and 3, which moves parameters, gradients and the
     # optimizer step together (so offload_param has nothing of its own to tune there).
     Dimension("offload_optimizer", ("zero_optimization", "offload_optimizer", "device"), "oo",
-              {"deepspeed": {1: ("none", "cpu"), 2: ("none", "cpu"), 3: ("none", "cpu")},
-               "autotuner": {2: ("none", "cpu"), 3: ("none", "cpu")}},
+              {Engine.DEEPSPEED: {1: ("none", "cpu"), 2: ("none", "cpu"), 3: ("none", "cpu")},
+               Engine.OURS: {2: ("none", "cpu"), 3: ("none", "cpu")}},
               _offload_optimizer, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS, role="variant",
-              full_mode_engines=("deepspeed",), neutral="none", fallback={1: "cpu", 2: "cpu", 3: "cpu"}),
+              full_mode_engines=(Engine.DEEPSPEED,), neutral="none", fallback={1: "cpu", 2: "cpu", 3: "cpu"}),
     Dimension("offload_param", ("zero_optimization", "offload_param", "device"), "op",
-              {"deepspeed": {3: ("none", "cpu")}},
+              {Engine.DEEPSPEED: {3: ("none", "cpu")}},
               _offload_param, _is_cpu, cuda_only=True, user_sections=OFFLOAD_SECTIONS, role="variant",
-              full_mode_engines=("deepspeed",), neutral="none", fallback={3: "cpu"},
-              untuned_reasons={"autotuner": "on our engine FSDP2's CPUOffloadPolicy moves parameters together with "
+              full_mode_engines=(Engine.DEEPSPEED,), neutral="none", fallback={3: "cpu"},
+              untuned_reasons={Engine.OURS: "on our engine FSDP2's CPUOffloadPolicy moves parameters together with "
                                             "the optimizer: offload_optimizer.device \"auto\" tunes it"}),
     # On DeepSpeed's engine the script checkpoints (Hugging Face's --gradient_checkpointing, whole
     # blocks): "none" or "full" through the mapped flag.
     Dimension("activation_checkpointing", ("activation_checkpointing", "policy"), "ac",
-              {"autotuner": {stage: CHECKPOINT_POLICIES for stage in range(4)},
-               "deepspeed": {stage: ("none", "full") for stage in range(4)}},
+              {Engine.OURS: {stage: CHECKPOINT_POLICIES for stage in range(4)},
+               Engine.DEEPSPEED: {stage: ("none", "full") for stage in range(4)}},
               _checkpoint_policy, _policy_rank, role="variant", flag_text=lambda policy: _bool_text(policy != "none"),
               applied_by_script_on_deepspeed=True, step_time="per_sample", selects_activations=True,
               unmeasured_reasons=("the model has no repeated blocks (no nn.ModuleList) to checkpoint",
@@ -195,7 +195,7 @@ REGISTRY: dict[str, Dimension] = {d.name: d for d in (
     # On DeepSpeed's engine through the mapped flag (Hugging Face's --torch_compile, which has
     # accelerate call engine.compile()).
     Dimension("compile", ("compile", "enabled"), "c",
-              {"autotuner": {stage: ON_OFF for stage in range(4)}, "deepspeed": {stage: ON_OFF for stage in range(4)}},
+              {Engine.OURS: {stage: ON_OFF for stage in range(4)}, Engine.DEEPSPEED: {stage: ON_OFF for stage in range(4)}},
               _same_memory, role="finish", flag_text=lambda enabled: _bool_text(bool(enabled)),
               applied_by_script_on_deepspeed=True, script_flag="--torch_compile",
               tune_refusals=(compile_before_the_window,), deepspeed_refusals=(compile_on_deepspeed,)),
@@ -274,7 +274,7 @@ def writes_bool_flag(dotted_key: str) -> bool:
 def applied_by_the_script(engine: Engine) -> tuple[tuple[str, ...], ...]:
     """Config paths of dimensions the script applies itself on `engine` (through a mapped flag),
     which its config must not carry: DeepSpeed refuses compile.enabled, and never reads a policy."""
-    if engine != "deepspeed":
+    if engine != Engine.DEEPSPEED:
         return ()
     return tuple(d.path for d in REGISTRY.values() if d.applied_by_script_on_deepspeed)
 
@@ -304,7 +304,7 @@ def memory_term(settings: StageSettings, name: str, value: Any) -> StageSettings
     return found.memory_term(settings, value) if found is not None else zero_knob_term(name)(settings, value)
 
 
-def full_mode_values(user_config: Mapping[str, Any], engine: Engine = "autotuner",
+def full_mode_values(user_config: Mapping[str, Any], engine: Engine = Engine.OURS,
                      cuda: bool = False) -> dict[int, dict[str, list[Any]]]:
     """Full mode's values per stage and dimension for the script's engine and device. The user's
     scalar fixes a dimension (it is not tuned), a user list replaces its values, and a user
@@ -345,7 +345,7 @@ def _asked_values(dim: Dimension, user_config: Mapping[str, Any], stage: int, en
     return []
 
 
-def variant_values(user_config: Mapping[str, Any], engine: Engine = "autotuner",
+def variant_values(user_config: Mapping[str, Any], engine: Engine = Engine.OURS,
                    cuda: bool = False) -> dict[int, tuple[tuple[tuple[str, Any], ...], ...]]:
     """Per stage, the variants to search beside it (every combination of the variant dimensions
     the user asked to tune, each as sorted knobs), least memory-saving first; empty when none."""
@@ -361,7 +361,7 @@ def variant_values(user_config: Mapping[str, Any], engine: Engine = "autotuner",
     return out
 
 
-def finish_values(user_config: Mapping[str, Any], engine: Engine = "autotuner",
+def finish_values(user_config: Mapping[str, Any], engine: Engine = Engine.OURS,
                   cuda: bool = False) -> dict[int, dict[str, list[Any]]]:
     """Per stage, the values of each finishing dimension the user asked to tune (compile)."""
     out: dict[int, dict[str, list[Any]]] = {}

@@ -12,6 +12,7 @@ import json
 from typing import Any, Callable, Mapping
 
 from autotuner.config.tuned_values import lookup
+from autotuner.core.engine_kind import Engine
 from autotuner.core.errors import ConfigError
 
 # The dimension a refusal is declared on (dimensions.py's Dimension, which imports this module:
@@ -32,7 +33,7 @@ def compile_before_the_window(dim: Dimension, config: Any, source: str) -> None:
 
 def deepspeed_values(dim: Dimension) -> tuple[Any, ...]:
     """The values the dimension takes on DeepSpeed's engine, in its own order."""
-    return tuple(dict.fromkeys(v for per_stage in dim.values.get("deepspeed", {}).values() for v in per_stage))
+    return tuple(dict.fromkeys(v for per_stage in dim.values.get(Engine.DEEPSPEED, {}).values() for v in per_stage))
 
 
 def script_applied(dim: Dimension, value: Any, used: bool, source: str, why: str, mapped: Mapping[str, str]) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import AliasChoices
 
+from autotuner.core.engine_kind import Engine
 from autotuner.config.keys import section_model
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.core.boundary import Measurement, MeasurementRequest
@@ -55,7 +56,7 @@ class ExperimentSettings:
     memory_budget_bytes: int | None = None  # per rank; above it a CPU run counts as OOM
     user_config: dict[str, Any] = field(default_factory=dict, hash=False)  # the file as the user wrote it
     python: str = sys.executable
-    engine: str = "autotuner"  # whose engine the script trains on: "autotuner" or "deepspeed" (engines.py)
+    engine: Engine = Engine.OURS  # whose engine the script trains on (app/engines.py settles it)
     # False for a script that imports both engines, until the profile launch's ranks say which they
     # built; meanwhile `engine` is the one expected, and launches get a config either engine reads.
     engine_settled: bool = True
@@ -118,7 +119,7 @@ def experiment_config(experiment: Experiment, settings: ExperimentSettings) -> d
     return config
 
 
-def script_config(config: dict[str, Any], engine: str) -> dict[str, Any]:
+def script_config(config: dict[str, Any], engine: Engine) -> dict[str, Any]:
     """The config file the script reads: on DeepSpeed's engine without the dimensions the script
     applies itself through their mapped flags (a section left empty goes too)."""
     return _without(config, dimensions.applied_by_the_script(engine))
@@ -129,7 +130,7 @@ def either_engine_config(config: dict[str, Any]) -> dict[str, Any]:
     to the script where they hold their neutral value (no checkpointing, not compiled), which is
     also how our engine runs without them. DeepSpeed refuses our compile keys; a value that is not
     neutral stays, for the engine the ranks build to act on or for the tuner to refuse then."""
-    neutral = [path for path in dimensions.applied_by_the_script("deepspeed")
+    neutral = [path for path in dimensions.applied_by_the_script(Engine.DEEPSPEED)
                if dimensions.lookup(config, path)[1] == dimensions.neutral_at(path)]
     return _without(config, tuple(neutral))
 
@@ -152,7 +153,7 @@ def derives_train_batch_size(settings: ExperimentSettings) -> bool:
     experiment's config leaves it out and DeepSpeed derives it: micro-batch x gas x its world size.
     Written out, Hugging Face's Trainer checks it against its own product, whose world size on a
     CPU-only machine is 1 (accelerate sees no distributed backend) while DeepSpeed's is not."""
-    return (settings.engine == "deepspeed" and not isinstance(settings.base_config.get("train_batch_size"), int)
+    return (settings.engine == Engine.DEEPSPEED and not isinstance(settings.base_config.get("train_batch_size"), int)
             and "train_batch_size" not in settings.arg_mappings)
 
 
@@ -223,7 +224,7 @@ def launched_config(experiment: Experiment, settings: ExperimentSettings) -> dic
     Before the engine is settled, the picked config as either engine reads it."""
     if not settings.engine_settled:
         return either_engine_config(picked_config(experiment, settings))
-    config = picked_config(experiment, settings) if settings.engine == "deepspeed" else \
+    config = picked_config(experiment, settings) if settings.engine == Engine.DEEPSPEED else \
         experiment_config(experiment, settings)
     return script_config(config, settings.engine)
 
@@ -286,7 +287,7 @@ def built_mismatch(experiment: Experiment, measurement: Measurement, settings: E
         dim = by_path.get(key)
         if key not in reported or (dim is None and got is None):
             continue  # not read back (a metrics file of DeepSpeed's own without these fields)
-        if dim is not None and measurement.engine == "deepspeed" and dim.applied_by_script_on_deepspeed:
+        if dim is not None and measurement.engine == Engine.DEEPSPEED and dim.applied_by_script_on_deepspeed:
             continue  # (the engine the ranks built: a script importing both may settle it only now)
         if got is None and dim is not None and dim.neutral is not None:
             got = dim.neutral  # a section left out is the engine's default: off

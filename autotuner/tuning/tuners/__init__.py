@@ -10,8 +10,9 @@ here.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 from autotuner.tuning.models.cost_model import CostContext
 from autotuner.tuning.space.experiment import Experiment
@@ -40,16 +41,25 @@ class TunerArgs:
     trials: TunerTrials | None = None
 
 
+class SearchKind(str, enum.Enum):
+    """How the orchestrator searches with a tuner."""
+
+    PER_STAGE = "per_stage"  # the stage search asks it among each stage's micro-batch candidates (and,
+    # in full mode, the knobs)
+    ONE_MODEL = "one_model"  # the predictive search: one model over every stage
+
+
 @dataclass(frozen=True)
 class TunerSpec:
     name: str  # autotuning.tuner_type
     factory: Callable[[TunerArgs], Tuner]
     summary: str  # one line for the docs and the refusal of an unknown name
-    # "per_stage": the stage search asks it among each stage's micro-batch candidates (and, in
-    # full mode, the knobs); "one_model": the predictive search, one model over every stage.
-    search: Literal["per_stage", "one_model"] = "per_stage"
+    search: SearchKind = SearchKind.PER_STAGE  # (a plugin may give the word: it is read as the kind)
     uses_earlier_runs: bool = False  # its model starts from similar earlier runs (autotuning.transfer)
     check: Callable[[str], None] | None = None  # refuses (exit 2) what it needs and lacks; gets the key's label
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "search", SearchKind(self.search))  # an unknown word: ValueError, at registration
 
 
 def _require_optuna(label: str) -> None:
@@ -81,7 +91,7 @@ for _spec in (
     TunerSpec("predictive", lambda a: PredictiveTuner(a.space, a.objective, seed=a.seed, context=a.cost_context,
                                                   trials=a.trials),
               "one step-time model over every stage; launches only what could win (ours, the default)",
-              search="one_model", uses_earlier_runs=True),
+              search=SearchKind.ONE_MODEL, uses_earlier_runs=True),
     TunerSpec("first_fit", lambda a: FirstFitTuner(a.space, a.objective, seed=a.seed, trials=a.trials),
               "candidates in order, stopping at the first that runs"),
 ):
