@@ -2,10 +2,10 @@
 
 `import autotuner as deepspeed` gives a training script the parts of DeepSpeed's API it uses:
 initialize, init_distributed, add_config_arguments, get_accelerator, tp_model_init,
-set_autotp_mode, and the comm, utils (utils.groups too), accelerator, runtime.utils and ops.adam
-modules, and deepspeed.checkpointing. Every module path DeepSpeedExamples' scripts import imports
+set_autotp_mode, PipelineModule, and the comm, utils (utils.groups too), accelerator, runtime.utils,
+pipe and ops.adam modules, and deepspeed.checkpointing. Every module path DeepSpeedExamples' scripts import imports
 here too (autotuner/deepspeed_paths/, at their DeepSpeed paths through its aliases.py); using a
-feature we do not carry (an MoE layer, a PipelineModule, init_inference, ...) fails with one line
+feature we do not carry (an MoE layer, init_inference, ...) fails with one line
 saying what to do instead.
 """
 
@@ -21,7 +21,7 @@ _setup_rank()  # in ranks: one line per error of ours rather than a traceback pe
 
 _RUNTIME = ("initialize", "add_config_arguments", "Engine")
 _SUBMODULES = ("runtime", *_aliases.TOP_LEVEL)
-_REFUSED = {"PipelineModule": "pipe", "init_inference": "init_inference",
+_REFUSED = {"init_inference": "init_inference",
             "DeepSpeedTransformerLayer": "transformer_kernel", "DeepSpeedTransformerConfig": "transformer_kernel",
             "replace_transformer_layer": "module_inject"}
 
@@ -40,6 +40,10 @@ def __getattr__(name: str):
         from autotuner.runtime import tp_init
 
         return getattr(tp_init, name)
+    if name == "PipelineModule":
+        from autotuner.runtime.pipeline.module import PipelineModule
+
+        return PipelineModule
     if name == "get_accelerator":
         from autotuner.runtime.accelerator import get_accelerator
 

@@ -1,11 +1,14 @@
-"""What every config section shares: frozen pydantic models that refuse unknown keys, and the
-value types the sections use ("auto", counts that refuse booleans)."""
+"""What every config section shares: frozen pydantic models that refuse unknown keys, read-only
+at every depth (a dict or list a section holds is frozen too: core/frozen.py), and the value
+types the sections use ("auto", counts that refuse booleans)."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from autotuner.core.frozen import freeze
 
 Auto = Literal["auto"]
 
@@ -32,3 +35,12 @@ NonNegativeInt = Annotated[int, BeforeValidator(_no_bool), Field(ge=0)]
 class Section(BaseModel):
     # Unknown keys are caught earlier by keys.check_keys, with suggestions; "forbid" is the backstop.
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _read_only_inside(self) -> "Section":
+        # frozen=True stops a field being reassigned, not a dict or list it holds being written into.
+        for name in type(self).model_fields:
+            value = self.__dict__.get(name)
+            if isinstance(value, (dict, list)):
+                self.__dict__[name] = freeze(value)
+        return self

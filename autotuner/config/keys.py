@@ -19,7 +19,7 @@ KNOWN_UNUSED_KEYS: dict[str, frozenset[str]] = {
             "aio", "checkpoint", "comms_logger",
             "data_efficiency", "data_types", "dataloader_drop_last", "disable_allgather", "dump_state",
             "memory_breakdown",
-            "monitor_config", "pipeline", "weight_quantization", "zero_allow_untested_optimizer",
+            "monitor_config", "weight_quantization", "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer", "train_batch_size_per_gpu_at_fp16", "hybrid_engine",
             "comet", "log_level", "disable_python_gc",
             "use_data_before_expert_parallelism", "expert_parallel", "seq_parallel_communication_data_type",

@@ -15,6 +15,7 @@ from typing import Any, Mapping, Union
 import hjson
 from pydantic import ValidationError
 
+from autotuner.core.frozen import freeze
 from autotuner.config.keys import UNUSED_KEY_NOTES, check_keys
 from autotuner.config.models import DeepSpeedConfig, ZeroConfig
 from autotuner.config.sections import SECTIONS
@@ -223,7 +224,7 @@ def load_config(source: ConfigSource, *, name: str | None = None) -> DeepSpeedCo
         config = DeepSpeedConfig.model_validate(own)
     except ValidationError as err:
         raise ConfigError(_format_validation_error(err, label)) from err
-    config._set_aside = {key: raw[key] for key in ignored if key in raw}
+    config._set_aside = freeze({key: raw[key] for key in ignored if key in raw})
     config._sections = {key: _validated_section(key, kept[key], label) for key in SECTIONS if key in kept}
     return config
 

@@ -16,6 +16,7 @@ from pydantic import AliasChoices, Field, NonNegativeFloat, PositiveFloat, Priva
 from autotuner.config.autotuning import AutotuningConfig
 from autotuner.config.base import Auto, BatchCount, NonNegativeInt, PositiveInt, Section
 from autotuner.config.reporting import CSVConfig, FlopsProfilerConfig, TensorBoardConfig, TimersConfig, WandbConfig
+from autotuner.config.pipeline import PipelineConfig
 from autotuner.config.tensor_parallel import TensorParallelConfig
 
 
@@ -229,7 +230,7 @@ class DeepSpeedConfig(Section):
 
     @property
     def set_aside(self) -> dict[str, Any]:
-        return dict(self._set_aside)
+        return self._set_aside  # read-only (the loader freezes it)
 
     # The sections plugins' dimensions bring (config/sections.py), validated by their own models.
     _sections: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -257,6 +258,7 @@ class DeepSpeedConfig(Section):
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
     compile: CompileConfig = Field(default_factory=CompileConfig)
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     data_parallel_size: PositiveInt | None = Field(
         None, description="DeepSpeed's AutoTP examples state it; checked against world / tensor_parallel.autotp_size")
     autotuning: AutotuningConfig = Field(default_factory=AutotuningConfig)

@@ -11,8 +11,6 @@ from autotuner.core.errors import UnsupportedError
 DATA_PARALLEL = "every rank is data parallel here"
 REASONS = {
     "moe": f"mixture-of-experts layers (expert parallelism) are not supported; {DATA_PARALLEL}",
-    "pipe": f"pipeline parallelism is not supported; {DATA_PARALLEL}, so train the model with "
-            "deepspeed.initialize at ZeRO stage 0-3 instead",
     "init_inference": "inference engines are not supported; autotuner tunes and runs training",
     "data_pipeline": "DeepSpeed's data efficiency library (curriculum learning, random-LTD, data analysis) is "
                      "not supported; feed your DataLoader's batches to the engine as they are",
@@ -43,7 +41,7 @@ def unsupported_function(name: str, feature: str) -> Callable[..., Any]:
 
 def unsupported_class(name: str, feature: str) -> type:
     """A stand-in for the class deepspeed.<name>: importable and subclassable (scripts subclass
-    PipelineModule), refused when instantiated."""
+    MoE layers), refused when instantiated."""
     def refused_init(self, *_args: Any, **_kwargs: Any) -> None:
         raise refuse(feature)
 

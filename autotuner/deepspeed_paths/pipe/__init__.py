@@ -1,7 +1,8 @@
-"""`deepspeed.pipe`: importable; a PipelineModule is refused when built."""
+"""`deepspeed.pipe`: DeepSpeed's pipeline module and layer specs (autotuner/runtime/pipeline/)."""
 
-from autotuner.deepspeed_paths.unsupported import unsupported_class
+from autotuner.runtime.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from autotuner.runtime.pipeline.topology import (PipeDataParallelTopology, PipeModelDataParallelTopology,
+                                                 ProcessTopology)
 
-PipelineModule = unsupported_class("pipe.PipelineModule", "pipe")
-LayerSpec = unsupported_class("pipe.LayerSpec", "pipe")
-TiedLayerSpec = unsupported_class("pipe.TiedLayerSpec", "pipe")
+__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineModule",
+           "ProcessTopology", "TiedLayerSpec"]

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any, Iterable, Iterator
+
+
+from autotuner.core.repeating_loader import RepeatingLoader
 
 __all__ = ["RepeatingLoader", "log_dist", "logger"]
 
@@ -50,24 +52,6 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
         if not ranks or (-1 not in ranks and rank not in ranks):
             return
     logger.log(level, f"[Rank {rank}] {message}")
-
-
-class RepeatingLoader:
-    """Wrap an iterable so it restarts when exhausted (an endless stream of batches)."""
-
-    def __init__(self, loader: Iterable) -> None:
-        self.loader = loader
-        self.data_iter = iter(loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        return self
-
-    def __next__(self) -> Any:
-        try:
-            return next(self.data_iter)
-        except StopIteration:
-            self.data_iter = iter(self.loader)
-            return next(self.data_iter)
 
 
 def __getattr__(name: str):

@@ -1,7 +1,9 @@
-"""`deepspeed.runtime.pipe`: the pipeline engine's names, importable and refused when used."""
+"""`deepspeed.runtime.pipe`: the pipeline module, its specs, the topologies and the engine's class."""
 
-from autotuner.deepspeed_paths.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # noqa: F401
-from autotuner.deepspeed_paths.unsupported import unsupported_class
+from autotuner.runtime.pipeline.engine import PipelineEngine, PipelineError
+from autotuner.runtime.pipeline.module import LayerSpec, PipelineModule, TiedLayerSpec
+from autotuner.runtime.pipeline.topology import (PipeDataParallelTopology, PipeModelDataParallelTopology,
+                                                 ProcessTopology)
 
-PipelineEngine = unsupported_class("runtime.pipe.PipelineEngine", "pipe")
-ProcessTopology = unsupported_class("runtime.pipe.ProcessTopology", "pipe")
+__all__ = ["LayerSpec", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineEngine",
+           "PipelineError", "PipelineModule", "ProcessTopology", "TiedLayerSpec"]

@@ -1,0 +1,35 @@
+"""`pipeline`: DeepSpeed's pipeline section (its keys and defaults), with the schedule ours.
+
+DeepSpeed parses `stages`, `partition` and `seed_layers` and does not use them: the script's
+PipelineModule(num_stages=..., partition_method=..., seed_layers=...) decides. Here `stages`, where
+given as a number, is checked against what the module built (a config and a script that disagree
+are refused), `partition` and `seed_layers` are left as DeepSpeed leaves them (the module's
+arguments decide, said once when they differ from the default), and `activation_checkpoint_interval`
+above 0 overrides the module's, as in DeepSpeed. `schedule` is torch's schedule the engine runs
+(runtime/pipeline/schedules.py); DeepSpeed's own is 1F1B."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from autotuner.config.base import NonNegativeInt, PositiveInt, Section
+
+
+class PipelineConfig(Section):
+    stages: PositiveInt | Literal["auto"] = Field(
+        "auto", description='pipeline stages; "auto" (DeepSpeed\'s default): as the script\'s PipelineModule '
+                            "builds them; a number is checked against it")
+    partition: str = Field("best", description="DeepSpeed parses it and leaves the split to "
+                                               "PipelineModule(partition_method=...); so here")
+    seed_layers: bool = Field(False, description="DeepSpeed parses it and leaves it to PipelineModule(seed_layers=...); "
+                                                 "so here")
+    activation_checkpoint_interval: NonNegativeInt = Field(
+        0, description="above 0: layers per checkpointed chunk, over the PipelineModule's own value")
+    pipe_partitioned: bool = Field(True, description="DeepSpeed's split of activations sent over a tensor-parallel "
+                                                     "group; with no model axis it has no effect there or here")
+    grad_partitioned: bool = Field(True, description="the same for the gradients sent back")
+    use_reentrant: bool = Field(True, description="DeepSpeed's checkpoint flavour; the math is the same either way "
+                                                  "(torch's non-reentrant checkpoint runs here)")
+    schedule: str = Field("1F1B", description='torch\'s pipeline schedule: "1F1B" (DeepSpeed\'s) or "GPipe"')

@@ -1,0 +1,307 @@
+"""`deepspeed.pipe.PipelineModule`, `LayerSpec` and `TiedLayerSpec` as DeepSpeed defines them.
+
+A PipelineModule is a list of layers (modules, specs that build one, or plain callables such as
+a flatten lambda) split over `num_stages` stages. Each rank builds only its own stage's layers
+from their specs, so a stage never holds another's weights. Layers pass one value on, a tensor
+or a tuple, never unpacked. Parameter names keep the layer's global index ("16.weight"), tied
+layers live in `tied_modules.<key>`, as in DeepSpeed's checkpoints.
+
+Tied layers (an embedding and its output head) keep one weight per key: the stages that hold
+it start from the first one's copy (a broadcast), and after each batch's backward passes its
+gradients are summed over them, before the data-parallel average, as DeepSpeed does."""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from autotuner.core.errors import ConfigError
+from autotuner.runtime.distributed import init_distributed
+from autotuner.runtime.pipeline.partition import parts_for
+from autotuner.runtime.pipeline.topology import PipeDataParallelTopology, ProcessTopology
+
+
+class LayerSpec:
+    """A layer to build later, on the stage that holds it: `typename(*args, **kwargs)`."""
+
+    def __init__(self, typename: type, *module_args: Any, **module_kwargs: Any):
+        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+            raise RuntimeError("LayerSpec only supports torch.nn.Module types.")  # DeepSpeed's words
+        self.typename = typename
+        self.module_args = module_args
+        self.module_kwargs = module_kwargs
+        self.global_rank = dist.get_rank() if dist.is_initialized() else -1
+
+    def build(self, log: bool = False) -> nn.Module:
+        return self.typename(*self.module_args, **self.module_kwargs)
+
+    def __repr__(self) -> str:
+        args = [repr(a) for a in self.module_args] + [f"{k}={v!r}" for k, v in self.module_kwargs.items()]
+        return f"{self.typename.__name__}({', '.join(args)})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer whose `tied_weight_attr` weights are one weight wherever `key` appears; at a later
+    appearance `forward_fn(module, x)` runs instead of the module's own forward, where given (an
+    embedding used as the output head)."""
+
+    def __init__(self, key: str, typename: type, *module_args: Any, forward_fn: Callable | None = None,
+                 tied_weight_attr: str | Sequence[str] = ("weight",), **module_kwargs: Any):
+        super().__init__(typename, *module_args, **module_kwargs)
+        self.key = key
+        self.forward_fn = forward_fn
+        self.tied_weight_attr = [tied_weight_attr] if isinstance(tied_weight_attr, str) else list(tied_weight_attr)
+
+
+def _layer_name(layer: Any) -> str:
+    """What "type:REGEX" partitioning matches: a spec's class, a module's class, a function's name."""
+    if isinstance(layer, LayerSpec):
+        return layer.typename.__name__
+    if isinstance(layer, nn.Module):
+        return type(layer).__name__
+    return getattr(layer, "__name__", "")
+
+
+def _trainable_count(layer: Any) -> int:
+    """A layer's trainable parameters, as "parameters" partitioning weighs it. A spec is built on
+    the meta device to count (nothing allocated; DeepSpeed builds it for real on every rank)."""
+    if isinstance(layer, LayerSpec):
+        try:
+            with torch.device("meta"):
+                module = layer.build()
+        except Exception:  # a constructor that cannot run on meta: built as DeepSpeed builds it
+            module = layer.build()
+        return sum(p.numel() for p in module.parameters() if p.requires_grad)
+    if isinstance(layer, nn.Module):
+        return sum(p.numel() for p in layer.parameters() if p.requires_grad)
+    return 0
+
+
+def _seed(seed: int, seed_fn: Callable[[int], None] | None) -> None:
+    if seed_fn is not None:
+        seed_fn(seed)
+        return
+    random.seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(seed % 2**63)
+
+
+def _attr(module: nn.Module, dotted: str) -> Any:
+    return functools.reduce(getattr, dotted.split("."), module)
+
+
+class PipelineModule(nn.Module):
+    """DeepSpeed's PipelineModule: this rank's stage of `layers`, split by `partition_method`.
+    Needs the process group (started here from the launcher's environment where the script has
+    not started it)."""
+
+    def __init__(self, layers: Sequence[Any], num_stages: int | None = None, topology: ProcessTopology | None = None,
+                 loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable | None = None,
+                 base_seed: int = 1234, partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
+                 activation_checkpoint_func: Callable | None = None, checkpointable_layers: list[str] | None = None,
+                 dynamic_shape: bool = False):
+        super().__init__()
+        if num_stages is None and topology is None:
+            raise RuntimeError("must provide num_stages or topology")  # DeepSpeed's words
+        if checkpointable_layers is not None and not isinstance(checkpointable_layers, list):
+            raise ConfigError("PipelineModule(checkpointable_layers=...): expected a list of layer class names")
+        if activation_checkpoint_interval < 0:
+            raise ConfigError(f"PipelineModule(activation_checkpoint_interval={activation_checkpoint_interval}): "
+                              "expected 0 (off) or a positive number of layers per checkpointed chunk")
+        self.ctx = init_distributed() if not dist.is_initialized() else None
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if topology is None:
+            if world % num_stages:
+                raise ConfigError(f"PipelineModule(num_stages={num_stages}): must divide the number of ranks "
+                                  f"({world}); the data-parallel size is ranks / num_stages")
+            topology = PipeDataParallelTopology(num_pp=num_stages, num_dp=world // num_stages)
+        if topology.world_size() != world:
+            raise ConfigError(f"PipelineModule(topology=...): the topology holds {topology.world_size()} ranks, the "
+                              f"world {world}")
+        if topology.get_dim("model") > 1:
+            raise ConfigError("PipelineModule(topology=PipeModelDataParallelTopology(num_mp>1)): tensor parallelism "
+                              "inside pipeline stages is not supported yet; give num_mp=1 (stages x data parallel)")
+        self.layer_specs = list(layers)
+        if not self.layer_specs:
+            raise ConfigError("PipelineModule(layers=[]): no layers to split into stages")
+        self.num_stages = topology.get_dim("pipe")
+        if self.num_stages > len(self.layer_specs):
+            raise ConfigError(f"PipelineModule: {self.num_stages} stages for {len(self.layer_specs)} layers; a "
+                              f"stage needs at least one layer, so use at most {len(self.layer_specs)} stages")
+        self._topo = topology
+        self.global_rank = rank
+        self.stage_id = topology.get_coord(rank).pipe
+        self.loss_fn = loss_fn
+        self.seed_layers, self.seed_fn, self.base_seed = seed_layers, seed_fn, base_seed
+        self.activation_checkpoint_interval = activation_checkpoint_interval
+        self.activation_checkpoint_func = activation_checkpoint_func
+        self.checkpointable_layers = checkpointable_layers
+        self.dynamic_shape = dynamic_shape
+        self.partition_method = partition_method
+        self.parts = parts_for(partition_method, [_layer_name(layer) for layer in self.layer_specs],
+                               [_trainable_count(layer) for layer in self.layer_specs], self.num_stages)
+        empty = [s for s in range(self.num_stages) if self.parts[s] == self.parts[s + 1]]
+        if empty:
+            raise ConfigError(f"PipelineModule(partition_method={partition_method!r}): stage {empty[0]} gets no layer "
+                              f"(boundaries {self.parts}); use fewer stages or another partition_method")
+        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs: dict[str, list[str]] = {}
+        self.forward_funcs: list[Callable] = []
+        self._build()
+        device = self.ctx.device if self.ctx is not None else _device_of_group()
+        self.to(device)
+        self.tied_comms = self._tie_groups()
+        self._broadcast_tied_weights()
+
+    # ----- building this stage -----
+    def _build(self) -> None:
+        for index in range(self._local_start, self._local_stop):
+            layer = self.layer_specs[index]
+            if self.seed_layers:
+                _seed(self.base_seed + index, self.seed_fn)
+            if isinstance(layer, PipelineModule):
+                raise ConfigError("PipelineModule(layers=...): a PipelineModule inside another is not supported "
+                                  "(nor by DeepSpeed); give its layers instead")
+            if isinstance(layer, nn.Module):
+                self.add_module(str(index), layer)
+                self.forward_funcs.append(layer)
+            elif isinstance(layer, TiedLayerSpec):
+                if layer.key not in self.tied_modules:
+                    self.tied_modules[layer.key] = layer.build()
+                    self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+                module = self.tied_modules[layer.key]
+                self.forward_funcs.append(module if layer.forward_fn is None else
+                                          functools.partial(layer.forward_fn, module))
+            elif isinstance(layer, LayerSpec):
+                module = layer.build()
+                self.add_module(str(index), module)
+                self.forward_funcs.append(module)
+            elif callable(layer):
+                self.forward_funcs.append(layer)
+            else:
+                raise ConfigError(f"PipelineModule(layers=...): layer {index} is a {type(layer).__name__}; expected "
+                                  "a module, a LayerSpec or a callable")
+
+    def _tie_groups(self) -> dict[str, dict[str, Any]]:
+        """For each tied key held by more than one stage, one group per pipeline (same data-parallel
+        coordinate) of the ranks of those stages. Collective: every rank creates every group."""
+        owners: dict[str, list[int]] = {}
+        for index, layer in enumerate(self.layer_specs):
+            if isinstance(layer, TiedLayerSpec):
+                stage = next(s for s in range(self.num_stages) if self.parts[s] <= index < self.parts[s + 1])
+                owners.setdefault(layer.key, [])
+                if stage not in owners[layer.key]:
+                    owners[layer.key].append(stage)
+        comms: dict[str, dict[str, Any]] = {}
+        for key in sorted(owners):
+            stages = sorted(owners[key])
+            if len(stages) < 2:
+                continue
+            for data in range(self._topo.get_dim("data")):
+                ranks = [self._topo.get_rank(pipe=s, data=data) for s in stages]
+                group = dist.new_group(ranks)
+                if self.global_rank in ranks:
+                    comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
+                                  "module": self.tied_modules[key]}
+        for key, comm in comms.items():
+            if self.global_rank != comm["ranks"][0]:
+                for attr in comm["weight_attr"]:  # the copy beside the first stage's: counted once in a norm
+                    _attr(comm["module"], attr).ds_pipe_replicated = True
+        return comms
+
+    def _broadcast_tied_weights(self) -> None:
+        with torch.no_grad():
+            for comm in self.tied_comms.values():
+                for attr in comm["weight_attr"]:
+                    dist.broadcast(_attr(comm["module"], attr), src=min(comm["ranks"]), group=comm["group"])
+
+    def allreduce_tied_weight_gradients(self) -> None:
+        """Each tied weight's gradient summed over the stages that hold it (DeepSpeed's rule: the
+        weight is one weight, used in several places)."""
+        for comm in self.tied_comms.values():
+            for attr in comm["weight_attr"]:
+                weight = _attr(comm["module"], attr)
+                if weight.grad is not None:
+                    dist.all_reduce(weight.grad, group=comm["group"])
+
+    def get_tied_weights_and_groups(self) -> list[tuple[torch.Tensor, Any]]:
+        return [(_attr(comm["module"], attr), comm["group"]) for comm in self.tied_comms.values()
+                for attr in comm["weight_attr"]]
+
+    # ----- what scripts and the engine read -----
+    def topology(self) -> ProcessTopology:
+        return self._topo
+
+    def num_pipeline_stages(self) -> int:
+        return self.num_stages
+
+    def partitions(self) -> list[int]:
+        return list(self.parts)
+
+    def stage_owner(self, layer_idx: int) -> int:
+        if not 0 <= layer_idx < len(self.layer_specs):
+            raise RuntimeError(f"Layer {layer_idx} out of index range.")
+        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+
+    def set_checkpoint_interval(self, interval: int) -> None:
+        if interval < 0:
+            raise ConfigError(f"set_checkpoint_interval({interval}): expected 0 or more layers")
+        self.activation_checkpoint_interval = interval
+
+    def get_additional_losses(self) -> None:
+        return None
+
+    # ----- forward -----
+    def forward(self, *inputs: Any) -> Any:
+        """This stage's layers in order. One input is passed on as it is (a tensor or a tuple); the
+        schedule hands a stage what the one before sent as separate tensors, made one tuple again."""
+        x = inputs[0] if len(inputs) == 1 else tuple(inputs)
+        interval = self.activation_checkpoint_interval
+        if interval == 0 or not self.training:
+            for function in self.forward_funcs:
+                x = function(x)
+            return x
+        for start in range(0, len(self.forward_funcs), interval):
+            chunk = self.forward_funcs[start:start + interval]
+            run = functools.partial(_run_chunk, chunk)
+            args = x if isinstance(x, tuple) else (x,)
+            if self._checkpointable(chunk):
+                x = (self.activation_checkpoint_func or functools.partial(torch_checkpoint, use_reentrant=False))(
+                    run, *args)
+            else:
+                x = run(*args)
+        return x
+
+    def _checkpointable(self, chunk: list[Callable]) -> bool:
+        """As DeepSpeed decides: the classes named in checkpointable_layers, else a chunk that holds
+        parameters."""
+        modules = [f for f in chunk if isinstance(f, nn.Module)]
+        if self.checkpointable_layers is not None:
+            return any(type(m).__name__ in self.checkpointable_layers for m in modules)
+        return any(next(m.parameters(), None) is not None for m in modules)
+
+
+def _run_chunk(chunk: list[Callable], *args: Any) -> Any:
+    x = args[0] if len(args) == 1 else args
+    for function in chunk:
+        x = function(x)
+    return x
+
+
+def _device_of_group() -> torch.device:
+    """The device the script's own process group runs on (nccl: this rank's GPU)."""
+    if dist.get_backend() == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
