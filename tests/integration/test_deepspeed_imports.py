@@ -82,8 +82,6 @@ def test_every_name_scripts_import_exists(pair):
 
 REFUSED_ON_USE = [
     ("moe.layer.MoE", lambda: autotuner.moe.layer.MoE(hidden_size=8, expert=None, num_experts=2), "mixture-of-experts"),
-    ("pipe.PipelineModule", lambda: autotuner.pipe.PipelineModule(layers=[]), "pipeline parallelism"),
-    ("a PipelineModule subclass", lambda: type("Net", (autotuner.pipe.PipelineModule,), {})(), "pipeline"),
     ("data_analyzer.DataAnalyzer",
      lambda: importlib.import_module("autotuner.runtime.data_pipeline.data_sampling.data_analyzer").DataAnalyzer(None),
      "data efficiency"),

@@ -95,7 +95,9 @@ else:
             ids, labels = next(it)
             loss = loss_fn(engine(ids), labels)
             engine.backward(loss); engine.step(); total += loss.item()
-        losses.append(total / gas)
+        mean = torch.tensor(total / gas)
+        torch.distributed.all_reduce(mean)  # over the data-parallel ranks, as train_batch returns it
+        losses.append(mean.item() / torch.distributed.get_world_size())
     if args.eval:  # the same forward-only pass as eval_batch's: the first gas micro-batches, in order
         engine.module.eval()
         with torch.no_grad():

@@ -1,0 +1,80 @@
+"""Pipeline parallelism on our engine, on real gloo ranks under the launcher (issue 79): a GPT-style
+PipelineModule with a tied embedding and head (tests/workers/pipe_gpt_train.py) trains the losses
+of the same layers unsplit, under each schedule torch offers for one stage per rank, with ZeRO 1
+beside it, and evaluates the same; what it cannot train is refused in one line, exit status 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import WORKERS, run_launcher, write_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+SCRIPT = WORKERS / "pipe_gpt_train.py"
+# Clipping low enough to clip: the pipeline's norm over its stages (a tied weight counted once)
+# must be the unsplit model's.
+BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "gradient_clipping": 0.5,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01}}, "steps_per_print": 100}
+
+
+def train(out: Path, ranks: int, pp: int, *flags: str, expect: int = 0, **config):
+    out.mkdir(parents=True, exist_ok=True)
+    done = run_launcher("--nproc_per_node", str(ranks), SCRIPT, "--pp", str(pp), "--steps", "3", "--out",
+                        out / "losses.json", *flags, "--deepspeed_config", write_json(out / "ds.json", {**BASE, **config}),
+                        cwd=out, timeout=300)
+    assert done.returncode == expect, done.stdout[-2000:] + done.stderr[-3000:]
+    return done
+
+
+def losses(out: Path) -> list[float]:
+    return json.loads((out / "losses.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def unsplit(tmp_path_factory) -> dict[int, list[float]]:
+    """The same layers as one model on our engine (forward/backward/step), on 1 and on 2 ranks."""
+    runs = {}
+    for ranks in (1, 2):
+        out = tmp_path_factory.mktemp(f"unsplit{ranks}")
+        train(out, ranks, 0, "--eval")
+        runs[ranks] = losses(out)
+    return runs
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_two_stages_train_and_evaluate_as_the_unsplit_model(tmp_path, unsplit, schedule):
+    train(tmp_path, 2, 2, "--eval", pipeline={"schedule": schedule, "stages": 2})
+    got, want = losses(tmp_path), unsplit[1]
+    assert len(got) == len(want) == 4 and want[2] < want[0]  # 3 steps that learn, then the evaluation
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+    stages = [json.loads((tmp_path / f"stage_of_rank{rank}.json").read_text()) for rank in (0, 1)]
+    # DeepSpeed's "parameters" split of [embed, 4 blocks, norm, head]; each rank holds its own layers
+    # (global indices in the names) and the tied embedding.
+    assert [s["parts"] for s in stages] == [[0, 3, 7]] * 2
+    assert [(s["first"], s["last"]) for s in stages] == [(True, False), (False, True)]
+    assert stages[0]["names"][-1] == stages[1]["names"][-1] == "tied_modules.embed.weight"
+    assert all(name.startswith(("1.", "2.")) for name in stages[0]["names"][:-1])
+    assert all(name.startswith(("3.", "4.", "5.")) for name in stages[1]["names"][:-1])
+
+
+def test_two_stages_by_two_data_parallel_with_zero_1_train_as_the_unsplit_model_on_two_ranks(tmp_path, unsplit):
+    train(tmp_path, 4, 2, zero_optimization={"stage": 1})
+    assert losses(tmp_path) == pytest.approx(unsplit[2][:3], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("ranks, flags, config, message", [
+    (2, ("--pp", "3"), {}, "PipelineModule(num_stages=3): must divide the number of ranks (2)"),
+    (2, ("--pp", "2", "--blocks", "0", "--partition", "uniform"), {"pipeline": {"stages": 3}},
+     "pipeline.stages 3: the script's PipelineModule built 2 stages"),
+    (4, ("--pp", "4", "--blocks", "0"), {}, "PipelineModule: 4 stages for 3 layers"),
+    (2, ("--pp", "2", "--partition", "type:conv"), {}, "'conv' matches no layer's class name"),
+    (2, ("--pp", "2"), {"zero_optimization": {"stage": 2}}, "ZeRO 2 and 3 are not supported with pipeline"),
+    (2, ("--pp", "2"), {"pipeline": {"schedule": "Interleaved1F1B"}}, "runs several stages on each rank"),
+])
+def test_what_a_pipeline_cannot_train_is_refused_in_one_line(tmp_path, ranks, flags, config, message):
+    pp = flags[1]
+    done = train(tmp_path, ranks, int(pp), *flags[2:], expect=2, **config)
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
