@@ -78,3 +78,29 @@ def test_what_a_pipeline_cannot_train_is_refused_in_one_line(tmp_path, ranks, fl
     pp = flags[1]
     done = train(tmp_path, ranks, int(pp), *flags[2:], expect=2, **config)
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+EXAMPLE = WORKERS / "ds_pipeline_example_train.py"
+# The example's ds_config.json at a CPU's size: every step one pass over the synthetic set, so a
+# run that reads it in another order (train_base's loader shuffles) trains the same steps.
+EXAMPLE_CONFIG = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+                  "optimizer": {"type": "Adam", "params": {"lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8}},
+                  "steps_per_print": 1, "wall_clock_breakdown": False}
+
+
+def run_example(out: Path, ranks: int, pp: int) -> list[float]:
+    out.mkdir(parents=True, exist_ok=True)
+    done = run_launcher("--nproc_per_node", str(ranks), EXAMPLE, "-p", str(pp), "--backend", "gloo", "--steps", "3",
+                        "--image_size", "64", "--dataset_size", "16", "--dropout", "0", "--out", out / "losses.json",
+                        "--deepspeed_config", write_json(out / "ds.json", EXAMPLE_CONFIG), cwd=out, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    if pp:  # the pipeline engine's own progress line, each step (steps_per_print 1), as DeepSpeed prints it
+        assert "steps: 3 loss: " in done.stdout and "samples/sec: " in done.stdout, done.stdout[-2000:]
+    return losses(out)
+
+
+def test_deepspeed_examples_pipeline_script_trains_as_data_parallel_with_only_its_imports_swapped(tmp_path):
+    whole = run_example(tmp_path / "p0", 1, 0)
+    assert len(whole) == 3 and len(set(whole)) == 3
+    assert run_example(tmp_path / "p2", 2, 2) == pytest.approx(whole, rel=1e-4)
+    assert run_example(tmp_path / "p2dp2", 4, 2) == pytest.approx(whole, rel=1e-4)  # 2 stages x 2 data parallel
