@@ -1,7 +1,8 @@
 """Pipeline parallelism on our engine, on real gloo ranks under the launcher (issue 79): a GPT-style
 PipelineModule with a tied embedding and head (tests/workers/pipe_gpt_train.py) trains the losses
 of the same layers unsplit, under each schedule torch offers for one stage per rank, with ZeRO 1
-beside it, and evaluates the same; what it cannot train is refused in one line, exit status 2."""
+beside it, evaluates the same, resumes from its checkpoint and saves the whole model; DeepSpeedExamples'
+pipeline script trains as data parallel; what a pipeline cannot train is refused in one line, exit 2."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ BASE = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "
 
 def train(out: Path, ranks: int, pp: int, *flags: str, expect: int = 0, **config):
     out.mkdir(parents=True, exist_ok=True)
-    done = run_launcher("--nproc_per_node", str(ranks), SCRIPT, "--pp", str(pp), "--steps", "3", "--out",
+    steps = () if "--steps" in flags else ("--steps", "3")
+    done = run_launcher("--nproc_per_node", str(ranks), SCRIPT, "--pp", str(pp), *steps, "--out",
                         out / "losses.json", *flags, "--deepspeed_config", write_json(out / "ds.json", {**BASE, **config}),
                         cwd=out, timeout=300)
     assert done.returncode == expect, done.stdout[-2000:] + done.stderr[-3000:]
@@ -104,3 +106,26 @@ def test_deepspeed_examples_pipeline_script_trains_as_data_parallel_with_only_it
     assert len(whole) == 3 and len(set(whole)) == 3
     assert run_example(tmp_path / "p2", 2, 2) == pytest.approx(whole, rel=1e-4)
     assert run_example(tmp_path / "p2dp2", 4, 2) == pytest.approx(whole, rel=1e-4)  # 2 stages x 2 data parallel
+
+
+def test_a_checkpoint_resumes_to_the_unbroken_runs_losses_and_the_whole_model_is_saved(tmp_path):
+    # ZeRO 1 over 2 stages x 2 data parallel, with a schedule: its state resumes too.
+    config = {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
+              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}
+
+    def run(name, ranks, pp, steps, *flags):
+        out = tmp_path / name
+        train(out, ranks, pp, "--steps", str(steps), *flags, **config)
+        return losses(out)
+
+    unbroken = run("unbroken", 4, 2, 4, "--save16", str(tmp_path / "whole"))
+    first = run("first", 4, 2, 2, "--save", str(tmp_path / "ckpt"))
+    second = run("second", 4, 2, 2, "--load", str(tmp_path / "ckpt"))
+    assert first + second == pytest.approx(unbroken, rel=1e-6) and unbroken[3] < unbroken[0]
+    # save_16bit_model: every stage's layers in one file, the same model one stage trains.
+    run("one_stage", 2, 1, 4, "--save16", str(tmp_path / "whole1"))
+    import torch
+
+    split, one = (torch.load(tmp_path / d / "pytorch_model.bin") for d in ("whole", "whole1"))
+    assert sorted(split) == sorted(one) and "tied_modules.embed.weight" in split and "5.weight" in split
+    assert all(torch.allclose(split[k], one[k], atol=1e-6) for k in split)

@@ -45,6 +45,7 @@ p.add_argument("--pp", type=int, default=2); p.add_argument("--steps", type=int,
 p.add_argument("--blocks", type=int, default=4); p.add_argument("--out", default=None)
 p.add_argument("--local_rank", type=int, default=-1); p.add_argument("--partition", default="parameters")
 p.add_argument("--eval", action="store_true")
+p.add_argument("--save", default=None); p.add_argument("--load", default=None); p.add_argument("--save16", default=None)
 deepspeed.add_config_arguments(p)
 args = p.parse_args()
 deepspeed.init_distributed()
@@ -54,12 +55,22 @@ if args.pp > 0:
     net = PipelineModule(layers(args.blocks), num_stages=args.pp, loss_fn=loss_fn, seed_layers=True, base_seed=7,
                          partition_method=args.partition)
     engine, _, loader, _ = deepspeed.initialize(args=args, model=net, model_parameters=[q for q in net.parameters() if q.requires_grad], training_data=Data())
+    if args.load:  # resume: the data iterator skips the batches the saved steps read
+        path, client = engine.load_checkpoint(args.load)
+        assert path is not None and client == {"note": "mid-run"}, (path, client)
+        for _ in range(engine.global_steps * engine.gradient_accumulation_steps()):
+            if engine.data_iterator is not None:
+                next(engine.data_iterator)
     for _ in range(args.steps):
         loss = engine.train_batch()
         assert loss.dim() == 0, loss.shape  # every stage gets the mean loss, as DeepSpeed returns it
         losses.append(loss.item())
     if args.eval:  # forward only, the same data again: the trained model's mean loss on every stage
         losses.append(engine.eval_batch(iter(torch.utils.data.DataLoader(Data(), batch_size=4))).item())
+    if args.save:
+        engine.save_checkpoint(args.save, client_state={"note": "mid-run"})
+    if args.save16:
+        engine.save_16bit_model(args.save16)
     with open(os.path.join(os.path.dirname(args.out or "."), f"stage_of_rank{os.environ['RANK']}.json"), "w") as f:
         json.dump({"stage": engine.stage_id, "first": engine.is_first_stage(), "last": engine.is_last_stage(),
                    "parts": net.partitions(), "names": sorted(n for n, _ in net.named_parameters())}, f)
@@ -98,6 +109,8 @@ else:
         mean = torch.tensor(total / gas)
         torch.distributed.all_reduce(mean)  # over the data-parallel ranks, as train_batch returns it
         losses.append(mean.item() / torch.distributed.get_world_size())
+    if args.save16:
+        engine.save_16bit_model(args.save16)
     if args.eval:  # the same forward-only pass as eval_batch's: the first gas micro-batches, in order
         engine.module.eval()
         with torch.no_grad():

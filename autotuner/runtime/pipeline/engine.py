@@ -24,6 +24,7 @@ from torch.distributed.pipelining import PipelineStage
 from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.core.errors import ConfigError
+from autotuner.runtime.pipeline.checkpoints import PipelineCheckpoints
 from autotuner.runtime.pipeline.module import PipelineModule
 from autotuner.runtime.pipeline.schedules import schedule_class
 
@@ -35,14 +36,17 @@ class PipelineError(Exception):
 _ONLY_TRAIN_BATCH = "Only train_batch() is accessible in pipeline mode."  # DeepSpeed's words
 
 
-class PipelineEngine(nn.Module):
-    """What `initialize(model=PipelineModule(...))` returns."""
+class PipelineEngine(PipelineCheckpoints, nn.Module):
+    """What `initialize(model=PipelineModule(...))` returns. `local_optimizer`: the optimizer whose
+    state this rank holds (ZeRO 1: its share), which checkpoints save."""
 
     def __init__(self, module: PipelineModule, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
-                 config: DeepSpeedConfig, batch: BatchSizes, device: torch.device, training_dataloader: Any = None):
+                 config: DeepSpeedConfig, batch: BatchSizes, device: torch.device, training_dataloader: Any = None,
+                 local_optimizer: torch.optim.Optimizer | None = None):
         super().__init__()
         self.module = module
         self.optimizer = optimizer
+        self._local_optimizer = local_optimizer if local_optimizer is not None else optimizer
         self.lr_scheduler = lr_scheduler
         self.config = config
         self.batch = batch

@@ -84,7 +84,7 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
     topo = model.topology()
     dp = topo.get_dim("data")
     batch = resolve_batch(cfg, dp)  # a step trains micro x gas x the data-parallel size, as DeepSpeed counts it
-    opt = scheduler = None
+    opt = local_opt = scheduler = None
     if optimizer is not None or cfg.optimizer is not None:
         params = [p for p in model.parameters() if p.requires_grad] if model_parameters is None \
             else list(model_parameters)
@@ -93,7 +93,7 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
         else:
             groups = [{"params": params}] if params and not isinstance(params[0], dict) else params
         data_group = _data_group(topo)
-        opt, _ = build_optimizer(optimizer, cfg, groups, stage, data_group if stage == 1 else None)
+        opt, local_opt = build_optimizer(optimizer, cfg, groups, stage, data_group if stage == 1 else None)
         scheduler = build_scheduler(lr_scheduler, cfg, opt, stage)
     elif lr_scheduler is not None:
         raise ConfigError("initialize(lr_scheduler=...): this engine has no optimizer (no optimizer=... and no "
@@ -109,7 +109,8 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
         sampler = DistributedSampler(training_data, num_replicas=dp, rank=coord.data, shuffle=False)
         loader = RepeatingLoader(DataLoader(training_data, batch_size=batch.micro_batch_size, sampler=sampler,
                                             collate_fn=collate_fn, drop_last=True))
-    engine = PipelineEngine(model, opt, scheduler, cfg, batch, ctx.device, training_dataloader=loader)
+    engine = PipelineEngine(model, opt, scheduler, cfg, batch, ctx.device, training_dataloader=loader,
+                            local_optimizer=local_opt)
     return engine, opt, engine.training_dataloader, scheduler
 
 

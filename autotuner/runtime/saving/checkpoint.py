@@ -123,13 +123,15 @@ def resolve_tag(load_dir: str | Path, tag: str | None) -> str | None:
 def load(
     load_dir: str | Path, tag: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
     *, strict: bool = True, custom_load_fn: Callable[..., Any] | None = None,
-    param_group_members: list[list[str]] | None = None,
+    param_group_members: list[list[str]] | None = None, holds: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """Load into model (and optimizer) in place; returns the saved engine state. With `strict`,
     the checkpoint's weights and the model's must name the same tensors (load_state_dict's rule);
     without it, weights the checkpoint lacks keep their values and extra ones are ignored.
     `param_group_members`: the optimizer's groups as parameter names, checked against the saved
-    ones before anything is loaded (see check_param_groups)."""
+    ones before anything is loaded (see check_param_groups). `holds`: which saved weights are this
+    rank's to hold, where a rank holds part of the model (a pipeline stage): strictness compares
+    those alone."""
     path = Path(load_dir) / tag
     if not (path / ENGINE_STATE_FILE).exists() and not (path / JSON_ENGINE_STATE_FILE).exists():
         raise AutotunerError(f"{path}: not a checkpoint written by save_checkpoint ({ENGINE_STATE_FILE} missing)")
@@ -142,7 +144,7 @@ def load(
     metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved = set(metadata)
     if custom_load_fn is None:  # DeepSpeed applies load_module_strict only to its own load
-        _check_module_keys(path, set(state["model"]), saved, strict)
+        _check_module_keys(path, set(state["model"]), saved, strict, holds)
     state["model"] = {name: value for name, value in state["model"].items() if f"model.{name}" in saved}
     if custom_load_fn is not None:
         state["model"].update(_weights_the_model_lacks(metadata, state["model"]))
@@ -196,11 +198,14 @@ def check_param_groups(path: Path, engine_state: dict[str, Any], members: list[l
                                  f"({', '.join(moved[:3])}{' ...' if len(moved) > 3 else ''}); {advice}")
 
 
-def _check_module_keys(path: Path, model_keys: set[str], saved: set[str], strict: bool) -> None:
-    """load_module_strict: the checkpoint's weights are exactly the model's."""
+def _check_module_keys(path: Path, model_keys: set[str], saved: set[str], strict: bool,
+                       holds: Callable[[str], bool] | None = None) -> None:
+    """load_module_strict: the checkpoint's weights are exactly the model's (those it holds)."""
     if not strict:
         return
     saved_model = {key[len("model."):] for key in saved if key.startswith("model.")}
+    if holds is not None:
+        saved_model = {key for key in saved_model if holds(key)}
     missing, unexpected = sorted(model_keys - saved_model), sorted(saved_model - model_keys)
     if missing or unexpected:
         what = (f"missing {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}" if missing else
