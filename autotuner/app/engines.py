@@ -60,6 +60,9 @@ class EngineChoice:
     decided_by: str  # "--engine", "imports" or "ranks"
     reason: str  # the fact: "train.py imports deepspeed (line 3)", "--engine deepspeed was given"
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "engine", Engine(self.engine))  # the word a caller gives: the type
+
     @property
     def why(self) -> str:
         """A clause saying which engine and why, with the flag that changes it where a guess was made:

@@ -30,7 +30,6 @@ from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
 from autotuner.runtime.training.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
 from autotuner.runtime.parallel_setup import check_mpu, check_tp_group, layout_for
-from autotuner.runtime.pipeline.initialize import initialize_pipeline
 from autotuner.runtime.pipeline.module import PipelineModule
 from autotuner.runtime.training.batch_ramp import ResizableBatchSampler, batch_ramp, ramp_wanted
 from autotuner.runtime.training.split_zero import SplitShadows
@@ -258,6 +257,9 @@ def initialize(
     ctx = init_distributed(default_port=distributed_port)
     _settle_local_rank(args, ctx.local_rank)
     if isinstance(model, PipelineModule):  # DeepSpeed's pipeline engine: train_batch(), per-stage layers
+        # (torch.distributed.pipelining imports torch.export and dynamo: a second, paid only by pipelines)
+        from autotuner.runtime.pipeline.initialize import initialize_pipeline
+
         return initialize_pipeline(args, model, optimizer, model_parameters, training_data, lr_scheduler, mpu,
                                    collate_fn, cfg.with_device_precision(ctx.device.type == "cuda"
                                                                          and torch.cuda.is_bf16_supported()),

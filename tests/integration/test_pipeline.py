@@ -35,15 +35,19 @@ def losses(out: Path) -> list[float]:
     return json.loads((out / "losses.json").read_text())
 
 
+# The checkpoint test's run: ZeRO 1 with a schedule, gas 2 (its state resumes too).
+RESUMED = {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}
+
+
 @pytest.fixture(scope="module")
 def unsplit(tmp_path_factory) -> dict[int, list[float]]:
-    """The same layers as one model on our engine (forward/backward/step), on 1 and on 2 ranks."""
-    runs = {}
-    for ranks in (1, 2):
-        out = tmp_path_factory.mktemp(f"unsplit{ranks}")
-        train(out, ranks, 0, "--eval")
-        runs[ranks] = losses(out)
-    return runs
+    """The same layers as one model on our engine (forward/backward/step): on 1 rank (3 steps, then
+    the evaluation), and on 2 data-parallel ranks at RESUMED's settings (4 steps)."""
+    one, two = tmp_path_factory.mktemp("unsplit1"), tmp_path_factory.mktemp("unsplit2")
+    train(one, 1, 0, "--eval")
+    train(two, 2, 0, "--steps", "4", **RESUMED)
+    return {1: losses(one), 2: losses(two)}
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
@@ -62,24 +66,54 @@ def test_two_stages_train_and_evaluate_as_the_unsplit_model(tmp_path, unsplit, s
     assert all(name.startswith(("3.", "4.", "5.")) for name in stages[1]["names"][:-1])
 
 
-def test_two_stages_by_two_data_parallel_with_zero_1_train_as_the_unsplit_model_on_two_ranks(tmp_path, unsplit):
-    train(tmp_path, 4, 2, zero_optimization={"stage": 1})
-    assert losses(tmp_path) == pytest.approx(unsplit[2][:3], rel=1e-5, abs=1e-6)
+def test_zero_1_over_two_by_two_trains_as_the_unsplit_model_resumes_unbroken_and_saves_the_whole_model(
+        tmp_path, unsplit):
+    import torch
+
+    def run(name, ranks, pp, steps, *flags):
+        out = tmp_path / name
+        train(out, ranks, pp, "--steps", str(steps), *flags, **RESUMED)
+        return losses(out)
+
+    unbroken = run("unbroken", 4, 2, 4, "--save16", str(tmp_path / "whole"))
+    assert unbroken == pytest.approx(unsplit[2], rel=1e-5, abs=1e-6) and unbroken[3] < unbroken[0]
+    first = run("first", 4, 2, 2, "--save", str(tmp_path / "ckpt"))
+    second = run("second", 4, 2, 2, "--load", str(tmp_path / "ckpt"))
+    assert first + second == pytest.approx(unbroken, rel=1e-6)
+    # save_16bit_model: every stage's layers in one file, the same model one stage trains.
+    run("one_stage", 2, 1, 4, "--save16", str(tmp_path / "whole1"))
+    split, one = (torch.load(tmp_path / d / "pytorch_model.bin") for d in ("whole", "whole1"))
+    assert sorted(split) == sorted(one) and "tied_modules.embed.weight" in split and "5.weight" in split
+    assert all(torch.allclose(split[k], one[k], atol=1e-6) for k in split)
 
 
-@pytest.mark.parametrize("ranks, flags, config, message", [
-    (2, ("--pp", "3"), {}, "PipelineModule(num_stages=3): must divide the number of ranks (2)"),
-    (2, ("--pp", "2", "--blocks", "0", "--partition", "uniform"), {"pipeline": {"stages": 3}},
-     "pipeline.stages 3: the script's PipelineModule built 2 stages"),
-    (4, ("--pp", "4", "--blocks", "0"), {}, "PipelineModule: 4 stages for 3 layers"),
-    (2, ("--pp", "2", "--partition", "type:conv"), {}, "'conv' matches no layer's class name"),
-    (2, ("--pp", "2"), {"zero_optimization": {"stage": 2}}, "ZeRO 2 and 3 are not supported with pipeline"),
-    (2, ("--pp", "2"), {"pipeline": {"schedule": "Interleaved1F1B"}}, "runs several stages on each rank"),
-])
-def test_what_a_pipeline_cannot_train_is_refused_in_one_line(tmp_path, ranks, flags, config, message):
-    pp = flags[1]
-    done = train(tmp_path, ranks, int(pp), *flags[2:], expect=2, **config)
-    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+def test_what_a_pipeline_cannot_train_is_refused_in_one_line(tmp_path):
+    # In a launch: a stage count that does not divide the ranks stops it, one line, exit 2.
+    done = train(tmp_path / "launch", 2, 3, expect=2)
+    assert "PipelineModule(num_stages=3): must divide the number of ranks (2)" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    # The rest in one 4-rank launch, each request's error as the ranks raised it.
+    out = tmp_path / "refusals"
+    train(out, 4, 2, "--refusals")
+    found = json.loads((out / "refusals.json").read_text())
+    expected = {
+        "stages_divide": "PipelineModule(num_stages=3): must divide the number of ranks (4)",
+        "more_stages_than_layers": "PipelineModule: 4 stages for 3 layers",
+        "type_matches_nothing": "'conv' matches no layer's class name",
+        "no_such_method": "not a method; expected \"parameters\", \"uniform\" or \"type:REGEX\"",
+        "tensor_parallel_in_a_stage": "tensor parallelism inside pipeline stages is not supported yet",
+        "zero_2": "ZeRO 2 and 3 are not supported with pipeline parallelism",
+        "bf16": "bf16.enabled: mixed precision is not supported with pipeline parallelism yet",
+        "stages_disagree": "pipeline.stages 4: the script's PipelineModule built 2 stages",
+        "interleaved": "'Interleaved1F1B' runs several stages on each rank",
+        "unknown_schedule": "pipeline.schedule: got 'Zigzag'; expected one of '1F1B', 'GPipe'",
+    }
+    for name, message in expected.items():
+        assert found[name] is not None, name
+        text, code = found[name]
+        assert message in text and "\n" not in text and code == 2, (name, text, code)
+    for call in ("forward", "backward", "step"):  # DeepSpeed's refusal, word for word
+        assert found[call] == ["PipelineError: Only train_batch() is accessible in pipeline mode.", None]
 
 
 EXAMPLE = WORKERS / "ds_pipeline_example_train.py"
@@ -107,25 +141,3 @@ def test_deepspeed_examples_pipeline_script_trains_as_data_parallel_with_only_it
     assert run_example(tmp_path / "p2", 2, 2) == pytest.approx(whole, rel=1e-4)
     assert run_example(tmp_path / "p2dp2", 4, 2) == pytest.approx(whole, rel=1e-4)  # 2 stages x 2 data parallel
 
-
-def test_a_checkpoint_resumes_to_the_unbroken_runs_losses_and_the_whole_model_is_saved(tmp_path):
-    # ZeRO 1 over 2 stages x 2 data parallel, with a schedule: its state resumes too.
-    config = {"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 3}}}
-
-    def run(name, ranks, pp, steps, *flags):
-        out = tmp_path / name
-        train(out, ranks, pp, "--steps", str(steps), *flags, **config)
-        return losses(out)
-
-    unbroken = run("unbroken", 4, 2, 4, "--save16", str(tmp_path / "whole"))
-    first = run("first", 4, 2, 2, "--save", str(tmp_path / "ckpt"))
-    second = run("second", 4, 2, 2, "--load", str(tmp_path / "ckpt"))
-    assert first + second == pytest.approx(unbroken, rel=1e-6) and unbroken[3] < unbroken[0]
-    # save_16bit_model: every stage's layers in one file, the same model one stage trains.
-    run("one_stage", 2, 1, 4, "--save16", str(tmp_path / "whole1"))
-    import torch
-
-    split, one = (torch.load(tmp_path / d / "pytorch_model.bin") for d in ("whole", "whole1"))
-    assert sorted(split) == sorted(one) and "tied_modules.embed.weight" in split and "5.weight" in split
-    assert all(torch.allclose(split[k], one[k], atol=1e-6) for k in split)

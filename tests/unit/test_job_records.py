@@ -85,6 +85,33 @@ def test_writing_into_any_records_mapping_after_it_is_built_raises(tmp_path):
     assert isinstance(autotuner.ledger.records, tuple)
 
 
+def test_the_config_a_job_holds_is_read_only_at_every_depth():
+    # The DeepSpeed config is a frozen pydantic model; the dicts and lists its sections hold are frozen too.
+    from autotuner.config import load_config
+
+    config = load_config({"train_micro_batch_size_per_gpu": [2, 4],
+                          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.99]}},
+                          "compile": {"kwargs": {"mode": "default"}},
+                          "autotuning": {"enabled": True, "arg_mappings": {"train_micro_batch_size_per_gpu": "--bs"}}})
+    writes = {
+        "optimizer.params": lambda: config.optimizer.params.__setitem__("lr", 1.0),
+        "optimizer.params.betas": lambda: config.optimizer.params["betas"].append(0.5),
+        "compile.kwargs": lambda: config.compile.kwargs.update(mode="max-autotune"),
+        "autotuning.arg_mappings": lambda: config.autotuning.arg_mappings.pop("train_micro_batch_size_per_gpu"),
+        "train_micro_batch_size_per_gpu": lambda: config.train_micro_batch_size_per_gpu.append(8),
+    }
+    for name, write in writes.items():
+        with pytest.raises(FrozenError):
+            write()
+    with pytest.raises(Exception, match="frozen"):
+        config.optimizer.type = "Adam"  # pydantic's own refusal
+    assert config.optimizer.params == {"lr": 1e-3, "betas": [0.9, 0.99]} and config.train_micro_batch_size_per_gpu == [2, 4]
+    # What a caller changes is a dump or a copy, writable, and the config is as it was.
+    dumped = config.model_dump()
+    dumped["optimizer"]["params"]["betas"].append(0.5)
+    assert config.optimizer.params["betas"] == [0.9, 0.99]
+
+
 def test_the_ledger_holds_the_profile_launches_the_search_and_what_was_pruned_by_kind(tmp_path):
     # A budget of 3 MiB: the memory model prunes what the profile shows cannot fit.
     autotuner = tuner(tmp_path, FakeRunner(by_micro({2: 10.0, 4: 20.0})), {"memory_per_rank_bytes": 3 * MiB},

@@ -45,13 +45,59 @@ p.add_argument("--pp", type=int, default=2); p.add_argument("--steps", type=int,
 p.add_argument("--blocks", type=int, default=4); p.add_argument("--out", default=None)
 p.add_argument("--local_rank", type=int, default=-1); p.add_argument("--partition", default="parameters")
 p.add_argument("--eval", action="store_true")
+p.add_argument("--refusals", action="store_true")
 p.add_argument("--save", default=None); p.add_argument("--load", default=None); p.add_argument("--save16", default=None)
 deepspeed.add_config_arguments(p)
 args = p.parse_args()
 deepspeed.init_distributed()
 torch.manual_seed(1)
 losses = []
-if args.pp > 0:
+if args.refusals:  # each wrong request refused in one line (ConfigError/UnsupportedError, exit status 2)
+    from autotuner.core.errors import AutotunerError
+    from autotuner.pipe import PipeModelDataParallelTopology
+    world = torch.distributed.get_world_size()
+    base = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "optimizer": {"type": "Adam", "params": {"lr": 0.01}}}
+    attempts = {
+        "stages_divide": lambda: PipelineModule(layers(2), num_stages=world - 1),
+        "more_stages_than_layers": lambda: PipelineModule(layers(0), num_stages=world),
+        "type_matches_nothing": lambda: PipelineModule(layers(2), num_stages=2, partition_method="type:conv"),
+        "no_such_method": lambda: PipelineModule(layers(2), num_stages=2, partition_method="profile"),
+        "tensor_parallel_in_a_stage": lambda: PipelineModule(
+            layers(2), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=world // 4)),
+    }
+    engines = {
+        "zero_2": {"zero_optimization": {"stage": 2}},
+        "bf16": {"bf16": {"enabled": True}},
+        "stages_disagree": {"pipeline": {"stages": 4}},
+        "interleaved": {"pipeline": {"schedule": "Interleaved1F1B"}},
+        "unknown_schedule": {"pipeline": {"schedule": "Zigzag"}},
+    }
+    found = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            found[name] = None
+        except AutotunerError as err:
+            found[name] = [str(err), err.exit_code]
+    net = PipelineModule(layers(2), num_stages=2, loss_fn=loss_fn)
+    for name, extra in engines.items():
+        try:
+            deepspeed.initialize(model=net, config={**base, **extra})
+            found[name] = None
+        except AutotunerError as err:
+            found[name] = [str(err), err.exit_code]
+    engine, _, _, _ = deepspeed.initialize(model=net, config=base)
+    for call in ("forward", "backward", "step"):
+        try:
+            getattr(engine, call)(torch.zeros(1))
+            found[call] = None
+        except Exception as err:
+            found[call] = [f"{type(err).__name__}: {err}", None]
+    if int(os.environ["RANK"]) == 0:
+        with open(os.path.join(os.path.dirname(args.out), "refusals.json"), "w") as f:
+            json.dump(found, f)
+elif args.pp > 0:
     net = PipelineModule(layers(args.blocks), num_stages=args.pp, loss_fn=loss_fn, seed_layers=True, base_seed=7,
                          partition_method=args.partition)
     engine, _, loader, _ = deepspeed.initialize(args=args, model=net, model_parameters=[q for q in net.parameters() if q.requires_grad], training_data=Data())
