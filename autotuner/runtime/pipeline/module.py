@@ -13,6 +13,7 @@ gradients are summed over them, before the data-parallel average, as DeepSpeed d
 from __future__ import annotations
 
 import functools
+import os
 import random
 from typing import Any, Callable, Sequence
 
@@ -301,7 +302,8 @@ def _run_chunk(chunk: list[Callable], *args: Any) -> Any:
 
 
 def _device_of_group() -> torch.device:
-    """The device the script's own process group runs on (nccl: this rank's GPU)."""
+    """The device the script's own process group runs on (nccl: this rank's GPU, by LOCAL_RANK as
+    DeepSpeed's PipelineModule places itself)."""
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")
