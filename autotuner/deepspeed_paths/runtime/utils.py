@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 import gc
-import random
 
 import psutil
-import torch
 import torch.distributed as dist
 
 from autotuner.runtime.accelerator import get_accelerator
-
-
-def set_random_seed(seed: int) -> None:
-    """Seed Python, numpy (when installed) and torch on every device, as DeepSpeed's does."""
-    random.seed(seed)
-    try:
-        import numpy
-
-        numpy.random.seed(seed % 2**32)
-    except ImportError:
-        pass
-    torch.manual_seed(seed % 2**63)
+from autotuner.runtime.pipeline.module import set_random_seed  # noqa: F401  (deepspeed.runtime.utils')
 
 
 def see_memory_usage(message: str, force: bool = False) -> None:

@@ -84,10 +84,9 @@ def _trainable_count(layer: Any) -> int:
     return 0
 
 
-def _seed(seed: int, seed_fn: Callable[[int], None] | None) -> None:
-    if seed_fn is not None:
-        seed_fn(seed)
-        return
+def set_random_seed(seed: int) -> None:
+    """Seed Python, numpy (when installed) and torch on every device, as DeepSpeed's
+    runtime.utils.set_random_seed does (deepspeed_paths re-exports this one)."""
     random.seed(seed)
     try:
         import numpy
@@ -96,6 +95,10 @@ def _seed(seed: int, seed_fn: Callable[[int], None] | None) -> None:
     except ImportError:
         pass
     torch.manual_seed(seed % 2**63)
+
+
+def _seed(seed: int, seed_fn: Callable[[int], None] | None) -> None:
+    (seed_fn or set_random_seed)(seed)
 
 
 def _attr(module: nn.Module, dotted: str) -> Any:
