@@ -116,7 +116,7 @@ def orchestrator(tmp_path: Path, config: DeepSpeedConfig, runner: FakeRunner, se
                  settle_engine: Callable[[str], str] | None = None, **job) -> Autotuner:
     """The orchestrator over `config` and a fake runner, with the job as the settle pass builds it
     (device facts and search space, `settled`), writing under `tmp_path`; `job` replaces fields of
-    TuningJob.settled (space, devices, degrees, left_out, placement)."""
+    TuningJob.settled (space, devices, layouts, left_out, placement)."""
     from autotuner.tuning.profiling.job import TuningJob
 
     settings = settings or experiment_settings(config)

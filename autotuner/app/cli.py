@@ -122,9 +122,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tuned_values", default=None, metavar="FILE",
                         help="a tune's tuned_values.json (cmd_optimal.txt names it): our engine trains with the "
                              "pick's values where the script builds its config in code")
-    parser.add_argument("--autotuning", choices=("tune", "run", "online"), default=None,
+    parser.add_argument("--autotuning", choices=("tune", "run", "plan", "online"), default=None,
                         help="tune: search ZeRO stage x micro-batch x gas and write the optimum; run: tune, then "
-                             "train; online: train the config as written, tuning its communication knobs as it goes")
+                             "train; plan: launch only the profile and print every candidate's predicted memory "
+                             "and step time (autotuning_results/plan.csv); online: train the config as written, "
+                             "tuning its communication knobs as it goes")
     parser.add_argument("--bench", action="store_true",
                         help="synthetic benchmark: samples/s and scaling efficiency at each --nproc_per_node size, "
                              "fixed per-rank micro-batch (weak scaling); writes bench_results/bench.csv")
@@ -328,7 +330,7 @@ def _main(argv: list[str], script_at: int) -> int:
         if args.bench:
             return _bench(args)
         args.nproc_per_node = _single_rank_count(args.nproc_per_node)
-        if args.autotuning in ("tune", "run"):
+        if args.autotuning in ("tune", "run", "plan"):
             return _autotune(args)
         return _launch(args)
     except AutotunerError as err:

@@ -56,9 +56,10 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
     if tp > 1 and world_size % tp:
         raise ConfigError(f"{path}: tensor_parallel.autotp_size {tp}: must divide the number of ranks ({world_size})")
     check_fixed_triad(config, world_size, path)
-    from autotuner.runtime.training.optim import check_optimizer_and_scheduler
+    if config.optimizer is not None or config.scheduler is not None:  # built on a dummy parameter: torch
+        from autotuner.runtime.training.optim import check_optimizer_and_scheduler
 
-    check_optimizer_and_scheduler(config, path)
+        check_optimizer_and_scheduler(config, path)
     _check_online(config, path, online)
     if online or config.autotuning.online.enabled:
         return

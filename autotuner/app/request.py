@@ -13,7 +13,7 @@ from autotuner.launch import LaunchOptions
 
 @dataclass(frozen=True)
 class TuneRequest:
-    mode: str  # "tune", or "run" (tune, then train with the pick)
+    mode: str  # "tune", "run" (tune, then train with the pick) or "plan" (profile, then cost every candidate)
     launch: LaunchOptions  # the launcher's options as given: the script, its arguments, the rank flags
     backend: BackendOptions  # --backend and its flags
     engine: str = "auto"  # --engine: "auto" (the script's imports say), "deepspeed" or "autotuner"

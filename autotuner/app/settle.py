@@ -38,7 +38,9 @@ from autotuner.config.keys import field_names, section_model
 from autotuner.config.loader import config_label, read_config_file
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
 from autotuner.app.trainer_checks import check_trainer_mappings, check_trainer_step_counts, script_max_steps
-from autotuner.app.tensor_parallel_checks import check_tensor_parallel_tune, kept_degrees, settled_degrees
+from autotuner.app.layout_checks import check_pipeline_tune, kept_layouts, settled_layouts
+from autotuner.app.tensor_parallel_checks import check_tensor_parallel_tune
+from autotuner.tuning.space.layout import Layout
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.execution.backends import BACKENDS, backend_spec
 from autotuner.core.script_imports import own_modules
@@ -76,9 +78,9 @@ class SettledJob:
     exps_dir: Path
     devices: DeviceFacts  # read once, here
     space: SearchSpace  # built once, here, for the engine settled here (the orchestrator swaps in the
-    # engine's dimensions after the profile only where the profile's ranks settle the engine), at degrees[0]
-    degrees: tuple[int, ...] = ()  # the tensor-parallel degrees a search runs in turn (none: the config's one)
-    left_out: tuple[tuple[int, str], ...] = ()  # the degrees a search leaves out, with why
+    # engine's dimensions after the profile only where the profile's ranks settle the engine), at layouts[0]
+    layouts: tuple[Layout, ...] = ()  # the layouts a search runs in turn (none: the config's one)
+    left_out: tuple[tuple[Layout, str], ...] = ()  # the layouts a search leaves out, with why
 
 
 def say(line: str) -> None:
@@ -209,10 +211,10 @@ def settle(request: TuneRequest) -> SettledJob:
     results_dir, exps_dir = Path(tuning.results_dir), Path(tuning.exps_dir)
     check_results_dir(results_dir, "results_dir")
     check_results_dir(exps_dir, "exps_dir")
-    degrees = settled_degrees(config, world_size, plan.nproc_per_node, source)
-    searched = config.tensor_parallel.searched  # a search runs each degree in turn, counted from degree 1
-    tensor_parallel = 1 if searched else degrees[0]
-    left_out: tuple[tuple[int, str], ...] = ()
+    layouts, searched = settled_layouts(config, world_size, plan.nproc_per_node, source)
+    # A search runs each layout in turn, counted from no split; else every experiment sets the one layout.
+    layout = Layout() if searched else layouts[0]
+    left_out: tuple[tuple[Layout, str], ...] = ()
     # DeepSpeed's engine splits each sequence over sequence_parallel_size ranks, and its batch
     # arithmetic divides the world by it as by a model-parallel size (ours refuses it at initialize).
     sequence_parallel = config.set_aside.get("sequence_parallel_size", 1)
@@ -220,23 +222,25 @@ def settle(request: TuneRequest) -> SettledJob:
     if sequence_parallel > 1 and world_size % (tuning.mp_size * sequence_parallel):
         raise ConfigError(f"{source}: sequence_parallel_size {sequence_parallel} x autotuning.mp_size "
                           f"{tuning.mp_size} must divide the world size ({world_size})")
-    data_parallel_size = data_parallel_size_of(world_size, tuning.mp_size * sequence_parallel * tensor_parallel,
+    data_parallel_size = data_parallel_size_of(world_size, tuning.mp_size * sequence_parallel * layout.model_ranks,
                                                source)
-    if not searched:  # (a search checks the triad at each degree)
-        check_fixed_triad(config, world_size if tensor_parallel > 1 else data_parallel_size, source)
+    if not searched:  # (a search checks the triad at each layout)
+        check_fixed_triad(config, world_size if layout.model_ranks > 1 else data_parallel_size, source)
     engine = script_engine(script, request.engine)
-    if max(degrees) > 1:
+    if max(l.tensor_parallel for l in layouts) > 1:
         check_tensor_parallel_tune(config, engine, source)
+    if any(l.pipeline for l in layouts):
+        check_pipeline_tune(config, engine, source)
     # The search space, built once for the run from the device facts read once (the engine's own
     # dimensions are swapped in after the profile where only its ranks can tell the engine).
     devices = read_device_facts()
     space = search_space(config, data_parallel_size, engine.engine, devices.on_gpu)
     if searched:
-        degrees, left_out = kept_degrees(config, space, degrees, data_parallel_size, source, say,
+        layouts, left_out = kept_layouts(config, space, layouts, data_parallel_size, source, say,
                                          check_some_batch_is_valid)
-        tensor_parallel = degrees[0]
-    if searched or tensor_parallel > 1:  # each experiment sets its degree
-        space = space.at_degree(tensor_parallel, data_parallel_size * (1 if searched else tensor_parallel))
+        layout = layouts[0]
+    if searched or layout != Layout():  # each experiment sets its layout
+        space = space.at_layout(layout, data_parallel_size * (1 if searched else layout.model_ranks))
         data_parallel_size = space.data_parallel_size
     check_some_batch_is_valid(space, data_parallel_size, source)
     if trains_with_trainer(script):
@@ -296,7 +300,7 @@ def settle(request: TuneRequest) -> SettledJob:
         trainer=trains_with_trainer(script),
     )
     return SettledJob(source, config, options, plan, num_nodes, engine, settings, results_dir, exps_dir,
-                      devices, space, degrees if searched else (), left_out)
+                      devices, space, layouts if searched else (), left_out)
 
 
 def tuning_job(job: SettledJob, placement: Placement) -> TuningJob:
@@ -311,7 +315,7 @@ def tuning_job(job: SettledJob, placement: Placement) -> TuningJob:
                                  device=placement.hardware or this_device(), user_config=settings.user_config,
                                  measured_as=measured_as(settings), own_modules=tuple(own_modules(settings.script)),
                                  bool_flags=bool_flags(dict(tuning.arg_mappings), settings.base_config))
-    return TuningJob.settled(job.config, settings, job.space, job.devices, fingerprint, placement, job.degrees,
+    return TuningJob.settled(job.config, settings, job.space, job.devices, fingerprint, placement, job.layouts,
                              job.left_out)
 
 

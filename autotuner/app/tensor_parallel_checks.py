@@ -1,31 +1,34 @@
 """The tensor-parallel degrees a tune runs, settled before any launch: the config's fixed degree,
 or the degrees `"auto"` (the divisors of the ranks per node: TP stays inside a node) or a list
-asks to search, each kept or left out with the reason said; what a TP tune cannot carry refused."""
+asks to search; what a TP tune cannot carry refused. Which layouts are kept: layout_checks.py."""
 
 from __future__ import annotations
 
 import json
-from typing import Callable
-
 from autotuner.core.engine_kind import Engine
 from autotuner.app.engines import EngineChoice
-from autotuner.config.batch import check_fixed_triad
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.core.errors import ConfigError, UsageError
-from autotuner.tuning.space.search_space import SearchSpace
+
+
+def check_layout_tune(config: DeepSpeedConfig, engine: EngineChoice, source: str, key: str, kind: str,
+                      noise: str) -> None:
+    """A tune that sets a layout (`key` and its words, `kind`: "a tensor-parallel tune"): our
+    engine only, and goodput refused where the gradient noise is not read (`noise`: where)."""
+    if not (engine.settled and engine.engine == Engine.OURS):
+        raise UsageError(f"{source}: {key}: {kind} runs on autotuner's engine only ({engine.reason}); import "
+                         "autotuner in the script, or pass --engine autotuner")
+    if config.autotuning.metric == "goodput":
+        raise ConfigError(f"{source}: autotuning.metric \"goodput\" with {key}: the gradient noise is not read "
+                          f"{noise}; use metric \"throughput\"")
 
 
 def check_tensor_parallel_tune(config: DeepSpeedConfig, engine: EngineChoice, source: str) -> None:
     """A tune with a tensor-parallel degree above 1 (fixed or among those searched): our engine
     only, and what it refuses there refused before any launch."""
-    section = config.tensor_parallel
-    size = json.dumps(section.autotp_size)
-    if not (engine.settled and engine.engine == Engine.OURS):
-        raise UsageError(f"{source}: tensor_parallel.autotp_size {size}: a tensor-parallel tune runs on autotuner's "
-                         f"engine only ({engine.reason}); import autotuner in the script, or pass --engine autotuner")
-    if config.autotuning.metric == "goodput":
-        raise ConfigError(f"{source}: autotuning.metric \"goodput\" with tensor_parallel.autotp_size {size}: the "
-                          "gradient noise is not read under tensor parallelism yet; use metric \"throughput\"")
+    size = json.dumps(config.tensor_parallel.autotp_size)
+    check_layout_tune(config, engine, source, f"tensor_parallel.autotp_size {size}", "a tensor-parallel tune",
+                      "under tensor parallelism yet")
 
 
 def degree_dividing(config: DeepSpeedConfig, world_size: int, source: str) -> int:
@@ -57,29 +60,3 @@ def at_degree(config: DeepSpeedConfig, degree: int) -> DeepSpeedConfig:
     """The config as an experiment at `degree` reads it (autotp_size settled)."""
     return config.model_copy(update={"tensor_parallel": config.tensor_parallel.model_copy(
         update={"autotp_size": degree})})
-
-
-def kept_degrees(config: DeepSpeedConfig, space: SearchSpace, degrees: tuple[int, ...], ranks: int, source: str,
-                 say: Callable[[str], None],
-                 batch_is_valid: Callable[[SearchSpace, int, str], None]
-                 ) -> tuple[tuple[int, ...], tuple[tuple[int, str], ...]]:
-    """The searched degrees that have something to run, and (degree, why) for each left out, said;
-    none kept is refused with the first degree's reason. `ranks`: what the degrees divide (the
-    data-parallel size at degree 1); `batch_is_valid` refuses a space with no valid global batch."""
-    kept, reasons, left_out = [], [], []
-    for degree in degrees:
-        at = space.at_degree(degree, ranks)
-        try:
-            check_fixed_triad(at_degree(config, degree), at.data_parallel_size, source)
-            batch_is_valid(at, at.data_parallel_size, source)
-        except ConfigError as err:
-            reasons.append(err)
-            left_out.append((degree, str(err).removeprefix(source + ": ")))
-            say(f"tensor parallel {degree}: left out ({left_out[-1][1]})")
-            continue
-        kept.append(degree)
-    if not kept:
-        raise reasons[0]
-    say(f"tensor parallel: searching degrees {', '.join(map(str, kept))} (each profiled at its own degree, data-"
-        f"parallel size {', '.join(str(ranks // d) for d in kept)})")
-    return tuple(kept), tuple(left_out)

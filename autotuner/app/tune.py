@@ -16,6 +16,7 @@ from autotuner.tuning.reports.batch_ramp_plan import ramp_lines
 from autotuner.core.errors import UsageError
 from autotuner.launch.stopping import Stopped
 from autotuner.tuning.orchestrator import Autotuner
+from autotuner.tuning.reports.plan_table import plan_text, write_plan
 from autotuner.tuning.trials.evaluator import TuningFailed
 from autotuner.tuning.trials.runner import Placement
 from autotuner.execution.forkserver import Forkserver
@@ -42,10 +43,22 @@ def exclusive_lock(results_dir: Path):
         handle.close()
 
 
+def _plan(tuner: Autotuner, results_dir: Path) -> int:
+    report = tuner.plan()
+    print(plan_text(report), end="")
+    _say(f"plan written to {write_plan(results_dir, report)}")
+    return 0
+
+
 def autotune(request: TuneRequest, forkserver: Forkserver | None = None) -> int:
     """`forkserver`: the warm path's, started early by the command line (it preloads meanwhile)."""
     settled = settle(request)
     results_dir, exps_dir = settled.results_dir, settled.exps_dir
+    info = settled.config.autotuning.model_info
+    if request.mode == "plan" and info is not None and info.num_params:
+        raise UsageError(f"--autotuning plan: {settled.source}'s autotuning.model_info.num_params skips the profile "
+                         "launches, so no step is measured to predict the others from; drop model_info.num_params "
+                         "to plan")
     spec = backend_spec(request.backend.backend)
     runner_request = RunnerRequest(request.backend, settled.config.autotuning, settled.settings, settled.num_nodes,
                                    _say, forkserver)
@@ -57,6 +70,8 @@ def autotune(request: TuneRequest, forkserver: Forkserver | None = None) -> int:
             try:
                 tuner = Autotuner(job, results_dir, exps_dir, runner, report=_say,
                                   settle_engine=lambda built: settle_built_engine(settled, built))
+                if request.mode == "plan":
+                    return _plan(tuner, results_dir)
                 outcome = tuner.tune()
             except Stopped as stop:  # the runner's exit below ends the running experiment
                 hint = getattr(stop, "resume_hint", "Resume with the same command.")

@@ -18,9 +18,11 @@ from autotuner.config.base import NonNegativeInt, PositiveInt, Section
 
 
 class PipelineConfig(Section):
-    stages: PositiveInt | Literal["auto"] = Field(
+    stages: PositiveInt | Literal["auto"] | list[PositiveInt] = Field(
         "auto", description='pipeline stages; "auto" (DeepSpeed\'s default): as the script\'s PipelineModule '
-                            "builds them; a number is checked against it")
+                            "builds them; a number is checked against it. In a tune whose arg_mappings maps "
+                            "pipeline.stages to the script's flag: \"auto\" searches every divisor of the ranks, "
+                            "a list those listed, a number fixes it")
     partition: str = Field("best", description="DeepSpeed parses it and leaves the split to "
                                                "PipelineModule(partition_method=...); so here")
     seed_layers: bool = Field(False, description="DeepSpeed parses it and leaves it to PipelineModule(seed_layers=...); "

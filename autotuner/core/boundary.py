@@ -316,14 +316,29 @@ class ModelInfo:
     # plan split (whole counts): each rank holds split / tensor_parallel of them and the rest whole.
     tensor_parallel: int = 1
     split_num_params: int = 0
+    # At degree 1, what a degree would split: the parameters the plan splits (whole counts) and the
+    # bytes the first micro-batch saved inside its split regions (the largest over the ranks).
+    splittable_num_params: int = 0
+    split_activation_bytes: int = 0
     # The measured engine's model class: where a script builds several engines, the one the tuned
     # values are for (our engine: the first built with an optimizer; DeepSpeed's: the first built).
     measured_model: str = ""
+    # A pipeline's launch (its stages 1 without one): per stage, the parameters its ranks hold (a
+    # tied weight on each stage that holds it) and the bytes its first micro-batch saved for
+    # backward (the largest over the stage's replicas); each rank's stage, in rank order; the
+    # schedule that ran. The memory model costs each stage apart: the heaviest decides the fit.
+    pipeline_stages: int = 1
+    pipeline_schedule: str = ""
+    stage_num_params: tuple[int, ...] = ()
+    stage_split_num_params: tuple[int, ...] = ()  # of those, the ones tensor parallelism split (whole counts)
+    stage_activation_bytes: tuple[int, ...] = ()
+    stage_of_rank: tuple[int, ...] = ()
+    pipeline_micro_batches: int = 0  # the launch's gas: the micro-batches a step runs through the stages
     version: int = VERSION
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        for key in ("activation_bytes_per_rank", "peak_memory_bytes_per_rank"):
+        for key in _PER_RANK_LISTS:
             data[key] = list(data[key])
         data["activation_bytes_by_policy"] = dict(self.activation_bytes_by_policy)
         data["collective_timings"] = [timing.to_json() for timing in self.collective_timings]
@@ -334,8 +349,8 @@ class ModelInfo:
         _check_version(data, "model info")
         try:
             values = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data}
-            for key in ("activation_bytes_per_rank", "peak_memory_bytes_per_rank"):
-                values[key] = tuple(values.get(key) or ())
+            for key in _PER_RANK_LISTS:
+                values[key] = tuple(int(v) for v in values.get(key) or ())
             values["collective_timings"] = tuple(
                 CollectiveTiming.from_json(item) for item in values.get("collective_timings") or ())
             values["activation_bytes_by_policy"] = tuple(
@@ -345,6 +360,9 @@ class ModelInfo:
         except (TypeError, KeyError, ValueError) as err:
             raise RecordError(f"model info record: {err}") from None
 
+
+_PER_RANK_LISTS = ("activation_bytes_per_rank", "peak_memory_bytes_per_rank", "stage_num_params",
+                   "stage_split_num_params", "stage_activation_bytes", "stage_of_rank")
 
 MESSAGE_LIMIT = 1000  # characters of a rank's error message kept in its record
 

@@ -44,8 +44,15 @@ class LaunchPlan:
         return self.nproc_per_node * self.num_nodes
 
 
+# A CUDA (or ROCm) device needs its driver's device files: without them torch sees no GPU, and
+# the launcher need not import torch (about 2 CPU-seconds) to learn so.
+GPU_DRIVER_PATHS = ("/dev/nvidia0", "/dev/nvidiactl", "/proc/driver/nvidia", "/dev/kfd")
+
+
 def visible_gpus() -> int:
     """CUDA devices this process may use (0 on a CPU-only machine); makes no CUDA context."""
+    if not any(os.path.exists(path) for path in GPU_DRIVER_PATHS):
+        return 0
     try:
         import torch
 

@@ -77,6 +77,14 @@ def _end_process_group(succeeded: list[bool]) -> None:
     runtime.distributed.end_process_group). Registered before the script runs, so it runs after
     the exit handlers the script and the engine register (atexit runs last-in first-out): a rank
     serving FSDP2 shards to rank 0 (runtime/saving/rank_zero_gather.py) waits there first."""
+    # The interpreter is exiting, as torch's own exit hook would mark it: a DataLoader iterator
+    # the collection below frees must leave its worker processes to multiprocessing's exit
+    # handler, which has run by now (registered later, it runs earlier), not join each for up to
+    # 5 s on queues that handler closed. DeepSpeed's loader keeps its iterator: 2 workers added
+    # 10 s to the end of every rank's run.
+    data_utils = sys.modules.get("torch.utils.data._utils")
+    if data_utils is not None:
+        data_utils.python_exit_status = True
     distributed = sys.modules.get("torch.distributed")
     if succeeded and distributed is not None and distributed.is_available() and distributed.is_initialized():
         from autotuner.runtime.distributed import end_process_group

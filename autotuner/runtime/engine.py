@@ -39,6 +39,7 @@ from autotuner.runtime.training.optim import step_scheduler
 from autotuner.runtime.training.sharding import average_gradients, finite_norm, gradient_norm, unwrap, wrap_ddp
 from autotuner.runtime.training.batch_ramp import BatchRamp, ramp_after_step, scaled_schedule
 from autotuner.runtime.training.split_zero import SplitShadows
+from autotuner.runtime.training.tp_plan import plan_styles
 from autotuner.runtime.training.tensor_parallel import (ParallelLayout, SplitModel, check_same_batch,
                                                          data_parallel_layout, tp_gradient_norm)
 
@@ -134,6 +135,8 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
         # The blocks let the probe say what each checkpointing policy would hold (the tuner's memory term).
         self._activation_probe = ActivationProbe(list(self.wrapped.parameters()), repeated_blocks(unwrap(self.wrapped)),
                                                  model=self.wrapped) if want_model_info else None
+        if self._activation_probe is not None and split is None:  # what a tensor-parallel degree would split
+            self._activation_probe.watch_split_regions(unwrap(self.wrapped), plan_styles(unwrap(self.wrapped)))
         # On CUDA the profile reads the allocator's peaks of step 2 apart for forward+backward and for
         # the optimizer step: the steady state, with optimizer states allocated. The CPU's resident
         # set cannot be split by phase, so there the profile stays at step 1.

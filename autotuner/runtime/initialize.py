@@ -27,7 +27,8 @@ from autotuner.runtime.saving.whole_weights import mark_zero3_parameters, regist
 from autotuner.runtime.training.activation_checkpointing import apply_activation_checkpointing
 from autotuner.runtime.training.compiling import compile_blocks
 from autotuner.runtime.training.grad_reduction import GradientReduction
-from autotuner.runtime.training.optim import build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs
+from autotuner.runtime.training.optim import (build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs,
+                                              remap_groups)
 from autotuner.runtime.training.sharding import settle_offload, unwrap, wrap_model, zero_redundancy
 from autotuner.runtime.parallel_setup import check_mpu, check_tp_group, layout_for
 from autotuner.runtime.pipeline.module import PipelineModule
@@ -93,22 +94,6 @@ def micro_step_noise_probe(cfg: DeepSpeedConfig, stage: int, batch, world_size: 
     if not _gradient_noise_wanted(cfg, stage) or world_size != 1 or batch.gradient_accumulation_steps < 2:
         return None
     return MicroStepNoiseProbe(list(parameters), batch.micro_batch_size, batch.gradient_accumulation_steps)
-
-
-def _remap_groups(params: Iterable, id_to_name: dict[int, str], new_by_name: dict[str, nn.Parameter]) -> list[dict]:
-    """Param groups pointing at the wrapped model's parameters (FSDP2 replaces them with DTensors)."""
-    items = list(params)
-    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
-    remapped = []
-    for group in groups:
-        new_params = []
-        for param in group["params"]:
-            name = id_to_name.get(id(param))
-            if name is None:
-                raise ConfigError("model_parameters/optimizer hold a tensor that is not a parameter of the model")
-            new_params.append(new_by_name[name])
-        remapped.append({**group, "params": new_params})
-    return remapped
 
 
 def _build_optimizer(
@@ -263,7 +248,7 @@ def initialize(
         return initialize_pipeline(args, model, optimizer, model_parameters, training_data, lr_scheduler, mpu,
                                    collate_fn, cfg.with_device_precision(ctx.device.type == "cuda"
                                                                          and torch.cuda.is_bf16_supported()),
-                                   _build_optimizer, _build_scheduler)
+                                   _build_optimizer, _build_scheduler, measured, tuned_over_script)
     cfg = cfg.with_device_precision(ctx.device.type == "cuda" and torch.cuda.is_bf16_supported())
     cfg = cfg.model_copy(update={"zero_optimization": settle_offload(cfg.zero_optimization, stage, ctx.device)})
     cfg, tp_group = merge_into_config(cfg, mpu)  # what deepspeed.tp_model_init noted, as DeepSpeed merges it
@@ -292,7 +277,7 @@ def initialize(
     ramp = batch_ramp(cfg, ctx.rank, noise is not None, stage) if measured else None
     shadows = opt = local_opt = scheduler = None
     if trains:
-        groups = _remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
+        groups = remap_groups(source, id_to_name, dict(unwrap(wrapped).named_parameters()))
         if split is not None and stage == 1:  # ZeroRedundancyOptimizer over the dp group, on the shards' shadows
             shadows, groups = SplitShadows.over(groups)
         opt, local_opt = _build_optimizer(optimizer, cfg, groups, stage, layout.dp_group if shadows else None)

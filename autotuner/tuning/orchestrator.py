@@ -16,12 +16,16 @@ from autotuner.tuning.models.memory_book import MemoryBook
 from autotuner.tuning.profiling.job import ProfiledJob, TuningJob
 from autotuner.tuning.profiling.phase import ProfilePhase, record_pruned
 from autotuner.tuning.reports.outcome import SearchRecord, TuningOutcome, write_outcome
+from autotuner.tuning.reports.plan_table import PlanReport
+from autotuner.tuning.searches.plan_search import PlanModels, plan_rows, predicted_pick
+from autotuner.tuning.searches.degree_memory import degree_memory_lines
 from autotuner.tuning.searches.degree_rule import degree_cannot_help
 from autotuner.tuning.searches.final_pick import final_pick_rounds
 from autotuner.tuning.searches.predictive_search import PredictiveOutcome, run_predictive_search
 from autotuner.tuning.searches.stage_search import run_search
 from autotuner.tuning.searches.variant_rules import variant_text
 from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.layout import Layout
 from autotuner.tuning.space.planned_run import objective_line
 from autotuner.tuning.space.records import TrialResult
 from autotuner.tuning.trials.evaluator import Evaluator, RunnerLaunches, TrialFactory, TuningFailed
@@ -36,9 +40,9 @@ from autotuner.tuning.tuners.predictive import pooled_rule
 
 
 @dataclass(frozen=True)
-class DegreeSearch:
-    """One tensor-parallel degree's profiled job and memory model (a tune that does not search the
-    degree has one, at the config's layout), and the evaluator its launches go through."""
+class LayoutSearch:
+    """One layout's profiled job and memory model (a tune that does not search the layout has one,
+    at the config's), and the evaluator its launches go through."""
 
     profiled: ProfiledJob
     memory: MemoryBook
@@ -46,20 +50,20 @@ class DegreeSearch:
 
 
 @dataclass(frozen=True)
-class DegreeOutcome:
-    """What one degree's profile and search produced: its search (None: its profile failed), the
-    memory model's reach (for the next degree's rule), its summary line and what the predictive
+class LayoutOutcome:
+    """What one layout's profile and search produced: its search (None: its profile failed), the
+    memory model's reach (for the next layout's rule), its summary line and what the predictive
     tuner predicted there."""
 
-    degree: int
-    searched: DegreeSearch | None
+    layout: Layout
+    searched: LayoutSearch | None
     reach: dict | None = field(default=None, hash=False)
     layout_line: str | None = None
     predictions: PredictiveOutcome | None = None
 
 
-def joined_predictions(outcomes: tuple[DegreeOutcome, ...]) -> PredictiveOutcome | None:
-    """Every degree's predictions, in turn (a search without the predictive tuner: none)."""
+def joined_predictions(outcomes: tuple[LayoutOutcome, ...]) -> PredictiveOutcome | None:
+    """Every layout's predictions, in turn (a search without the predictive tuner: none)."""
     found = [o.predictions for o in outcomes if o.predictions is not None]
     if not found:
         return None
@@ -67,18 +71,20 @@ def joined_predictions(outcomes: tuple[DegreeOutcome, ...]) -> PredictiveOutcome
                              tuple(c for p in found for c in p.final))
 
 
-def kept_line(degree: int, job: TuningJob, measured: list[TrialResult]) -> str:
-    """The summary's line for a degree searched: its best, and how its global batch was kept."""
+def kept_line(layout: Layout, job: TuningJob, measured: list[TrialResult]) -> str:
+    """The summary's line for a layout searched: its best, and how its global batch was kept."""
     dp, space = job.space.data_parallel_size, job.space
     top = job.objective.best(measured)
-    line = f"layout: tensor parallel {degree} x data parallel {dp}: kept, {len(measured)} measured"
+    line = f"layout: {layout.text()} x data parallel {dp}: kept, {len(measured)} measured"
     if top is not None:
         e = top.experiment
         line += (f", best {top.name} {top.value:.4g} {job.objective.unit} (global batch {e.train_batch_size(dp)} = "
                  f"micro-batch {e.micro_batch_size} x gas {e.gradient_accumulation_steps} x {dp})")
+    if layout.pipeline and any(stage >= 2 for stage in job.config.zero_optimization.stages):
+        line += "; ZeRO 2 and 3 not searched here (the pipeline engine refuses them, as DeepSpeed's does)"
     if space.global_batch_size is not None:
         kind = "train_batch_size" if space.global_batch_exact else "max_train_batch_size"
-        line += (f"; {kind} {space.global_batch_size} holds at this degree: micro-batch x gas make up for the "
+        line += (f"; {kind} {space.global_batch_size} holds at this layout: micro-batch x gas make up for the "
                  f"data-parallel size, and sizes that cannot are not candidates")
     return line
 
@@ -89,8 +95,8 @@ def follow_the_launch(built: str) -> str:
 
 
 class Autotuner:
-    """Runs one tuning job: for each tensor-parallel degree, profile -> memory model -> search,
-    each degree's outcome a frozen record the next reads (`DegreeOutcome`); then the final pick
+    """Runs one tuning job: for each layout (tensor-parallel degree, pipeline stages), profile ->
+    memory model -> search, each layout's outcome a frozen record the next reads (`LayoutOutcome`); then the final pick
     across them and the outcome. The profile phase (profiling/phase.py) turns the settled job into
     the profiled one, which nothing changes. `report` receives progress lines; `settle_engine`
     goes to the profile phase."""
@@ -115,16 +121,17 @@ class Autotuner:
         self.evaluator = Evaluator(self.ledger, self.launcher)
         self._similar_runs = SimilarRuns(self.history, tuner_spec(self.job.policy.tuner_type).uses_earlier_runs
                                          and bool(config.autotuning.transfer))
-        self.outcomes: tuple[DegreeOutcome, ...] = ()  # each degree's, once the tune has run
+        self.outcomes: tuple[LayoutOutcome, ...] = ()  # each layout's, once the tune has run
+        self._degree_lines: list[str] = []  # each degree's profile launches against degree 1's prediction
 
     @property
-    def _searched(self) -> dict[int, DegreeSearch]:
-        """The degrees searched (profiled), by Experiment.tensor_parallel."""
-        return {o.degree: o.searched for o in self.outcomes if o.searched is not None}
+    def _searched(self) -> dict[Layout, LayoutSearch]:
+        """The layouts searched (profiled), by Experiment.layout."""
+        return {o.layout: o.searched for o in self.outcomes if o.searched is not None}
 
     @property
     def profiled(self) -> ProfiledJob | None:
-        """The last degree profiled: its profile phase's record (a test's view after the tune)."""
+        """The last layout profiled: its profile phase's record (a test's view after the tune)."""
         searched = list(self._searched.values())
         return searched[-1].profiled if searched else None
 
@@ -152,8 +159,7 @@ class Autotuner:
 
     def cost_context(self, profiled: ProfiledJob, quiet: bool = False) -> CostContext:
         """The step-time model's context on a profiled job: the links its profile launches timed."""
-        degree = profiled.job.space.tensor_parallel
-        context = profiled.cost_context(self.ledger.view(degree).results())
+        context = profiled.cost_context(self.ledger.view(profiled.job.space.layout).results())
         if not context.links and profiled.job.settings.data_parallel_size > 1 and not quiet:
             self.report("predictive: no collective timings in the profile; communication is learned from "
                         "launches only")
@@ -162,7 +168,7 @@ class Autotuner:
     # ----- the ledger's records, as they are appended -----
     def _progress(self, result: TrialResult, reused: bool) -> None:
         objective = self.job.objective
-        if objective.metric == "goodput":  # scored with B_noise once a degree's profile measured it
+        if objective.metric == "goodput":  # scored with B_noise once a layout's profile measured it
             objective = next((s.profiled.job.objective for s in reversed(self._searched.values())), objective)
         best = objective.best(self.ledger.results())
         value = f"{result.value:.4g} {objective.unit}" if result.value is not None else result.error
@@ -179,15 +185,16 @@ class Autotuner:
                               bool(job.space.finishes))
         if line:
             self.report(line)
-        for degree in job.degrees or (job.space.tensor_parallel,):
-            self.outcomes += (self._search_degree(degree, self.outcomes),)
-        left_out = tuple(f"layout: tensor parallel {degree}: left out ({why})" for degree, why in job.left_out)
-        layout_lines = left_out + tuple(o.layout_line for o in self.outcomes if o.layout_line)
+        for layout in job.layouts or (job.space.layout,):
+            self.outcomes += (self._search_layout(layout, self.outcomes),)
+        left_out = tuple(f"layout: {layout.text()}: left out ({why})" for layout, why in job.left_out)
+        layout_lines = left_out + tuple(o.layout_line for o in self.outcomes if o.layout_line) + \
+            tuple(self._degree_lines)
         if not self._searched:
-            raise TuningFailed("no tensor-parallel degree could be profiled: " + "; ".join(layout_lines))
+            raise TuningFailed("no layout could be profiled: " + "; ".join(layout_lines))
         best, pick_lines = self._final_pick(list(self.ledger.results()))
-        # The outcome is written with the pick's degree's job (its data-parallel size counts the batch).
-        picked = self._searched.get(best.experiment.tensor_parallel) if best else None
+        # The outcome is written with the pick's layout's job (its data-parallel size counts the batch).
+        picked = self._searched.get(best.experiment.layout) if best else None
         profiled = (picked or next(iter(self._searched.values()))).profiled
         priors = tuple(line for s in self._searched.values() for line in s.profiled.prior.lines)
         record = SearchRecord(self.ledger.results(), self.ledger.pruned(),
@@ -209,55 +216,103 @@ class Autotuner:
                         f"list the runs with: launcher --history {self.history.url}")
         return outcome
 
-    def profile_phase(self, degree: int) -> ProfilePhase:
-        """The profile phase at one tensor-parallel degree (the config's layout, where the degree is
-        not searched): its job, launched through an evaluator reading that degree's records."""
-        searching = bool(self.job.degrees)
-        job = self.job.at_degree(degree) if searching else self.job
-        evaluator = self.evaluator.for_job(TrialFactory(self.exps_dir, job.settings), degree if searching else None)
+    def plan(self) -> PlanReport:
+        """`--autotuning plan`: each layout's profile (launched and recorded as a tune's are, so the
+        same command's tune reuses it), then every candidate costed by the models it fitted.
+        Nothing is launched past the profiles."""
+        self._prepare_dirs()
+        job = self.job
+        rows = []
+        lines = [f"layout: {layout.text()}: left out ({why})" for layout, why in job.left_out]
+        objective = job.objective
+        for layout in job.layouts or (job.space.layout,):
+            searching = bool(job.layouts)
+            try:
+                profiled = self.profile_phase(layout).run()
+            except TuningFailed as failure:
+                if len(job.layouts) < 2:
+                    raise
+                lines.append(f"layout: {layout.text()}: left out ({failure})")
+                continue
+            own = self.ledger.view(layout if searching else None)
+            memory = MemoryBook(profiled.memory, own.results, self.report)
+            models = PlanModels(memory.fits, memory.predicted_memory, memory.predicted_largest(),
+                                memory.offload_fallback, self.cost_context(profiled))
+            objective = profiled.job.objective  # goodput's, once a profile measured B_noise
+            rows += plan_rows(profiled.job.space, objective, models, list(own.results()), self.report)
+        if not rows:
+            raise TuningFailed("no layout could be profiled: " + "; ".join(lines))
+        lines.append(f"plan: {len(rows)} candidates costed from {self.ledger.launches} profile launches, nothing "
+                     f"else launched; `--autotuning tune` with the same arguments reuses them")
+        tuning = job.config.autotuning
+        return PlanReport(tuple(rows), predicted_pick(rows, objective), tuple(lines), objective,
+                          job.settings.planned_steps, job.config.activation_checkpointing.policy
+                          if isinstance(job.config.activation_checkpointing.policy, str) else "none",
+                          tuning.cost_per_gpu_hour)
+
+    def _hold_against_degree_one(self, layout: Layout, profiled: ProfiledJob, before: tuple[LayoutOutcome, ...],
+                                 results) -> None:
+        """Say how far degree 1's profile and launches predicted this degree's profile launches
+        (searches/degree_memory.py); the lines join the summary's layout lines."""
+        one = next((o for o in before if o.searched is not None and o.layout.tensor_parallel <= 1
+                    and o.layout.pipeline == layout.pipeline), None)
+        if one is None:
+            return
+        for line in degree_memory_lines(layout, one.searched.memory, one.layout, profiled.memory, results):
+            self.report(f"memory model: {line}")
+            self._degree_lines.append(f"layout: {line}")
+
+    def profile_phase(self, layout: Layout) -> ProfilePhase:
+        """The profile phase at one layout (the config's, where the layout is not searched): its
+        job, launched through an evaluator reading that layout's records."""
+        searching = bool(self.job.layouts)
+        job = self.job.at_layout(layout) if searching else self.job
+        evaluator = self.evaluator.for_job(TrialFactory(self.exps_dir, job.settings), layout if searching else None)
         return ProfilePhase(job, self.ledger, evaluator, self.report, self.settle_engine, self._similar_runs,
                             self.exps_dir)
 
-    def _search_degree(self, degree: int, before: tuple[DegreeOutcome, ...]) -> DegreeOutcome:
-        """The profile and the search at one tensor-parallel degree (the config's layout, where the
-        degree is not searched), after the degrees `before` it. A degree whose profile fails is
-        left out when others remain."""
-        searching = bool(self.job.degrees)
-        phase = self.profile_phase(degree)
+    def _search_layout(self, layout: Layout, before: tuple[LayoutOutcome, ...]) -> LayoutOutcome:
+        """The profile and the search at one layout (the config's, where the layout is not
+        searched), after the layouts `before` it. A layout whose profile fails is left out when
+        others remain."""
+        searching = bool(self.job.layouts)
+        phase = self.profile_phase(layout)
         job = phase.job
-        own = self.ledger.view(degree if searching else None)  # what this degree's phases read: its own records
+        own = self.ledger.view(layout if searching else None)  # what this layout's phases read: its own records
         if searching:
-            self.report(f"tensor parallel {degree}: profiling and searching at data-parallel size "
+            self.report(f"{layout.text()}: profiling and searching at data-parallel size "
                         f"{job.space.data_parallel_size}")
         try:
             profiled = phase.run()
         except TuningFailed as failure:
-            if len(self.job.degrees) < 2:
+            if len(self.job.layouts) < 2:
                 raise
-            line = f"layout: tensor parallel {degree}: left out ({failure})"
+            line = f"layout: {layout.text()}: left out ({failure})"
             self.report(line)
-            return DegreeOutcome(degree, None, layout_line=line)
+            return LayoutOutcome(layout, None, layout_line=line)
+        if searching and layout.tensor_parallel > 1:
+            self._hold_against_degree_one(layout, profiled, before, own.results())
         memory = MemoryBook(profiled.memory, own.results, self.report)
-        # Refitted on each of this degree's results from here on (the profile's are fitted already).
+        # Refitted on each of this layout's results from here on (the profile's are fitted already).
         self.ledger.on_record(lambda result, reused: memory.learn(result)
-                              if result.experiment.tensor_parallel == degree else None)
+                              if result.experiment.layout == layout else None)
         job = profiled.job
         evaluator = self.evaluator.for_job(TrialFactory(self.exps_dir, job.settings, memory.predicted_memory),
-                                           degree if searching else None)
-        searched = DegreeSearch(profiled, memory, evaluator)
+                                           layout if searching else None)
+        searched = LayoutSearch(profiled, memory, evaluator)
         largest = memory.predicted_largest()
         self.report("memory model, largest micro-batch per stage: " + ", ".join(
             f"z{key}={m}" if isinstance(key, int) else f"z{key[0]} {variant_text(key[1])}={m}"
             for key, m in largest.items()))
-        if searching:  # a degree that cannot beat one searched before is profiled only
-            reached = {o.degree: (o.reach, self.ledger.view(o.degree).results()) for o in before
+        if searching:  # a layout that cannot beat one searched before is profiled only
+            reached = {o.layout: (o.reach, self.ledger.view(o.layout).results()) for o in before
                        if o.reach is not None}
-            why = degree_cannot_help(degree, (largest, own.results()), reached, job.objective.unit)
+            why = degree_cannot_help(layout, (largest, own.results()), reached, job.objective.unit)
             if why is not None:
-                line = (f"layout: tensor parallel {degree} x data parallel {job.space.data_parallel_size}: "
+                line = (f"layout: {layout.text()} x data parallel {job.space.data_parallel_size}: "
                         f"profiled, not searched ({why})")
                 self.report(line)
-                return DegreeOutcome(degree, searched, largest, line)
+                return LayoutOutcome(layout, searched, largest, line)
         prune = partial(record_pruned, self.ledger, job.space, memory.predicted_memory, self.report)
         predicted = None
         if tuner_spec(job.policy.tuner_type).search is SearchKind.ONE_MODEL:
@@ -268,16 +323,17 @@ class Autotuner:
         else:
             run_search(job.space, job.policy, largest, evaluator, prune, memory.fits, memory.offload_fallback,
                        self.report)
-        line = kept_line(degree, job, [r for r in own.results() if r.value is not None]) if searching else None
-        return DegreeOutcome(degree, searched, largest, line, predicted)
+        line = kept_line(layout, job, [r for r in own.results() if r.value is not None]) if searching else None
+        return LayoutOutcome(layout, searched, largest, line, predicted)
 
     def _fixed_layout_lines(self, job: TuningJob) -> tuple[str, ...]:
-        """The layout every experiment ran, where the config fixes a degree above 1."""
-        degree = job.space.tensor_parallel
-        if self.job.degrees or degree <= 1:
+        """The layout every experiment ran, where the config fixes a degree above 1 or the stages."""
+        layout = job.space.layout
+        if self.job.layouts or layout.model_ranks <= 1 and not layout.pipeline:
             return ()
-        return (f"layout: tensor parallel {degree} x data parallel {job.settings.data_parallel_size} in every "
-                "experiment (tensor_parallel.autotp_size as the config fixes it; \"auto\" or a list searches it)",)
+        keys = " and ".join(key for key, _ in layout.tuned_values())
+        return (f"layout: {layout.text()} x data parallel {job.settings.data_parallel_size} in every "
+                f"experiment ({keys} as the config fixes it; \"auto\" or a list searches it)",)
 
     def keep_late_noise(self) -> None:
         """After the pick's training: the B_noise its batch ramp read last goes to the history, for
@@ -293,7 +349,7 @@ class Autotuner:
 
     # ----- the final pick -----
     def _any_job(self) -> TuningJob:
-        """A profiled degree's job: what every degree shares (the config, objective and policy)."""
+        """A profiled layout's job: what every layout shares (the config, objective and policy)."""
         return next(iter(self._searched.values())).profiled.job
 
     def _final_pick(self, results: list[TrialResult]) -> tuple[TrialResult | None, list[str]]:
@@ -301,15 +357,15 @@ class Autotuner:
         job = self._any_job()
         tuning = job.config.autotuning
         # The predictive search's step-time model, on every launch, may rule a contender out: each
-        # degree's model, on that degree's launches, a contender of the best's degree.
-        rules = {degree: pooled_rule([r for r in results if r.experiment.tensor_parallel == degree], job.objective,
+        # layout's model, on that layout's launches, a contender of the best's layout.
+        rules = {layout: pooled_rule([r for r in results if r.experiment.layout == layout], job.objective,
                                      self.cost_context(searched.profiled, quiet=True))
-                 for degree, searched in self._searched.items()
+                 for layout, searched in self._searched.items()
                  if tuner_spec(searched.profiled.job.policy.tuner_type).search is SearchKind.ONE_MODEL}
 
         def ruled_out(result: TrialResult, best: TrialResult) -> bool:
-            degree = result.experiment.tensor_parallel
-            return degree == best.experiment.tensor_parallel and degree in rules and rules[degree](result, best)
+            layout = result.experiment.layout
+            return layout == best.experiment.layout and layout in rules and rules[layout](result, best)
 
         def reusable(experiment: Experiment, run: int) -> bool:
             return self.evaluator.earlier_remeasurement(experiment, run) is not None  # (the ledger's)
@@ -319,7 +375,7 @@ class Autotuner:
         return best, lines
 
     def _remeasure(self, experiment: Experiment, run: int, reuse: bool) -> TrialResult:
-        result, reused = self._searched[experiment.tensor_parallel].evaluator.remeasure(experiment, run, reuse)
+        result, reused = self._searched[experiment.layout].evaluator.remeasure(experiment, run, reuse)
         objective = self._any_job().objective
         value = f"{result.value:.4g} {objective.unit}" if result.value is not None else result.error
         tag = " (from an earlier run)" if reused else ""

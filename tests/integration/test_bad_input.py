@@ -178,6 +178,16 @@ def test_a_critical_batch_size_that_cannot_be_used(in_tmp, capsys, autotuning, m
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), *mentions)
 
 
+def test_a_plan_with_model_info_skipping_the_profile_is_refused(in_tmp, capsys):
+    # model_info.num_params skips the profile launches: a plan would have no measured step to predict from.
+    cfg = write(in_tmp / "ds.json", config_dict())
+    argv = tune_argv(cfg)
+    argv[1] = "plan"
+    assert_refused(in_tmp, capsys, argv, "--autotuning plan", str(cfg), "autotuning.model_info.num_params",
+                   "drop model_info.num_params")
+    assert not (in_tmp / "autotuning_results" / "plan.csv").exists()
+
+
 def test_negative_micro_batch_in_a_list(in_tmp, capsys):
     cfg = write(in_tmp / "ds.json", config_dict(train_micro_batch_size_per_gpu=[2, -4]))
     assert_refused(in_tmp, capsys, tune_argv(cfg), str(cfg), "train_micro_batch_size_per_gpu")

@@ -129,8 +129,10 @@ ENGINES = [pytest.param((), id="ours"), pytest.param(("--engine_loader",), id="o
 def test_a_run_resumed_mid_ramp_goes_on_at_the_same_batch_rate_and_losses(tmp_path, engine):
     if engine and importlib.util.find_spec("deepspeed") is None:
         pytest.skip("needs DeepSpeed: pip install 'autotuner[deepspeed]'")
+    # The whole run saves a checkpoint after step 7 (after the ramp changed the batch) and trains on;
+    # a new launch resumes from it in the same directory.
     ramp_config(tmp_path / "whole")
-    whole = train(tmp_path / "whole", "--steps", "12", *engine)
+    whole = train(tmp_path / "whole", "--steps", "12", "--save_at", "7", *engine)
     assert [entry[:2] for entry in whole[0]] == [entry[:2] for entry in whole[1]]  # both ranks alike
     gas, micro = [entry[0] for entry in whole[0]], [entry[3] for entry in whole[0]]
     batches = [entry[0] * entry[3] for entry in whole[0]]
@@ -140,9 +142,7 @@ def test_a_run_resumed_mid_ramp_goes_on_at_the_same_batch_rate_and_losses(tmp_pa
     else:
         assert set(micro) == {2} and max(gas) > 1, whole[0]  # a loader of the script's own: gas only
     assert all(entry[4] == [entry[3]] for entry in whole[0]), whole[0]  # every batch the engine's size
-    ramp_config(tmp_path / "split")
-    train(tmp_path / "split", "--steps", "12", "--save_at", "7", *engine)  # after the ramp changed the batch
-    resumed = train(tmp_path / "split", "--steps", "12", "--load", *engine)
+    resumed = train(tmp_path / "whole", "--steps", "12", "--load", *engine)
     for rank in (0, 1):
         assert [entry[:2] + entry[3:] for entry in resumed[rank]] == [entry[:2] + entry[3:] for entry in whole[rank]]
         assert [entry[2] for entry in resumed[rank]] == pytest.approx([entry[2] for entry in whole[rank]], abs=1e-6)

@@ -75,17 +75,42 @@ print(f"hello from rank {os.environ['RANK']}", flush=True)
 """
 
 
-def run_echo(tmp_path: Path, *flags: str) -> tuple[object, list[dict]]:
+def run_echo(tmp_path: Path, *flags: str, env: dict[str, str] | None = None) -> tuple[object, list[dict]]:
     script = write_script(tmp_path, "echo.py", ECHO)
     echo_dir = tmp_path / "echo"
     echo_dir.mkdir(exist_ok=True)
-    os.environ["ECHO_DIR"] = str(echo_dir)
-    try:
-        result = run_launcher(*flags, script, "user_arg", timeout=120)
-    finally:
-        del os.environ["ECHO_DIR"]
+    result = run_launcher(*flags, script, "user_arg", timeout=120,
+                          env={**launcher_env(), **(env or {}), "ECHO_DIR": str(echo_dir)})
     ranks = [json.loads(p.read_text()) for p in sorted(echo_dir.glob("rank*.json"))]
     return result, ranks
+
+
+KMP_AFFINITY = "granularity=fine,compact"
+# Echo launches that two tests each read: (flags, environment). What a launch shows does not depend
+# on which test started it, so each starts once (a launch costs ~7 s here).
+SHARED_ECHO = {
+    # --include picks the rank count; each rank gets --local_rank after the script.
+    "include": (("--include", "localhost:0,1"), {}),
+    # PET_NPROC_PER_NODE stands in for --nproc_per_node; --no_local_rank passes none.
+    "pet_no_local_rank": (("--no_local_rank",), {"PET_NPROC_PER_NODE": "2"}),
+    # The flag beats PET_NPROC_PER_NODE; KMP_AFFINITY without --bind_cores_to_rank is the user's own.
+    "flag_over_pet_kmp_unbound": (("--nproc_per_node", "1"),
+                                  {"PET_NPROC_PER_NODE": "3", "KMP_AFFINITY": KMP_AFFINITY}),
+}
+
+
+@pytest.fixture(scope="module")
+def shared_echo(tmp_path_factory):
+    """shared_echo(name): SHARED_ECHO[name]'s (launch, ranks), launched when a test first asks for it."""
+    launched = {}
+
+    def launch(name: str) -> tuple[object, list[dict]]:
+        if name not in launched:
+            flags, env = SHARED_ECHO[name]
+            launched[name] = run_echo(tmp_path_factory.mktemp(name), *flags, env=env)
+        return launched[name]
+
+    return launch
 
 
 # ----- a DeepSpeedExamples-style script, import changed only, at every stage -----
@@ -97,8 +122,11 @@ def test_deepspeed_style_script_trains_alike_at_every_stage(tmp_path, no_orphans
         out = tmp_path / f"seen{stage}.json"
         # Stage 0 declares --local_rank after add_config_arguments, the others before: both must parse.
         order = ("--local_rank_after",) if stage == 0 else ()
+        config = ds_config(tmp_path, stage)
+        if stage == 3:  # base64-encoded, as DeepSpeed and the Trainer also read `--deepspeed`: read at its stage
+            config = base64.urlsafe_b64encode(config.read_bytes()).decode()
         result = run_launcher("--nproc_per_node", "2", DS_STYLE, *order, "--steps", "6", "--out", out,
-                              "--deepspeed", ds_config(tmp_path, stage), timeout=240)
+                              "--deepspeed", config, timeout=240)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stderr.count(CLIENT_WINS) == 1, result.stderr  # once per job, not per rank
         assert result.stderr.count("accepted but not used") == 1, result.stderr
@@ -140,24 +168,20 @@ def test_deepspeed_style_script_tunes_and_the_optimal_config_keeps_the_users_key
     assert optimal["optimizer"] == raw["optimizer"] and "autotuning" not in optimal
     assert optimal["zero_optimization"]["stage"] in (0, 3)
     assert optimal["train_micro_batch_size_per_gpu"] in (4, 8)
-    # The ranks read a base64 config too, at the stage it names.
-    encoded_optimal = base64.urlsafe_b64encode(json.dumps(optimal).encode()).decode()
-    out = tmp_path / "seen.json"
-    trained = run_launcher("--nproc_per_node", "2", DS_STYLE, "--steps", "2", "--out", out, "--deepspeed",
-                           encoded_optimal, timeout=240)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    assert json.loads(out.read_text())["stage"] == optimal["zero_optimization"]["stage"]
+    # The ranks read a base64 config too, at the stage it names: test_deepspeed_style_script_trains_alike_
+    # at_every_stage trains stage 3 from one (a launch of its own here cost ~9 s).
 
 
 # ----- the launcher's --local_rank and the deepspeed launcher's flags -----
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_local_rank_is_passed_after_the_script_unless_no_local_rank(tmp_path, no_orphans):
-    result, ranks = run_echo(tmp_path, "--nproc_per_node", "2")
+def test_local_rank_is_passed_after_the_script_unless_no_local_rank(shared_echo, no_orphans):
+    # 2 ranks from --include, then from PET_NPROC_PER_NODE: the launches the tests of those read.
+    result, ranks = shared_echo("include")
     assert result.returncode == 0, result.stderr
     assert [r["argv"] for r in ranks] == [["--local_rank=0", "user_arg"], ["--local_rank=1", "user_arg"]]
     assert {r["local_size"] for r in ranks} == {"2"}
-    result, ranks = run_echo(tmp_path, "--nproc_per_node", "2", "--no_local_rank")
+    result, ranks = shared_echo("pet_no_local_rank")
     assert result.returncode == 0, result.stderr
     assert [r["argv"] for r in ranks] == [["user_arg"], ["user_arg"]]
 
@@ -199,14 +223,12 @@ def test_bind_cores_to_rank_pins_each_rank_and_each_rank_log(tmp_path, no_orphan
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_include_and_a_hostfile_naming_this_host_pick_the_rank_count(tmp_path, no_orphans):
-    result, ranks = run_echo(tmp_path, "--include", "localhost:0,1")
+def test_include_and_a_hostfile_naming_this_host_pick_the_rank_count(tmp_path, shared_echo, no_orphans):
+    result, ranks = shared_echo("include")
     assert result.returncode == 0, result.stderr
     assert len(ranks) == 2
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("# one node\nlocalhost slots=2\n")
-    for stale in (tmp_path / "echo").glob("*"):
-        stale.unlink()
     result, ranks = run_echo(tmp_path, "--hostfile", hostfile)
     assert result.returncode == 0, result.stderr
     assert len(ranks) == 2
@@ -247,19 +269,17 @@ def test_deepspeeds_default_hostfile_is_read_where_it_exists(tmp_path, no_orphan
     assert result.returncode == 0 and ranks == 1 and "hostfile" not in result.stderr, result.stderr
 
 
-def test_torchruns_pet_variables_stand_in_for_its_flags(tmp_path, monkeypatch):
+def test_torchruns_pet_variables_stand_in_for_its_flags(tmp_path, monkeypatch, shared_echo):
     # Kubeflow's PyTorchJob passes torchrun's flags as PET_<FLAG>; each pod trained alone here.
-    monkeypatch.setenv("PET_NPROC_PER_NODE", "2")
-    result, ranks = run_echo(tmp_path)
+    result, ranks = shared_echo("pet_no_local_rank")  # PET_NPROC_PER_NODE=2
     assert result.returncode == 0, result.stderr
     assert len(ranks) == 2 and {r["local_size"] for r in ranks} == {"2"}
-    for stale in (tmp_path / "echo").glob("*"):
-        stale.unlink()
-    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
-    result, ranks = run_echo(tmp_path, "--nproc_per_node", "1")  # the flag wins, as in torchrun
-    assert result.returncode == 0 and len(ranks) == 1, result.stderr
+    result, ranks = shared_echo("flag_over_pet_kmp_unbound")  # PET_NPROC_PER_NODE=3 and --nproc_per_node 1
+    assert result.returncode == 0 and len(ranks) == 1, result.stderr  # the flag wins, as in torchrun
     # Read once: the launchers this one starts (a tune's experiments, other nodes') see them no more.
-    main(["--rdzv_backend", "static", str(tmp_path / "echo.py")])  # refused after parsing
+    monkeypatch.setenv("PET_NPROC_PER_NODE", "3")
+    script = write_script(tmp_path, "echo.py", ECHO)
+    main(["--rdzv_backend", "static", str(script)])  # refused after parsing
     assert "PET_NPROC_PER_NODE" not in os.environ
 
 
@@ -286,15 +306,16 @@ def test_launcher_flag_misuse_is_one_line(tmp_path, capsys, flags, fragment):
     assert len(err.strip().splitlines()) == 1 and fragment in err, err
 
 
-def test_bind_cores_to_rank_refuses_kmp_affinity_as_deepspeed_does(tmp_path, no_orphans):
+def test_bind_cores_to_rank_refuses_kmp_affinity_as_deepspeed_does(tmp_path, shared_echo, no_orphans):
     script = write_script(tmp_path, "echo.py", ECHO)
     # A real launcher process: one run in this one would leave its environment (the launcher's
     # settings for its ranks) to every later test's launcher.
-    env = {**launcher_env(), "KMP_AFFINITY": "granularity=fine,compact", "ECHO_DIR": str(tmp_path)}
+    env = {**launcher_env(), "KMP_AFFINITY": KMP_AFFINITY, "ECHO_DIR": str(tmp_path)}
     refused = run_launcher("--nproc_per_node", "1", "--bind_cores_to_rank", script, env=env)
     assert refused.returncode == 2, refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and "KMP_AFFINITY is set" in refused.stderr, refused.stderr
-    unbound = run_launcher("--nproc_per_node", "1", script, env=env)  # without binding it is the user's own setting
+    # Without binding it is the user's own setting: a launch with KMP_AFFINITY set (the PET test's too).
+    unbound, _ = shared_echo("flag_over_pet_kmp_unbound")
     assert unbound.returncode == 0, unbound.stderr
 
 

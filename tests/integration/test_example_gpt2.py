@@ -7,6 +7,7 @@ import json
 import shlex
 import subprocess
 
+import pandas as pd
 import pytest
 
 from autotuner.config import read_config_file
@@ -29,10 +30,36 @@ def test_tune_the_gpt2_example_then_train_with_the_optimal_command(tmp_path, no_
     args = ("--model_size", "tiny", "--max_steps", "6", "--seq_len", "64", "--corpus_mb", "0.5",
             "--output_dir", str(tmp_path / "out"))
 
+    # First the plan: the profile launches alone, then every candidate costed by the models they fitted.
+    planned = run_launcher("--autotuning", "plan", "--nproc_per_node", "2", EXAMPLE / "train.py", *args,
+                           "--deepspeed", ds_path, cwd=tmp_path, timeout=300)
+    assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr[-3000:]
+    results = tmp_path / "autotuning_results"
+    plan = pd.read_csv(results / "plan.csv")
+    assert {"name", "zero_stage", "tp", "pp", "micro_batch_size", "gradient_accumulation_steps",
+            "activation_checkpointing", "fits", "predicted_memory_bytes", "predicted_step_s",
+            "predicted_samples_per_s"} <= set(plan.columns)
+    assert set(plan.zero_stage) == {0, 3} and set(plan.tp) == {1} and set(plan.pp) == {1}
+    assert (plan.predicted_memory_bytes > 0).all() and (plan.predicted_step_s > 0).all()
+    # samples/s of the whole job: the global batch (micro-batch x gas x 2 ranks) over the step.
+    global_batch = plan.micro_batch_size * plan.gradient_accumulation_steps * 2
+    assert ((global_batch / plan.predicted_step_s / plan.predicted_samples_per_s - 1).abs() < 1e-3).all()
+    assert plan.candidate.any() and plan[plan.candidate].fits.all() and plan.picked.sum() == 1
+    picked = plan[plan.picked].iloc[0]
+    assert f"plan: predicted pick {picked['name']} (*)" in planned.stdout
+    profiled = sorted(p.name for p in (tmp_path / "autotuning_exps").iterdir() if p.is_dir())
+    assert len(profiled) >= 2 and not (results / "ds_config_optimal.json").exists()  # the profile only
+
     tuned = run_launcher("--autotuning", "tune", "--nproc_per_node", "2", EXAMPLE / "train.py", *args,
                          "--deepspeed", ds_path, cwd=tmp_path, timeout=540)
     assert tuned.returncode == 0, tuned.stdout[-3000:] + tuned.stderr[-3000:]
-    results = tmp_path / "autotuning_results"
+    # The tune reused the plan's profile launches, and its first search launch was predicted as the plan said.
+    assert tuned.stdout.count("(from an earlier run)") >= len(profiled), tuned.stdout[-3000:]
+    first = experiments_table(results)
+    first = first[first.phase == "search"].iloc[0]
+    row = plan[plan.name == first["name"]].iloc[0]
+    assert row.candidate and abs(row.predicted_memory_bytes / 2**20 - first.predicted_memory_mib) < 0.1
+    assert abs(row.predicted_metric / first.predicted_metric - 1) < 1e-3, (row, first)
     for name in ("summary.txt", "experiments.csv", "ds_config_optimal.json", "cmd_optimal.txt"):
         assert (results / name).exists(), name
     assert "Tuning completed in" in tuned.stdout

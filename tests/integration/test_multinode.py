@@ -65,17 +65,33 @@ def minimal_args(stage: str, losses: Path) -> tuple:
     return (MINIMAL, "--deepspeed", CONFIGS / f"zero{stage}.json", "--steps", "8", "--losses_out", losses)
 
 
+@pytest.fixture(scope="module")
+def one_node_losses(tmp_path_factory):
+    """One node's two-rank losses at a ZeRO stage, launched once for the module, by (and under the
+    orphan check of) the first test that asks: the static agents and the hostfile test compare with
+    the same stage-0 run."""
+    cache: dict[str, list[float]] = {}
+
+    def losses(stage: str) -> list[float]:
+        if stage not in cache:
+            path = tmp_path_factory.mktemp(f"one_node_zero{stage}") / "one_node.json"
+            single = run_launcher("--nproc_per_node", "2", *minimal_args(stage, path), cwd=path.parent)
+            assert single.returncode == 0, single.stderr[-3000:]
+            cache[stage] = json.loads(path.read_text())
+        return cache[stage]
+
+    return losses
+
+
 # Each rendezvous once: static with DDP, c10d with FSDP2 (the engine's stages on one node are
 # test_engine_multirank's; here what matters is that two agents make one world).
 @pytest.mark.parametrize("rendezvous, stage", [("static", "0"), ("c10d", "2")])
-def test_two_agents_on_loopback_train_as_one_node_with_two_ranks(rendezvous, stage, tmp_path, no_orphans):
-    one_node = tmp_path / "one_node.json"
-    single = run_launcher("--nproc_per_node", "2", *minimal_args(stage, one_node), cwd=tmp_path)
-    assert single.returncode == 0, single.stderr[-3000:]
-
+def test_two_agents_on_loopback_train_as_one_node_with_two_ranks(rendezvous, stage, tmp_path, one_node_losses,
+                                                                no_orphans):
+    expected = one_node_losses(stage)
     two_nodes = tmp_path / "two_nodes.json"
     outputs = run_two_nodes(rendezvous, minimal_args(stage, two_nodes), tmp_path)
-    expected, got = json.loads(one_node.read_text()), json.loads(two_nodes.read_text())
+    got = json.loads(two_nodes.read_text())
     assert len(got) == 8 and len(set(got)) > 1
     # The same world (2 ranks, same data shards, same reduction): the same losses.
     assert got == pytest.approx(expected, rel=1e-6, abs=1e-7)
@@ -111,20 +127,26 @@ def test_an_endpoint_rendezvous_numbers_the_nodes_as_its_backend_says(backend, t
     for record in records:
         assert record["CROSS_RANK"] == record["GROUP_RANK"] == record["RANK"] and record["CROSS_SIZE"] == "2", record
         assert not record["shadowed"] and record["path_head"][0] == str(ROOT / "tests" / "workers"), record
-    # c10d refuses a --node_rank it would ignore, in one line, before starting anything.
-    refused = run_launcher("--num_nodes", "2", "--node_rank", "1", "--rdzv_endpoint", f"127.0.0.1:{port}",
+
+
+def test_a_node_rank_with_a_c10d_endpoint_is_refused_in_one_line(tmp_path, no_orphans):
+    # c10d refuses a --node_rank it would ignore, in one line, before starting anything (a test of
+    # its own: the refusal is the same whichever backend the test above ran).
+    out = tmp_path / "out"
+    refused = run_launcher("--num_nodes", "2", "--node_rank", "1", "--rdzv_endpoint", f"127.0.0.1:{free_port()}",
                            ROOT / "tests" / "workers" / "rank_env.py", "--out", out, cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "launcher: error: --node_rank 1: the c10d rendezvous at --rdzv_endpoint numbers the nodes as they join, so "
         "it would be ignored; drop it, or add --rdzv_backend static to number the nodes by it (torchrun's default "
         "backend)"]
+    assert not out.exists()  # no rank started
 
 
 def test_a_node_that_never_comes_is_not_waited_for_for_ever(tmp_path, no_orphans):
     """Node 0 alone: torch elastic's rendezvous times out and the launcher says so, non-zero."""
     port = free_port()
     agent = start_agent(("--num_nodes", "2", "--node_rank", "0", "--nproc_per_node", "1", "--master_addr",
-                         "127.0.0.1", "--master_port", str(port), "--rdzv_conf", "timeout=5"),
+                         "127.0.0.1", "--master_port", str(port), "--rdzv_conf", "timeout=2"),
                         minimal_args("0", tmp_path / "l.json"), tmp_path / "node0.log", tmp_path)
     try:
         code = agent.wait(timeout=120)
@@ -151,6 +173,10 @@ def test_gpt2_example_trains_as_two_simulated_nodes(tmp_path, no_orphans):
             "--deepspeed", ds)
     single = run_launcher("--nproc_per_node", "2", *args, "--output_dir", tmp_path / "one", cwd=tmp_path, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]
+    # The two-node run reads the corpus the one-node run tokenized (the example caches it under
+    # --output_dir): the same tokens, without training the tokenizer a second time.
+    (tmp_path / "two").mkdir()
+    (tmp_path / "two" / "cache").symlink_to(tmp_path / "one" / "cache", target_is_directory=True)
     node0, _ = run_two_nodes("static", (*args, "--output_dir", tmp_path / "two"), tmp_path)
     losses = re.compile(r"step (\d+)/6: loss ([\d.]+)")
     assert losses.findall(node0) == losses.findall(single.stdout) != []
@@ -180,21 +206,22 @@ def two_host_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_hostfile_of_two_hosts_starts_an_agent_on_each_over_ssh(tmp_path, fake_ssh, no_orphans):
-    one_node = tmp_path / "one_node.json"
-    single = run_launcher("--nproc_per_node", "2", *minimal_args("1", one_node), cwd=tmp_path)
-    assert single.returncode == 0, single.stderr[-3000:]
-
+def test_a_hostfile_of_two_hosts_starts_an_agent_on_each_over_ssh(tmp_path, fake_ssh, one_node_losses, no_orphans):
+    # ZeRO 0, to compare with the static agents' one-node run (ZeRO 1 across two nodes is
+    # test_slurm.py::test_two_nodes_of_an_allocation_train_as_one_node_with_two_ranks).
+    expected = one_node_losses("0")
     two_nodes = tmp_path / "two_nodes.json"
     head = run_launcher("--hostfile", two_host_file(tmp_path), "--master_port", free_port(),
-                        *minimal_args("1", two_nodes), cwd=tmp_path, timeout=240)
+                        *minimal_args("0", two_nodes), cwd=tmp_path, timeout=240)
     assert head.returncode == 0, head.stderr[-3000:]
     # Each host was checked (`ssh HOST true`) before either was started.
     calls = fake_ssh.read_text().splitlines()
     assert sorted(calls[:2]) == ["127.0.0.1 check", "localhost check"]
     assert sorted(calls[2:]) == ["127.0.0.1 start", "localhost start"]
     assert "starting 2 nodes over ssh" in head.stderr
-    assert json.loads(two_nodes.read_text()) == pytest.approx(json.loads(one_node.read_text()), rel=1e-6, abs=1e-7)
+    got = json.loads(two_nodes.read_text())
+    assert len(got) == 8 and len(set(got)) > 1
+    assert got == pytest.approx(expected, rel=1e-6, abs=1e-7)
 
 
 def test_an_unreachable_host_is_refused_before_anything_starts(tmp_path, fake_ssh, no_orphans):

@@ -21,7 +21,7 @@ import pandas as pd
 import psutil
 import pytest
 
-from conftest import TOY, experiments_table, launcher_env, write_config
+from conftest import ORPHAN_GRACE_S, TOY, experiments_table, launcher_env, orphans_marked, write_config
 from fault_fuzz import RAY_FAULTS, draw_cases, run_ray_case
 from process_checks import wait_for
 
@@ -131,10 +131,31 @@ def test_a_two_rank_experiment_spreads_over_both_nodes_with_the_records_of_a_loc
         "fingerprint"]["device"].startswith("ray nodes")
 
 
-def test_two_one_rank_experiments_run_in_parallel_on_the_two_slot_pool(cluster, tmp_path):
-    work = tmp_path
-    result = run(work, tune_command(ray_config(work / "ds.json", [2, 4, 8, 16]), "--backend", "ray",
-                                    "--ray_address", cluster.address, "--nproc_per_node", "1"))
+@pytest.fixture(scope="module")
+def pool_run(cluster, tmp_path_factory):
+    """One `--autotuning run` of the grid over four sizes on the two-slot pool, with the history and
+    every launch's argv: the parallel-pool test and the training-run test assert on its outputs
+    (a launch each cost about 20 s)."""
+    work = tmp_path_factory.mktemp("pool_run")
+    echo = work / "argv.txt"
+    command = tune_command(ray_config(work / "ds.json", [2, 4, 8, 16], history=True), "--backend", "ray",
+                           "--ray_address", cluster.address, "--nproc_per_node", "1",
+                           script_args=("--echo_args_to", str(echo)))
+    command[command.index("tune")] = "run"
+    # Set up before any test's own marker: this launch carries one of its own, checked as conftest checks a test's.
+    marker = f"{os.getpid()}:pool_run"
+    result = subprocess.run(command, cwd=work, env={**launcher_env(), "AUTOTUNER_TEST_MARK": marker},
+                            capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    deadline = time.monotonic() + ORPHAN_GRACE_S
+    while (left := orphans_marked(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"processes the shared run started outlived it, orphaned: {left}"
+    return work, result, echo.read_text().splitlines(), free_cpus(cluster.address)
+
+
+def test_two_one_rank_experiments_run_in_parallel_on_the_two_slot_pool(pool_run):
+    work, result, _, _ = pool_run
     assert "nodes exclusive, up to 2 at once" in result.stdout
     records = table(work)
     assert list(records.state) == ["ok"] * 4
@@ -152,7 +173,8 @@ def test_two_one_rank_experiments_run_in_parallel_on_the_two_slot_pool(cluster, 
 
 
 def test_the_default_tuner_runs_its_most_optimistic_candidates_at_once_on_the_two_slot_pool(cluster, tmp_path):
-    config = ray_config(tmp_path / "ds.json", [2, 4, 8, 16], tuner_type="predictive")
+    # Three sizes: the first two asked are the two largest, not just every size there is.
+    config = ray_config(tmp_path / "ds.json", [4, 8, 16], tuner_type="predictive")
     run(tmp_path, tune_command(config, "--backend", "ray", "--ray_address", cluster.address, "--nproc_per_node", "1"))
     records = table(tmp_path)
     # Nothing measured yet (model_info given, no profile): the two largest sizes are asked together.
@@ -162,23 +184,20 @@ def test_the_default_tuner_runs_its_most_optimistic_candidates_at_once_on_the_tw
     assert set(records.state) == {"ok"}
 
 
-def test_autotuning_run_trains_the_optimum_on_the_cluster(cluster, tmp_path):
-    echo = tmp_path / "argv.txt"
-    command = tune_command(ray_config(tmp_path / "ds.json", [2, 4], history=True), "--backend", "ray", "--ray_address",
-                           cluster.address, "--nproc_per_node", "1", script_args=("--echo_args_to", str(echo)))
-    command[command.index("tune")] = "run"
-    result = run(tmp_path, command)
+def test_autotuning_run_trains_the_optimum_on_the_cluster(pool_run):
+    work, result, launches, cpus_after = pool_run
     assert "training with the optimal config" in result.stdout
-    launches = echo.read_text().splitlines()
-    assert len(launches) == 3  # two experiments, then the training run with the optimum
-    assert str(tmp_path / "autotuning_results" / "ds_config_optimal.json") in launches[-1]
-    assert free_cpus(cluster.address) == (2.0, 2.0)
+    assert len(launches) == 5  # four experiments, then the training run with the optimum
+    assert str(work / "autotuning_results" / "ds_config_optimal.json") in launches[-1]
+    assert all("ds_config_optimal.json" not in launch for launch in launches[:-1])
+    assert cpus_after == (2.0, 2.0)
     # The history records the cluster's launches as it does local ones (the tuner writes it).
     optuna = pytest.importorskip("optuna")
-    url = f"sqlite:///{tmp_path / 'autotuning_results' / 'history.db'}"
+    url = f"sqlite:///{work / 'autotuning_results' / 'history.db'}"
     (study,) = optuna.get_all_study_summaries(url, include_best_trial=False)
     trials = optuna.load_study(study_name=study.study_name, storage=url).trials
-    assert sorted(t.user_attrs["name"] for t in trials) == ["z0_gas1_mbs2", "z0_gas1_mbs4"]
+    assert sorted(t.user_attrs["name"] for t in trials) == ["z0_gas1_mbs16", "z0_gas1_mbs2", "z0_gas1_mbs4",
+                                                            "z0_gas1_mbs8"]
 
 
 def test_ctrl_c_ends_every_rank_and_leaves_nothing_on_the_cluster(cluster, tmp_path):
@@ -290,7 +309,9 @@ def test_a_node_lost_while_an_experiment_waits_for_its_placement_places_it_again
 
 RAY_FUZZ_SEED = int(os.environ.get("AUTOTUNER_FAULT_FUZZ_SEED") or random.SystemRandom().randrange(1, 10**6))
 RAY_TUNE_LENGTH_S = 12.0  # the fuzz tune's clean length on 2 cores (11 s measured): instants are drawn up to it
-RAY_CASES = draw_cases(RAY_FUZZ_SEED, 3, {"ray": RAY_TUNE_LENGTH_S}, ("ray",), RAY_FAULTS)
+# One case a run (each costs about 25 s): its fault is the first of the three shuffled by the seed,
+# which differs every run, so every fault kind is drawn over runs (and any fault replays by its seed).
+RAY_CASES = draw_cases(RAY_FUZZ_SEED, 1, {"ray": RAY_TUNE_LENGTH_S}, ("ray",), RAY_FAULTS)
 
 
 @pytest.mark.parametrize("case", RAY_CASES, ids=[f"seed{RAY_FUZZ_SEED}-case{c.index}-{c.fault}-{c.delay_s:.1f}s"

@@ -147,11 +147,15 @@ def test_tuning_experiments_leave_the_users_curves_alone_and_the_tuned_run_write
     (tmp_path / "ds.json").write_text(json.dumps(cfg))
     command = ("--nproc_per_node", "2", TRAIN, "--steps", "4", "--out", tmp_path / "r.json", "--deepspeed",
                tmp_path / "ds.json")
-    tuned = run_launcher("--autotuning", "tune", *command, cwd=tmp_path, timeout=300)
-    assert tuned.returncode == 0, tuned.stderr[-3000:]
-    assert not (tmp_path / "tb").exists()  # a dozen three-step runs would be mixed into the job's curves
+    # One `run`: its experiments, in this folder, then the pick's training. Each process that writes
+    # events writes a file of its own: a dozen three-step runs mixed into the job's curves would show
+    # as more than one file, and no tensorboard folder of its own shows under any experiment's.
     trained = run_launcher("--autotuning", "run", *command, cwd=tmp_path, timeout=300)
     assert trained.returncode == 0, trained.stderr[-3000:]
+    assert (tmp_path / "autotuning_results" / "experiments.csv").exists()
+    assert "training with the optimal config" in trained.stdout
+    assert not list((tmp_path / "autotuning_exps").rglob("events.out.tfevents.*"))
+    assert len(list((tmp_path / "tb").rglob("events.out.tfevents.*"))) == 1
     assert len(list((tmp_path / "tb" / "job").glob("events.out.tfevents.*"))) == 1
 
 

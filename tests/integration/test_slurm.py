@@ -204,7 +204,9 @@ def tune_in_allocation(cluster, tmp_path: Path, mode: str = "tune", *extra: str,
                                                  "warm_start": warm})
     return subprocess.run(in_allocation("--autotuning", mode, "--backend", "slurm", "--num_nodes", "1",
                                         "--nproc_per_node", "1", *extra, WORKERS / "toy_train.py", "--ms_per_step",
-                                        "300", "--steps", "12", "--deepspeed", config, nodes=nodes),
+                                        # 8 steps: an experiment's window needs 5; the training runs (the
+                                        # tuner's and the sbatch script's) take the rest.
+                                        "300", "--steps", "8", "--deepspeed", config, nodes=nodes),
                           cwd=tmp_path, env=cluster.env(launcher_env()), capture_output=True, text=True, timeout=500)
 
 
@@ -271,9 +273,14 @@ def test_backend_slurm_outside_an_allocation_is_refused_in_one_line(tmp_path):
     assert not (tmp_path / "autotuning_exps").exists()
 
 
+# A slow experiment's step: its four steps (about 4 s) leave a fault test's fault room to land
+# mid-experiment (it comes within a second of the experiment's start), and its relaunch is short.
+SLOW_MS_PER_STEP = 1000
+
+
 def start_tune(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False,
-               ms_per_step: int = 1500, slow_only_at: int | None = None) -> subprocess.Popen:
-    """A slow tune (1.5 s a step by default) as salloc's command, its output to files. With
+               ms_per_step: int = SLOW_MS_PER_STEP, slow_only_at: int | None = None) -> subprocess.Popen:
+    """A slow tune (1 s a step by default) as salloc's command, its output to files. With
     `slow_only_at`, only that micro-batch's experiment is slow (the one a fault test cuts short);
     the others step every 0.3 s."""
     from conftest import write_config
@@ -291,7 +298,8 @@ def start_tune(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False,
 
 
 @contextmanager
-def tune_in_background(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False, ms_per_step: int = 1500,
+def tune_in_background(cluster, tmp_path: Path, *salloc_flags: str, warm: bool = False,
+                       ms_per_step: int = SLOW_MS_PER_STEP,
                        slow_only_at: int | None = None):
     """`start_tune`'s salloc, killed with its session on the way out if it is still running."""
     tuner = start_tune(cluster, tmp_path, *salloc_flags, warm=warm, ms_per_step=ms_per_step,
@@ -383,7 +391,9 @@ def test_stopping_a_warm_tune_ends_each_nodes_server_and_its_ranks(how, slurm_cl
     """The tuner (salloc's command) gets the signal while each node's server runs an experiment:
     closing the servers' stdin ends their ranks (SIGINT); at the tuner's death (SIGKILL) salloc
     releases the job and Slurm ends its steps. Nothing of the job is left either way."""
-    with tune_in_background(slurm_cluster, tmp_path, warm=True) as tuner:
+    # Only the second profile launch (micro-batch 8) is slow: node2's server starts with it, and it
+    # is still running when the signal comes; the first launch, on node1, is over quickly.
+    with tune_in_background(slurm_cluster, tmp_path, warm=True, slow_only_at=8) as tuner:
         job_id = job_of(tmp_path)
         out = tmp_path / "out.txt"
         wait_for(lambda: all(f"slurm: {host}: warm start: forkserver preloaded" in out.read_text()
@@ -433,7 +443,9 @@ def test_hugging_faces_run_clm_is_tuned_warm_on_both_nodes_then_trained_across_t
         pytest.skip(f"needs run_clm.py and {', '.join(MISSING) or 'its libraries'}")
     (tmp_path / "tiny_gpt2").mkdir()
     model = write_tiny_gpt2(tmp_path / "tiny_gpt2")
-    (tmp_path / "ds.json").write_text(json.dumps({**HF_AUTO, "autotuning": {**HF_AUTO["autotuning"], **TEST_SIZED}}))
+    # Micro-batches up to 2: the profile launch's 1 on one node's server, 2 on the other's.
+    (tmp_path / "ds.json").write_text(json.dumps({**HF_AUTO, "autotuning": {**HF_AUTO["autotuning"], **TEST_SIZED,
+                                                                            "max_train_micro_batch_size_per_gpu": 2}}))
     result = subprocess.run(in_allocation("--autotuning", "run", "--backend", "slurm", "--num_nodes", "1",
                                           "--nproc_per_node", "1", *run_clm_args(model, tmp_path / "out"),
                                           "--deepspeed", tmp_path / "ds.json"),
@@ -455,7 +467,9 @@ SLURM_FUZZ_SEED = int(os.environ.get("AUTOTUNER_FAULT_FUZZ_SEED") or random.Syst
 SLURM_FAULTS = ("SIGINT", "SIGTERM", "SIGKILL", "scancel")
 FUZZ_MS_PER_STEP = 300
 SLURM_TUNE_LENGTH_S = 13.0  # the fuzz tune's clean length from the job's start (12.5 s measured here)
-SLURM_CASES = draw_cases(SLURM_FUZZ_SEED, 2, {"slurm_warm": SLURM_TUNE_LENGTH_S}, ("slurm_warm",), SLURM_FAULTS)
+# One case a run (each costs about 30 s): its fault is the first of the four shuffled by the seed,
+# which differs every run, so every fault kind is drawn over runs (and any one replays by its seed).
+SLURM_CASES = draw_cases(SLURM_FUZZ_SEED, 1, {"slurm_warm": SLURM_TUNE_LENGTH_S}, ("slurm_warm",), SLURM_FAULTS)
 # salloc's exit status once the fault landed: its command's, and 0 for a command killed by
 # SIGKILL (Slurm 22.05's salloc reports it so; measured here).
 FUZZ_STATUS = {"SIGINT": {130}, "SIGTERM": {143}, "scancel": {143}, "SIGKILL": {0, 137}}

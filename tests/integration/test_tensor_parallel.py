@@ -52,10 +52,14 @@ def runs(tmp_path_factory):
     plan = {
         "whole_dp2": (2, 0, 1, "--save"),  # two data-parallel ranks, each with the whole model
         "tp2_dp2_stage0": (4, 0, 2, "--save", "--rank0_state_dict"),  # 2 x 2: split in pairs, the pairs data parallel
-        "tp2_dp2_stage1": (4, 1, 2, "--save", "--rank0_state_dict"),  # ... ZeroRedundancyOptimizer over the pairs (on the shards' shadows)
+        # ... ZeroRedundancyOptimizer over the pairs (on the shards' shadows), its checkpoint after step 2
+        "tp2_dp2_stage1": (4, 1, 2, "--save", "--rank0_state_dict", "--save_checkpoint", str(root / "ckpt_stage1"),
+                           "--save_at", "2"),
         "tp2_dp2_stage2": (4, 2, 2, "--save"),  # ... and FSDP2 over the pairs
-        "whole_dp2_fp16": (2, 0, 1, "--fp16"),  # fp16 loss scaling, whole ...
-        "tp2_dp2_stage0_fp16": (4, 0, 2, "--fp16"),  # ... and split: DTensor and whole gradients unscaled together
+        # fp16 loss scaling, whole on one rank and split over two: DTensor and whole gradients unscaled
+        # together (the split, not data parallelism, is what fp16 must carry: the pairs above are dp 2).
+        "whole_fp16": (1, 0, 1, "--fp16"),
+        "tp2_stage0_fp16": (2, 0, 2, "--fp16"),
         "whole_llama": (1, 0, 1, "--model", "llama", "--save"),
         "tp2_llama_stage3": (2, 3, 2, "--model", "llama", "--save"),  # its Hugging Face plan, stage 3
     }
@@ -68,7 +72,7 @@ def runs(tmp_path_factory):
                                                   ("tp2_dp2_stage1", "whole_dp2", 1e-5),
                                                   ("tp2_dp2_stage2", "whole_dp2", 1e-5),
                                                   ("tp2_llama_stage3", "whole_llama", 1e-5),
-                                                  ("tp2_dp2_stage0_fp16", "whole_dp2_fp16", 1e-3)])
+                                                  ("tp2_stage0_fp16", "whole_fp16", 1e-3)])
 def test_a_split_model_trains_the_whole_models_losses_and_gradient_norm(runs, split, whole, within):
     assert losses(runs[split]) == pytest.approx(losses(runs[whole]), abs=within)  # (fp16: its rounding)
     digits = 2 if within > 1e-5 else 4
@@ -110,33 +114,51 @@ def test_rank_0_alone_reads_the_whole_model_from_a_split_one(runs, split):
         assert type(alone[key]) is torch.Tensor and torch.equal(alone[key].to(value.dtype), value), key
 
 
-def test_a_checkpoint_saved_split_resumes_split_with_the_same_losses(tmp_path, runs):
-    train(tmp_path / "first", 2, 2, 2, "--steps", "2", "--save_checkpoint", str(tmp_path / "ckpt"))
-    train(tmp_path / "rest", 2, 2, 2, "--steps", "2", "--load_checkpoint", str(tmp_path / "ckpt"))
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """tp 2 at ZeRO 2 (FSDP2) on 2 ranks: 2 steps saved to a checkpoint, then resumed for 2 more; the
+    resumed run then has rank 0 alone read model.module.state_dict(), which is refused (exit 2) once
+    its losses are written, so that refusal needs no launch of its own: (output root, resumed run)."""
+    root = tmp_path_factory.mktemp("tp_resumed")
+    train(root / "first", 2, 2, 2, "--steps", "2", "--save_checkpoint", str(root / "ckpt"))
+    rest = train(root / "rest", 2, 2, 2, "--steps", "2", "--load_checkpoint", str(root / "ckpt"), "--rank0_state_dict",
+                 expect=2)
+    return root, rest
+
+
+def test_a_checkpoint_saved_split_resumes_split_with_the_same_losses(tmp_path, runs, resumed):
+    root, _ = resumed
     whole = losses(runs["whole_dp2"])  # dp 2 there; dp 1 here: compare with the one-rank reference below
     assert len(whole) == 4
     train(tmp_path / "one", 1, 0, 1)
-    assert losses(tmp_path / "first") + losses(tmp_path / "rest") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
+    assert losses(root / "first") + losses(root / "rest") == pytest.approx(losses(tmp_path / "one"), abs=1e-5)
 
 
 def test_a_zero_1_checkpoint_saved_split_resumes_with_every_partitions_optimizer_state(tmp_path, runs):
     # tp 2 x dp 2 at stage 1: each data-parallel rank holds half the optimizer state, of its tp rank's
-    # shards; saved and resumed, the next steps are the uninterrupted run's.
-    train(tmp_path / "first", 4, 1, 2, "--steps", "2", "--save_checkpoint", str(tmp_path / "ckpt"))
-    train(tmp_path / "rest", 4, 1, 2, "--steps", "2", "--load_checkpoint", str(tmp_path / "ckpt"))
-    assert losses(tmp_path / "first") + losses(tmp_path / "rest") == pytest.approx(losses(runs["tp2_dp2_stage1"]),
-                                                                                    abs=1e-6)
+    # shards; saved after step 2 of the uninterrupted run and resumed, the next steps are its steps.
+    unbroken = losses(runs["tp2_dp2_stage1"])
+    train(tmp_path / "rest", 4, 1, 2, "--steps", "2", "--load_checkpoint", str(runs["tp2_dp2_stage1"].parent / "ckpt_stage1"))
+    assert len(unbroken) == 4 and losses(tmp_path / "rest") == pytest.approx(unbroken[2:], abs=1e-6)
 
 
-@pytest.mark.parametrize("flags, stage, message", [
-    (("--rank0_state_dict",), 2, "state_dict: blocks.0.attn.q.weight is split by tensor_parallel over 2 ranks"),
-    (("--unshared_batch",), 0, "ranks of a tensor-parallel group got different batches at the first forward"),
-])
-def test_what_a_split_run_cannot_do_is_refused_in_one_line(tmp_path, flags, stage, message):
-    done = train(tmp_path, 2, stage, 2, *flags, expect=2)
+def assert_refused_in_one_line(done, out: Path, message: str) -> None:
     errors = [line for line in done.stderr.splitlines() if line.startswith("launcher: error: rank")]
     assert errors and message in errors[0], done.stderr[-3000:]
-    assert not (tmp_path / "rank0.bin").exists()  # nothing written from shards
+    assert not (out / "rank0.bin").exists()  # nothing written from shards
+
+
+def test_rank_0_alone_reading_a_split_fsdp2_model_is_refused_in_one_line(resumed):
+    # The resumed ZeRO 2 run above (exit 2 asserted there); ZeRO 0-1 serve it (test_rank_0_alone_reads_...).
+    root, rest = resumed
+    assert_refused_in_one_line(rest, root / "rest", "state_dict: blocks.0.attn.q.weight is split by tensor_parallel "
+                                                    "over 2 ranks")
+
+
+def test_ranks_of_a_tensor_parallel_group_given_different_batches_are_refused_in_one_line(tmp_path):
+    done = train(tmp_path, 2, 0, 2, "--unshared_batch", expect=2)
+    assert_refused_in_one_line(done, tmp_path, "ranks of a tensor-parallel group got different batches at the first "
+                                               "forward")
 
 
 def test_a_tune_at_the_configs_degree_searches_every_stage_and_trains_its_pick(tmp_path):
@@ -198,7 +220,16 @@ def test_a_degree_search_runs_each_degree_at_the_users_global_batch_and_trains_t
     for degree, dp in ((2, 2), (4, 1)):  # searched, or (slower and no larger a batch) profiled only
         assert re.search(rf"layout: tensor parallel {degree} x data parallel {dp}: (kept|profiled, not searched "
                          r"\(cannot help: tensor parallel \d reaches as large a micro-batch)", summary), summary
-    assert "train_batch_size 16 holds at this degree" in summary
+    assert "train_batch_size 16 holds at this layout" in summary
+    # Each degree's profile held against degree 1's moved to it (issue 80, part 1): the activations
+    # its own probe measured (each rank's shards) and its launches' peaks.
+    for degree in (2, 4):
+        found = re.search(rf"layout: tensor parallel {degree}: activations predicted from tensor parallel 1's profile "
+                          r"at [\d.]+ MiB per sample, measured by its own profile at [\d.]+ \(([-+][\d.]+)%\)", summary)
+        assert found and abs(float(found.group(1))) < 10, summary
+        peaks = re.findall(rf"layout: tensor parallel {degree}: z\d_tp{degree}_\S+ predicted from tensor parallel 1's "
+                           r"profile and launches at \d+ MiB, measured \d+ MiB \(([-+][\d.]+)%\)", summary)
+        assert peaks and all(abs(float(error)) < 10 for error in peaks), summary
     optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
     pick = table[table["chosen"]].iloc[0]
     assert optimal["tensor_parallel"]["autotp_size"] == pick.tp

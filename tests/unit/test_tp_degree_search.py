@@ -10,7 +10,9 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from autotuner.app.tensor_parallel_checks import kept_degrees, settled_degrees
+from autotuner.app.layout_checks import kept_layouts
+from autotuner.app.tensor_parallel_checks import settled_degrees
+from autotuner.tuning.space.layout import Layout
 from autotuner.app.settle import check_some_batch_is_valid
 from autotuner.config import load_config
 from autotuner.core.boundary import Measurement
@@ -72,9 +74,10 @@ def test_a_degree_with_no_valid_global_batch_is_left_out_saying_why():
     config = tp_config("auto", train_batch_size=4, gradient_accumulation_steps=4)  # mbs x 4 x dp = 4: dp 1 only
     space = search_space(config, 4)
     with pytest.raises(ConfigError, match="no micro-batch size gives a valid global batch"):
-        kept_degrees(config, space, (1, 2), 4, "ds.json", said.append, check_some_batch_is_valid)
-    kept, left_out = kept_degrees(config, space, (1, 2, 4), 4, "ds.json", said.append, check_some_batch_is_valid)
-    assert kept == (4,) and [degree for degree, _ in left_out] == [1, 2]
+        kept_layouts(config, space, (Layout(1), Layout(2)), 4, "ds.json", said.append, check_some_batch_is_valid)
+    kept, left_out = kept_layouts(config, space, (Layout(1), Layout(2), Layout(4)), 4, "ds.json", said.append,
+                                  check_some_batch_is_valid)
+    assert kept == (Layout(4),) and [layout.tensor_parallel for layout, _ in left_out] == [1, 2]
     assert said[0].startswith("tensor parallel 1: left out (train_batch_size (4): no micro-batch size gives")
 
 
@@ -83,10 +86,10 @@ def test_a_degree_reads_only_its_own_launches_from_the_one_ledger():
     for degree in (1, 2):
         ledger.record(TrialResult(Experiment(0, 2, 1, tensor_parallel=degree), TrialState.OK, value=float(degree)),
                       kind=TrialKind.PROFILE)
-    view = ledger.view(degree=2)
+    view = ledger.view(Layout(2))
     assert [r.value for r in view.results()] == [2.0] and [r.value for r in view.of_kind(TrialKind.PROFILE)] == [2.0]
     ledger.record(TrialResult(Experiment(2, 2, 1, tensor_parallel=2), TrialState.OK, value=3.0))
-    assert len(ledger) == 3 and len(view) == 2 and len(ledger.view(degree=1)) == 1  # the view filters the one ledger
+    assert len(ledger) == 3 and len(view) == 2 and len(ledger.view(Layout(1))) == 1  # the view filters the one ledger
     assert not hasattr(view, "record")  # a view reads; appending is the ledger's alone
 
 
@@ -105,9 +108,9 @@ def test_a_degree_search_profiles_each_degree_leaves_out_one_that_fails_and_pick
     runner = FakeRunner(profiled(answer))
     lines = []
     place = settled(config, settings)
-    space = place["space"].at_degree(1, 4)
-    tuner = orchestrator(tmp_path, config, runner, settings, report=lines.append, degrees=(1, 2, 4),
-                         left_out=((8, "example"),), space=space)
+    space = place["space"].at_layout(Layout(1), 4)
+    tuner = orchestrator(tmp_path, config, runner, settings, report=lines.append,
+                         layouts=(Layout(1), Layout(2), Layout(4)), left_out=((Layout(8), "example"),), space=space)
     # (the fake's `settled` gives the space at no degree; the settle pass gives it at the first)
     outcome = tuner.tune()
     asked = {trial.experiment.tensor_parallel for trial in runner.trials}
@@ -139,7 +142,7 @@ def test_only_one_degree_left_fails_the_tune_as_before(tmp_path):
     settings = experiment_settings(config, nproc_per_node=4, data_parallel_size=2)
     runner = FakeRunner(lambda trial: TrialResult(trial.experiment, TrialState.FAILED, error="boom"))
     place = settled(config, settings)
-    tuner = orchestrator(tmp_path, config, runner, settings, degrees=(2,),
+    tuner = orchestrator(tmp_path, config, runner, settings, layouts=(Layout(2),),
                          space=replace(place["space"], tensor_parallel=2))
     from autotuner.tuning.trials.evaluator import TuningFailed
 
@@ -159,8 +162,8 @@ def _degree_search(tmp_path, speed, reach_mib=None):
                   (200 + per_sample * trial.experiment.micro_batch_size) * MiB)
 
     runner = FakeRunner(profiled(answer))
-    space = settled(config, settings)["space"].at_degree(1, 4)
-    outcome = orchestrator(tmp_path, config, runner, settings, degrees=(1, 2), space=space).tune()
+    space = settled(config, settings)["space"].at_layout(Layout(1), 4)
+    outcome = orchestrator(tmp_path, config, runner, settings, layouts=(Layout(1), Layout(2)), space=space).tune()
     return runner, outcome
 
 

@@ -45,10 +45,14 @@ p.add_argument("--pp", type=int, default=2); p.add_argument("--steps", type=int,
 p.add_argument("--blocks", type=int, default=4); p.add_argument("--out", default=None)
 p.add_argument("--local_rank", type=int, default=-1); p.add_argument("--partition", default="parameters")
 p.add_argument("--eval", action="store_true")
+p.add_argument("--dim", type=int, default=D); p.add_argument("--vocab", type=int, default=V)  # a tune's model sizes
+p.add_argument("--seq", type=int, default=T)
 p.add_argument("--refusals", action="store_true")
 p.add_argument("--save", default=None); p.add_argument("--load", default=None); p.add_argument("--save16", default=None)
+p.add_argument("--save_at", type=int, default=0)  # save --save after this step and train on (0: at the end)
 deepspeed.add_config_arguments(p)
 args = p.parse_args()
+V, D, T = args.vocab, args.dim, args.seq
 deepspeed.init_distributed()
 torch.manual_seed(1)
 losses = []
@@ -63,12 +67,11 @@ if args.refusals:  # each wrong request refused in one line (ConfigError/Unsuppo
         "more_stages_than_layers": lambda: PipelineModule(layers(0), num_stages=world),
         "type_matches_nothing": lambda: PipelineModule(layers(2), num_stages=2, partition_method="type:conv"),
         "no_such_method": lambda: PipelineModule(layers(2), num_stages=2, partition_method="profile"),
-        "tensor_parallel_in_a_stage": lambda: PipelineModule(
-            layers(2), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=world // 4)),
+        "model_axis_without_autotp": lambda: deepspeed.initialize(model=PipelineModule(
+            layers(2), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=world // 4)), config=base),
     }
     engines = {
         "zero_2": {"zero_optimization": {"stage": 2}},
-        "bf16": {"bf16": {"enabled": True}},
         "stages_disagree": {"pipeline": {"stages": 4}},
         "interleaved": {"pipeline": {"schedule": "Interleaved1F1B"}},
         "unknown_schedule": {"pipeline": {"schedule": "Zigzag"}},
@@ -107,13 +110,15 @@ elif args.pp > 0:
         for _ in range(engine.global_steps * engine.gradient_accumulation_steps()):
             if engine.data_iterator is not None:
                 next(engine.data_iterator)
-    for _ in range(args.steps):
+    for step in range(1, args.steps + 1):
         loss = engine.train_batch()
         assert loss.dim() == 0, loss.shape  # every stage gets the mean loss, as DeepSpeed returns it
         losses.append(loss.item())
+        if args.save and step == args.save_at:
+            engine.save_checkpoint(args.save, client_state={"note": "mid-run"})
     if args.eval:  # forward only, the same data again: the trained model's mean loss on every stage
         losses.append(engine.eval_batch(iter(torch.utils.data.DataLoader(Data(), batch_size=4))).item())
-    if args.save:
+    if args.save and not args.save_at:
         engine.save_checkpoint(args.save, client_state={"note": "mid-run"})
     if args.save16:
         engine.save_16bit_model(args.save16)

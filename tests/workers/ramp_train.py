@@ -68,8 +68,8 @@ def main() -> None:
     ran = []
     if args.load:
         engine.load_checkpoint(checkpoint)
-        with open(os.path.join(args.out, f"ran.{engine.global_rank}.json")) as handle:
-            ran = json.load(handle)
+        with open(os.path.join(args.out, f"ran_saved.{engine.global_rank}.json")) as handle:
+            ran = json.load(handle)  # the steps before the checkpoint
     while engine.global_steps < args.steps:
         step, gas, lr = engine.global_steps + 1, engine.gradient_accumulation_steps(), engine.get_lr()[0]
         micro = engine.train_micro_batch_size_per_gpu()
@@ -90,9 +90,10 @@ def main() -> None:
             engine.step()
             total += loss.item()
         ran.append([gas, lr, total / gas, micro, sorted(rows)])
-        if args.save_at and engine.global_steps == args.save_at:
+        if args.save_at and engine.global_steps == args.save_at:  # saved mid-run, training on
             engine.save_checkpoint(checkpoint)
-            break
+            with open(os.path.join(args.out, f"ran_saved.{engine.global_rank}.json"), "w") as handle:
+                json.dump(ran, handle)
     with open(os.path.join(args.out, f"ran.{engine.global_rank}.json"), "w") as handle:
         json.dump(ran, handle)
 

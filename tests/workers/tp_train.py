@@ -4,8 +4,8 @@ global batch by engine.get_data_parallel_rank(), as DeepSpeedExamples' AutoTP sc
 
 Writes to --out: losses.json (rank 0: the mean loss of each optimizer step), layout.json (every
 rank: its ranks and how many parameters it holds), and with --save the whole model from
-engine.save_16bit_model. --save_checkpoint / --load_checkpoint take a DCP checkpoint after or
-before the steps. Run under the launcher by tests/integration/test_tensor_parallel.py."""
+engine.save_16bit_model. --save_checkpoint / --load_checkpoint take a DCP checkpoint after (or
+after --save_at steps, training on) or before the steps. Run under the launcher by tests/integration/test_tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--save_checkpoint", default=None)
+    parser.add_argument("--save_at", type=int, default=0, help="save --save_checkpoint after this many steps and "
+                                                                "train on (0: after the last)")
     parser.add_argument("--load_checkpoint", default=None)
     parser.add_argument("--rank0_state_dict", action="store_true", help="rank 0 alone reads model.module.state_dict()")
     parser.add_argument("--unshared_batch", action="store_true", help="slice the data by global rank (a script's bug)")
@@ -61,6 +63,8 @@ def main() -> None:
         mean = torch.tensor(total / gas)
         dist.all_reduce(mean)  # TP ranks hold the same loss: the mean over all ranks is the mean over dp
         losses.append(mean.item() / dist.get_world_size())
+        if args.save_checkpoint and args.save_at and len(losses) == args.save_at:
+            engine.save_checkpoint(args.save_checkpoint)
     os.makedirs(args.out, exist_ok=True)
     held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in engine.module.parameters())
     with open(os.path.join(args.out, f"layout{dist.get_rank()}.json"), "w") as handle:
@@ -72,7 +76,7 @@ def main() -> None:
             json.dump(losses, handle)
     if args.save:
         engine.save_16bit_model(args.out)
-    if args.save_checkpoint:
+    if args.save_checkpoint and not args.save_at:
         engine.save_checkpoint(args.save_checkpoint)
     if args.rank0_state_dict and dist.get_rank() == 0:
         torch.save(engine.module.state_dict(), os.path.join(args.out, "rank0.bin"))

@@ -184,10 +184,16 @@ class DeepSpeedView:
     def sequence_length(self) -> int:
         return self._sequence_length()
 
+    def splittable(self) -> tuple[int, int]:
+        return 0, 0  # the tuner refuses a tensor-parallel tune on DeepSpeed's engine (app/settle.py)
+
     noise = None  # a goodput launch's DeepSpeedNoiseProbe, where DeepSpeed reduces at the boundary (ZeRO 0)
 
     def gradient_noise(self):
         return self.noise
+
+    def pipeline_position(self) -> None:
+        return None  # DeepSpeed's own PipelineEngine is not measured (a pipeline tune runs on ours)
 
     def flops_per_micro_step(self) -> None:
         return None  # not counted inside DeepSpeed's engine

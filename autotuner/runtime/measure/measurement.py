@@ -28,6 +28,8 @@ def measurement_request(config: DeepSpeedConfig) -> MeasurementRequest | None:
                               tuning.metric_path)
 
 
+PIPELINE_STAGES_KEY = "pipeline.stages"
+
 # Read from the Measurement's own fields (stage, micro-batch, gas), not from `built`.
 TRIAD_KEYS = ("zero_optimization.stage", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -45,7 +47,25 @@ def values_at(config: dict[str, Any], keys: list[str]) -> tuple[tuple[str, Any],
     return tuple(found)
 
 
-class OurEngineView:
+class BatchView:
+    """What both of our engines' views read alike: the batch triad the engine settled (`batch`)."""
+
+    _engine: Any
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self._engine.batch.micro_batch_size
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self._engine.batch.gradient_accumulation_steps
+
+    @property
+    def train_batch_size(self) -> int:
+        return self._engine.batch.train_batch_size
+
+
+class OurEngineView(BatchView):
     """The protocol's view of our Engine (runtime/engine.py)."""
 
     name = "autotuner"
@@ -74,18 +94,6 @@ class OurEngineView:
         return self._engine.precision
 
     @property
-    def micro_batch_size(self) -> int:
-        return self._engine.batch.micro_batch_size
-
-    @property
-    def gradient_accumulation_steps(self) -> int:
-        return self._engine.batch.gradient_accumulation_steps
-
-    @property
-    def train_batch_size(self) -> int:
-        return self._engine.batch.train_batch_size
-
-    @property
     def engines_in_process(self) -> int:
         return self._engine.created_in_process
 
@@ -97,8 +105,11 @@ class OurEngineView:
         return self._engine.tuned_over_script
 
     def built_values(self, keys: list[str]) -> tuple[tuple[str, Any], ...]:
-        """The config the engine trains with (after settling), at the tuned keys."""
-        return values_at(self._engine.config.dump(by_alias=True), keys)
+        """The config the engine trains with (after settling), at the tuned keys; pipeline stages 0:
+        this engine is no pipeline, whatever the config says (a script that took the mapped flag
+        and built a plain model did not train the experiment's pipeline)."""
+        return tuple((key, 0 if key == PIPELINE_STAGES_KEY else value)
+                     for key, value in values_at(self._engine.config.dump(by_alias=True), keys))
 
     def parameter_counts(self) -> None:
         return None  # the wrapped module's tensors (FSDP2's DTensors included) count themselves
@@ -124,6 +135,10 @@ class OurEngineView:
     def activation_bytes(self) -> int:
         return self._engine._activation_probe.bytes_saved
 
+    def splittable(self) -> tuple[int, int]:
+        probe = self._engine._activation_probe
+        return probe.splittable_params, probe.split_bytes
+
     def activation_bytes_by_policy(self) -> dict[str, int]:
         return self._engine._activation_probe.bytes_by_policy()
 
@@ -137,3 +152,6 @@ class OurEngineView:
     def flops_per_micro_step(self) -> int | None:
         probe = self._engine._flop_probe
         return probe.total if probe is not None else None
+
+    def pipeline_position(self) -> None:
+        return None

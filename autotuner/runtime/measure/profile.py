@@ -8,6 +8,7 @@ GPU and does not depend on allocator noise.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -38,6 +39,8 @@ class FlopProbe:
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    # A DTensor (tensor parallelism) is a wrapper without storage: its local tensor holds the bytes.
+    tensor = _local(tensor)
     try:
         return (str(tensor.device), tensor.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):
@@ -45,6 +48,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 
 
 def _storage_bytes(tensor: torch.Tensor) -> int:
+    tensor = _local(tensor)  # this rank's shard of a DTensor, not its global size
     try:
         return int(tensor.untyped_storage().nbytes())
     except (RuntimeError, NotImplementedError):
@@ -100,6 +104,13 @@ class ActivationProbe:
         self._inside = [0] * len(self._blocks)
         self._matmul_inside = [0] * len(self._blocks)
         self._inputs = [0] * len(self._blocks)
+        # Under a tensor-parallel plan not applied (degree 1): the bytes saved inside its split
+        # regions, each from a column-wise Linear's output to the next row-wise Linear's input
+        # (what a degree k would divide by k), and the parameters it would split.
+        self._split_styles: dict[nn.Module, str] = {}
+        self._in_split = False
+        self.split_bytes = 0
+        self.splittable_params = 0
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
@@ -107,6 +118,8 @@ class ActivationProbe:
             self._seen.add(key)
             size = _storage_bytes(tensor)
             self.bytes_saved += size
+            if self._in_split:
+                self.split_bytes += size
             if self._current is None:
                 self._outside += size
             else:
@@ -129,12 +142,38 @@ class ActivationProbe:
             self._handles.append(block.register_forward_pre_hook(entering(index)))
             self._handles.append(block.register_forward_hook(leaving))
 
+    def watch_split_regions(self, model: nn.Module, styles: tuple[tuple[str, str], ...]) -> None:
+        """Count what a tensor-parallel plan (tp_plan.py: (Linear name, "colwise"|"rowwise"|...))
+        would split: a column-wise layer's input is the replicated hidden state, its output and
+        what is saved from there to the next row-wise layer's input is split."""
+        modules = dict(model.named_modules())
+        for name, style in styles:
+            if name in modules and style in ("colwise", "rowwise"):
+                linear = modules[name]
+                self._split_styles[linear] = style
+                # A column layer splits its weight and bias, a row layer its weight (its bias is added whole).
+                self.splittable_params += linear.weight.numel() + (
+                    linear.bias.numel() if style == "colwise" and linear.bias is not None else 0)
+
+    def _watch_split_regions(self) -> None:
+        def before(module, args):
+            if self._split_styles[module] == "colwise":
+                self._in_split = False
+
+        def after(module, args, output):
+            self._in_split = self._split_styles[module] == "colwise"
+
+        for module in self._split_styles:
+            self._handles.append(module.register_forward_pre_hook(before))
+            self._handles.append(module.register_forward_hook(after))
+
     def _see_input(self, module, args, kwargs) -> None:
         if not self.sequence_length:
             self.sequence_length = sequence_length_of([*args, *kwargs.values()])
 
     def start(self) -> None:
         self._watch_blocks()
+        self._watch_split_regions()
         if self._model is not None:
             self._handles.append(self._model.register_forward_pre_hook(self._see_input, with_kwargs=True))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -147,6 +186,7 @@ class ActivationProbe:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._in_split = False
 
     def held_by_policy(self) -> dict[str, int]:
         """Bytes each checkpointing policy holds for backward once the forward is done, from one
@@ -228,7 +268,10 @@ def write_model_info(
     sequence_length: int = 0,
     tensor_parallel: int = 1,
     split_num_params: int = 0,
+    splittable_num_params: int = 0,
+    split_activation_bytes: int = 0,
     measured_model: str = "",
+    pipeline: dict[str, Any] | None = None,
 ) -> ModelInfo:
     total, trainable = parameter_counts or count_parameters(zero_stage_module)
     from autotuner.runtime.measure.model_family import device_name, model_family
@@ -262,7 +305,10 @@ def write_model_info(
         sequence_length=sequence_length,
         tensor_parallel=tensor_parallel,
         split_num_params=split_num_params,
+        splittable_num_params=splittable_num_params,
+        split_activation_bytes=split_activation_bytes,
         measured_model=measured_model,
+        **(pipeline or {}),  # a pipeline's per-stage fields (rank_measurement.py `pipeline_fields`)
     )
     write_record(path, info)
     return info

@@ -57,6 +57,11 @@ class EngineView(Protocol):
     def activation_bytes(self) -> int:
         """Bytes the first micro-step saved for backward on this rank."""
 
+    def splittable(self) -> tuple[int, int]:
+        """At degree 1, what a tensor-parallel degree would split: (the parameters its plan splits,
+        counted whole; the bytes the first micro-step saved inside the plan's split regions on this
+        rank). (0, 0) where nothing would split or the engine does not say."""
+
     def activation_bytes_by_policy(self) -> dict[str, int]:
         """What each activation checkpointing policy would hold on this rank; empty if unknown."""
 
@@ -67,6 +72,9 @@ class EngineView(Protocol):
 
     def gradient_noise(self) -> Any:
         """The gradient noise probe (runtime/measure/gradient_noise.py) where this engine has one, else None."""
+
+    def pipeline_position(self) -> tuple[int, int, str] | None:
+        """(this rank's stage, the stages, the schedule) on a pipeline engine, else None."""
 
 
 class RankMeasurement:
@@ -115,11 +123,17 @@ class RankMeasurement:
         optimizer_per_rank = self.gather_max(view.optimizer_state_bytes())
         # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
         optimizer_bytes = optimizer_per_rank[0] if view.zero_stage == 0 else sum(optimizer_per_rank)
+        splittable_params, split_bytes = view.splittable()
+        split_bytes_per_rank = self.gather_max(split_bytes)
         tp, split_count, local_trainable = view.tensor_parallel()
         if tp > 1:  # a rank's state covers its shards: its bytes per element held, over the whole model
             held = self.gather_max(local_trainable)
             per_element = max(size / max(1, count) for size, count in zip(optimizer_per_rank, held))
             optimizer_bytes = int(per_element * count_parameters(view.model())[1])
+        pipeline = self._pipeline_fields(activation_per_rank, optimizer_per_rank)
+        if pipeline is not None:  # the states per parameter a stage holds, over the whole model's parameters
+            whole = view.parameter_counts()
+            optimizer_bytes = int(pipeline[1] * (whole[1] if whole else 0))
         peak_per_rank, reserved_per_rank = self._peaks()
         phases = None
         if self.phase_peaks is not None:
@@ -157,10 +171,41 @@ class RankMeasurement:
                 sequence_length=view.sequence_length(),
                 tensor_parallel=tp,
                 split_num_params=split_count,
+                splittable_num_params=splittable_params,
+                split_activation_bytes=max(split_bytes_per_rank, default=0),
                 measured_model=model_class_name(view.model()),
+                pipeline=pipeline[0] if pipeline is not None else None,
             )
         if self.request.exit_after_model_info:
             self.leave()
+
+    def _pipeline_fields(self, activation_per_rank: list[int],
+                         optimizer_per_rank: list[int]) -> tuple[dict[str, Any], float] | None:
+        """On a pipeline (collective): ModelInfo's per-stage fields, and the optimizer-state bytes per
+        parameter the heaviest-holding rank keeps (ZeRO 1 shards a stage's states over its replicas)."""
+        position = self.view.pipeline_position()
+        if position is None:
+            return None
+        stage, stages, schedule = position
+        stage_of_rank = self.gather_max(stage)
+        held = self.gather_max(count_parameters(self.view.model())[1])
+        tp, split, local = self.view.tensor_parallel()
+        split_held = self.gather_max(split)
+        # Under tensor parallelism a rank's states cover its shards: bytes per element it holds.
+        elements = self.gather_max(local) if tp > 1 else held
+        replicas = max(1, len(stage_of_rank) // stages // tp)
+        shards = replicas if self.view.zero_stage == 1 else 1
+        per_param = max(size * shards / max(1, count) for size, count in zip(optimizer_per_rank, elements))
+        by_stage = range(stages)
+        fields = {"pipeline_stages": stages, "pipeline_schedule": schedule,
+                  "stage_num_params": tuple(max(h for h, s in zip(held, stage_of_rank) if s == k) for k in by_stage),
+                  "stage_split_num_params": tuple(max(h for h, s in zip(split_held, stage_of_rank) if s == k)
+                                                  for k in by_stage),
+                  "stage_activation_bytes": tuple(max(a for a, s in zip(activation_per_rank, stage_of_rank) if s == k)
+                                                  for k in by_stage),
+                  "stage_of_rank": tuple(stage_of_rank),
+                  "pipeline_micro_batches": self.view.gradient_accumulation_steps}
+        return fields, per_param
 
     def _probe(self) -> tuple[CollectiveTiming, ...]:
         # The default group: the one DDP, ZeRO-1, FSDP2 and DeepSpeed's engine run on.

@@ -10,6 +10,7 @@ checkpoint lacks is refused in one line (load_module_strict)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -33,8 +34,18 @@ class PipelineCheckpoints:
             return name.split(".")[1] in self.module.tied_modules
         return head.isdigit() and self.module.parts[self.stage_id] <= int(head) < self.module.parts[self.stage_id + 1]
 
+    def _keyed_by_the_model(self, optimizer: Any) -> contextlib.AbstractContextManager:
+        """ZeRO 1 over split stages steps the shards' shadows: DCP sees the optimizer keyed by the
+        model's parameters meanwhile (training/split_zero.py)."""
+        shadows = getattr(self, "_shadows", None)
+        return shadows.as_model_parameters(optimizer) if shadows is not None and optimizer is not None \
+            else contextlib.nullcontext()
+
     def _param_group_members(self) -> list[list[str]]:
         names = {id(param): name for name, param in self.module.named_parameters()}
+        shadows = getattr(self, "_shadows", None)
+        for param, shadow in (shadows.pairs if shadows is not None else ()):  # ZeRO 1 over split stages
+            names[id(shadow)] = names.get(id(param), "(a parameter outside the model)")
         groups = self.optimizer.param_groups if self.optimizer is not None else []
         return [sorted(names.get(id(p), "(a parameter outside the model)") for p in group["params"]) for group in groups]
 
@@ -57,11 +68,13 @@ class PipelineCheckpoints:
             "zero_stage": self.config.zero_optimization.stage,
             "pipeline_parts": list(self.module.parts),
             "world_size": dist.get_world_size(),
+            "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
         }
         frozen = ({name for name, param in self.module.named_parameters() if not param.requires_grad}
                   if exclude_frozen_parameters else set())
-        return checkpoint.save(save_dir, tag, self.module, self._local_optimizer, state, save_latest=save_latest,
-                               exclude=frozen)
+        with self._keyed_by_the_model(self._local_optimizer):
+            return checkpoint.save(save_dir, tag, self.module, self._local_optimizer, state, save_latest=save_latest,
+                                   exclude=frozen)
 
     def load_checkpoint(self, load_dir: str | Path, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -85,8 +98,9 @@ class PipelineCheckpoints:
             by_stage = saved.get("param_group_members_by_stage", {})
             checkpoint.check_param_groups(path, {**saved, "param_group_members": by_stage.get(self.stage_id)},
                                           self._param_group_members())
-        state = checkpoint.load(load_dir, resolved, self.module, optimizer, strict=load_module_strict,
-                                holds=self._holds)
+        with self._keyed_by_the_model(optimizer):
+            state = checkpoint.load(load_dir, resolved, self.module, optimizer, strict=load_module_strict,
+                                    holds=self._holds)
         self.module._broadcast_tied_weights()  # each tied weight one weight again, as DeepSpeed does after a load
         if optimizer is not None:
             for group, saved_group in zip(self.optimizer.param_groups, state.get("param_groups", [])):
@@ -97,6 +111,8 @@ class PipelineCheckpoints:
         self.global_samples = state["global_samples"]
         if load_lr_scheduler_states and self.lr_scheduler is not None and state.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if self.loss_scaler is not None and state.get("loss_scaler"):  # fp16: the scale and its rule's state
+            self.loss_scaler.load_state_dict(state["loss_scaler"])
         return str(path), state.get("client_state", {})
 
     def save_16bit_model(self, save_dir: str | os.PathLike, save_filename: str = "pytorch_model.bin",
@@ -104,9 +120,12 @@ class PipelineCheckpoints:
         """The whole model, every stage's layers under their PipelineModule names, in one file written
         by rank 0 (fp32: a pipeline trains in fp32 here). Collective."""
         frozen = {name for name, param in self.module.named_parameters() if not param.requires_grad}
-        mine = {name: tensor.detach().cpu() for name, tensor in self.module.state_dict().items()
-                if not (exclude_frozen_parameters and name in frozen)} \
-            if self.module.topology().get_coord(self.global_rank).data == 0 else {}
+        coord = self.module.topology().get_coord(self.global_rank)
+        mine: dict[str, torch.Tensor] = {}
+        if coord.data == 0:  # one replica of each stage; a split stage's TP ranks gather its weights whole
+            whole_stage = {name: _whole(tensor).detach().cpu() for name, tensor in self.module.state_dict().items()
+                           if not (exclude_frozen_parameters and name in frozen)}
+            mine = whole_stage if getattr(coord, "model", 0) == 0 else {}
         parts: list[Any] = [None] * dist.get_world_size() if self.global_rank == 0 else None
         dist.gather_object(mine, parts, dst=0)
         if self.global_rank == 0:
@@ -125,3 +144,8 @@ class PipelineCheckpoints:
                 raise
         dist.barrier()
         return True
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A split weight gathered over its TP group (collective there); a whole one as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -25,8 +25,14 @@ from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.core.errors import ConfigError
 from autotuner.runtime.pipeline.checkpoints import PipelineCheckpoints
+from autotuner.core.boundary import MeasurementRequest
+from autotuner.runtime.pipeline.measure import PipelineMeasurement
 from autotuner.runtime.pipeline.module import PipelineModule
-from autotuner.runtime.pipeline.schedules import schedule_class
+from autotuner.runtime.distributed import warn_once
+from autotuner.runtime.pipeline.schedules import schedule_for
+from autotuner.runtime.training.loss_scale import LossScaler
+from autotuner.runtime.training.split_zero import SplitShadows
+from autotuner.runtime.training.tensor_parallel import ParallelLayout, SplitModel
 
 
 class PipelineError(Exception):
@@ -42,8 +48,21 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
 
     def __init__(self, module: PipelineModule, optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                  config: DeepSpeedConfig, batch: BatchSizes, device: torch.device, training_dataloader: Any = None,
-                 local_optimizer: torch.optim.Optimizer | None = None):
+                 local_optimizer: torch.optim.Optimizer | None = None, request: MeasurementRequest | None = None,
+                 tuned_over_script: tuple[str, ...] = (), split: SplitModel | None = None,
+                 layout: ParallelLayout | None = None, loss_scaler: LossScaler | None = None,
+                 shadows: SplitShadows | None = None):
         super().__init__()
+        self._shadows = shadows  # ZeRO 1 over split stages: what its optimizer steps (training/split_zero.py)
+        # fp16: the last stage's loss scaled inside the schedule, every stage's gradients unscaled
+        # before clipping, the step skipped on every rank together (the scaler agrees its overflow
+        # check over the world), the scale by DeepSpeed's rule (training/loss_scale.py).
+        self.loss_scaler = loss_scaler
+        self.skipped_steps = 0
+        if loss_scaler is not None:  # torch's scaler starts its scale at the first scale(): only the last
+            loss_scaler.scale(torch.zeros((), device=device))  # stage scales a loss, every stage unscales
+        self.split = split  # tensor parallelism inside the stages (initialize.py), over layout's tp group
+        self.layout = layout
         self.module = module
         self.optimizer = optimizer
         self._local_optimizer = local_optimizer if local_optimizer is not None else optimizer
@@ -72,11 +91,19 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
         self.agg_train_loss: torch.Tensor | None = None
         self._stage = PipelineStage(module, self.stage_id, self.num_stages, device, group=self.pipe_group)
         loss_fn = module.loss_fn if module.loss_fn is not None else _output_is_loss
-        self._schedule_class = schedule_class(config.pipeline.schedule)
+        if loss_scaler is not None:
+            loss_fn = _scaled(loss_fn, loss_scaler)
+        self._schedule_class, note = schedule_for(config.pipeline.schedule, self.micro_batches, self.num_stages)
+        if note is not None and self.global_rank == 0:
+            warn_once(note)
         self._train_schedule = self._schedule_class(self._stage, n_microbatches=self.micro_batches, loss_fn=loss_fn,
                                                     scale_grads=True)
         self._loss_fn = loss_fn
         self._eval_schedules: dict[int, Any] = {}
+        # A tuner's launch: the protocol over train_batch() calls (measure.py); the engine a tuner
+        # measures is the one with an optimizer.
+        self._measurement = PipelineMeasurement(self, request, tuned_over_script) \
+            if request is not None and optimizer is not None else None
 
     # ----- where this rank sits -----
     def is_first_stage(self) -> bool:
@@ -147,26 +174,44 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
         if data_iter is not None:
             self.set_dataiterator(data_iter)
         self.module.train()
+        if self._measurement is not None:
+            self._measurement.batch_starts()
         started = time.perf_counter()
         inputs, target = self._micro_batches(self.micro_batches)
         losses: list[torch.Tensor] = []
+        scale = self.loss_scaler.get_scale() if self.loss_scaler is not None else 1.0  # what this step's losses carry
         self._run(self._train_schedule, inputs, target, losses)
         self.module.allreduce_tied_weight_gradients()
         self._average_over_data_parallel()
+        if self._shadows is not None:  # (the same storage: the unscale and the clip below reach both)
+            self._shadows.hand_gradients()
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_(self.optimizer)
         self._clip_gradients()
-        self.optimizer.step()
+        stepping = time.perf_counter()
+        applied = True
+        if self.loss_scaler is not None:
+            applied = self.loss_scaler.step(self.optimizer)
+            self.skipped_steps += not applied
+        else:
+            self.optimizer.step()
+        step_s = time.perf_counter() - stepping
         self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
+        if self._shadows is not None:
+            self._shadows.drop_gradients()
+        if self.lr_scheduler is not None and applied:  # DeepSpeed does not advance it on a skipped step
             self.lr_scheduler.step()
         self.global_steps += 1
         self.global_samples += self.batch.train_batch_size
-        loss = self._aggregate(losses, self.micro_batches)
+        loss = self._aggregate([value / scale for value in losses], self.micro_batches)
         self.agg_train_loss = loss
         every = self.config.steps_per_print
         if self.global_rank == 0 and every and self.global_steps % every == 0:
             elapsed = time.perf_counter() - started
             print(f"steps: {self.global_steps} loss: {loss.item():0.4f} iter time (s): {elapsed:0.3f} samples/sec: "
                   f"{self.batch.train_batch_size / elapsed:0.3f}", file=sys.stdout, flush=True)
+        if self._measurement is not None:  # (after the window's last step, the ranks leave here)
+            self._measurement.batch_done(self.global_steps, step_s)
         return loss
 
     def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
@@ -183,7 +228,8 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
         finally:
             self.data_iterator = kept
         if count not in self._eval_schedules:  # (every stage builds the same ones, in the same order)
-            self._eval_schedules[count] = self._schedule_class(self._stage, n_microbatches=count, loss_fn=None)
+            cls, _ = schedule_for(self.config.pipeline.schedule, count, self.num_stages)
+            self._eval_schedules[count] = cls(self._stage, n_microbatches=count, loss_fn=None)
         schedule = self._eval_schedules[count]
         with torch.no_grad():
             outputs = schedule.eval(*(inputs or ())) if self.is_first_stage() else schedule.eval()
@@ -219,26 +265,37 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
             return
         for param in self.module.parameters():
             if param.grad is not None:
-                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=self.data_group)
-                param.grad.div_(self.dp_world_size)
+                grad = _local(param.grad)  # a split weight's gradient: this rank's shard, averaged alike
+                dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=self.data_group)
+                grad.div_(self.dp_world_size)
 
     def _clip_gradients(self) -> None:
-        """gradient_clipping over the whole pipeline's norm (each tied weight counted once)."""
+        """gradient_clipping over the whole pipeline's norm: each tied weight counted once, and inside
+        split stages each split weight's shards on every TP rank, a whole weight on TP rank 0 only
+        (DeepSpeed's AutoTP norm, tensor_parallel.py tp_gradient_norm)."""
         clip = self.config.gradient_clipping
         if not clip:
             return
+        split = self.split.split_parameters if self.split is not None else frozenset()
+        counts_whole = self.layout is None or self.layout.tp_rank == 0
         squares = torch.zeros((), device=self.device, dtype=torch.float32)
-        for param in self.module.parameters():
-            if param.grad is not None and not getattr(param, "ds_pipe_replicated", False):
-                squares += param.grad.detach().float().pow(2).sum()
+        for name, param in self.module.named_parameters():
+            if param.grad is not None and not getattr(param, "ds_pipe_replicated", False) \
+                    and (name in split or counts_whole):
+                squares += _local(param.grad).detach().float().pow(2).sum()
         dist.all_reduce(squares, group=self.pipe_group)
+        if self.layout is not None:
+            dist.all_reduce(squares, group=self.layout.tp_group)
         norm = squares.sqrt()
         scale = clip / (norm + 1e-6)
         if scale < 1:
             for param in self.module.parameters():
                 if param.grad is not None:
-                    param.grad.mul_(scale)
+                    _local(param.grad).mul_(scale)
         self._global_grad_norm = norm.item()
+
+    def get_loss_scale(self) -> float | None:
+        return self.loss_scaler.get_scale() if self.loss_scaler is not None else None
 
     def get_global_grad_norm(self) -> float | None:
         return getattr(self, "_global_grad_norm", None)
@@ -261,7 +318,7 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
     def _aggregate(self, losses: list[torch.Tensor], count: int) -> torch.Tensor:
         """Mean of the micro-batches' losses, averaged over data-parallel ranks, on every stage."""
         if self.is_last_stage():
-            mean = torch.stack([loss.detach() for loss in losses]).sum() / count
+            mean = torch.stack([loss.detach().float() for loss in losses]).sum() / count  # (bf16: summed in fp32)
             mean = self._data_parallel_mean(mean)
         else:
             mean = None
@@ -276,6 +333,19 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
         raise PipelineError(_ONLY_TRAIN_BATCH)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _scaled(loss_fn: Any, scaler: LossScaler) -> Any:
+    def scaled_loss(output: Any, target: Any) -> torch.Tensor:
+        # In fp32: torch's sharded scaler hands back the loss's own dtype, and an fp16 loss times
+        # 2**16 (DeepSpeed's initial scale) is already inf there.
+        return scaler.scale(loss_fn(output, target).float())
+
+    return scaled_loss
 
 
 def _output_is_loss(output: torch.Tensor, target: Any) -> torch.Tensor:

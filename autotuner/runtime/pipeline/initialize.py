@@ -1,16 +1,20 @@
 """`initialize(model=PipelineModule(...))`: the pipeline engine, as DeepSpeed builds it.
 
 What a pipeline trains with here: ZeRO 0 (each stage's gradients averaged over its data-parallel
-group) or ZeRO 1 (torch's ZeroRedundancyOptimizer over that group), fp32, the config's optimizer
-and scheduler (or the script's), gradient clipping over the whole pipeline's norm. What would
-train otherwise is refused in one line (ConfigError/UnsupportedError, exit status 2): ZeRO 2 and 3
-(DeepSpeed refuses them with pipelines too), fp16 and bf16, tensor parallelism inside a stage,
-torch.compile, activation_checkpointing's policy (a pipeline checkpoints by
-activation_checkpoint_interval), the gradient-reduction keys, a batch ramp, and a tuner's
-measured launch (tuning pipelines is not carried yet)."""
+group) or ZeRO 1 (torch's ZeroRedundancyOptimizer over that group); fp32, bf16 or fp16 (each
+stage's forward under autocast, fp32 weights, as our engine's ZeRO 0 and 1 run them; fp16 with
+its loss scaler, one overflow verdict over every stage); the config's optimizer and scheduler (or
+the script's); gradient clipping over the whole pipeline's norm; and tensor_parallel.autotp_size
+inside each stage (one (pp, dp, tp) mesh; the stage's layers split by AutoTP's rule; ZeRO 1 then
+steps the shards' shadows, training/split_zero.py). What would train otherwise is refused in one
+line (ConfigError/UnsupportedError, exit status 2): ZeRO 2 and 3 (DeepSpeed refuses them with
+pipelines too), torch.compile, activation_checkpointing's policy (a pipeline checkpoints by
+activation_checkpoint_interval), the gradient-reduction keys and a batch ramp. A tuner's launch
+measures the engine over its train_batch() calls (measure.py)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -26,6 +30,9 @@ from autotuner.runtime.measure.measurement import measurement_request
 from autotuner.core.repeating_loader import RepeatingLoader
 from autotuner.runtime.pipeline.engine import PipelineEngine
 from autotuner.runtime.pipeline.module import PipelineModule
+from autotuner.runtime.training.optim import remap_groups
+from autotuner.runtime.training.split_zero import SplitShadows
+from autotuner.runtime.training.tensor_parallel import ParallelLayout, SplitModel, refuse_on_device, split_model
 
 
 def refuse_beside_pipeline(cfg: DeepSpeedConfig, stage: int) -> None:
@@ -34,13 +41,6 @@ def refuse_beside_pipeline(cfg: DeepSpeedConfig, stage: int) -> None:
     if stage >= 2:
         raise ConfigError(f"zero_optimization.stage {stage}: ZeRO 2 and 3 are not supported {where} (DeepSpeed refuses "
                           "them too); use stage 0 or 1")
-    if cfg.fp16.enabled is True or cfg.bf16.enabled is True:
-        which = "fp16" if cfg.fp16.enabled is True else "bf16"
-        raise UnsupportedError(f"{which}.enabled: mixed precision is not supported {where} yet; train in fp32 "
-                               f"(set {which}.enabled false)")
-    if cfg.tensor_parallel.size > 1:
-        raise UnsupportedError(f"tensor_parallel.autotp_size {cfg.tensor_parallel.size}: tensor parallelism inside "
-                               f"pipeline stages is not supported yet; leave autotp_size at 0 or 1")
     if cfg.compile.enabled is True:
         raise UnsupportedError(f"compile.enabled: torch.compile is not supported {where} yet; set it false")
     policy = cfg.activation_checkpointing.policy
@@ -59,18 +59,21 @@ def refuse_beside_pipeline(cfg: DeepSpeedConfig, stage: int) -> None:
 def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_parameters: Any,
                         training_data: Dataset | None, lr_scheduler: Any, mpu: Any, collate_fn: Callable | None,
                         cfg: DeepSpeedConfig, build_optimizer: Callable, build_scheduler: Callable,
+                        measured: bool = True, tuned_over_script: tuple[str, ...] = (),
                         ) -> tuple[PipelineEngine, Any, Any, Any]:
+    """`measured`: the engine a tuner's launch measures (script_config's rule: the first built with
+    an optimizer); `tuned_over_script`: the tuned keys laid over the script's own config."""
     if mpu is not None:
         raise UnsupportedError("initialize(mpu=...): a PipelineModule brings its own process grid; pass mpu=None (as "
                                "DeepSpeed asks)")
     stage = cfg.zero_optimization.stage
     refuse_beside_pipeline(cfg, stage)
-    if measurement_request(cfg) is not None:
-        raise UnsupportedError("autotuning a pipeline-parallel script is not supported yet: its launches cannot "
-                               "report their timings; train it with launcher (no --autotuning)")
     ctx = init_distributed()
     refuse_unsettled(cfg, None, in_rank=True)
     stages = cfg.pipeline.stages
+    if isinstance(stages, list):
+        raise ConfigError(f"pipeline.stages: got {stages}; a list is settled by --autotuning tune|run (it searches "
+                          "them); give one number, or \"auto\" to train as the script's PipelineModule builds")
     if isinstance(stages, int) and stages != model.num_stages:
         raise ConfigError(f"pipeline.stages {stages}: the script's PipelineModule built {model.num_stages} stages; "
                           "make them agree (or leave pipeline.stages \"auto\")")
@@ -81,10 +84,11 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
         if getattr(cfg.pipeline, key) != default:
             warn_once(f"pipeline.{key}: DeepSpeed reads it from PipelineModule's arguments, not the config; so does "
                       "this engine, and the config's value has no effect there or here")
+    split, layout = _split_stages(model, cfg, ctx)
     topo = model.topology()
     dp = topo.get_dim("data")
     batch = resolve_batch(cfg, dp)  # a step trains micro x gas x the data-parallel size, as DeepSpeed counts it
-    opt = local_opt = scheduler = None
+    opt = local_opt = scheduler = shadows = None
     if optimizer is not None or cfg.optimizer is not None:
         params = [p for p in model.parameters() if p.requires_grad] if model_parameters is None \
             else list(model_parameters)
@@ -92,6 +96,10 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
             groups = [dict(group) for group in optimizer.param_groups]
         else:
             groups = [{"params": params}] if params and not isinstance(params[0], dict) else params
+        if split is not None:  # the script's parameters were swapped for the split ones: the same by name
+            groups = remap_groups(groups, split.names_before, dict(model.named_parameters()))
+        if split is not None and stage == 1:  # ZeroRedundancyOptimizer over dp, on the shards' shadows
+            shadows, groups = SplitShadows.over(groups)
         data_group = _data_group(topo)
         opt, local_opt = build_optimizer(optimizer, cfg, groups, stage, data_group if stage == 1 else None)
         scheduler = build_scheduler(lr_scheduler, cfg, opt, stage)
@@ -109,8 +117,17 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
         sampler = DistributedSampler(training_data, num_replicas=dp, rank=coord.data, shuffle=False)
         loader = RepeatingLoader(DataLoader(training_data, batch_size=batch.micro_batch_size, sampler=sampler,
                                             collate_fn=collate_fn, drop_last=True))
+    compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+    model.compute_in(compute)
+    scaler = None
+    if cfg.precision == "fp16":
+        from autotuner.runtime.training.loss_scale import LossScaler
+
+        scaler = LossScaler(cfg.fp16, ctx.device, sharded=True)  # one overflow verdict over every stage
     engine = PipelineEngine(model, opt, scheduler, cfg, batch, ctx.device, training_dataloader=loader,
-                            local_optimizer=local_opt)
+                            local_optimizer=local_opt, request=measurement_request(cfg) if measured else None,
+                            tuned_over_script=tuned_over_script, split=split.model if split else None,
+                            layout=layout, loss_scaler=scaler, shadows=shadows)
     return engine, opt, engine.training_dataloader, scheduler
 
 
@@ -123,3 +140,42 @@ def _data_group(topo: Any) -> Any:
         if rank in ranks:
             mine = group
     return mine
+
+
+@dataclass(frozen=True)
+class SplitStages:
+    """What tensor parallelism inside the stages did: the split (tensor_parallel.py), and each
+    parameter's name by the id it had before (the script's model_parameters hold those)."""
+
+    model: SplitModel
+    names_before: dict[int, str]
+
+
+def _split_stages(model: PipelineModule, cfg: DeepSpeedConfig, ctx: Any) -> tuple[SplitStages | None, Any]:
+    """tensor_parallel.autotp_size inside each stage (collective): the (pp, dp, tp) mesh built once,
+    in torchtitan's order (pp outermost, tp fastest, DeepSpeed's PipeModelDataParallelTopology
+    order too), and this stage's layers split over its `tp` sub-mesh by AutoTP's rule."""
+    tp = cfg.tensor_parallel.size
+    axis = model.topology().get_dim("model")
+    if tp <= 1 and axis <= 1:
+        return None, None
+    if tp <= 1:
+        raise ConfigError(f"PipelineModule(topology=...): its model axis of {axis} splits each stage by tensor "
+                          f"parallelism; set tensor_parallel.autotp_size {axis} too (the stages' layers are split "
+                          "by AutoTP's rule), or give num_mp=1")
+    refuse_on_device(cfg.tensor_parallel.keep_module_on_host, ctx.device)
+    model.split_stages_over(tp)
+    topo = model.topology()
+    if tp > ctx.local_world_size or ctx.local_world_size % tp:
+        raise ConfigError(f"tensor_parallel.autotp_size {tp}: a tensor-parallel group must lie inside one node, so "
+                          f"it must divide the ranks per node ({ctx.local_world_size})")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pp, dp = topo.get_dim("pipe"), topo.get_dim("data")
+    mesh = init_device_mesh(ctx.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    coord = topo.get_coord(ctx.rank)
+    layout = ParallelLayout(tp, dp, coord.model, coord.data, mesh["dp", "tp"])
+    stage_groups = [dist.new_group(topo.get_axis_list("pipe", s)) for s in range(pp)]  # collective: every rank
+    names_before = {id(param): name for name, param in model.named_parameters()}
+    split = split_model(model, layout, source=(topo.get_axis_list("pipe", coord.pipe)[0], stage_groups[coord.pipe]))
+    return SplitStages(split, names_before), layout

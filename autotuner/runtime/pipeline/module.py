@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from autotuner.core.errors import ConfigError
 from autotuner.runtime.distributed import init_distributed
 from autotuner.runtime.pipeline.partition import parts_for
-from autotuner.runtime.pipeline.topology import PipeDataParallelTopology, ProcessTopology
+from autotuner.runtime.pipeline.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
 
 class LayerSpec:
@@ -133,9 +133,6 @@ class PipelineModule(nn.Module):
         if topology.world_size() != world:
             raise ConfigError(f"PipelineModule(topology=...): the topology holds {topology.world_size()} ranks, the "
                               f"world {world}")
-        if topology.get_dim("model") > 1:
-            raise ConfigError("PipelineModule(topology=PipeModelDataParallelTopology(num_mp>1)): tensor parallelism "
-                              "inside pipeline stages is not supported yet; give num_mp=1 (stages x data parallel)")
         self.layer_specs = list(layers)
         if not self.layer_specs:
             raise ConfigError("PipelineModule(layers=[]): no layers to split into stages")
@@ -161,6 +158,7 @@ class PipelineModule(nn.Module):
                               f"(boundaries {self.parts}); use fewer stages or another partition_method")
         self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
         self.tied_modules = nn.ModuleDict()
+        self._autocast_dtype: torch.dtype | None = None  # the engine's bf16 (compute_in)
         self.tied_weight_attrs: dict[str, list[str]] = {}
         self.forward_funcs: list[Callable] = []
         self._build()
@@ -213,8 +211,8 @@ class PipelineModule(nn.Module):
             stages = sorted(owners[key])
             if len(stages) < 2:
                 continue
-            for data in range(self._topo.get_dim("data")):
-                ranks = [self._topo.get_rank(pipe=s, data=data) for s in stages]
+            for pipe in self._topo.get_axis_comm_lists("pipe"):  # one pipeline: every other axis fixed
+                ranks = [pipe[s] for s in stages]
                 group = dist.new_group(ranks)
                 if self.global_rank in ranks:
                     comms[key] = {"ranks": ranks, "group": group, "weight_attr": self.tied_weight_attrs[key],
@@ -248,6 +246,23 @@ class PipelineModule(nn.Module):
     def topology(self) -> ProcessTopology:
         return self._topo
 
+    def split_stages_over(self, tp: int) -> None:
+        """Lay each stage's data-parallel ranks out as data x model (tensor parallel fastest, as
+        PipeModelDataParallelTopology does): the engine's tensor_parallel.autotp_size inside a
+        stage. A stage keeps its ranks, and each pipeline (every other axis fixed) its ranks, so
+        the stages built and the tie groups stay as they are."""
+        topo = self._topo
+        if topo.get_dim("model") == tp:
+            return
+        if topo.get_dim("model") > 1:
+            raise ConfigError(f"tensor_parallel.autotp_size {tp}: the PipelineModule's topology has a model axis of "
+                              f"{topo.get_dim('model')}; give the same size in both")
+        replicas = topo.get_dim("data")
+        if replicas % tp:
+            raise ConfigError(f"tensor_parallel.autotp_size {tp}: must divide each stage's {replicas} ranks "
+                              f"({topo.world_size()} ranks over {self.num_stages} stages)")
+        self._topo = PipeModelDataParallelTopology(num_pp=self.num_stages, num_mp=tp, num_dp=replicas // tp)
+
     def num_pipeline_stages(self) -> int:
         return self.num_stages
 
@@ -267,10 +282,23 @@ class PipelineModule(nn.Module):
     def get_additional_losses(self) -> None:
         return None
 
+    def compute_in(self, dtype: torch.dtype | None) -> None:
+        """Run this stage's forward under autocast to `dtype` (the engine's bf16 or fp16), or as it is (None):
+        the weights stay fp32, as our engine's data-parallel stages run bf16."""
+        self._autocast_dtype = dtype
+
     # ----- forward -----
     def forward(self, *inputs: Any) -> Any:
         """This stage's layers in order. One input is passed on as it is (a tensor or a tuple); the
         schedule hands a stage what the one before sent as separate tensors, made one tuple again."""
+        dtype = self._autocast_dtype
+        if dtype is None:
+            return self._forward(*inputs)
+        device = next((p.device for p in self.parameters()), torch.device("cpu"))
+        with torch.autocast(device.type, dtype=dtype):
+            return self._forward(*inputs)
+
+    def _forward(self, *inputs: Any) -> Any:
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)
         interval = self.activation_checkpoint_interval
         if interval == 0 or not self.training:

@@ -4,7 +4,11 @@ One stage per rank (what DeepSpeed's PipelineModule builds): "1F1B", DeepSpeed's
 the default, and "GPipe" (every forward, then every backward: more activations held, the same
 math). torch's looped and interleaved schedules (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble,
 ZBVZeroBubble, DualPipeV) run several stages per rank, which a PipelineModule does not build yet:
-they are refused by name."""
+they are refused by name.
+
+torch's 1F1B needs at least as many micro-batches as stages; DeepSpeed's runs with fewer. There
+the engine runs GPipe instead, said once: with fewer micro-batches than stages the two hold the
+same activations on the first stage (all of them) and compute the same gradients."""
 
 from __future__ import annotations
 
@@ -16,6 +20,17 @@ from autotuner.core.errors import ConfigError
 
 SINGLE_STAGE = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
 SEVERAL_STAGES_PER_RANK = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def schedule_for(name: str, micro_batches: int, stages: int) -> tuple[Any, str | None]:
+    """The schedule class for `micro_batches` over `stages`, and the note to say where it is not
+    the one named."""
+    cls = schedule_class(name)
+    if cls is Schedule1F1B and micro_batches < stages:
+        return ScheduleGPipe, (f"pipeline.schedule 1F1B: {micro_batches} micro-batch(es) (gradient_accumulation_steps) "
+                               f"for {stages} stages, fewer than torch's 1F1B takes; running GPipe, which holds the same "
+                               "activations and computes the same gradients at this count")
+    return cls, None
 
 
 def schedule_class(name: str) -> Any:

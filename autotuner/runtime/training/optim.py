@@ -218,3 +218,19 @@ def _check_optimizer_and_scheduler(config: DeepSpeedConfig, source: str) -> None
     except (TypeError, ValueError) as err:
         section = "scheduler" if config.optimizer is None else "optimizer/scheduler"
         raise ConfigError(f"{source}: {section}.params: refused: {err}") from None
+
+
+def remap_groups(params: Iterable, id_to_name: dict[int, str], new_by_name: dict[str, torch.nn.Parameter]) -> list[dict]:
+    """Param groups pointing at the wrapped model's parameters (FSDP2 replaces them with DTensors)."""
+    items = list(params)
+    groups = items if items and isinstance(items[0], dict) else [{"params": items}]
+    remapped = []
+    for group in groups:
+        new_params = []
+        for param in group["params"]:
+            name = id_to_name.get(id(param))
+            if name is None:
+                raise ConfigError("model_parameters/optimizer hold a tensor that is not a parameter of the model")
+            new_params.append(new_by_name[name])
+        remapped.append({**group, "params": new_params})
+    return remapped

@@ -51,8 +51,11 @@ class ParallelLayout:
 
     @property
     def tp_source_rank(self) -> int:
-        """The global rank of this TP group's first rank (DeepSpeed's get_tensor_model_parallel_src_rank)."""
-        return self.dp_rank * self.tp_size
+        """The global rank of this TP group's first rank (DeepSpeed's get_tensor_model_parallel_src_rank);
+        read from the mesh, which inside a pipeline's stage does not start at rank 0."""
+        if self.mesh is None:
+            return self.dp_rank * self.tp_size
+        return int(self.mesh["tp"].mesh.flatten()[0])
 
 
 def data_parallel_layout(ctx: DistributedContext) -> ParallelLayout:
@@ -123,10 +126,11 @@ class SplitModel:
     split_parameters: frozenset[str]
 
 
-def split_model(model: nn.Module, layout: ParallelLayout) -> SplitModel:
-    """Split `model` in place over the layout's `tp` mesh. Every rank first takes global rank 0's
-    weights, as DeepSpeed's engine broadcasts them, and its random state, so that dropout on the
-    activations a TP group shares draws the same mask on each of its ranks."""
+def split_model(model: nn.Module, layout: ParallelLayout, source: tuple[int, Any] = (0, None)) -> SplitModel:
+    """Split `model` in place over the layout's `tp` mesh. Every rank first takes the weights of
+    `source` (global rank, group: rank 0 of the world, as DeepSpeed's engine broadcasts them; a
+    pipeline stage's first rank over the stage's ranks), and its TP group's first rank's random
+    state, so that dropout on the activations a TP group shares draws the same mask on each rank."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -135,7 +139,7 @@ def split_model(model: nn.Module, layout: ParallelLayout) -> SplitModel:
     plan = tp_plan(model, layout.tp_size)
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
-            dist.broadcast(tensor.data, src=0)
+            dist.broadcast(tensor.data, src=source[0], group=source[1])
     _share_random_state(layout)
     parallelize_module(model, layout.mesh["tp"], dtensor_styles(plan))
     divide_head_attributes(model, plan, layout.tp_size)

@@ -97,6 +97,15 @@ def tp_plan(model: nn.Module, tp_size: int) -> TensorParallelPlan:
     return plan
 
 
+def plan_styles(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    """The plan's styles for `model` as it stands (no degree's divisibility checked), or () where
+    it has nothing this engine would split: what a profile at degree 1 measures a degree by."""
+    try:
+        return tp_plan(model, 1).styles
+    except UnsupportedError:
+        return ()
+
+
 def _hugging_face_plan(model: nn.Module) -> tuple[tuple[str, str], ...] | None:
     """The model's merged Hugging Face plan, expanded over its modules; None without one."""
     rules: dict[str, str] = dict(getattr(model, "_tp_plan", None) or {})
@@ -136,8 +145,11 @@ def _tied_head(model: nn.Module) -> bool:
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every entry of every ModuleList, by name: the blocks AutoTP splits inside."""
+    """Every entry of every ModuleList, by name: the blocks AutoTP splits inside (in a PipelineModule,
+    the layers its stage built, each one a block)."""
     found = []
+    if hasattr(model, "forward_funcs") and hasattr(model, "layer_specs"):  # a PipelineModule: its stage's layers
+        return [(name, module) for name, module in model.named_children() if name.isdigit()]
     for name, module in model.named_modules():
         if isinstance(module, nn.ModuleList):
             found += [(f"{name}.{index}" if name else str(index), block) for index, block in enumerate(module)]
@@ -165,7 +177,9 @@ def _autotp_rule(model: nn.Module) -> tuple[tuple[str, str], ...]:
     styles = []
     for block_name, block in _blocks(model):
         layers = _layer_list(block)
-        rows = {layers[i - 1] for i, layer in enumerate(layers) if layer == "ln" and i and layers[i - 1] != "ln"}
+        # DeepSpeed's own indexing: a norm that opens the block marks the block's last layer
+        # (layers[-1]), so a pre-norm block's output projection splits row-wise.
+        rows = {layers[i - 1] for i, layer in enumerate(layers) if layer == "ln" and layers[i - 1] != "ln"}
         for layer in layers:
             if layer == "ln" or _left_whole(layer):
                 continue

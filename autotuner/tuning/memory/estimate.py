@@ -12,7 +12,7 @@ It costs what our engine really holds (see autotuner/runtime/training/sharding.p
 - offload (stage 2/3): FSDP2's CPUOffloadPolicy keeps the sharded fp32 parameters and
   gradients on the host and steps the optimizer there, so either `offload_optimizer` or
   `offload_param` leaves only the compute copies and activations on the device.
-Activations come from the profile run, per activation checkpointing policy (the bytes each
+A pipeline is costed stage by stage (pipeline_stages.py). Activations come from the profile run, per activation checkpointing policy (the bytes each
 policy would hold, measured on the profile's own step). `baseline_bytes` is what the process holds
 before the model (CUDA context, or on CPU the interpreter and libraries).
 
@@ -27,6 +27,7 @@ from typing import Any
 
 from autotuner.core.engine_kind import Engine
 from autotuner.tuning.memory.deepspeed_states import deepspeed_state_bytes
+from autotuner.tuning.memory.pipeline_stages import stage_estimates
 
 BYTES_FP32 = 4
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -66,11 +67,31 @@ class ModelProfile:
     # rank's share over the data-parallel ranks (never the whole model over both, DeepSpeed issue 6796).
     tensor_parallel: int = 1
     split_num_params: int = 0
+    # A profile at degree 1: what a degree would split (the plan's parameters, whole counts, and the
+    # activation bytes per sample saved inside its split regions; degree_prediction.py).
+    splittable_num_params: int = 0
+    split_activation_bytes_per_sample: int = 0
+    # A pipeline's profile (pipeline_stages.py): per stage, the parameters its ranks hold and the bytes
+    # one sample's activations take there, and the schedule, which sets the micro-batches in flight.
+    pipeline_stage_params: tuple[int, ...] = ()
+    pipeline_stage_split_params: tuple[int, ...] = ()  # of those, split over `tensor_parallel` ranks
+    pipeline_stage_activation_bytes_per_sample: tuple[int, ...] = ()
+    pipeline_schedule: str = "1F1B"
 
     @property
     def params_per_tp_rank(self) -> int:
         """The parameters one rank of a tensor-parallel group holds before any ZeRO sharding."""
         return self.num_params - self.split_num_params + -(-self.split_num_params // max(1, self.tensor_parallel))
+
+    @property
+    def params_per_rank(self) -> int:
+        """The parameters one rank holds before any ZeRO sharding, whose gradients its data-parallel
+        group reduces: on a pipeline, its heaviest stage's (split over the TP ranks where split)."""
+        if not self.pipeline_stage_params:
+            return self.params_per_tp_rank
+        split = self.pipeline_stage_split_params or (0,) * len(self.pipeline_stage_params)
+        tp = max(1, self.tensor_parallel)
+        return max(held - part + -(-part // tp) for held, part in zip(self.pipeline_stage_params, split))
 
     def activation_bytes_per_sample_for(self, policy: str) -> int:
         """Bytes per sample held under an activation checkpointing policy: as the profile measured
@@ -168,6 +189,8 @@ def _block(profile: ModelProfile) -> int:
 
 
 def estimate(profile: ModelProfile, settings: StageSettings, micro_batch_size: int) -> MemoryEstimate:
+    if profile.pipeline_stage_params:  # a pipeline: its heaviest stage
+        return max(stage_estimates(profile, settings, micro_batch_size, estimate), key=lambda e: e.total)
     states = model_state_bytes(profile, settings)
     fit = profile.peak_fit(settings.zero_stage)
     if fit is not None and fit.precision == settings.precision:

@@ -4,6 +4,10 @@ Step time of one optimizer step, for ZeRO stage s, micro-batch m and gas g:
 
     T = g x compute(m) + communication(s, g) + offset(group)
 
+- g is gas + pp - 1 on a pipeline of pp stages: its schedules (1F1B and GPipe alike) take m + pp - 1
+  stage-steps for m micro-batches, the bubble (pp - 1) / m; compute(m) is then one stage's
+  micro-step. The point-to-point sends of a micro-step's activations and their gradients grow
+  with m as a + b m does, so within one layout's launches they are in its fit.
 - compute(m) = a + b m + q m^2 is the time of one micro-step's forward and backward. a + b m
   alone is the saturating curve (throughput m / (a + b m) rises to 1/b); q lets the per-sample
   time turn up again (caches spill on a CPU), so the knee can sit anywhere.
@@ -121,6 +125,11 @@ class StepTimePrediction:
         return max(self.mean_s - z * self.std_s, 0.1 * self.mean_s), self.mean_s + z * self.std_s
 
 
+def stage_steps(experiment: Experiment) -> int:
+    """The micro-steps on a step's critical path: gas, and on a pipeline the bubble's pp - 1 too."""
+    return experiment.gradient_accumulation_steps + max(0, experiment.pipeline - 1)
+
+
 def group_of(experiment: Experiment) -> tuple:
     """Experiments that share an offset: one stage with one setting of the offset dimensions (a
     dimension whose cost grows with the micro-batch has a per-sample term instead: below)."""
@@ -150,7 +159,7 @@ class StepTimeModel:
         self.families = families if len(families) > 1 else []  # one family: the shared slope is its own
         times = [o.step_time_s for o in observations]
         self.typical_s = float(np.median(times)) if times else 1.0
-        per_sample = [o.step_time_s / (o.experiment.gradient_accumulation_steps * o.experiment.micro_batch_size)
+        per_sample = [o.step_time_s / (stage_steps(o.experiment) * o.experiment.micro_batch_size)
                       for o in observations]
         compute_at_largest = (float(np.median(per_sample)) if per_sample else 1.0) * self.scale_m
         wide = (100.0 * self.typical_s) ** 2
@@ -191,7 +200,7 @@ class StepTimeModel:
         return (OFFSET_PRIOR * costed + OFFSET_FLOOR * self.typical_s) ** 2
 
     def _features(self, experiment: Experiment, fitted_groups: bool) -> np.ndarray:
-        g = float(experiment.gradient_accumulation_steps)
+        g = float(stage_steps(experiment))
         m = experiment.micro_batch_size / self.scale_m
         base = [g, g * m, g * m * m]
         if fitted_groups:
@@ -218,10 +227,10 @@ class StepTimeModel:
         policy = recompute_of(experiment)
         if policy is not None and policy not in self.recomputes:
             # A policy never launched: its recompute per sample is the prior's.
-            g, m = experiment.gradient_accumulation_steps, experiment.micro_batch_size / self.scale_m
+            g, m = stage_steps(experiment), experiment.micro_batch_size / self.scale_m
             variance += (g * m) ** 2 * self._recompute_var
         if self.families and self.context.family(experiment.zero_stage) not in self.families:
-            g, m = experiment.gradient_accumulation_steps, experiment.micro_batch_size / self.scale_m
+            g, m = stage_steps(experiment), experiment.micro_batch_size / self.scale_m
             variance += (g * m) ** 2 * self._family_var  # a family never launched: its prior
         return max(mean, 1e-9 * self.typical_s), max(variance, 0.0), x
 

@@ -214,6 +214,10 @@ class MemoryBook:
             correction = 0
         return self.analytic_memory(experiment) + correction
 
+    def correction(self, experiment: Experiment) -> int:
+        """What the fitted residual adds to the analytic bytes for `experiment` (0 without a fit)."""
+        return self.predicted_memory(experiment) - self.analytic_memory(experiment)
+
     def _variant_measured(self, experiment: Experiment) -> bool:
         own = _variant_knobs(experiment)
         return any(r.state is TrialState.OK and r.measured_memory_bytes and _variant_knobs(r.experiment) == own

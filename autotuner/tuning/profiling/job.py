@@ -17,6 +17,7 @@ from autotuner.tuning.models.memory_book import MemoryFacts
 from autotuner.tuning.models.transfer import TransferPrior
 from autotuner.tuning.space.devices import DeviceFacts
 from autotuner.tuning.space.records import Objective, TrialResult
+from autotuner.tuning.space.layout import Layout
 from autotuner.tuning.space.search_space import SearchPolicy, SearchSpace
 from autotuner.tuning.trials.journal import Fingerprint
 from autotuner.tuning.trials.runner import Placement
@@ -36,23 +37,24 @@ class TuningJob:
     policy: SearchPolicy
     fingerprint: Fingerprint  # what a resume is checked against (the runner's hardware its device)
     placement: Placement  # where the runner runs the experiments, and so where the optimal command trains
-    # The tensor-parallel degrees searched, each in turn (`at_degree`), where the config asks for a
-    # search (several, or "auto"); the space is at the first. (degree, why) for those left out.
-    degrees: tuple[int, ...] = ()
-    left_out: tuple[tuple[int, str], ...] = ()
+    # The layouts searched, each in turn (`at_layout`), where the config asks for a search of the
+    # tensor-parallel degree or the pipeline stages (several, or "auto"); the space is at the first.
+    # (layout, why) for those left out.
+    layouts: tuple[Layout, ...] = ()
+    left_out: tuple[tuple[Layout, str], ...] = ()
 
     @classmethod
     def settled(cls, config: DeepSpeedConfig, settings: ExperimentSettings, space: SearchSpace,
                 devices: DeviceFacts, fingerprint: Fingerprint, placement: Placement = Placement(),
-                degrees: tuple[int, ...] = (), left_out: tuple[tuple[int, str], ...] = ()) -> "TuningJob":
+                layouts: tuple[Layout, ...] = (), left_out: tuple[tuple[Layout, str], ...] = ()) -> "TuningJob":
         """The job with its search policy derived once, here, from the settings and the config."""
         policy = SearchPolicy.from_tuning(settings.objective, config.autotuning, settings.planned_steps)
-        return cls(config, settings, space, devices, policy, fingerprint, placement, degrees, left_out)
+        return cls(config, settings, space, devices, policy, fingerprint, placement, layouts, left_out)
 
-    def at_degree(self, degree: int) -> "TuningJob":
-        """The job of one degree's search: data-parallel size ranks / degree, every experiment
-        setting the degree."""
-        space = self.space.at_degree(degree, self.space.data_parallel_size * max(1, self.space.tensor_parallel))
+    def at_layout(self, layout: Layout) -> "TuningJob":
+        """The job of one layout's search: data-parallel size the ranks over the layout's, every
+        experiment setting the layout."""
+        space = self.space.at_layout(layout, self.space.ranks)
         return replace(self, space=space, settings=replace(self.settings, data_parallel_size=space.data_parallel_size))
 
     @property
@@ -87,5 +89,5 @@ def cost_context(results: Sequence[TrialResult], data_parallel_size: int, profil
     profile launches timed on the job's process group."""
     timings = [t for r in results if r.model_info is not None for t in r.model_info.collective_timings]
     links = tuple(fit_collectives(timings).values())
-    return CostContext(profile.params_per_tp_rank if profile else 0, data_parallel_size, COMPUTE_BYTES.get(precision, 4),
+    return CostContext(profile.params_per_rank if profile else 0, data_parallel_size, COMPUTE_BYTES.get(precision, 4),
                        links, prior.observations, engine)

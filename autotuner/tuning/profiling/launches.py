@@ -176,10 +176,21 @@ def _to_profile(infos: list[ModelInfo], settings: ExperimentSettings) -> ModelPr
         engine=first.engine,
         tensor_parallel=first.tensor_parallel,
         split_num_params=first.split_num_params,
+        splittable_num_params=first.splittable_num_params,
+        split_activation_bytes_per_sample=_per_sample(first.split_activation_bytes, first.micro_batch_size,
+                                                      second.split_activation_bytes, second.micro_batch_size),
+        pipeline_stage_params=first.stage_num_params,
+        pipeline_stage_split_params=first.stage_split_num_params,
+        pipeline_stage_activation_bytes_per_sample=tuple(
+            _per_sample(one, first.micro_batch_size, other, second.micro_batch_size)
+            for one, other in zip(first.stage_activation_bytes, second.stage_activation_bytes)),
+        pipeline_schedule=first.pipeline_schedule or "1F1B",
     )
-    stage_settings = StageSettings(first.zero_stage, first.precision, settings.data_parallel_size)
     # The smaller of the two: the first launch may also have built the script's data cache.
-    baseline = min(calibrate_baseline(profile, stage_settings, info.micro_batch_size, info.peak_memory_bytes)
+    baseline = min(calibrate_baseline(profile, StageSettings(first.zero_stage, first.precision,
+                                                             settings.data_parallel_size,
+                                                             gradient_accumulation_steps=max(1, info.pipeline_micro_batches)),
+                                      info.micro_batch_size, info.peak_memory_bytes)
                    for info in infos)
     return replace(profile, baseline_bytes=baseline)
 

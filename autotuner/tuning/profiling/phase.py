@@ -59,7 +59,7 @@ class ProfilePhase:
         self.job = job
         self._ledger = ledger  # written: pruned stages, the scoring
         self._evaluator = evaluator
-        self._view = evaluator.view  # read: this degree's records
+        self._view = evaluator.view  # read: this layout's records
         self._report = report
         self._settle_engine = settle_engine
         self._similar_runs = similar_runs

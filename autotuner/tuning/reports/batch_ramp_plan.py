@@ -24,8 +24,8 @@ def step_costs(results: list[TrialResult], pick: TrialResult) -> tuple[StepCost,
     costs: dict[int, StepCost] = {}
     for result in results:
         e, m = result.experiment, result.measurement
-        same = (e.zero_stage, e.knobs, e.tensor_parallel) == (pick.experiment.zero_stage, pick.experiment.knobs,
-                                                              pick.experiment.tensor_parallel)
+        same = (e.zero_stage, e.knobs, e.layout) == (pick.experiment.zero_stage, pick.experiment.knobs,
+                                                     pick.experiment.layout)
         if not same or result.state is not TrialState.OK or m is None or m.latency <= 0:
             continue
         gas = e.gradient_accumulation_steps

@@ -53,7 +53,7 @@ class SearchRecord:
     elapsed_s: float
     noise_scale: NoiseScale | None = None  # metric goodput: B_noise as the profile measured it
     critical_batch: int | None = None  # metric goodput: the config's critical_batch_size, used in its place
-    layout_lines: tuple[str, ...] = ()  # the tensor-parallel layouts: fixed, or each degree searched kept or not
+    layout_lines: tuple[str, ...] = ()  # the layouts: fixed, or each searched, kept or not
     price_per_hour: float | None = None  # autotuning.cost_per_gpu_hour
     ramp: tuple[int, int | None] | None = None  # adapt_batch: (adapt_interval, max_train_batch_size)
     launches: int | None = None  # every launch this run made (the ledger's count)

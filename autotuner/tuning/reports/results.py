@@ -170,6 +170,7 @@ def result_rows(results: list[TrialResult], objective: Objective,
             "engine": m.engine if m else None,  # whose engine measured it: "autotuner" or "deepspeed"
             "zero_stage": r.experiment.zero_stage,
             "tp": r.experiment.tensor_parallel or None,  # the tensor-parallel degree the tune set
+            "pp": r.experiment.pipeline or None,  # the pipeline stages the tune set
             "micro_batch_size": r.experiment.micro_batch_size,
             "gradient_accumulation_steps": r.experiment.gradient_accumulation_steps,
             "knobs": ";".join(f"{k}={v}" for k, v in r.experiment.knobs),
@@ -197,9 +198,10 @@ def result_rows(results: list[TrialResult], objective: Objective,
             "hosts": " ".join(r.hosts),
             "error": r.error,
         })
-    if not any(row["tp"] for row in rows):  # the column is a layout search's (or a fixed degree's)
-        for row in rows:
-            del row["tp"]
+    for column in ("tp", "pp"):  # a column of a layout search's (or a fixed degree's)
+        if not any(row[column] for row in rows):
+            for row in rows:
+                del row[column]
     return rows
 
 

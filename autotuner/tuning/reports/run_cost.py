@@ -33,7 +33,8 @@ def _device_hours(result: TrialResult, value: float, objective: Objective, steps
     return wall_s, wall_s * max(1, m.world_size or 1) / 3600
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """A run's wall time as the summary and the plan table write it: "2 h 05 min", "3.7 min", "10.3 s"."""
     if seconds >= 3600:
         return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
     return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
@@ -83,7 +84,7 @@ def cost_lines(results: list[TrialResult], pick: TrialResult | None, objective: 
             continue
         wall_s, hours = cost
         ranks = max(1, result.measurement.world_size or 1)
-        line = f"run cost, {role} {result.name}: {span} in {_duration(wall_s)} on {ranks} rank(s), {hours:.3g} {unit}"
+        line = f"run cost, {role} {result.name}: {span} in {duration_text(wall_s)} on {ranks} rank(s), {hours:.3g} {unit}"
         if price_per_hour is not None:
             line += f", {_amount(price_per_hour * hours)} at {price_per_hour:g} per hour (autotuning.cost_per_gpu_hour)"
         lines.append(line)

@@ -1,4 +1,4 @@
-"""When a tensor-parallel degree's search cannot help, from its profile: the same rule the stage
+"""When a layout's search (a tensor-parallel degree, pipeline stages) cannot help, from its profile: the same rule the stage
 search applies to a ZeRO stage ("cannot help: its largest micro-batch is no larger than a lower
 stage's"), across degrees. Splitting the model buys memory (a larger micro-batch) at the cost of
 the collectives it adds; a degree that reaches no larger micro-batch at any stage than a degree
@@ -9,9 +9,10 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from autotuner.tuning.models.cost_model import NOISE_FLOOR
+from autotuner.tuning.space.layout import Layout
 from autotuner.tuning.space.records import TrialResult, TrialState
 
-# (the memory model's largest micro-batch per stage or (stage, variant), this degree's results)
+# (the memory model's largest micro-batch per stage or (stage, variant), this layout's results)
 Reach = tuple[Mapping[object, int], Sequence[TrialResult]]
 
 
@@ -27,20 +28,20 @@ def _best_by_size(results: Sequence[TrialResult]) -> dict[tuple[int, int], Trial
     return best
 
 
-def degree_cannot_help(degree: int, reach: Reach, searched: Mapping[int, Reach], unit: str) -> str | None:
-    """Why searching `degree` further would be wasted, or None: some degree searched before reaches
+def degree_cannot_help(layout: Layout, reach: Reach, searched: Mapping[Layout, Reach], unit: str) -> str | None:
+    """Why searching `layout` further would be wasted, or None: some layout searched before reaches
     at least its largest micro-batch at each of its stages, and measured faster (beyond the noise
     floor) at every stage and micro-batch both profiled, at least one."""
     largest, results = reach
     ours = _best_by_size(results)
     for other, (their_largest, their_results) in searched.items():
         if any(their_largest.get(key, 0) < size for key, size in largest.items()):
-            continue  # this degree fits a larger micro-batch somewhere: memory it may turn into speed
+            continue  # this layout fits a larger micro-batch somewhere: memory it may turn into speed
         theirs = _best_by_size(their_results)
         shared = sorted(set(ours) & set(theirs))
         if shared and all(theirs[key].value > ours[key].value * (1 + NOISE_FLOOR) for key in shared):
             stage, size = shared[-1]
-            return (f"cannot help: tensor parallel {other} reaches as large a micro-batch at every stage and measured "
+            return (f"cannot help: {other.text()} reaches as large a micro-batch at every stage and measured "
                     f"faster at each size both profiled (z{stage} micro-batch {size}: {theirs[(stage, size)].value:.4g} "
                     f"against {ours[(stage, size)].value:.4g} {unit})")
     return None

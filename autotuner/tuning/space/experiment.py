@@ -8,6 +8,7 @@ from typing import Any
 
 from autotuner.config.batch import train_batch_size
 from autotuner.tuning.space import dimensions
+from autotuner.tuning.space.layout import TENSOR_PARALLEL_KEY, Layout  # noqa: F401  (the key re-exported)
 
 
 def _format_knob(value: Any) -> str:
@@ -25,8 +26,6 @@ def _format_knob(value: Any) -> str:
     return str(value)
 
 
-TENSOR_PARALLEL_KEY = "tensor_parallel.autotp_size"
-
 # A set of dimension values by name, sorted: an experiment's knobs, or a variant of a stage.
 Knobs = tuple[tuple[str, Any], ...]
 
@@ -34,22 +33,28 @@ Knobs = tuple[tuple[str, Any], ...]
 @dataclass(frozen=True, order=True)
 class Experiment:
     """One training configuration to measure: a ZeRO stage, the batch triad, and a value for each
-    further dimension it sets (`knobs`, by name in tuning/space/dimensions.py). `tensor_parallel`:
-    the degree it splits the model over (tensor_parallel.autotp_size), where the tune sets one (0:
-    the config's layout, data parallel); it divides the ranks, so the data-parallel size the
-    triad counts with is the caller's for that degree."""
+    further dimension it sets (`knobs`, by name in tuning/space/dimensions.py). `tensor_parallel`
+    and `pipeline`: the degree it splits the model over (tensor_parallel.autotp_size) and the
+    pipeline stages (pipeline.stages), where the tune sets them (0: the config's layout); they
+    divide the ranks, so the data-parallel size the triad counts with is the caller's for that
+    layout (layout.py)."""
 
     zero_stage: int
     micro_batch_size: int
     gradient_accumulation_steps: int = 1
     knobs: Knobs = field(default=())
     tensor_parallel: int = 0
+    pipeline: int = 0
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tensor_parallel, self.pipeline)
 
     @property
     def name(self) -> str:
-        layout = f"_tp{self.tensor_parallel}" if self.tensor_parallel else ""
         tags = "".join(f"_{dimensions.tag(k)}{_format_knob(v)}" for k, v in self.knobs)
-        return f"z{self.zero_stage}{layout}{tags}_gas{self.gradient_accumulation_steps}_mbs{self.micro_batch_size}"
+        return (f"z{self.zero_stage}{self.layout.tag()}{tags}_gas{self.gradient_accumulation_steps}"
+                f"_mbs{self.micro_batch_size}")
 
     def train_batch_size(self, data_parallel_size: int) -> int:
         return train_batch_size(self.micro_batch_size, self.gradient_accumulation_steps, data_parallel_size)
@@ -58,7 +63,7 @@ class Experiment:
         """This experiment with `knobs` added (a knob it already has takes the new value)."""
         merged = {**dict(self.knobs), **knobs}
         return Experiment(self.zero_stage, self.micro_batch_size, self.gradient_accumulation_steps,
-                          tuple(sorted(merged.items())), self.tensor_parallel)
+                          tuple(sorted(merged.items())), self.tensor_parallel, self.pipeline)
 
     def features(self) -> dict[str, float]:
         """Numeric description for cost models."""
@@ -73,12 +78,14 @@ class Experiment:
             out[key] = dimensions.encode(key, value)
         if self.tensor_parallel:
             out["log2_tensor_parallel"] = math.log2(self.tensor_parallel)
+        if self.pipeline:
+            out["log2_pipeline"] = math.log2(self.pipeline)
         return out
 
     def tuned_values(self) -> tuple[tuple[str, Any], ...]:
         """What this experiment sets, by DeepSpeed config key: the stage, micro-batch and gas, and
         each dimension at its path (what the ranks must build, and report back)."""
-        layout = ((TENSOR_PARALLEL_KEY, self.tensor_parallel),) if self.tensor_parallel else ()
+        layout = self.layout.tuned_values()
         return (("zero_optimization.stage", self.zero_stage),
                 ("train_micro_batch_size_per_gpu", self.micro_batch_size),
                 ("gradient_accumulation_steps", self.gradient_accumulation_steps),
@@ -91,6 +98,8 @@ class Experiment:
         config["zero_optimization"] = {**(config.get("zero_optimization") or {}), "stage": self.zero_stage}
         if self.tensor_parallel:
             config["tensor_parallel"] = {**(config.get("tensor_parallel") or {}), "autotp_size": self.tensor_parallel}
+        if self.pipeline:
+            config["pipeline"] = {**(config.get("pipeline") or {}), "stages": self.pipeline}
         for key, value in self.knobs:
             dimensions.write(config, dimensions.dimension(key).path, value)
         config["train_micro_batch_size_per_gpu"] = self.micro_batch_size

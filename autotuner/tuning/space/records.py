@@ -145,7 +145,8 @@ class TrialResult:
                            "micro_batch_size": self.experiment.micro_batch_size,
                            "gradient_accumulation_steps": self.experiment.gradient_accumulation_steps,
                            "knobs": [list(kv) for kv in self.experiment.knobs],
-                           "tensor_parallel": self.experiment.tensor_parallel},
+                           "tensor_parallel": self.experiment.tensor_parallel,
+                           "pipeline": self.experiment.pipeline},
             "state": self.state.value,
             "value": self.value,
             "value_std": self.value_std,
@@ -163,7 +164,8 @@ class TrialResult:
     def from_json(cls, data: dict[str, Any]) -> "TrialResult":
         exp = data["experiment"]
         experiment = Experiment(exp["zero_stage"], exp["micro_batch_size"], exp["gradient_accumulation_steps"],
-                                tuple((k, v) for k, v in exp.get("knobs", [])), exp.get("tensor_parallel", 0))
+                                tuple((k, v) for k, v in exp.get("knobs", [])), exp.get("tensor_parallel", 0),
+                                exp.get("pipeline", 0))
         return cls(
             experiment=experiment,
             state=TrialState(data["state"]),

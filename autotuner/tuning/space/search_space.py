@@ -13,6 +13,7 @@ from autotuner.config.batch import gas_for, train_batch_size
 from autotuner.config.autotuning import AutotuningConfig
 from autotuner.tuning.space.records import Objective, TrialResult
 from autotuner.tuning.space.experiment import Experiment, Knobs
+from autotuner.tuning.space.layout import Layout
 
 Evaluate = Callable[[Experiment], TrialResult]
 Fits = Callable[[Experiment], bool]  # the memory model's verdict on one experiment, asked before each launch
@@ -36,18 +37,35 @@ class SearchSpace:
     variants: dict[int, tuple[Knobs, ...]] = field(default_factory=dict, hash=False)
     # Per stage, the finishing dimensions' values (compile), tried last on the best configurations.
     finishes: dict[int, dict[str, list[Any]]] = field(default_factory=dict, hash=False)
-    # The tensor-parallel degree every experiment sets (Experiment.tensor_parallel; 0: the config's
-    # layout), which `data_parallel_size` is counted at: a degree search has one space per degree.
+    # The tensor-parallel degree and pipeline stages every experiment sets (Experiment.layout; 0: the
+    # config's), which `data_parallel_size` is counted at: a layout search has one space per layout.
     tensor_parallel: int = 0
+    pipeline: int = 0
 
     def __post_init__(self):
         for name in ("knob_values", "variants", "finishes"):  # read-only at every depth, as the record is
             object.__setattr__(self, name, freeze(getattr(self, name)))
 
-    def at_degree(self, degree: int, ranks: int) -> "SearchSpace":
-        """This space at tensor-parallel degree `degree` over `ranks` (the data-parallel size at
-        degree 1): data-parallel size ranks / degree, every experiment setting the degree."""
-        return replace(self, data_parallel_size=ranks // degree, tensor_parallel=degree)
+    @property
+    def layout(self) -> Layout:
+        return Layout(self.tensor_parallel, self.pipeline)
+
+    @property
+    def ranks(self) -> int:
+        """The ranks the space's experiments run on (its data-parallel size times its layout's)."""
+        return self.data_parallel_size * self.layout.model_ranks
+
+    def at_layout(self, layout: Layout, ranks: int) -> "SearchSpace":
+        """This space at `layout` over `ranks`: data-parallel size ranks / the ranks a model spans,
+        every experiment setting the layout. A pipeline keeps ZeRO 0 and 1 and no further
+        dimension: its engine refuses ZeRO 2 and 3 (as DeepSpeed's does), checkpointing policies and
+        compile, and has no DDP buckets for the knobs to move."""
+        moved = replace(self, data_parallel_size=ranks // layout.model_ranks, tensor_parallel=layout.tensor_parallel,
+                        pipeline=layout.pipeline)
+        if not layout.pipeline:
+            return moved
+        return replace(moved, stages=tuple(s for s in self.stages if s <= 1), knob_values={}, variants={},
+                       finishes={})
 
     def variants_for(self, stage: int) -> tuple[Knobs, ...]:
         return self.variants.get(stage) or ((),)
@@ -79,7 +97,7 @@ class SearchSpace:
 
     def experiment(self, stage: int, micro_batch_size: int) -> Experiment:
         return Experiment(stage, micro_batch_size, self.gas(micro_batch_size) or 1, self.stage_knobs,
-                          self.tensor_parallel)
+                          self.tensor_parallel, self.pipeline)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from autotuner.tuning.trials.ledger import LedgerView, TrialKind, TrialLedger, T
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.trials.runner import Runner
 from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.layout import Layout
 from autotuner.tuning.trials.trial_store import remeasure_directory_name
 from autotuner.tuning.space.search_space import slots
 
@@ -169,7 +170,7 @@ class Evaluator:
     def __init__(self, ledger: TrialLedger, launcher: ExperimentLauncher, refusals: Refusals | None = None,
                  view: LedgerView | None = None, trials: TrialFactory | None = None):
         self.ledger = ledger
-        self.view = view if view is not None else ledger.view()  # what its search reads: one degree's records, say
+        self.view = view if view is not None else ledger.view()  # what its search reads: one layout's records, say
         self.trials = trials  # how its job's experiments are launched (a plain function's: none)
         self._launcher = launcher
         self._refusals = refusals
@@ -182,10 +183,10 @@ class Evaluator:
         """This evaluator for one search: its answers from here on, refusing what `refusals` refuses."""
         return Evaluator(self.ledger, self._launcher, refusals, self.view, self.trials)
 
-    def for_job(self, trials: TrialFactory, degree: int | None = None) -> "Evaluator":
+    def for_job(self, trials: TrialFactory, layout: Layout | None = None) -> "Evaluator":
         """This evaluator for a job: launching its experiments through `trials`, reading one
-        tensor-parallel degree's records where `degree` is given (else the records it read)."""
-        view = self.ledger.view(degree) if degree is not None else self.view
+        layout's records where `layout` is given (else the records it read)."""
+        view = self.ledger.view(layout) if layout is not None else self.view
         return Evaluator(self.ledger, self._launcher, self._refusals, view, trials)
 
     def _trial(self, experiment: Experiment, directory_name: str = "", profile: bool = False) -> Trial | None:

@@ -8,7 +8,7 @@ record reused is marked with where it came from. A record keeps what the launch 
 value is computed when read, under the scoring the ledger holds now (goodput's noise scale,
 the budget), so a record never changes after it is appended. Everything else is a view:
 `results()` (per experiment, its latest measurement), `of_kind`, `pruned`, `remeasurements`,
-`view(degree=...)`. Appended launches reach the stores (trial_store.py: the journal and the
+`view(layout)`. Appended launches reach the stores (trial_store.py: the journal and the
 history) once each, through `keep`. One `TunerTrials` per tuner holds what that tuner was told
 and has running, which the tuner reads and keeps no copy of (tuners/base.py). Nothing here launches.
 """
@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 from autotuner.tuning.trials.trial import Trial
 from autotuner.tuning.space.records import TrialResult
 from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.layout import Layout
 from autotuner.tuning.trials.trial_store import TrialStore
 from autotuner.tuning.models.cost_model import Prediction
 
@@ -73,8 +74,8 @@ class TrialRecord:
         return self.result.experiment
 
     @property
-    def degree(self) -> int:
-        return self.result.experiment.tensor_parallel
+    def layout(self) -> Layout:
+        return self.result.experiment.layout
 
     @property
     def launched(self) -> bool:
@@ -225,14 +226,14 @@ class TrialLedger:
         self._listeners.append(listener)
 
     # ----- views -----
-    def view(self, degree: int | None = None) -> "LedgerView":
-        return LedgerView(self, degree)
+    def view(self, layout: Layout | None = None) -> "LedgerView":
+        return LedgerView(self, layout)
 
-    def _measurements(self, degree: int | None = None) -> dict[Experiment, tuple[TrialRecord, TrialRecord]]:
+    def _measurements(self, layout: Layout | None = None) -> dict[Experiment, tuple[TrialRecord, TrialRecord]]:
         """Per experiment, in the order first measured: (its first measuring record, its latest)."""
         found: dict[Experiment, tuple[TrialRecord, TrialRecord]] = {}
         for record in self._records:
-            if self._root(record).kind.measures and (degree is None or record.degree == degree):
+            if self._root(record).kind.measures and (layout is None or record.layout == layout):
                 first = found.get(record.experiment, (record, record))[0]
                 found[record.experiment] = (first, record)
         return found
@@ -319,22 +320,22 @@ class TrialLedger:
 
 @dataclass(frozen=True)
 class LedgerView:
-    """The ledger filtered: one tensor-parallel degree's records (a degree's profile, memory model
-    and search learn from its own launches only), or all of them (`degree` None)."""
+    """The ledger filtered: one layout's records (a layout's profile, memory model and search learn
+    from its own launches only), or all of them (`layout` None)."""
 
     ledger: TrialLedger
-    degree: int | None = None
+    layout: Layout | None = None
 
     def _own(self, records: Iterable[TrialRecord]) -> tuple[TrialResult, ...]:
-        return tuple(self.ledger.scored(r) for r in records if self.degree is None or r.degree == self.degree)
+        return tuple(self.ledger.scored(r) for r in records if self.layout is None or r.layout == self.layout)
 
     def results(self) -> tuple[TrialResult, ...]:
         """One result per experiment (its latest measurement), in the order each was first measured."""
-        return self._own(latest for _, latest in self.ledger._measurements(self.degree).values())
+        return self._own(latest for _, latest in self.ledger._measurements(self.layout).values())
 
     def of_kind(self, kind: TrialKind) -> tuple[TrialResult, ...]:
         """The results of the experiments first measured by trials of `kind`, in order."""
-        return self._own(latest for first, latest in self.ledger._measurements(self.degree).values()
+        return self._own(latest for first, latest in self.ledger._measurements(self.layout).values()
                          if first.kind is kind)
 
     def pruned(self) -> tuple[TrialResult, ...]:

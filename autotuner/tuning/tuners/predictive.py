@@ -28,7 +28,8 @@ import dataclasses
 import statistics
 from typing import Callable, Mapping, Sequence
 
-from autotuner.tuning.models.cost_model import BOUND_Z, NOISE_FLOOR, CostContext, Observation, Prediction, StepTimeModel
+from autotuner.tuning.models.cost_model import (BOUND_Z, NOISE_FLOOR, CostContext, Observation, Prediction,
+                                                StepTimeModel, StepTimePrediction)
 from autotuner.tuning.space.records import Objective, TrialResult, TrialState
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.trials.ledger import TunerTrials
@@ -122,6 +123,15 @@ class PredictiveTuner(Tuner):
                 noise = max(NOISE_FLOOR, result.relative_error or 0.0)
                 floor = max(floor, step_time * (1 - BOUND_Z * noise))
         return floor
+
+    def measured_step(self, result: TrialResult) -> float | None:
+        """A result's step time in seconds, as the model is fitted on it (None: not measured)."""
+        return self._step_time(result)
+
+    def predicted_step(self, experiment: Experiment, with_prior: bool = True) -> StepTimePrediction:
+        """What a launch of `experiment` would measure as its step, floored as `predict` floors it."""
+        step = self.model(with_prior).predict(experiment)
+        return dataclasses.replace(step, mean_s=max(step.mean_s, self.step_floor_s(experiment)))
 
     def predict(self, experiment: Experiment, with_prior: bool = True) -> Prediction:
         step = self.model(with_prior).predict(experiment)
