@@ -320,6 +320,7 @@ class ModelInfo:
     # bytes the first micro-batch saved inside its split regions (the largest over the ranks).
     splittable_num_params: int = 0
     split_activation_bytes: int = 0
+    split_flop_share: float = 0.0  # of the first forward's FLOPs, those inside the split regions (rank 0's)
     # The measured engine's model class: where a script builds several engines, the one the tuned
     # values are for (our engine: the first built with an optimizer; DeepSpeed's: the first built).
     measured_model: str = ""

@@ -18,6 +18,7 @@ from autotuner.tuning.profiling.phase import ProfilePhase, record_pruned
 from autotuner.tuning.reports.outcome import SearchRecord, TuningOutcome, write_outcome
 from autotuner.tuning.reports.plan_table import PlanReport
 from autotuner.tuning.searches.plan_search import PlanModels, plan_rows, predicted_pick
+from autotuner.tuning.searches.degree_bound import degree_bound
 from autotuner.tuning.searches.degree_memory import degree_memory_lines
 from autotuner.tuning.searches.degree_rule import degree_cannot_help
 from autotuner.tuning.searches.final_pick import final_pick_rounds
@@ -254,13 +255,34 @@ class Autotuner:
                                  results) -> None:
         """Say how far degree 1's profile and launches predicted this degree's profile launches
         (searches/degree_memory.py); the lines join the summary's layout lines."""
-        one = next((o for o in before if o.searched is not None and o.layout.tensor_parallel <= 1
-                    and o.layout.pipeline == layout.pipeline), None)
+        one = self._degree_one(layout, before)
         if one is None:
             return
         for line in degree_memory_lines(layout, one.searched.memory, one.layout, profiled.memory, results):
             self.report(f"memory model: {line}")
             self._degree_lines.append(f"layout: {line}")
+
+    def _degree_one(self, layout: Layout, before: tuple[LayoutOutcome, ...]) -> LayoutOutcome | None:
+        """The searched degree-1 layout `layout` is held against (the same pipeline), if any."""
+        return next((o for o in before if o.searched is not None and o.layout.tensor_parallel <= 1
+                     and o.layout.pipeline == layout.pipeline), None)
+
+    def _bound_line(self, layout: Layout, before: tuple[LayoutOutcome, ...]) -> tuple[bool, str] | None:
+        """Before a degree's profile: (whether it cannot win, the summary's line), from degree 1's
+        launches (searches/degree_bound.py); None where they cannot say (another metric, no split
+        measured, fewer than two micro-batch sizes timed)."""
+        one = self._degree_one(layout, before)
+        if one is None or layout.tensor_parallel <= 1 or self.job.objective.metric != "throughput":
+            return None
+        results = list(self.ledger.view(one.layout).results())
+        share = max((r.model_info.split_flop_share for r in results if r.model_info is not None), default=0.0)
+        space = self.job.at_layout(layout).space
+        dp = space.data_parallel_size
+        sizes = space.valid_micro_batch_sizes(space.max_micro_batch_size)
+        bound = degree_bound(layout.tensor_parallel, share, dp, max(sizes, default=0), results)
+        if bound is None:
+            return None
+        return bound.cannot_win, f"layout: {layout.text()} x data parallel {dp}: {bound.line(layout, one.layout)}"
 
     def profile_phase(self, layout: Layout) -> ProfilePhase:
         """The profile phase at one layout (the config's, where the layout is not searched): its
@@ -276,6 +298,12 @@ class Autotuner:
         searched), after the layouts `before` it. A layout whose profile fails is left out when
         others remain."""
         searching = bool(self.job.layouts)
+        bound = self._bound_line(layout, before) if searching else None
+        if bound is not None:
+            self.report(bound[1])
+            if bound[0]:  # a degree that cannot beat degree 1's best: no profile, no search
+                return LayoutOutcome(layout, None, layout_line=bound[1])
+            self._degree_lines.append(bound[1])
         phase = self.profile_phase(layout)
         job = phase.job
         own = self.ledger.view(layout if searching else None)  # what this layout's phases read: its own records

@@ -189,3 +189,103 @@ def test_a_slower_degree_that_fits_a_larger_micro_batch_is_searched_and_can_win(
     runner, outcome = _degree_search(tmp_path, {1: 100.0, 2: 60.0}, reach_mib={1: 250, 2: 50})
     assert "layout: tensor parallel 2 x data parallel 2: kept" in outcome.summary
     assert outcome.best.experiment.tensor_parallel == 2 and outcome.best.experiment.micro_batch_size == 4
+
+
+def _timed(trial, seconds_per_micro_step, throughput):
+    """A launch measured as a real one is: forward and backward per micro-step, samples/s."""
+    from autotuner.core.boundary import Summary
+
+    third = seconds_per_micro_step / 3
+    measurement = Measurement(throughput=throughput, latency=1.0 / throughput, peak_memory_bytes=200 * MiB,
+                              forward=Summary.of([third]), backward=Summary.of([2 * third]))
+    return TrialResult(trial.experiment, TrialState.OK, value=throughput, measurement=measurement,
+                       predicted_memory_bytes=trial.predicted_memory_bytes, measured_memory_bytes=200 * MiB)
+
+
+def _bounded_search(tmp_path, split_flop_share):
+    """Degree 1 on 4 ranks: forward + backward 10 ms a micro-step plus 10 ms a sample, 30 ms more a
+    step; its best micro-batch 4 at 16 / 0.08 s. Degree 2 would run 1.3x degree 1's samples/s."""
+    import dataclasses
+
+    from fakes import model_info
+
+    config = tp_config([1, 2])
+    settings = experiment_settings(config, nproc_per_node=4, data_parallel_size=4)
+
+    def answer(trial):
+        m = trial.experiment.micro_batch_size
+        seconds = 0.01 + 0.01 * m
+        speed = 1.3 if trial.experiment.tensor_parallel == 2 else 1.0
+        result = _timed(trial, seconds, speed * 4 * m / (seconds + 0.03))
+        if trial.profile:
+            result = dataclasses.replace(result, model_info=model_info(m, trial.experiment.zero_stage,
+                                                                       activation_bytes=m * MiB,
+                                                                       split_flop_share=split_flop_share))
+        return result
+
+    runner = FakeRunner(answer)
+    space = settled(config, settings)["space"].at_layout(Layout(1), 4)
+    outcome = orchestrator(tmp_path, config, runner, settings, layouts=(Layout(1), Layout(2)), space=space).tune()
+    return runner, outcome
+
+
+def test_a_degree_whose_bound_from_degree_1_cannot_beat_its_best_is_never_launched(tmp_path):
+    # 30% of the FLOPs split: at its largest micro-batch 4 on 2 replicas, degree 2's micro-step costs
+    # at least 10 ms + (0.15 + 0.7) x 40 ms = 44 ms, so 8 / 0.044 = 181.8 samples/s, below degree 1's
+    # best 200 by more than the noise floor.
+    runner, outcome = _bounded_search(tmp_path, 0.3)
+    assert not [t for t in runner.trials if t.experiment.tensor_parallel == 2]
+    assert outcome.best.experiment.tensor_parallel == 1
+    assert ("layout: tensor parallel 2 x data parallel 2: not profiled (cannot win: at most 181.8 samples/s from "
+            "tensor parallel 1's launches at micro-batch 4 (30.0% of the forward's FLOPs split 2 ways, forward and "
+            "backward 10 ms a micro-step + 10 ms a sample; its collectives and optimizer step left out), against 200 "
+            "measured at z0_tp1_gas1_mbs4)") in outcome.summary
+
+
+def test_a_degree_whose_bound_could_win_is_profiled_searched_and_wins(tmp_path):
+    # 95% split: the bound (8 / 0.031 = 258 samples/s) is above degree 1's best, so degree 2 is launched, and wins.
+    runner, outcome = _bounded_search(tmp_path, 0.95)
+    assert any(not t.profile for t in runner.trials if t.experiment.tensor_parallel == 2)
+    assert outcome.best.experiment.tensor_parallel == 2
+    assert "layout: tensor parallel 2 x data parallel 2: profiled (it may win: at most 258.1 samples/s" in outcome.summary
+
+
+def test_the_bound_needs_two_timed_micro_batch_sizes_and_takes_no_cost_per_sample_below_zero():
+    from autotuner.tuning.searches.degree_bound import degree_bound, micro_step_line
+
+    class Trial:
+        predicted_memory_bytes = None
+
+        def __init__(self, m):
+            self.experiment = Experiment(0, m, 1, tensor_parallel=1)
+
+    def launch(m, seconds):
+        trial = Trial(m)
+        return _timed(trial, seconds, 4 * m / seconds)
+
+    assert micro_step_line([launch(2, 0.03)]) is None  # one size: no line
+    # Times that fall with the micro-batch: a micro-step costs at least the fastest, nothing per sample.
+    assert micro_step_line([launch(1, 0.05), launch(2, 0.04)]) == (0.04, 0.0)
+    # The fastest launch at each size decides: 20 ms at 1, 30 at 2 (the 90 ms one aside), 50 at 4.
+    results = [launch(1, 0.02), launch(2, 0.09), launch(2, 0.03), launch(4, 0.05)]
+    assert micro_step_line(results) == pytest.approx((0.01, 0.01))
+    bound = degree_bound(4, 0.5, 1, 4, results)  # 4 ranks at degree 4: one replica
+    assert bound.bound_samples_per_s == pytest.approx(4 / (0.01 + (0.5 / 4 + 0.5) * 0.01 * 4))
+    assert bound.best_samples_per_s == pytest.approx(4 * 4 / 0.05) and bound.best_name == "z0_tp1_gas1_mbs4"
+    assert bound.cannot_win
+    assert degree_bound(4, 0.0, 1, 4, results) is None and degree_bound(1, 0.5, 4, 4, results) is None
+
+
+def test_a_backward_held_by_the_reduction_counts_as_twice_its_forward_below_zero_3():
+    from autotuner.core.boundary import Summary
+    from autotuner.tuning.searches.degree_bound import micro_step_line
+
+    def launch(stage, m, forward, backward):
+        measurement = Measurement(throughput=1.0, latency=1.0, forward=Summary.of([forward]),
+                                  backward=Summary.of([backward]))
+        return TrialResult(Experiment(stage, m, 1, tensor_parallel=1), TrialState.OK, value=1.0,
+                           measurement=measurement)
+
+    # At ZeRO 0 a 50 ms backward after a 10 ms forward counts 30 ms; ZeRO 3's sum counts as it is.
+    assert micro_step_line([launch(0, 1, 0.01, 0.05), launch(0, 2, 0.02, 0.10)]) == pytest.approx((0.0, 0.03))
+    assert micro_step_line([launch(3, 1, 0.01, 0.05), launch(3, 2, 0.02, 0.10)]) == pytest.approx((0.0, 0.06))

@@ -184,8 +184,10 @@ class DeepSpeedView:
     def sequence_length(self) -> int:
         return self._sequence_length()
 
-    def splittable(self) -> tuple[int, int]:
-        return 0, 0  # the tuner refuses a tensor-parallel tune on DeepSpeed's engine (app/settle.py)
+    def splittable(self):
+        from autotuner.runtime.measure.profile import SplitRegions
+
+        return SplitRegions()  # the tuner refuses a tensor-parallel tune on DeepSpeed's engine (app/settle.py)
 
     noise = None  # a goodput launch's DeepSpeedNoiseProbe, where DeepSpeed reduces at the boundary (ZeRO 0)
 

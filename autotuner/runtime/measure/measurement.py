@@ -11,6 +11,7 @@ import torch.nn as nn
 from autotuner.core.boundary import MeasurementRequest, request_from_env
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.runtime.measure.memory_probes import optimizer_state_bytes
+from autotuner.runtime.measure.profile import SplitRegions
 from autotuner.runtime.training.sharding import shard_units, unwrap
 
 
@@ -135,9 +136,8 @@ class OurEngineView(BatchView):
     def activation_bytes(self) -> int:
         return self._engine._activation_probe.bytes_saved
 
-    def splittable(self) -> tuple[int, int]:
-        probe = self._engine._activation_probe
-        return probe.splittable_params, probe.split_bytes
+    def splittable(self) -> SplitRegions:
+        return self._engine._activation_probe.split_regions()
 
     def activation_bytes_by_policy(self) -> dict[str, int]:
         return self._engine._activation_probe.bytes_by_policy()

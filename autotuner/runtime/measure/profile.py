@@ -7,6 +7,7 @@ GPU and does not depend on allocator noise.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,18 @@ class FlopProbe:
         self._mode.__exit__(None, None, None)
         self.total = float(self._mode.get_total_flops()) or None
         self._mode = None
+
+
+@dataclass(frozen=True)
+class SplitRegions:
+    """At degree 1, what a tensor-parallel plan would split (ActivationProbe.watch_split_regions):
+    the parameters it splits (counted whole), the bytes the first micro-step saved inside its
+    split regions, and the share of that forward's FLOPs run there (torch's FlopCounterMode; a
+    matmul's backward costs twice its forward, so the share holds for the backward too)."""
+
+    params: int = 0
+    saved_bytes: int = 0
+    flop_share: float = 0.0
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -111,6 +124,10 @@ class ActivationProbe:
         self._in_split = False
         self.split_bytes = 0
         self.splittable_params = 0
+        self._flops = None  # a FlopCounterMode over the probed forward, where a plan is watched
+        self._flop_mark: float | None = None  # the count where the open split region began
+        self._split_flops = 0.0
+        self._forward_flops = 0.0
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
@@ -159,13 +176,29 @@ class ActivationProbe:
         def before(module, args):
             if self._split_styles[module] == "colwise":
                 self._in_split = False
+                if self._flop_mark is None:  # the column layer's own matmul splits too
+                    self._flop_mark = self._counted_flops()
 
         def after(module, args, output):
             self._in_split = self._split_styles[module] == "colwise"
+            if self._split_styles[module] == "rowwise":
+                self._close_flop_region()
 
         for module in self._split_styles:
             self._handles.append(module.register_forward_pre_hook(before))
             self._handles.append(module.register_forward_hook(after))
+
+    def _counted_flops(self) -> float:
+        return float(self._flops.get_total_flops()) if self._flops is not None else 0.0
+
+    def _close_flop_region(self) -> None:
+        if self._flop_mark is not None:
+            self._split_flops += self._counted_flops() - self._flop_mark
+            self._flop_mark = None
+
+    def split_regions(self) -> SplitRegions:
+        share = self._split_flops / self._forward_flops if self._forward_flops > 0 else 0.0
+        return SplitRegions(self.splittable_params, self.split_bytes, min(1.0, share))
 
     def _see_input(self, module, args, kwargs) -> None:
         if not self.sequence_length:
@@ -174,6 +207,11 @@ class ActivationProbe:
     def start(self) -> None:
         self._watch_blocks()
         self._watch_split_regions()
+        if self._split_styles:
+            from torch.utils.flop_counter import FlopCounterMode
+
+            self._flops = FlopCounterMode(display=False)
+            self._flops.__enter__()
         if self._model is not None:
             self._handles.append(self._model.register_forward_pre_hook(self._see_input, with_kwargs=True))
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -183,6 +221,13 @@ class ActivationProbe:
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
+        if self._flops is not None:
+            # A column layer with no row layer after it leaves its region open: counted to the end,
+            # the side that credits the split with more.
+            self._close_flop_region()
+            self._forward_flops = self._counted_flops()
+            self._flops.__exit__(None, None, None)
+            self._flops = None
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -270,6 +315,7 @@ def write_model_info(
     split_num_params: int = 0,
     splittable_num_params: int = 0,
     split_activation_bytes: int = 0,
+    split_flop_share: float = 0.0,
     measured_model: str = "",
     pipeline: dict[str, Any] | None = None,
 ) -> ModelInfo:
@@ -307,6 +353,7 @@ def write_model_info(
         split_num_params=split_num_params,
         splittable_num_params=splittable_num_params,
         split_activation_bytes=split_activation_bytes,
+        split_flop_share=split_flop_share,
         measured_model=measured_model,
         **(pipeline or {}),  # a pipeline's per-stage fields (rank_measurement.py `pipeline_fields`)
     )

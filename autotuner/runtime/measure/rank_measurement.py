@@ -17,7 +17,7 @@ from autotuner.runtime.measure.comm_probe import probe_collectives
 from autotuner.runtime.measure.leaving import leave_now
 from autotuner.runtime.measure.memory_probes import PhasePeaks
 from autotuner.runtime.measure.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
-from autotuner.runtime.measure.profile import count_parameters, device_memory_bytes, write_model_info
+from autotuner.runtime.measure.profile import SplitRegions, count_parameters, device_memory_bytes, write_model_info
 from autotuner.runtime.measure.timers import ProfileWindow
 from autotuner.runtime.measure.window_load import WindowWatch, load_average
 
@@ -57,10 +57,10 @@ class EngineView(Protocol):
     def activation_bytes(self) -> int:
         """Bytes the first micro-step saved for backward on this rank."""
 
-    def splittable(self) -> tuple[int, int]:
-        """At degree 1, what a tensor-parallel degree would split: (the parameters its plan splits,
+    def splittable(self) -> SplitRegions:
+        """At degree 1, what a tensor-parallel degree would split (the parameters its plan splits,
         counted whole; the bytes the first micro-step saved inside the plan's split regions on this
-        rank). (0, 0) where nothing would split or the engine does not say."""
+        rank; their share of its FLOPs). Empty where nothing would split or the engine does not say."""
 
     def activation_bytes_by_policy(self) -> dict[str, int]:
         """What each activation checkpointing policy would hold on this rank; empty if unknown."""
@@ -123,8 +123,8 @@ class RankMeasurement:
         optimizer_per_rank = self.gather_max(view.optimizer_state_bytes())
         # Stage 0 replicates the states on every rank; higher stages shard them across ranks.
         optimizer_bytes = optimizer_per_rank[0] if view.zero_stage == 0 else sum(optimizer_per_rank)
-        splittable_params, split_bytes = view.splittable()
-        split_bytes_per_rank = self.gather_max(split_bytes)
+        regions = view.splittable()
+        split_bytes_per_rank = self.gather_max(regions.saved_bytes)
         tp, split_count, local_trainable = view.tensor_parallel()
         if tp > 1:  # a rank's state covers its shards: its bytes per element held, over the whole model
             held = self.gather_max(local_trainable)
@@ -171,8 +171,9 @@ class RankMeasurement:
                 sequence_length=view.sequence_length(),
                 tensor_parallel=tp,
                 split_num_params=split_count,
-                splittable_num_params=splittable_params,
+                splittable_num_params=regions.params,
                 split_activation_bytes=max(split_bytes_per_rank, default=0),
+                split_flop_share=regions.flop_share,
                 measured_model=model_class_name(view.model()),
                 pipeline=pipeline[0] if pipeline is not None else None,
             )

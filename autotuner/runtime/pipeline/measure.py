@@ -20,7 +20,7 @@ from autotuner.core.boundary import MeasurementRequest
 from autotuner.runtime.measure.measurement import PIPELINE_STAGES_KEY, BatchView, values_at
 from autotuner.runtime.measure.memory_probes import mark_uncaught_oom, optimizer_state_bytes
 from autotuner.runtime.measure.metrics import peak_memory_bytes
-from autotuner.runtime.measure.profile import ActivationProbe, sequence_length_of
+from autotuner.runtime.measure.profile import ActivationProbe, SplitRegions, sequence_length_of
 from autotuner.runtime.measure.rank_measurement import RankMeasurement
 from autotuner.runtime.measure.timers import ProfileWindow
 from autotuner.runtime.measure.window_load import WindowWatch
@@ -108,8 +108,8 @@ class PipelineView(BatchView):
     def activation_bytes_by_policy(self) -> dict[str, int]:
         return {}
 
-    def splittable(self) -> tuple[int, int]:
-        return 0, 0  # a pipeline's layouts are each profiled at their own degree
+    def splittable(self) -> SplitRegions:
+        return SplitRegions()  # a pipeline's layouts are each profiled at their own degree
 
     def sequence_length(self) -> int:
         return self._probe.sequence_length if self._probe is not None else 0

@@ -1,0 +1,105 @@
+"""Whether a tensor-parallel degree is worth its profile, from degree 1's launches alone (issue 80, part 1).
+
+Degree 1's launches give each micro-step's forward and backward time F(m) = a + b m (a line through
+the fastest launch at each micro-batch m). At degree k a rank runs the split regions' work
+divided by k and the rest whole, and pays the fixed cost a per micro-step as before (the same ops,
+each smaller, plus the collectives). So at micro-batch m' a micro-step costs at least
+
+    F_k(m') = a + (s / k + 1 - s) b m'
+
+and the job's samples/s is at most dp_k m' / F_k(m'), largest at the largest micro-batch the
+degree's space allows, with dp_k = the ranks / k. s is the share of the forward's FLOPs inside the
+split regions (the profile's probe, runtime/measure/profile.py; a matmul's backward costs twice its
+forward, so the share holds for the backward too). Everything else is left out, in the degree's
+favour: tensor parallelism's collectives, the optimizer step, the data-parallel reduction, memory
+(the largest micro-batch is taken to fit). A degree whose bound is below degree 1's best measured
+samples/s, beyond the noise floor, cannot win, and its profile is not launched.
+
+F counts, per launch, the smaller of forward + backward and three times the forward: a backward
+at ZeRO 0-2 may hold the data-parallel reduction (more than degree k's), a forward does not, and
+its backward costs twice its FLOPs; ZeRO 3's forward gathers, so its launches count their sum.
+What the bound assumes, and the summary says: time follows FLOPs inside and outside the split
+regions alike, and a split matmul is no faster per FLOP than the whole one. Throughput
+objectives only; elsewhere every degree is profiled. Pure functions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from autotuner.tuning.models.cost_model import NOISE_FLOOR
+from autotuner.tuning.space.layout import Layout
+from autotuner.tuning.space.records import TrialResult, TrialState
+
+
+@dataclass(frozen=True)
+class DegreeBound:
+    """The most samples/s `degree` could reach, against degree 1's best measured."""
+
+    degree: int
+    split_flop_share: float
+    fixed_s: float  # degree 1's forward + backward per micro-step: fixed_s + per_sample_s x micro-batch
+    per_sample_s: float
+    micro_batch_size: int  # the degree's largest, where its bound is highest
+    bound_samples_per_s: float
+    best_samples_per_s: float
+    best_name: str
+
+    @property
+    def cannot_win(self) -> bool:
+        return self.bound_samples_per_s * (1 + NOISE_FLOOR) < self.best_samples_per_s
+
+    def line(self, layout: Layout, one: Layout) -> str:
+        verdict = "not profiled (cannot win" if self.cannot_win else "profiled (it may win"
+        return (f"{verdict}: at most {self.bound_samples_per_s:.4g} samples/s from {one.text()}'s launches "
+                f"at micro-batch {self.micro_batch_size} ({100 * self.split_flop_share:.1f}% of the forward's FLOPs "
+                f"split {self.degree} ways, forward and backward {1e3 * self.fixed_s:.3g} ms a micro-step + "
+                f"{1e3 * self.per_sample_s:.3g} ms a sample; its collectives and optimizer step left out), against {self.best_samples_per_s:.4g} measured "
+                f"at {self.best_name})")
+
+
+def micro_step_line(results: Sequence[TrialResult]) -> tuple[float, float] | None:
+    """(a, b): forward + backward seconds per micro-step = a + b x micro-batch, through the fastest
+    launch at each size (a held at 0 or above); None under two sizes. Where the times do not grow
+    with the micro-batch (a fixed cost per micro-step dominates, or noise), (the fastest, 0): a
+    micro-step costs no less than that at any size, and nothing of it is split."""
+    fastest: dict[int, float] = {}
+    for result in results:
+        m = result.measurement
+        if result.state is not TrialState.OK or m is None or m.forward is None or m.backward is None:
+            continue
+        both = m.forward.mean_s + m.backward.mean_s
+        seconds = both if result.experiment.zero_stage >= 3 else min(both, 3 * m.forward.mean_s)
+        size = result.experiment.micro_batch_size
+        if seconds > 0:
+            fastest[size] = min(seconds, fastest.get(size, seconds))
+    if len(fastest) < 2:
+        return None
+    sizes = sorted(fastest)
+    slope, intercept = np.polyfit(np.array(sizes, dtype=float), np.array([fastest[s] for s in sizes]), 1)
+    if slope <= 0:  # no cost per sample above the noise: a micro-step costs at least the fastest measured
+        return min(fastest.values()), 0.0
+    return max(0.0, float(intercept)), float(slope)
+
+
+def degree_bound(degree: int, split_flop_share: float, data_parallel_size: int, largest_micro_batch: int,
+                 results_at_one: Sequence[TrialResult]) -> DegreeBound | None:
+    """`degree`'s bound at its data-parallel size and largest micro-batch, from degree 1's launches
+    (their measured samples/s, one-off costs aside); None where they cannot give one: no split
+    share measured, under two micro-batch sizes timed, nothing measured."""
+    if degree <= 1 or not 0 < split_flop_share <= 1 or largest_micro_batch < 1:
+        return None
+    line = micro_step_line(results_at_one)
+    measured = [r for r in results_at_one if r.state is TrialState.OK and r.measurement is not None
+                and r.measurement.throughput > 0]
+    if line is None or not measured:
+        return None
+    fixed, per_sample = line
+    best = max(measured, key=lambda r: r.measurement.throughput)
+    m = largest_micro_batch
+    micro_step = fixed + (split_flop_share / degree + 1 - split_flop_share) * per_sample * m
+    return DegreeBound(degree, split_flop_share, fixed, per_sample, m, data_parallel_size * m / micro_step,
+                       float(best.measurement.throughput), best.name)
