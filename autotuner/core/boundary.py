@@ -247,11 +247,14 @@ class CollectiveTiming:
 
     `bytes` is the full, unsharded tensor: all_reduce's input, reduce_scatter's input,
     all_gather's output (so the three ops of one size move comparable data). `seconds` is the
-    median over repeats of the slowest rank's wall time for one call."""
+    median over repeats of the slowest rank's wall time for one call. `group_size`: 0 for the job's
+    whole group; else the size of the groups of consecutive ranks it ran on, every group at once
+    (tensor parallelism's groups at that degree)."""
 
     op: str
     bytes: int
     seconds: float
+    group_size: int = 0
 
     def __post_init__(self) -> None:
         # Refused here, so a damaged file fails when read and a fit never sees such a point.
@@ -270,7 +273,7 @@ class CollectiveTiming:
         missing = [key for key in ("op", "bytes", "seconds") if key not in data]
         if missing:
             raise RecordError(f"collective timing without {', '.join(repr(key) for key in missing)}")
-        return cls(str(data["op"]), int(data["bytes"]), float(data["seconds"]))
+        return cls(str(data["op"]), int(data["bytes"]), float(data["seconds"]), int(data.get("group_size", 0)))
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,10 @@ class ModelInfo:
     splittable_num_params: int = 0
     split_activation_bytes: int = 0
     split_flop_share: float = 0.0  # of the first forward's FLOPs, those inside the split regions (rank 0's)
+    # The row-wise layers that forward ran and their outputs' bytes (rank 0's): at degree k each
+    # output is all-reduced over the k ranks, and its column-wise input's gradient in the backward.
+    split_row_layers: int = 0
+    split_row_output_bytes: int = 0
     # The measured engine's model class: where a script builds several engines, the one the tuned
     # values are for (our engine: the first built with an optimizer; DeepSpeed's: the first built).
     measured_model: str = ""

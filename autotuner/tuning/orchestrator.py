@@ -20,6 +20,7 @@ from autotuner.tuning.reports.plan_table import PlanReport
 from autotuner.tuning.searches.plan_search import PlanModels, plan_rows, predicted_pick
 from autotuner.tuning.searches.degree_bound import degree_bound
 from autotuner.tuning.searches.degree_memory import degree_memory_lines
+from autotuner.tuning.searches.degree_time_check import degree_time_lines
 from autotuner.tuning.searches.degree_rule import degree_cannot_help
 from autotuner.tuning.searches.final_pick import final_pick_rounds
 from autotuner.tuning.searches.predictive_search import PredictiveOutcome, run_predictive_search
@@ -253,13 +254,18 @@ class Autotuner:
 
     def _hold_against_degree_one(self, layout: Layout, profiled: ProfiledJob, before: tuple[LayoutOutcome, ...],
                                  results) -> None:
-        """Say how far degree 1's profile and launches predicted this degree's profile launches
-        (searches/degree_memory.py); the lines join the summary's layout lines."""
+        """Say how far degree 1's profile and launches predicted this degree's profile launches, their
+        memory and step time (searches/degree_memory.py, degree_time_check.py); the lines join the
+        summary's layout lines."""
         one = self._degree_one(layout, before)
         if one is None:
             return
         for line in degree_memory_lines(layout, one.searched.memory, one.layout, profiled.memory, results):
             self.report(f"memory model: {line}")
+            self._degree_lines.append(f"layout: {line}")
+        for line in degree_time_lines(layout, one.layout, list(self.ledger.view(one.layout).results()),
+                                      profiled.memory.profile.params_per_rank, results, self.job.space.ranks):
+            self.report(f"step-time model: {line}")
             self._degree_lines.append(f"layout: {line}")
 
     def _degree_one(self, layout: Layout, before: tuple[LayoutOutcome, ...]) -> LayoutOutcome | None:

@@ -20,7 +20,8 @@ from autotuner.config import read_config_file
 from conftest import CONFIGS, MINIMAL, run_launcher
 from fakes import model_info
 
-TIMINGS = (CollectiveTiming("all_reduce", 2**16, 2e-4), CollectiveTiming("all_gather", 2**20, 1e-3))
+TIMINGS = (CollectiveTiming("all_reduce", 2**16, 2e-4), CollectiveTiming("all_gather", 2**20, 1e-3),
+           CollectiveTiming("all_reduce", 2**12, 1e-4, group_size=2))
 
 
 def test_model_info_round_trips_its_collective_timings_and_backend(tmp_path):
@@ -29,7 +30,10 @@ def test_model_info_round_trips_its_collective_timings_and_backend(tmp_path):
     path.write_text(json.dumps(info.to_json()))
     assert read_record(path, ModelInfo) == info
     assert json.loads(path.read_text())["collective_timings"][1] == {"op": "all_gather", "bytes": 2**20,
-                                                                     "seconds": 1e-3}
+                                                                     "seconds": 1e-3, "group_size": 0}
+    # A subgroup's timings fit apart from the whole group's.
+    assert set(fit_collectives(TIMINGS)) == {"all_reduce", "all_gather"}
+    assert fit_collectives(TIMINGS, group_size=2)["all_reduce"].seconds(2**12) == pytest.approx(1e-4)
 
 
 def test_a_model_info_file_from_before_the_probe_still_reads(tmp_path):

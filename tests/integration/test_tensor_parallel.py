@@ -201,7 +201,7 @@ def test_a_degree_search_runs_each_degree_at_the_users_global_batch_and_trains_t
     cfg = write_json(tmp_path / "ds.json", {"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
                                             "zero_optimization": {"stage": [0, 1, 2]},
                                             "tensor_parallel": {"autotp_size": "auto"}, "autotuning": tuning})
-    done = run_launcher("--autotuning", "run", "--nproc_per_node", "4", SCRIPT, "--steps", "4", "--out", tmp_path / "out",
+    done = run_launcher("--autotuning", "run", "--nproc_per_node", "4", SCRIPT, "--steps", "40", "--out", tmp_path / "out",
                         "--deepspeed", cfg, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     said = done.stdout + done.stderr
@@ -245,6 +245,11 @@ def test_a_degree_search_runs_each_degree_at_the_users_global_batch_and_trains_t
         peaks = re.findall(rf"layout: tensor parallel {degree}: z\d_tp{degree}_\S+ predicted from tensor parallel 1's "
                            r"profile and launches at \d+ MiB, measured \d+ MiB \(([-+][\d.]+)%\)", summary)
         assert peaks and all(abs(float(error)) < 10 for error in peaks), summary
+        # ... and their step time: degree 1's profile timed all_reduce on the pairs (probe_subgroups)
+        # and the whole group, so each ZeRO 0 launch of a profiled degree has a prediction to check.
+        steps = re.findall(rf"layout: tensor parallel {degree}: z0_tp{degree}_\S+ step predicted from tensor parallel "
+                           r"1's launches.*? at ([\d.]+) ms \(forward and backward.*?measured ([\d.]+) ms", summary)
+        assert steps and all(float(p) > 0 and float(m) > 0 for p, m in steps), summary
     optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())
     pick = table[table["chosen"]].iloc[0]
     assert optimal["tensor_parallel"]["autotp_size"] == pick.tp

@@ -34,7 +34,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 
 def probe_collectives(device: torch.device, group: Any = None, sizes_bytes: tuple[int, ...] = SIZES_BYTES,
-                      repeats: int = 5, warmup: int = 1) -> tuple[CollectiveTiming, ...]:
+                      repeats: int = 5, warmup: int = 1, ops: tuple[str, ...] = ("all_reduce", "reduce_scatter",
+                                                                                 "all_gather"),
+                      group_size: int = 0) -> tuple[CollectiveTiming, ...]:
     """Time all_reduce, reduce_scatter and all_gather of fp32 tensors of each size on `group`
     (None: the default group, which the engine's DDP, ZeRO-1 and FSDP2 all use).
 
@@ -52,7 +54,7 @@ def probe_collectives(device: torch.device, group: Any = None, sizes_bytes: tupl
     room = _free_bytes_on_every_rank(device, group)
     # A size's buffers are 1.5x its bytes; 2x leaves the backend room for its own.
     numels = [n for n in numels if n > 0 and (room is None or 2 * n * FP32_BYTES <= room)]
-    ops, local = [], []
+    timed, local = [], []
     for numel in numels:
         # One size's buffers at a time. Zeros, so repeated in-place sums stay finite.
         full = torch.zeros(numel, dtype=torch.float32, device=device)
@@ -61,16 +63,43 @@ def probe_collectives(device: torch.device, group: Any = None, sizes_bytes: tupl
                  "reduce_scatter": lambda: _reduce_scatter(shard, full, group=group),
                  "all_gather": lambda: _all_gather(full, shard, group=group)}
         for op, call in calls.items():
-            ops.append((op, numel * FP32_BYTES))
+            if op not in ops:
+                continue
+            timed.append((op, numel * FP32_BYTES))
             local.append([_time_once(call, device, group) for _ in range(warmup + repeats)][warmup:])
         del full, shard
-    if not ops:
+    if not timed:
         return ()
     slowest = torch.tensor(local, dtype=torch.float64, device=device)
     # One collective for all timings: each repeat's slowest rank decides it, on every rank alike.
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-    return tuple(CollectiveTiming(op, nbytes, statistics.median(seconds))
-                 for (op, nbytes), seconds in zip(ops, slowest.cpu().tolist()))
+    return tuple(CollectiveTiming(op, nbytes, statistics.median(seconds), group_size)
+                 for (op, nbytes), seconds in zip(timed, slowest.cpu().tolist()))
+
+
+# Tensor parallelism's all-reduces carry a micro-batch's hidden states: small.
+SUBGROUP_SIZES_BYTES = (2**12, 2**16, 2**20)
+
+
+def probe_subgroups(device: torch.device, sizes_bytes: tuple[int, ...] = SUBGROUP_SIZES_BYTES
+                    ) -> tuple[CollectiveTiming, ...]:
+    """all_reduce timed on groups of k consecutive ranks, every group at once, for each k that
+    divides the world between 1 and it: tensor parallelism's groups at degree k (its ranks are
+    consecutive, as DeepSpeed lays them). Every rank must call it; each returns its own group's."""
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    found: list[CollectiveTiming] = []
+    for size in range(2, world):
+        if world % size:
+            continue
+        own = None
+        for start in range(0, world, size):  # every rank creates every group, in the same order
+            group = dist.new_group(list(range(start, start + size)))
+            if start <= rank < start + size:
+                own = group
+        # Two warm-up calls: a new group's first collective also sets up its connections.
+        found += probe_collectives(device, own, sizes_bytes, warmup=2, ops=("all_reduce",), group_size=size)
+    return tuple(found)
 
 
 def _free_bytes_on_every_rank(device: torch.device, group: Any) -> int | None:

@@ -137,7 +137,8 @@ class OurEngineView(BatchView):
         return self._engine._activation_probe.bytes_saved
 
     def splittable(self) -> SplitRegions:
-        return self._engine._activation_probe.split_regions()
+        probe = self._engine._activation_probe
+        return probe.split_regions() if probe is not None else SplitRegions()
 
     def activation_bytes_by_policy(self) -> dict[str, int]:
         return self._engine._activation_probe.bytes_by_policy()

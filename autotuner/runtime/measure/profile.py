@@ -49,6 +49,8 @@ class SplitRegions:
     params: int = 0
     saved_bytes: int = 0
     flop_share: float = 0.0
+    row_layers: int = 0  # row-wise layers the forward ran: one all-reduce each at degree k, and one back
+    row_output_bytes: int = 0  # their outputs' bytes on this micro-batch: what those all-reduces carry
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -128,6 +130,8 @@ class ActivationProbe:
         self._flop_mark: float | None = None  # the count where the open split region began
         self._split_flops = 0.0
         self._forward_flops = 0.0
+        self._row_layers = 0
+        self._row_output_bytes = 0
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
@@ -183,6 +187,9 @@ class ActivationProbe:
             self._in_split = self._split_styles[module] == "colwise"
             if self._split_styles[module] == "rowwise":
                 self._close_flop_region()
+                self._row_layers += 1
+                if isinstance(output, torch.Tensor):
+                    self._row_output_bytes += output.numel() * output.element_size()
 
         for module in self._split_styles:
             self._handles.append(module.register_forward_pre_hook(before))
@@ -198,7 +205,8 @@ class ActivationProbe:
 
     def split_regions(self) -> SplitRegions:
         share = self._split_flops / self._forward_flops if self._forward_flops > 0 else 0.0
-        return SplitRegions(self.splittable_params, self.split_bytes, min(1.0, share))
+        return SplitRegions(self.splittable_params, self.split_bytes, min(1.0, share), self._row_layers,
+                            self._row_output_bytes)
 
     def _see_input(self, module, args, kwargs) -> None:
         if not self.sequence_length:
@@ -316,6 +324,8 @@ def write_model_info(
     splittable_num_params: int = 0,
     split_activation_bytes: int = 0,
     split_flop_share: float = 0.0,
+    split_row_layers: int = 0,
+    split_row_output_bytes: int = 0,
     measured_model: str = "",
     pipeline: dict[str, Any] | None = None,
 ) -> ModelInfo:
@@ -354,6 +364,8 @@ def write_model_info(
         splittable_num_params=splittable_num_params,
         split_activation_bytes=split_activation_bytes,
         split_flop_share=split_flop_share,
+        split_row_layers=split_row_layers,
+        split_row_output_bytes=split_row_output_bytes,
         measured_model=measured_model,
         **(pipeline or {}),  # a pipeline's per-stage fields (rank_measurement.py `pipeline_fields`)
     )

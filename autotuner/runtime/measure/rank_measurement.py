@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autotuner.core.boundary import CollectiveTiming, MeasurementRequest, ModelInfo, write_record
-from autotuner.runtime.measure.comm_probe import probe_collectives
+from autotuner.runtime.measure.comm_probe import probe_collectives, probe_subgroups
 from autotuner.runtime.measure.leaving import leave_now
 from autotuner.runtime.measure.memory_probes import PhasePeaks
 from autotuner.runtime.measure.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
@@ -174,6 +174,8 @@ class RankMeasurement:
                 splittable_num_params=regions.params,
                 split_activation_bytes=max(split_bytes_per_rank, default=0),
                 split_flop_share=regions.flop_share,
+                split_row_layers=regions.row_layers,
+                split_row_output_bytes=regions.row_output_bytes,
                 measured_model=model_class_name(view.model()),
                 pipeline=pipeline[0] if pipeline is not None else None,
             )
@@ -209,8 +211,12 @@ class RankMeasurement:
         return fields, per_param
 
     def _probe(self) -> tuple[CollectiveTiming, ...]:
-        # The default group: the one DDP, ZeRO-1, FSDP2 and DeepSpeed's engine run on.
-        return probe_collectives(self.view.device)
+        # The default group: the one DDP, ZeRO-1, FSDP2 and DeepSpeed's engine run on; at degree 1,
+        # where a tensor-parallel plan would split the model, its groups at each degree too.
+        timings = probe_collectives(self.view.device)
+        if self.view.splittable().params > 0:
+            timings += probe_subgroups(self.view.device)
+        return timings
 
     def write_measurement(self) -> None:
         """Rank 0 writes the window's measurement so far (collective: every rank calls it)."""

@@ -33,8 +33,9 @@ class LinkFit:
         return self.latency_s + nbytes / self.bytes_per_s
 
 
-def fit_collectives(timings: Iterable[CollectiveTiming]) -> dict[str, LinkFit]:
-    """A least-squares `LinkFit` per op found in `timings`, in COLLECTIVE_OPS order.
+def fit_collectives(timings: Iterable[CollectiveTiming], group_size: int = 0) -> dict[str, LinkFit]:
+    """A least-squares `LinkFit` per op found in `timings` timed on groups of `group_size` (0: the
+    job's whole group), in COLLECTIVE_OPS order.
 
     With two or more sizes: the ordinary least-squares line, refitted through the origin
     (latency 0) when its intercept comes out negative. With one size: latency 0 and the
@@ -43,7 +44,8 @@ def fit_collectives(timings: Iterable[CollectiveTiming]) -> dict[str, LinkFit]:
     The records themselves refuse zero, negative or non-finite seconds and bytes."""
     by_op: dict[str, list[CollectiveTiming]] = {}
     for timing in timings:
-        by_op.setdefault(timing.op, []).append(timing)
+        if timing.group_size == group_size:
+            by_op.setdefault(timing.op, []).append(timing)
     fits = {}
     for op in COLLECTIVE_OPS:
         points = [(float(t.bytes), t.seconds) for t in by_op.get(op, ())]

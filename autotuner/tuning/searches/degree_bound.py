@@ -28,11 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
-
 from autotuner.tuning.models.cost_model import NOISE_FLOOR
+from autotuner.tuning.models.degree_time import micro_step_line
 from autotuner.tuning.space.layout import Layout
 from autotuner.tuning.space.records import TrialResult, TrialState
+
+__all__ = ["DegreeBound", "degree_bound", "micro_step_line"]
 
 
 @dataclass(frozen=True)
@@ -59,30 +60,6 @@ class DegreeBound:
                 f"split {self.degree} ways, forward and backward {1e3 * self.fixed_s:.3g} ms a micro-step + "
                 f"{1e3 * self.per_sample_s:.3g} ms a sample; its collectives and optimizer step left out), against {self.best_samples_per_s:.4g} measured "
                 f"at {self.best_name})")
-
-
-def micro_step_line(results: Sequence[TrialResult]) -> tuple[float, float] | None:
-    """(a, b): forward + backward seconds per micro-step = a + b x micro-batch, through the fastest
-    launch at each size (a held at 0 or above); None under two sizes. Where the times do not grow
-    with the micro-batch (a fixed cost per micro-step dominates, or noise), (the fastest, 0): a
-    micro-step costs no less than that at any size, and nothing of it is split."""
-    fastest: dict[int, float] = {}
-    for result in results:
-        m = result.measurement
-        if result.state is not TrialState.OK or m is None or m.forward is None or m.backward is None:
-            continue
-        both = m.forward.mean_s + m.backward.mean_s
-        seconds = both if result.experiment.zero_stage >= 3 else min(both, 3 * m.forward.mean_s)
-        size = result.experiment.micro_batch_size
-        if seconds > 0:
-            fastest[size] = min(seconds, fastest.get(size, seconds))
-    if len(fastest) < 2:
-        return None
-    sizes = sorted(fastest)
-    slope, intercept = np.polyfit(np.array(sizes, dtype=float), np.array([fastest[s] for s in sizes]), 1)
-    if slope <= 0:  # no cost per sample above the noise: a micro-step costs at least the fastest measured
-        return min(fastest.values()), 0.0
-    return max(0.0, float(intercept)), float(slope)
 
 
 def degree_bound(degree: int, split_flop_share: float, data_parallel_size: int, largest_micro_batch: int,

@@ -1,0 +1,141 @@
+"""A tensor-parallel degree's step time predicted from degree 1's launches (issue 80, part 1).
+
+Degree 1's ZeRO 0 launches give a micro-step's forward + backward F(m) = a + b m (the fastest
+launch at each micro-batch, `micro_step_line`), the optimizer step, and
+what else a step takes (the data loader, the boundary's bookkeeping: the launch's step time less
+those). Its profile gives the split regions' share s of the FLOPs, the row-wise layers R a
+forward runs and their outputs' bytes, and all_reduce timed on groups of each degree
+(runtime/measure/comm_probe.py `probe_subgroups`). At degree k, micro-batch m' and gas g a
+ZeRO 0 step is predicted as
+
+    g x (a + (s / k + 1 - s) b m' + 2 R x all_reduce_k(row bytes per sample x m') + other)
+      + the optimizer step x (parameters per rank at k / at 1)
+
+one all-reduce per row-wise layer in the forward and one per column-wise input's gradient in the
+backward. The data-parallel reduction stays inside the backward as degree 1 measured it (DDP
+overlaps it), not rescaled to the degree's smaller groups. Pure functions.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from autotuner.core.boundary import CollectiveTiming
+from autotuner.tuning.models.comm_fit import LinkFit, fit_collectives
+from autotuner.tuning.space.experiment import Experiment
+from autotuner.tuning.space.records import TrialResult, TrialState
+
+
+@dataclass(frozen=True)
+class DegreeStep:
+    """One predicted step, in seconds, with its parts."""
+
+    compute_s: float  # forward + backward of the step's micro-steps
+    tensor_parallel_s: float  # the split regions' all-reduces
+    other_s: float  # the optimizer step and the rest a step takes
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.tensor_parallel_s + self.other_s
+
+
+@dataclass(frozen=True)
+class DegreeTimeModel:
+    """What degree 1's ZeRO 0 launches and profile say, to predict another degree's steps."""
+
+    fixed_s: float
+    per_sample_s: float
+    split_flop_share: float
+    row_layers: int
+    row_bytes_per_sample: float
+    other_per_micro_step_s: float
+    optimizer_step_s: float
+    params_per_rank: int  # at degree 1: the whole model
+    links: dict[int, LinkFit]  # all_reduce by group size
+
+    def predict(self, experiment: Experiment, params_per_rank: int) -> DegreeStep | None:
+        """`experiment` at its degree, whose ranks hold `params_per_rank`; None at ZeRO above 0 or
+        where no all_reduce was timed at its degree."""
+        k = experiment.tensor_parallel
+        link = self.links.get(k)
+        if experiment.zero_stage != 0 or k <= 1 or link is None:
+            return None
+        m, gas = experiment.micro_batch_size, experiment.gradient_accumulation_steps
+        compute = self.fixed_s + (self.split_flop_share / k + 1 - self.split_flop_share) * self.per_sample_s * m
+        payload = self.row_bytes_per_sample * m / max(1, self.row_layers)
+        collectives = 2 * self.row_layers * link.seconds(payload) if self.row_layers else 0.0
+        step = self.optimizer_step_s * params_per_rank / max(1, self.params_per_rank)
+        return DegreeStep(gas * compute, gas * collectives, gas * self.other_per_micro_step_s + step)
+
+
+def micro_step_line(results: Sequence[TrialResult], forward_bound: bool = True) -> tuple[float, float] | None:
+    """(a, b): forward + backward seconds per micro-step = a + b x micro-batch, through the fastest
+    launch at each size (a held at 0 or above); None under two sizes. Where the times do not grow
+    with the micro-batch (a fixed cost per micro-step dominates, or noise), (the fastest, 0): a
+    micro-step costs no less than that at any size, and nothing of it is split. `forward_bound`
+    (a bound's reading): below ZeRO 3 a launch counts the smaller of its sum and three forwards,
+    since a backward may hold the data-parallel reduction; else each launch's sum as measured."""
+    fastest: dict[int, float] = {}
+    for result in results:
+        m = result.measurement
+        if result.state is not TrialState.OK or m is None or m.forward is None or m.backward is None:
+            continue
+        both = m.forward.mean_s + m.backward.mean_s
+        seconds = both if result.experiment.zero_stage >= 3 or not forward_bound else min(both, 3 * m.forward.mean_s)
+        size = result.experiment.micro_batch_size
+        if seconds > 0:
+            fastest[size] = min(seconds, fastest.get(size, seconds))
+    if len(fastest) < 2:
+        return None
+    sizes = sorted(fastest)
+    slope, intercept = np.polyfit(np.array(sizes, dtype=float), np.array([fastest[s] for s in sizes]), 1)
+    if slope <= 0:  # no cost per sample above the noise: a micro-step costs at least the fastest measured
+        return min(fastest.values()), 0.0
+    return max(0.0, float(intercept)), float(slope)
+
+
+def _flat_link(timings: Sequence[CollectiveTiming]) -> LinkFit | None:
+    """Where the times do not grow with the size (latency and noise, as tensor parallelism's small
+    all-reduces are on CPU), so no line fits: their median as the latency, and the fastest
+    bytes per second seen beyond it."""
+    if not timings:
+        return None
+    return LinkFit("all_reduce", statistics.median(t.seconds for t in timings),
+                   max(t.bytes / t.seconds for t in timings))
+
+
+def degree_time_model(results_at_one: Sequence[TrialResult], world_size: int) -> DegreeTimeModel | None:
+    """From degree 1's results (its profile's model info among them); None where they cannot
+    say: no ZeRO 0 launches at two micro-batch sizes, no split measured, no subgroup timings."""
+    zero = [r for r in results_at_one if r.state is TrialState.OK and r.experiment.zero_stage == 0
+            and r.measurement is not None and r.measurement.forward is not None
+            and r.measurement.backward is not None and r.measurement.step is not None]
+    infos = [r.model_info for r in results_at_one if r.model_info is not None and r.model_info.split_flop_share > 0]
+    line = micro_step_line(zero, forward_bound=False)
+    if line is None or not infos:
+        return None
+    info = infos[0]
+    timings = [t for r in results_at_one if r.model_info is not None for t in r.model_info.collective_timings]
+    links = {}
+    for size in range(2, world_size + 1):
+        group = 0 if size == world_size else size
+        link = fit_collectives(timings, group).get("all_reduce") or _flat_link(
+            [t for t in timings if t.op == "all_reduce" and t.group_size == group])
+        if link is not None:
+            links[size] = link
+    if not links:
+        return None
+    others, steps = [], []
+    for result in zero:
+        m = result.measurement
+        gas = result.experiment.gradient_accumulation_steps
+        steps.append(m.step.mean_s)
+        others.append(max(0.0, m.latency - gas * (m.forward.mean_s + m.backward.mean_s) - m.step.mean_s) / gas)
+    fixed, per_sample = line
+    return DegreeTimeModel(fixed, per_sample, info.split_flop_share, info.split_row_layers,
+                           info.split_row_output_bytes / max(1, info.micro_batch_size), statistics.median(others),
+                           min(steps), info.trainable_num_params, links)
