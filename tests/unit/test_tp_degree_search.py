@@ -202,7 +202,7 @@ def _timed(trial, seconds_per_micro_step, throughput):
                        predicted_memory_bytes=trial.predicted_memory_bytes, measured_memory_bytes=200 * MiB)
 
 
-def _bounded_search(tmp_path, split_flop_share):
+def _bounded_search(tmp_path, split_flop_share, **probed):
     """Degree 1 on 4 ranks: forward + backward 10 ms a micro-step plus 10 ms a sample, 30 ms more a
     step; its best micro-batch 4 at 16 / 0.08 s. Degree 2 would run 1.3x degree 1's samples/s."""
     import dataclasses
@@ -220,7 +220,8 @@ def _bounded_search(tmp_path, split_flop_share):
         if trial.profile:
             result = dataclasses.replace(result, model_info=model_info(m, trial.experiment.zero_stage,
                                                                        activation_bytes=m * MiB,
-                                                                       split_flop_share=split_flop_share))
+                                                                       split_flop_share=split_flop_share,
+                                                                       **probed))
         return result
 
     runner = FakeRunner(answer)
@@ -238,8 +239,8 @@ def test_a_degree_whose_bound_from_degree_1_cannot_beat_its_best_is_never_launch
     assert outcome.best.experiment.tensor_parallel == 1
     assert ("layout: tensor parallel 2 x data parallel 2: not profiled (cannot win: at most 181.8 samples/s from "
             "tensor parallel 1's launches at micro-batch 4 (30.0% of the forward's FLOPs split 2 ways, forward and "
-            "backward 10 ms a micro-step + 10 ms a sample; its collectives and optimizer step left out), against 200 "
-            "measured at z0_tp1_gas1_mbs4)") in outcome.summary
+            "backward 10 ms a micro-step + 10 ms a sample, its all-reduces 0 ms a micro-step at the fastest probed; its "
+            "optimizer step left out), against 200 measured at z0_tp1_gas1_mbs4)") in outcome.summary
 
 
 def test_a_degree_whose_bound_could_win_is_profiled_searched_and_wins(tmp_path):
@@ -248,6 +249,19 @@ def test_a_degree_whose_bound_could_win_is_profiled_searched_and_wins(tmp_path):
     assert any(not t.profile for t in runner.trials if t.experiment.tensor_parallel == 2)
     assert outcome.best.experiment.tensor_parallel == 2
     assert "layout: tensor parallel 2 x data parallel 2: profiled (it may win: at most 258.1 samples/s" in outcome.summary
+
+
+def test_a_degree_whose_all_reduces_alone_make_it_slower_is_never_launched(tmp_path):
+    # 95% split would reach 258 samples/s, but 4 row-wise layers all-reduce twice a micro-step on
+    # pairs that never took under 2 ms: 16 ms more a micro-step, 8 / 0.047 = 170 samples/s.
+    from autotuner.core.boundary import CollectiveTiming
+
+    pairs = tuple(CollectiveTiming("all_reduce", size, seconds, 2) for size, seconds in ((2**12, 2e-3), (2**16, 3e-3)))
+    runner, outcome = _bounded_search(tmp_path, 0.95, split_row_layers=4, collective_timings=pairs)
+    assert not [t for t in runner.trials if t.experiment.tensor_parallel == 2]
+    assert ("not profiled (cannot win: at most 170.2 samples/s from tensor parallel 1's launches at micro-batch 4 "
+            "(95.0% of the forward's FLOPs split 2 ways, forward and backward 10 ms a micro-step + 10 ms a sample, its "
+            "all-reduces 16 ms a micro-step at the fastest probed;") in outcome.summary
 
 
 def test_the_bound_needs_two_timed_micro_batch_sizes_and_takes_no_cost_per_sample_below_zero():

@@ -83,17 +83,18 @@ SUBGROUP_SIZES_BYTES = (2**12, 2**16, 2**20)
 
 def probe_subgroups(device: torch.device, sizes_bytes: tuple[int, ...] = SUBGROUP_SIZES_BYTES
                     ) -> tuple[CollectiveTiming, ...]:
-    """all_reduce timed on groups of k consecutive ranks, every group at once, for each k that
-    divides the world between 1 and it: tensor parallelism's groups at degree k (its ranks are
-    consecutive, as DeepSpeed lays them). Every rank must call it; each returns its own group's."""
+    """all_reduce timed on groups of k consecutive ranks, every group at once, for each k > 1 that
+    divides the world, the world itself included (at these small sizes, which the whole group's
+    probe leaves out): tensor parallelism's groups at degree k (its ranks are consecutive, as
+    DeepSpeed lays them). Every rank must call it; each returns its own group's."""
     world = dist.get_world_size()
     rank = dist.get_rank()
     found: list[CollectiveTiming] = []
-    for size in range(2, world):
+    for size in range(2, world + 1):
         if world % size:
             continue
-        own = None
-        for start in range(0, world, size):  # every rank creates every group, in the same order
+        own = None  # the world: the default group
+        for start in range(0, world, size) if size < world else ():  # every rank creates every group, in order
             group = dist.new_group(list(range(start, start + size)))
             if start <= rank < start + size:
                 own = group

@@ -98,6 +98,20 @@ def micro_step_line(results: Sequence[TrialResult], forward_bound: bool = True) 
     return max(0.0, float(intercept)), float(slope)
 
 
+def all_reduce_floor_s(timings: Sequence[CollectiveTiming], degree: int, world_size: int) -> float:
+    """The fastest all_reduce the probe timed on `degree`'s groups at any size (their small sizes
+    start at 4 KiB, below a micro-batch's hidden states): no all-reduce on them runs faster than
+    that floor. 0 where none was timed."""
+    return min((t.seconds for t in _on_groups(timings, degree, world_size) if t.op == "all_reduce"), default=0.0)
+
+
+def _on_groups(timings: Sequence[CollectiveTiming], degree: int, world_size: int) -> list[CollectiveTiming]:
+    """The timings on `degree`'s groups: at the world's degree, the whole group's probe and its
+    small sizes (probe_subgroups) together."""
+    groups = (0, world_size) if degree == world_size else (degree,)
+    return [t for t in timings if t.group_size in groups]
+
+
 def _flat_link(timings: Sequence[CollectiveTiming]) -> LinkFit | None:
     """Where the times do not grow with the size (latency and noise, as tensor parallelism's small
     all-reduces are on CPU), so no line fits: their median as the latency, and the fastest
@@ -122,9 +136,10 @@ def degree_time_model(results_at_one: Sequence[TrialResult], world_size: int) ->
     timings = [t for r in results_at_one if r.model_info is not None for t in r.model_info.collective_timings]
     links = {}
     for size in range(2, world_size + 1):
-        group = 0 if size == world_size else size
-        link = fit_collectives(timings, group).get("all_reduce") or _flat_link(
-            [t for t in timings if t.op == "all_reduce" and t.group_size == group])
+        on_groups = [t for t in _on_groups(timings, size, world_size) if t.op == "all_reduce"]
+        # (relabelled to one group, so one line fits the small sizes and the large together)
+        same = [CollectiveTiming(t.op, t.bytes, t.seconds) for t in on_groups]
+        link = fit_collectives(same).get("all_reduce") or _flat_link(same)
         if link is not None:
             links[size] = link
     if not links:

@@ -1,19 +1,22 @@
 """Whether a tensor-parallel degree is worth its profile, from degree 1's launches alone (issue 80, part 1).
 
 Degree 1's launches give each micro-step's forward and backward time F(m) = a + b m (a line through
-the fastest launch at each micro-batch m). At degree k a rank runs the split regions' work
-divided by k and the rest whole, and pays the fixed cost a per micro-step as before (the same ops,
-each smaller, plus the collectives). So at micro-batch m' a micro-step costs at least
+the fastest launch at each micro-batch m, models/degree_time.py `micro_step_line`). At degree k a
+rank runs the split regions' work divided by k and the rest whole, pays the fixed cost a per
+micro-step as before (the same ops, each smaller), and waits on 2 R all-reduces over its group
+(one per row-wise layer in the forward, one per column-wise input's gradient in the backward:
+on the critical path, since the next layer needs their sum). So at micro-batch m' a micro-step
+costs at least
 
-    F_k(m') = a + (s / k + 1 - s) b m'
+    F_k(m') = a + (s / k + 1 - s) b m' + 2 R x the fastest all_reduce the probe timed on such groups
 
 and the job's samples/s is at most dp_k m' / F_k(m'), largest at the largest micro-batch the
 degree's space allows, with dp_k = the ranks / k. s is the share of the forward's FLOPs inside the
 split regions (the profile's probe, runtime/measure/profile.py; a matmul's backward costs twice its
 forward, so the share holds for the backward too). Everything else is left out, in the degree's
-favour: tensor parallelism's collectives, the optimizer step, the data-parallel reduction, memory
-(the largest micro-batch is taken to fit). A degree whose bound is below degree 1's best measured
-samples/s, beyond the noise floor, cannot win, and its profile is not launched.
+favour: the all-reduces' size, the optimizer step, the data-parallel reduction, memory (the largest
+micro-batch is taken to fit). A degree whose bound is below degree 1's best measured samples/s,
+beyond the noise floor, cannot win, and its profile is not launched.
 
 F counts, per launch, the smaller of forward + backward and three times the forward: a backward
 at ZeRO 0-2 may hold the data-parallel reduction (more than degree k's), a forward does not, and
@@ -45,6 +48,7 @@ class DegreeBound:
     fixed_s: float  # degree 1's forward + backward per micro-step: fixed_s + per_sample_s x micro-batch
     per_sample_s: float
     micro_batch_size: int  # the degree's largest, where its bound is highest
+    all_reduces_s: float  # a micro-step's 2 R all-reduces at the fastest probed
     bound_samples_per_s: float
     best_samples_per_s: float
     best_name: str
@@ -58,14 +62,16 @@ class DegreeBound:
         return (f"{verdict}: at most {self.bound_samples_per_s:.4g} samples/s from {one.text()}'s launches "
                 f"at micro-batch {self.micro_batch_size} ({100 * self.split_flop_share:.1f}% of the forward's FLOPs "
                 f"split {self.degree} ways, forward and backward {1e3 * self.fixed_s:.3g} ms a micro-step + "
-                f"{1e3 * self.per_sample_s:.3g} ms a sample; its collectives and optimizer step left out), against {self.best_samples_per_s:.4g} measured "
+                f"{1e3 * self.per_sample_s:.3g} ms a sample, its all-reduces {1e3 * self.all_reduces_s:.3g} ms a "
+                f"micro-step at the fastest probed; its optimizer step left out), against {self.best_samples_per_s:.4g} measured "
                 f"at {self.best_name})")
 
 
 def degree_bound(degree: int, split_flop_share: float, data_parallel_size: int, largest_micro_batch: int,
-                 results_at_one: Sequence[TrialResult]) -> DegreeBound | None:
+                 results_at_one: Sequence[TrialResult], all_reduces_s: float = 0.0) -> DegreeBound | None:
     """`degree`'s bound at its data-parallel size and largest micro-batch, from degree 1's launches
-    (their measured samples/s, one-off costs aside); None where they cannot give one: no split
+    (their measured samples/s, one-off costs aside) and `all_reduces_s`, a micro-step's
+    all-reduces at the fastest the probe timed on the degree's groups; None where they cannot give one: no split
     share measured, under two micro-batch sizes timed, nothing measured."""
     if degree <= 1 or not 0 < split_flop_share <= 1 or largest_micro_batch < 1:
         return None
@@ -77,6 +83,7 @@ def degree_bound(degree: int, split_flop_share: float, data_parallel_size: int, 
     fixed, per_sample = line
     best = max(measured, key=lambda r: r.measurement.throughput)
     m = largest_micro_batch
-    micro_step = fixed + (split_flop_share / degree + 1 - split_flop_share) * per_sample * m
-    return DegreeBound(degree, split_flop_share, fixed, per_sample, m, data_parallel_size * m / micro_step,
+    micro_step = fixed + (split_flop_share / degree + 1 - split_flop_share) * per_sample * m + all_reduces_s
+    return DegreeBound(degree, split_flop_share, fixed, per_sample, m, all_reduces_s,
+                       data_parallel_size * m / micro_step,
                        float(best.measurement.throughput), best.name)
