@@ -18,8 +18,7 @@ from autotuner.tuning.profiling.phase import ProfilePhase, record_pruned
 from autotuner.tuning.reports.outcome import SearchRecord, TuningOutcome, write_outcome
 from autotuner.tuning.reports.plan_table import PlanReport
 from autotuner.tuning.searches.plan_search import PlanModels, plan_rows, predicted_pick
-from autotuner.tuning.models.degree_time import all_reduce_floor_s
-from autotuner.tuning.searches.degree_bound import degree_bound
+from autotuner.tuning.searches.degree_bound import bound_before_profile
 from autotuner.tuning.searches.degree_memory import degree_memory_lines
 from autotuner.tuning.searches.degree_time_check import degree_time_lines
 from autotuner.tuning.searches.degree_rule import degree_cannot_help
@@ -281,20 +280,12 @@ class Autotuner:
         one = self._degree_one(layout, before)
         if one is None or layout.tensor_parallel <= 1 or self.job.objective.metric != "throughput":
             return None
-        results = list(self.ledger.view(one.layout).results())
-        infos = [r.model_info for r in results if r.model_info is not None and r.model_info.split_flop_share > 0]
-        if not infos:
-            return None
         space = self.job.at_layout(layout).space
-        dp = space.data_parallel_size
-        sizes = space.valid_micro_batch_sizes(space.max_micro_batch_size)
-        timings = [t for info in infos for t in info.collective_timings]
-        all_reduces = 2 * infos[0].split_row_layers * all_reduce_floor_s(timings, layout.tensor_parallel,
-                                                                         self.job.space.ranks)
-        bound = degree_bound(layout.tensor_parallel, infos[0].split_flop_share, dp, max(sizes, default=0), results,
-                             all_reduces)
+        bound = bound_before_profile(layout.tensor_parallel, list(self.ledger.view(one.layout).results()), space,
+                                     self.job.space.ranks)
         if bound is None:
             return None
+        dp = space.data_parallel_size
         return bound.cannot_win, f"layout: {layout.text()} x data parallel {dp}: {bound.line(layout, one.layout)}"
 
     def profile_phase(self, layout: Layout) -> ProfilePhase:

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from autotuner.tuning.models.cost_model import NOISE_FLOOR
-from autotuner.tuning.models.degree_time import micro_step_line
+from autotuner.tuning.models.degree_time import all_reduce_floor_s, micro_step_line
 from autotuner.tuning.space.layout import Layout
 from autotuner.tuning.space.records import TrialResult, TrialState
+from autotuner.tuning.space.search_space import SearchSpace
 
-__all__ = ["DegreeBound", "degree_bound", "micro_step_line"]
+__all__ = ["DegreeBound", "bound_before_profile", "degree_bound", "micro_step_line"]
 
 
 @dataclass(frozen=True)
@@ -87,3 +88,17 @@ def degree_bound(degree: int, split_flop_share: float, data_parallel_size: int, 
     return DegreeBound(degree, split_flop_share, fixed, per_sample, m, all_reduces_s,
                        data_parallel_size * m / micro_step,
                        float(best.measurement.throughput), best.name)
+
+
+def bound_before_profile(degree: int, results_at_one: Sequence[TrialResult], space: SearchSpace,
+                         world_size: int) -> DegreeBound | None:
+    """`degree`'s bound from degree 1's results (its profile's model info among them: the split
+    share, the row-wise layers, the probe's timings) at `space`, the degree's search space."""
+    infos = [r.model_info for r in results_at_one if r.model_info is not None and r.model_info.split_flop_share > 0]
+    if not infos:
+        return None
+    timings = [t for info in infos for t in info.collective_timings]
+    all_reduces = 2 * infos[0].split_row_layers * all_reduce_floor_s(timings, degree, world_size)
+    sizes = space.valid_micro_batch_sizes(space.max_micro_batch_size)
+    return degree_bound(degree, infos[0].split_flop_share, space.data_parallel_size, max(sizes, default=0),
+                        results_at_one, all_reduces)
