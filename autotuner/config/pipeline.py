@@ -6,7 +6,9 @@ given as a number, is checked against what the module built (a config and a scri
 are refused), `partition` and `seed_layers` are left as DeepSpeed leaves them (the module's
 arguments decide, said once when they differ from the default), and `activation_checkpoint_interval`
 above 0 overrides the module's, as in DeepSpeed. `schedule` is torch's schedule the engine runs
-(runtime/pipeline/schedules.py); DeepSpeed's own is 1F1B."""
+(runtime/pipeline/schedules.py); DeepSpeed's own is 1F1B. `stages_per_rank` is ours: the virtual
+stages (chunks) each rank runs under the schedules that run several, the layers re-placed at
+initialize (PipelineModule.place_virtual_stages)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,15 @@ from typing import Literal
 from pydantic import Field
 
 from autotuner.config.base import NonNegativeInt, PositiveInt, Section
+
+
+# torch's schedule names (runtime/pipeline/schedules.py maps them to its classes).
+ONE_STAGE_SCHEDULES = ("1F1B", "GPipe")
+SEVERAL_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+
+
+def runs_several_stages(schedule: str) -> bool:
+    return schedule.lower() in (name.lower() for name in SEVERAL_STAGE_SCHEDULES)
 
 
 class PipelineConfig(Section):
@@ -34,4 +45,9 @@ class PipelineConfig(Section):
     grad_partitioned: bool = Field(True, description="the same for the gradients sent back")
     use_reentrant: bool = Field(True, description="DeepSpeed's checkpoint flavour; the math is the same either way "
                                                   "(torch's non-reentrant checkpoint runs here)")
-    schedule: str = Field("1F1B", description='torch\'s pipeline schedule: "1F1B" (DeepSpeed\'s) or "GPipe"')
+    schedule: str = Field("1F1B", description='torch\'s pipeline schedule: "1F1B" (DeepSpeed\'s) or "GPipe" (one stage '
+                                            'per rank); "Interleaved1F1B", "LoopedBFS" or "InterleavedZeroBubble" '
+                                            '(several: stages_per_rank)')
+    stages_per_rank: PositiveInt | None = Field(
+        None, description="ours (Megatron's virtual pipeline size): the chunks each rank runs under a schedule of "
+                          "several stages per rank (2 where left out); 1 for 1F1B and GPipe")

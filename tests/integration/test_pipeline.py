@@ -1,7 +1,8 @@
 """Pipeline parallelism on our engine, on real gloo ranks under the launcher (issue 79): a GPT-style
 PipelineModule with a tied embedding and head (tests/workers/pipe_gpt_train.py) trains the losses
-of the same layers unsplit, under each schedule torch offers for one stage per rank, with ZeRO 1
-beside it, evaluates the same, resumes from its checkpoint and saves the whole model; DeepSpeedExamples'
+of the same layers unsplit, under each schedule torch offers for one stage per rank and the
+looped and interleaved ones over two chunks a rank, with ZeRO 1 beside it, evaluates the same,
+resumes from its checkpoint and saves the whole model; DeepSpeedExamples'
 pipeline script trains as data parallel; what a pipeline cannot train is refused in one line, exit 2."""
 
 from __future__ import annotations
@@ -124,6 +125,39 @@ def test_two_stages_split_two_ways_by_tensor_parallelism_resume_to_the_unsplit_m
         {k: (saved[k] - renamed[k]).abs().max().item() for k in saved}
 
 
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"])
+def test_two_stages_of_two_chunks_each_train_and_evaluate_as_the_unsplit_model(tmp_path, unsplit, schedule):
+    # pipeline.stages_per_rank left out: 2 chunks a rank, re-placed at initialize (rank r runs
+    # virtual stages r and r + 2), the layers seeded by their index, so the unsplit model's weights.
+    train(tmp_path, 2, 2, "--eval", pipeline={"schedule": schedule, "stages": 2})
+    assert losses(tmp_path) == pytest.approx(unsplit[1], rel=1e-5, abs=1e-6)
+    stages = [json.loads((tmp_path / f"stage_of_rank{rank}.json").read_text()) for rank in (0, 1)]
+    parts = stages[0]["parts"]
+    assert len(parts) == 5 and parts[0] == 0 and parts[-1] == 7 and stages[1]["parts"] == parts
+    held = [sorted({int(name.split(".")[0]) for name in s["names"] if name[0].isdigit()}) for s in stages]
+    for rank, layers in enumerate(held):  # each rank's chunks rank and rank + 2, no other layer
+        mine = [i for chunk in (rank, rank + 2) for i in range(parts[chunk], parts[chunk + 1])]
+        assert layers == [i for i in mine if i in (1, 2, 3, 4, 5)], (rank, layers, parts)
+    assert [(s["first"], s["last"]) for s in stages] == [(True, False), (False, True)]
+
+
+def test_two_chunks_a_rank_resume_from_their_checkpoint_and_save_the_whole_model(tmp_path, unsplit):
+    # Each rank saves and loads the layers of both its chunks (the checkpoint's ownership is the
+    # rank's layer set, not one contiguous range), then writes the whole model at the end.
+    import torch
+
+    interleaved = {"pipeline": {"schedule": "Interleaved1F1B", "stages": 2}}
+    train(tmp_path / "first", 2, 2, "--steps", "2", "--save", str(tmp_path / "ckpt"), **interleaved)
+    train(tmp_path / "second", 2, 2, "--steps", "1", "--load", str(tmp_path / "ckpt"), "--eval", "--save16",
+          str(tmp_path / "whole"), **interleaved)
+    got = losses(tmp_path / "first") + losses(tmp_path / "second")
+    assert got == pytest.approx(unsplit[1], rel=1e-5, abs=1e-6)
+    saved = torch.load(tmp_path / "whole" / "pytorch_model.bin")
+    renamed = renamed_as_pipeline(torch.load(unsplit["whole1"] / "pytorch_model.bin"))
+    assert sorted(saved) == sorted(renamed)
+    assert all(torch.allclose(saved[k], renamed[k], atol=1e-5) for k in saved)
+
+
 def test_what_a_pipeline_cannot_train_is_refused_in_one_line(tmp_path):
     # In a launch: a stage count that does not divide the ranks stops it, one line, exit 2 (one rank
     # is enough for two stages not to divide it).
@@ -143,8 +177,12 @@ def test_what_a_pipeline_cannot_train_is_refused_in_one_line(tmp_path):
                                      "tensor_parallel.autotp_size 2 too",
         "zero_2": "ZeRO 2 and 3 are not supported with pipeline parallelism",
         "stages_disagree": "pipeline.stages 4: the script's PipelineModule built 2 stages",
-        "interleaved": "'Interleaved1F1B' runs several stages on each rank",
-        "unknown_schedule": "pipeline.schedule: got 'Zigzag'; expected one of '1F1B', 'GPipe'",
+        "v_shaped": "pipeline.schedule: 'ZBVZeroBubble' places each rank's two stages in a V",
+        "unknown_schedule": "pipeline.schedule: got 'Zigzag'; expected one of '1F1B', 'GPipe', 'Interleaved1F1B'",
+        "chunks_under_1f1b": "pipeline.stages_per_rank 2: schedule '1F1B' runs one stage per rank",
+        "more_chunks_than_layers": "pipeline.stages_per_rank 3: 2 stages x 3 chunks for 5 layers",
+        "not_whole_rounds": "pipeline.schedule Interleaved1F1B: 5 micro-batches (gradient_accumulation_steps) over 2 "
+                            "stages are not whole rounds",
     }
     for name, message in expected.items():
         assert found[name] is not None, name
@@ -286,6 +324,8 @@ def test_what_a_pipeline_tune_cannot_run_is_refused_before_any_launch(tmp_path):
                          "pipeline.stages: 3 in [3] does not divide the number of ranks (2)"),
         "zero_3_only": ({"zero_optimization": {"stage": 3}}, {},
                         "ZeRO 2 and 3 are not supported with pipeline parallelism"),
+        "several_stages_a_rank": ({"pipeline": {"stages": "auto", "schedule": "Interleaved1F1B"}}, {},
+                                  "pipeline.schedule Interleaved1F1B: a tune measures and costs one stage per rank"),
     }
     for name, (config, autotuning, message) in cases.items():
         done, said = tune(tmp_path / name, 2, "tune", expect=2, autotuning=autotuning, train_batch_size=8, **config)

@@ -73,8 +73,11 @@ if args.refusals:  # each wrong request refused in one line (ConfigError/Unsuppo
     engines = {
         "zero_2": {"zero_optimization": {"stage": 2}},
         "stages_disagree": {"pipeline": {"stages": 4}},
-        "interleaved": {"pipeline": {"schedule": "Interleaved1F1B"}},
+        "v_shaped": {"pipeline": {"schedule": "ZBVZeroBubble"}},
         "unknown_schedule": {"pipeline": {"schedule": "Zigzag"}},
+        "chunks_under_1f1b": {"pipeline": {"schedule": "1F1B", "stages_per_rank": 2}},
+        "more_chunks_than_layers": {"pipeline": {"schedule": "Interleaved1F1B", "stages_per_rank": 3}},
+        "not_whole_rounds": {"gradient_accumulation_steps": 5, "pipeline": {"schedule": "Interleaved1F1B"}},
     }
     found = {}
     for name, attempt in attempts.items():

@@ -32,7 +32,7 @@ class PipelineCheckpoints:
         head = name.split(".", 1)[0]
         if head == "tied_modules":
             return name.split(".")[1] in self.module.tied_modules
-        return head.isdigit() and self.module.parts[self.stage_id] <= int(head) < self.module.parts[self.stage_id + 1]
+        return head.isdigit() and self.module.holds_layer(int(head))
 
     def _keyed_by_the_model(self, optimizer: Any) -> contextlib.AbstractContextManager:
         """ZeRO 1 over split stages steps the shards' shadows: DCP sees the optimizer keyed by the

@@ -89,7 +89,13 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
         self.data_iterator: Iterator | None = iter(self.training_dataloader) \
             if self.training_dataloader is not None else None
         self.agg_train_loss: torch.Tensor | None = None
-        self._stage = PipelineStage(module, self.stage_id, self.num_stages, device, group=self.pipe_group)
+        # One PipelineStage per rank, or with virtual stages one per chunk (torch's multi-stage schedules).
+        if module.stages_per_rank == 1:
+            self._stage: Any = PipelineStage(module, self.stage_id, self.num_stages, device, group=self.pipe_group)
+        else:
+            total = self.num_stages * module.stages_per_rank
+            self._stage = [PipelineStage(chunk, virtual, total, device, group=self.pipe_group)
+                           for virtual, chunk in module.chunks()]
         loss_fn = module.loss_fn if module.loss_fn is not None else _output_is_loss
         if loss_scaler is not None:
             loss_fn = _scaled(loss_fn, loss_scaler)

@@ -6,7 +6,8 @@ stage's forward under autocast, fp32 weights, as our engine's ZeRO 0 and 1 run t
 its loss scaler, one overflow verdict over every stage); the config's optimizer and scheduler (or
 the script's); gradient clipping over the whole pipeline's norm; and tensor_parallel.autotp_size
 inside each stage (one (pp, dp, tp) mesh; the stage's layers split by AutoTP's rule; ZeRO 1 then
-steps the shards' shadows, training/split_zero.py). What would train otherwise is refused in one
+steps the shards' shadows, training/split_zero.py); under a schedule of several stages per rank,
+the module's layers re-placed over pipeline.stages_per_rank chunks first. What would train otherwise is refused in one
 line (ConfigError/UnsupportedError, exit status 2): ZeRO 2 and 3 (DeepSpeed refuses them with
 pipelines too), torch.compile, activation_checkpointing's policy (a pipeline checkpoints by
 activation_checkpoint_interval), the gradient-reduction keys and a batch ramp. A tuner's launch
@@ -30,6 +31,7 @@ from autotuner.runtime.measure.measurement import measurement_request
 from autotuner.core.repeating_loader import RepeatingLoader
 from autotuner.runtime.pipeline.engine import PipelineEngine
 from autotuner.runtime.pipeline.module import PipelineModule
+from autotuner.runtime.pipeline.schedules import stages_per_rank
 from autotuner.runtime.training.optim import remap_groups
 from autotuner.runtime.training.split_zero import SplitShadows
 from autotuner.runtime.training.tensor_parallel import ParallelLayout, SplitModel, refuse_on_device, split_model
@@ -84,6 +86,7 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
         if getattr(cfg.pipeline, key) != default:
             warn_once(f"pipeline.{key}: DeepSpeed reads it from PipelineModule's arguments, not the config; so does "
                       "this engine, and the config's value has no effect there or here")
+    moved = _place_virtual_stages(model, cfg, optimizer)
     split, layout = _split_stages(model, cfg, ctx)
     topo = model.topology()
     dp = topo.get_dim("data")
@@ -96,6 +99,8 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
             groups = [dict(group) for group in optimizer.param_groups]
         else:
             groups = [{"params": params}] if params and not isinstance(params[0], dict) else params
+        if moved is not None and model_parameters is not None:  # re-placed: the script's parameters are the old ones
+            groups = _onto_the_replaced_layers(groups, moved, model)
         if split is not None:  # the script's parameters were swapped for the split ones: the same by name
             groups = remap_groups(groups, split.names_before, dict(model.named_parameters()))
         if split is not None and stage == 1:  # ZeroRedundancyOptimizer over dp, on the shards' shadows
@@ -129,6 +134,39 @@ def initialize_pipeline(args: Any, model: PipelineModule, optimizer: Any, model_
                             tuned_over_script=tuned_over_script, split=split.model if split else None,
                             layout=layout, loss_scaler=scaler, shadows=shadows)
     return engine, opt, engine.training_dataloader, scheduler
+
+
+def _place_virtual_stages(model: PipelineModule, cfg: DeepSpeedConfig, optimizer: Any) -> dict[int, str] | None:
+    """Under a schedule of several stages per rank: the module's layers re-placed over stages x
+    pipeline.stages_per_rank chunks (collective). Returns the trainable parameters' names by id
+    from before, or None where nothing moved."""
+    per_rank = stages_per_rank(cfg.pipeline.schedule, cfg.pipeline.stages_per_rank)
+    if per_rank == model.stages_per_rank:
+        return None
+    if cfg.tensor_parallel.size > 1 or model.topology().get_dim("model") > 1:
+        raise UnsupportedError(f"pipeline.schedule {cfg.pipeline.schedule}: several stages per rank beside tensor "
+                               "parallelism is not supported yet; use 1F1B or GPipe with autotp_size")
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedError(f"pipeline.schedule {cfg.pipeline.schedule}: the stages are re-placed at initialize, "
+                               "so an optimizer built on the module's parameters before it would step the old ones; "
+                               "pass the 'optimizer' section (or a callable taking the parameters) instead")
+    names = {id(param): name for name, param in model.named_parameters() if param.requires_grad}
+    model.place_virtual_stages(per_rank)
+    return names
+
+
+def _onto_the_replaced_layers(groups: list[dict], names_before: dict[int, str], model: PipelineModule) -> list[dict]:
+    """The script's parameter groups after its layers were re-placed: it passed the module's
+    trainable parameters (one group), and gets the re-placed module's; anything narrower (a
+    frozen subset, several groups) cannot be carried onto layers this rank did not hold, so it
+    is refused in one line."""
+    given = [param for group in groups for param in group["params"]]
+    if len(groups) != 1 or {names_before.get(id(p)) for p in given} != set(names_before.values()):
+        raise UnsupportedError("initialize(model_parameters=...): with several stages per rank the layers are "
+                               "re-placed, so model_parameters must be the module's trainable parameters in one "
+                               "group; pass them all (or leave model_parameters out)")
+    settings = {key: value for key, value in groups[0].items() if key != "params"}
+    return [{**settings, "params": [p for p in model.parameters() if p.requires_grad]}]
 
 
 def _data_group(topo: Any) -> Any:

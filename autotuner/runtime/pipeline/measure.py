@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autotuner.core.boundary import MeasurementRequest
+from autotuner.core.errors import UnsupportedError
 from autotuner.runtime.measure.measurement import PIPELINE_STAGES_KEY, BatchView, values_at
 from autotuner.runtime.measure.memory_probes import mark_uncaught_oom, optimizer_state_bytes
 from autotuner.runtime.measure.metrics import peak_memory_bytes
@@ -129,6 +130,9 @@ class PipelineMeasurement:
     train_batch()."""
 
     def __init__(self, engine: Any, request: MeasurementRequest, tuned_over_script: tuple[str, ...]):
+        if engine.module.stages_per_rank > 1:  # the probe watches the module's forward, one stage per rank
+            raise UnsupportedError(f"pipeline.schedule {engine.config.pipeline.schedule}: a tuner's launch measures "
+                                   "one stage per rank; tune with 1F1B or GPipe, then train with this schedule")
         self.device = engine.device
         self.window = ProfileWindow(request.start_profile_step, request.end_profile_step, request.min_window_s,
                                     request.max_steps_per_window)

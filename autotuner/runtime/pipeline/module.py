@@ -156,20 +156,69 @@ class PipelineModule(nn.Module):
         if empty:
             raise ConfigError(f"PipelineModule(partition_method={partition_method!r}): stage {empty[0]} gets no layer "
                               f"(boundaries {self.parts}); use fewer stages or another partition_method")
-        self._local_start, self._local_stop = self.parts[self.stage_id], self.parts[self.stage_id + 1]
-        self.tied_modules = nn.ModuleDict()
+        self.stages_per_rank = 1  # virtual stages this rank runs (place_virtual_stages)
         self._autocast_dtype: torch.dtype | None = None  # the engine's bf16 (compute_in)
+        self._place()
+
+    def _place(self) -> None:
+        """Build this rank's layers for the current parts: its stage's, or with virtual stages the
+        chunks stage_id, stage_id + pp, ... (torch's looped placement), then tie and broadcast."""
+        self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self.forward_funcs: list[Callable] = []
-        self._build()
+        self.local_stages = [self.stage_id + i * self.num_stages for i in range(self.stages_per_rank)]
+        self.chunk_funcs: list[list[Callable]] = []
+        self.chunk_modules: list[list[nn.Module]] = []
+        for virtual in self.local_stages:
+            funcs, modules = self._build(self.parts[virtual], self.parts[virtual + 1])
+            self.chunk_funcs.append(funcs)
+            self.chunk_modules.append(modules)
+        self.forward_funcs: list[Callable] = [f for funcs in self.chunk_funcs for f in funcs]
+        self._local_layers = {i for v in self.local_stages for i in range(self.parts[v], self.parts[v + 1])}
         device = self.ctx.device if self.ctx is not None else _device_of_group()
         self.to(device)
         self.tied_comms = self._tie_groups()
         self._broadcast_tied_weights()
 
+    def place_virtual_stages(self, per_rank: int) -> None:
+        """Split the layers into stages x `per_rank` virtual stages by the module's partition_method,
+        rank r running chunks r, r + stages, ... (what torch's interleaved and looped schedules
+        take), and rebuild this rank's layers for them (collective: the ties are regrouped). Layer
+        specs are built again (with seed_layers, each from its index's seed: the same weights),
+        modules the script passed are reused."""
+        if per_rank == self.stages_per_rank:
+            return
+        total = self.num_stages * per_rank
+        if total > len(self.layer_specs):
+            raise ConfigError(f"pipeline.stages_per_rank {per_rank}: {self.num_stages} stages x {per_rank} chunks for "
+                              f"{len(self.layer_specs)} layers; a chunk needs at least one layer")
+        parts = parts_for(self.partition_method, [_layer_name(layer) for layer in self.layer_specs],
+                          [_trainable_count(layer) for layer in self.layer_specs], total)
+        empty = [s for s in range(total) if parts[s] == parts[s + 1]]
+        if empty:
+            raise ConfigError(f"pipeline.stages_per_rank {per_rank}: virtual stage {empty[0]} gets no layer "
+                              f"(boundaries {parts}) under partition_method {self.partition_method!r}; use fewer")
+        for index in range(len(self.layer_specs)):
+            if str(index) in self._modules:
+                del self._modules[str(index)]
+        self.parts, self.stages_per_rank = parts, per_rank
+        self._place()
+
+    def chunks(self) -> list[tuple[int, nn.Module]]:
+        """(virtual stage index, the module that runs it) for each chunk on this rank, in order. The
+        chunk modules are not registered here, so parameter names stay by global layer index."""
+        return [(virtual, _Chunk(self, funcs, modules))
+                for virtual, funcs, modules in zip(self.local_stages, self.chunk_funcs, self.chunk_modules)]
+
+    def holds_layer(self, index: int) -> bool:
+        return index in self._local_layers
+
     # ----- building this stage -----
-    def _build(self) -> None:
-        for index in range(self._local_start, self._local_stop):
+    def _build(self, start: int, stop: int) -> tuple[list[Callable], list[nn.Module]]:
+        """Layers start..stop of this rank: their forward functions, and the modules holding
+        their parameters (a tied one once per chunk)."""
+        funcs: list[Callable] = []
+        modules: list[nn.Module] = []
+        for index in range(start, stop):
             layer = self.layer_specs[index]
             if self.seed_layers:
                 _seed(self.base_seed + index, self.seed_fn)
@@ -178,23 +227,32 @@ class PipelineModule(nn.Module):
                                   "(nor by DeepSpeed); give its layers instead")
             if isinstance(layer, nn.Module):
                 self.add_module(str(index), layer)
-                self.forward_funcs.append(layer)
+                funcs.append(layer)
+                modules.append(layer)
             elif isinstance(layer, TiedLayerSpec):
                 if layer.key not in self.tied_modules:
                     self.tied_modules[layer.key] = layer.build()
                     self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
+                elif not any(m is self.tied_modules[layer.key] for m in modules):
+                    # Each chunk's PipelineStage scales its own parameters' gradients: one weight in two
+                    # chunks of a rank would be scaled twice.
+                    raise ConfigError(f"TiedLayerSpec {layer.key!r}: used by two chunks on one rank under "
+                                      f"pipeline.stages_per_rank {self.stages_per_rank}; not supported yet, use fewer")
                 module = self.tied_modules[layer.key]
-                self.forward_funcs.append(module if layer.forward_fn is None else
-                                          functools.partial(layer.forward_fn, module))
+                funcs.append(module if layer.forward_fn is None else functools.partial(layer.forward_fn, module))
+                if not any(m is module for m in modules):
+                    modules.append(module)
             elif isinstance(layer, LayerSpec):
                 module = layer.build()
                 self.add_module(str(index), module)
-                self.forward_funcs.append(module)
+                funcs.append(module)
+                modules.append(module)
             elif callable(layer):
-                self.forward_funcs.append(layer)
+                funcs.append(layer)
             else:
                 raise ConfigError(f"PipelineModule(layers=...): layer {index} is a {type(layer).__name__}; expected "
                                   "a module, a LayerSpec or a callable")
+        return funcs, modules
 
     def _tie_groups(self) -> dict[str, dict[str, Any]]:
         """For each tied key held by more than one stage, one group per pipeline (same data-parallel
@@ -202,7 +260,7 @@ class PipelineModule(nn.Module):
         owners: dict[str, list[int]] = {}
         for index, layer in enumerate(self.layer_specs):
             if isinstance(layer, TiedLayerSpec):
-                stage = next(s for s in range(self.num_stages) if self.parts[s] <= index < self.parts[s + 1])
+                stage = self.stage_owner(index)
                 owners.setdefault(layer.key, [])
                 if stage not in owners[layer.key]:
                     owners[layer.key].append(stage)
@@ -270,9 +328,11 @@ class PipelineModule(nn.Module):
         return list(self.parts)
 
     def stage_owner(self, layer_idx: int) -> int:
+        """The pipeline rank (stage) that holds the layer; with virtual stages, the rank of its chunk."""
         if not 0 <= layer_idx < len(self.layer_specs):
             raise RuntimeError(f"Layer {layer_idx} out of index range.")
-        return next(s for s in range(self.num_stages) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        virtual = next(s for s in range(len(self.parts) - 1) if self.parts[s] <= layer_idx < self.parts[s + 1])
+        return virtual % self.num_stages
 
     def set_checkpoint_interval(self, interval: int) -> None:
         if interval < 0:
@@ -291,22 +351,27 @@ class PipelineModule(nn.Module):
     def forward(self, *inputs: Any) -> Any:
         """This stage's layers in order. One input is passed on as it is (a tensor or a tuple); the
         schedule hands a stage what the one before sent as separate tensors, made one tuple again."""
+        return self.run_layers(self.forward_funcs, *inputs)
+
+    def run_layers(self, functions: list[Callable], *inputs: Any) -> Any:
+        """`functions` (this rank's layers, or one chunk's) under the engine's autocast and the
+        activation checkpoint interval."""
         dtype = self._autocast_dtype
         if dtype is None:
-            return self._forward(*inputs)
+            return self._forward(functions, *inputs)
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
         with torch.autocast(device.type, dtype=dtype):
-            return self._forward(*inputs)
+            return self._forward(functions, *inputs)
 
-    def _forward(self, *inputs: Any) -> Any:
+    def _forward(self, functions: list[Callable], *inputs: Any) -> Any:
         x = inputs[0] if len(inputs) == 1 else tuple(inputs)
         interval = self.activation_checkpoint_interval
         if interval == 0 or not self.training:
-            for function in self.forward_funcs:
+            for function in functions:
                 x = function(x)
             return x
-        for start in range(0, len(self.forward_funcs), interval):
-            chunk = self.forward_funcs[start:start + interval]
+        for start in range(0, len(functions), interval):
+            chunk = functions[start:start + interval]
             run = functools.partial(_run_chunk, chunk)
             args = x if isinstance(x, tuple) else (x,)
             if self._checkpointable(chunk):
@@ -323,6 +388,21 @@ class PipelineModule(nn.Module):
         if self.checkpointable_layers is not None:
             return any(type(m).__name__ in self.checkpointable_layers for m in modules)
         return any(next(m.parameters(), None) is not None for m in modules)
+
+
+class _Chunk(nn.Module):
+    """One virtual stage of a rank: its layers' modules (for its PipelineStage's parameters and
+    gradient scaling) and forward through the owning module's autocast and checkpointing."""
+
+    def __init__(self, owner: PipelineModule, functions: list[Callable], modules: list[nn.Module]):
+        super().__init__()
+        self._owner = (owner,)  # a tuple: not registered, so the owner stays the one root
+        self._functions = functions
+        self.layers = nn.ModuleList(modules)
+
+    def forward(self, *inputs: Any) -> Any:
+        # (train() and eval() reach the owner and the layers, which both are children of the root)
+        return self._owner[0].run_layers(self._functions, *inputs)
 
 
 def _run_chunk(chunk: list[Callable], *args: Any) -> Any:
