@@ -74,6 +74,16 @@ def wait_for(condition, timeout: float, what: str, proc: subprocess.Popen | None
         time.sleep(0.2)
 
 
+def launched_again(exps_dir: Path) -> int:
+    """Launches repeated because another process disturbed them (the tuner keeps the first as
+    <name>_disturbed beside the repeat): each started its ranks too. Load beside the suite can
+    cause them; a test counting launches adds these."""
+    from autotuner.tuning.trials.evaluator import DISTURBED_TAG
+
+    return sum(1 for path in exps_dir.iterdir() if path.is_dir() and path.name.endswith(DISTURBED_TAG)) \
+        if exps_dir.is_dir() else 0
+
+
 def assert_pids_dead(pid_dir: Path, expected: int | None = None, grace_s: float = 3.0) -> None:
     """Every rank that wrote `<pid>.pid` has ended. Ranks run in sessions of their own, so an
     orphaned one would not show up as our descendant: check the pids themselves."""
