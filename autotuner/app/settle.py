@@ -232,11 +232,14 @@ def settle(request: TuneRequest) -> SettledJob:
         check_tensor_parallel_tune(config, engine, source)
     if any(l.pipeline for l in layouts):
         check_pipeline_tune(config, engine, source)
-    if runs_several_stages(config.pipeline.schedule):
+    chunks = config.pipeline.stages_per_rank
+    if runs_several_stages(config.pipeline.schedule) or (chunks or 1) > 1:
         # (the ranks refuse it too: their measurement reads one stage per rank)
-        raise ConfigError(f"{source}: pipeline.schedule {config.pipeline.schedule}: a tune measures and costs one "
-                          "stage per rank (its memory model holds 1F1B's and GPipe's micro-batches in flight); "
-                          "tune with 1F1B or GPipe, then train with this schedule")
+        what = (f"pipeline.schedule {config.pipeline.schedule}" if runs_several_stages(config.pipeline.schedule)
+                else f"pipeline.stages_per_rank {chunks}")
+        raise ConfigError(f"{source}: {what}: a tune measures and costs one stage per rank (its memory model holds "
+                          "1F1B's and GPipe's micro-batches in flight); tune with 1F1B or GPipe, then train with "
+                          "this schedule")
     # The search space, built once for the run from the device facts read once (the engine's own
     # dimensions are swapped in after the profile where only its ranks can tell the engine).
     devices = read_device_facts()

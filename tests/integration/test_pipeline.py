@@ -326,6 +326,8 @@ def test_what_a_pipeline_tune_cannot_run_is_refused_before_any_launch(tmp_path):
                         "ZeRO 2 and 3 are not supported with pipeline parallelism"),
         "several_stages_a_rank": ({"pipeline": {"stages": "auto", "schedule": "Interleaved1F1B"}}, {},
                                   "pipeline.schedule Interleaved1F1B: a tune measures and costs one stage per rank"),
+        "chunks_given": ({"pipeline": {"stages": "auto", "stages_per_rank": 2}}, {},
+                         "pipeline.stages_per_rank 2: a tune measures and costs one stage per rank"),
     }
     for name, (config, autotuning, message) in cases.items():
         done, said = tune(tmp_path / name, 2, "tune", expect=2, autotuning=autotuning, train_batch_size=8, **config)
