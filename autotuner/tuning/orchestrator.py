@@ -16,6 +16,7 @@ from autotuner.tuning.models.memory_book import MemoryBook
 from autotuner.tuning.profiling.job import ProfiledJob, TuningJob
 from autotuner.tuning.profiling.phase import ProfilePhase, record_pruned
 from autotuner.tuning.reports.outcome import SearchRecord, TuningOutcome, write_outcome
+from autotuner.tuning.reports.layout_lines import kept_line
 from autotuner.tuning.reports.plan_table import PlanReport
 from autotuner.tuning.searches.plan_search import PlanModels, plan_rows, predicted_pick
 from autotuner.tuning.searches.degree_bound import bound_before_profile
@@ -71,24 +72,6 @@ def joined_predictions(outcomes: tuple[LayoutOutcome, ...]) -> PredictiveOutcome
         return None
     return PredictiveOutcome(tuple(r for p in found for r in p.results), tuple(c for p in found for c in p.at_launch),
                              tuple(c for p in found for c in p.final))
-
-
-def kept_line(layout: Layout, job: TuningJob, measured: list[TrialResult]) -> str:
-    """The summary's line for a layout searched: its best, and how its global batch was kept."""
-    dp, space = job.space.data_parallel_size, job.space
-    top = job.objective.best(measured)
-    line = f"layout: {layout.text()} x data parallel {dp}: kept, {len(measured)} measured"
-    if top is not None:
-        e = top.experiment
-        line += (f", best {top.name} {top.value:.4g} {job.objective.unit} (global batch {e.train_batch_size(dp)} = "
-                 f"micro-batch {e.micro_batch_size} x gas {e.gradient_accumulation_steps} x {dp})")
-    if layout.pipeline and any(stage >= 2 for stage in job.config.zero_optimization.stages):
-        line += "; ZeRO 2 and 3 not searched here (the pipeline engine refuses them, as DeepSpeed's does)"
-    if space.global_batch_size is not None:
-        kind = "train_batch_size" if space.global_batch_exact else "max_train_batch_size"
-        line += (f"; {kind} {space.global_batch_size} holds at this layout: micro-batch x gas make up for the "
-                 f"data-parallel size, and sizes that cannot are not candidates")
-    return line
 
 
 def follow_the_launch(built: str) -> str:
@@ -355,7 +338,8 @@ class Autotuner:
         else:
             run_search(job.space, job.policy, largest, evaluator, prune, memory.fits, memory.offload_fallback,
                        self.report)
-        line = kept_line(layout, job, [r for r in own.results() if r.value is not None]) if searching else None
+        line = kept_line(layout, job.space, job.objective, job.config.zero_optimization.stages,
+                         [r for r in own.results() if r.value is not None]) if searching else None
         return LayoutOutcome(layout, searched, largest, line, predicted)
 
     def _fixed_layout_lines(self, job: TuningJob) -> tuple[str, ...]:

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from autotuner.core.errors import ConfigError
 from autotuner.runtime.distributed import init_distributed
+from autotuner.runtime.pipeline.chunks import Chunk, run_chunk
 from autotuner.runtime.pipeline.partition import parts_for
 from autotuner.runtime.pipeline.topology import PipeDataParallelTopology, PipeModelDataParallelTopology, ProcessTopology
 
@@ -150,12 +151,8 @@ class PipelineModule(nn.Module):
         self.checkpointable_layers = checkpointable_layers
         self.dynamic_shape = dynamic_shape
         self.partition_method = partition_method
-        self.parts = parts_for(partition_method, [_layer_name(layer) for layer in self.layer_specs],
-                               [_trainable_count(layer) for layer in self.layer_specs], self.num_stages)
-        empty = [s for s in range(self.num_stages) if self.parts[s] == self.parts[s + 1]]
-        if empty:
-            raise ConfigError(f"PipelineModule(partition_method={partition_method!r}): stage {empty[0]} gets no layer "
-                              f"(boundaries {self.parts}); use fewer stages or another partition_method")
+        self.parts = self._split(self.num_stages, f"PipelineModule(partition_method={partition_method!r}): stage",
+                                 "use fewer stages or another partition_method")
         self.stages_per_rank = 1  # virtual stages this rank runs (place_virtual_stages)
         self._autocast_dtype: torch.dtype | None = None  # the engine's bf16 (compute_in)
         self._place()
@@ -191,22 +188,28 @@ class PipelineModule(nn.Module):
         if total > len(self.layer_specs):
             raise ConfigError(f"pipeline.stages_per_rank {per_rank}: {self.num_stages} stages x {per_rank} chunks for "
                               f"{len(self.layer_specs)} layers; a chunk needs at least one layer")
-        parts = parts_for(self.partition_method, [_layer_name(layer) for layer in self.layer_specs],
-                          [_trainable_count(layer) for layer in self.layer_specs], total)
-        empty = [s for s in range(total) if parts[s] == parts[s + 1]]
-        if empty:
-            raise ConfigError(f"pipeline.stages_per_rank {per_rank}: virtual stage {empty[0]} gets no layer "
-                              f"(boundaries {parts}) under partition_method {self.partition_method!r}; use fewer")
+        parts = self._split(total, f"pipeline.stages_per_rank {per_rank}: virtual stage",
+                            f"use fewer (partition_method {self.partition_method!r})")
         for index in range(len(self.layer_specs)):
             if str(index) in self._modules:
                 del self._modules[str(index)]
         self.parts, self.stages_per_rank = parts, per_rank
         self._place()
 
+    def _split(self, count: int, what: str, remedy: str) -> list[int]:
+        """The layers' boundaries over `count` stages by the partition method; a stage left
+        without a layer refused in one line (`what` names it, `remedy` says what to do)."""
+        parts = parts_for(self.partition_method, [_layer_name(layer) for layer in self.layer_specs],
+                          [_trainable_count(layer) for layer in self.layer_specs], count)
+        empty = [s for s in range(count) if parts[s] == parts[s + 1]]
+        if empty:
+            raise ConfigError(f"{what} {empty[0]} gets no layer (boundaries {parts}); {remedy}")
+        return parts
+
     def chunks(self) -> list[tuple[int, nn.Module]]:
         """(virtual stage index, the module that runs it) for each chunk on this rank, in order. The
         chunk modules are not registered here, so parameter names stay by global layer index."""
-        return [(virtual, _Chunk(self, funcs, modules))
+        return [(virtual, Chunk(self, funcs, modules))
                 for virtual, funcs, modules in zip(self.local_stages, self.chunk_funcs, self.chunk_modules)]
 
     def holds_layer(self, index: int) -> bool:
@@ -372,7 +375,7 @@ class PipelineModule(nn.Module):
             return x
         for start in range(0, len(functions), interval):
             chunk = functions[start:start + interval]
-            run = functools.partial(_run_chunk, chunk)
+            run = functools.partial(run_chunk, chunk)
             args = x if isinstance(x, tuple) else (x,)
             if self._checkpointable(chunk):
                 x = (self.activation_checkpoint_func or functools.partial(torch_checkpoint, use_reentrant=False))(
@@ -388,28 +391,6 @@ class PipelineModule(nn.Module):
         if self.checkpointable_layers is not None:
             return any(type(m).__name__ in self.checkpointable_layers for m in modules)
         return any(next(m.parameters(), None) is not None for m in modules)
-
-
-class _Chunk(nn.Module):
-    """One virtual stage of a rank: its layers' modules (for its PipelineStage's parameters and
-    gradient scaling) and forward through the owning module's autocast and checkpointing."""
-
-    def __init__(self, owner: PipelineModule, functions: list[Callable], modules: list[nn.Module]):
-        super().__init__()
-        self._owner = (owner,)  # a tuple: not registered, so the owner stays the one root
-        self._functions = functions
-        self.layers = nn.ModuleList(modules)
-
-    def forward(self, *inputs: Any) -> Any:
-        # (train() and eval() reach the owner and the layers, which both are children of the root)
-        return self._owner[0].run_layers(self._functions, *inputs)
-
-
-def _run_chunk(chunk: list[Callable], *args: Any) -> Any:
-    x = args[0] if len(args) == 1 else args
-    for function in chunk:
-        x = function(x)
-    return x
 
 
 def _device_of_group() -> torch.device:
