@@ -1,5 +1,5 @@
 """A pipeline's per-stage peak memory, measured and predicted, at 2 stages on 4 CPU ranks, under
-1F1B and GPipe (issue 79).
+1F1B, GPipe and Interleaved1F1B (2 virtual stages a rank) (issue 79).
 
     python benchmarks/pipeline_memory.py [--dim 256] [--blocks 8] [--seq 256] [--csv pipeline_memory.csv]
 
@@ -7,8 +7,8 @@ For each schedule, one real tune of tests/workers/pipe_gpt_train.py (a GPT-style
 with a tied embedding and head, sequences long enough for activations to matter) at
 `pipeline.stages` 2 (2 stages x 2 data parallel), ZeRO 0, a global batch of 32, micro-batches 1,
 2, 4 and 8 (gridsearch): so gas runs 16 down to 2 and the micro-batches in flight differ by
-schedule (1F1B holds up to 2 on stage 0, GPipe all of them). Each launch's row: the memory model's prediction
-before it (the heaviest stage's; tuning/memory/pipeline_stages.py), the measured peak (the
+schedule (1F1B holds up to 2 on stage 0, GPipe all of them, Interleaved1F1B the chunk forwards
+of torch's warm-up). Each launch's row: the memory model's prediction before it (the heaviest stage's; tuning/memory/pipeline_stages.py), the measured peak (the
 largest over the ranks: on a CPU each rank's resident-set high-water mark), the error, and each
 stage's measured peak (the largest over its replicas). The profile launches are predicted by
 nothing and are left out of the error. Memory is the point here: 4 ranks on 2 cores say
@@ -71,10 +71,11 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--csv", default="pipeline_memory.csv")
+    parser.add_argument("--schedules", default="1F1B,GPipe,Interleaved1F1B")
     args = parser.parse_args()
     print(f"load average at the start: {os.getloadavg()[0]:.2f} (2 cores; 4 ranks)")
     rows = []
-    for schedule in ("1F1B", "GPipe"):
+    for schedule in args.schedules.split(","):
         with tempfile.TemporaryDirectory() as directory:
             rows += tune(schedule, args.dim, args.blocks, args.seq, Path(directory))
     fields = list(rows[0])

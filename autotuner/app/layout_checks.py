@@ -19,6 +19,7 @@ from autotuner.app.engines import EngineChoice
 from autotuner.app.tensor_parallel_checks import at_degree, check_layout_tune, settled_degrees
 from autotuner.config.batch import check_fixed_triad
 from autotuner.config.models import DeepSpeedConfig
+from autotuner.config.pipeline import DEFAULT_STAGES_PER_RANK, runs_several_stages
 from autotuner.core.errors import ConfigError
 from autotuner.tuning.space.layout import PIPELINE_KEY, Layout
 from autotuner.tuning.space.search_space import SearchSpace
@@ -51,17 +52,49 @@ def pipeline_searched(config: DeepSpeedConfig) -> bool:
     return pipeline_set_by_tune(config) and not isinstance(config.pipeline.stages, int)
 
 
+def settled_chunks(config: DeepSpeedConfig, source: str) -> tuple[int, ...]:
+    """The virtual stages per rank a pipeline layout runs (0: one stage per rank): the config's
+    count under a schedule of several, and under `schedule: "auto"` one stage per rank (1F1B)
+    and the count (2 where left out) under Interleaved1F1B, each a layout of its own."""
+    pipeline = config.pipeline
+    given = pipeline.stages_per_rank or DEFAULT_STAGES_PER_RANK
+    if pipeline.schedule == "auto":
+        if not pipeline_set_by_tune(config):
+            raise ConfigError(f"{source}: pipeline.schedule \"auto\": a tune searches the schedule with the stages, "
+                              f"which reach the script through its flag: map {PIPELINE_KEY} to it in "
+                              "autotuning.arg_mappings, or name a schedule")
+        if given < 2:
+            raise ConfigError(f"{source}: pipeline.stages_per_rank {given}: \"auto\" searches 1F1B against "
+                              "Interleaved1F1B at this many stages per rank; give 2 or more, or leave it out (2)")
+        return 0, given
+    if pipeline.schedule.lower() == "interleavedzerobubble":
+        raise ConfigError(f"{source}: pipeline.schedule {pipeline.schedule}: a tune's memory model does not cost its "
+                          "deferred weight gradients; tune with Interleaved1F1B (or \"auto\"), then train with "
+                          "this schedule")
+    if runs_several_stages(pipeline.schedule):
+        return (given,)
+    if pipeline.stages_per_rank not in (None, 1):  # (the ranks refuse it too, after a launch)
+        raise ConfigError(f"{source}: pipeline.stages_per_rank {pipeline.stages_per_rank}: schedule "
+                          f"{pipeline.schedule!r} runs one stage per rank; name a schedule of several "
+                          "(Interleaved1F1B, LoopedBFS), or \"auto\", or leave it out")
+    return (0,)
+
+
 def settled_layouts(config: DeepSpeedConfig, world_size: int, ranks_per_node: int,
                     source: str) -> tuple[tuple[Layout, ...], bool]:
     """The layouts the tune runs and whether it searches them (several, or a search asked for):
-    each tensor-parallel degree with each pipeline stage count, in that order (the degree inner)."""
+    each tensor-parallel degree with each pipeline stage count and stages per rank, in that order
+    (the degree inner)."""
     degrees = settled_degrees(config, world_size, ranks_per_node, source)
     tp_searched = config.tensor_parallel.searched
     stages = settled_stages(config, world_size, source) or (0,)
+    chunks = settled_chunks(config, source)
     if not tp_searched:
         degrees = tuple(d if d > 1 else 0 for d in degrees)  # a degree of 1 not searched: the config's layout
-    layouts = tuple(Layout(tp, pp) for pp, tp in product(stages, degrees))
-    return layouts, tp_searched or pipeline_searched(config)
+    # (one stage on a single pipeline rank: a schedule of several has nothing to interleave there)
+    layouts = tuple(dict.fromkeys(Layout(tp, pp, v if pp > 1 else 0)
+                                  for pp, v, tp in product(stages, chunks, degrees)))
+    return layouts, tp_searched or pipeline_searched(config) or len(chunks) > 1
 
 
 def check_pipeline_tune(config: DeepSpeedConfig, engine: EngineChoice, source: str) -> None:
@@ -114,7 +147,7 @@ def kept_layouts(config: DeepSpeedConfig, space: SearchSpace, layouts: tuple[Lay
     if not any(layout.pipeline for layout in kept):
         say(f"tensor parallel: searching degrees {', '.join(str(l.tensor_parallel) for l in kept)} (each profiled at "
             f"its own degree, data-parallel size {sizes})")
-    elif not any(layout.tensor_parallel for layout in kept):
+    elif not any(layout.tensor_parallel or layout.stages_per_rank for layout in kept):
         say(f"pipeline: searching stages {', '.join(str(l.pipeline) for l in kept)} (each profiled at its own layout, "
             f"data-parallel size {sizes})")
     else:

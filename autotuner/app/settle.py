@@ -39,7 +39,6 @@ from autotuner.config.loader import config_label, read_config_file
 from autotuner.config.trainer_auto import passed_through_note, refuse_trainer_autos
 from autotuner.app.trainer_checks import check_trainer_mappings, check_trainer_step_counts, script_max_steps
 from autotuner.app.layout_checks import check_pipeline_tune, kept_layouts, settled_layouts
-from autotuner.config.pipeline import runs_several_stages
 from autotuner.app.tensor_parallel_checks import check_tensor_parallel_tune
 from autotuner.tuning.space.layout import Layout
 from autotuner.core.errors import ConfigError, UsageError
@@ -232,14 +231,6 @@ def settle(request: TuneRequest) -> SettledJob:
         check_tensor_parallel_tune(config, engine, source)
     if any(l.pipeline for l in layouts):
         check_pipeline_tune(config, engine, source)
-    chunks = config.pipeline.stages_per_rank
-    if runs_several_stages(config.pipeline.schedule) or (chunks or 1) > 1:
-        # (the ranks refuse it too: their measurement reads one stage per rank)
-        what = (f"pipeline.schedule {config.pipeline.schedule}" if runs_several_stages(config.pipeline.schedule)
-                else f"pipeline.stages_per_rank {chunks}")
-        raise ConfigError(f"{source}: {what}: a tune measures and costs one stage per rank (its memory model holds "
-                          "1F1B's and GPipe's micro-batches in flight); tune with 1F1B or GPipe, then train with "
-                          "this schedule")
     # The search space, built once for the run from the device facts read once (the engine's own
     # dimensions are swapped in after the profile where only its ranks can tell the engine).
     devices = read_device_facts()

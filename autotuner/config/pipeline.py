@@ -22,6 +22,7 @@ from autotuner.config.base import NonNegativeInt, PositiveInt, Section
 # torch's schedule names (runtime/pipeline/schedules.py maps them to its classes).
 ONE_STAGE_SCHEDULES = ("1F1B", "GPipe")
 SEVERAL_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+DEFAULT_STAGES_PER_RANK = 2  # for a schedule of several stages per rank, where the config leaves it
 
 
 def runs_several_stages(schedule: str) -> bool:
@@ -47,7 +48,8 @@ class PipelineConfig(Section):
                                                   "(torch's non-reentrant checkpoint runs here)")
     schedule: str = Field("1F1B", description='torch\'s pipeline schedule: "1F1B" (DeepSpeed\'s) or "GPipe" (one stage '
                                             'per rank); "Interleaved1F1B", "LoopedBFS" or "InterleavedZeroBubble" '
-                                            '(several: stages_per_rank)')
+                                            '(several: stages_per_rank); "auto" in a tune: 1F1B against '
+                                            'Interleaved1F1B')
     stages_per_rank: PositiveInt | None = Field(
         None, description="ours (Megatron's virtual pipeline size): the chunks each rank runs under a schedule of "
                           "several stages per rank (2 where left out); 1 for 1F1B and GPipe")

@@ -334,9 +334,11 @@ class ModelInfo:
     # A pipeline's launch (its stages 1 without one): per stage, the parameters its ranks hold (a
     # tied weight on each stage that holds it) and the bytes its first micro-batch saved for
     # backward (the largest over the stage's replicas); each rank's stage, in rank order; the
-    # schedule that ran. The memory model costs each stage apart: the heaviest decides the fit.
+    # schedule that ran, and the virtual stages each rank ran under it (a stage's figures then
+    # cover all of its rank's chunks). The memory model costs each stage apart: the heaviest decides.
     pipeline_stages: int = 1
     pipeline_schedule: str = ""
+    pipeline_stages_per_rank: int = 1
     stage_num_params: tuple[int, ...] = ()
     stage_split_num_params: tuple[int, ...] = ()  # of those, the ones tensor parallelism split (whole counts)
     stage_activation_bytes: tuple[int, ...] = ()

@@ -317,6 +317,54 @@ def test_a_memory_bound_tune_leaves_out_the_stages_that_do_not_fit_and_picks_two
     assert table[table["chosen"]].iloc[0]["pp"] == 2
 
 
+def test_a_schedule_auto_tune_runs_1f1b_and_interleaved_1f1b_each_at_its_own_layout_and_writes_the_pick(tmp_path):
+    # 4 ranks, stages [2], schedule "auto": pipeline 2 under 1F1B, and under Interleaved1F1B over 2
+    # virtual stages a rank (the chunks re-place the layers, so it is a layout of its own, profiled
+    # apart). The interleaved profile measures all of a rank's chunks; the pick's schedule is written.
+    from conftest import experiments_table
+
+    _, said = tune(tmp_path, 4, "tune", "--dim", "128", train_batch_size=32, zero_optimization={"stage": 0},
+                   pipeline={"stages": [2], "schedule": "auto"}, autotuning={"max_train_micro_batch_size_per_gpu": 8})
+    assert "layouts: searching pipeline 2, pipeline 2 (2 stages per rank) (each profiled at its own layout" in said
+    table = experiments_table(tmp_path / "autotuning_results")
+    assert set(table["state"]) <= {"ok", "pruned"}, table[SHOWN]
+    ran = table[table["state"] == "ok"]
+    assert {"z0_pp2_gas8_mbs2", "z0_pp2v2_gas8_mbs2"} <= set(ran["name"]), table[SHOWN]
+    assert set(ran[ran["name"].str.contains("_pp2v2_")]["stages_per_rank"]) == {2}
+    exps = tmp_path / "autotuning_exps"
+    plain, chunked = (json.loads((exps / name / "model_info.json").read_text())
+                      for name in ("z0_pp2_gas8_mbs2", "z0_pp2v2_gas8_mbs2"))
+    assert (plain["pipeline_schedule"], plain["pipeline_stages_per_rank"]) == ("1F1B", 1)
+    assert (chunked["pipeline_schedule"], chunked["pipeline_stages_per_rank"]) == ("Interleaved1F1B", 2)
+    # The same layers over the same ranks (embedding and 2 blocks against blocks 0 and 2 and the
+    # embedding, by parameters): each rank's chunks together hold and save what its stage does.
+    assert sum(chunked["stage_num_params"]) == sum(plain["stage_num_params"])
+    assert sum(chunked["stage_activation_bytes"]) == sum(plain["stage_activation_bytes"]) > 0
+    assert "layout: pipeline 2 (2 stages per rank) x data parallel 2:" in said
+    best = table[table["chosen"]].iloc[0]
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())["pipeline"]
+    expected = ("Interleaved1F1B", 2) if "_pp2v2_" in best["name"] else ("1F1B", None)
+    assert (optimal["schedule"], optimal.get("stages_per_rank")) == expected, (best["name"], optimal)
+
+
+def test_an_interleaved_tune_predicts_each_stages_memory_over_its_chunks_and_trains_the_pick(tmp_path):
+    # Interleaved1F1B fixed: the layout searched at 2 chunks a rank, the memory model holding torch's
+    # interleaved warm-up (2.5 micro-batches' worth on stage 0 at 4 micro-batches); the pick trains.
+    from conftest import experiments_table
+
+    _, said = tune(tmp_path, 4, "run", "--dim", "128", "--steps", "4", train_batch_size=32,
+                   zero_optimization={"stage": 0}, pipeline={"stages": [2], "schedule": "Interleaved1F1B"},
+                   autotuning={"max_train_micro_batch_size_per_gpu": 8})
+    table = experiments_table(tmp_path / "autotuning_results")
+    ran = table[table["state"] == "ok"]
+    assert len(ran) >= 3 and all("_pp2v2_" in name for name in ran["name"]), table[SHOWN]
+    predicted = ran.dropna(subset=["memory_error_pct"])
+    assert len(predicted) >= 1 and (predicted["memory_error_pct"].abs() < 10).all(), table[SHOWN]
+    optimal = json.loads((tmp_path / "autotuning_results" / "ds_config_optimal.json").read_text())["pipeline"]
+    assert (optimal["schedule"], optimal["stages_per_rank"], optimal["stages"]) == ("Interleaved1F1B", 2, 2)
+    assert len(losses(tmp_path)) == 4, said[-2000:]
+
+
 def test_what_a_pipeline_tune_cannot_run_is_refused_before_any_launch(tmp_path):
     cases = {
         "list_unmapped": ({"pipeline": {"stages": [1, 2]}}, {"arg_mappings": {}},
@@ -325,10 +373,12 @@ def test_what_a_pipeline_tune_cannot_run_is_refused_before_any_launch(tmp_path):
                          "pipeline.stages: 3 in [3] does not divide the number of ranks (2)"),
         "zero_3_only": ({"zero_optimization": {"stage": 3}}, {},
                         "ZeRO 2 and 3 are not supported with pipeline parallelism"),
-        "several_stages_a_rank": ({"pipeline": {"stages": "auto", "schedule": "Interleaved1F1B"}}, {},
-                                  "pipeline.schedule Interleaved1F1B: a tune measures and costs one stage per rank"),
-        "chunks_given": ({"pipeline": {"stages": "auto", "stages_per_rank": 2}}, {},
-                         "pipeline.stages_per_rank 2: a tune measures and costs one stage per rank"),
+        "zero_bubble": ({"pipeline": {"stages": "auto", "schedule": "InterleavedZeroBubble"}}, {},
+                        "pipeline.schedule InterleavedZeroBubble: a tune's memory model does not cost its deferred"),
+        "chunks_under_1f1b": ({"pipeline": {"stages": "auto", "stages_per_rank": 2}}, {},
+                              "pipeline.stages_per_rank 2: schedule '1F1B' runs one stage per rank"),
+        "auto_unmapped": ({"pipeline": {"schedule": "auto"}}, {"arg_mappings": {}},
+                          'pipeline.schedule "auto": a tune searches the schedule with the stages'),
     }
     for name, (config, autotuning, message) in cases.items():
         done, said = tune(tmp_path / name, 2, "tune", expect=2, autotuning=autotuning, train_batch_size=8, **config)

@@ -22,9 +22,11 @@ from autotuner.tuning.trials.trial import built_mismatch
 from fakes import experiment_settings
 
 
-def pipe_config(stages="auto", mapped=True, **top):
-    return load_config({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 16,
-                        "zero_optimization": {"stage": [0, 1, 2]}, "pipeline": {"stages": stages}, **top,
+def pipe_config(stages="auto", mapped=True, pipeline_extra=None, **top):
+    given = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": 16, "zero_optimization": {"stage": [0, 1, 2]}}
+    given.update(top)
+    given = {key: value for key, value in given.items() if value is not None}  # None: left out
+    return load_config({**given, "pipeline": {"stages": stages, **(pipeline_extra or {})},
                         "autotuning": {"enabled": True, "tuner_type": "gridsearch", "history": False,
                                        "max_train_micro_batch_size_per_gpu": 4,
                                        "arg_mappings": {"pipeline.stages": "-p"} if mapped else {}}})
@@ -93,6 +95,90 @@ def test_a_pipeline_keeps_zero_0_and_1_and_no_further_dimension():
     ("1F1B", 0, 4, 8, 4), ("1F1B", 3, 4, 8, 1), ("1F1B", 1, 4, 2, 2), ("GPipe", 3, 4, 8, 8), ("1F1B", 0, 2, 1, 1)])
 def test_the_micro_batches_in_flight_on_a_stage_follow_the_schedule(schedule, stage, stages, micro, held):
     assert in_flight(schedule, stage, stages, micro) == held
+
+
+def _torchs_peak_chunk_forwards(schedule_class, stages: int, per_rank: int, micro_batches: int, rank: int) -> int:
+    """The most chunk forwards awaiting their backward on `rank`, walked through torch's own action
+    list for the schedule (its rank-op builder, without process groups)."""
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    schedule = object.__new__(schedule_class)
+    schedule.pp_group_size, schedule.n_local_stages, schedule._n_microbatches = stages, per_rank, micro_batches
+    schedule._stages = [None] * per_rank
+    schedule.number_of_rounds = max(1, micro_batches // stages)
+    schedule.microbatches_per_round = micro_batches // schedule.number_of_rounds
+    held = peak = 0
+    for action in schedule._calculate_single_rank_operations(rank):
+        if action is not None and action.computation_type == _ComputationType.FORWARD:
+            held += 1
+        elif action is not None and action.computation_type == _ComputationType.FULL_BACKWARD:
+            held -= 1
+        peak = max(peak, held)
+    return peak
+
+
+@pytest.mark.parametrize("name", ["Interleaved1F1B", "LoopedBFS"])
+def test_the_chunk_forwards_in_flight_under_several_stages_a_rank_are_torchs_own(name):
+    # Every rank of 2 and 4 stages, 2 and 3 chunks a rank, 1 to 16 micro-batches in whole rounds:
+    # the memory model's count (micro-batches' worth, so times the chunks) against torch's schedule.
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleLoopedBFS
+
+    cls = {"Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS": ScheduleLoopedBFS}[name]
+    checked = 0
+    for stages in (2, 4):
+        for per_rank in (2, 3):
+            for micro in sorted({1, 2, stages, 2 * stages, 3 * stages, 4 * stages}):
+                if micro % max(1, micro // stages):
+                    continue
+                for rank in range(stages):
+                    torch_says = _torchs_peak_chunk_forwards(cls, stages, per_rank, micro, rank)
+                    assert in_flight(name, rank, stages, micro, per_rank) * per_rank == torch_says, \
+                        (stages, per_rank, micro, rank)
+                    checked += 1
+    assert checked == 68
+    # Interleaved holds more than 1F1B on the first stage (2.5 micro-batches' worth against 2 here).
+    assert in_flight("Interleaved1F1B", 0, 2, 4, 2) == 2.5 and in_flight("1F1B", 0, 2, 4) == 2
+
+
+def test_schedule_auto_searches_1f1b_and_interleaved_1f1b_as_layouts_of_their_own():
+    layouts, searched = settled_layouts(pipe_config([2], pipeline_extra={"schedule": "auto"}), 4, 4, "ds.json")
+    assert layouts == (Layout(0, 2), Layout(0, 2, 2)) and searched
+    layouts, _ = settled_layouts(pipe_config("auto", pipeline_extra={"schedule": "auto", "stages_per_rank": 3}),
+                                 4, 4, "ds.json")
+    # (one pipeline rank has nothing to interleave: pipeline 1 once)
+    assert layouts == (Layout(0, 1), Layout(0, 2), Layout(0, 2, 3), Layout(0, 4), Layout(0, 4, 3))
+    fixed, _ = settled_layouts(pipe_config([2], pipeline_extra={"schedule": "LoopedBFS"}), 4, 4, "ds.json")
+    assert fixed == (Layout(0, 2, 2),)
+    interleaved = Experiment(0, 2, 4, pipeline=2, stages_per_rank=2)
+    assert interleaved.name == "z0_pp2v2_gas4_mbs2" and interleaved.layout.text() == "pipeline 2 (2 stages per rank)"
+    written = interleaved.apply({"pipeline": {"stages": [2], "schedule": "auto"}}, 2)["pipeline"]
+    assert written == {"stages": 2, "schedule": "Interleaved1F1B", "stages_per_rank": 2}
+    assert Experiment(0, 2, 4, pipeline=2).apply({"pipeline": {"schedule": "auto"}}, 2)["pipeline"]["schedule"] == "1F1B"
+    assert ("pipeline.stages_per_rank", 2) in interleaved.tuned_values()
+    record = TrialResult(interleaved, TrialState.OK, 1.0)
+    assert TrialResult.from_json(record.to_json()).experiment == interleaved
+    # torch's Interleaved1F1B runs whole rounds only: gas 6 over 4 stages (rounds of 6 // 4 = 1) runs,
+    # gas 10 over 4 (2 rounds of 5) runs, gas 9 over 4 (2 rounds) cannot and is no candidate.
+    space = search_space(pipe_config([4], train_batch_size=None, gradient_accumulation_steps=9), 4)
+    assert space.at_layout(Layout(0, 4), 4).gas(1) == 9 and space.at_layout(Layout(0, 4, 2), 4).gas(1) is None
+
+
+@pytest.mark.parametrize("pipeline, mapped, message", [
+    ({"schedule": "auto"}, False, 'pipeline.schedule "auto": a tune searches the schedule with the stages'),
+    ({"schedule": "auto", "stages_per_rank": 1}, True, "pipeline.stages_per_rank 1: \"auto\" searches 1F1B against"),
+    ({"schedule": "InterleavedZeroBubble"}, True, "InterleavedZeroBubble: a tune's memory model does not cost"),
+    ({"stages_per_rank": 2}, True, "pipeline.stages_per_rank 2: schedule '1F1B' runs one stage per rank")])
+def test_what_a_tune_of_the_schedule_cannot_cost_is_refused_in_one_line(pipeline, mapped, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        settled_layouts(pipe_config("auto", mapped=mapped, pipeline_extra=pipeline), 4, 4, "ds.json")
+
+
+def test_the_step_time_model_counts_the_bubble_over_the_chunks():
+    from autotuner.tuning.models.cost_model import stage_steps
+
+    assert stage_steps(Experiment(0, 2, 8, pipeline=4)) == 8 + 3
+    assert stage_steps(Experiment(0, 2, 8, pipeline=4, stages_per_rank=2)) == 8 + 1.5
+    assert stage_steps(Experiment(0, 2, 8)) == 8
 
 
 def test_the_memory_model_costs_each_stage_and_the_heaviest_decides():

@@ -30,6 +30,7 @@ def measurement_request(config: DeepSpeedConfig) -> MeasurementRequest | None:
 
 
 PIPELINE_STAGES_KEY = "pipeline.stages"
+STAGES_PER_RANK_KEY = "pipeline.stages_per_rank"
 
 # Read from the Measurement's own fields (stage, micro-batch, gas), not from `built`.
 TRIAD_KEYS = ("zero_optimization.stage", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

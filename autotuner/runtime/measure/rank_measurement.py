@@ -73,8 +73,9 @@ class EngineView(Protocol):
     def gradient_noise(self) -> Any:
         """The gradient noise probe (runtime/measure/gradient_noise.py) where this engine has one, else None."""
 
-    def pipeline_position(self) -> tuple[int, int, str] | None:
-        """(this rank's stage, the stages, the schedule) on a pipeline engine, else None."""
+    def pipeline_position(self) -> tuple[int, int, str, int] | None:
+        """(this rank's stage, the stages, the schedule, the virtual stages per rank) on a pipeline
+        engine, else None."""
 
 
 class RankMeasurement:
@@ -189,7 +190,7 @@ class RankMeasurement:
         position = self.view.pipeline_position()
         if position is None:
             return None
-        stage, stages, schedule = position
+        stage, stages, schedule, per_rank = position
         stage_of_rank = self.gather_max(stage)
         held = self.gather_max(count_parameters(self.view.model())[1])
         tp, split, local = self.view.tensor_parallel()
@@ -200,7 +201,7 @@ class RankMeasurement:
         shards = replicas if self.view.zero_stage == 1 else 1
         per_param = max(size * shards / max(1, count) for size, count in zip(optimizer_per_rank, elements))
         by_stage = range(stages)
-        fields = {"pipeline_stages": stages, "pipeline_schedule": schedule,
+        fields = {"pipeline_stages": stages, "pipeline_schedule": schedule, "pipeline_stages_per_rank": per_rank,
                   "stage_num_params": tuple(max(h for h, s in zip(held, stage_of_rank) if s == k) for k in by_stage),
                   "stage_split_num_params": tuple(max(h for h, s in zip(split_held, stage_of_rank) if s == k)
                                                   for k in by_stage),

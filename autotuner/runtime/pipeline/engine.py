@@ -112,6 +112,11 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
             if request is not None and optimizer is not None else None
 
     # ----- where this rank sits -----
+    @property
+    def pipeline_stages(self) -> list[Any]:
+        """torch's PipelineStage this rank runs, or one per virtual stage."""
+        return self._stage if isinstance(self._stage, list) else [self._stage]
+
     def is_first_stage(self) -> bool:
         return self.stage_id == 0
 

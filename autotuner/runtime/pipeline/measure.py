@@ -17,8 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autotuner.core.boundary import MeasurementRequest
-from autotuner.core.errors import UnsupportedError
-from autotuner.runtime.measure.measurement import PIPELINE_STAGES_KEY, BatchView, values_at
+from autotuner.runtime.measure.measurement import PIPELINE_STAGES_KEY, STAGES_PER_RANK_KEY, BatchView, values_at
 from autotuner.runtime.measure.memory_probes import mark_uncaught_oom, optimizer_state_bytes
 from autotuner.runtime.measure.metrics import peak_memory_bytes
 from autotuner.runtime.measure.profile import ActivationProbe, SplitRegions, sequence_length_of
@@ -82,6 +81,8 @@ class PipelineView(BatchView):
         values = dict(values_at(self._engine.config.dump(by_alias=True), keys))
         if PIPELINE_STAGES_KEY in values:
             values[PIPELINE_STAGES_KEY] = self._engine.num_stages
+        if STAGES_PER_RANK_KEY in values:
+            values[STAGES_PER_RANK_KEY] = self._engine.module.stages_per_rank
         return tuple(values.items())
 
     def parameter_counts(self) -> tuple[int, int]:
@@ -121,8 +122,9 @@ class PipelineView(BatchView):
     def gradient_noise(self) -> None:
         return None
 
-    def pipeline_position(self) -> tuple[int, int, str]:
-        return self._engine.stage_id, self._engine.num_stages, self._engine.config.pipeline.schedule
+    def pipeline_position(self) -> tuple[int, int, str, int]:
+        engine = self._engine
+        return engine.stage_id, engine.num_stages, engine.config.pipeline.schedule, engine.module.stages_per_rank
 
 
 class PipelineMeasurement:
@@ -130,9 +132,6 @@ class PipelineMeasurement:
     train_batch()."""
 
     def __init__(self, engine: Any, request: MeasurementRequest, tuned_over_script: tuple[str, ...]):
-        if engine.module.stages_per_rank > 1:  # the probe watches the module's forward, one stage per rank
-            raise UnsupportedError(f"pipeline.schedule {engine.config.pipeline.schedule}: a tuner's launch measures "
-                                   "one stage per rank; tune with 1F1B or GPipe, then train with this schedule")
         self.device = engine.device
         self.window = ProfileWindow(request.start_profile_step, request.end_profile_step, request.min_window_s,
                                     request.max_steps_per_window)
@@ -148,19 +147,23 @@ class PipelineMeasurement:
         if marker:
             mark_uncaught_oom(marker, dist.get_rank())
         self._last_end: float | None = None
-        self._hooks = [module.register_forward_pre_hook(self._first_forward_starts),
-                       module.register_forward_hook(self._first_forward_ends)] if self.probe is not None else []
+        # What runs a forward on this rank: the module, or each of its virtual stages' chunks.
+        runners = [module] if module.stages_per_rank == 1 else [stage.submod for stage in engine.pipeline_stages]
+        self._hooks = {id(runner): [runner.register_forward_pre_hook(self._first_forward_starts),
+                                    runner.register_forward_hook(self._first_forward_ends)]
+                       for runner in runners} if self.probe is not None else {}
 
-    # The first micro-batch's forward on this stage: what it saves for backward is the profile's.
+    # The first micro-batch's forward on this stage (each chunk's first, which is micro-batch 0's
+    # there): what it saves for backward is the profile's, summed over the rank's chunks.
     def _first_forward_starts(self, module: nn.Module, args: tuple) -> None:
-        self.probe.sequence_length = sequence_length_of(list(args))
+        if not self.probe.sequence_length:
+            self.probe.sequence_length = sequence_length_of(list(args))
         self.probe.start()
 
     def _first_forward_ends(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.probe.stop()
-        for handle in self._hooks:
+        for handle in self._hooks.pop(id(module), []):
             handle.remove()
-        self._hooks = []
 
     def batch_starts(self) -> None:
         if self._last_end is None:

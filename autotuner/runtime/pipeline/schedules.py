@@ -21,14 +21,13 @@ from typing import Any
 from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
                                           ScheduleInterleavedZeroBubble, ScheduleLoopedBFS)
 
-from autotuner.config.pipeline import ONE_STAGE_SCHEDULES, SEVERAL_STAGE_SCHEDULES
+from autotuner.config.pipeline import DEFAULT_STAGES_PER_RANK, ONE_STAGE_SCHEDULES, SEVERAL_STAGE_SCHEDULES
 from autotuner.core.errors import ConfigError
 
 SINGLE_STAGE = dict(zip(ONE_STAGE_SCHEDULES, (Schedule1F1B, ScheduleGPipe)))
 SEVERAL_STAGES = dict(zip(SEVERAL_STAGE_SCHEDULES,
                           (ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble)))
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-DEFAULT_STAGES_PER_RANK = 2  # for a schedule of several stages per rank, where the config leaves it
 
 
 def _known() -> str:
@@ -75,4 +74,7 @@ def schedule_class(name: str) -> Any:
     if name.lower() in (key.lower() for key in V_SHAPED):
         raise ConfigError(f"pipeline.schedule: {name!r} places each rank's two stages in a V, which PipelineModule "
                           f"does not build yet; use one of {_known()}")
+    if name == "auto":
+        raise ConfigError(f"pipeline.schedule \"auto\": a tune (--autotuning tune) searches the schedule and writes "
+                          f"the one it picked; to train without one, name one of {_known()}")
     raise ConfigError(f"pipeline.schedule: got {name!r}; expected one of {_known()}")

@@ -77,6 +77,7 @@ class ModelProfile:
     pipeline_stage_split_params: tuple[int, ...] = ()  # of those, split over `tensor_parallel` ranks
     pipeline_stage_activation_bytes_per_sample: tuple[int, ...] = ()
     pipeline_schedule: str = "1F1B"
+    pipeline_stages_per_rank: int = 1
 
     @property
     def params_per_tp_rank(self) -> int:

@@ -6,7 +6,8 @@ Step time of one optimizer step, for ZeRO stage s, micro-batch m and gas g:
 
 - g is gas + pp - 1 on a pipeline of pp stages: its schedules (1F1B and GPipe alike) take m + pp - 1
   stage-steps for m micro-batches, the bubble (pp - 1) / m; compute(m) is then one stage's
-  micro-step. The point-to-point sends of a micro-step's activations and their gradients grow
+  micro-step. With v virtual stages per rank (Interleaved1F1B, LoopedBFS) a rank's step is
+  v m + pp - 1 chunk-steps of 1/v of that each: g = gas + (pp - 1) / v. The point-to-point sends of a micro-step's activations and their gradients grow
   with m as a + b m does, so within one layout's launches they are in its fit.
 - compute(m) = a + b m + q m^2 is the time of one micro-step's forward and backward. a + b m
   alone is the saturating curve (throughput m / (a + b m) rises to 1/b); q lets the per-sample
@@ -125,9 +126,11 @@ class StepTimePrediction:
         return max(self.mean_s - z * self.std_s, 0.1 * self.mean_s), self.mean_s + z * self.std_s
 
 
-def stage_steps(experiment: Experiment) -> int:
-    """The micro-steps on a step's critical path: gas, and on a pipeline the bubble's pp - 1 too."""
-    return experiment.gradient_accumulation_steps + max(0, experiment.pipeline - 1)
+def stage_steps(experiment: Experiment) -> float:
+    """The micro-steps on a step's critical path: gas, and on a pipeline the bubble's pp - 1 too,
+    (pp - 1) / v with v virtual stages per rank (each chunk-step 1/v of a stage's micro-step)."""
+    bubble = max(0, experiment.pipeline - 1) / max(1, experiment.stages_per_rank)
+    return experiment.gradient_accumulation_steps + bubble
 
 
 def group_of(experiment: Experiment) -> tuple:

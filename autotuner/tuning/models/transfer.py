@@ -106,11 +106,12 @@ def _number(value: Any) -> Any:
 def experiment_of(params: dict[str, Any]) -> Experiment:
     knobs = {k: _number(v) for k, v in params.items()
              if k not in ("zero_stage", "micro_batch_size", "gradient_accumulation_steps", "tensor_parallel",
-                           "pipeline")}
+                           "pipeline", "stages_per_rank")}
     return Experiment(int(params["zero_stage"]), int(params["micro_batch_size"]),
                       int(params["gradient_accumulation_steps"]),
                       tensor_parallel=int(params.get("tensor_parallel", 0)),
-                      pipeline=int(params.get("pipeline", 0))).with_knobs(knobs)
+                      pipeline=int(params.get("pipeline", 0)),
+                      stages_per_rank=int(params.get("stages_per_rank", 0))).with_knobs(knobs)
 
 
 def load_prior_runs(storage, signature: WorkloadSignature, own_study: str) -> list[PriorRun]:

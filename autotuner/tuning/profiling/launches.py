@@ -185,6 +185,7 @@ def _to_profile(infos: list[ModelInfo], settings: ExperimentSettings) -> ModelPr
             _per_sample(one, first.micro_batch_size, other, second.micro_batch_size)
             for one, other in zip(first.stage_activation_bytes, second.stage_activation_bytes)),
         pipeline_schedule=first.pipeline_schedule or "1F1B",
+        pipeline_stages_per_rank=max(1, first.pipeline_stages_per_rank),
     )
     # The smaller of the two: the first launch may also have built the script's data cache.
     baseline = min(calibrate_baseline(profile, StageSettings(first.zero_stage, first.precision,

@@ -171,6 +171,7 @@ def result_rows(results: list[TrialResult], objective: Objective,
             "zero_stage": r.experiment.zero_stage,
             "tp": r.experiment.tensor_parallel or None,  # the tensor-parallel degree the tune set
             "pp": r.experiment.pipeline or None,  # the pipeline stages the tune set
+            "stages_per_rank": r.experiment.stages_per_rank or None,  # its virtual stages per pipeline rank
             "micro_batch_size": r.experiment.micro_batch_size,
             "gradient_accumulation_steps": r.experiment.gradient_accumulation_steps,
             "knobs": ";".join(f"{k}={v}" for k, v in r.experiment.knobs),

@@ -45,10 +45,11 @@ class Experiment:
     knobs: Knobs = field(default=())
     tensor_parallel: int = 0
     pipeline: int = 0
+    stages_per_rank: int = 0  # the layout's virtual stages per pipeline rank (0: one, or the config's)
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.tensor_parallel, self.pipeline)
+        return Layout(self.tensor_parallel, self.pipeline, self.stages_per_rank)
 
     @property
     def name(self) -> str:
@@ -63,7 +64,7 @@ class Experiment:
         """This experiment with `knobs` added (a knob it already has takes the new value)."""
         merged = {**dict(self.knobs), **knobs}
         return Experiment(self.zero_stage, self.micro_batch_size, self.gradient_accumulation_steps,
-                          tuple(sorted(merged.items())), self.tensor_parallel, self.pipeline)
+                          tuple(sorted(merged.items())), self.tensor_parallel, self.pipeline, self.stages_per_rank)
 
     def features(self) -> dict[str, float]:
         """Numeric description for cost models."""
@@ -80,6 +81,8 @@ class Experiment:
             out["log2_tensor_parallel"] = math.log2(self.tensor_parallel)
         if self.pipeline:
             out["log2_pipeline"] = math.log2(self.pipeline)
+        if self.stages_per_rank > 1:
+            out["log2_stages_per_rank"] = math.log2(self.stages_per_rank)
         return out
 
     def tuned_values(self) -> tuple[tuple[str, Any], ...]:
@@ -100,6 +103,10 @@ class Experiment:
             config["tensor_parallel"] = {**(config.get("tensor_parallel") or {}), "autotp_size": self.tensor_parallel}
         if self.pipeline:
             config["pipeline"] = {**(config.get("pipeline") or {}), "stages": self.pipeline}
+            if config["pipeline"].get("schedule") == "auto":  # the schedule "auto" searches, by the layout's chunks
+                config["pipeline"]["schedule"] = "Interleaved1F1B" if self.stages_per_rank > 1 else "1F1B"
+        if self.stages_per_rank > 1:
+            config["pipeline"] = {**(config.get("pipeline") or {}), "stages_per_rank": self.stages_per_rank}
         for key, value in self.knobs:
             dimensions.write(config, dimensions.dimension(key).path, value)
         config["train_micro_batch_size_per_gpu"] = self.micro_batch_size

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 TENSOR_PARALLEL_KEY = "tensor_parallel.autotp_size"
 PIPELINE_KEY = "pipeline.stages"
+STAGES_PER_RANK_KEY = "pipeline.stages_per_rank"
 
 
 @dataclass(frozen=True, order=True)
@@ -17,6 +18,10 @@ class Layout:
 
     tensor_parallel: int = 0
     pipeline: int = 0
+    # Virtual stages (chunks) per pipeline rank under a schedule of several (Interleaved1F1B,
+    # LoopedBFS): they re-place the layers, so a count is a layout of its own, profiled apart.
+    # 0: one stage per rank, or the config's count where the tune does not set the stages.
+    stages_per_rank: int = 0
 
     @property
     def model_ranks(self) -> int:
@@ -28,18 +33,23 @@ class Layout:
         return self.pipeline > 1
 
     def text(self) -> str:
-        """"tensor parallel 2", "pipeline 2", "pipeline 2 x tensor parallel 2": the summary's words."""
+        """"tensor parallel 2", "pipeline 2 x tensor parallel 2", "pipeline 2 (2 stages per rank)":
+        the summary's words."""
         parts = [f"pipeline {self.pipeline}"] if self.pipeline else []
+        if self.stages_per_rank > 1:
+            parts = [f"{parts[0]} ({self.stages_per_rank} stages per rank)"]
         if self.tensor_parallel or not parts:
             parts.append(f"tensor parallel {max(1, self.tensor_parallel)}")
         return " x ".join(parts)
 
     def tag(self) -> str:
-        """In an experiment's name: `_pp2_tp2` (nothing for what the tune does not set)."""
-        return (f"_pp{self.pipeline}" if self.pipeline else "") + (f"_tp{self.tensor_parallel}"
-                                                                  if self.tensor_parallel else "")
+        """In an experiment's name: `_pp2_tp2`, `_pp2v2` (nothing for what the tune does not set)."""
+        pipeline = f"_pp{self.pipeline}" if self.pipeline else ""
+        chunks = f"v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""
+        return pipeline + chunks + (f"_tp{self.tensor_parallel}" if self.tensor_parallel else "")
 
     def tuned_values(self) -> tuple[tuple[str, int], ...]:
         """What the ranks must build, by config key (and report back)."""
         return (((TENSOR_PARALLEL_KEY, self.tensor_parallel),) if self.tensor_parallel else ()) + \
-            (((PIPELINE_KEY, self.pipeline),) if self.pipeline else ())
+            (((PIPELINE_KEY, self.pipeline),) if self.pipeline else ()) + \
+            (((STAGES_PER_RANK_KEY, self.stages_per_rank),) if self.stages_per_rank > 1 else ())

@@ -146,7 +146,8 @@ class TrialResult:
                            "gradient_accumulation_steps": self.experiment.gradient_accumulation_steps,
                            "knobs": [list(kv) for kv in self.experiment.knobs],
                            "tensor_parallel": self.experiment.tensor_parallel,
-                           "pipeline": self.experiment.pipeline},
+                           "pipeline": self.experiment.pipeline,
+                           "stages_per_rank": self.experiment.stages_per_rank},
             "state": self.state.value,
             "value": self.value,
             "value_std": self.value_std,
@@ -165,7 +166,7 @@ class TrialResult:
         exp = data["experiment"]
         experiment = Experiment(exp["zero_stage"], exp["micro_batch_size"], exp["gradient_accumulation_steps"],
                                 tuple((k, v) for k, v in exp.get("knobs", [])), exp.get("tensor_parallel", 0),
-                                exp.get("pipeline", 0))
+                                exp.get("pipeline", 0), exp.get("stages_per_rank", 0))
         return cls(
             experiment=experiment,
             state=TrialState(data["state"]),

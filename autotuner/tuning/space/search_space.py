@@ -41,6 +41,7 @@ class SearchSpace:
     # config's), which `data_parallel_size` is counted at: a layout search has one space per layout.
     tensor_parallel: int = 0
     pipeline: int = 0
+    stages_per_rank: int = 0
 
     def __post_init__(self):
         for name in ("knob_values", "variants", "finishes"):  # read-only at every depth, as the record is
@@ -48,7 +49,7 @@ class SearchSpace:
 
     @property
     def layout(self) -> Layout:
-        return Layout(self.tensor_parallel, self.pipeline)
+        return Layout(self.tensor_parallel, self.pipeline, self.stages_per_rank)
 
     @property
     def ranks(self) -> int:
@@ -61,7 +62,7 @@ class SearchSpace:
         dimension: its engine refuses ZeRO 2 and 3 (as DeepSpeed's does), checkpointing policies and
         compile, and has no DDP buckets for the knobs to move."""
         moved = replace(self, data_parallel_size=ranks // layout.model_ranks, tensor_parallel=layout.tensor_parallel,
-                        pipeline=layout.pipeline)
+                        pipeline=layout.pipeline, stages_per_rank=layout.stages_per_rank)
         if not layout.pipeline:
             return moved
         return replace(moved, stages=tuple(s for s in self.stages if s <= 1), knob_values={}, variants={},
@@ -71,6 +72,12 @@ class SearchSpace:
         return self.variants.get(stage) or ((),)
 
     def gas(self, micro_batch_size: int) -> int | None:
+        gas = self._gas(micro_batch_size)
+        if gas is not None and self.pipeline > 1 and self.stages_per_rank > 1 and gas % max(1, gas // self.pipeline):
+            return None  # torch's Interleaved1F1B runs the micro-batches in whole rounds only (LoopedBFS kept alike)
+        return gas
+
+    def _gas(self, micro_batch_size: int) -> int | None:
         if self.fixed_gradient_accumulation_steps is not None:
             gas = self.fixed_gradient_accumulation_steps
             total = train_batch_size(micro_batch_size, gas, self.data_parallel_size)
@@ -97,7 +104,7 @@ class SearchSpace:
 
     def experiment(self, stage: int, micro_batch_size: int) -> Experiment:
         return Experiment(stage, micro_batch_size, self.gas(micro_batch_size) or 1, self.stage_knobs,
-                          self.tensor_parallel, self.pipeline)
+                          self.tensor_parallel, self.pipeline, self.stages_per_rank)
 
 
 @dataclass(frozen=True)

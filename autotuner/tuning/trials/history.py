@@ -65,7 +65,7 @@ def _distribution(name: str, value: Any):
 
     if name == "zero_stage":
         return IntDistribution(0, 3)
-    if name in ("micro_batch_size", "gradient_accumulation_steps", "tensor_parallel", "pipeline"):
+    if name in ("micro_batch_size", "gradient_accumulation_steps", "tensor_parallel", "pipeline", "stages_per_rank"):
         return IntDistribution(1, LARGEST, log=True)
     known = dimensions.REGISTRY.get(name)
     choices = {v for d in (known.values.values() if known else ()) for per_stage in d.values() for v in per_stage}
@@ -198,6 +198,8 @@ class History:
             params["tensor_parallel"] = experiment.tensor_parallel
         if experiment.pipeline:
             params["pipeline"] = experiment.pipeline
+        if experiment.stages_per_rank > 1:
+            params["stages_per_rank"] = experiment.stages_per_rank
         measurement = result.measurement
         attrs = {
             "name": result.name, "state": result.state.value, "phase": phase, "tuner_type": self._tuner_type,
