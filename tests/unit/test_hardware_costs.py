@@ -1,0 +1,149 @@
+"""Costing a step on hardware that is not here (issue 80, part 3): the hardware spec read and
+refused in one line, collectives from its links by algorithm, the roofline over an operator
+census and what each checkpointing policy recomputes, the FSDP2 and DDP steps."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autotuner.config.hardware import load_hardware, parse_hardware
+from autotuner.core.errors import ConfigError
+from autotuner.runtime.measure.op_census import OpCensus, OpRecord
+from autotuner.tuning.models.hardware_step import ADAM_BYTES_PER_PARAMETER, step_prediction
+from autotuner.tuning.models.roofline import Roofline, recomputed
+from autotuner.tuning.models.spec_collectives import Group, collective_seconds, group_of
+
+SPEC = {"name": "A100 SXM 80GB", "peak_bf16_flops": 312e12, "memory_bytes": 85899345920,
+        "memory_bandwidth": 2.039e12, "accelerators_per_node": 8,
+        "intra_node": {"bandwidth": 300e9, "latency": 5e-6}, "inter_node": {"bandwidth": 25e9, "latency": 10e-6}}
+
+
+def test_a_spec_keeps_its_extra_fields_and_a_bad_one_is_refused_naming_the_file_and_the_field(tmp_path):
+    spec = parse_hardware({**SPEC, "tdp_watts": 400}, "a100.json")
+    assert spec.intra_node.bandwidth == 300e9 and spec.accelerators_per_node == 8 and spec.tdp_watts == 400
+    missing = {**SPEC, "inter_node": {"bandwidth": 25e9}}
+    with pytest.raises(ConfigError, match=r"^a100\.json: inter_node\.latency: missing; a hardware spec needs name, "):
+        parse_hardware(missing, "a100.json")
+    for field, value in (("memory_bandwidth", 0), ("accelerators_per_node", True), ("peak_bf16_flops", "312e12")):
+        with pytest.raises(ConfigError, match=rf"^a100\.json: {field}: got {json.dumps(value)}; expected a positive"):
+            parse_hardware({**SPEC, field: value}, "a100.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"--hardware .*bad\.json: not JSON \(line 1"):
+        load_hardware(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match=r"--hardware .*none\.json: cannot read it"):
+        load_hardware(tmp_path / "none.json")
+    assert ConfigError.exit_code == 2
+
+
+def test_collectives_follow_the_ring_over_the_slower_of_the_links_and_the_tree_for_small_all_reduces():
+    spec = parse_hardware(SPEC, "spec")
+    node = group_of(8, 1, spec)
+    assert node == Group(8, 8) and not node.spans_nodes
+    size = 8e9
+    assert collective_seconds("all_gather", size, node, spec) == pytest.approx(7 * 5e-6 + size * 7 / 8 / 300e9)
+    world = group_of(64, 1, spec)  # 8 nodes: 8 rings, one a network card, 8 x 25 GB/s < NVLink's 300
+    assert collective_seconds("reduce_scatter", size, world, spec) == pytest.approx(63 * 10e-6 + size * 63 / 64 / 200e9)
+    ring = 2 * 63 * 10e-6 + 2 * size * 63 / 64 / 200e9
+    assert collective_seconds("all_reduce", size, world, spec) == pytest.approx(ring)
+    tiny = 4096
+    tree = 2 * math.ceil(math.log2(64)) * 10e-6 + 2 * tiny / 200e9
+    assert collective_seconds("all_reduce", tiny, world, spec) == pytest.approx(tree)
+    assert tree < 2 * 63 * 10e-6  # (the ring's hops alone)
+    strided = group_of(8, 8, spec)  # a data-parallel group across tensor-parallel nodes: one rank a node
+    assert strided == Group(8, 1) and collective_seconds("all_gather", size, strided, spec) == pytest.approx(
+        7 * 10e-6 + size * 7 / 8 / 25e9)
+    assert collective_seconds("send", 1e6, world, spec) == pytest.approx(10e-6 + 1e6 / 25e9)
+    assert collective_seconds("all_reduce", size, Group(1, 1), spec) == 0.0
+    with pytest.raises(ValueError, match="collective 'broadcast'"):
+        collective_seconds("broadcast", size, node, spec)
+
+
+def _records():
+    # Two blocks, each: a matmul, an elementwise op, a second matmul, attention; one op outside.
+    block = lambda b: [OpRecord("aten.mm", 100.0, 1.0, "forward", b), OpRecord("aten.mul", 0.0, 50.0, "forward", b),
+                       OpRecord("aten.mm", 200.0, 1.0, "forward", b), OpRecord("attention", 300.0, 1.0, "forward", b)]
+    return [*block(0), *block(1), OpRecord("aten.add", 0.0, 10.0, "forward", None),
+            OpRecord("aten.mm", 600.0, 2.0, "backward", None)]
+
+
+def test_the_roofline_takes_the_slower_of_flops_and_bytes_and_each_policy_recomputes_its_own():
+    roofline = Roofline(peak_flops=100.0, memory_bandwidth=10.0, compute_efficiency=0.5)
+    assert roofline.seconds(OpRecord("aten.mm", 100.0, 1.0, "forward")) == 2.0  # 100 / (100 x 0.5) > 1 / 10
+    assert roofline.seconds(OpRecord("aten.mul", 0.0, 50.0, "forward")) == 5.0
+    records = _records()
+    assert recomputed(records, "none") == []
+    assert len(recomputed(records, "full")) == 8  # both blocks' forwards, not the op outside nor the backward
+    assert {r.block for r in recomputed(records, "selective_layer")} == {1}  # every second block
+    op = recomputed(records, "selective_op")  # attention and the first of each block's matmuls kept
+    assert [(r.op, r.flops) for r in op] == [("aten.mul", 0.0), ("aten.mm", 200.0)] * 2
+    assert [r.op for r in recomputed(records, "selective")] == ["aten.mul", "aten.mul"]  # ours: every matmul kept
+    with pytest.raises(ValueError, match="policy 'some'"):
+        recomputed(records, "some")
+
+
+def test_the_fsdp2_step_overlaps_its_gathers_with_compute_and_ddp_reduces_once_a_step():
+    spec = parse_hardware(SPEC, "spec")
+    records = [OpRecord("aten.mm", 312e12, 0.0, "forward"), OpRecord("aten.mm", 2 * 312e12, 0.0, "backward")]
+    n = 1_000_000_000
+    fsdp = step_prediction(records, n, 64, 3, 2, 4096, "none", spec, 1.0)
+    assert fsdp.compute_s == pytest.approx(3.0)  # 3 x the peak's second
+    gather = collective_seconds("all_gather", 2 * n, Group(64, 8), spec)
+    scatter = collective_seconds("reduce_scatter", 4 * n, Group(64, 8), spec)
+    assert fsdp.communication_s == pytest.approx(2 * gather + scatter)
+    assert 2 * gather + scatter < 3.0
+    optimizer = n / 64 * ADAM_BYTES_PER_PARAMETER / spec.memory_bandwidth
+    assert fsdp.step_s == pytest.approx(2 * 3.0 + optimizer)  # each micro-step compute-bound
+    assert fsdp.tokens_per_s_per_rank == pytest.approx(2 * 4096 / fsdp.step_s)
+    assert fsdp.model_flops_utilization == pytest.approx(2 * 3 * 312e12 / (fsdp.step_s * 312e12))
+    ddp = step_prediction(records, n, 64, 0, 2, 4096, "full", spec, 1.0)
+    reduce = collective_seconds("all_reduce", 4 * n, Group(64, 8), spec)
+    assert ddp.compute_s == pytest.approx(3.0)  # no block named: nothing to recompute
+    assert ddp.step_s == pytest.approx(3.0 + max(3.0, reduce) + n * ADAM_BYTES_PER_PARAMETER / spec.memory_bandwidth)
+    slow = step_prediction(records, n, 64, 3, 1, 4096, "none", spec, 100.0)  # compute far faster: comm-bound
+    assert slow.step_s == pytest.approx(2 * gather + scatter + optimizer)
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            q = block(x).view(2, 3, 4, 4).transpose(1, 2)  # (batch, heads, seq, dim)
+            x = x + F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2).reshape(2, 3, 16)
+        return x.sum()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_census_counts_torchs_flops_fuses_attention_and_marks_the_blocks(device):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = _Tiny()
+        x = torch.randn(2, 3, 16, requires_grad=True)
+    with OpCensus(model.blocks) as census:
+        loss = model(x)
+        census.phase = "backward"
+        loss.backward()
+    matmuls = [r for r in census.records if r.is_matmul]
+    with FlopCounterMode(display=False) as counter:  # the same Linears, counted by torch
+        for block in model.blocks:
+            block(torch.randn(2, 3, 16, device=device, requires_grad=True)).sum().backward()
+    assert sum(r.flops for r in matmuls) == counter.get_total_flops()
+    attention = [r for r in census.records if r.is_attention]
+    assert [r.phase for r in attention] == ["forward", "forward", "backward", "backward"]
+    assert attention[0].flops == 4 * 2 * 4 * 3 * 3 * 4 / 2 and attention[2].flops == 2.5 * attention[0].flops
+    assert not any(r.op in ("aten.bmm", "aten._softmax", "aten._safe_softmax") for r in census.records)
+    assert {r.block for r in census.records if r.phase == "forward" and r.is_matmul} == {0, 1}
+    assert all(r.block is None for r in census.records if r.phase == "backward")
+    first = next(r for r in census.records if r.op == "aten.mm")
+    assert first.bytes == 4 * (6 * 16 + 16 * 16 + 6 * 16)  # input, weight and output read and written once
+    assert all(r.bytes == 0 for r in census.records if r.op in ("aten.view", "aten.transpose", "aten.t"))
