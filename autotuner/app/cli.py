@@ -50,6 +50,18 @@ def _torchrun_env(dest: str, default: Any) -> Any:
     return os.environ.get(f"PET_{dest.upper()}", default)
 
 
+def _hardware_plan(args: argparse.Namespace) -> int:
+    if args.autotuning != "plan":
+        raise UsageError(f"--hardware {args.hardware}: a spec is planned for, never trained on; add --autotuning plan")
+    from autotuner.app.hardware_plan import hardware_plan
+
+    ranks = _single_rank_count(args.nproc_per_node)
+    if not isinstance(ranks, int) or ranks < 1:
+        raise UsageError(f"--nproc_per_node {ranks}: --hardware plans for a count of accelerators a node; give a number")
+    return hardware_plan(args.script, tuple(args.script_args), args.hardware, int(args.num_nodes or 1), ranks,
+                         debug=args.debug)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="launcher",
@@ -127,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "train; plan: launch only the profile and print every candidate's predicted memory "
                              "and step time (autotuning_results/plan.csv); online: train the config as written, "
                              "tuning its communication knobs as it goes")
+    parser.add_argument("--hardware", default=None, metavar="SPEC.json",
+                        help="with --autotuning plan: plan for the accelerators and links SPEC.json describes, on "
+                             "--num_nodes x --nproc_per_node of them that need not exist here (the model counted on "
+                             "the meta device; nothing launched)")
     parser.add_argument("--bench", action="store_true",
                         help="synthetic benchmark: samples/s and scaling efficiency at each --nproc_per_node size, "
                              "fixed per-rank micro-batch (weak scaling); writes bench_results/bench.csv")
@@ -329,6 +345,8 @@ def _main(argv: list[str], script_at: int) -> int:
         _read_default_hostfile(args)
         if args.bench:
             return _bench(args)
+        if args.hardware is not None:
+            return _hardware_plan(args)
         args.nproc_per_node = _single_rank_count(args.nproc_per_node)
         if args.autotuning in ("tune", "run", "plan"):
             return _autotune(args)

@@ -19,12 +19,13 @@ from autotuner.core.errors import ConfigError, UnsupportedError
 from autotuner.runtime.deepspeed_side import gather_deepspeed_partitions
 from autotuner.runtime.distributed import dist_timeout_s, init_distributed, warn_once
 from autotuner.runtime.engine import Engine
+from autotuner.runtime.measure.census import census_initialize, census_requested
 from autotuner.runtime.script_config import config_from
 from autotuner.runtime.measure.gradient_noise import GradientNoiseProbe, MicroStepNoiseProbe
 from autotuner.runtime.measure.measurement import measurement_request
 from autotuner.runtime.saving.rank_zero_gather import arm as arm_rank_zero_gather
 from autotuner.runtime.saving.whole_weights import mark_zero3_parameters, register_root, whole_state_dict_on_rank_zero
-from autotuner.runtime.training.activation_checkpointing import apply_activation_checkpointing
+from autotuner.runtime.training.activation_checkpointing import apply_activation_checkpointing, repeated_blocks
 from autotuner.runtime.training.compiling import compile_blocks
 from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.runtime.training.optim import (build_optimizer, build_scheduler, optimizer_class, optimizer_kwargs,
@@ -229,6 +230,10 @@ def initialize(
     cfg, tuned_over_script, measured = config_from(args, config if config is not None else config_params,
                                                    client_optimizer=optimizer is not None,
                                                    training_engines_before=Engine.training_engines_in_process)
+    if census_requested():  # a plan for hardware not here: count one step on the meta device (census.py)
+        micro = cfg.train_micro_batch_size_per_gpu
+        return census_initialize(model, repeated_blocks(model), micro if isinstance(micro, int) else 1, training_data,
+                                 collate_fn)
     trains = optimizer is not None or cfg.optimizer is not None
     if not trains and lr_scheduler is not None:
         raise ConfigError("initialize(lr_scheduler=...): this engine has no optimizer (no optimizer=... and no "

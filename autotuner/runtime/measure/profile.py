@@ -57,7 +57,10 @@ def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
     # A DTensor (tensor parallelism) is a wrapper without storage: its local tensor holds the bytes.
     tensor = _local(tensor)
     try:
-        return (str(tensor.device), tensor.untyped_storage().data_ptr())
+        storage = tensor.untyped_storage()
+        if tensor.device.type == "meta":  # every meta storage's data_ptr is 0: tell them apart by their StorageImpl
+            return ("meta", storage._cdata)
+        return (str(tensor.device), storage.data_ptr())
     except (RuntimeError, NotImplementedError):
         return (str(tensor.device), id(tensor))
 

@@ -1,0 +1,223 @@
+"""`launcher --autotuning plan --hardware SPEC.json [--num_nodes N] --nproc_per_node M script.py ...
+--deepspeed ds.json`: the table the tuner would choose from, for a world of N x M accelerators
+that does not exist here (issue 80, part 3). Nothing is launched on this machine's devices.
+
+The script runs twice, in one process each (runtime/census_run.py), as rank 0 of a fake world of
+N x M ranks with the model on the meta device: at micro-batch 1 and 2, each run counting one
+micro-step's operators (FLOPs, bytes) and the bytes its forward saves, so each operator's cost and
+the activations are a + b x micro-batch. Then every data-parallel candidate the config's space
+holds (ZeRO stage x micro-batch x gas x checkpointing policy, the user's global batch kept) is
+costed: per-rank memory by the memory model (tuning/memory/estimate.py; plus the spec's
+`process_overhead_bytes`, 1 GiB where it gives none: the CUDA context and the allocator's reserve),
+which fits under the spec's memory less the safety margin; step time by the roofline and the
+spec's links (tuning/models/hardware_step.py) at the compute efficiency the spec's
+`compute_efficiency` states, else 0.6495 (fitted on torchtitan's Llama 2 13B row,
+docs/benchmarks/published_table.md). The table is printed and written as plan.csv. Tensor and
+pipeline parallel layouts and CPU offload are not planned on spec hardware yet: a config that
+searches them is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from tabulate import tabulate
+
+from autotuner.config import load_config
+from autotuner.config.hardware import HardwareSpec, load_hardware
+from autotuner.core.errors import ConfigError, UsageError
+from autotuner.launch.script_args import config_path, replace_config
+
+DEFAULT_COMPUTE_EFFICIENCY = 0.6495  # torchtitan's Llama 2 13B FSDP2 row on 64 A100s (published_table.md)
+DEFAULT_PROCESS_OVERHEAD = 2**30
+CENSUS_SIZES = (1, 2)
+CENSUS_TIMEOUT_S = 900
+PLAN_FILE = "plan.csv"
+
+
+@dataclass(frozen=True)
+class Census:
+    """One micro-batch's count: the model's parameters, its operators and the bytes it saves."""
+
+    micro_batch_size: int
+    num_params: int
+    records: tuple
+    activation_bytes: int
+    activation_bytes_by_policy: dict[str, int]
+    sequence_length: int
+    blocks: int  # the model's repeated blocks: the units FSDP2 shards one by one
+
+
+def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any], micro: int, world: int,
+                workdir: Path, debug: bool) -> Census:
+    ds = workdir / f"census_mbs{micro}.json"
+    ds.write_text(json.dumps({**config, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
+                              "train_batch_size": None}))
+    record = workdir / f"census_mbs{micro}.record.json"
+    env = {**os.environ, "AUTOTUNER_CENSUS_RECORD": str(record), "AUTOTUNER_CENSUS_WORLD": str(world),
+           "CUDA_VISIBLE_DEVICES": ""}
+    command = [sys.executable, "-m", "autotuner.runtime.measure.census_run", script, *replace_config(script_args, str(ds))]
+    child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        out, err = child.communicate(timeout=CENSUS_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)  # its process group: the script's own children too
+        child.communicate()
+        raise UsageError(f"--hardware: the script's census at micro-batch {micro} ran past {CENSUS_TIMEOUT_S} s") from None
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+    if child.returncode != 0 or not record.exists():
+        lines = [line for line in err.splitlines() if line.strip()]
+        said = next((line.split("error: ", 1)[1] for line in reversed(lines) if "error: " in line), None)
+        if debug:
+            print(err, file=sys.stderr)
+        if said is not None and child.returncode == 2:
+            raise ConfigError(said)
+        last = said or (lines[-1] if lines else f"exit status {child.returncode}")
+        raise UsageError(f"--hardware: {script} failed in the plan's census on the meta device at micro-batch {micro}: "
+                         f"{last}")
+    data = json.loads(record.read_text())
+    return Census(micro, int(data["num_params"]), tuple(tuple(r) for r in data["records"]),
+                  int(data["activation_bytes"]), {k: int(v) for k, v in data["activation_bytes_by_policy"].items()},
+                  int(data["sequence_length"]), int(data["blocks"]))
+
+
+def _records_at(one: Census, two: Census, micro: int) -> list:
+    """Each operator's cost at `micro`, on the line through its two counts. The two runs are aligned
+    by operator (a reshape may copy at one size and not the other); an operator only one of them ran
+    is scaled from its own count, in proportion to the micro-batch."""
+    from difflib import SequenceMatcher
+
+    from autotuner.runtime.measure.op_census import OpRecord
+
+    def line(a, b):  # (flops, bytes) of records a (micro-batch 1) and b (2) at `micro`
+        return OpRecord(a[0], max(0.0, a[1] + (b[1] - a[1]) * (micro - 1)),
+                        max(0.0, a[2] + (b[2] - a[2]) * (micro - 1)), a[3], a[4])
+
+    def scaled(r, size):
+        return OpRecord(r[0], r[1] * micro / size, r[2] * micro / size, r[3], r[4])
+
+    out = []
+    matcher = SequenceMatcher(None, [r[0] for r in one.records], [r[0] for r in two.records], autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            out.extend(line(a, b) for a, b in zip(one.records[i1:i2], two.records[j1:j2]))
+        else:
+            out.extend(scaled(r, one.micro_batch_size) for r in one.records[i1:i2])
+            out.extend(scaled(r, two.micro_batch_size) for r in two.records[j1:j2])
+    return out
+
+
+def _check_layouts(config, source: str) -> None:
+    if config.tensor_parallel.searched or (config.tensor_parallel.autotp_size not in (None, 0, 1)):
+        raise ConfigError(f"{source}: tensor_parallel: --hardware plans data-parallel layouts (ZeRO 0-3) only so far; "
+                          "leave tensor_parallel out")
+    if "pipeline.stages" in config.autotuning.arg_mappings:
+        raise ConfigError(f"{source}: autotuning.arg_mappings.pipeline.stages: --hardware plans data-parallel layouts "
+                          "(ZeRO 0-3) only so far; leave the pipeline out")
+
+
+def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_nodes: int, nproc_per_node: int,
+                  debug: bool = False) -> int:
+    spec = load_hardware(hardware)
+    if nproc_per_node > spec.accelerators_per_node:
+        raise UsageError(f"--nproc_per_node {nproc_per_node}: {spec.name} nodes hold {spec.accelerators_per_node} "
+                         f"accelerators ({hardware}); give at most that many a node, and more nodes")
+    world = num_nodes * nproc_per_node
+    given = config_path(script_args)
+    if given is None:
+        raise UsageError("--autotuning plan --hardware needs the script's config: add --deepspeed ds.json after the script")
+    config = load_config(given)
+    source = str(given)
+    _check_layouts(config, source)
+    from autotuner.tuning.space.config_space import search_space
+
+    space = search_space(config, world)
+    raw = json.loads(json.dumps(config.dump(by_alias=True)))
+    raw.pop("autotuning", None)
+    with tempfile.TemporaryDirectory(prefix="autotuner_census_") as directory:
+        one, two = (_run_census(script, script_args, raw, micro, world, Path(directory), debug) for micro in CENSUS_SIZES)
+    rows = plan_rows(spec, config, space, one, two, world)
+    results = Path(config.autotuning.results_dir)
+    results.mkdir(parents=True, exist_ok=True)
+    table = pd.DataFrame(rows)
+    table.to_csv(results / PLAN_FILE, index=False)
+    print(plan_text(spec, table, world, num_nodes, one), end="")
+    print(f"autotuner: plan written to {results / PLAN_FILE}", file=sys.stderr)
+    return 0
+
+
+def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world: int) -> list[dict]:
+    from autotuner.tuning.memory.estimate import ModelProfile, StageSettings, estimate, usable_bytes
+    from autotuner.tuning.models.hardware_step import step_prediction
+    from autotuner.tuning.models.memory_book import SAFETY_MARGIN
+
+    efficiency = float(getattr(spec, "compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY))
+    overhead = int(getattr(spec, "process_overhead_bytes", DEFAULT_PROCESS_OVERHEAD))
+    per_sample = {policy: two.activation_bytes_by_policy.get(policy, 0) - one.activation_bytes_by_policy.get(policy, 0)
+                  for policy in one.activation_bytes_by_policy}
+    plain = two.activation_bytes - one.activation_bytes
+    budget = usable_bytes(int(spec.memory_bytes), SAFETY_MARGIN)  # the tuner's own margin (memory_book.py)
+    precision = config.precision
+    rows = []
+    for stage in space.stages:
+        for micro in space.valid_micro_batch_sizes(space.max_micro_batch_size):
+            gas = space.gas(micro)
+            records = _records_at(one, two, micro)
+            for variant in space.variants_for(stage):
+                policy = str(dict(variant).get("activation_checkpointing", config.activation_checkpointing.policy))
+                profile = ModelProfile(num_params=one.num_params, activation_bytes_per_sample=plain,
+                                       baseline_bytes=overhead, num_shard_units=one.blocks,
+                                       activation_bytes_per_sample_by_policy=tuple(sorted(per_sample.items())))
+                settings = StageSettings(stage, precision, world, gradient_accumulation_steps=gas,
+                                         activation_policy=policy)
+                memory = estimate(profile, settings, micro).total
+                step = step_prediction(records, one.num_params, world, stage, gas, micro, policy, spec, efficiency)
+                fits = memory <= budget
+                name = f"z{stage}" + (f"_ac{policy}" if policy != "none" else "") + f"_gas{gas}_mbs{micro}"
+                rows.append({"name": name, "zero_stage": stage, "tp": 1, "pp": 1, "micro_batch_size": micro,
+                             "gradient_accumulation_steps": gas, "train_batch_size": micro * gas * world,
+                             "activation_checkpointing": policy, "fits": fits,
+                             "predicted_memory_bytes": int(memory), "predicted_step_s": step.step_s,
+                             "predicted_samples_per_s": micro * gas * world / step.step_s,
+                             "predicted_tokens_per_s_per_rank": micro * gas * max(1, one.sequence_length) / step.step_s,
+                             "predicted_mfu": step.model_flops_utilization, "compute_efficiency": efficiency,
+                             "left_out": "" if fits else (f"out of memory: {memory / 2**30:.1f} GiB a rank against "
+                                                          f"{budget / 2**30:.1f} usable"),
+                             "picked": False})
+    fitting = [r for r in rows if r["fits"]]
+    if fitting:
+        # (ties, as ZeRO 2 and 3 compute-bound alike, to the one holding less)
+        max(fitting, key=lambda r: (r["predicted_samples_per_s"], -r["predicted_memory_bytes"]))["picked"] = True
+    return rows
+
+
+def plan_text(spec: HardwareSpec, table: pd.DataFrame, world: int, num_nodes: int, one: Census) -> str:
+    shown = table.sort_values("predicted_samples_per_s", ascending=False)
+    lines = [f"plan for {num_nodes} node(s) x {world // max(1, num_nodes)} {spec.name} ({world} ranks, data parallel): "
+             f"{one.num_params:,} parameters, counted on the meta device; compute efficiency "
+             f"{float(table['compute_efficiency'].iloc[0]):.4g} (stated), memory {spec.memory_bytes / 2**30:.0f} GiB a rank"]
+    view = shown[["name", "fits", "predicted_memory_bytes", "predicted_step_s", "predicted_samples_per_s",
+                  "predicted_mfu"]].copy()
+    view["predicted_memory_bytes"] = (view["predicted_memory_bytes"] / 2**30).round(1)
+    view = view.rename(columns={"predicted_memory_bytes": "memory GiB", "predicted_step_s": "step s",
+                                "predicted_samples_per_s": "samples/s", "predicted_mfu": "MFU"})
+    lines.append(tabulate(view, headers="keys", tablefmt="pipe", showindex=False, floatfmt=".4g"))
+    picked = table[table["picked"]]
+    if len(picked):
+        best = picked.iloc[0]
+        lines.append(f"predicted pick: {best['name']} at {best['predicted_samples_per_s']:.4g} samples/s "
+                     f"({best['predicted_memory_bytes'] / 2**30:.1f} GiB a rank)")
+    else:
+        lines.append("predicted pick: none fits; every candidate is out of memory")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,135 @@
+"""A plan's run of the user's script for hardware that is not here (`--autotuning plan --hardware`,
+issue 80 part 3): one process standing for rank 0 of a fake world, the model on the meta device.
+
+    python -m autotuner.runtime.measure.census_run SCRIPT ARGS...   (the plan starts it; AUTOTUNER_CENSUS_RECORD set)
+
+Before the script runs: torch's default device is the meta device (so `from_config` and module
+constructors allocate nothing, and tensors the script makes are shapes only) and the default
+process group is torch's fake one over AUTOTUNER_CENSUS_WORLD ranks (its collectives do nothing).
+`initialize` then returns a census engine: `engine(...)` runs the model's forward under the
+operator census (runtime/measure/op_census.py) and the saved-tensor probe, `engine.backward(loss)`
+its backward, and `engine.step()` writes the record and ends the process. A model with a parameter
+off the meta device (weights loaded, a `.to(device)` before initialize) is refused in one line:
+the plan would otherwise hold this machine's memory to a model the hardware holds."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from autotuner.core.errors import ConfigError, UnsupportedError
+
+RECORD_ENV = "AUTOTUNER_CENSUS_RECORD"
+WORLD_ENV = "AUTOTUNER_CENSUS_WORLD"
+
+
+def census_requested() -> bool:
+    return bool(os.environ.get(RECORD_ENV))
+
+
+class CensusEngine:
+    """What `initialize` returns in a plan's census: forward, backward and step counted, once."""
+
+    def __init__(self, module: nn.Module, blocks: list[nn.Module], micro_batch_size: int, record_path: str):
+        from autotuner.runtime.measure.op_census import OpCensus
+        from autotuner.runtime.measure.profile import ActivationProbe
+
+        self.module = module
+        self.device = torch.device("meta")
+        self._micro_batch_size = micro_batch_size
+        self._record_path = record_path
+        self._census = OpCensus(blocks)
+        self._probe = ActivationProbe(list(module.parameters()), blocks=blocks, model=module)
+        self._blocks = len(blocks)
+        self._forwards = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._forwards:
+            raise UnsupportedError("a plan's census counts one micro-step: the script's second forward came before "
+                                   "engine.step(); call backward and step after each forward")
+        self._forwards += 1
+        args, kwargs = _to_meta((args, kwargs))
+        self._census.__enter__()
+        self._probe.start()
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            self._probe.stop()
+
+    def backward(self, loss: torch.Tensor, **_: Any) -> None:
+        self._census.phase = "backward"
+        try:
+            loss.backward()
+        finally:
+            self._census.__exit__(None, None, None)
+
+    def step(self, *_: Any, **__: Any) -> None:
+        params = list(self.module.parameters())
+        record = {"num_params": sum(p.numel() for p in params),
+                  "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+                  "micro_batch_size": self._micro_batch_size, "blocks": self._blocks,
+                  "sequence_length": self._probe.sequence_length,
+                  "activation_bytes": self._probe.bytes_saved,
+                  "activation_bytes_by_policy": self._probe.bytes_by_policy(),
+                  "records": [[r.op, r.flops, r.bytes, r.phase, r.block] for r in self._census.records]}
+        Path(self._record_path).write_text(json.dumps(record))
+        raise SystemExit(0)
+
+    def zero_grad(self, *_: Any, **__: Any) -> None:
+        return None
+
+    def train(self, mode: bool = True) -> "CensusEngine":
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> "CensusEngine":
+        self.module.eval()
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        raise UnsupportedError(f"engine.{name}: a plan's census (--hardware) runs forward, backward and step once; "
+                               "the script called what it does not count")
+
+
+class _CensusLoader:
+    """The training data in micro-batches, in order (a DataLoader draws its seed with .item(), which
+    the meta device cannot answer); one micro-batch is all a census reads."""
+
+    def __init__(self, dataset: Any, batch_size: int, collate_fn: Any):
+        from torch.utils.data import default_collate
+
+        self._dataset, self._batch_size, self._collate = dataset, batch_size, collate_fn or default_collate
+
+    def __len__(self) -> int:
+        return len(self._dataset) // self._batch_size
+
+    def __iter__(self):
+        for start in range(0, len(self) * self._batch_size, self._batch_size):
+            yield self._collate([self._dataset[i] for i in range(start, start + self._batch_size)])
+
+
+def _to_meta(value: Any) -> Any:
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) and v.device.type != "meta" else v, value)
+
+
+def census_initialize(model: nn.Module, blocks: list[nn.Module], micro_batch_size: int, training_data: Any,
+                      collate_fn: Any) -> tuple:
+    """initialize's return under a census: (engine, None, a loader over training_data, None);
+    `blocks`: the model's repeated blocks (what checkpointing recomputes, FSDP2 shards)."""
+    off = next(((name, p.device) for name, p in model.named_parameters() if p.device.type != "meta"), None)
+    if off is not None:
+        raise ConfigError(f"--hardware: parameter {off[0]} is on {off[1]}, not the meta device: the plan runs the "
+                          "script with torch's default device set to meta so nothing is allocated; build the model "
+                          "from its config (no weights loaded, no .to(device)) before initialize")
+    loader = _CensusLoader(training_data, micro_batch_size, collate_fn) if training_data is not None else None
+    return CensusEngine(model, blocks, micro_batch_size, os.environ[RECORD_ENV]), None, loader, None
