@@ -34,7 +34,7 @@ from tabulate import tabulate
 from autotuner.config import load_config
 from autotuner.config.hardware import HardwareSpec, load_hardware
 from autotuner.core.errors import ConfigError, UsageError
-from autotuner.launch.script_args import config_path, replace_config
+from autotuner.launch.script_args import config_path, replace_config, set_flag
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.6495  # torchtitan's Llama 2 13B FSDP2 row on 64 A100s (published_table.md)
 DEFAULT_PROCESS_OVERHEAD = 2**30
@@ -57,8 +57,12 @@ class Census:
 
 
 def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any], micro: int, world: int,
-                workdir: Path, debug: bool) -> Census:
+                workdir: Path, debug: bool, mappings: dict[str, str]) -> Census:
     ds = workdir / f"census_mbs{micro}.json"
+    # A script that takes the batch as its own flags (arg_mappings) gets them there too, as a tune's launches do.
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", 1)):
+        if key in mappings:
+            script_args = set_flag(script_args, mappings[key], str(value))
     ds.write_text(json.dumps({**config, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
                               "train_batch_size": None}))
     record = workdir / f"census_mbs{micro}.record.json"
@@ -137,7 +141,7 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
     given = config_path(script_args)
     if given is None:
         raise UsageError("--autotuning plan --hardware needs the script's config: add --deepspeed ds.json after the script")
-    config = load_config(given)
+    config = load_config(given).with_device_precision(bf16_supported=True)  # (a spec gives its bf16 peak)
     source = str(given)
     _check_layouts(config, source)
     from autotuner.tuning.space.config_space import search_space
@@ -146,7 +150,9 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
     raw = json.loads(json.dumps(config.dump(by_alias=True)))
     raw.pop("autotuning", None)
     with tempfile.TemporaryDirectory(prefix="autotuner_census_") as directory:
-        one, two = (_run_census(script, script_args, raw, micro, world, Path(directory), debug) for micro in CENSUS_SIZES)
+        mappings = dict(config.autotuning.arg_mappings)
+        one, two = (_run_census(script, script_args, raw, micro, world, Path(directory), debug, mappings)
+                    for micro in CENSUS_SIZES)
     rows = plan_rows(spec, config, space, one, two, world)
     results = Path(config.autotuning.results_dir)
     results.mkdir(parents=True, exist_ok=True)
