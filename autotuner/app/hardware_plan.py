@@ -148,7 +148,9 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
 
     space = search_space(config, world)
     raw = json.loads(json.dumps(config.dump(by_alias=True)))
-    raw.pop("autotuning", None)
+    raw.pop("autotuning", None)  # the census runs one plain step: what a tune searches is settled to its neutral value
+    raw["zero_optimization"] = {**(raw.get("zero_optimization") or {}), "stage": 0}
+    raw["activation_checkpointing"] = {**(raw.get("activation_checkpointing") or {}), "policy": "none"}
     with tempfile.TemporaryDirectory(prefix="autotuner_census_") as directory:
         mappings = dict(config.autotuning.arg_mappings)
         one, two = (_run_census(script, script_args, raw, micro, world, Path(directory), debug, mappings)

@@ -95,8 +95,12 @@ class CensusEngine:
         return self
 
     def __getattr__(self, name: str) -> Any:
-        raise UnsupportedError(f"engine.{name}: a plan's census (--hardware) runs forward, backward and step once; "
-                               "the script called what it does not count")
+        raise _NotCounted(f"engine.{name}: a plan's census (--hardware) runs forward, backward and step once; "
+                          "the script called what it does not count")
+
+
+class _NotCounted(UnsupportedError, AttributeError):
+    """(an AttributeError too: a script's hasattr(engine, ...) reads False, as for any missing attribute)"""
 
 
 class _CensusLoader:
