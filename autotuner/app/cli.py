@@ -57,7 +57,8 @@ def _hardware_plan(args: argparse.Namespace) -> int:
 
     ranks = _single_rank_count(args.nproc_per_node)
     if not isinstance(ranks, int) or ranks < 1:
-        raise UsageError(f"--nproc_per_node {ranks}: --hardware plans for a count of accelerators a node; give a number")
+        raise UsageError(f"--nproc_per_node {ranks}: --hardware plans for a count of accelerators a node; "
+                         "give a number")
     return hardware_plan(args.script, tuple(args.script_args), args.hardware, int(args.num_nodes or 1), ranks,
                          debug=args.debug)
 

@@ -68,7 +68,8 @@ def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any
     record = workdir / f"census_mbs{micro}.record.json"
     env = {**os.environ, "AUTOTUNER_CENSUS_RECORD": str(record), "AUTOTUNER_CENSUS_WORLD": str(world),
            "CUDA_VISIBLE_DEVICES": ""}
-    command = [sys.executable, "-m", "autotuner.runtime.measure.census_run", script, *replace_config(script_args, str(ds))]
+    command = [sys.executable, "-m", "autotuner.runtime.measure.census_run", script,
+               *replace_config(script_args, str(ds))]
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
     try:
@@ -76,7 +77,8 @@ def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGKILL)  # its process group: the script's own children too
         child.communicate()
-        raise UsageError(f"--hardware: the script's census at micro-batch {micro} ran past {CENSUS_TIMEOUT_S} s") from None
+        raise UsageError(f"--hardware: the script's census at micro-batch {micro} ran past {CENSUS_TIMEOUT_S} s"
+                         ) from None
     finally:
         if child.poll() is None:
             os.killpg(child.pid, signal.SIGKILL)
@@ -140,7 +142,8 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
     world = num_nodes * nproc_per_node
     given = config_path(script_args)
     if given is None:
-        raise UsageError("--autotuning plan --hardware needs the script's config: add --deepspeed ds.json after the script")
+        raise UsageError("--autotuning plan --hardware needs the script's config: add --deepspeed ds.json after the "
+                         "script")
     config = load_config(given).with_device_precision(bf16_supported=True)  # (a spec gives its bf16 peak)
     source = str(given)
     _check_layouts(config, source)
@@ -214,7 +217,8 @@ def plan_text(spec: HardwareSpec, table: pd.DataFrame, world: int, num_nodes: in
     shown = table.sort_values("predicted_samples_per_s", ascending=False)
     lines = [f"plan for {num_nodes} node(s) x {world // max(1, num_nodes)} {spec.name} ({world} ranks, data parallel): "
              f"{one.num_params:,} parameters, counted on the meta device; compute efficiency "
-             f"{float(table['compute_efficiency'].iloc[0]):.4g} (stated), memory {spec.memory_bytes / 2**30:.0f} GiB a rank"]
+             f"{float(table['compute_efficiency'].iloc[0]):.4g} (stated), memory "
+             f"{spec.memory_bytes / 2**30:.0f} GiB a rank"]
     view = shown[["name", "fits", "predicted_memory_bytes", "predicted_step_s", "predicted_samples_per_s",
                   "predicted_mfu"]].copy()
     view["predicted_memory_bytes"] = (view["predicted_memory_bytes"] / 2**30).round(1)
