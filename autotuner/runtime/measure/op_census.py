@@ -13,7 +13,8 @@ device and on a CPU, torch's scaled_dot_product_attention falls back to the math
 seq x seq matrices a GPU never writes out. So each call is run inside an autograd function that
 records one forward and one backward record (the flash kernel's FLOPs: 4 b h s s' d forward, half
 under a causal mask, 2.5 times that backward; bytes: q, k, v and the output, twice backward) and
-hides the math path's operators from the census. Its gradients are zeros: a census step is for
+hides the math path's operators from the census; it saves q, k, v and the output for its backward,
+as the flash kernel does, so the saved-tensor probe counts them. Its gradients are zeros: a census step is for
 counting, never for training (the plan exits after it)."""
 
 from __future__ import annotations
@@ -112,14 +113,14 @@ class _FusedAttention(torch.autograd.Function):
         finally:
             census.muted = False
         census.add("attention", flops, moved)
-        ctx.shapes = (q, k, v)
+        ctx.save_for_backward(q, k, v, out)  # what flash attention keeps (its row statistics aside)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         flops, moved = ctx.costs
         ctx.census.add("attention", BACKWARD_FLOPS_PER_FORWARD * flops, 2 * moved)
-        q, k, v = ctx.shapes
+        q, k, v, _ = ctx.saved_tensors
         return None, torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), None, None
 
 
