@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +54,12 @@ class Census:
     activation_bytes_by_policy: dict[str, int]
     sequence_length: int
     blocks: int  # the model's repeated blocks: the units FSDP2 shards one by one
+    split: dict[str, float]  # what the tensor-parallel plan splits, at degree 1 (SplitRegions' fields)
+    degrees: tuple[int, ...]  # of the degrees asked, those the plan can split the model over
 
 
 def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any], micro: int, world: int,
-                workdir: Path, debug: bool, mappings: dict[str, str]) -> Census:
+                workdir: Path, debug: bool, mappings: dict[str, str], degrees: tuple[int, ...]) -> Census:
     ds = workdir / f"census_mbs{micro}.json"
     # A script that takes the batch as its own flags (arg_mappings) gets them there too, as a tune's launches do.
     for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", 1)):
@@ -67,7 +69,7 @@ def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any
                               "train_batch_size": None}))
     record = workdir / f"census_mbs{micro}.record.json"
     env = {**os.environ, "AUTOTUNER_CENSUS_RECORD": str(record), "AUTOTUNER_CENSUS_WORLD": str(world),
-           "CUDA_VISIBLE_DEVICES": ""}
+           "AUTOTUNER_CENSUS_DEGREES": ",".join(map(str, degrees)), "CUDA_VISIBLE_DEVICES": ""}
     command = [sys.executable, "-m", "autotuner.runtime.measure.census_run", script,
                *replace_config(script_args, str(ds))]
     child = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -95,7 +97,8 @@ def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any
     data = json.loads(record.read_text())
     return Census(micro, int(data["num_params"]), tuple(tuple(r) for r in data["records"]),
                   int(data["activation_bytes"]), {k: int(v) for k, v in data["activation_bytes_by_policy"].items()},
-                  int(data["sequence_length"]), int(data["blocks"]))
+                  int(data["sequence_length"]), int(data["blocks"]), dict(data.get("split") or {}),
+                  tuple(int(d) for d in data.get("degrees") or ()))
 
 
 def _records_at(one: Census, two: Census, micro: int) -> list:
@@ -124,13 +127,21 @@ def _records_at(one: Census, two: Census, micro: int) -> list:
     return out
 
 
-def _check_layouts(config, source: str) -> None:
-    if config.tensor_parallel.searched or (config.tensor_parallel.autotp_size not in (None, 0, 1)):
-        raise ConfigError(f"{source}: tensor_parallel: --hardware plans data-parallel layouts (ZeRO 0-3) only so far; "
-                          "leave tensor_parallel out")
+def _degrees(config, nproc_per_node: int, source: str) -> tuple[int, ...]:
+    """The tensor-parallel degrees to plan, inside a node: "auto" every divisor of the ranks a
+    node, a list those listed, a number that one; 1 where the config sets none."""
     if "pipeline.stages" in config.autotuning.arg_mappings:
-        raise ConfigError(f"{source}: autotuning.arg_mappings.pipeline.stages: --hardware plans data-parallel layouts "
-                          "(ZeRO 0-3) only so far; leave the pipeline out")
+        raise ConfigError(f"{source}: autotuning.arg_mappings.pipeline.stages: --hardware plans data and tensor "
+                          "parallel layouts only so far; leave the pipeline out")
+    size = config.tensor_parallel.autotp_size
+    if size == "auto":
+        return tuple(d for d in range(1, nproc_per_node + 1) if nproc_per_node % d == 0)
+    listed = tuple(size) if isinstance(size, list) else (max(1, size),)
+    for degree in listed:
+        if nproc_per_node % degree:
+            raise ConfigError(f"{source}: tensor_parallel.autotp_size: {degree} does not divide --nproc_per_node "
+                              f"{nproc_per_node}; a tensor-parallel group stays inside a node")
+    return tuple(sorted(set(listed)))
 
 
 def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_nodes: int, nproc_per_node: int,
@@ -146,19 +157,29 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
                          "script")
     config = load_config(given).with_device_precision(bf16_supported=True)  # (a spec gives its bf16 peak)
     source = str(given)
-    _check_layouts(config, source)
+    degrees = _degrees(config, nproc_per_node, source)
     from autotuner.tuning.space.config_space import search_space
 
-    space = search_space(config, world)
     raw = json.loads(json.dumps(config.dump(by_alias=True)))
     raw.pop("autotuning", None)  # the census runs one plain step: what a tune searches is settled to its neutral value
     raw["zero_optimization"] = {**(raw.get("zero_optimization") or {}), "stage": 0}
     raw["activation_checkpointing"] = {**(raw.get("activation_checkpointing") or {}), "policy": "none"}
+    raw["tensor_parallel"] = {**(raw.get("tensor_parallel") or {}), "autotp_size": 0}  # degree 1 counts what k splits
     with tempfile.TemporaryDirectory(prefix="autotuner_census_") as directory:
         mappings = dict(config.autotuning.arg_mappings)
-        one, two = (_run_census(script, script_args, raw, micro, world, Path(directory), debug, mappings)
-                    for micro in CENSUS_SIZES)
-    rows = plan_rows(spec, config, space, one, two, world)
+        one, two = (_run_census(script, script_args, raw, micro, world, Path(directory), debug, mappings,
+                                tuple(d for d in degrees if d > 1)) for micro in CENSUS_SIZES)
+    unsplittable = [d for d in degrees if d > 1 and d not in one.degrees]
+    if unsplittable:
+        raise ConfigError(f"{source}: tensor_parallel.autotp_size: the model cannot be split over {unsplittable[0]} "
+                          "ranks (the tensor-parallel plan takes whole heads, and needs Linears it knows); list "
+                          f"degrees it can take{', such as ' + ', '.join(map(str, one.degrees)) if one.degrees else ''}")
+    rows = [row for degree in degrees
+            for row in plan_rows(spec, config, search_space(config, world // degree), one, two, world, degree)]
+    fitting = [r for r in rows if r["fits"]]
+    if fitting:
+        # (ties, as ZeRO 2 and 3 compute-bound alike, to the one holding less)
+        max(fitting, key=lambda r: (r["predicted_samples_per_s"], -r["predicted_memory_bytes"]))["picked"] = True
     results = Path(config.autotuning.results_dir)
     results.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame(rows)
@@ -168,9 +189,11 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
     return 0
 
 
-def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world: int) -> list[dict]:
+def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world: int, degree: int) -> list[dict]:
+    """Every candidate of `space` (data parallel over world / degree) at tensor-parallel `degree`."""
+    from autotuner.tuning.memory.degree_prediction import profile_at_degree
     from autotuner.tuning.memory.estimate import ModelProfile, StageSettings, estimate, usable_bytes
-    from autotuner.tuning.models.hardware_step import step_prediction
+    from autotuner.tuning.models.hardware_step import TensorParallel, step_prediction
     from autotuner.tuning.models.memory_book import SAFETY_MARGIN
 
     efficiency = float(getattr(spec, "compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY))
@@ -180,6 +203,14 @@ def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world
     plain = two.activation_bytes - one.activation_bytes
     budget = usable_bytes(int(spec.memory_bytes), SAFETY_MARGIN)  # the tuner's own margin (memory_book.py)
     precision = config.precision
+    tp = TensorParallel()
+    split_per_sample = 0
+    if degree > 1:
+        a, b = one.split, two.split
+        tp = TensorParallel(degree, int(a["params"]), float(a["flop_share"]), int(a["row_layers"]), 0.0)
+        split_per_sample = int(b["saved_bytes"]) - int(a["saved_bytes"])
+        row_bytes = (float(a["row_output_bytes"]), float(b["row_output_bytes"]) - float(a["row_output_bytes"]))
+    dp = world // degree
     rows = []
     for stage in space.stages:
         for micro in space.valid_micro_batch_sizes(space.max_micro_batch_size):
@@ -187,35 +218,42 @@ def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world
             records = _records_at(one, two, micro)
             for variant in space.variants_for(stage):
                 policy = str(dict(variant).get("activation_checkpointing", config.activation_checkpointing.policy))
-                profile = ModelProfile(num_params=one.num_params, activation_bytes_per_sample=plain,
-                                       baseline_bytes=overhead, num_shard_units=one.blocks,
-                                       activation_bytes_per_sample_by_policy=tuple(sorted(per_sample.items())))
-                settings = StageSettings(stage, precision, world, gradient_accumulation_steps=gas,
-                                         activation_policy=policy)
+                held = per_sample.get(policy, plain)
+                profile = ModelProfile(num_params=one.num_params, activation_bytes_per_sample=held,
+                                       baseline_bytes=overhead, num_shard_units=one.blocks)
+                if degree > 1:  # the split regions' share of the saved bytes, over k (degree_prediction.py)
+                    # (full checkpointing keeps the blocks' inputs, which no plan splits; selective
+                    # its matmul outputs, split in the share the plain forward's are)
+                    split = {"none": split_per_sample, "full": 0}.get(policy, split_per_sample * held // max(1, plain))
+                    profile = profile_at_degree(replace(profile, splittable_num_params=tp.split_params,
+                                                        split_activation_bytes_per_sample=min(held, split)), degree)
+                    tp = replace(tp, row_output_bytes=row_bytes[0] + row_bytes[1] * (micro - 1))
+                settings = StageSettings(stage, precision, dp, gradient_accumulation_steps=gas,
+                                         activation_policy="none")
                 memory = estimate(profile, settings, micro).total
-                step = step_prediction(records, one.num_params, world, stage, gas, micro, policy, spec, efficiency)
+                tokens = micro * max(1, one.sequence_length)
+                step = step_prediction(records, one.num_params, world, stage, gas, tokens, policy, spec, efficiency, tp)
                 fits = memory <= budget
-                name = f"z{stage}" + (f"_ac{policy}" if policy != "none" else "") + f"_gas{gas}_mbs{micro}"
-                rows.append({"name": name, "zero_stage": stage, "tp": 1, "pp": 1, "micro_batch_size": micro,
-                             "gradient_accumulation_steps": gas, "train_batch_size": micro * gas * world,
+                name = (f"z{stage}" + (f"_tp{degree}" if degree > 1 else "") + (f"_ac{policy}" if policy != "none"
+                                                                                 else "") + f"_gas{gas}_mbs{micro}")
+                rows.append({"name": name, "zero_stage": stage, "tp": degree, "pp": 1, "micro_batch_size": micro,
+                             "gradient_accumulation_steps": gas, "train_batch_size": micro * gas * dp,
                              "activation_checkpointing": policy, "fits": fits,
                              "predicted_memory_bytes": int(memory), "predicted_step_s": step.step_s,
-                             "predicted_samples_per_s": micro * gas * world / step.step_s,
-                             "predicted_tokens_per_s_per_rank": micro * gas * max(1, one.sequence_length) / step.step_s,
+                             "predicted_samples_per_s": micro * gas * dp / step.step_s,
+                             "predicted_tokens_per_s_per_rank": step.tokens_per_s_per_rank,
                              "predicted_mfu": step.model_flops_utilization, "compute_efficiency": efficiency,
                              "left_out": "" if fits else (f"out of memory: {memory / 2**30:.1f} GiB a rank against "
                                                           f"{budget / 2**30:.1f} usable"),
                              "picked": False})
-    fitting = [r for r in rows if r["fits"]]
-    if fitting:
-        # (ties, as ZeRO 2 and 3 compute-bound alike, to the one holding less)
-        max(fitting, key=lambda r: (r["predicted_samples_per_s"], -r["predicted_memory_bytes"]))["picked"] = True
     return rows
 
 
 def plan_text(spec: HardwareSpec, table: pd.DataFrame, world: int, num_nodes: int, one: Census) -> str:
     shown = table.sort_values("predicted_samples_per_s", ascending=False)
-    lines = [f"plan for {num_nodes} node(s) x {world // max(1, num_nodes)} {spec.name} ({world} ranks, data parallel): "
+    degrees = ", ".join(str(d) for d in sorted(set(table["tp"])))
+    lines = [f"plan for {num_nodes} node(s) x {world // max(1, num_nodes)} {spec.name} ({world} ranks; tensor "
+             f"parallel {degrees}, data parallel over the rest): "
              f"{one.num_params:,} parameters, counted on the meta device; compute efficiency "
              f"{float(table['compute_efficiency'].iloc[0]):.4g} (stated), memory "
              f"{spec.memory_bytes / 2**30:.0f} GiB a rank"]

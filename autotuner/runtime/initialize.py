@@ -15,12 +15,13 @@ from autotuner.config.batch import resolve_split_batch
 from autotuner.config.loader import ConfigSource
 from autotuner.config.models import DeepSpeedConfig
 from autotuner.config.sections import refuse_unsettled
-from autotuner.core.errors import ConfigError, UnsupportedError
+from autotuner.core.errors import AutotunerError, ConfigError, UnsupportedError
 from autotuner.runtime.deepspeed_side import gather_deepspeed_partitions
 from autotuner.runtime.distributed import dist_timeout_s, init_distributed, warn_once
 from autotuner.runtime.engine import Engine
-from autotuner.runtime.measure.census import census_initialize, census_requested
+from autotuner.runtime.measure.census import census_degrees, census_initialize, census_requested
 from autotuner.runtime.script_config import config_from
+from autotuner.runtime.training.tp_plan import plan_styles, tp_plan
 from autotuner.runtime.measure.gradient_noise import GradientNoiseProbe, MicroStepNoiseProbe
 from autotuner.runtime.measure.measurement import measurement_request
 from autotuner.runtime.saving.rank_zero_gather import arm as arm_rank_zero_gather
@@ -203,6 +204,15 @@ def _dataloader(dataset: Dataset, collate_fn: Any, batch_size: int, rank: int, w
     return loader
 
 
+def _takes_degree(model: nn.Module, degree: int) -> bool:
+    """Whether the tensor-parallel plan can split `model` over `degree` ranks (whole heads each)."""
+    try:
+        tp_plan(model, degree)
+    except AutotunerError:
+        return False
+    return True
+
+
 def initialize(
     args: Any = None,
     model: nn.Module | None = None,
@@ -232,8 +242,10 @@ def initialize(
                                                    training_engines_before=Engine.training_engines_in_process)
     if census_requested():  # a plan for hardware not here: count one step on the meta device (census.py)
         micro = cfg.train_micro_batch_size_per_gpu
+        asked = census_degrees()
+        styles = plan_styles(model) if asked else ()
         return census_initialize(model, repeated_blocks(model), micro if isinstance(micro, int) else 1, training_data,
-                                 collate_fn)
+                                 collate_fn, styles, tuple(k for k in asked if styles and _takes_degree(model, k)))
     trains = optimizer is not None or cfg.optimizer is not None
     if not trains and lr_scheduler is not None:
         raise ConfigError("initialize(lr_scheduler=...): this engine has no optimizer (no optimizer=... and no "

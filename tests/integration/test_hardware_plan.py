@@ -22,6 +22,7 @@ A100 = {"name": "A100 SXM 80GB", "peak_bf16_flops": 312e12, "memory_bytes": 8589
 DS = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
       "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
       "zero_optimization": {"stage": [1, 2, 3]}, "activation_checkpointing": {"policy": "auto"},
+      "tensor_parallel": {"autotp_size": [1, 8]},
       "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 1}}
 
 
@@ -38,13 +39,15 @@ def test_an_8b_llama_is_planned_for_64_a100s_on_this_machine_with_nothing_materi
     # Two censuses of an 8B model ran beneath: no process held more than a few GiB (8B bf16 weights
     # alone would be 15 GiB, their fp32 Adam states 90 more).
     assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 3 * 2**30
-    assert "plan for 8 node(s) x 8 A100 SXM 80GB (64 ranks, data parallel): 8,030,261,248 parameters" in done.stdout
-    table = pd.read_csv(tmp_path / "autotuning_results" / "plan.csv")
+    assert ("plan for 8 node(s) x 8 A100 SXM 80GB (64 ranks; tensor parallel 1, 8, data parallel over the rest): "
+            "8,030,261,248 parameters") in done.stdout
+    everything = pd.read_csv(tmp_path / "autotuning_results" / "plan.csv")
+    table = everything[everything["tp"] == 1]
     needed = {"name", "zero_stage", "tp", "pp", "micro_batch_size", "gradient_accumulation_steps",
               "activation_checkpointing", "fits", "predicted_memory_bytes", "predicted_step_s", "predicted_samples_per_s"}
     assert needed <= set(table.columns)
     assert len(table) == 3 * 3  # ZeRO 1-3 x the three checkpointing policies, micro-batch 1 x gas 1 on 64 ranks
-    assert set(table["train_batch_size"]) == {64} and set(table["tp"]) == {1} and set(table["pp"]) == {1}
+    assert set(everything["train_batch_size"]) == {64} and set(everything["pp"]) == {1}
     memory = table.set_index("name")["predicted_memory_bytes"]
     for policy in ("", "_acselective", "_acfull"):  # ZeRO shards more at each stage
         assert memory[f"z1{policy}_gas1_mbs1"] > memory[f"z2{policy}_gas1_mbs1"] > memory[f"z3{policy}_gas1_mbs1"]
@@ -55,9 +58,19 @@ def test_an_8b_llama_is_planned_for_64_a100s_on_this_machine_with_nothing_materi
         assert steps["none"] < steps["selective"] < steps["full"]
     assert (table["fits"] == (table["predicted_memory_bytes"] <= 0.9 * A100["memory_bytes"])).all()
     assert not table.set_index("name")["fits"]["z1_gas1_mbs1"]  # 8B at sequence 8192, whole activations: no
-    picked = table[table["picked"]]
+    # Tensor parallel 8 inside each node, data parallel 8 across: the global batch held by gas 8; each
+    # rank holds an eighth of the split Linears, so less than at degree 1, and waits on the all-reduces.
+    eight = everything[everything["tp"] == 8].set_index("name")
+    assert len(eight) == 9 and set(eight["gradient_accumulation_steps"]) == {8}
+    for stage in (1, 2, 3):
+        for policy in ("", "_acselective"):
+            at_one = table.set_index("name").loc[f"z{stage}{policy}_gas1_mbs1"]
+            at_eight = eight.loc[f"z{stage}_tp8{policy}_gas8_mbs1"]
+            assert at_eight["predicted_memory_bytes"] < at_one["predicted_memory_bytes"]
+            assert at_eight["predicted_samples_per_s"] < at_one["predicted_samples_per_s"]
+    picked = everything[everything["picked"]]
     assert len(picked) == 1 and bool(picked.iloc[0]["fits"])
-    assert picked.iloc[0]["predicted_samples_per_s"] == table[table["fits"]]["predicted_samples_per_s"].max()
+    assert picked.iloc[0]["predicted_samples_per_s"] == everything[everything["fits"]]["predicted_samples_per_s"].max()
     # Compute-bound at these links: 40-60% of the peak, as torchtitan's FSDP2 rows run (51-61%).
     assert 0.35 < float(picked.iloc[0]["predicted_mfu"]) < 0.65
     assert f"predicted pick: {picked.iloc[0]['name']}" in done.stdout
@@ -69,8 +82,11 @@ def test_what_a_hardware_plan_cannot_take_is_refused_in_one_line(tmp_path):
     cases = {
         "spec_missing_a_field": (dict(spec=missing), "spec.json: memory_bandwidth: missing; a hardware spec needs"),
         "more_ranks_than_a_node_holds": (dict(ranks=16), "--nproc_per_node 16: A100 SXM 80GB nodes hold 8 accelerators"),
-        "tensor_parallel": (dict(ds={**DS, "tensor_parallel": {"autotp_size": 2}}),
-                            "tensor_parallel: --hardware plans data-parallel layouts (ZeRO 0-3) only so far"),
+        "degree_across_nodes": (dict(ds={**DS, "tensor_parallel": {"autotp_size": [16]}}),
+                                "tensor_parallel.autotp_size: 16 does not divide --nproc_per_node 8"),
+        "degree_splits_no_heads": (dict(ds={**DS, "tensor_parallel": {"autotp_size": [1, 8]}},
+                                        script_flags=("--size", "tiny")),
+                                   "tensor_parallel.autotp_size: the model cannot be split over 8 ranks"),
         "weights_materialised": (dict(script_flags=("--size", "tiny", "--materialise")),
                                  "--hardware: parameter model.embed_tokens.weight is on cpu, not the meta device"),
     }

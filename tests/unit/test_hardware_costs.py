@@ -147,3 +147,20 @@ def test_the_census_counts_torchs_flops_fuses_attention_and_marks_the_blocks(dev
     first = next(r for r in census.records if r.op == "aten.mm")
     assert first.bytes == 4 * (6 * 16 + 16 * 16 + 6 * 16)  # input, weight and output read and written once
     assert all(r.bytes == 0 for r in census.records if r.op in ("aten.view", "aten.transpose", "aten.t"))
+
+
+def test_tensor_parallel_divides_the_split_share_and_waits_on_its_all_reduces_inside_the_node():
+    from autotuner.tuning.models.hardware_step import TensorParallel
+
+    spec = parse_hardware(SPEC, "spec")
+    records = [OpRecord("aten.mm", 312e12, 0.0, "forward"), OpRecord("aten.mm", 2 * 312e12, 0.0, "backward")]
+    n, split = 1_000_000_000, 800_000_000
+    tp = TensorParallel(degree=4, split_params=split, flop_share=0.9, row_layers=10, row_output_bytes=10 * 2**20)
+    got = step_prediction(records, n, 64, 3, 1, 4096, "none", spec, 1.0, tp)
+    each = collective_seconds("all_reduce", 2**20, Group(4, 4), spec)  # one row-wise output, inside a node
+    assert got.compute_s == pytest.approx(3.0 * (0.1 + 0.9 / 4) + 2 * 10 * each)
+    held = n - split + split // 4  # the rest whole, the split Linears a quarter
+    dp = Group(16, 2)  # 16 replicas, 2 of them on each node of 8
+    assert got.communication_s == pytest.approx(2 * collective_seconds("all_gather", 2 * held, dp, spec)
+                                                + collective_seconds("reduce_scatter", 4 * held, dp, spec))
+    assert got.tokens_per_s_per_rank == pytest.approx(4096 / 4 / got.step_s)  # a replica's batch over its 4 ranks

@@ -14,6 +14,7 @@ the plan would otherwise hold this machine's memory to a model the hardware hold
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -26,6 +27,11 @@ from autotuner.core.errors import ConfigError, UnsupportedError
 
 RECORD_ENV = "AUTOTUNER_CENSUS_RECORD"
 WORLD_ENV = "AUTOTUNER_CENSUS_WORLD"
+DEGREES_ENV = "AUTOTUNER_CENSUS_DEGREES"  # tensor-parallel degrees the plan asks about, comma-separated
+
+
+def census_degrees() -> tuple[int, ...]:
+    return tuple(int(d) for d in os.environ.get(DEGREES_ENV, "").split(",") if d.strip())
 
 
 def census_requested() -> bool:
@@ -35,7 +41,8 @@ def census_requested() -> bool:
 class CensusEngine:
     """What `initialize` returns in a plan's census: forward, backward and step counted, once."""
 
-    def __init__(self, module: nn.Module, blocks: list[nn.Module], micro_batch_size: int, record_path: str):
+    def __init__(self, module: nn.Module, blocks: list[nn.Module], micro_batch_size: int, record_path: str,
+                 styles: tuple[tuple[str, str], ...] = (), degrees: tuple[int, ...] = ()):
         from autotuner.runtime.measure.op_census import OpCensus
         from autotuner.runtime.measure.profile import ActivationProbe
 
@@ -45,6 +52,9 @@ class CensusEngine:
         self._record_path = record_path
         self._census = OpCensus(blocks)
         self._probe = ActivationProbe(list(module.parameters()), blocks=blocks, model=module)
+        if styles:  # what a tensor-parallel plan would split, counted at degree 1 (as a profile's probe does)
+            self._probe.watch_split_regions(module, styles)
+        self._degrees = degrees
         self._blocks = len(blocks)
         self._forwards = 0
 
@@ -79,6 +89,8 @@ class CensusEngine:
                   "sequence_length": self._probe.sequence_length,
                   "activation_bytes": self._probe.bytes_saved,
                   "activation_bytes_by_policy": self._probe.bytes_by_policy(),
+                  "split": dataclasses.asdict(self._probe.split_regions()) if self._degrees else {},
+                  "degrees": list(self._degrees),
                   "records": [[r.op, r.flops, r.bytes, r.phase, r.block] for r in self._census.records]}
         Path(self._record_path).write_text(json.dumps(record))
         raise SystemExit(0)
@@ -127,13 +139,16 @@ def _to_meta(value: Any) -> Any:
 
 
 def census_initialize(model: nn.Module, blocks: list[nn.Module], micro_batch_size: int, training_data: Any,
-                      collate_fn: Any) -> tuple:
+                      collate_fn: Any, styles: tuple[tuple[str, str], ...] = (), degrees: tuple[int, ...] = ()
+                      ) -> tuple:
     """initialize's return under a census: (engine, None, a loader over training_data, None);
-    `blocks`: the model's repeated blocks (what checkpointing recomputes, FSDP2 shards)."""
+    `blocks`: the model's repeated blocks (what checkpointing recomputes, FSDP2 shards); `styles`
+    and `degrees`: the tensor-parallel plan's Linears and the degrees of those asked it can take."""
     off = next(((name, p.device) for name, p in model.named_parameters() if p.device.type != "meta"), None)
     if off is not None:
         raise ConfigError(f"--hardware: parameter {off[0]} is on {off[1]}, not the meta device: the plan runs the "
                           "script with torch's default device set to meta so nothing is allocated; build the model "
                           "from its config (no weights loaded, no .to(device)) before initialize")
     loader = _CensusLoader(training_data, micro_batch_size, collate_fn) if training_data is not None else None
-    return CensusEngine(model, blocks, micro_batch_size, os.environ[RECORD_ENV]), None, loader, None
+    engine = CensusEngine(model, blocks, micro_batch_size, os.environ[RECORD_ENV], styles, degrees)
+    return engine, None, loader, None

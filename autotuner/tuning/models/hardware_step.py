@@ -41,14 +41,44 @@ class StepPrediction:
     model_flops_utilization: float  # the census' FLOPs without recompute, over the step and the peak
 
 
+@dataclass(frozen=True)
+class TensorParallel:
+    """A degree k and what its plan splits, counted at degree 1 (runtime/measure/profile.py
+    SplitRegions): the split Linears' parameters (whole), the share of the forward's FLOPs in the
+    split regions, and the row-wise layers with their outputs' bytes on one micro-batch."""
+
+    degree: int = 1
+    split_params: int = 0
+    flop_share: float = 0.0
+    row_layers: int = 0
+    row_output_bytes: float = 0.0  # all the row-wise layers' outputs together
+
+    def params_per_rank(self, num_params: int) -> int:
+        return num_params - self.split_params + -(-self.split_params // max(1, self.degree))
+
+
 def step_prediction(records: Sequence[OpRecord], num_params: int, world_size: int, zero_stage: int,
                     gradient_accumulation_steps: int, tokens_per_micro_step: int, policy: str,
-                    spec: HardwareSpec, compute_efficiency: float) -> StepPrediction:
+                    spec: HardwareSpec, compute_efficiency: float,
+                    tensor_parallel: TensorParallel = TensorParallel()) -> StepPrediction:
     """One optimizer step of `gradient_accumulation_steps` micro-steps, each the census' `records`
-    (one rank's micro-batch of `tokens_per_micro_step` tokens), data parallel over `world_size` ranks."""
+    (one rank's micro-batch of `tokens_per_micro_step` tokens), over `world_size` ranks: data
+    parallel over world / k of them, each model split over k neighbours by `tensor_parallel`.
+    At degree k a rank runs the split regions' share of each operator's cost over k and the rest
+    whole (the census' operators scaled by 1 - s + s / k: a matmul's backward costs in proportion
+    to its forward), and waits each micro-step on 2 all-reduces a row-wise layer (its output in
+    the forward, its column-wise input's gradient in the backward) over the node's link, on the
+    critical path."""
     roofline = Roofline(spec.peak_bf16_flops, spec.memory_bandwidth, compute_efficiency)
-    compute = step_compute_seconds(records, policy, roofline)
-    group = group_of(world_size, 1, spec)
+    tp = tensor_parallel
+    k = max(1, tp.degree)
+    compute = step_compute_seconds(records, policy, roofline) * (1 - tp.flop_share + tp.flop_share / k)
+    if k > 1 and tp.row_layers:
+        each = collective_seconds("all_reduce", tp.row_output_bytes / tp.row_layers, group_of(k, 1, spec), spec)
+        compute += 2 * tp.row_layers * each
+    num_params = tp.params_per_rank(num_params)
+    world_size = max(1, world_size // k)
+    group = group_of(world_size, k, spec)
     gas = gradient_accumulation_steps
     gather = collective_seconds("all_gather", BF16 * num_params, group, spec)
     scatter = collective_seconds("reduce_scatter", FP32 * num_params, group, spec)
@@ -67,7 +97,7 @@ def step_prediction(records: Sequence[OpRecord], num_params: int, world_size: in
     local = num_params / world_size if zero_stage >= 1 else num_params
     optimizer = local * ADAM_BYTES_PER_PARAMETER / spec.memory_bandwidth
     step = micro_steps + after + optimizer
-    tokens = tokens_per_micro_step * gas
-    model_flops = sum(r.flops for r in records) * gas
+    tokens = tokens_per_micro_step * gas / k  # a replica's micro-batch is shared by its k ranks
+    model_flops = sum(r.flops for r in records) * gas / k
     return StepPrediction(step, compute, communication, optimizer, tokens / step,
                           model_flops / (step * spec.peak_bf16_flops))
