@@ -1,6 +1,6 @@
 """A Llama built from its config and trained DeepSpeed's way (forward, backward, step), on our engine:
 what `--autotuning plan --hardware` runs on the meta device. --size picks the published config
-(8b: Llama 3 8B) or a small one for real CPU runs (tiny)."""
+(8b, 70b: Llama 3's) or a small one for real CPU runs (tiny)."""
 import argparse
 
 import torch
@@ -10,6 +10,8 @@ import autotuner as deepspeed
 
 SIZES = {"8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                     num_attention_heads=32, num_key_value_heads=8),
+         "70b": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                     num_attention_heads=64, num_key_value_heads=8),
          "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)}
 
