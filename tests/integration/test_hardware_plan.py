@@ -5,13 +5,14 @@ data-parallel candidate; bad input refused in one line, exit 2, before any censu
 
 from __future__ import annotations
 
-import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from conftest import WORKERS, run_launcher, write_json
+from conftest import WORKERS, launcher_env, run_launcher, write_json
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -33,12 +34,23 @@ def plan(out: Path, *flags: str, spec=A100, ds=DS, nodes: int = 8, ranks: int = 
                         "--deepspeed", write_json(out / "ds.json", ds), cwd=out, timeout=240)
 
 
+# The launcher run under a parent of its own, which reports the largest resident set of the
+# processes beneath it (pytest's own children include every earlier test's).
+WATCHED = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+           "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, file=sys.stderr); "
+           "sys.exit(done.returncode)")
+
+
 def test_an_8b_llama_is_planned_for_64_a100s_on_this_machine_with_nothing_materialised(tmp_path):
-    done = plan(tmp_path)
+    out = tmp_path
+    done = subprocess.run([sys.executable, "-c", WATCHED, sys.executable, "-m", "autotuner", "--autotuning", "plan",
+                           "--hardware", write_json(out / "spec.json", A100), "--num_nodes", "8", "--nproc_per_node",
+                           "8", SCRIPT, "--size", "8b", "--seq", "8192", "--deepspeed", write_json(out / "ds.json", DS)],
+                          cwd=out, env=launcher_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     # Two censuses of an 8B model ran beneath: no process held more than a few GiB (8B bf16 weights
     # alone would be 15 GiB, their fp32 Adam states 90 more).
-    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024 < 3 * 2**30
+    assert int(done.stderr.strip().splitlines()[-1]) < 3 * 2**30, done.stderr[-2000:]
     assert ("plan for 8 node(s) x 8 A100 SXM 80GB (64 ranks; tensor parallel 1, 8, data parallel over the rest): "
             "8,030,261,248 parameters") in done.stdout
     everything = pd.read_csv(tmp_path / "autotuning_results" / "plan.csv")
