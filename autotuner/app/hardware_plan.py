@@ -127,6 +127,24 @@ def _records_at(one: Census, two: Census, micro: int) -> list:
     return out
 
 
+def _check_costed(config, source: str) -> None:
+    """What would train differently from what the plan costs is refused, never left unused: CPU
+    offload (not costed), an optimizer other than Adam's two fp32 moments, fp32 compute (the spec
+    gives a bf16 peak)."""
+    zero = config.zero_optimization
+    for name in ("offload_optimizer", "offload_param"):
+        section = getattr(zero, name)
+        if section is not None and section.device != "none":
+            raise ConfigError(f"{source}: zero_optimization.{name}.device {section.device!r}: --hardware does not cost "
+                              "CPU offload yet; leave it out (or \"none\") to plan")
+    if config.optimizer is not None and config.optimizer.type.lower() not in ("adam", "adamw"):
+        raise ConfigError(f"{source}: optimizer.type {config.optimizer.type}: --hardware costs Adam's and AdamW's "
+                          "states and step only so far")
+    if config.precision == "fp32":
+        raise ConfigError(f"{source}: bf16.enabled false: --hardware costs bf16 (or fp16) compute against the spec's "
+                          "bf16 peak; enable bf16 to plan")
+
+
 def _degrees(config, nproc_per_node: int, source: str) -> tuple[int, ...]:
     """The tensor-parallel degrees to plan, inside a node: "auto" every divisor of the ranks a
     node, a list those listed, a number that one; 1 where the config sets none."""
@@ -157,6 +175,7 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
                          "script")
     config = load_config(given).with_device_precision(bf16_supported=True)  # (a spec gives its bf16 peak)
     source = str(given)
+    _check_costed(config, source)
     degrees = _degrees(config, nproc_per_node, source)
     from autotuner.tuning.space.config_space import search_space
 

@@ -99,6 +99,11 @@ def test_what_a_hardware_plan_cannot_take_is_refused_in_one_line(tmp_path):
         "degree_splits_no_heads": (dict(ds={**DS, "tensor_parallel": {"autotp_size": [1, 8]}},
                                         script_flags=("--size", "tiny")),
                                    "tensor_parallel.autotp_size: the model cannot be split over 8 ranks"),
+        "offload_not_costed": (dict(ds={**DS, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}),
+                               "zero_optimization.offload_optimizer.device 'cpu': --hardware does not cost CPU offload"),
+        "sgd_not_costed": (dict(ds={**DS, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}),
+                           "optimizer.type SGD: --hardware costs Adam's and AdamW's states and step only"),
+        "fp32_compute": (dict(ds={**DS, "bf16": {"enabled": False}}), "bf16.enabled false: --hardware costs bf16"),
         "weights_materialised": (dict(script_flags=("--size", "tiny", "--materialise")),
                                  "--hardware: parameter model.embed_tokens.weight is on cpu, not the meta device"),
     }

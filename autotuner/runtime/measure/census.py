@@ -42,11 +42,12 @@ class CensusEngine:
     """What `initialize` returns in a plan's census: forward, backward and step counted, once."""
 
     def __init__(self, module: nn.Module, blocks: list[nn.Module], micro_batch_size: int, record_path: str,
-                 styles: tuple[tuple[str, str], ...] = (), degrees: tuple[int, ...] = ()):
+                 styles: tuple[tuple[str, str], ...] = (), degrees: tuple[int, ...] = (),
+                 dtype: torch.dtype | None = None):
         from autotuner.runtime.measure.op_census import OpCensus
         from autotuner.runtime.measure.profile import ActivationProbe
 
-        self.module = module
+        self.module = module.to(dtype) if dtype is not None else module  # (free on the meta device)
         self.device = torch.device("meta")
         self._micro_batch_size = micro_batch_size
         self._record_path = record_path
@@ -139,16 +140,17 @@ def _to_meta(value: Any) -> Any:
 
 
 def census_initialize(model: nn.Module, blocks: list[nn.Module], micro_batch_size: int, training_data: Any,
-                      collate_fn: Any, styles: tuple[tuple[str, str], ...] = (), degrees: tuple[int, ...] = ()
-                      ) -> tuple:
+                      collate_fn: Any, styles: tuple[tuple[str, str], ...] = (), degrees: tuple[int, ...] = (),
+                      dtype: torch.dtype | None = None) -> tuple:
     """initialize's return under a census: (engine, None, a loader over training_data, None);
     `blocks`: the model's repeated blocks (what checkpointing recomputes, FSDP2 shards); `styles`
-    and `degrees`: the tensor-parallel plan's Linears and the degrees of those asked it can take."""
+    and `degrees`: the tensor-parallel plan's Linears and the degrees of those asked it can take;
+    `dtype`: the compute precision the model is counted in (the engine's bf16 or fp16 copy)."""
     off = next(((name, p.device) for name, p in model.named_parameters() if p.device.type != "meta"), None)
     if off is not None:
         raise ConfigError(f"--hardware: parameter {off[0]} is on {off[1]}, not the meta device: the plan runs the "
                           "script with torch's default device set to meta so nothing is allocated; build the model "
                           "from its config (no weights loaded, no .to(device)) before initialize")
     loader = _CensusLoader(training_data, micro_batch_size, collate_fn) if training_data is not None else None
-    engine = CensusEngine(model, blocks, micro_batch_size, os.environ[RECORD_ENV], styles, degrees)
+    engine = CensusEngine(model, blocks, micro_batch_size, os.environ[RECORD_ENV], styles, degrees, dtype)
     return engine, None, loader, None
