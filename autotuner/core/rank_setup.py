@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from autotuner.core.errors import ERROR_DIR_ENV
 
 if TYPE_CHECKING:
-    from autotuner.core.boundary import RankError
+    from autotuner.core.launch_records import RankError
 
 QUIET_ERRORS_ENV = "AUTOTUNER_QUIET_ERRORS"  # our errors exit as one line (unset under --debug)
 CONFIG_CHECKED_ENV = "AUTOTUNER_CONFIG_CHECKED"
@@ -83,7 +83,8 @@ def install_rank_excepthook() -> None:
     quiet = os.environ.get(QUIET_ERRORS_ENV) == "1"
 
     def hook(kind, err, traceback):
-        from autotuner.core.boundary import RankError, error_message, write_record
+        from autotuner.core.boundary import write_record
+        from autotuner.core.launch_records import RankError, error_message
         from autotuner.core.errors import AutotunerError
 
         ours = isinstance(err, AutotunerError)
@@ -111,7 +112,7 @@ def install_rank_excepthook() -> None:
 
 def read_rank_error(directory: str | os.PathLike, rank: int | None) -> RankError | None:
     """The error `rank` recorded, else the earliest one, else None."""
-    from autotuner.core.boundary import rank_errors
+    from autotuner.core.launch_records import rank_errors
 
     errors = rank_errors(directory)
     own = [error for error in errors if error.rank == rank]

@@ -9,7 +9,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autotuner.core.atomic import write_json_atomic
-from autotuner.core.boundary import LaunchReport, write_record
+from autotuner.core.boundary import write_record
+from autotuner.core.launch_records import LaunchReport
 from autotuner.execution.placement import Placement
 from autotuner.execution.ray_worker import TOKEN_FILE, RankOutcome
 from autotuner.execution.trial_launch import judge

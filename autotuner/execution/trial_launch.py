@@ -16,8 +16,9 @@ import signal
 from pathlib import Path
 
 from autotuner.core.atomic import write_json_atomic
-from autotuner.core.boundary import (DIST_TIMEOUT_ENV, REQUEST_ENV, LaunchReport, Measurement, ModelInfo, RecordError,
+from autotuner.core.boundary import (DIST_TIMEOUT_ENV, REQUEST_ENV, Measurement, ModelInfo, RecordError,
                                      read_record, write_record)
+from autotuner.core.launch_records import LaunchReport
 from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
 from autotuner.launch.options import LaunchOptions
 from autotuner.launch.script_args import replace_config

@@ -25,7 +25,8 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from autotuner.core.boundary import ERROR_DIR_ENV, LaunchReport, write_record
+from autotuner.core.boundary import ERROR_DIR_ENV, write_record
+from autotuner.core.launch_records import LaunchReport
 from autotuner.core.boundary import WARM_PRELOAD_ENV as PRELOAD_ENV
 from autotuner.execution.cold import ColdRunner
 from autotuner.execution.forkserver import Forkserver, WarmStartBroken

@@ -19,7 +19,8 @@ from autotuner.launch.rank_groups import children_groups_ended
 from autotuner.launch.stopping import (GRACE_S, Stopped, install_stop_handlers, make_temporary_dir,
                                        remove_temporary_dir)
 from autotuner.core.parent_death import LAUNCHED_BY_PID_ENV
-from autotuner.core.boundary import ERROR_DIR_ENV, LaunchReport, rank_errors, write_record
+from autotuner.core.boundary import ERROR_DIR_ENV, write_record
+from autotuner.core.launch_records import LaunchReport, rank_errors
 from autotuner.core.rank_setup import QUIET_ERRORS_ENV, read_rank_error
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-from autotuner.core.boundary import ERROR_DIR_ENV, RankError, error_message, write_record
+from autotuner.core.boundary import ERROR_DIR_ENV, write_record
+from autotuner.core.launch_records import RankError, error_message
 from autotuner.core.parent_death import die_with_parent
 from autotuner.core.rank_setup import QUIET_ERRORS_ENV, setup_rank
 from autotuner.launch.accelerate_launch import accelerate_rank_args, cpu_world_for_accelerate, trains_through_accelerate

@@ -239,7 +239,7 @@ def test_engine_boundary_override_and_pipeline_batches(tmp_path):
 
 
 def test_a_ranks_multi_line_error_keeps_every_line_bounded():
-    from autotuner.core.boundary import MESSAGE_LIMIT, error_message
+    from autotuner.core.launch_records import MESSAGE_LIMIT, error_message
 
     # Hugging Face's batch-size mismatch puts the useful part on an earlier line.
     hf = ("Please correct the following DeepSpeed config values that mismatch TrainingArguments values:\n"

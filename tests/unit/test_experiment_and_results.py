@@ -17,7 +17,8 @@ from autotuner.config import load_config
 from autotuner.core.errors import ConfigError
 from autotuner.tuning.space.config_space import base_config, search_space
 from autotuner.tuning.space.dimensions import full_mode_values
-from autotuner.core.boundary import LaunchReport, Measurement, RankError, write_record
+from autotuner.core.boundary import Measurement, write_record
+from autotuner.core.launch_records import LaunchReport, RankError
 from autotuner.launch.elastic import failure_report
 from autotuner.launch.options import RankFlags
 from autotuner.tuning.trials.trial import ExperimentSettings, Trial, config_value, experiment_config, mapped_script_args
