@@ -151,6 +151,9 @@ class AutotuningConfig(Section):
         None, description="ours: the optimizer steps the training will run; each experiment is then scored by the "
                           "time to run them, one-off costs (compiling) included; unset: the script's --max_steps "
                           "when it has one, else the steady metric alone")
+    bound_layouts: bool = Field(True, description="ours: a tensor-parallel degree whose bound from degree 1's launches "
+                                                  "cannot beat degree 1's best is not profiled; false profiles it all "
+                                                  "the same (to hold the predictions against its launches)")
     cost_per_gpu_hour: PositiveFloat | None = Field(
         None, description="ours: the price of one device (GPU) for an hour, in your currency; the summary then gives "
                           "the planned run's price at the pick and the runner-up beside its device-hours")

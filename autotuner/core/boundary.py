@@ -275,6 +275,62 @@ class CollectiveTiming:
         return cls(str(data["op"]), int(data["bytes"]), float(data["seconds"]), int(data.get("group_size", 0)))
 
 
+SPLIT_LAYER_STYLES = ("colwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class SplitLayerTiming:
+    """One tensor-parallel Linear's forward and backward, timed in a profile launch at degree 1 on
+    tensor parallelism's groups at `degree` (runtime/measure/split_layer_probe.py): what a split
+    layer costs beyond the same layer unsplit, which the launches at degree 1 cannot see (DTensor's
+    dispatch per op, the layer's one all-reduce at a small size). `seconds` and `plain_seconds`:
+    the median over repeats of the slowest rank's time of a forward and backward, for the split
+    layer and for an unsplit one of its local shape; `all_reduce_bytes`: what the split layer's
+    all-reduce carried (a column layer's input gradient in the backward, a row layer's output in
+    the forward); `step_seconds` and `plain_step_seconds`: their parameters' optimizer step."""
+
+    style: str
+    degree: int
+    seconds: float
+    plain_seconds: float
+    all_reduce_bytes: int
+    step_seconds: float
+    plain_step_seconds: float
+
+    def __post_init__(self) -> None:
+        if self.style not in SPLIT_LAYER_STYLES:
+            raise RecordError(f"split layer timing: unknown style {self.style!r}; known: {', '.join(SPLIT_LAYER_STYLES)}")
+        if self.degree < 2 or self.all_reduce_bytes <= 0:
+            raise RecordError(f"split layer timing of {self.style}: degree must be >= 2 and all_reduce_bytes > 0, "
+                              f"not {self.degree} and {self.all_reduce_bytes}")
+        for name in ("seconds", "plain_seconds", "step_seconds", "plain_step_seconds"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise RecordError(f"split layer timing of {self.style}: {name} must be finite and > 0, not {value}")
+
+    @property
+    def extra_s(self) -> float:
+        """What splitting adds to the layer's forward and backward, at the probe's small size (never below 0)."""
+        return max(0.0, self.seconds - self.plain_seconds)
+
+    @property
+    def step_extra_s(self) -> float:
+        """What splitting adds to its parameters' optimizer step (never below 0)."""
+        return max(0.0, self.step_seconds - self.plain_step_seconds)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "SplitLayerTiming":
+        keys = ("style", "degree", "seconds", "plain_seconds", "all_reduce_bytes", "step_seconds", "plain_step_seconds")
+        missing = [key for key in keys if key not in data]
+        if missing:
+            raise RecordError(f"split layer timing without {', '.join(repr(key) for key in missing)}")
+        return cls(str(data["style"]), int(data["degree"]), float(data["seconds"]), float(data["plain_seconds"]),
+                   int(data["all_reduce_bytes"]), float(data["step_seconds"]), float(data["plain_step_seconds"]))
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """The profile one launch took after its first optimizer step (its second on CUDA).
@@ -327,6 +383,10 @@ class ModelInfo:
     # output is all-reduced over the k ranks, and its column-wise input's gradient in the backward.
     split_row_layers: int = 0
     split_row_output_bytes: int = 0
+    # The column-wise layers that forward ran (each all-reduces its input's gradient at degree k),
+    # and each split layer style timed on each degree's groups (the probe's, at degree 1).
+    split_col_layers: int = 0
+    split_layer_timings: tuple[SplitLayerTiming, ...] = ()
     # The measured engine's model class: where a script builds several engines, the one the tuned
     # values are for (our engine: the first built with an optimizer; DeepSpeed's: the first built).
     measured_model: str = ""
@@ -351,6 +411,7 @@ class ModelInfo:
             data[key] = list(data[key])
         data["activation_bytes_by_policy"] = dict(self.activation_bytes_by_policy)
         data["collective_timings"] = [timing.to_json() for timing in self.collective_timings]
+        data["split_layer_timings"] = [timing.to_json() for timing in self.split_layer_timings]
         return data
 
     @classmethod
@@ -362,6 +423,8 @@ class ModelInfo:
                 values[key] = tuple(int(v) for v in values.get(key) or ())
             values["collective_timings"] = tuple(
                 CollectiveTiming.from_json(item) for item in values.get("collective_timings") or ())
+            values["split_layer_timings"] = tuple(
+                SplitLayerTiming.from_json(item) for item in values.get("split_layer_timings") or ())
             values["activation_bytes_by_policy"] = tuple(
                 (str(policy), int(size)) for policy, size in sorted((values.get("activation_bytes_by_policy") or {}).items()))
             values["engine"] = _engine(values.get("engine", Engine.OURS), "model info")

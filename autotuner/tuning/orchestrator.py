@@ -257,7 +257,8 @@ class Autotuner:
                      and o.layout.pipeline == layout.pipeline), None)
 
     def _bound_line(self, layout: Layout, before: tuple[LayoutOutcome, ...]) -> tuple[bool, str] | None:
-        """Before a degree's profile: (whether it cannot win, the summary's line), from degree 1's
+        """Before a degree's profile: (whether to skip it: it cannot win and the config lets the bound
+        decide, the summary's line), from degree 1's
         launches (searches/degree_bound.py); None where they cannot say (another metric, no split
         measured, fewer than two micro-batch sizes timed)."""
         one = self._degree_one(layout, before)
@@ -269,7 +270,8 @@ class Autotuner:
         if bound is None:
             return None
         dp = space.data_parallel_size
-        return bound.cannot_win, f"layout: {layout.text()} x data parallel {dp}: {bound.line(layout, one.layout)}"
+        skip = bound.cannot_win and self.job.config.autotuning.bound_layouts
+        return skip, f"layout: {layout.text()} x data parallel {dp}: {bound.line(layout, one.layout, skip)}"
 
     def profile_phase(self, layout: Layout) -> ProfilePhase:
         """The profile phase at one layout (the config's, where the layout is not searched): its

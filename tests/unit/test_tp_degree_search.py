@@ -202,7 +202,7 @@ def _timed(trial, seconds_per_micro_step, throughput):
                        predicted_memory_bytes=trial.predicted_memory_bytes, measured_memory_bytes=200 * MiB)
 
 
-def _bounded_search(tmp_path, split_flop_share, **probed):
+def _bounded_search(tmp_path, split_flop_share, bound_layouts=True, **probed):
     """Degree 1 on 4 ranks: forward + backward 10 ms a micro-step plus 10 ms a sample, 30 ms more a
     step; its best micro-batch 4 at 16 / 0.08 s. Degree 2 would run 1.3x degree 1's samples/s."""
     import dataclasses
@@ -210,6 +210,7 @@ def _bounded_search(tmp_path, split_flop_share, **probed):
     from fakes import model_info
 
     config = tp_config([1, 2])
+    config = config.model_copy(update={"autotuning": config.autotuning.model_copy(update={"bound_layouts": bound_layouts})})
     settings = experiment_settings(config, nproc_per_node=4, data_parallel_size=4)
 
     def answer(trial):
@@ -239,8 +240,8 @@ def test_a_degree_whose_bound_from_degree_1_cannot_beat_its_best_is_never_launch
     assert outcome.best.experiment.tensor_parallel == 1
     assert ("layout: tensor parallel 2 x data parallel 2: not profiled (cannot win: at most 181.8 samples/s from "
             "tensor parallel 1's launches at micro-batch 4 (30.0% of the forward's FLOPs split 2 ways, forward and "
-            "backward 10 ms a micro-step + 10 ms a sample, its all-reduces 0 ms a micro-step at the fastest probed; its "
-            "optimizer step left out), against 200 measured at z0_tp1_gas1_mbs4)") in outcome.summary
+            "backward 10 ms a micro-step + 10 ms a sample, its split layers' dispatch and all-reduces 0 ms a micro-step "
+            "as probed; its optimizer step left out), against 200 measured at z0_tp1_gas1_mbs4)") in outcome.summary
 
 
 def test_a_degree_whose_bound_could_win_is_profiled_searched_and_wins(tmp_path):
@@ -261,7 +262,35 @@ def test_a_degree_whose_all_reduces_alone_make_it_slower_is_never_launched(tmp_p
     assert not [t for t in runner.trials if t.experiment.tensor_parallel == 2]
     assert ("not profiled (cannot win: at most 170.2 samples/s from tensor parallel 1's launches at micro-batch 4 "
             "(95.0% of the forward's FLOPs split 2 ways, forward and backward 10 ms a micro-step + 10 ms a sample, its "
-            "all-reduces 16 ms a micro-step at the fastest probed;") in outcome.summary
+            "split layers' dispatch and all-reduces 16 ms a micro-step as probed;") in outcome.summary
+
+
+def test_a_degree_whose_split_layers_dispatch_makes_it_slower_is_never_launched(tmp_path):
+    # The probe timed a split column layer 3 ms over the same layer unsplit and a row layer 2 ms on the
+    # pairs; 4 column and 2 row layers a micro-step add 16 ms, as the all-reduces alone did above. The
+    # all_reduce floor (1 ms) is not counted again: the split layers' own timing holds it.
+    from autotuner.core.boundary import CollectiveTiming, SplitLayerTiming
+
+    pairs = (CollectiveTiming("all_reduce", 2**12, 1e-3, 2),)
+    split = tuple(SplitLayerTiming(style, degree, seconds, 0.5e-3, 1024, 1e-3, 1e-3)
+                  for style, degree, seconds in (("colwise", 2, 3.5e-3), ("rowwise", 2, 2.5e-3), ("colwise", 4, 9e-3),
+                                                 ("rowwise", 4, 9e-3)))
+    runner, outcome = _bounded_search(tmp_path, 0.95, split_row_layers=2, split_col_layers=4, collective_timings=pairs,
+                                      split_layer_timings=split)
+    assert not [t for t in runner.trials if t.experiment.tensor_parallel == 2]
+    assert ("not profiled (cannot win: at most 170.2 samples/s from tensor parallel 1's launches at micro-batch 4 "
+            "(95.0% of the forward's FLOPs split 2 ways, forward and backward 10 ms a micro-step + 10 ms a sample, its "
+            "split layers' dispatch and all-reduces 16 ms a micro-step as probed;") in outcome.summary
+
+
+def test_with_bound_layouts_false_a_degree_that_cannot_win_is_profiled_all_the_same(tmp_path):
+    # The fake runs degree 2 1.3x faster than degree 1, beyond what its 30% split share allows: profiled
+    # all the same, its launches measure it, and it wins.
+    runner, outcome = _bounded_search(tmp_path, 0.3, bound_layouts=False)
+    assert [t for t in runner.trials if t.experiment.tensor_parallel == 2 and t.profile]
+    assert outcome.best.experiment.tensor_parallel == 2
+    assert ("layout: tensor parallel 2 x data parallel 2: profiled all the same, autotuning.bound_layouts false "
+            "(cannot win: at most 181.8 samples/s") in outcome.summary
 
 
 def test_the_bound_needs_two_timed_micro_batch_sizes_and_takes_no_cost_per_sample_below_zero():

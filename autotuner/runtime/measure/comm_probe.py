@@ -66,7 +66,7 @@ def probe_collectives(device: torch.device, group: Any = None, sizes_bytes: tupl
             if op not in ops:
                 continue
             timed.append((op, numel * FP32_BYTES))
-            local.append([_time_once(call, device, group) for _ in range(warmup + repeats)][warmup:])
+            local.append([time_once(call, device, group) for _ in range(warmup + repeats)][warmup:])
         del full, shard
     if not timed:
         return ()
@@ -81,23 +81,33 @@ def probe_collectives(device: torch.device, group: Any = None, sizes_bytes: tupl
 SUBGROUP_SIZES_BYTES = (2**12, 2**16, 2**20)
 
 
-def probe_subgroups(device: torch.device, sizes_bytes: tuple[int, ...] = SUBGROUP_SIZES_BYTES
-                    ) -> tuple[CollectiveTiming, ...]:
-    """all_reduce timed on groups of k consecutive ranks, every group at once, for each k > 1 that
-    divides the world, the world itself included (at these small sizes, which the whole group's
-    probe leaves out): tensor parallelism's groups at degree k (its ranks are consecutive, as
-    DeepSpeed lays them). Every rank must call it; each returns its own group's."""
+def tensor_parallel_groups() -> tuple[tuple[int, Any], ...]:
+    """(k, this rank's group of k consecutive ranks) for each k > 1 that divides the world, the
+    world itself included (as the default group, None): tensor parallelism's groups at degree k
+    (its ranks are consecutive, as DeepSpeed lays them). Every rank must call it: every rank
+    creates every group, in order."""
     world = dist.get_world_size()
     rank = dist.get_rank()
-    found: list[CollectiveTiming] = []
+    found = []
     for size in range(2, world + 1):
         if world % size:
             continue
         own = None  # the world: the default group
-        for start in range(0, world, size) if size < world else ():  # every rank creates every group, in order
+        for start in range(0, world, size) if size < world else ():
             group = dist.new_group(list(range(start, start + size)))
             if start <= rank < start + size:
                 own = group
+        found.append((size, own))
+    return tuple(found)
+
+
+def probe_subgroups(device: torch.device, sizes_bytes: tuple[int, ...] = SUBGROUP_SIZES_BYTES,
+                    groups: tuple[tuple[int, Any], ...] | None = None) -> tuple[CollectiveTiming, ...]:
+    """all_reduce timed on tensor parallelism's groups at each degree (`groups`, else
+    tensor_parallel_groups()), every group at once, at these small sizes (which the whole group's
+    probe leaves out). Every rank must call it; each returns its own group's."""
+    found: list[CollectiveTiming] = []
+    for size, own in groups if groups is not None else tensor_parallel_groups():
         # Two warm-up calls: a new group's first collective also sets up its connections.
         found += probe_collectives(device, own, sizes_bytes, warmup=2, ops=("all_reduce",), group_size=size)
     return tuple(found)
@@ -116,7 +126,7 @@ def _free_bytes_on_every_rank(device: torch.device, group: Any) -> int | None:
     return int(room.item())
 
 
-def _time_once(call: Callable[[], Any], device: torch.device, group: Any) -> float:
+def time_once(call: Callable[[], Any], device: torch.device, group: Any) -> float:
     """One call's wall time on this rank, started together with the others (a barrier)."""
     dist.barrier(group=group)
     if device.type == "cuda":

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 from autotuner.core.engine_kind import Engine
-from autotuner.core.boundary import CollectiveTiming, ModelInfo, write_record
+from autotuner.core.boundary import CollectiveTiming, ModelInfo, SplitLayerTiming, write_record
 
 
 class FlopProbe:
@@ -51,6 +51,7 @@ class SplitRegions:
     flop_share: float = 0.0
     row_layers: int = 0  # row-wise layers the forward ran: one all-reduce each at degree k, and one back
     row_output_bytes: int = 0  # their outputs' bytes on this micro-batch: what those all-reduces carry
+    col_layers: int = 0  # column-wise layers the forward ran: each all-reduces its input's gradient at degree k
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -135,6 +136,7 @@ class ActivationProbe:
         self._forward_flops = 0.0
         self._row_layers = 0
         self._row_output_bytes = 0
+        self._col_layers = 0
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
@@ -188,6 +190,8 @@ class ActivationProbe:
 
         def after(module, args, output):
             self._in_split = self._split_styles[module] == "colwise"
+            if self._in_split:
+                self._col_layers += 1
             if self._split_styles[module] == "rowwise":
                 self._close_flop_region()
                 self._row_layers += 1
@@ -209,7 +213,7 @@ class ActivationProbe:
     def split_regions(self) -> SplitRegions:
         share = self._split_flops / self._forward_flops if self._forward_flops > 0 else 0.0
         return SplitRegions(self.splittable_params, self.split_bytes, min(1.0, share), self._row_layers,
-                            self._row_output_bytes)
+                            self._row_output_bytes, self._col_layers)
 
     def _see_input(self, module, args, kwargs) -> None:
         if not self.sequence_length:
@@ -329,6 +333,8 @@ def write_model_info(
     split_flop_share: float = 0.0,
     split_row_layers: int = 0,
     split_row_output_bytes: int = 0,
+    split_col_layers: int = 0,
+    split_layer_timings: tuple[SplitLayerTiming, ...] = (),
     measured_model: str = "",
     pipeline: dict[str, Any] | None = None,
 ) -> ModelInfo:
@@ -369,6 +375,8 @@ def write_model_info(
         split_flop_share=split_flop_share,
         split_row_layers=split_row_layers,
         split_row_output_bytes=split_row_output_bytes,
+        split_col_layers=split_col_layers,
+        split_layer_timings=tuple(split_layer_timings),
         measured_model=measured_model,
         **(pipeline or {}),  # a pipeline's per-stage fields (rank_measurement.py `pipeline_fields`)
     )

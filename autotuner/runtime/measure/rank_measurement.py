@@ -12,8 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autotuner.core.boundary import CollectiveTiming, MeasurementRequest, ModelInfo, write_record
-from autotuner.runtime.measure.comm_probe import probe_collectives, probe_subgroups
+from autotuner.core.boundary import CollectiveTiming, MeasurementRequest, ModelInfo, SplitLayerTiming, write_record
+from autotuner.runtime.measure.comm_probe import probe_collectives, probe_subgroups, tensor_parallel_groups
+from autotuner.runtime.measure.split_layer_probe import probe_split_layers
 from autotuner.runtime.measure.leaving import leave_now
 from autotuner.runtime.measure.memory_probes import PhasePeaks
 from autotuner.runtime.measure.metrics import build_measurement, peak_memory_bytes, peak_reserved_bytes
@@ -146,7 +147,7 @@ class RankMeasurement:
         # step's time. So it runs here, after the peaks above, only when the ranks leave next; a
         # launch that goes on to time its window runs it once the window's figures are taken
         # (finish), and a run that just trains, never.
-        timings = self._probe() if self.request.exit_after_model_info else ()
+        timings, split_timings = self._probe() if self.request.exit_after_model_info else ((), ())
         self._probe_after_window = not self.request.exit_after_model_info and self.exit_after_window
         if view.rank == 0:
             self._model_info = write_model_info(
@@ -167,6 +168,7 @@ class RankMeasurement:
                 engines_in_process=view.engines_in_process,
                 backend=dist.get_backend() if dist.is_initialized() else None,
                 collective_timings=timings,
+                split_layer_timings=split_timings,
                 engine=view.name,
                 activation_bytes_by_policy=by_policy,
                 sequence_length=view.sequence_length(),
@@ -177,6 +179,7 @@ class RankMeasurement:
                 split_flop_share=regions.flop_share,
                 split_row_layers=regions.row_layers,
                 split_row_output_bytes=regions.row_output_bytes,
+                split_col_layers=regions.col_layers,
                 measured_model=model_class_name(view.model()),
                 pipeline=pipeline[0] if pipeline is not None else None,
             )
@@ -211,13 +214,17 @@ class RankMeasurement:
                   "pipeline_micro_batches": self.view.gradient_accumulation_steps}
         return fields, per_param
 
-    def _probe(self) -> tuple[CollectiveTiming, ...]:
+    def _probe(self) -> tuple[tuple[CollectiveTiming, ...], tuple[SplitLayerTiming, ...]]:
         # The default group: the one DDP, ZeRO-1, FSDP2 and DeepSpeed's engine run on; at degree 1,
-        # where a tensor-parallel plan would split the model, its groups at each degree too.
+        # where a tensor-parallel plan would split the model, its groups at each degree too, and
+        # a split column and row layer on each (split_layer_probe.py).
         timings = probe_collectives(self.view.device)
-        if self.view.splittable().params > 0:
-            timings += probe_subgroups(self.view.device)
-        return timings
+        split_timings: tuple[SplitLayerTiming, ...] = ()
+        if self.view.splittable().params > 0 and dist.get_world_size() > 1:
+            groups = tensor_parallel_groups()
+            timings += probe_subgroups(self.view.device, groups=groups)
+            split_timings = probe_split_layers(self.view.device, groups)
+        return timings, split_timings
 
     def write_measurement(self) -> None:
         """Rank 0 writes the window's measurement so far (collective: every rank calls it)."""
@@ -273,9 +280,10 @@ class RankMeasurement:
         if self.view.rank == 0:
             print(f"{done_line}; metrics written to {self.request.metrics_path}", flush=True)
         if self._probe_after_window:
-            timings = self._probe()
+            timings, split_timings = self._probe()
             if self.view.rank == 0 and self._model_info is not None:
-                self._model_info = dataclasses.replace(self._model_info, collective_timings=timings)
+                self._model_info = dataclasses.replace(self._model_info, collective_timings=timings,
+                                                       split_layer_timings=split_timings)
                 write_record(self.request.model_info_path, self._model_info)
         self.leave()
 

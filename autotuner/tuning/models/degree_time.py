@@ -3,28 +3,37 @@
 Degree 1's ZeRO 0 launches give a micro-step's forward + backward F(m) = a + b m (the fastest
 launch at each micro-batch, `micro_step_line`), the optimizer step, and
 what else a step takes (the data loader, the boundary's bookkeeping: the launch's step time less
-those). Its profile gives the split regions' share s of the FLOPs, the row-wise layers R a
-forward runs and their outputs' bytes, and all_reduce timed on groups of each degree
-(runtime/measure/comm_probe.py `probe_subgroups`). At degree k, micro-batch m' and gas g a
-ZeRO 0 step is predicted as
+those). Its profile gives the split regions' share s of the FLOPs, the column- and row-wise
+layers C and R a forward runs and the row layers' outputs' bytes, all_reduce timed on groups of
+each degree (runtime/measure/comm_probe.py `probe_subgroups`), and a split column and row layer
+timed on those groups against the same layers unsplit (runtime/measure/split_layer_probe.py):
+d_col and d_row, what splitting adds to a layer at a small size (DTensor's dispatch, forward and
+backward, and the layer's one all-reduce there) and o_col and o_row, what it adds to the layer's
+optimizer step (each op on DTensor parameters dispatched through DTensor). At degree k, micro-batch m' and gas g a ZeRO 0
+step is predicted as
 
-    g x (a + (s / k + 1 - s) b m' + 2 R x all_reduce_k(row bytes per sample x m') + other)
-      + the optimizer step x (parameters per rank at k / at 1)
+    g x (a + (s / k + 1 - s) b m' + C d_col + R d_row
+         + (C + R) x (all_reduce_k(row bytes per sample x m') - all_reduce_k(the probe's size)) + other)
+      + the optimizer step x (parameters per rank at k / at 1) + C o_col + R o_row
 
-one all-reduce per row-wise layer in the forward and one per column-wise input's gradient in the
-backward. The data-parallel reduction stays inside the backward as degree 1 measured it (DDP
-overlaps it), not rescaled to the degree's smaller groups. Pure functions.
+each column layer all-reducing its input's gradient in the backward, each row layer its output
+in the forward (torch's ColwiseParallel and RowwiseParallel, as the engine splits a plan), the
+bytes past the probe's small size costed by the all_reduce line. From a profile without the
+split layers timed (an older record): 2 R all-reduces at the hidden states' size, nothing for
+the dispatch. The data-parallel reduction stays inside the backward as degree 1 measured it
+(DDP overlaps it), not rescaled to the degree's smaller groups. Pure functions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from autotuner.core.boundary import CollectiveTiming
+from autotuner.core.boundary import CollectiveTiming, SplitLayerTiming
 from autotuner.tuning.models.comm_fit import LinkFit, fit_collectives
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.records import TrialResult, TrialState
@@ -35,7 +44,7 @@ class DegreeStep:
     """One predicted step, in seconds, with its parts."""
 
     compute_s: float  # forward + backward of the step's micro-steps
-    tensor_parallel_s: float  # the split regions' all-reduces
+    tensor_parallel_s: float  # what the split layers add: their dispatch and all-reduces
     other_s: float  # the optimizer step and the rest a step takes
 
     @property
@@ -56,6 +65,8 @@ class DegreeTimeModel:
     optimizer_step_s: float
     params_per_rank: int  # at degree 1: the whole model
     links: dict[int, LinkFit]  # all_reduce by group size
+    col_layers: int = 0
+    split_layers: dict[int, "SplitCosts"] = dataclasses.field(default_factory=dict)  # by degree
 
     def predict(self, experiment: Experiment, params_per_rank: int) -> DegreeStep | None:
         """`experiment` at its degree, whose ranks hold `params_per_rank`; None at ZeRO above 0 or
@@ -67,9 +78,43 @@ class DegreeTimeModel:
         m, gas = experiment.micro_batch_size, experiment.gradient_accumulation_steps
         compute = self.fixed_s + (self.split_flop_share / k + 1 - self.split_flop_share) * self.per_sample_s * m
         payload = self.row_bytes_per_sample * m / max(1, self.row_layers)
-        collectives = 2 * self.row_layers * link.seconds(payload) if self.row_layers else 0.0
+        costs = self.split_layers.get(k)
+        if costs is not None:
+            past_probe = max(0.0, link.seconds(payload) - link.seconds(costs.probe_bytes))
+            split = (self.col_layers * costs.col_extra_s + self.row_layers * costs.row_extra_s
+                     + (self.col_layers + self.row_layers) * past_probe)
+        else:
+            split = 2 * self.row_layers * link.seconds(payload) if self.row_layers else 0.0
         step = self.optimizer_step_s * params_per_rank / max(1, self.params_per_rank)
-        return DegreeStep(gas * compute, gas * collectives, gas * self.other_per_micro_step_s + step)
+        if costs is not None:
+            step += self.col_layers * costs.col_step_extra_s + self.row_layers * costs.row_step_extra_s
+        return DegreeStep(gas * compute, gas * split, gas * self.other_per_micro_step_s + step)
+
+
+@dataclass(frozen=True)
+class SplitCosts:
+    """What splitting adds to a column and to a row layer at one degree, at the probe's small size."""
+
+    col_extra_s: float
+    row_extra_s: float
+    probe_bytes: int
+    col_step_extra_s: float = 0.0  # what the split parameters add to the optimizer step, a layer
+    row_step_extra_s: float = 0.0
+
+    def per_micro_step(self, col_layers: int, row_layers: int) -> float:
+        return col_layers * self.col_extra_s + row_layers * self.row_extra_s
+
+
+def split_costs(timings: Sequence[SplitLayerTiming]) -> dict[int, SplitCosts]:
+    """By degree, where both styles were timed there."""
+    found = {}
+    for degree in sorted({t.degree for t in timings}):
+        by_style = {t.style: t for t in timings if t.degree == degree}
+        if "colwise" in by_style and "rowwise" in by_style:
+            col, row = by_style["colwise"], by_style["rowwise"]
+            found[degree] = SplitCosts(col.extra_s, row.extra_s, col.all_reduce_bytes, col.step_extra_s,
+                                       row.step_extra_s)
+    return found
 
 
 def micro_step_line(results: Sequence[TrialResult], forward_bound: bool = True) -> tuple[float, float] | None:
@@ -153,4 +198,5 @@ def degree_time_model(results_at_one: Sequence[TrialResult], world_size: int) ->
     fixed, per_sample = line
     return DegreeTimeModel(fixed, per_sample, info.split_flop_share, info.split_row_layers,
                            info.split_row_output_bytes / max(1, info.micro_batch_size), statistics.median(others),
-                           min(steps), info.trainable_num_params, links)
+                           min(steps), info.trainable_num_params, links, info.split_col_layers,
+                           split_costs(info.split_layer_timings))

@@ -3,18 +3,22 @@
 Degree 1's launches give each micro-step's forward and backward time F(m) = a + b m (a line through
 the fastest launch at each micro-batch m, models/degree_time.py `micro_step_line`). At degree k a
 rank runs the split regions' work divided by k and the rest whole, pays the fixed cost a per
-micro-step as before (the same ops, each smaller), and waits on 2 R all-reduces over its group
-(one per row-wise layer in the forward, one per column-wise input's gradient in the backward:
-on the critical path, since the next layer needs their sum). So at micro-batch m' a micro-step
-costs at least
+micro-step as before (the same ops, each smaller), and pays for each split layer what the
+profile's probe timed it adding at a small size on the degree's groups (DTensor's dispatch and
+the layer's one all-reduce there, on the critical path since the next layer needs the sum:
+runtime/measure/split_layer_probe.py; C column-wise and R row-wise layers a micro-step). So at
+micro-batch m' a micro-step costs at least
 
-    F_k(m') = a + (s / k + 1 - s) b m' + 2 R x the fastest all_reduce the probe timed on such groups
+    F_k(m') = a + (s / k + 1 - s) b m' + C d_col + R d_row
+
+(from a profile without the split layers timed: 2 R x the fastest all_reduce the probe timed on
+such groups)
 
 and the job's samples/s is at most dp_k m' / F_k(m'), largest at the largest micro-batch the
 degree's space allows, with dp_k = the ranks / k. s is the share of the forward's FLOPs inside the
 split regions (the profile's probe, runtime/measure/profile.py; a matmul's backward costs twice its
 forward, so the share holds for the backward too). Everything else is left out, in the degree's
-favour: the all-reduces' size, the optimizer step, the data-parallel reduction, memory (the largest
+favour: the all-reduces' bytes past the probe's size, the optimizer step, the data-parallel reduction, memory (the largest
 micro-batch is taken to fit). A degree whose bound is below degree 1's best measured samples/s,
 beyond the noise floor, cannot win, and its profile is not launched.
 
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from autotuner.tuning.models.cost_model import NOISE_FLOOR
-from autotuner.tuning.models.degree_time import all_reduce_floor_s, micro_step_line
+from autotuner.tuning.models.degree_time import all_reduce_floor_s, micro_step_line, split_costs
 from autotuner.tuning.space.layout import Layout
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.search_space import SearchSpace
@@ -49,7 +53,7 @@ class DegreeBound:
     fixed_s: float  # degree 1's forward + backward per micro-step: fixed_s + per_sample_s x micro-batch
     per_sample_s: float
     micro_batch_size: int  # the degree's largest, where its bound is highest
-    all_reduces_s: float  # a micro-step's 2 R all-reduces at the fastest probed
+    split_layers_s: float  # what a micro-step's split layers add, as probed
     bound_samples_per_s: float
     best_samples_per_s: float
     best_name: str
@@ -58,21 +62,24 @@ class DegreeBound:
     def cannot_win(self) -> bool:
         return self.bound_samples_per_s * (1 + NOISE_FLOOR) < self.best_samples_per_s
 
-    def line(self, layout: Layout, one: Layout) -> str:
-        verdict = "not profiled (cannot win" if self.cannot_win else "profiled (it may win"
+    def line(self, layout: Layout, one: Layout, skipped: bool = True) -> str:
+        """The summary's line; `skipped` false where the tune profiles a degree that cannot win all the
+        same (autotuning.bound_layouts false)."""
+        verdict = ("profiled (it may win" if not self.cannot_win else "not profiled (cannot win" if skipped
+                   else "profiled all the same, autotuning.bound_layouts false (cannot win")
         return (f"{verdict}: at most {self.bound_samples_per_s:.4g} samples/s from {one.text()}'s launches "
                 f"at micro-batch {self.micro_batch_size} ({100 * self.split_flop_share:.1f}% of the forward's FLOPs "
                 f"split {self.degree} ways, forward and backward {1e3 * self.fixed_s:.3g} ms a micro-step + "
-                f"{1e3 * self.per_sample_s:.3g} ms a sample, its all-reduces {1e3 * self.all_reduces_s:.3g} ms a "
-                f"micro-step at the fastest probed; its optimizer step left out), against {self.best_samples_per_s:.4g} measured "
+                f"{1e3 * self.per_sample_s:.3g} ms a sample, its split layers' dispatch and all-reduces "
+                f"{1e3 * self.split_layers_s:.3g} ms a micro-step as probed; its optimizer step left out), against {self.best_samples_per_s:.4g} measured "
                 f"at {self.best_name})")
 
 
 def degree_bound(degree: int, split_flop_share: float, data_parallel_size: int, largest_micro_batch: int,
-                 results_at_one: Sequence[TrialResult], all_reduces_s: float = 0.0) -> DegreeBound | None:
+                 results_at_one: Sequence[TrialResult], split_layers_s: float = 0.0) -> DegreeBound | None:
     """`degree`'s bound at its data-parallel size and largest micro-batch, from degree 1's launches
-    (their measured samples/s, one-off costs aside) and `all_reduces_s`, a micro-step's
-    all-reduces at the fastest the probe timed on the degree's groups; None where they cannot give one: no split
+    (their measured samples/s, one-off costs aside) and `split_layers_s`, what a micro-step's split
+    layers add as the probe timed them on the degree's groups; None where they cannot give one: no split
     share measured, under two micro-batch sizes timed, nothing measured."""
     if degree <= 1 or not 0 < split_flop_share <= 1 or largest_micro_batch < 1:
         return None
@@ -84,8 +91,8 @@ def degree_bound(degree: int, split_flop_share: float, data_parallel_size: int, 
     fixed, per_sample = line
     best = max(measured, key=lambda r: r.measurement.throughput)
     m = largest_micro_batch
-    micro_step = fixed + (split_flop_share / degree + 1 - split_flop_share) * per_sample * m + all_reduces_s
-    return DegreeBound(degree, split_flop_share, fixed, per_sample, m, all_reduces_s,
+    micro_step = fixed + (split_flop_share / degree + 1 - split_flop_share) * per_sample * m + split_layers_s
+    return DegreeBound(degree, split_flop_share, fixed, per_sample, m, split_layers_s,
                        data_parallel_size * m / micro_step,
                        float(best.measurement.throughput), best.name)
 
@@ -97,8 +104,13 @@ def bound_before_profile(degree: int, results_at_one: Sequence[TrialResult], spa
     infos = [r.model_info for r in results_at_one if r.model_info is not None and r.model_info.split_flop_share > 0]
     if not infos:
         return None
-    timings = [t for info in infos for t in info.collective_timings]
-    all_reduces = 2 * infos[0].split_row_layers * all_reduce_floor_s(timings, degree, world_size)
+    info = infos[0]
+    costs = split_costs(info.split_layer_timings).get(degree)
+    if costs is not None:
+        split_layers = costs.per_micro_step(info.split_col_layers, info.split_row_layers)
+    else:
+        timings = [t for one in infos for t in one.collective_timings]
+        split_layers = 2 * info.split_row_layers * all_reduce_floor_s(timings, degree, world_size)
     sizes = space.valid_micro_batch_sizes(space.max_micro_batch_size)
-    return degree_bound(degree, infos[0].split_flop_share, space.data_parallel_size, max(sizes, default=0),
-                        results_at_one, all_reduces)
+    return degree_bound(degree, info.split_flop_share, space.data_parallel_size, max(sizes, default=0),
+                        results_at_one, split_layers)

@@ -38,7 +38,7 @@ def degree_time_lines(layout: Layout, one_layout: Layout, results_at_one: Sequen
         source = (f"{one_layout.text()}'s launches" if not excess else
                   f"{one_layout.text()}'s launches and its own {len(excess)} before ({1e3 * refit:+.1f} ms a micro-step)")
         lines.append(f"{layout.text()}: {result.name} step predicted from {source} at {1e3 * predicted:.1f} ms "
-                     f"(forward and backward {1e3 * step.compute_s:.1f}, tensor-parallel all-reduces "
+                     f"(forward and backward {1e3 * step.compute_s:.1f}, split layers' dispatch and all-reduces "
                      f"{1e3 * step.tensor_parallel_s:.1f}, optimizer step and the rest {1e3 * step.other_s:.1f}), "
                      f"measured {1e3 * m.latency:.1f} ms ({error:+.1f}%)")
         excess.append((m.latency - step.total_s) / gas)
