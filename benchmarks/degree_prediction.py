@@ -1,15 +1,18 @@
 """The 4-rank `tensor_parallel.autotp_size: "auto"` tune, checkout against checkout: its launches,
 its pick, and what degree 1's launches predicted for the other degrees (issue 80, part 1).
 
-    python benchmarks/degree_prediction.py --checkout before=/tmp/old-clone --checkout after=. [--rounds 3]
+    python benchmarks/degree_prediction.py --checkout before=/tmp/old-clone --checkout after=. \
+        [--checkout every=. --unbounded every] [--rounds 3]
 
 Each round runs one real tune per checkout, interleaved (before, after, before, ...), of
 tests/workers/tp_train.py (the AutoTP block model of tests/integration/test_tensor_parallel.py,
 25,024 parameters split) on 4 CPU ranks: degrees 1, 2 and 4, ZeRO 0-2, train_batch_size 16,
 micro-batches up to 4. Per tune: the launches (experiments.csv rows that ran), those per degree,
 the pick, the wall time, and the summary's lines on each degree (its bound from degree 1 and
-its profile launches' predicted against measured memory and step time). 4 ranks on 2 cores:
-the step times are contended; the load average at each start is printed.
+its profile launches' predicted against measured memory and step time). A checkout named by
+--unbounded runs with `autotuning.bound_layouts: false` (every degree profiled, so each degree's
+launches can be held against degree 1's predictions; checkouts from 930b9c3 on). 4 ranks on 2
+cores: the step times are contended; the load average at each start is printed.
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ CONFIG = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto", "zer
                          "max_train_micro_batch_size_per_gpu": 4, "arg_mappings": {}}}
 
 
-def tune(checkout: Path, directory: Path) -> dict:
-    (directory / "ds.json").write_text(json.dumps(CONFIG))
+def tune(checkout: Path, directory: Path, unbounded: bool = False) -> dict:
+    config = json.loads(json.dumps(CONFIG))
+    if unbounded:
+        config["autotuning"]["bound_layouts"] = False
+    (directory / "ds.json").write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     load = os.getloadavg()[0]
     started = time.monotonic()
@@ -59,6 +65,8 @@ def tune(checkout: Path, directory: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkout", action="append", required=True, help="NAME=PATH of a checkout to run")
+    parser.add_argument("--unbounded", action="append", default=[], help="NAME of a checkout run with every degree "
+                                                                           "profiled (autotuning.bound_layouts false)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--csv", default="degree_prediction.csv", help="under benchmarks/results/")
     args = parser.parse_args()
@@ -67,7 +75,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, checkout in checkouts:
             with tempfile.TemporaryDirectory() as directory:
-                found = tune(checkout, Path(directory))
+                found = tune(checkout, Path(directory), name in args.unbounded)
             print(f"round {round_ + 1} {name}: {found['launches']} launches {found['per_degree']}, pick {found['pick']}, "
                   f"{found['wall_s']} s (load {found['load']})", flush=True)
             for line in found["lines"]:

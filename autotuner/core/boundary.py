@@ -287,7 +287,10 @@ class SplitLayerTiming:
     the median over repeats of the slowest rank's time of a forward and backward, for the split
     layer and for an unsplit one of its local shape; `all_reduce_bytes`: what the split layer's
     all-reduce carried (a column layer's input gradient in the backward, a row layer's output in
-    the forward); `step_seconds` and `plain_step_seconds`: their parameters' optimizer step."""
+    the forward); `step_seconds` and `plain_step_seconds`: their parameters' optimizer step. Those
+    are timed back to back, as training runs them; `floor_seconds` and `plain_floor_seconds` are
+    the fastest forward and backward of calls each started together after a barrier (with more
+    ranks than cores they differ, the floor lower)."""
 
     style: str
     degree: int
@@ -296,6 +299,8 @@ class SplitLayerTiming:
     all_reduce_bytes: int
     step_seconds: float
     plain_step_seconds: float
+    floor_seconds: float
+    plain_floor_seconds: float
 
     def __post_init__(self) -> None:
         if self.style not in SPLIT_LAYER_STYLES:
@@ -303,7 +308,8 @@ class SplitLayerTiming:
         if self.degree < 2 or self.all_reduce_bytes <= 0:
             raise RecordError(f"split layer timing of {self.style}: degree must be >= 2 and all_reduce_bytes > 0, "
                               f"not {self.degree} and {self.all_reduce_bytes}")
-        for name in ("seconds", "plain_seconds", "step_seconds", "plain_step_seconds"):
+        for name in ("seconds", "plain_seconds", "step_seconds", "plain_step_seconds", "floor_seconds",
+                     "plain_floor_seconds"):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise RecordError(f"split layer timing of {self.style}: {name} must be finite and > 0, not {value}")
@@ -312,6 +318,11 @@ class SplitLayerTiming:
     def extra_s(self) -> float:
         """What splitting adds to the layer's forward and backward, at the probe's small size (never below 0)."""
         return max(0.0, self.seconds - self.plain_seconds)
+
+    @property
+    def floor_extra_s(self) -> float:
+        """The least splitting added to the layer's forward and backward in any repeat (never below 0)."""
+        return max(0.0, self.floor_seconds - self.plain_floor_seconds)
 
     @property
     def step_extra_s(self) -> float:
@@ -323,12 +334,13 @@ class SplitLayerTiming:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "SplitLayerTiming":
-        keys = ("style", "degree", "seconds", "plain_seconds", "all_reduce_bytes", "step_seconds", "plain_step_seconds")
+        keys = ("style", "degree", "seconds", "plain_seconds", "all_reduce_bytes", "step_seconds", "plain_step_seconds",
+                "floor_seconds", "plain_floor_seconds")
         missing = [key for key in keys if key not in data]
         if missing:
             raise RecordError(f"split layer timing without {', '.join(repr(key) for key in missing)}")
-        return cls(str(data["style"]), int(data["degree"]), float(data["seconds"]), float(data["plain_seconds"]),
-                   int(data["all_reduce_bytes"]), float(data["step_seconds"]), float(data["plain_step_seconds"]))
+        return cls(str(data["style"]), int(data["degree"]), *(float(data[key]) for key in keys[2:4]),
+                   int(data["all_reduce_bytes"]), *(float(data[key]) for key in keys[5:]))
 
 
 @dataclass(frozen=True)

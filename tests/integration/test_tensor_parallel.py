@@ -230,7 +230,7 @@ def bound_verdicts(summary: str, skipped: str) -> dict[int, tuple[bool, float, f
         line = re.search(rf"layout: tensor parallel {degree} x data parallel {dp}: ({skipped} \(cannot win|"
                          rf"profiled \(it may win): at most ([\d.]+) samples/s from tensor parallel 1's launches "
                          rf"at micro-batch \d+ \([\d.]+% of the forward's FLOPs split {degree} ways.*?split layers' "
-                         rf"dispatch and all-reduces ([\d.]+) ms a micro-step as probed.*?against ([\d.]+) measured",
+                         rf"dispatch and all-reduces ([\d.]+) ms a micro-step at the probe's floor.*?against ([\d.]+) measured",
                          summary)
         assert line, summary
         cannot_win, bound, best = not line.group(1).startswith("profiled ("), float(line.group(2)), float(line.group(4))

@@ -96,8 +96,9 @@ def test_each_split_layer_adds_what_the_probe_timed_it_adding_and_its_all_reduce
     from autotuner.core.boundary import SplitLayerTiming
 
     # Their parameters' optimizer step: 0.5 ms more a column layer, 0.25 a row layer.
-    split = (SplitLayerTiming("colwise", 2, 3.5e-3, 0.5e-3, 1024, 1.5e-3, 1e-3),
-             SplitLayerTiming("rowwise", 2, 2.5e-3, 0.5e-3, 1024, 1.25e-3, 1e-3))
+    # (Their floors, which only the bound takes, lower.)
+    split = (SplitLayerTiming("colwise", 2, 3.5e-3, 0.5e-3, 1024, 1.5e-3, 1e-3, 1e-3, 0.5e-3),
+             SplitLayerTiming("rowwise", 2, 2.5e-3, 0.5e-3, 1024, 1.25e-3, 1e-3, 1e-3, 0.5e-3))
     results = degree_one()
     info = model_info(2, 0, trainable_num_params=1000, split_flop_share=0.8, split_row_layers=4, split_col_layers=8,
                       split_row_output_bytes=2 * 8192, collective_timings=PAIRS + WORLD, split_layer_timings=split)
@@ -115,15 +116,15 @@ def test_each_split_layer_adds_what_the_probe_timed_it_adding_and_its_all_reduce
 def test_a_split_layer_timing_survives_its_file_and_a_damaged_one_is_refused():
     from autotuner.core.boundary import ModelInfo, RecordError, SplitLayerTiming
 
-    timing = SplitLayerTiming("rowwise", 4, 2e-3, 1e-3, 1024, 3e-3, 1e-3)
+    timing = SplitLayerTiming("rowwise", 4, 2e-3, 1e-3, 1024, 3e-3, 1e-3, 1.5e-3, 1e-3)
     info = model_info(2, 0, split_col_layers=3, split_layer_timings=(timing,))
     again = ModelInfo.from_json(info.to_json())
     assert again.split_layer_timings == (timing,) and again.split_col_layers == 3
-    assert (timing.extra_s, timing.step_extra_s) == pytest.approx((1e-3, 2e-3))
-    assert SplitLayerTiming("colwise", 2, 1e-3, 2e-3, 1024, 1e-3, 1e-3).extra_s == 0.0  # never below zero
+    assert (timing.extra_s, timing.step_extra_s, timing.floor_extra_s) == pytest.approx((1e-3, 2e-3, 0.5e-3))
+    assert SplitLayerTiming("colwise", 2, 1e-3, 2e-3, 1024, 1e-3, 1e-3, 1e-3, 1e-3).extra_s == 0.0  # never below zero
     with pytest.raises(RecordError, match="unknown style 'diagonal'"):
-        SplitLayerTiming("diagonal", 2, 1e-3, 1e-3, 1024, 1e-3, 1e-3)
+        SplitLayerTiming("diagonal", 2, 1e-3, 1e-3, 1024, 1e-3, 1e-3, 1e-3, 1e-3)
     with pytest.raises(RecordError, match="step_seconds must be finite and > 0"):
-        SplitLayerTiming("colwise", 2, 1e-3, 1e-3, 1024, float("nan"), 1e-3)
+        SplitLayerTiming("colwise", 2, 1e-3, 1e-3, 1024, float("nan"), 1e-3, 1e-3, 1e-3)
     with pytest.raises(RecordError, match="split layer timing without 'step_seconds'"):
         SplitLayerTiming.from_json({key: value for key, value in timing.to_json().items() if key != "step_seconds"})

@@ -241,7 +241,7 @@ def test_a_degree_whose_bound_from_degree_1_cannot_beat_its_best_is_never_launch
     assert ("layout: tensor parallel 2 x data parallel 2: not profiled (cannot win: at most 181.8 samples/s from "
             "tensor parallel 1's launches at micro-batch 4 (30.0% of the forward's FLOPs split 2 ways, forward and "
             "backward 10 ms a micro-step + 10 ms a sample, its split layers' dispatch and all-reduces 0 ms a micro-step "
-            "as probed; its optimizer step left out), against 200 measured at z0_tp1_gas1_mbs4)") in outcome.summary
+            "at the probe's floor; its optimizer step left out), against 200 measured at z0_tp1_gas1_mbs4)") in outcome.summary
 
 
 def test_a_degree_whose_bound_could_win_is_profiled_searched_and_wins(tmp_path):
@@ -262,17 +262,18 @@ def test_a_degree_whose_all_reduces_alone_make_it_slower_is_never_launched(tmp_p
     assert not [t for t in runner.trials if t.experiment.tensor_parallel == 2]
     assert ("not profiled (cannot win: at most 170.2 samples/s from tensor parallel 1's launches at micro-batch 4 "
             "(95.0% of the forward's FLOPs split 2 ways, forward and backward 10 ms a micro-step + 10 ms a sample, its "
-            "split layers' dispatch and all-reduces 16 ms a micro-step as probed;") in outcome.summary
+            "split layers' dispatch and all-reduces 16 ms a micro-step at the probe's floor;") in outcome.summary
 
 
 def test_a_degree_whose_split_layers_dispatch_makes_it_slower_is_never_launched(tmp_path):
-    # The probe timed a split column layer 3 ms over the same layer unsplit and a row layer 2 ms on the
-    # pairs; 4 column and 2 row layers a micro-step add 16 ms, as the all-reduces alone did above. The
+    # The probe's floor: a split column layer at least 3 ms over the same layer unsplit and a row layer
+    # 2 ms on the pairs; 4 column and 2 row layers a micro-step add 16 ms, as the all-reduces alone did
+    # above. Back to back they took twice that, which the bound leaves to the prediction; and the
     # all_reduce floor (1 ms) is not counted again: the split layers' own timing holds it.
     from autotuner.core.boundary import CollectiveTiming, SplitLayerTiming
 
     pairs = (CollectiveTiming("all_reduce", 2**12, 1e-3, 2),)
-    split = tuple(SplitLayerTiming(style, degree, seconds, 0.5e-3, 1024, 1e-3, 1e-3)
+    split = tuple(SplitLayerTiming(style, degree, 2 * seconds, 0.5e-3, 1024, 1e-3, 1e-3, seconds, 0.5e-3)
                   for style, degree, seconds in (("colwise", 2, 3.5e-3), ("rowwise", 2, 2.5e-3), ("colwise", 4, 9e-3),
                                                  ("rowwise", 4, 9e-3)))
     runner, outcome = _bounded_search(tmp_path, 0.95, split_row_layers=2, split_col_layers=4, collective_timings=pairs,
@@ -280,7 +281,7 @@ def test_a_degree_whose_split_layers_dispatch_makes_it_slower_is_never_launched(
     assert not [t for t in runner.trials if t.experiment.tensor_parallel == 2]
     assert ("not profiled (cannot win: at most 170.2 samples/s from tensor parallel 1's launches at micro-batch 4 "
             "(95.0% of the forward's FLOPs split 2 ways, forward and backward 10 ms a micro-step + 10 ms a sample, its "
-            "split layers' dispatch and all-reduces 16 ms a micro-step as probed;") in outcome.summary
+            "split layers' dispatch and all-reduces 16 ms a micro-step at the probe's floor;") in outcome.summary
 
 
 def test_with_bound_layouts_false_a_degree_that_cannot_win_is_profiled_all_the_same(tmp_path):

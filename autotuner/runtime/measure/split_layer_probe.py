@@ -11,7 +11,9 @@ model's 12 split layers), so a prediction from degree 1 alone came out 61-80% sh
 So the probe runs one small column-wise and one small row-wise Linear, split as the engine
 splits them (torch's ColwiseParallel and RowwiseParallel through `parallelize_module`, on a
 DeviceMesh over the degree's group), forward and backward and an optimizer step, and the same
-layers unsplit at their local shapes, every group at once. The difference is what a split layer
+layers unsplit at their local shapes, every group at once: back to back, as training runs them
+(the prediction's figure), and each call started together with a barrier, the fastest repeat
+(the floor, which the bound takes). The difference is what a split layer
 adds at a small size: its dispatch, its all-reduce's latency, and its parameters' optimizer step
 on DTensors (AdamW's; another optimizer's ops dispatch alike). The model
 (tuning/models/degree_time.py) counts it once per split layer a micro-step (and a step) runs,
@@ -21,6 +23,7 @@ and the all-reduces' bytes past that small size from the collective probe's line
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 import torch
@@ -55,16 +58,39 @@ def probe_split_layers(device: torch.device, groups: tuple[tuple[int, Any], ...]
                 # AdamW as the stand-in for the script's optimizer: on DTensor parameters its step
                 # dispatches each op through DTensor too.
                 optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3)
-                forward_backward, step = [], []
-                for _ in range(warmup + repeats):
-                    forward_backward.append(time_once(lambda: layer(x).sum().backward(), device, group))
-                    step.append(time_once(optimizer.step, device, group))
-                    optimizer.zero_grad(set_to_none=True)
+
+                def forward_backward(layer=layer, x=x):
+                    layer(x).sum().backward()
                     x.grad = None
-                times += [forward_backward[warmup:], step[warmup:]]
+
+                # The floor: each call started together (a barrier before it), the fastest repeat.
+                floor = [time_once(forward_backward, device, group) for _ in range(warmup + repeats)][warmup:]
+                layer.zero_grad(set_to_none=True)
+                # The steady state: back to back after one barrier, as a training step runs them.
+                # With more ranks than cores the two differ: a barrier before each call lets one
+                # group's ranks take the cores while the others wait, a lull training never has.
+                steady, step = [], []
+                dist.barrier(group=group)
+                for _ in range(warmup + repeats):
+                    steady.append(_seconds(forward_backward, device))
+                    step.append(_seconds(optimizer.step, device))
+                    optimizer.zero_grad(set_to_none=True)
+                times += [floor, steady[warmup:], step[warmup:]]
             slowest = torch.tensor(times, dtype=torch.float64, device=device)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
-            split_s, split_step_s, plain_s, plain_step_s = (statistics.median(row) for row in slowest.cpu().tolist())
+            rows = slowest.cpu().tolist()
+            split_floor, plain_floor = min(rows[0]), min(rows[3])
+            split_s, split_step_s, plain_s, plain_step_s = (statistics.median(rows[i]) for i in (1, 2, 4, 5))
             found.append(SplitLayerTiming(style, degree, split_s, plain_s, TOKENS * width * 4, split_step_s,
-                                          plain_step_s))
+                                          plain_step_s, split_floor, plain_floor))
     return tuple(found)
+
+
+def _seconds(call, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start

@@ -100,6 +100,11 @@ class SplitCosts:
     probe_bytes: int
     col_step_extra_s: float = 0.0  # what the split parameters add to the optimizer step, a layer
     row_step_extra_s: float = 0.0
+    col_floor_s: float = 0.0  # the least a split layer added in any repeat: the bound's
+    row_floor_s: float = 0.0
+
+    def floor_per_micro_step(self, col_layers: int, row_layers: int) -> float:
+        return col_layers * self.col_floor_s + row_layers * self.row_floor_s
 
     def per_micro_step(self, col_layers: int, row_layers: int) -> float:
         return col_layers * self.col_extra_s + row_layers * self.row_extra_s
@@ -113,7 +118,7 @@ def split_costs(timings: Sequence[SplitLayerTiming]) -> dict[int, SplitCosts]:
         if "colwise" in by_style and "rowwise" in by_style:
             col, row = by_style["colwise"], by_style["rowwise"]
             found[degree] = SplitCosts(col.extra_s, row.extra_s, col.all_reduce_bytes, col.step_extra_s,
-                                       row.step_extra_s)
+                                       row.step_extra_s, col.floor_extra_s, row.floor_extra_s)
     return found
 
 

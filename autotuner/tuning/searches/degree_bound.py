@@ -3,10 +3,11 @@
 Degree 1's launches give each micro-step's forward and backward time F(m) = a + b m (a line through
 the fastest launch at each micro-batch m, models/degree_time.py `micro_step_line`). At degree k a
 rank runs the split regions' work divided by k and the rest whole, pays the fixed cost a per
-micro-step as before (the same ops, each smaller), and pays for each split layer what the
-profile's probe timed it adding at a small size on the degree's groups (DTensor's dispatch and
-the layer's one all-reduce there, on the critical path since the next layer needs the sum:
-runtime/measure/split_layer_probe.py; C column-wise and R row-wise layers a micro-step). So at
+micro-step as before (the same ops, each smaller), and pays for each split layer at least the
+least the profile's probe timed it adding at a small size on the degree's groups (DTensor's
+dispatch and the layer's one all-reduce there, on the critical path since the next layer needs
+the sum: runtime/measure/split_layer_probe.py, its floor; C column-wise and R row-wise layers a
+micro-step). So at
 micro-batch m' a micro-step costs at least
 
     F_k(m') = a + (s / k + 1 - s) b m' + C d_col + R d_row
@@ -71,8 +72,8 @@ class DegreeBound:
                 f"at micro-batch {self.micro_batch_size} ({100 * self.split_flop_share:.1f}% of the forward's FLOPs "
                 f"split {self.degree} ways, forward and backward {1e3 * self.fixed_s:.3g} ms a micro-step + "
                 f"{1e3 * self.per_sample_s:.3g} ms a sample, its split layers' dispatch and all-reduces "
-                f"{1e3 * self.split_layers_s:.3g} ms a micro-step as probed; its optimizer step left out), against {self.best_samples_per_s:.4g} measured "
-                f"at {self.best_name})")
+                f"{1e3 * self.split_layers_s:.3g} ms a micro-step at the probe's floor; its optimizer step left out), "
+                f"against {self.best_samples_per_s:.4g} measured at {self.best_name})")
 
 
 def degree_bound(degree: int, split_flop_share: float, data_parallel_size: int, largest_micro_batch: int,
@@ -107,7 +108,7 @@ def bound_before_profile(degree: int, results_at_one: Sequence[TrialResult], spa
     info = infos[0]
     costs = split_costs(info.split_layer_timings).get(degree)
     if costs is not None:
-        split_layers = costs.per_micro_step(info.split_col_layers, info.split_row_layers)
+        split_layers = costs.floor_per_micro_step(info.split_col_layers, info.split_row_layers)
     else:
         timings = [t for one in infos for t in one.collective_timings]
         split_layers = 2 * info.split_row_layers * all_reduce_floor_s(timings, degree, world_size)
