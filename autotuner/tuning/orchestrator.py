@@ -203,15 +203,25 @@ class Autotuner:
 
     def plan(self) -> PlanReport:
         """`--autotuning plan`: each layout's profile (launched and recorded as a tune's are, so the
-        same command's tune reuses it), then every candidate costed by the models it fitted.
-        Nothing is launched past the profiles."""
+        same command's tune reuses it), then every candidate costed by the models it fitted; a
+        tensor-parallel degree whose bound from degree 1's profile launches cannot beat them is not
+        profiled, as in a tune. Nothing is launched past the profiles."""
         self._prepare_dirs()
         job = self.job
         rows = []
         lines = [f"layout: {layout.text()}: left out ({why})" for layout, why in job.left_out]
         objective = job.objective
+        profiled_layouts: list[Layout] = []
         for layout in job.layouts or (job.space.layout,):
             searching = bool(job.layouts)
+            one = next((done for done in profiled_layouts if done.tensor_parallel <= 1
+                        and done.pipeline == layout.pipeline), None)
+            bound = self._bound_line(layout, one) if searching else None
+            if bound is not None:
+                self.report(bound[1])
+                lines.append(bound[1])
+                if bound[0]:  # as a tune would: a degree that cannot beat degree 1's best, not profiled
+                    continue
             try:
                 profiled = self.profile_phase(layout).run()
             except TuningFailed as failure:
@@ -219,6 +229,7 @@ class Autotuner:
                     raise
                 lines.append(f"layout: {layout.text()}: left out ({failure})")
                 continue
+            profiled_layouts.append(layout)
             own = self.ledger.view(layout if searching else None)
             memory = MemoryBook(profiled.memory, own.results, self.report)
             models = PlanModels(memory.fits, memory.predicted_memory, memory.predicted_largest(),
@@ -256,22 +267,21 @@ class Autotuner:
         return next((o for o in before if o.searched is not None and o.layout.tensor_parallel <= 1
                      and o.layout.pipeline == layout.pipeline), None)
 
-    def _bound_line(self, layout: Layout, before: tuple[LayoutOutcome, ...]) -> tuple[bool, str] | None:
+    def _bound_line(self, layout: Layout, one: Layout | None) -> tuple[bool, str] | None:
         """Before a degree's profile: (whether to skip it: it cannot win and the config lets the bound
         decide, the summary's line), from degree 1's
         launches (searches/degree_bound.py); None where they cannot say (another metric, no split
         measured, fewer than two micro-batch sizes timed)."""
-        one = self._degree_one(layout, before)
         if one is None or layout.tensor_parallel <= 1 or self.job.objective.metric != "throughput":
             return None
         space = self.job.at_layout(layout).space
-        bound = bound_before_profile(layout.tensor_parallel, list(self.ledger.view(one.layout).results()), space,
+        bound = bound_before_profile(layout.tensor_parallel, list(self.ledger.view(one).results()), space,
                                      self.job.space.ranks)
         if bound is None:
             return None
         dp = space.data_parallel_size
         skip = bound.cannot_win and self.job.config.autotuning.bound_layouts
-        return skip, f"layout: {layout.text()} x data parallel {dp}: {bound.line(layout, one.layout, skip)}"
+        return skip, f"layout: {layout.text()} x data parallel {dp}: {bound.line(layout, one, skip)}"
 
     def profile_phase(self, layout: Layout) -> ProfilePhase:
         """The profile phase at one layout (the config's, where the layout is not searched): its
@@ -287,7 +297,8 @@ class Autotuner:
         searched), after the layouts `before` it. A layout whose profile fails is left out when
         others remain."""
         searching = bool(self.job.layouts)
-        bound = self._bound_line(layout, before) if searching else None
+        one = self._degree_one(layout, before)
+        bound = self._bound_line(layout, one.layout if one is not None else None) if searching else None
         if bound is not None:
             self.report(bound[1])
             if bound[0]:  # a degree that cannot beat degree 1's best: no profile, no search

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 
@@ -279,6 +280,28 @@ def test_every_degree_profiled_holds_degree_1s_predictions_and_its_bound_against
                            r"1's launches.*? at ([\d.]+) ms \(forward and backward [\d.]+, split layers' dispatch and "
                            r"all-reduces ([\d.]+),.*?measured ([\d.]+) ms", summary)
         assert steps and all(float(p) > 0 and float(split) > 0 and float(m) > 0 for p, split, m in steps), summary
+
+
+def test_a_plan_leaves_a_degree_that_cannot_win_unprofiled_as_a_tune_does(tmp_path):
+    # `--autotuning plan` with autotp_size "auto": degree 1's profile launches bound each degree before
+    # its profile; one that cannot beat them gets no profile and no rows (issue 80, part 2).
+    tuning = {"enabled": True, "start_profile_step": 2, "end_profile_step": 4, "exp_timeout_s": 120,
+              "tuner_type": "gridsearch", "remeasure_rounds": 0, "history": False,
+              "max_train_micro_batch_size_per_gpu": 4, "arg_mappings": {}}
+    cfg = write_json(tmp_path / "ds.json", {"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto",
+                                            "zero_optimization": {"stage": [0, 1, 2]},
+                                            "tensor_parallel": {"autotp_size": "auto"}, "autotuning": tuning})
+    done = run_launcher("--autotuning", "plan", "--nproc_per_node", "4", SCRIPT, "--steps", "40", "--out",
+                        tmp_path / "out", "--deepspeed", cfg, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    verdicts = bound_verdicts(done.stdout, "not profiled")
+    assert verdicts[4][0], done.stdout  # degree 4 on CPU: far below degree 1 (see the tune's test above)
+    plan = pd.read_csv(tmp_path / "autotuning_results" / "plan.csv")
+    launched = {path.name for path in (tmp_path / "autotuning_exps").iterdir() if path.is_dir()}
+    for degree, (skipped, _, _) in verdicts.items():
+        assert (degree in set(plan["tp"])) == (not skipped)
+        assert any(f"_tp{degree}_" in name for name in launched) == (not skipped), launched
+    assert "nothing else launched" in done.stdout
 
 
 def test_bench_counts_each_rank_count_data_parallel_over_the_ranks_the_degree_leaves(tmp_path):
