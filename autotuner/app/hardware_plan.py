@@ -226,7 +226,8 @@ def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world
     split_per_sample = 0
     if degree > 1:
         a, b = one.split, two.split
-        tp = TensorParallel(degree, int(a["params"]), float(a["flop_share"]), int(a["row_layers"]), 0.0)
+        tp = TensorParallel(degree, int(a["params"]), float(a["flop_share"]), int(a["row_layers"]), 0.0,
+                            int(a.get("col_layers", 0)))
         split_per_sample = int(b["saved_bytes"]) - int(a["saved_bytes"])
         row_bytes = (float(a["row_output_bytes"]), float(b["row_output_bytes"]) - float(a["row_output_bytes"]))
     dp = world // degree

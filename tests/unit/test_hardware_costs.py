@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import math
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn as nn
@@ -164,3 +166,6 @@ def test_tensor_parallel_divides_the_split_share_and_waits_on_its_all_reduces_in
     assert got.communication_s == pytest.approx(2 * collective_seconds("all_gather", 2 * held, dp, spec)
                                                 + collective_seconds("reduce_scatter", 4 * held, dp, spec))
     assert got.tokens_per_s_per_rank == pytest.approx(4096 / 4 / got.step_s)  # a replica's batch over its 4 ranks
+    # With the column-wise layers counted (25, as q, k, v, gate and up of 5 blocks): one all-reduce each.
+    counted = step_prediction(records, n, 64, 3, 1, 4096, "none", spec, 1.0, replace(tp, col_layers=25))
+    assert counted.compute_s == pytest.approx(3.0 * (0.1 + 0.9 / 4) + (10 + 25) * each)

@@ -52,6 +52,14 @@ class TensorParallel:
     flop_share: float = 0.0
     row_layers: int = 0
     row_output_bytes: float = 0.0  # all the row-wise layers' outputs together
+    col_layers: int = 0  # column-wise layers; 0 where not counted (then one a row-wise layer)
+
+    @property
+    def all_reduces(self) -> int:
+        """A micro-step's all-reduces at degree k, as the engine splits a plan (torch's
+        ColwiseParallel and RowwiseParallel a Linear): a row-wise layer's output in the forward,
+        a column-wise layer's input gradient in the backward."""
+        return self.row_layers + (self.col_layers or self.row_layers)
 
     def params_per_rank(self, num_params: int) -> int:
         return num_params - self.split_params + -(-self.split_params // max(1, self.degree))
@@ -66,16 +74,16 @@ def step_prediction(records: Sequence[OpRecord], num_params: int, world_size: in
     parallel over world / k of them, each model split over k neighbours by `tensor_parallel`.
     At degree k a rank runs the split regions' share of each operator's cost over k and the rest
     whole (the census' operators scaled by 1 - s + s / k: a matmul's backward costs in proportion
-    to its forward), and waits each micro-step on 2 all-reduces a row-wise layer (its output in
-    the forward, its column-wise input's gradient in the backward) over the node's link, on the
-    critical path."""
+    to its forward), and waits each micro-step on an all-reduce of the hidden states a split layer
+    (a row-wise layer's output in the forward, a column-wise layer's input gradient in the
+    backward) over the node's link, on the critical path."""
     roofline = Roofline(spec.peak_bf16_flops, spec.memory_bandwidth, compute_efficiency)
     tp = tensor_parallel
     k = max(1, tp.degree)
     compute = step_compute_seconds(records, policy, roofline) * (1 - tp.flop_share + tp.flop_share / k)
     if k > 1 and tp.row_layers:
         each = collective_seconds("all_reduce", tp.row_output_bytes / tp.row_layers, group_of(k, 1, spec), spec)
-        compute += 2 * tp.row_layers * each
+        compute += tp.all_reduces * each
     num_params = tp.params_per_rank(num_params)
     world_size = max(1, world_size // k)
     group = group_of(world_size, k, spec)
