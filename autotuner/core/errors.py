@@ -6,6 +6,10 @@
 ERROR_DIR_ENV = "AUTOTUNER_ERROR_DIR"
 
 
+class RecordError(ValueError):
+    """A record file that is missing fields, damaged, or from another version."""
+
+
 class AutotunerError(Exception):
     """Base of every error we raise on purpose. `exit_code` is what the CLI returns."""
 

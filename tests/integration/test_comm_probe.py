@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autotuner.core.boundary import CollectiveTiming, ModelInfo, RecordError, read_record
+from autotuner.core.boundary import ModelInfo, RecordError, read_record
+from autotuner.core.probe_records import CollectiveTiming
 from autotuner.runtime.measure.comm_probe import probe_collectives
 from autotuner.tuning.models.comm_fit import fit_collectives
 

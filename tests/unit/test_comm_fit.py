@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotuner.core.boundary import CollectiveTiming, RecordError
+from autotuner.core.boundary import RecordError
+from autotuner.core.probe_records import CollectiveTiming
 from autotuner.tuning.models.comm_fit import LinkFit, fit_collectives
 
 SIZES = (2**16, 2**20, 2**22, 2**24)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from autotuner.core.boundary import CollectiveTiming, Measurement, Summary
+from autotuner.core.boundary import Measurement, Summary
+from autotuner.core.probe_records import CollectiveTiming
 from autotuner.tuning.models.degree_time import degree_time_model
 from autotuner.tuning.searches.degree_time_check import degree_time_lines
 from autotuner.tuning.space.experiment import Experiment
@@ -93,7 +94,7 @@ def test_small_all_reduces_that_do_not_grow_with_size_are_costed_at_their_median
 def test_each_split_layer_adds_what_the_probe_timed_it_adding_and_its_all_reduce_past_the_probes_size():
     # The probe timed on the pairs a split column layer 3 ms over the unsplit one and a row layer 2 ms,
     # at 1 KiB all-reduces; 8 column and 4 row layers a micro-step, each all-reducing 4 KiB at micro-batch 2.
-    from autotuner.core.boundary import SplitLayerTiming
+    from autotuner.core.probe_records import SplitLayerTiming
 
     # Their parameters' optimizer step: 0.5 ms more a column layer, 0.25 a row layer.
     # (Their floors, which only the bound takes, lower.)
@@ -114,7 +115,8 @@ def test_each_split_layer_adds_what_the_probe_timed_it_adding_and_its_all_reduce
 
 
 def test_a_split_layer_timing_survives_its_file_and_a_damaged_one_is_refused():
-    from autotuner.core.boundary import ModelInfo, RecordError, SplitLayerTiming
+    from autotuner.core.boundary import ModelInfo, RecordError
+    from autotuner.core.probe_records import SplitLayerTiming
 
     timing = SplitLayerTiming("rowwise", 4, 2e-3, 1e-3, 1024, 3e-3, 1e-3, 1.5e-3, 1e-3)
     info = model_info(2, 0, split_col_layers=3, split_layer_timings=(timing,))

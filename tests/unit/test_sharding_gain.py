@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from autotuner.core.boundary import CollectiveTiming, Measurement
+from autotuner.core.boundary import Measurement
+from autotuner.core.probe_records import CollectiveTiming
 from autotuner.config import load_config
 from autotuner.tuning.orchestrator import Autotuner
 from autotuner.tuning.models.comm_fit import LinkFit

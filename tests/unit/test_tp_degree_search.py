@@ -255,7 +255,7 @@ def test_a_degree_whose_bound_could_win_is_profiled_searched_and_wins(tmp_path):
 def test_a_degree_whose_all_reduces_alone_make_it_slower_is_never_launched(tmp_path):
     # 95% split would reach 258 samples/s, but 4 row-wise layers all-reduce twice a micro-step on
     # pairs that never took under 2 ms: 16 ms more a micro-step, 8 / 0.047 = 170 samples/s.
-    from autotuner.core.boundary import CollectiveTiming
+    from autotuner.core.probe_records import CollectiveTiming
 
     pairs = tuple(CollectiveTiming("all_reduce", size, seconds, 2) for size, seconds in ((2**12, 2e-3), (2**16, 3e-3)))
     runner, outcome = _bounded_search(tmp_path, 0.95, split_row_layers=4, collective_timings=pairs)
@@ -270,7 +270,7 @@ def test_a_degree_whose_split_layers_dispatch_makes_it_slower_is_never_launched(
     # 2 ms on the pairs; 4 column and 2 row layers a micro-step add 16 ms, as the all-reduces alone did
     # above. Back to back they took twice that, which the bound leaves to the prediction; and the
     # all_reduce floor (1 ms) is not counted again: the split layers' own timing holds it.
-    from autotuner.core.boundary import CollectiveTiming, SplitLayerTiming
+    from autotuner.core.probe_records import CollectiveTiming, SplitLayerTiming
 
     pairs = (CollectiveTiming("all_reduce", 2**12, 1e-3, 2),)
     split = tuple(SplitLayerTiming(style, degree, 2 * seconds, 0.5e-3, 1024, 1e-3, 1e-3, seconds, 0.5e-3)

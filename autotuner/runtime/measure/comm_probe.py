@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from autotuner.core.boundary import CollectiveTiming
+from autotuner.core.probe_records import CollectiveTiming
 
 FP32_BYTES = 4
 SIZES_BYTES = (2**16, 2**20, 2**22, 2**24)

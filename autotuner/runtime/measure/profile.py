@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 
 from autotuner.core.engine_kind import Engine
-from autotuner.core.boundary import CollectiveTiming, ModelInfo, SplitLayerTiming, write_record
+from autotuner.core.boundary import ModelInfo, write_record
+from autotuner.core.probe_records import CollectiveTiming, SplitLayerTiming
 
 
 class FlopProbe:

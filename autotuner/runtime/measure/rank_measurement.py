@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autotuner.core.boundary import CollectiveTiming, MeasurementRequest, ModelInfo, SplitLayerTiming, write_record
+from autotuner.core.boundary import MeasurementRequest, ModelInfo, write_record
+from autotuner.core.probe_records import CollectiveTiming, SplitLayerTiming
 from autotuner.runtime.measure.comm_probe import probe_collectives, probe_subgroups, tensor_parallel_groups
 from autotuner.runtime.measure.split_layer_probe import probe_split_layers
 from autotuner.runtime.measure.leaving import leave_now

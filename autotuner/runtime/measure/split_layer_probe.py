@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autotuner.core.boundary import SplitLayerTiming
+from autotuner.core.probe_records import SplitLayerTiming
 from autotuner.runtime.measure.comm_probe import time_once
 
 TOKENS = 4  # a small micro-batch's hidden states: what the all-reduce carries is latency, not bytes

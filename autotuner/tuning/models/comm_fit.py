@@ -10,7 +10,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from autotuner.core.boundary import COLLECTIVE_OPS, CollectiveTiming
+from autotuner.core.probe_records import COLLECTIVE_OPS, CollectiveTiming
 
 
 @dataclass(frozen=True)

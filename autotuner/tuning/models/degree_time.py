@@ -33,7 +33,7 @@ from typing import Sequence
 
 import numpy as np
 
-from autotuner.core.boundary import CollectiveTiming, SplitLayerTiming
+from autotuner.core.probe_records import CollectiveTiming, SplitLayerTiming
 from autotuner.tuning.models.comm_fit import LinkFit, fit_collectives
 from autotuner.tuning.space.experiment import Experiment
 from autotuner.tuning.space.records import TrialResult, TrialState
