@@ -246,7 +246,7 @@ def initialize(
         styles = plan_styles(model) if asked else ()
         return census_initialize(model, repeated_blocks(model), micro if isinstance(micro, int) else 1, training_data,
                                  collate_fn, styles, tuple(k for k in asked if styles and _takes_degree(model, k)),
-                                 {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision))
+                                 {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision), cfg)
     trains = optimizer is not None or cfg.optimizer is not None
     if not trains and lr_scheduler is not None:
         raise ConfigError("initialize(lr_scheduler=...): this engine has no optimizer (no optimizer=... and no "

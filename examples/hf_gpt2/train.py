@@ -79,10 +79,12 @@ def build_model(size: str, seq_len: int, tokenizer_vocab: int, blocks: int | Non
     config = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=max(seq_len, 1024),
                         vocab_size=max(vocab, tokenizer_vocab), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     # Initialise on this rank's GPU where there is one: random init of gpt2-large on the CPU
-    # takes longer than the profile steps that follow.
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
-    with torch.device(device):
-        return GPT2LMHeadModel(config)
+    # takes longer than the profile steps that follow. Elsewhere on the default device: the CPU,
+    # or the meta device under `--autotuning plan --hardware`, which allocates nothing.
+    if torch.cuda.is_available() and torch.get_default_device().type != "meta":
+        with torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))):
+            return GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(config)
 
 
 def main() -> None:

@@ -117,3 +117,19 @@ def test_what_a_hardware_plan_cannot_take_is_refused_in_one_line(tmp_path):
     done = run_launcher("--hardware", write_json(tmp_path / "train" / "spec.json", A100), "--nproc_per_node", "8",
                         SCRIPT, "--deepspeed", write_json(tmp_path / "train" / "ds.json", DS), cwd=tmp_path / "train")
     assert done.returncode == 2 and "add --autotuning plan" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_gpt2_example_is_planned_for_a_node_of_a100s_unchanged(tmp_path):
+    # The README's example script, as it is: it reads the engine's batch triad, rank and config before
+    # its first step and logs loss.item() after backward, which the census answers or never reaches.
+    example = Path(__file__).resolve().parents[2] / "examples" / "hf_gpt2"
+    done = run_launcher("--autotuning", "plan", "--hardware", write_json(tmp_path / "spec.json", A100),
+                        "--nproc_per_node", "8", example / "train.py", "--model_size", "tiny", "--max_steps", "200",
+                        "--output_dir", tmp_path / "out", "--deepspeed", example / "ds_config.json", cwd=tmp_path,
+                        timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    table = pd.read_csv(tmp_path / "autotuning_results" / "plan.csv")
+    assert set(table["zero_stage"]) == {0, 1, 2, 3} and set(table["tp"]) == {1}
+    assert table["fits"].all() and (table["predicted_step_s"] > 0).all()
+    assert "predicted pick: z" in done.stdout
+    assert not (tmp_path / "out" / "checkpoints").exists()  # nothing trained

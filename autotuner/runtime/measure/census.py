@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from autotuner.core.errors import ConfigError, UnsupportedError
@@ -43,7 +44,7 @@ class CensusEngine:
 
     def __init__(self, module: nn.Module, blocks: list[nn.Module], micro_batch_size: int, record_path: str,
                  styles: tuple[tuple[str, str], ...] = (), degrees: tuple[int, ...] = (),
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, config: Any = None):
         from autotuner.runtime.measure.op_census import OpCensus
         from autotuner.runtime.measure.profile import ActivationProbe
 
@@ -58,6 +59,31 @@ class CensusEngine:
         self._degrees = degrees
         self._blocks = len(blocks)
         self._forwards = 0
+        # What a script reads of the engine before its first step (DeepSpeed's accessors), as the
+        # planned run would answer them: the config's batch triad over the fake world.
+        self.config = config
+        gas = getattr(config, "gradient_accumulation_steps", None)
+        self._gas = gas if isinstance(gas, int) else 1
+        stage = getattr(getattr(config, "zero_optimization", None), "stage", 0)
+        self.zero_stage = stage if isinstance(stage, int) else 0
+        self.global_rank = dist.get_rank() if dist.is_initialized() else 0
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.dp_world_size = self.world_size
+        self.global_steps = 0
+        self.global_samples = 0
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._micro_batch_size
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._gas
+
+    def train_batch_size(self) -> int:
+        return self._micro_batch_size * self._gas * self.dp_world_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.forward(*args, **kwargs)
@@ -76,13 +102,20 @@ class CensusEngine:
             self._probe.stop()
 
     def backward(self, loss: torch.Tensor, **_: Any) -> None:
+        """Counts the backward, then writes the record and leaves: what a script does between its
+        backward and step (a loss.item() for its log) the meta device cannot answer, and the
+        census counts nothing there."""
         self._census.phase = "backward"
         try:
             loss.backward()
         finally:
             self._census.__exit__(None, None, None)
+        self._write_and_leave()
 
     def step(self, *_: Any, **__: Any) -> None:
+        self._write_and_leave()
+
+    def _write_and_leave(self) -> None:
         params = list(self.module.parameters())
         record = {"num_params": sum(p.numel() for p in params),
                   "trainable_params": sum(p.numel() for p in params if p.requires_grad),
@@ -128,6 +161,13 @@ class _CensusLoader:
     def __len__(self) -> int:
         return len(self._dataset) // self._batch_size
 
+    @property
+    def sampler(self) -> "_CensusLoader":
+        return self  # (in order: set_epoch changes nothing)
+
+    def set_epoch(self, epoch: int) -> None:
+        return None
+
     def __iter__(self):
         for start in range(0, len(self) * self._batch_size, self._batch_size):
             yield self._collate([self._dataset[i] for i in range(start, start + self._batch_size)])
@@ -141,16 +181,17 @@ def _to_meta(value: Any) -> Any:
 
 def census_initialize(model: nn.Module, blocks: list[nn.Module], micro_batch_size: int, training_data: Any,
                       collate_fn: Any, styles: tuple[tuple[str, str], ...] = (), degrees: tuple[int, ...] = (),
-                      dtype: torch.dtype | None = None) -> tuple:
+                      dtype: torch.dtype | None = None, config: Any = None) -> tuple:
     """initialize's return under a census: (engine, None, a loader over training_data, None);
     `blocks`: the model's repeated blocks (what checkpointing recomputes, FSDP2 shards); `styles`
     and `degrees`: the tensor-parallel plan's Linears and the degrees of those asked it can take;
-    `dtype`: the compute precision the model is counted in (the engine's bf16 or fp16 copy)."""
+    `dtype`: the compute precision the model is counted in (the engine's bf16 or fp16 copy);
+    `config`: the run's config, which the engine's accessors answer from."""
     off = next(((name, p.device) for name, p in model.named_parameters() if p.device.type != "meta"), None)
     if off is not None:
         raise ConfigError(f"--hardware: parameter {off[0]} is on {off[1]}, not the meta device: the plan runs the "
                           "script with torch's default device set to meta so nothing is allocated; build the model "
                           "from its config (no weights loaded, no .to(device)) before initialize")
     loader = _CensusLoader(training_data, micro_batch_size, collate_fn) if training_data is not None else None
-    engine = CensusEngine(model, blocks, micro_batch_size, os.environ[RECORD_ENV], styles, degrees, dtype)
+    engine = CensusEngine(model, blocks, micro_batch_size, os.environ[RECORD_ENV], styles, degrees, dtype, config)
     return engine, None, loader, None
