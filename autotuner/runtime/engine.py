@@ -29,26 +29,25 @@ from autotuner.runtime.progress.reporting import RunReporter
 from autotuner.runtime.saving.engine_checkpoints import EngineCheckpoints
 from autotuner.runtime.saving.rank_zero_gather import StepGate
 from autotuner.runtime.training.accessors import DeepSpeedAccessors
+from autotuner.runtime.training.optimizer_step import OptimizerStep
 from autotuner.runtime.training.activation_checkpointing import repeated_blocks
 from autotuner.runtime.training.grad_reduction import GradientReduction
 from autotuner.core.errors import UnsupportedError
-from autotuner.runtime.training.loss_scale import skips_non_finite
 from autotuner.runtime.training.method_calls import MethodCalls
 from autotuner.runtime.training.overflow import attach_overflow_record
-from autotuner.runtime.training.optim import step_scheduler
-from autotuner.runtime.training.sharding import average_gradients, finite_norm, gradient_norm, unwrap, wrap_ddp
-from autotuner.runtime.training.batch_ramp import BatchRamp, ramp_after_step, scaled_schedule
+from autotuner.runtime.training.sharding import average_gradients, unwrap, wrap_ddp
+from autotuner.runtime.training.batch_ramp import BatchRamp, ramp_after_step
 from autotuner.runtime.training.split_zero import SplitShadows
 from autotuner.runtime.training.tp_plan import plan_styles
 from autotuner.runtime.training.tensor_parallel import (ParallelLayout, SplitModel, check_same_batch,
-                                                         data_parallel_layout, tp_gradient_norm)
+                                                         data_parallel_layout)
 
 logger = logging.getLogger(__name__)
 
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
+class Engine(DeepSpeedAccessors, EngineCheckpoints, OptimizerStep, nn.Module):
     """Returned by `autotuner.initialize`. Call it for forward, then `backward(loss)` and `step()`
     on every micro-batch; the optimizer steps only at the gradient-accumulation boundary. Built
     without an optimizer (DeepSpeed-Chat's reference and reward models) it runs forward only."""
@@ -355,67 +354,6 @@ class Engine(DeepSpeedAccessors, EngineCheckpoints, nn.Module):
     def applied_knobs(self) -> dict[str, Any]:
         """The knobs in effect, read from the wrapper."""
         return read_applied(self.wrapped, self._reshard_after_backward)
-
-    def _optimizer_step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
-        if self.optimizer.skip_step:
-            # Set by the script after check_overflow (DeepSpeed-Chat's --align_overflow: the other
-            # engine overflowed): this step's gradients are dropped, the loss scale stays.
-            self.optimizer.skip_step = False
-            self._drop_step()
-            return
-        if self._grad_scaler is not None:
-            self._grad_scaler.unscale_(self.optimizer)
-        self._global_grad_norm, non_finite = self._gradient_norm()
-        self._step_applied = True
-        if self._grad_scaler is not None:
-            # Skipped when a gradient overflowed; the scale then follows DeepSpeed's rule (training/loss_scale.py).
-            self._step_applied = self._grad_scaler.step(self.optimizer)
-        elif self._skips_non_finite and non_finite:
-            # DeepSpeed's ZeRO optimizers (and its bf16 optimizer at stage 0) skip a step whose
-            # gradients hold an inf or NaN; only stage 0 in fp32 applies it.
-            self._step_applied = False
-            if self.ctx.rank == 0:
-                logger.warning("step %d: the gradient norm is not finite; step skipped, as DeepSpeed skips it",
-                               self.global_steps + 1)
-        else:
-            self.optimizer.step()
-        self.optimizer.overflow = not self._step_applied  # DeepSpeed's optimizers' record of the last step
-        if not self._step_applied:
-            self._drop_step()
-            return
-        self.optimizer.zero_grad(set_to_none=True)
-        if self._shadows is not None:
-            self._shadows.drop_gradients()
-        if self.lr_scheduler is not None:  # DeepSpeed does not advance the schedule on a skipped step
-            with scaled_schedule(self.optimizer, self._ramp.lr_factor if self._ramp is not None else 1.0):
-                step_scheduler(self.lr_scheduler, lr_kwargs, self.batch.train_batch_size)
-
-    def _drop_step(self) -> None:
-        """A skipped step: gradients dropped, counted, the schedule not advanced."""
-        self._step_applied = False
-        self.optimizer.zero_grad(set_to_none=True)
-        if self._shadows is not None:
-            self._shadows.drop_gradients()
-        self.skipped_steps += 1
-
-    def _gradient_norm(self) -> tuple[torch.Tensor | None, bool]:
-        """(The step's gradient norm, clipping with it; whether the gradients hold an inf or NaN). With
-        compute_grad_norm false no norm is kept, as DeepSpeed keeps none, and the gradients are
-        looked at only where a non-finite step is skipped (bf16's overflow check at ZeRO 1-2)."""
-        if self._split is not None:
-            named = list(unwrap(self.wrapped).named_parameters())
-            clip = self.config.gradient_clipping if self.config.zero_optimization.compute_grad_norm else 0.0
-            norm = tp_gradient_norm(named, self._split, self.layout, self._fsdp, clip)
-            return (norm if self.config.zero_optimization.compute_grad_norm else None), not finite_norm(norm)
-        parameters = list(self.wrapped.parameters())
-        if self.config.zero_optimization.compute_grad_norm:
-            norm = gradient_norm(parameters, self.config.gradient_clipping)
-            return norm, not finite_norm(norm)
-        return None, self._skips_non_finite and not finite_norm(gradient_norm(parameters, 0.0))
-
-    @property
-    def _skips_non_finite(self) -> bool:
-        return skips_non_finite(self.config, self.precision)
 
     @contextlib.contextmanager
     def _oom_guard(self):
