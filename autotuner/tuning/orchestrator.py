@@ -19,7 +19,7 @@ from autotuner.tuning.reports.outcome import SearchRecord, TuningOutcome, write_
 from autotuner.tuning.reports.layout_lines import kept_line
 from autotuner.tuning.reports.plan_table import PlanReport
 from autotuner.tuning.searches.plan_search import PlanModels, plan_rows, predicted_pick
-from autotuner.tuning.searches.degree_bound import bound_before_profile
+from autotuner.tuning.searches.degree_bound import bound_verdict
 from autotuner.tuning.searches.degree_memory import degree_memory_lines
 from autotuner.tuning.searches.degree_time_check import degree_time_lines
 from autotuner.tuning.searches.degree_rule import degree_cannot_help
@@ -268,20 +268,11 @@ class Autotuner:
                      and o.layout.pipeline == layout.pipeline), None)
 
     def _bound_line(self, layout: Layout, one: Layout | None) -> tuple[bool, str] | None:
-        """Before a degree's profile: (whether to skip it: it cannot win and the config lets the bound
-        decide, the summary's line), from degree 1's
-        launches (searches/degree_bound.py); None where they cannot say (another metric, no split
-        measured, fewer than two micro-batch sizes timed)."""
-        if one is None or layout.tensor_parallel <= 1 or self.job.objective.metric != "throughput":
+        """Before a degree's profile: whether to skip it and the summary's line (searches/degree_bound.py)."""
+        if one is None:
             return None
-        space = self.job.at_layout(layout).space
-        bound = bound_before_profile(layout.tensor_parallel, list(self.ledger.view(one).results()), space,
-                                     self.job.space.ranks)
-        if bound is None:
-            return None
-        dp = space.data_parallel_size
-        skip = bound.cannot_win and self.job.config.autotuning.bound_layouts
-        return skip, f"layout: {layout.text()} x data parallel {dp}: {bound.line(layout, one, skip)}"
+        return bound_verdict(layout, one, list(self.ledger.view(one).results()), self.job.at_layout(layout).space,
+                             self.job.space.ranks, self.job.objective.metric, self.job.config.autotuning.bound_layouts)
 
     def profile_phase(self, layout: Layout) -> ProfilePhase:
         """The profile phase at one layout (the config's, where the layout is not searched): its

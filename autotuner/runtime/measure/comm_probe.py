@@ -129,6 +129,11 @@ def _free_bytes_on_every_rank(device: torch.device, group: Any) -> int | None:
 def time_once(call: Callable[[], Any], device: torch.device, group: Any) -> float:
     """One call's wall time on this rank, started together with the others (a barrier)."""
     dist.barrier(group=group)
+    return seconds_of(call, device)
+
+
+def seconds_of(call: Callable[[], Any], device: torch.device) -> float:
+    """One call's wall time on this rank, the device's queue drained before and after."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()

@@ -23,7 +23,6 @@ and the all-reduces' bytes past that small size from the collective probe's line
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autotuner.core.probe_records import SplitLayerTiming
-from autotuner.runtime.measure.comm_probe import time_once
+from autotuner.runtime.measure.comm_probe import seconds_of, time_once
 
 TOKENS = 4  # a small micro-batch's hidden states: what the all-reduce carries is latency, not bytes
 
@@ -72,8 +71,8 @@ def probe_split_layers(device: torch.device, groups: tuple[tuple[int, Any], ...]
                 steady, step = [], []
                 dist.barrier(group=group)
                 for _ in range(warmup + repeats):
-                    steady.append(_seconds(forward_backward, device))
-                    step.append(_seconds(optimizer.step, device))
+                    steady.append(seconds_of(forward_backward, device))
+                    step.append(seconds_of(optimizer.step, device))
                     optimizer.zero_grad(set_to_none=True)
                 times += [floor, steady[warmup:], step[warmup:]]
             slowest = torch.tensor(times, dtype=torch.float64, device=device)
@@ -84,13 +83,3 @@ def probe_split_layers(device: torch.device, groups: tuple[tuple[int, Any], ...]
             found.append(SplitLayerTiming(style, degree, split_s, plain_s, TOKENS * width * 4, split_step_s,
                                           plain_step_s, split_floor, plain_floor))
     return tuple(found)
-
-
-def _seconds(call, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    call()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start

@@ -42,7 +42,7 @@ from autotuner.tuning.space.layout import Layout
 from autotuner.tuning.space.records import TrialResult, TrialState
 from autotuner.tuning.space.search_space import SearchSpace
 
-__all__ = ["DegreeBound", "bound_before_profile", "degree_bound", "micro_step_line"]
+__all__ = ["DegreeBound", "bound_before_profile", "bound_verdict", "degree_bound", "micro_step_line"]
 
 
 @dataclass(frozen=True)
@@ -115,3 +115,18 @@ def bound_before_profile(degree: int, results_at_one: Sequence[TrialResult], spa
     sizes = space.valid_micro_batch_sizes(space.max_micro_batch_size)
     return degree_bound(degree, info.split_flop_share, space.data_parallel_size, max(sizes, default=0),
                         results_at_one, split_layers)
+
+
+def bound_verdict(layout: Layout, one: Layout, results_at_one: Sequence[TrialResult], space: SearchSpace,
+                  world_size: int, metric: str, bound_layouts: bool) -> tuple[bool, str] | None:
+    """Before `layout`'s profile: (whether to skip it: it cannot win and `bound_layouts` lets the
+    bound decide, the summary's line), from `one`'s (degree 1's) results at `space`, the degree's
+    search space; None where they cannot say (another metric, no split measured, fewer than two
+    micro-batch sizes timed)."""
+    if layout.tensor_parallel <= 1 or metric != "throughput":
+        return None
+    bound = bound_before_profile(layout.tensor_parallel, results_at_one, space, world_size)
+    if bound is None:
+        return None
+    skip = bound.cannot_win and bound_layouts
+    return skip, f"layout: {layout.text()} x data parallel {space.data_parallel_size}: {bound.line(layout, one, skip)}"
