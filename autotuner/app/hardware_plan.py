@@ -8,13 +8,16 @@ micro-step's operators (FLOPs, bytes) and the bytes its forward saves, so each o
 the activations are a + b x micro-batch. Then every data-parallel candidate the config's space
 holds (ZeRO stage x micro-batch x gas x checkpointing policy, the user's global batch kept) is
 costed: per-rank memory by the memory model (tuning/memory/estimate.py; plus the spec's
-`process_overhead_bytes`, 1 GiB where it gives none: the CUDA context and the allocator's reserve),
-which fits under the spec's memory less the safety margin; step time by the roofline and the
-spec's links (tuning/models/hardware_step.py) at the compute efficiency the spec's
-`compute_efficiency` states, else 0.6495 (fitted on torchtitan's Llama 2 13B row,
-docs/benchmarks/published_table.md). The table is printed and written as plan.csv. Tensor and
-pipeline parallel layouts and CPU offload are not planned on spec hardware yet: a config that
-searches them is refused in one line."""
+`process_overhead_bytes`, 1 GiB on a GPU where it gives none: the CUDA context and the
+allocator's reserve; on a CPU spec also the script's own resident set, measured by the census),
+which fits under the spec's memory (a CPU node's shared by its ranks) less the safety margin;
+step time by the roofline and the spec's links (tuning/models/hardware_step.py) at the compute
+efficiency the spec states, or fits on one layout it gives as measured (`calibrate`), else
+0.6495 on a GPU (fitted on torchtitan's Llama 2 13B row, docs/benchmarks/published_table.md)
+and 1 on a CPU. bf16 "auto" settles as a launch on the spec's device would; fp32 is costed at
+the spec's `peak_fp32_flops`. The table is printed and written as plan.csv. Pipeline layouts
+and CPU offload are not planned on spec hardware yet: a config that searches them is refused
+in one line."""
 
 from __future__ import annotations
 
@@ -36,8 +39,9 @@ from autotuner.config.hardware import HardwareSpec, load_hardware
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch.script_args import config_path, replace_config, set_flag
 
-DEFAULT_COMPUTE_EFFICIENCY = 0.6495  # torchtitan's Llama 2 13B FSDP2 row on 64 A100s (published_table.md)
-DEFAULT_PROCESS_OVERHEAD = 2**30
+DEFAULT_COMPUTE_EFFICIENCY = {"cuda": 0.6495,  # torchtitan's Llama 2 13B FSDP2 row on 64 A100s (published_table.md)
+                              "cpu": 1.0}  # host_spec.py measures the peak a core's matmuls reach
+DEFAULT_PROCESS_OVERHEAD = {"cuda": 2**30, "cpu": 0}
 CENSUS_SIZES = (1, 2)
 CENSUS_TIMEOUT_S = 900
 PLAN_FILE = "plan.csv"
@@ -56,6 +60,8 @@ class Census:
     blocks: int  # the model's repeated blocks: the units FSDP2 shards one by one
     split: dict[str, float]  # what the tensor-parallel plan splits, at degree 1 (SplitRegions' fields)
     degrees: tuple[int, ...]  # of the degrees asked, those the plan can split the model over
+    resident_bytes: int  # the script's process when it called initialize: its imports and data, no model
+    parameter_tensors: int
 
 
 def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any], micro: int, world: int,
@@ -98,7 +104,8 @@ def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any
     return Census(micro, int(data["num_params"]), tuple(tuple(r) for r in data["records"]),
                   int(data["activation_bytes"]), {k: int(v) for k, v in data["activation_bytes_by_policy"].items()},
                   int(data["sequence_length"]), int(data["blocks"]), dict(data.get("split") or {}),
-                  tuple(int(d) for d in data.get("degrees") or ()))
+                  tuple(int(d) for d in data.get("degrees") or ()), int(data.get("resident_bytes", 0)),
+                  int(data.get("parameter_tensors", 1)))
 
 
 def _records_at(one: Census, two: Census, micro: int) -> list:
@@ -127,10 +134,10 @@ def _records_at(one: Census, two: Census, micro: int) -> list:
     return out
 
 
-def _check_costed(config, source: str) -> None:
+def _check_costed(config, source: str, spec: HardwareSpec) -> None:
     """What would train differently from what the plan costs is refused, never left unused: CPU
-    offload (not costed), an optimizer other than Adam's two fp32 moments, fp32 compute (the spec
-    gives a bf16 peak)."""
+    offload (not costed), an optimizer other than Adam's two fp32 moments, fp32 compute on a spec
+    without an fp32 peak."""
     zero = config.zero_optimization
     for name in ("offload_optimizer", "offload_param"):
         section = getattr(zero, name)
@@ -140,9 +147,9 @@ def _check_costed(config, source: str) -> None:
     if config.optimizer is not None and config.optimizer.type.lower() not in ("adam", "adamw"):
         raise ConfigError(f"{source}: optimizer.type {config.optimizer.type}: --hardware costs Adam's and AdamW's "
                           "states and step only so far")
-    if config.precision == "fp32":
-        raise ConfigError(f"{source}: bf16.enabled false: --hardware costs bf16 (or fp16) compute against the spec's "
-                          "bf16 peak; enable bf16 to plan")
+    if config.precision == "fp32" and spec.peak_fp32_flops is None:
+        raise ConfigError(f"{source}: bf16.enabled false: fp32 compute is costed at the spec's peak_fp32_flops, which "
+                          f"{spec.name!r} does not give; add it to the spec, or enable bf16 to plan")
 
 
 def _degrees(config, nproc_per_node: int, source: str) -> tuple[int, ...]:
@@ -165,7 +172,7 @@ def _degrees(config, nproc_per_node: int, source: str) -> tuple[int, ...]:
 def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_nodes: int, nproc_per_node: int,
                   debug: bool = False) -> int:
     spec = load_hardware(hardware)
-    if nproc_per_node > spec.accelerators_per_node:
+    if nproc_per_node > spec.accelerators_per_node and spec.device != "cpu":  # (CPU ranks share the cores)
         raise UsageError(f"--nproc_per_node {nproc_per_node}: {spec.name} nodes hold {spec.accelerators_per_node} "
                          f"accelerators ({hardware}); give at most that many a node, and more nodes")
     world = num_nodes * nproc_per_node
@@ -173,9 +180,10 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
     if given is None:
         raise UsageError("--autotuning plan --hardware needs the script's config: add --deepspeed ds.json after the "
                          "script")
-    config = load_config(given).with_device_precision(bf16_supported=True)  # (a spec gives its bf16 peak)
+    # bf16 "auto" settles as a launch on the spec's device would: on for a GPU, off on our CPU launches
+    config = load_config(given).with_device_precision(bf16_supported=spec.device != "cpu")
     source = str(given)
-    _check_costed(config, source)
+    _check_costed(config, source, spec)
     degrees = _degrees(config, nproc_per_node, source)
     from autotuner.tuning.space.config_space import search_space
 
@@ -193,8 +201,17 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
         raise ConfigError(f"{source}: tensor_parallel.autotp_size: the model cannot be split over {unsplittable[0]} "
                           "ranks (the tensor-parallel plan takes whole heads, and needs Linears it knows); list "
                           f"degrees it can take{', such as ' + ', '.join(map(str, one.degrees)) if one.degrees else ''}")
-    rows = [row for degree in degrees
-            for row in plan_rows(spec, config, search_space(config, world // degree), one, two, world, degree)]
+    def rows_at(efficiency: float, only: tuple[int, ...] = degrees) -> list[dict]:
+        return [row for degree in only
+                for row in plan_rows(spec, config, search_space(config, world // degree), one, two, world, degree,
+                                     nproc_per_node, efficiency)]
+
+    efficiency, said = spec.compute_efficiency, "stated"
+    if spec.calibrate is not None:
+        efficiency, said = fitted_efficiency(rows_at, spec, hardware)
+    elif efficiency is None:
+        efficiency, said = DEFAULT_COMPUTE_EFFICIENCY[spec.device], "default"
+    rows = rows_at(efficiency)
     fitting = [r for r in rows if r["fits"]]
     if fitting:
         # (ties, as ZeRO 2 and 3 compute-bound alike, to the one holding less)
@@ -203,24 +220,58 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
     results.mkdir(parents=True, exist_ok=True)
     table = pd.DataFrame(rows)
     table.to_csv(results / PLAN_FILE, index=False)
-    print(plan_text(spec, table, world, num_nodes, one), end="")
+    print(plan_text(spec, table, world, num_nodes, one, said), end="")
     print(f"autotuner: plan written to {results / PLAN_FILE}", file=sys.stderr)
     return 0
 
 
-def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world: int, degree: int) -> list[dict]:
-    """Every candidate of `space` (data parallel over world / degree) at tensor-parallel `degree`."""
+def fitted_efficiency(rows_at, spec: HardwareSpec, source: str) -> tuple[float, str]:
+    """The compute efficiency at which the spec's `calibrate` layout takes its measured step: a
+    step's time falls as the efficiency rises, so bisection finds it."""
+    wanted, measured = spec.calibrate.layout, spec.calibrate.step_s
+    names = [row["name"] for row in rows_at(1.0)]
+    if wanted not in names:
+        raise ConfigError(f"--hardware {source}: calibrate.layout {wanted!r}: not a layout of this plan; its layouts "
+                          f"are {', '.join(names)}")
+    step = lambda efficiency: next(r["predicted_step_s"] for r in rows_at(efficiency) if r["name"] == wanted)  # noqa: E731
+    low, high = 1e-4, 1.0
+    if step(high) > measured:
+        raise ConfigError(f"--hardware {source}: calibrate.step_s {measured:g}: {wanted} would take {step(high):.4g} s "
+                          "a step even at the spec's full peak; the spec's peak, bandwidth or links are too low for "
+                          "what was measured")
+    if step(low) < measured:
+        raise ConfigError(f"--hardware {source}: calibrate.step_s {measured:g}: {wanted} is slower than the spec "
+                          f"explains at any compute efficiency over {low:g} (its collectives or overheads are too low)")
+    for _ in range(50):
+        middle = (low * high) ** 0.5  # (geometric: the efficiency spans decades)
+        low, high = (middle, high) if step(middle) > measured else (low, middle)
+    efficiency = (low * high) ** 0.5
+    return efficiency, f"fitted on {wanted}'s {measured:.4g} s a step"
+
+
+def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world: int, degree: int,
+              ranks_per_node: int | None = None, efficiency: float | None = None) -> list[dict]:
+    """Every candidate of `space` (data parallel over world / degree) at tensor-parallel `degree`.
+    A rank's memory besides the model is the spec's process overhead; on a CPU spec also the
+    script's own resident set, as the census measured it (a rank's memory there is its resident set)."""
     from autotuner.tuning.memory.degree_prediction import profile_at_degree
     from autotuner.tuning.memory.estimate import ModelProfile, StageSettings, estimate, usable_bytes
     from autotuner.tuning.models.hardware_step import TensorParallel, step_prediction
     from autotuner.tuning.models.memory_book import SAFETY_MARGIN
 
-    efficiency = float(getattr(spec, "compute_efficiency", DEFAULT_COMPUTE_EFFICIENCY))
-    overhead = int(getattr(spec, "process_overhead_bytes", DEFAULT_PROCESS_OVERHEAD))
+    if efficiency is None:
+        efficiency = spec.compute_efficiency or DEFAULT_COMPUTE_EFFICIENCY[spec.device]
+    overhead = int(DEFAULT_PROCESS_OVERHEAD[spec.device] if spec.process_overhead_bytes is None
+                   else spec.process_overhead_bytes)
+    if spec.device == "cpu":
+        overhead += one.resident_bytes
     per_sample = {policy: two.activation_bytes_by_policy.get(policy, 0) - one.activation_bytes_by_policy.get(policy, 0)
                   for policy in one.activation_bytes_by_policy}
     plain = two.activation_bytes - one.activation_bytes
-    budget = usable_bytes(int(spec.memory_bytes), SAFETY_MARGIN)  # the tuner's own margin (memory_book.py)
+    rank_memory = int(spec.memory_bytes)
+    if spec.device == "cpu":  # the node's memory, shared by its ranks
+        rank_memory //= max(1, ranks_per_node or min(world, spec.accelerators_per_node))
+    budget = usable_bytes(rank_memory, SAFETY_MARGIN)  # the tuner's own margin (memory_book.py)
     precision = config.precision
     tp = TensorParallel()
     split_per_sample = 0
@@ -252,7 +303,8 @@ def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world
                                          activation_policy="none")
                 memory = estimate(profile, settings, micro).total
                 tokens = micro * max(1, one.sequence_length)
-                step = step_prediction(records, one.num_params, world, stage, gas, tokens, policy, spec, efficiency, tp)
+                step = step_prediction(records, one.num_params, world, stage, gas, tokens, policy, spec, efficiency, tp,
+                                       precision, ranks_per_node, one.blocks + 1, one.parameter_tensors)
                 fits = memory <= budget
                 name = (f"z{stage}" + (f"_tp{degree}" if degree > 1 else "") + (f"_ac{policy}" if policy != "none"
                                                                                  else "") + f"_gas{gas}_mbs{micro}")
@@ -269,14 +321,16 @@ def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world
     return rows
 
 
-def plan_text(spec: HardwareSpec, table: pd.DataFrame, world: int, num_nodes: int, one: Census) -> str:
+def plan_text(spec: HardwareSpec, table: pd.DataFrame, world: int, num_nodes: int, one: Census,
+              efficiency_said: str = "stated") -> str:
     shown = table.sort_values("predicted_samples_per_s", ascending=False)
     degrees = ", ".join(str(d) for d in sorted(set(table["tp"])))
     lines = [f"plan for {num_nodes} node(s) x {world // max(1, num_nodes)} {spec.name} ({world} ranks; tensor "
              f"parallel {degrees}, data parallel over the rest): "
              f"{one.num_params:,} parameters, counted on the meta device; compute efficiency "
-             f"{float(table['compute_efficiency'].iloc[0]):.4g} (stated), memory "
-             f"{spec.memory_bytes / 2**30:.0f} GiB a rank"]
+             f"{float(table['compute_efficiency'].iloc[0]):.4g} "
+             f"({efficiency_said}), memory {spec.memory_bytes / 2**30:.0f} GiB "
+             f"{'a node, shared by its ranks' if spec.device == 'cpu' else 'a rank'}"]
     view = shown[["name", "fits", "predicted_memory_bytes", "predicted_step_s", "predicted_samples_per_s",
                   "predicted_mfu"]].copy()
     view["predicted_memory_bytes"] = (view["predicted_memory_bytes"] / 2**30).round(1)

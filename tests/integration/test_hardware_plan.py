@@ -103,7 +103,7 @@ def test_what_a_hardware_plan_cannot_take_is_refused_in_one_line(tmp_path):
                                "zero_optimization.offload_optimizer.device 'cpu': --hardware does not cost CPU offload"),
         "sgd_not_costed": (dict(ds={**DS, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}),
                            "optimizer.type SGD: --hardware costs Adam's and AdamW's states and step only"),
-        "fp32_compute": (dict(ds={**DS, "bf16": {"enabled": False}}), "bf16.enabled false: --hardware costs bf16"),
+        "fp32_compute": (dict(ds={**DS, "bf16": {"enabled": False}}), "bf16.enabled false: fp32 compute is costed at the spec's peak_fp32_flops, which 'A100 SXM 80GB' does not give"),
         "weights_materialised": (dict(script_flags=("--size", "tiny", "--materialise")),
                                  "--hardware: parameter model.embed_tokens.weight is on cpu, not the meta device"),
     }

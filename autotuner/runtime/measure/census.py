@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -48,6 +49,9 @@ class CensusEngine:
         from autotuner.runtime.measure.op_census import OpCensus
         from autotuner.runtime.measure.profile import ActivationProbe
 
+        # What the script's process holds before the engine: its imports and data (the model is on
+        # meta). A CPU rank's memory is its resident set, this included; read before the census grows it.
+        self._resident_bytes = psutil.Process().memory_info().rss
         self.module = module.to(dtype) if dtype is not None else module  # (free on the meta device)
         self.device = torch.device("meta")
         self._micro_batch_size = micro_batch_size
@@ -117,14 +121,14 @@ class CensusEngine:
 
     def _write_and_leave(self) -> None:
         params = list(self.module.parameters())
-        record = {"num_params": sum(p.numel() for p in params),
+        record = {"num_params": sum(p.numel() for p in params), "parameter_tensors": len(params),
                   "trainable_params": sum(p.numel() for p in params if p.requires_grad),
                   "micro_batch_size": self._micro_batch_size, "blocks": self._blocks,
                   "sequence_length": self._probe.sequence_length,
                   "activation_bytes": self._probe.bytes_saved,
                   "activation_bytes_by_policy": self._probe.bytes_by_policy(),
                   "split": dataclasses.asdict(self._probe.split_regions()) if self._degrees else {},
-                  "degrees": list(self._degrees),
+                  "degrees": list(self._degrees), "resident_bytes": self._resident_bytes,
                   "records": [[r.op, r.flops, r.bytes, r.phase, r.block] for r in self._census.records]}
         Path(self._record_path).write_text(json.dumps(record))
         raise SystemExit(0)

@@ -2,19 +2,22 @@
 operator census (runtime/measure/op_census.py), the roofline (roofline.py) and the spec's links
 (spec_collectives.py) (issue 80, part 3).
 
-Per micro-step, by ZeRO stage, on our engine's layouts and torchtitan's FSDP2 defaults (bf16
-compute copies, fp32 gradient reduction, parameters resharded after the forward):
+Per optimizer step of gas micro-steps, by ZeRO stage, as our engine runs them (compute copies in
+the run's precision, fp32 gradient reduction):
 
-- ZeRO 3 (FSDP2): the parameters all-gathered in bf16 for the forward and again for the backward,
-  the gradients reduce-scattered in fp32, every micro-step;
-- ZeRO 2: the all-gather once a step, the reduce-scatter every micro-step;
-- ZeRO 0 and 1 (DDP): the gradients all-reduced in fp32 once a step, over the last backward; ZeRO 1
-  then all-gathers the updated parameters in bf16 after the optimizer step.
-The collectives of a micro-step overlap its compute (FSDP2 prefetches the next unit's gather
-while this one computes; DDP's buckets reduce during the backward): a micro-step takes the longer
-of the two. What is not overlapped: ZeRO 1's gather after the step, and the optimizer step, an
-fp32 Adam over the rank's share of the parameters, costed by its bytes (each element's parameter,
-gradient and two moments read, three written, and its bf16 copy) at the memory bandwidth.
+- ZeRO 3 (FSDP2): the parameters all-gathered for each forward and again for each backward
+  (resharded after both), the gradients reduce-scattered in fp32 once, in the last backward
+  (unsharded between micro-steps);
+- ZeRO 2: gathered for each forward (resharded after the backward), reduce-scattered once;
+- ZeRO 0 and 1 (DDP): the gradients all-reduced in fp32 once, over the last backward; ZeRO 1
+  then broadcasts each updated fp32 parameter from the rank that owns it.
+At gas 1 this is torchtitan's FSDP2 default too. FSDP2 runs each collective unit by unit (the
+blocks and the root). With `overlap_communication` (GPU) a micro-step takes the longer of its
+compute and its collectives (FSDP2 prefetches the next unit's gather; DDP's buckets reduce during
+the backward); without (a CPU, where gloo's threads share the cores), their sum. Not overlapped:
+ZeRO 1's broadcasts, and the optimizer step, an fp32 Adam over the rank's share of the
+parameters, costed by its bytes (each element's parameter, gradient and two moments read, three
+written, and its low-precision copy) at the memory bandwidth.
 Pure functions."""
 
 from __future__ import annotations
@@ -68,7 +71,9 @@ class TensorParallel:
 def step_prediction(records: Sequence[OpRecord], num_params: int, world_size: int, zero_stage: int,
                     gradient_accumulation_steps: int, tokens_per_micro_step: int, policy: str,
                     spec: HardwareSpec, compute_efficiency: float,
-                    tensor_parallel: TensorParallel = TensorParallel()) -> StepPrediction:
+                    tensor_parallel: TensorParallel = TensorParallel(), precision: str = "bf16",
+                    ranks_per_node: int | None = None, fsdp_units: int = 1,
+                    parameter_tensors: int = 1) -> StepPrediction:
     """One optimizer step of `gradient_accumulation_steps` micro-steps, each the census' `records`
     (one rank's micro-batch of `tokens_per_micro_step` tokens), over `world_size` ranks: data
     parallel over world / k of them, each model split over k neighbours by `tensor_parallel`.
@@ -76,8 +81,23 @@ def step_prediction(records: Sequence[OpRecord], num_params: int, world_size: in
     whole (the census' operators scaled by 1 - s + s / k: a matmul's backward costs in proportion
     to its forward), and waits each micro-step on an all-reduce of the hidden states a split layer
     (a row-wise layer's output in the forward, a column-wise layer's input gradient in the
-    backward) over the node's link, on the critical path."""
-    roofline = Roofline(spec.peak_bf16_flops, spec.memory_bandwidth, compute_efficiency)
+    backward) over the node's link, on the critical path.
+    `precision` is the compute copies' ("bf16", "fp16" or "fp32": the peak and the bytes gathered);
+    `ranks_per_node` (default the world, at most a node) is how many ranks share a CPU node's cores
+    (spec.rank_share), each then computing at its share of the peak and the bandwidth;
+    `fsdp_units` the modules FSDP2 shards one by one (the blocks and the root), each collective
+    paying its latency once a unit; `parameter_tensors` the
+    model's parameters, which ZeRO 1 broadcasts one by one after the step."""
+    share = spec.rank_share(ranks_per_node or min(world_size, spec.accelerators_per_node))
+    peak = spec.peak_flops(precision) * share
+    # On a GPU the efficiency is the share of the peak the matmuls reach. On a CPU every part of a
+    # step (operators, gloo's collectives, the optimizer) runs on the same cores, measured apart on
+    # an idle machine (host_spec.py): the efficiency is the share of that speed a rank keeps in
+    # training, and scales the whole step.
+    whole = 1.0 / compute_efficiency if spec.device == "cpu" else 1.0
+    matmul = 1.0 if spec.device == "cpu" else compute_efficiency
+    roofline = Roofline(peak, spec.memory_bandwidth * share, matmul, spec.op_overhead_s / share)
+    copy = FP32 if precision == "fp32" else BF16
     tp = tensor_parallel
     k = max(1, tp.degree)
     compute = step_compute_seconds(records, policy, roofline) * (1 - tp.flop_share + tp.flop_share / k)
@@ -88,24 +108,35 @@ def step_prediction(records: Sequence[OpRecord], num_params: int, world_size: in
     world_size = max(1, world_size // k)
     group = group_of(world_size, k, spec)
     gas = gradient_accumulation_steps
-    gather = collective_seconds("all_gather", BF16 * num_params, group, spec)
-    scatter = collective_seconds("reduce_scatter", FP32 * num_params, group, spec)
-    if zero_stage >= 3:
-        per_micro = 2 * gather + scatter
-        micro_steps = gas * max(compute, per_micro)
-        communication, after = per_micro, 0.0
-    elif zero_stage == 2:
-        per_step = gather + gas * scatter
-        micro_steps = max(gas * compute, per_step)
-        communication, after = per_step / gas, 0.0
+    units = max(1, fsdp_units)
+    both = max if spec.overlap_communication else (lambda a, b: a + b)  # gloo shares the cores: no overlap
+
+    def by_unit(op: str, nbytes: float) -> float:  # FSDP2 runs each collective unit by unit
+        return units * collective_seconds(op, nbytes / units, group, spec)
+
+    if zero_stage >= 2:
+        # Our engine: gradients synced at the step's last micro-step only (unsharded between);
+        # parameters resharded after every backward, so gathered for each forward, and (ZeRO 3,
+        # resharded after the forward too) again for each backward.
+        gathers = 2 if zero_stage >= 3 else 1
+        per_micro = gathers * by_unit("all_gather", copy * num_params)
+        scatter = by_unit("reduce_scatter", FP32 * num_params)
+        micro_steps = (gas - 1) * both(compute, per_micro) + both(compute, per_micro + scatter)
+        communication, after = per_micro + scatter / gas, 0.0
     else:
         reduce = collective_seconds("all_reduce", FP32 * num_params, group, spec)
-        micro_steps = (gas - 1) * compute + max(compute, reduce)
-        communication, after = reduce / gas, (gather if zero_stage == 1 else 0.0)
+        micro_steps = (gas - 1) * compute + both(compute, reduce)
+        after = 0.0
+        if zero_stage == 1:  # ZeroRedundancyOptimizer broadcasts each updated fp32 parameter from its owner
+            each = collective_seconds("broadcast", FP32 * num_params / max(1, parameter_tensors), group, spec)
+            after = max(1, parameter_tensors) * each
+        communication = reduce / gas
     local = num_params / world_size if zero_stage >= 1 else num_params
-    optimizer = local * ADAM_BYTES_PER_PARAMETER / spec.memory_bandwidth
-    step = micro_steps + after + optimizer
+    adam = ADAM_BYTES_PER_PARAMETER - (BF16 if precision == "fp32" else 0)  # no low-precision copy to write
+    optimizer = local * adam / (spec.memory_bandwidth * share)
+    step = (micro_steps + after + optimizer) * whole
+    compute, communication, optimizer = compute * whole, communication * whole, optimizer * whole
     tokens = tokens_per_micro_step * gas / k  # a replica's micro-batch is shared by its k ranks
     model_flops = sum(r.flops for r in records) * gas / k
     return StepPrediction(step, compute, communication, optimizer, tokens / step,
-                          model_flops / (step * spec.peak_bf16_flops))
+                          model_flops / (step * peak))

@@ -3,11 +3,13 @@
 Each operator (runtime/measure/op_census.py) takes the longer of its FLOPs at the accelerator's
 peak times a compute efficiency, and its bytes at the memory bandwidth:
 
-    t(op) = max(flops / (peak x efficiency), bytes / bandwidth)
+    t(op) = overhead + max(flops / (peak x efficiency), bytes / bandwidth)
 
 The efficiency is the one constant a plan fits (on one measured or published step), stated beside
-every figure it yields; the bandwidth is the datasheet's, unscaled. Activation checkpointing adds
-the forward operators it recomputes in the backward, by policy:
+every figure it yields; the bandwidth is the datasheet's, unscaled. The overhead is the spec's
+op_overhead_s (0 unless stated: on a GPU the launches overlap the kernels; on a CPU each eager
+operator pays its dispatch). Activation checkpointing adds the forward operators it recomputes
+in the backward, by policy:
 
 - "none": nothing; "full": every block's forward;
 - "selective_layer" (torchtitan's layer policy at frequency 2): every second block's forward;
@@ -33,9 +35,11 @@ class Roofline:
     peak_flops: float  # FLOP/s (the datasheet's dense bf16 peak)
     memory_bandwidth: float  # bytes/s
     compute_efficiency: float = 1.0  # the fitted share of the peak a matmul reaches
+    op_overhead_s: float = 0.0  # each operator's fixed cost: dispatch, autograd, a kernel's launch
 
     def seconds(self, record: OpRecord) -> float:
-        return max(record.flops / (self.peak_flops * self.compute_efficiency), record.bytes / self.memory_bandwidth)
+        return self.op_overhead_s + max(record.flops / (self.peak_flops * self.compute_efficiency),
+                                        record.bytes / self.memory_bandwidth)
 
     def total(self, records: Iterable[OpRecord]) -> float:
         return sum(self.seconds(r) for r in records)

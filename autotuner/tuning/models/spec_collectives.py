@@ -8,8 +8,10 @@ hop pays the inter-node latency. For a full (unsharded) tensor of S bytes:
 - all_gather, reduce_scatter (ring): (n - 1) latency + S (n - 1) / n / bus;
 - all_reduce: the faster of the ring, 2 (n - 1) latency + 2 S (n - 1) / n / bus, and the tree,
   2 ceil(log2 n) latency + 2 S / bus (fewer hops for small messages);
+- broadcast (a tree, pipelined): ceil(log2 n) latency + S / bus;
 - send (point to point): latency + S / link, over the inter-node link where the pair spans nodes.
-A group of one moves nothing. Pure functions."""
+A link's `collectives` entry (config/hardware.py) gives a collective its own bus bandwidth and
+latency where the library runs it at another speed. A group of one moves nothing. Pure functions."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from dataclasses import dataclass
 
 from autotuner.config.hardware import HardwareSpec
 
-OPS = ("all_gather", "reduce_scatter", "all_reduce", "send")
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "send")
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,17 @@ def collective_seconds(op: str, nbytes: float, group: Group, spec: HardwareSpec)
     if n <= 1 or nbytes <= 0:
         return 0.0
     intra, inter = spec.intra_node, spec.inter_node
+    if op == "send":
+        link = inter if group.spans_nodes else intra
+        return link.latency + nbytes / link.bandwidth
+    if op not in OPS:
+        raise ValueError(f"collective {op!r}: expected one of {', '.join(OPS)}")
+    (intra_bus, intra_latency), (inter_bus, inter_latency) = intra.bus(op), inter.bus(op)
     if group.spans_nodes:
-        bus = min(intra.bandwidth, group.per_node * inter.bandwidth)
-        latency = inter.latency
+        bus = min(intra_bus, group.per_node * inter_bus)
+        latency = inter_latency
     else:
-        bus, latency = intra.bandwidth, intra.latency
+        bus, latency = intra_bus, intra_latency
     share = (n - 1) / n
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) * latency + nbytes * share / bus
@@ -55,7 +63,4 @@ def collective_seconds(op: str, nbytes: float, group: Group, spec: HardwareSpec)
         ring = 2 * (n - 1) * latency + 2 * nbytes * share / bus
         tree = 2 * math.ceil(math.log2(n)) * latency + 2 * nbytes / bus
         return min(ring, tree)
-    if op == "send":
-        link = inter if group.spans_nodes else intra
-        return link.latency + nbytes / link.bandwidth
-    raise ValueError(f"collective {op!r}: expected one of {', '.join(OPS)}")
+    return math.ceil(math.log2(n)) * latency + nbytes / bus  # broadcast
