@@ -31,7 +31,7 @@ def _config(stages: list[int]) -> dict:
     return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "steps_per_print": 1000,
             "bf16": {"enabled": "auto"}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
             "zero_optimization": {"stage": stages},
-            "autotuning": {"enabled": True, "start_profile_step": 3, "end_profile_step": 8,
+            "autotuning": {"enabled": True, "start_profile_step": 3, "end_profile_step": 8, "remeasure_rounds": 0,
                            "arg_mappings": {"train_micro_batch_size_per_gpu": "--per_device_train_batch_size",
                                             "gradient_accumulation_steps": "--gradient_accumulation_steps"}}}
 

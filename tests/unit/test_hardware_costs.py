@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 from dataclasses import replace
 
@@ -176,3 +177,90 @@ def test_tensor_parallel_divides_the_split_share_and_waits_on_its_all_reduces_in
     # With the column-wise layers counted (25, as q, k, v, gate and up of 5 blocks): one all-reduce each.
     counted = step_prediction(records, n, 64, 3, 1, 4096, "none", spec, 1.0, replace(tp, col_layers=25))
     assert counted.compute_s == pytest.approx(3.0 * (0.1 + 0.9 / 4) + (10 + 25) * each)
+
+
+CPU = {**SPEC, "name": "a 2-core CPU", "device": "cpu", "peak_fp32_flops": 100e9, "peak_bf16_flops": 400e9,
+       "memory_bandwidth": 40e9, "accelerators_per_node": 2, "overlap_communication": False}
+
+
+def test_a_cpu_spec_is_typed_and_its_rules_are_refused_in_one_line():
+    spec = parse_hardware(CPU, "cpu.json")
+    assert spec.device == "cpu" and spec.peak_flops("fp32") == 100e9 and spec.peak_flops("bf16") == 400e9
+    assert spec.rank_share(2) == 1.0 and spec.rank_share(4) == 0.5  # 4 ranks take turns on 2 cores
+    assert parse_hardware(SPEC, "a100.json").rank_share(16) == 1.0  # a GPU is a rank's own
+    with pytest.raises(ConfigError, match="peak_fp32_flops: missing; an fp32 run is costed at the fp32 peak"):
+        parse_hardware(SPEC, "a100.json").peak_flops("fp32")
+    cases = {
+        "device": ("tpu", 'cpu.json: device: got "tpu"; expected "cuda" or "cpu"'),
+        "compute_efficiency": (1.5, "cpu.json: compute_efficiency: got 1.5; expected a number in (0, 1]"),
+        "op_overhead_s": (-1, "cpu.json: op_overhead_s: got -1; expected a number >= 0"),
+        "overlap_communication": ("no", 'cpu.json: overlap_communication: got "no"; expected true or false'),
+        "calibrate": ({"layout": "z0_gas1_mbs4"}, "cpu.json: calibrate.step_s: missing"),
+        "intra_node": ({"bandwidth": 1e9, "latency": 1e-4, "collectives": {"all_to_all": {"bus_bandwidth": 1e9,
+                                                                                          "latency": 1e-4}}},
+                       'cpu.json: intra_node.collectives: "all_to_all" is not a collective; expected all_reduce, '
+                       "all_gather, reduce_scatter, broadcast"),
+    }
+    for field, (value, message) in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            parse_hardware({**CPU, field: value}, "cpu.json")
+        assert str(caught.value) == message and "\n" not in message
+    with pytest.raises(ConfigError, match="give compute_efficiency or calibrate, not both"):
+        parse_hardware({**CPU, "compute_efficiency": 0.5, "calibrate": {"layout": "z0", "step_s": 1.0}}, "cpu.json")
+
+
+def test_a_cpu_step_adds_its_collectives_to_compute_and_its_efficiency_scales_the_whole_step():
+    spec = parse_hardware(CPU, "cpu.json")
+    records = [OpRecord("aten.mm", 100e9, 0.0, "forward"), OpRecord("aten.mul", 0.0, 40e9, "backward")]
+    n = 10_000_000
+    ddp = step_prediction(records, n, 2, 0, 2, 512, "none", spec, 1.0, precision="fp32")
+    reduce = collective_seconds("all_reduce", 4 * n, Group(2, 2), spec)
+    optimizer = n * (ADAM_BYTES_PER_PARAMETER - 2) / 40e9  # fp32: no low-precision copy written
+    assert ddp.compute_s == pytest.approx(2.0)  # 1 s of FLOPs at the fp32 peak, 1 s of bytes
+    assert ddp.step_s == pytest.approx(2.0 + 2.0 + reduce + optimizer)  # gloo shares the cores: a sum
+    assert step_prediction(records, n, 2, 0, 2, 512, "none", spec, 0.5, precision="fp32").step_s == pytest.approx(
+        2 * ddp.step_s)  # every part of a CPU step runs on the same cores
+    crowded = step_prediction(records, n, 4, 0, 2, 512, "none", spec, 1.0, precision="fp32", ranks_per_node=4)
+    assert crowded.compute_s == pytest.approx(4.0)  # half a core a rank
+    overhead = parse_hardware({**CPU, "op_overhead_s": 0.25}, "cpu.json")
+    assert step_prediction(records, n, 2, 0, 1, 512, "none", overhead, 1.0,
+                           precision="fp32").compute_s == pytest.approx(2.5)
+
+
+def test_fsdp2_pays_each_collective_unit_by_unit_and_zero_1_broadcasts_each_parameter():
+    spec = parse_hardware({**CPU, "overlap_communication": True}, "cpu.json")
+    records = [OpRecord("aten.mm", 100e9, 0.0, "forward")]
+    n = 10_000_000
+    group = Group(2, 2)
+    z3 = step_prediction(records, n, 2, 3, 4, 512, "none", spec, 1.0, precision="fp32", fsdp_units=5)
+    gather = 5 * collective_seconds("all_gather", 4 * n / 5, group, spec)
+    scatter = 5 * collective_seconds("reduce_scatter", 4 * n / 5, group, spec)
+    assert gather > collective_seconds("all_gather", 4 * n, group, spec)  # four more latencies
+    assert z3.communication_s == pytest.approx(2 * gather + scatter / 4)
+    z2 = step_prediction(records, n, 2, 2, 4, 512, "none", spec, 1.0, precision="fp32", fsdp_units=5)
+    assert z2.communication_s == pytest.approx(gather + scatter / 4)  # one gather a micro-step
+    z0 = step_prediction(records, n, 2, 0, 1, 512, "none", spec, 1.0, precision="fp32", parameter_tensors=10)
+    z1 = step_prediction(records, n, 2, 1, 1, 512, "none", spec, 1.0, precision="fp32", parameter_tensors=10)
+    broadcasts = 10 * collective_seconds("broadcast", 4 * n / 10, group, spec)
+    halved = n / 2 * (ADAM_BYTES_PER_PARAMETER - 2) / 40e9
+    assert z1.step_s == pytest.approx(z0.step_s - z0.optimizer_s + halved + broadcasts)
+
+
+def test_calibrate_fits_the_efficiency_at_which_its_layout_takes_the_measured_step():
+    from autotuner.app.hardware_plan import fitted_efficiency
+
+    def rows_at(efficiency, only=None):  # a step of 0.1 s of collectives and 0.2 s of compute at the peak
+        return [{"name": "z0_gas4_mbs4", "predicted_step_s": 0.1 + 0.2 / efficiency},
+                {"name": "z3_gas4_mbs4", "predicted_step_s": 0.3 + 0.2 / efficiency}]
+
+    spec = parse_hardware({**CPU, "calibrate": {"layout": "z0_gas4_mbs4", "step_s": 0.5}}, "cpu.json")
+    efficiency, said = fitted_efficiency(rows_at, spec, "cpu.json")
+    assert efficiency == pytest.approx(0.5, rel=1e-6) and said == "fitted on z0_gas4_mbs4's 0.5 s a step"
+    refusals = {("z9_gas1_mbs1", 0.5): "calibrate.layout 'z9_gas1_mbs1': not a layout of this plan; its layouts are "
+                                       "z0_gas4_mbs4, z3_gas4_mbs4",
+                ("z0_gas4_mbs4", 0.2): "calibrate.step_s 0.2: z0_gas4_mbs4 would take 0.3 s a step even at the "
+                                       "spec's full peak"}
+    for (layout, step), message in refusals.items():
+        spec = parse_hardware({**CPU, "calibrate": {"layout": layout, "step_s": step}}, "cpu.json")
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            fitted_efficiency(rows_at, spec, "cpu.json")
