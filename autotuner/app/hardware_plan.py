@@ -201,8 +201,8 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
         raise ConfigError(f"{source}: tensor_parallel.autotp_size: the model cannot be split over {unsplittable[0]} "
                           "ranks (the tensor-parallel plan takes whole heads, and needs Linears it knows); list "
                           f"degrees it can take{', such as ' + ', '.join(map(str, one.degrees)) if one.degrees else ''}")
-    def rows_at(efficiency: float, only: tuple[int, ...] = degrees) -> list[dict]:
-        return [row for degree in only
+    def rows_at(efficiency: float) -> list[dict]:
+        return [row for degree in degrees
                 for row in plan_rows(spec, config, search_space(config, world // degree), one, two, world, degree,
                                      nproc_per_node, efficiency)]
 

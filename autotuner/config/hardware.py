@@ -72,7 +72,8 @@ class Link(BaseModel):
     bandwidth: Positive  # bytes/s, one accelerator, one way
     latency: Positive  # seconds a message pays before its first byte
     # Optional, by collective: where a library runs them at different speeds (gloo's reduce-scatter
-    # is an all-reduce and a copy); a collective not listed runs at the bandwidth and latency above.
+    # measured here at a third of its all-reduce's bus bandwidth); a collective not listed runs at
+    # the bandwidth and latency above.
     collectives: dict[Literal["all_reduce", "all_gather", "reduce_scatter", "broadcast"], Measured] = Field(
         default_factory=dict)
 

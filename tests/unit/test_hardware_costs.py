@@ -249,7 +249,7 @@ def test_fsdp2_pays_each_collective_unit_by_unit_and_zero_1_broadcasts_each_para
 def test_calibrate_fits_the_efficiency_at_which_its_layout_takes_the_measured_step():
     from autotuner.app.hardware_plan import fitted_efficiency
 
-    def rows_at(efficiency, only=None):  # a step of 0.1 s of collectives and 0.2 s of compute at the peak
+    def rows_at(efficiency):  # a step of 0.1 s of collectives and 0.2 s of compute at the peak
         return [{"name": "z0_gas4_mbs4", "predicted_step_s": 0.1 + 0.2 / efficiency},
                 {"name": "z3_gas4_mbs4", "predicted_step_s": 0.3 + 0.2 / efficiency}]
 
