@@ -55,7 +55,7 @@ def check_training_config(script_args: tuple[str, ...], world_size: int, online:
     tp = config.tensor_parallel.size
     if tp > 1 and world_size % tp:
         raise ConfigError(f"{path}: tensor_parallel.autotp_size {tp}: must divide the number of ranks ({world_size})")
-    check_fixed_triad(config, world_size, path)
+    check_fixed_triad(config, world_size, path, stages_from_script=script is not None and builds_a_pipeline(script))
     if config.optimizer is not None or config.scheduler is not None:  # built on a dummy parameter: torch
         from autotuner.runtime.training.optim import check_optimizer_and_scheduler
 
@@ -81,3 +81,12 @@ def _check_online(config, path: str, online: bool) -> None:
 
         how = "--autotuning online" if online else f"{path}: autotuning.online.enabled"
         require_optuna(how)
+
+
+def builds_a_pipeline(script: str) -> bool:
+    """Whether the script (or a module of its own beside it) imports a PipelineModule, ours or
+    DeepSpeed's: its stages, and so its data-parallel size, may be the script's to set."""
+    from autotuner.core.script_imports import import_sites
+
+    return any(site.name.split(":")[0].endswith(".pipe") or site.name.endswith(":PipelineModule")
+               for site in import_sites(script))

@@ -120,7 +120,8 @@ def _why_not(config: DeepSpeedConfig, space: SearchSpace, layout: Layout, ranks:
         return (f"zero_optimization.stage {json.dumps(list(space.stages))}: ZeRO 2 and 3 are not supported with "
                 "pipeline parallelism (DeepSpeed refuses them too)")
     try:
-        check_fixed_triad(at_layout(config, layout), at.data_parallel_size, source)
+        # A pipeline's triad is counted over the world / (stages x tp); a degree alone's as the launch counts it.
+        check_fixed_triad(at_layout(config, layout), ranks if layout.pipeline > 1 else at.data_parallel_size, source)
         batch_is_valid(at, at.data_parallel_size, source)
     except ConfigError as err:
         return str(err).removeprefix(source + ": ")

@@ -109,15 +109,43 @@ def resolve_batch(config: DeepSpeedConfig, data_parallel_size: int) -> BatchSize
     return BatchSizes(total, micro, gas, dp)
 
 
-def check_fixed_triad(config: DeepSpeedConfig, world_size: int, source: str) -> None:
+def check_fixed_triad(config: DeepSpeedConfig, world_size: int, source: str,
+                      stages_from_script: bool = False) -> None:
     """When all three batch values are fixed integers, they must agree before anything launches
-    (over every rank or over dp where tensor parallelism divides it: an mpu's script counts dp)."""
+    (over every rank or over dp where tensor parallelism divides it: an mpu's script counts dp).
+
+    With `pipeline.stages` a number, over world / (stages x tp), as DeepSpeed's pipeline engine
+    counts it (the module's grid is its mpu). `stages_from_script`: the script builds a
+    PipelineModule whose stages the config leaves to it (`"auto"`), so any stage count dividing
+    the ranks is taken here; the ranks check the one it built."""
     values = (config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps)
-    if all(isinstance(v, int) for v in values):
+    if not all(isinstance(v, int) for v in values):
+        return
+    tp, stages = config.tensor_parallel.size, config.pipeline.stages
+    try:
+        if isinstance(stages, int) and stages > 1:
+            if world_size % (stages * tp):
+                split = f" x tensor_parallel.autotp_size {tp}" if tp > 1 else ""
+                raise ConfigError(f"pipeline.stages {stages}{split}: must divide the number of ranks ({world_size})")
+            resolve_batch(config, world_size // (stages * tp))
+            return
         try:
-            resolve_split_batch(config, world_size, config.tensor_parallel.size, counts_every_rank=True)
-        except ConfigError as err:
-            raise ConfigError(f"{source}: {err}") from None
+            resolve_split_batch(config, world_size, tp, counts_every_rank=True)
+        except ConfigError:
+            replicas = world_size // max(1, tp)
+            if not stages_from_script or not any(
+                    _agrees(config, replicas // k) for k in range(2, replicas + 1) if replicas % k == 0):
+                raise
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+
+
+def _agrees(config: DeepSpeedConfig, data_parallel: int) -> bool:
+    try:
+        resolve_batch(config, data_parallel)
+    except ConfigError:
+        return False
+    return True
 
 
 def resolve_split_batch(config: DeepSpeedConfig, world_size: int, tp_size: int,

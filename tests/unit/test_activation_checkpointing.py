@@ -144,6 +144,35 @@ def test_the_probe_without_blocks_says_nothing_of_policies():
     assert probe.bytes_saved > 0 and probe.held_by_policy() == {} == probe.bytes_by_policy()
 
 
+def test_the_probe_leaves_no_graph_behind_a_retained_backward_and_the_gradients_alone():
+    """A pipeline stage's backward retains its graph (torch's input-gradient pass); a saved output
+    the probe handed back as itself would hold its node in a cycle past the step (one more
+    micro-batch of activations in a profile launch's peak, until the collector runs)."""
+    from autotuner.runtime.measure.profile import ActivationProbe
+
+    def step(probed: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Sigmoid(), nn.Linear(64, 64), nn.Tanh())  # both save their outputs
+        probe = ActivationProbe(list(model.parameters()))
+        if probed:
+            probe.start()
+        out = model(torch.randn(32, 64, generator=torch.Generator().manual_seed(1)))
+        probe.stop()
+        torch.autograd.backward(out.exp().sum(), retain_graph=True)
+        return weakref.ref(out), [p.grad.clone() for p in model.parameters()], probe.bytes_saved
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        left, probed_grads, saved = step(True)
+        assert saved > 0 and left() is None, "the probed forward's output outlived its step"
+    finally:
+        if enabled:
+            gc.enable()
+    _, plain_grads, _ = step(False)
+    assert all(torch.equal(a, b) for a, b in zip(probed_grads, plain_grads))
+
+
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_a_hugging_face_model_trains_alike_under_each_policy_with_its_cache_turned_off(policy):
     """GPT-2's forward writes a key/value cache when config.use_cache is on (its default): the

@@ -153,7 +153,11 @@ class ActivationProbe:
                 self._inside[self._current] += size
                 if _made_by_a_matmul(tensor):
                     self._matmul_inside[self._current] += size
-        return tensor
+        # Detached: autograd needs only the same data back. The tensor itself, saved as one of its
+        # node's outputs, would hold that node (and the micro-batch's graph) in a reference cycle
+        # till the garbage collector runs: measured on a pipeline's first stage, one more
+        # micro-batch's activations in the profile launch's peak (+48 MiB at micro-batch 8).
+        return tensor.detach()
 
     def _watch_blocks(self) -> None:
         def entering(index: int):
