@@ -21,12 +21,18 @@ from autotuner.config.base import NonNegativeInt, PositiveInt, Section
 
 # torch's schedule names (runtime/pipeline/schedules.py maps them to its classes).
 ONE_STAGE_SCHEDULES = ("1F1B", "GPipe")
-SEVERAL_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
+SEVERAL_STAGE_SCHEDULES = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+# Each rank's two stages placed in a V (r and 2 pp - 1 - r), not looped (r, r + pp, ...).
+V_SHAPED_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 DEFAULT_STAGES_PER_RANK = 2  # for a schedule of several stages per rank, where the config leaves it
 
 
 def runs_several_stages(schedule: str) -> bool:
     return schedule.lower() in (name.lower() for name in SEVERAL_STAGE_SCHEDULES)
+
+
+def v_shaped(schedule: str) -> bool:
+    return schedule.lower() in (name.lower() for name in V_SHAPED_SCHEDULES)
 
 
 class PipelineConfig(Section):
@@ -48,7 +54,8 @@ class PipelineConfig(Section):
                                                   "(torch's non-reentrant checkpoint runs here)")
     schedule: str = Field("1F1B", description='torch\'s pipeline schedule: "1F1B" (DeepSpeed\'s) or "GPipe" (one stage '
                                             'per rank); "Interleaved1F1B", "LoopedBFS" or "InterleavedZeroBubble" '
-                                            '(several: stages_per_rank); "auto" in a tune: 1F1B against '
+                                            '(several: stages_per_rank, looped), "ZBVZeroBubble" or "DualPipeV" '
+                                            '(2 a rank, in a V); "auto" in a tune: 1F1B against '
                                             'Interleaved1F1B')
     stages_per_rank: PositiveInt | None = Field(
         None, description="ours (Megatron's virtual pipeline size): the chunks each rank runs under a schedule of "

@@ -167,6 +167,8 @@ def test_schedule_auto_searches_1f1b_and_interleaved_1f1b_as_layouts_of_their_ow
     ({"schedule": "auto"}, False, 'pipeline.schedule "auto": a tune searches the schedule with the stages'),
     ({"schedule": "auto", "stages_per_rank": 1}, True, "pipeline.stages_per_rank 1: \"auto\" searches 1F1B against"),
     ({"schedule": "InterleavedZeroBubble"}, True, "InterleavedZeroBubble: a tune's memory model does not cost"),
+    ({"schedule": "ZBVZeroBubble"}, True, "ZBVZeroBubble: a tune's memory model does not cost"),
+    ({"schedule": "DualPipeV"}, True, "DualPipeV: a tune's memory model does not cost"),
     ({"stages_per_rank": 2}, True, "pipeline.stages_per_rank 2: schedule '1F1B' runs one stage per rank")])
 def test_what_a_tune_of_the_schedule_cannot_cost_is_refused_in_one_line(pipeline, mapped, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):

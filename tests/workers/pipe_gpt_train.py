@@ -67,13 +67,16 @@ if args.refusals:  # each wrong request refused in one line (ConfigError/Unsuppo
         "more_stages_than_layers": lambda: PipelineModule(layers(0), num_stages=world),
         "type_matches_nothing": lambda: PipelineModule(layers(2), num_stages=2, partition_method="type:conv"),
         "no_such_method": lambda: PipelineModule(layers(2), num_stages=2, partition_method="profile"),
+        "v_eval": lambda: deepspeed.initialize(model=PipelineModule(layers(2), num_stages=2, loss_fn=loss_fn), config={
+            **base, "pipeline": {"schedule": "ZBVZeroBubble"}})[0].eval_batch(iter([])),
         "model_axis_without_autotp": lambda: deepspeed.initialize(model=PipelineModule(
             layers(2), topology=PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=world // 4)), config=base),
     }
     engines = {
         "zero_2": {"zero_optimization": {"stage": 2}},
         "stages_disagree": {"pipeline": {"stages": 4}},
-        "v_shaped": {"pipeline": {"schedule": "ZBVZeroBubble"}},
+        "v_three_chunks": {"pipeline": {"schedule": "ZBVZeroBubble", "stages_per_rank": 3}},
+        "dual_pipe_v_few": {"pipeline": {"schedule": "DualPipeV"}},
         "unknown_schedule": {"pipeline": {"schedule": "Zigzag"}},
         "chunks_under_1f1b": {"pipeline": {"schedule": "1F1B", "stages_per_rank": 2}},
         "more_chunks_than_layers": {"pipeline": {"schedule": "Interleaved1F1B", "stages_per_rank": 3}},

@@ -23,7 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from autotuner.config.batch import BatchSizes
 from autotuner.config.models import DeepSpeedConfig
-from autotuner.core.errors import ConfigError
+from autotuner.core.errors import ConfigError, UnsupportedError
 from autotuner.runtime.pipeline.checkpoints import PipelineCheckpoints
 from autotuner.core.boundary import MeasurementRequest
 from autotuner.runtime.pipeline.measure import PipelineMeasurement
@@ -102,8 +102,10 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
         self._schedule_class, note = schedule_for(config.pipeline.schedule, self.micro_batches, self.num_stages)
         if note is not None and self.global_rank == 0:
             warn_once(note)
+        # The gradients' mean over the micro-batches is taken once, here (_mean_over_micro_batches): torch
+        # scales each stage's own parameters, and a V's embedding and head share one weight on a rank.
         self._train_schedule = self._schedule_class(self._stage, n_microbatches=self.micro_batches, loss_fn=loss_fn,
-                                                    scale_grads=True)
+                                                    scale_grads=False)
         self._loss_fn = loss_fn
         self._eval_schedules: dict[int, Any] = {}
         # A tuner's launch: the protocol over train_batch() calls (measure.py); the engine a tuner
@@ -121,7 +123,12 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
         return self.stage_id == 0
 
     def is_last_stage(self) -> bool:
-        return self.stage_id == self.num_stages - 1
+        """Whether this rank runs the last stage, which computes the loss (under a V, the first rank)."""
+        return self.stage_id == self._last_stage_rank
+
+    @property
+    def _last_stage_rank(self) -> int:
+        return self.module.rank_of_virtual_stage(self.num_stages * self.module.stages_per_rank - 1)
 
     def get_pipeline_parallel_rank(self) -> int:
         return self.stage_id
@@ -192,6 +199,7 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
         losses: list[torch.Tensor] = []
         scale = self.loss_scaler.get_scale() if self.loss_scaler is not None else 1.0  # what this step's losses carry
         self._run(self._train_schedule, inputs, target, losses)
+        self._mean_over_micro_batches()
         self.module.allreduce_tied_weight_gradients()
         self._average_over_data_parallel()
         if self._shadows is not None:  # (the same storage: the unscale and the clip below reach both)
@@ -230,6 +238,10 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
                    num_micro_batches: int | None = None) -> Any:
         if reduce_output not in ("avg", None):
             raise NotImplementedError(f"eval_batch(reduce_output={reduce_output!r}): expected 'avg' or None")
+        if self.module.v_shaped:  # torch 2.13's forward-only pass over these still runs their backward actions
+            raise UnsupportedError(f"eval_batch(): pipeline.schedule {self.config.pipeline.schedule} has no "
+                                   "forward-only pass in torch (its V's action lists keep their backward steps); "
+                                   "evaluate under another schedule")
         count = num_micro_batches or self.micro_batches
         self.module.eval()
         kept = self.data_iterator
@@ -270,6 +282,12 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
             schedule.step(target=target, losses=losses, return_outputs=False)
         else:
             schedule.step(return_outputs=False)
+
+    def _mean_over_micro_batches(self) -> None:
+        if self.micro_batches > 1:
+            for param in self.module.parameters():
+                if param.grad is not None:
+                    param.grad.div_(self.micro_batches)
 
     def _average_over_data_parallel(self) -> None:
         if self.dp_world_size <= 1:
@@ -323,7 +341,7 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
         if self.num_stages == 1:
             return value
         out = value.detach().float().reshape(()) if self.is_last_stage() else torch.zeros((), device=self.device)
-        dist.broadcast(out, src=self.pipe_ranks[-1], group=self.pipe_group)
+        dist.broadcast(out, src=self.pipe_ranks[self._last_stage_rank], group=self.pipe_group)
         return value if self.is_last_stage() else out
 
     def _aggregate(self, losses: list[torch.Tensor], count: int) -> torch.Tensor:

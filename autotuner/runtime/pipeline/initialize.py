@@ -31,6 +31,7 @@ from autotuner.runtime.measure.measurement import measurement_request
 from autotuner.core.repeating_loader import RepeatingLoader
 from autotuner.runtime.pipeline.engine import PipelineEngine
 from autotuner.runtime.pipeline.module import PipelineModule
+from autotuner.config.pipeline import v_shaped
 from autotuner.runtime.pipeline.schedules import stages_per_rank
 from autotuner.runtime.training.optim import remap_groups
 from autotuner.runtime.training.split_zero import SplitShadows
@@ -141,7 +142,8 @@ def _place_virtual_stages(model: PipelineModule, cfg: DeepSpeedConfig, optimizer
     pipeline.stages_per_rank chunks (collective). Returns the trainable parameters' names by id
     from before, or None where nothing moved."""
     per_rank = stages_per_rank(cfg.pipeline.schedule, cfg.pipeline.stages_per_rank)
-    if per_rank == model.stages_per_rank:
+    in_a_v = v_shaped(cfg.pipeline.schedule)
+    if (per_rank, in_a_v) == (model.stages_per_rank, model.v_shaped):
         return None
     if cfg.tensor_parallel.size > 1 or model.topology().get_dim("model") > 1:
         raise UnsupportedError(f"pipeline.schedule {cfg.pipeline.schedule}: several stages per rank beside tensor "
@@ -151,7 +153,7 @@ def _place_virtual_stages(model: PipelineModule, cfg: DeepSpeedConfig, optimizer
                                "so an optimizer built on the module's parameters before it would step the old ones; "
                                "pass the 'optimizer' section (or a callable taking the parameters) instead")
     names = {id(param): name for name, param in model.named_parameters() if param.requires_grad}
-    model.place_virtual_stages(per_rank)
+    model.place_virtual_stages(per_rank, in_a_v)
     return names
 
 

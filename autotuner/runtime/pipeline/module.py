@@ -100,15 +100,18 @@ class PipelineModule(nn.Module):
         self.parts = self._split(self.num_stages, f"PipelineModule(partition_method={partition_method!r}): stage",
                                  "use fewer stages or another partition_method")
         self.stages_per_rank = 1  # virtual stages this rank runs (place_virtual_stages)
+        self.v_shaped = False  # the two chunks a rank runs placed r and 2 pp - 1 - r, not r, r + pp, ...
         self._autocast_dtype: torch.dtype | None = None  # the engine's bf16 (compute_in)
         self._place()
 
     def _place(self) -> None:
         """Build this rank's layers for the current parts: its stage's, or with virtual stages the
-        chunks stage_id, stage_id + pp, ... (torch's looped placement), then tie and broadcast."""
+        chunks stage_id, stage_id + pp, ... (torch's looped placement) or stage_id and
+        2 pp - 1 - stage_id (its V), then tie and broadcast."""
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self.local_stages = [self.stage_id + i * self.num_stages for i in range(self.stages_per_rank)]
+        self.local_stages = [v for v in range(self.num_stages * self.stages_per_rank)
+                             if self.rank_of_virtual_stage(v) == self.stage_id]
         self.chunk_funcs: list[list[Callable]] = []
         self.chunk_modules: list[list[nn.Module]] = []
         for virtual in self.local_stages:
@@ -122,14 +125,17 @@ class PipelineModule(nn.Module):
         self.tied_comms = self._tie_groups()
         self._broadcast_tied_weights()
 
-    def place_virtual_stages(self, per_rank: int) -> None:
+    def place_virtual_stages(self, per_rank: int, v_shaped: bool = False) -> None:
         """Split the layers into stages x `per_rank` virtual stages by the module's partition_method,
         rank r running chunks r, r + stages, ... (what torch's interleaved and looped schedules
-        take), and rebuild this rank's layers for them (collective: the ties are regrouped). Layer
-        specs are built again (with seed_layers, each from its index's seed: the same weights),
-        modules the script passed are reused."""
-        if per_rank == self.stages_per_rank:
+        take), or with `v_shaped` (2 a rank) chunks r and 2 stages - 1 - r (torch's ZBV and
+        DualPipeV), and rebuild this rank's layers for them (collective: the ties are regrouped).
+        Layer specs are built again (with seed_layers, each from its index's seed: the same
+        weights), modules the script passed are reused."""
+        if (per_rank, v_shaped) == (self.stages_per_rank, self.v_shaped):
             return
+        if v_shaped and per_rank != 2:
+            raise ConfigError(f"pipeline.stages_per_rank {per_rank}: a V places exactly 2 stages on each rank")
         total = self.num_stages * per_rank
         if total > len(self.layer_specs):
             raise ConfigError(f"pipeline.stages_per_rank {per_rank}: {self.num_stages} stages x {per_rank} chunks for "
@@ -139,8 +145,14 @@ class PipelineModule(nn.Module):
         for index in range(len(self.layer_specs)):
             if str(index) in self._modules:
                 del self._modules[str(index)]
-        self.parts, self.stages_per_rank = parts, per_rank
+        self.parts, self.stages_per_rank, self.v_shaped = parts, per_rank, v_shaped
         self._place()
+
+    def rank_of_virtual_stage(self, virtual: int) -> int:
+        """The pipeline rank that runs virtual stage `virtual` under the current placement."""
+        if self.v_shaped:
+            return virtual if virtual < self.num_stages else 2 * self.num_stages - 1 - virtual
+        return virtual % self.num_stages
 
     def _split(self, count: int, what: str, remedy: str) -> list[int]:
         """The layers' boundaries over `count` stages by the partition method; a stage left
@@ -182,11 +194,8 @@ class PipelineModule(nn.Module):
                 if layer.key not in self.tied_modules:
                     self.tied_modules[layer.key] = layer.build()
                     self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
-                elif not any(m is self.tied_modules[layer.key] for m in modules):
-                    # Each chunk's PipelineStage scales its own parameters' gradients: one weight in two
-                    # chunks of a rank would be scaled twice.
-                    raise ConfigError(f"TiedLayerSpec {layer.key!r}: used by two chunks on one rank under "
-                                      f"pipeline.stages_per_rank {self.stages_per_rank}; not supported yet, use fewer")
+                # (In two chunks of one rank, a V's embedding and head: one weight, whose gradient both
+                # chunks' backwards accumulate; the engine scales each gradient once, not per chunk.)
                 module = self.tied_modules[layer.key]
                 funcs.append(module if layer.forward_fn is None else functools.partial(layer.forward_fn, module))
                 if not any(m is module for m in modules):
@@ -281,7 +290,7 @@ class PipelineModule(nn.Module):
         if not 0 <= layer_idx < len(self.layer_specs):
             raise RuntimeError(f"Layer {layer_idx} out of index range.")
         virtual = next(s for s in range(len(self.parts) - 1) if self.parts[s] <= layer_idx < self.parts[s + 1])
-        return virtual % self.num_stages
+        return self.rank_of_virtual_stage(virtual)
 
     def set_checkpoint_interval(self, interval: int) -> None:
         if interval < 0:
