@@ -67,10 +67,10 @@ def settled_chunks(config: DeepSpeedConfig, source: str) -> tuple[int, ...]:
             raise ConfigError(f"{source}: pipeline.stages_per_rank {given}: \"auto\" searches 1F1B against "
                               "Interleaved1F1B at this many stages per rank; give 2 or more, or leave it out (2)")
         return 0, given
-    if pipeline.schedule.lower() in ("interleavedzerobubble", "zbvzerobubble", "dualpipev"):  # torch's zero-bubble ones
-        raise ConfigError(f"{source}: pipeline.schedule {pipeline.schedule}: a tune's memory model does not cost its "
-                          "deferred weight gradients; tune with Interleaved1F1B (or \"auto\"), then train with "
-                          "this schedule")
+    if pipeline.schedule.lower() in ("zbvzerobubble", "dualpipev"):
+        raise ConfigError(f"{source}: pipeline.schedule {pipeline.schedule}: a tune does not cost a V's placement (its "
+                          "fill below 2 x stages micro-batches, DualPipeV's forward and backward run together); tune "
+                          "with InterleavedZeroBubble or Interleaved1F1B (or \"auto\"), then train with this schedule")
     if runs_several_stages(pipeline.schedule):
         return (given,)
     if pipeline.stages_per_rank not in (None, 1):  # (the ranks refuse it too, after a launch)

@@ -11,7 +11,9 @@ does the engine for 1F1B with fewer micro-batches than stages (runtime/pipeline/
 With v virtual stages per rank, each chunk forward holds 1/v of the rank's activations for a
 micro-batch: torch's Interleaved1F1B runs (v - 1) r_m + 2 (p - 1 - s) chunk forwards before its
 first backward (r_m the micro-batches of one of its rounds, max(1, m // p) rounds; at most v m)
-and one more before each backward after; LoopedBFS runs all v m first. There
+and one more before each backward after; LoopedBFS runs all v m first. torch's
+InterleavedZeroBubble splits each backward in two and keeps a chunk's graph until its weight
+gradient, the second half: v min(m, p) chunk forwards await it at the peak, on every rank. There
 are no DDP buckets (the engine averages each stage's gradients itself), and the gradients of
 the step's micro-batches accumulate in place. Pure functions."""
 
@@ -21,7 +23,7 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-SCHEDULES_IN_FLIGHT = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS")
+SCHEDULES_IN_FLIGHT = ("1F1B", "GPipe", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 
 
 def in_flight(schedule: str, stage: int, stages: int, micro_batches: int, per_rank: int = 1) -> float:
@@ -31,6 +33,8 @@ def in_flight(schedule: str, stage: int, stages: int, micro_batches: int, per_ra
     name = schedule.lower()
     if name == "loopedbfs":
         return float(m)
+    if name == "interleavedzerobubble" and per_rank > 1:
+        return float(min(m, stages))
     if name == "interleaved1f1b" and per_rank > 1:
         rounds = max(1, m // stages)
         warmup = min((per_rank - 1) * (m // rounds) + 2 * (stages - 1 - stage), per_rank * m)

@@ -128,7 +128,10 @@ class StepTimePrediction:
 
 def stage_steps(experiment: Experiment) -> float:
     """The micro-steps on a step's critical path: gas, and on a pipeline the bubble's pp - 1 too,
-    (pp - 1) / v with v virtual stages per rank (each chunk-step 1/v of a stage's micro-step)."""
+    (pp - 1) / v with v virtual stages per rank (each chunk-step 1/v of a stage's micro-step).
+    InterleavedZeroBubble is costed so too, though its action lists leave about a third of that
+    idle (pp - 1 slots of a third of a chunk-step): a bound on the slow side, which the layout's
+    own launches fit past."""
     bubble = max(0, experiment.pipeline - 1) / max(1, experiment.stages_per_rank)
     return experiment.gradient_accumulation_steps + bubble
 
