@@ -388,20 +388,19 @@ def test_an_interleaved_tune_predicts_each_stages_memory_over_its_chunks_and_tra
 def test_a_1f1b_launch_at_twice_the_largest_profiled_micro_batch_is_predicted_within_10_percent(tmp_path):
     # benchmarks/pipeline_memory.py's 1F1B case: sequences of 256 at width 256 over 8 blocks, so stage 0's
     # activations (2 micro-batches in flight, about 6.5 MiB a sample) are a fifth of its resident set at
-    # micro-batch 8. The profile runs micro-batches 2 and 4; the grid then launches 1 and 8, 8 predicted
-    # by a line carried to twice the largest profiled size. glibc's heap held at a fixed mmap threshold
+    # micro-batch 8. The profile runs micro-batches 2 and 4; the grid then launches 8, predicted by a
+    # line carried to twice the largest profiled size. glibc's heap held at a fixed mmap threshold
     # (as the tuner advises on a CPU): the resident set then follows the tensors.
     from conftest import experiments_table
 
     tune(tmp_path, 4, "tune", "--dim", "256", "--blocks", "8", "--seq", "256", train_batch_size=32,
-         train_micro_batch_size_per_gpu=[1, 2, 4, 8], zero_optimization={"stage": 0},
+         train_micro_batch_size_per_gpu=[2, 4, 8], zero_optimization={"stage": 0},
          pipeline={"stages": 2, "schedule": "1F1B"}, autotuning={"max_train_micro_batch_size_per_gpu": 8},
          env={"MALLOC_MMAP_THRESHOLD_": "131072"})
     table = experiments_table(tmp_path / "autotuning_results").set_index("name")
     assert set(table["state"]) == {"ok"}, table[SHOWN[1:]]
     assert table.loc[["z0_pp2_gas8_mbs2", "z0_pp2_gas4_mbs4"], "predicted_memory_mib"].isna().all()  # the profile
-    for far in ("z0_pp2_gas16_mbs1", "z0_pp2_gas2_mbs8"):
-        assert abs(table.loc[far, "memory_error_pct"]) < 10, table[SHOWN[1:]]
+    assert abs(table.loc["z0_pp2_gas2_mbs8", "memory_error_pct"]) < 10, table[SHOWN[1:]]
     # The command the tune prints trains as given: its config fixes all three batch values, counted
     # over the data-parallel size 2, as DeepSpeed's pipeline engine counts them (2 steps here).
     import shlex
