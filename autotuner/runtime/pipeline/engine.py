@@ -27,6 +27,7 @@ from autotuner.core.errors import ConfigError, UnsupportedError
 from autotuner.runtime.pipeline.checkpoints import PipelineCheckpoints
 from autotuner.core.boundary import MeasurementRequest
 from autotuner.runtime.pipeline.measure import PipelineMeasurement
+from autotuner.runtime.pipeline.micro_batches import as_tuple, join_labels, split_micro_batches
 from autotuner.runtime.pipeline.module import PipelineModule
 from autotuner.runtime.distributed import warn_once
 from autotuner.runtime.pipeline.schedules import schedule_for
@@ -172,14 +173,14 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
             if not isinstance(item, (tuple, list)) or len(item) < 2:
                 raise ConfigError(f"train_batch(): each batch must be (inputs, labels), as DeepSpeed's pipeline reads "
                                   f"it; got {type(item).__name__}")
-            inputs.append(_as_tuple(item[0], "inputs"))
+            inputs.append(as_tuple(item[0], "inputs"))
             labels.append(item[1])
         sizes = {len(parts[0]) for parts in inputs}
         if len(sizes) > 1:
             raise ConfigError(f"train_batch(): the micro-batches hold {sorted(sizes)} samples; a pipeline's "
                               "micro-batches must be the same size (drop the last short batch)")
         joined = tuple(torch.cat([parts[i] for parts in inputs]).to(self.device) for i in range(len(inputs[0])))
-        target = _join_labels(labels, self.device)
+        target = join_labels(labels, self.device)
         return joined, target
 
     # ----- training -----
@@ -258,8 +259,8 @@ class PipelineEngine(PipelineCheckpoints, nn.Module):
             outputs = schedule.eval(*(inputs or ())) if self.is_first_stage() else schedule.eval()
         result: Any = None
         if self.is_last_stage():
-            chunks = _chunks(outputs, count)
-            labels = _chunks(target, count)
+            chunks = split_micro_batches(outputs, count)
+            labels = split_micro_batches(target, count)
             if compute_loss and self.module.loss_fn is not None:
                 values = [self.module.loss_fn(out, lab).detach() for out, lab in zip(chunks, labels)]
             else:
@@ -380,23 +381,3 @@ def _scaled(loss_fn: Any, scaler: LossScaler) -> Any:
 def _output_is_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
     """Without loss_fn the last stage's output is the loss (DeepSpeed's rule)."""
     return output
-
-
-def _as_tuple(value: Any, what: str) -> tuple[torch.Tensor, ...]:
-    parts = tuple(value) if isinstance(value, (tuple, list)) else (value,)
-    if not parts or not all(isinstance(part, torch.Tensor) for part in parts):
-        raise ConfigError(f"train_batch(): the {what} must be a tensor or a tuple of tensors, as a pipeline sends "
-                          "them between stages")
-    return parts
-
-
-def _join_labels(labels: list[Any], device: torch.device) -> Any:
-    if all(isinstance(label, torch.Tensor) for label in labels):
-        return torch.cat(labels).to(device)
-    raise ConfigError("train_batch(): the labels must be a tensor per micro-batch (the loss_fn's second argument)")
-
-
-def _chunks(value: Any, count: int) -> list[Any]:
-    if isinstance(value, torch.Tensor):
-        return list(torch.tensor_split(value, count))
-    return [value]
