@@ -12,7 +12,9 @@ the pick, the wall time, and the summary's lines on each degree (its bound from 
 its profile launches' predicted against measured memory and step time). A checkout named by
 --unbounded runs with `autotuning.bound_layouts: false` (every degree profiled, so each degree's
 launches can be held against degree 1's predictions; checkouts from 930b9c3 on). 4 ranks on 2
-cores: the step times are contended; the load average at each start is printed.
+cores: the step times are contended; the load average at each start is printed. `--ranks 2` runs
+the same tune on 2 ranks (degrees 1 and 2, train_batch_size 8): a core a rank on this machine, so
+its step times are the uncontended check of the step-time model.
 """
 
 from __future__ import annotations
@@ -37,15 +39,16 @@ CONFIG = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": "auto", "zer
                          "max_train_micro_batch_size_per_gpu": 4, "arg_mappings": {}}}
 
 
-def tune(checkout: Path, directory: Path, unbounded: bool = False) -> dict:
+def tune(checkout: Path, directory: Path, unbounded: bool = False, ranks: int = 4) -> dict:
     config = json.loads(json.dumps(CONFIG))
+    config["train_batch_size"] = 4 * ranks  # (the same samples a rank at every rank count)
     if unbounded:
         config["autotuning"]["bound_layouts"] = False
     (directory / "ds.json").write_text(json.dumps(config))
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     load = os.getloadavg()[0]
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", "4",
+    done = subprocess.run([sys.executable, "-m", "autotuner", "--autotuning", "tune", "--nproc_per_node", str(ranks),
                            str(checkout / "tests" / "workers" / "tp_train.py"), "--steps", "40", "--out",
                            str(directory / "out"), "--deepspeed", "ds.json"], cwd=directory, env=env,
                           capture_output=True, text=True, timeout=900)
@@ -68,6 +71,7 @@ def main() -> None:
     parser.add_argument("--unbounded", action="append", default=[], help="NAME of a checkout run with every degree "
                                                                            "profiled (autotuning.bound_layouts false)")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ranks", type=int, choices=(2, 4), default=4)
     parser.add_argument("--csv", default="degree_prediction.csv", help="under benchmarks/results/")
     args = parser.parse_args()
     checkouts = [(name, Path(path).resolve()) for name, path in (item.split("=", 1) for item in args.checkout)]
@@ -75,7 +79,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, checkout in checkouts:
             with tempfile.TemporaryDirectory() as directory:
-                found = tune(checkout, Path(directory), name in args.unbounded)
+                found = tune(checkout, Path(directory), name in args.unbounded, args.ranks)
             print(f"round {round_ + 1} {name}: {found['launches']} launches {found['per_degree']}, pick {found['pick']}, "
                   f"{found['wall_s']} s (load {found['load']})", flush=True)
             for line in found["lines"]:

@@ -60,7 +60,7 @@ def _hardware_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc_per_node {ranks}: --hardware plans for a count of accelerators a node; "
                          "give a number")
     return hardware_plan(args.script, tuple(args.script_args), args.hardware, int(args.num_nodes or 1), ranks,
-                         debug=args.debug)
+                         debug=args.debug, engine=args.engine)
 
 
 def build_parser() -> argparse.ArgumentParser:

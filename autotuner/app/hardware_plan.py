@@ -15,9 +15,9 @@ step time by the roofline and the spec's links (tuning/models/hardware_step.py) 
 efficiency the spec states, or fits on one layout it gives as measured (`calibrate`), else
 0.6495 on a GPU (fitted on torchtitan's Llama 2 13B row, docs/benchmarks/published_table.md)
 and 1 on a CPU. bf16 "auto" settles as a launch on the spec's device would; fp32 is costed at
-the spec's `peak_fp32_flops`. The table is printed and written as plan.csv. Pipeline layouts
-and CPU offload are not planned on spec hardware yet: a config that searches them is refused
-in one line."""
+the spec's `peak_fp32_flops`. The table is printed and written as plan.csv. Pipeline layouts,
+CPU offload and scripts on DeepSpeed's own engine (whose step the census does not count) are not
+planned on spec hardware yet: each is refused in one line, before the script runs."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from autotuner.config import load_config
 from autotuner.config.hardware import HardwareSpec, load_hardware
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch.script_args import config_path, replace_config, set_flag
+from autotuner.core.script_imports import import_sites
 
 DEFAULT_COMPUTE_EFFICIENCY = {"cuda": 0.6495,  # torchtitan's Llama 2 13B FSDP2 row on 64 A100s (published_table.md)
                               "cpu": 1.0}  # host_spec.py measures the peak a core's matmuls reach
@@ -169,9 +170,24 @@ def _degrees(config, nproc_per_node: int, source: str) -> tuple[int, ...]:
     return tuple(sorted(set(listed)))
 
 
+def _check_engine(script: str, requested: str) -> None:
+    """The census counts our engine's step: a script settled on DeepSpeed's engine (its imports, or
+    --engine deepspeed) is refused before it runs, not counted as a step it would not take."""
+    from autotuner.app.engines import Engine, engine_choice
+
+    choice = engine_choice(script, requested)
+    if choice.settled and choice.engine == Engine.DEEPSPEED:
+        instead = (" (or change its `import deepspeed` to `import autotuner as deepspeed`, which trains it on ours)"
+                   if any(site.top_level == "deepspeed" for site in import_sites(script)) and
+                   choice.decided_by == "imports" else "")
+        raise UsageError(f"--hardware: {choice.why}; a plan for hardware not here counts our engine's step only so "
+                         f"far; plan it with --autotuning plan on the hardware at hand{instead}")
+
+
 def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_nodes: int, nproc_per_node: int,
-                  debug: bool = False) -> int:
+                  debug: bool = False, engine: str = "auto") -> int:
     spec = load_hardware(hardware)
+    _check_engine(script, engine)
     if nproc_per_node > spec.accelerators_per_node and spec.device != "cpu":  # (CPU ranks share the cores)
         raise UsageError(f"--nproc_per_node {nproc_per_node}: {spec.name} nodes hold {spec.accelerators_per_node} "
                          f"accelerators ({hardware}); give at most that many a node, and more nodes")

@@ -106,9 +106,12 @@ def test_what_a_hardware_plan_cannot_take_is_refused_in_one_line(tmp_path):
         "fp32_compute": (dict(ds={**DS, "bf16": {"enabled": False}}), "bf16.enabled false: fp32 compute is costed at the spec's peak_fp32_flops, which 'A100 SXM 80GB' does not give"),
         "weights_materialised": (dict(script_flags=("--size", "tiny", "--materialise")),
                                  "--hardware: parameter model.embed_tokens.weight is on cpu, not the meta device"),
+        # (a script on DeepSpeed's engine, settled by its imports as run_clm.py's Trainer is, or by the flag)
+        "deepspeeds_engine": (dict(flags=("--engine", "deepspeed")),
+                              "--engine deepspeed was given; a plan for hardware not here counts our engine's step"),
     }
     for name, (kwargs, message) in cases.items():
-        done = plan(tmp_path / name, **kwargs)
+        done = plan(tmp_path / name, *kwargs.pop("flags", ()), **kwargs)
         said = done.stdout + done.stderr
         assert done.returncode == 2 and message in done.stderr, (name, said[-2000:])
         assert "Traceback" not in said and len(done.stderr.strip().splitlines()) == 1, (name, said[-2000:])

@@ -353,6 +353,11 @@ def test_a_schedule_auto_tune_runs_1f1b_and_interleaved_1f1b_each_at_its_own_lay
                       for name in ("z0_pp2_gas8_mbs2", "z0_pp2v2_gas8_mbs2"))
     assert (plain["pipeline_schedule"], plain["pipeline_stages_per_rank"]) == ("1F1B", 1)
     assert (chunked["pipeline_schedule"], chunked["pipeline_stages_per_rank"]) == ("Interleaved1F1B", 2)
+    # The searched schedule is a tuned value: each launch's ranks report the one they built, and a
+    # launch that built another would be failed as built otherwise, never recorded under this name.
+    for name in ran["name"]:
+        built = dict(json.loads((exps / name / "metrics.json").read_text())["built"])
+        assert built["pipeline.schedule"] == ("Interleaved1F1B" if "_pp2v2_" in name else "1F1B"), (name, built)
     # The same layers over the same ranks (embedding and 2 blocks against blocks 0 and 2 and the
     # embedding, by parameters): each rank's chunks together hold and save what its stage does.
     assert sum(chunked["stage_num_params"]) == sum(plain["stage_num_params"])

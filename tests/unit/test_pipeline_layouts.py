@@ -5,6 +5,8 @@ stage deciding, the micro-batches in flight by schedule."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from autotuner.app.layout_checks import kept_layouts, settled_layouts
@@ -52,6 +54,34 @@ def test_the_ranks_must_build_the_stages_the_experiment_set():
     assert built_mismatch(Experiment(0, 2, 4, pipeline=1), built, settings) is None
     why = built_mismatch(Experiment(0, 2, 4, pipeline=2), built, settings)
     assert why is not None and "pipeline.stages = 1, not the experiment's 2" in why and "mapped flag -p" in why
+
+
+def test_the_ranks_must_build_the_schedule_a_tune_searching_it_set():
+    # Under "schedule": "auto" the schedule is a tuned value: in the launch's request (so a script that
+    # builds its config in code is given it) and checked against what the ranks report building.
+    from autotuner.config.tuned_values import lay_tuned_values
+    from autotuner.tuning.trials.trial import Trial
+
+    searched = {"pipeline": {"stages": [2], "schedule": "auto"}}
+    one, interleaved = Experiment(0, 2, 4, pipeline=2), Experiment(0, 2, 4, pipeline=2, stages_per_rank=2)
+    assert ("pipeline.schedule", "1F1B") in one.tuned_values_in(searched)
+    assert ("pipeline.schedule", "Interleaved1F1B") in interleaved.tuned_values_in(searched)
+    assert one.tuned_values_in({"pipeline": {"stages": [2], "schedule": "GPipe"}}) == one.tuned_values()  # named: the config's
+    assert Experiment(0, 2, 4).tuned_values_in(searched) == Experiment(0, 2, 4).tuned_values()  # no pipeline set
+    settings = experiment_settings(pipe_config(), arg_mappings={"pipeline.stages": "-p"})
+    settings = type(settings)(**{**settings.__dict__, "base_config": {**settings.base_config, **searched}})
+    request = Trial(one, Path("exp"), settings).request()
+    assert request.tuned_values()["pipeline.schedule"] == "1F1B"
+    laid, changes = lay_tuned_values({"pipeline": {"schedule": "GPipe"}}, request.tuned_values())
+    assert laid["pipeline"]["schedule"] == "1F1B" and "pipeline.schedule: 'GPipe' -> '1F1B'" in changes
+
+    def built(schedule):
+        return Measurement(throughput=1.0, latency=1.0, zero_stage=0, micro_batch_size=2, gradient_accumulation_steps=4,
+                           built=(("pipeline.stages", 2), ("pipeline.schedule", schedule)))
+
+    assert built_mismatch(one, built("1F1B"), settings) is None
+    why = built_mismatch(one, built("GPipe"), settings)
+    assert why is not None and "pipeline.schedule = 'GPipe', not the experiment's '1F1B'" in why
 
 
 @pytest.mark.parametrize("stages, mapped, layouts, searched", [

@@ -68,7 +68,7 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
                             record.critical_batch, pick=best)
     tuned_path = None
     if best is not None:
-        tuned = pick_tuned_values(best.experiment, record.launched)
+        tuned = pick_tuned_values(best.experiment, record.launched, settings.base_config)
         if tuned is not None:  # written before the command that names it
             tuned_path = (results_dir / TUNED_VALUES_FILE).resolve()
             write_record(tuned_path, tuned)
@@ -115,12 +115,13 @@ def write_outcome(record: SearchRecord, settings: ExperimentSettings, objective:
                          tuned_path)
 
 
-def pick_tuned_values(pick: Experiment, launched: tuple[TrialResult, ...]) -> TunedValues | None:
+def pick_tuned_values(pick: Experiment, launched: tuple[TrialResult, ...],
+                      base_config: dict | None = None) -> TunedValues | None:
     """The pick's tuned values, where a launch's ranks laid tuned values over the script's own config
     (it builds its config in code, so the optimal config file alone would not reach it); else None."""
     if not any(r.measurement is not None and r.measurement.tuned_over_script for r in launched):
         return None
-    return TunedValues(pick.tuned_values())
+    return TunedValues(pick.tuned_values_in(base_config or {}))
 
 
 def predicted_points(predictions: PredictiveOutcome | None) -> tuple[tuple[PredictedPoint, ...],

@@ -8,7 +8,7 @@ from typing import Any
 
 from autotuner.config.batch import train_batch_size
 from autotuner.tuning.space import dimensions
-from autotuner.tuning.space.layout import TENSOR_PARALLEL_KEY, Layout  # noqa: F401  (the key re-exported)
+from autotuner.tuning.space.layout import SCHEDULE_KEY, TENSOR_PARALLEL_KEY, Layout  # noqa: F401  (the key re-exported)
 
 
 def _format_knob(value: Any) -> str:
@@ -85,6 +85,18 @@ class Experiment:
             out["log2_stages_per_rank"] = math.log2(self.stages_per_rank)
         return out
 
+    def searched_schedule(self, base_config: dict[str, Any]) -> str | None:
+        """The pipeline schedule this experiment runs where the config's `"schedule": "auto"` searches
+        it, by the layout's chunks; None where the tune does not set it."""
+        if not self.pipeline or (base_config.get("pipeline") or {}).get("schedule") != "auto":
+            return None
+        return "Interleaved1F1B" if self.stages_per_rank > 1 else "1F1B"
+
+    def tuned_values_in(self, base_config: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+        """`tuned_values`, and the schedule where the tune searches it (`base_config`: the run's)."""
+        schedule = self.searched_schedule(base_config)
+        return self.tuned_values() + (((SCHEDULE_KEY, schedule),) if schedule is not None else ())
+
     def tuned_values(self) -> tuple[tuple[str, Any], ...]:
         """What this experiment sets, by DeepSpeed config key: the stage, micro-batch and gas, and
         each dimension at its path (what the ranks must build, and report back)."""
@@ -103,8 +115,9 @@ class Experiment:
             config["tensor_parallel"] = {**(config.get("tensor_parallel") or {}), "autotp_size": self.tensor_parallel}
         if self.pipeline:
             config["pipeline"] = {**(config.get("pipeline") or {}), "stages": self.pipeline}
-            if config["pipeline"].get("schedule") == "auto":  # the schedule "auto" searches, by the layout's chunks
-                config["pipeline"]["schedule"] = "Interleaved1F1B" if self.stages_per_rank > 1 else "1F1B"
+            schedule = self.searched_schedule(base_config)
+            if schedule is not None:
+                config["pipeline"]["schedule"] = schedule
         if self.stages_per_rank > 1:
             config["pipeline"] = {**(config.get("pipeline") or {}), "stages_per_rank": self.stages_per_rank}
         for key, value in self.knobs:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 TENSOR_PARALLEL_KEY = "tensor_parallel.autotp_size"
 PIPELINE_KEY = "pipeline.stages"
 STAGES_PER_RANK_KEY = "pipeline.stages_per_rank"
+SCHEDULE_KEY = "pipeline.schedule"  # set by a tune only where `"schedule": "auto"` searches it
 
 
 @dataclass(frozen=True, order=True)

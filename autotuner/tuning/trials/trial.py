@@ -258,7 +258,7 @@ class Trial:
                                   min_window_s=settings.min_window_s,
                                   max_steps_per_window=settings.max_steps_per_window,
                                   gradient_noise=settings.objective.metric == "goodput",
-                                  tuned=self.experiment.tuned_values())
+                                  tuned=self.experiment.tuned_values_in(settings.base_config))
 
 
 def rank_count_flags(settings: ExperimentSettings) -> tuple[str, ...]:
@@ -282,7 +282,7 @@ def built_mismatch(experiment: Experiment, measurement: Measurement, settings: E
                 "gradient_accumulation_steps": measurement.gradient_accumulation_steps}
     reported.update(measurement.built)
     by_path = {".".join(d.path): d for d in dimensions.REGISTRY.values()}
-    for key, wanted in experiment.tuned_values():
+    for key, wanted in experiment.tuned_values_in(settings.base_config):
         got = reported.get(key)
         dim = by_path.get(key)
         if key not in reported or (dim is None and got is None):

@@ -1,11 +1,11 @@
-"""The one orchestrator: profile -> memory model -> search (ask/run/tell) -> results."""
+"""The tune: each layout profiled, its memory model fitted and searched, then the final pick across
+the layouts and the outcome."""
 
 from __future__ import annotations
 
 import shutil
 import time
 from functools import partial
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -17,14 +17,15 @@ from autotuner.tuning.profiling.job import ProfiledJob, TuningJob
 from autotuner.tuning.profiling.phase import ProfilePhase, record_pruned
 from autotuner.tuning.reports.outcome import SearchRecord, TuningOutcome, write_outcome
 from autotuner.tuning.reports.layout_lines import kept_line
+from autotuner.tuning.orchestrator.layout_outcome import LayoutOutcome, LayoutSearch, joined_predictions
+from autotuner.tuning.orchestrator.plan import plan_layouts
 from autotuner.tuning.reports.plan_table import PlanReport
-from autotuner.tuning.searches.plan_search import PlanModels, plan_rows, predicted_pick
 from autotuner.tuning.searches.degree_bound import bound_verdict
 from autotuner.tuning.searches.degree_memory import degree_memory_lines
 from autotuner.tuning.searches.degree_time_check import degree_time_lines
 from autotuner.tuning.searches.degree_rule import degree_cannot_help
 from autotuner.tuning.searches.final_pick import final_pick_rounds
-from autotuner.tuning.searches.predictive_search import PredictiveOutcome, run_predictive_search
+from autotuner.tuning.searches.predictive_search import run_predictive_search
 from autotuner.tuning.searches.stage_search import run_search
 from autotuner.tuning.searches.variant_rules import variant_text
 from autotuner.tuning.space.experiment import Experiment
@@ -40,38 +41,6 @@ from autotuner.tuning.trials.trial import rescored
 from autotuner.tuning.trials.trial_store import HistoryStore, JournalStore
 from autotuner.tuning.tuners import SearchKind, tuner_spec
 from autotuner.tuning.tuners.predictive import pooled_rule
-
-
-@dataclass(frozen=True)
-class LayoutSearch:
-    """One layout's profiled job and memory model (a tune that does not search the layout has one,
-    at the config's), and the evaluator its launches go through."""
-
-    profiled: ProfiledJob
-    memory: MemoryBook
-    evaluator: Evaluator
-
-
-@dataclass(frozen=True)
-class LayoutOutcome:
-    """What one layout's profile and search produced: its search (None: its profile failed), the
-    memory model's reach (for the next layout's rule), its summary line and what the predictive
-    tuner predicted there."""
-
-    layout: Layout
-    searched: LayoutSearch | None
-    reach: dict | None = field(default=None, hash=False)
-    layout_line: str | None = None
-    predictions: PredictiveOutcome | None = None
-
-
-def joined_predictions(outcomes: tuple[LayoutOutcome, ...]) -> PredictiveOutcome | None:
-    """Every layout's predictions, in turn (a search without the predictive tuner: none)."""
-    found = [o.predictions for o in outcomes if o.predictions is not None]
-    if not found:
-        return None
-    return PredictiveOutcome(tuple(r for p in found for r in p.results), tuple(c for p in found for c in p.at_launch),
-                             tuple(c for p in found for c in p.final))
 
 
 def follow_the_launch(built: str) -> str:
@@ -126,7 +95,7 @@ class Autotuner:
         return searched[-1].memory if searched else None
 
     # ----- set-up -----
-    def _prepare_dirs(self) -> None:
+    def prepare_dirs(self) -> None:
         mark_work_started()  # a Ctrl-C from here on unwinds, so no write is cut in half
         if self.job.config.autotuning.overwrite:
             for directory in (self.exps_dir, self.results_dir):
@@ -164,7 +133,7 @@ class Autotuner:
                     f"elapsed {elapsed}")
 
     def tune(self) -> TuningOutcome:
-        self._prepare_dirs()
+        self.prepare_dirs()
         job = self.job
         line = objective_line(job.settings.planned_steps, bool(job.config.autotuning.planned_steps),
                               bool(job.space.finishes))
@@ -202,49 +171,8 @@ class Autotuner:
         return outcome
 
     def plan(self) -> PlanReport:
-        """`--autotuning plan`: each layout's profile (launched and recorded as a tune's are, so the
-        same command's tune reuses it), then every candidate costed by the models it fitted; a
-        tensor-parallel degree whose bound from degree 1's profile launches cannot beat them is not
-        profiled, as in a tune. Nothing is launched past the profiles."""
-        self._prepare_dirs()
-        job = self.job
-        rows = []
-        lines = [f"layout: {layout.text()}: left out ({why})" for layout, why in job.left_out]
-        objective = job.objective
-        profiled_layouts: list[Layout] = []
-        for layout in job.layouts or (job.space.layout,):
-            searching = bool(job.layouts)
-            one = next((done for done in profiled_layouts if done.tensor_parallel <= 1
-                        and done.pipeline == layout.pipeline), None)
-            bound = self._bound_line(layout, one) if searching else None
-            if bound is not None:
-                self.report(bound[1])
-                lines.append(bound[1])
-                if bound[0]:  # as a tune would: a degree that cannot beat degree 1's best, not profiled
-                    continue
-            try:
-                profiled = self.profile_phase(layout).run()
-            except TuningFailed as failure:
-                if len(job.layouts) < 2:
-                    raise
-                lines.append(f"layout: {layout.text()}: left out ({failure})")
-                continue
-            profiled_layouts.append(layout)
-            own = self.ledger.view(layout if searching else None)
-            memory = MemoryBook(profiled.memory, own.results, self.report)
-            models = PlanModels(memory.fits, memory.predicted_memory, memory.predicted_largest(),
-                                memory.offload_fallback, self.cost_context(profiled))
-            objective = profiled.job.objective  # goodput's, once a profile measured B_noise
-            rows += plan_rows(profiled.job.space, objective, models, list(own.results()), self.report)
-        if not rows:
-            raise TuningFailed("no layout could be profiled: " + "; ".join(lines))
-        lines.append(f"plan: {len(rows)} candidates costed from {self.ledger.launches} profile launches, nothing "
-                     f"else launched; `--autotuning tune` with the same arguments reuses them")
-        tuning = job.config.autotuning
-        return PlanReport(tuple(rows), predicted_pick(rows, objective), tuple(lines), objective,
-                          job.settings.planned_steps, job.config.activation_checkpointing.policy
-                          if isinstance(job.config.activation_checkpointing.policy, str) else "none",
-                          tuning.cost_per_gpu_hour)
+        """`--autotuning plan` (orchestrator/plan.py)."""
+        return plan_layouts(self)
 
     def _hold_against_degree_one(self, layout: Layout, profiled: ProfiledJob, before: tuple[LayoutOutcome, ...],
                                  results) -> None:
@@ -267,7 +195,7 @@ class Autotuner:
         return next((o for o in before if o.searched is not None and o.layout.tensor_parallel <= 1
                      and o.layout.pipeline == layout.pipeline), None)
 
-    def _bound_line(self, layout: Layout, one: Layout | None) -> tuple[bool, str] | None:
+    def bound_line(self, layout: Layout, one: Layout | None) -> tuple[bool, str] | None:
         """Before a degree's profile: whether to skip it and the summary's line (searches/degree_bound.py)."""
         if one is None:
             return None
@@ -289,7 +217,7 @@ class Autotuner:
         others remain."""
         searching = bool(self.job.layouts)
         one = self._degree_one(layout, before)
-        bound = self._bound_line(layout, one.layout if one is not None else None) if searching else None
+        bound = self.bound_line(layout, one.layout if one is not None else None) if searching else None
         if bound is not None:
             self.report(bound[1])
             if bound[0]:  # a degree that cannot beat degree 1's best: no profile, no search
