@@ -132,11 +132,16 @@ def script_engine(script: str, requested: str = "auto") -> EngineChoice:
     installed. A script that imports both engines is not refused: its fallback may be ours."""
     choice = engine_choice(script, requested)
     if choice.settled and choice.engine == Engine.DEEPSPEED and not deepspeed_installed():
-        imports_deepspeed = any(site.top_level == "deepspeed" for site in import_sites(script))
-        instead = ("" if not imports_deepspeed or choice.decided_by != "imports" else ", or change the script's "
-                   "`import deepspeed` to `import autotuner as deepspeed` to train on our engine")
+        instead = (", or change the script's `import deepspeed` to `import autotuner as deepspeed` to train on our "
+                   "engine" if imports_deepspeed_itself(choice, script) else "")
         raise UsageError(f"{choice.why}, but DeepSpeed is not installed in this Python; {INSTALL_HINT}{instead}")
     return choice
+
+
+def imports_deepspeed_itself(choice: EngineChoice, script: str) -> bool:
+    """The choice was made by the script's own `import deepspeed`, which `import autotuner as
+    deepspeed` would move to our engine (not the Trainer's or accelerate's path, nor --engine)."""
+    return choice.decided_by == "imports" and any(site.top_level == "deepspeed" for site in import_sites(script))
 
 
 def trains_on_ours(script: str) -> bool:

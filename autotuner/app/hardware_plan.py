@@ -38,7 +38,6 @@ from autotuner.config import load_config
 from autotuner.config.hardware import HardwareSpec, load_hardware
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch.script_args import config_path, replace_config, set_flag
-from autotuner.core.script_imports import import_sites
 
 DEFAULT_COMPUTE_EFFICIENCY = {"cuda": 0.6495,  # torchtitan's Llama 2 13B FSDP2 row on 64 A100s (published_table.md)
                               "cpu": 1.0}  # host_spec.py measures the peak a core's matmuls reach
@@ -173,13 +172,12 @@ def _degrees(config, nproc_per_node: int, source: str) -> tuple[int, ...]:
 def _check_engine(script: str, requested: str) -> None:
     """The census counts our engine's step: a script settled on DeepSpeed's engine (its imports, or
     --engine deepspeed) is refused before it runs, not counted as a step it would not take."""
-    from autotuner.app.engines import Engine, engine_choice
+    from autotuner.app.engines import Engine, engine_choice, imports_deepspeed_itself
 
     choice = engine_choice(script, requested)
     if choice.settled and choice.engine == Engine.DEEPSPEED:
         instead = (" (or change its `import deepspeed` to `import autotuner as deepspeed`, which trains it on ours)"
-                   if any(site.top_level == "deepspeed" for site in import_sites(script)) and
-                   choice.decided_by == "imports" else "")
+                   if imports_deepspeed_itself(choice, script) else "")
         raise UsageError(f"--hardware: {choice.why}; a plan for hardware not here counts our engine's step only so "
                          f"far; plan it with --autotuning plan on the hardware at hand{instead}")
 
