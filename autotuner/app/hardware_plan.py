@@ -15,9 +15,10 @@ step time by the roofline and the spec's links (tuning/models/hardware_step.py) 
 efficiency the spec states, or fits on one layout it gives as measured (`calibrate`), else
 0.6495 on a GPU (fitted on torchtitan's Llama 2 13B row, docs/benchmarks/published_table.md)
 and 1 on a CPU. bf16 "auto" settles as a launch on the spec's device would; fp32 is costed at
-the spec's `peak_fp32_flops`. The table is printed and written as plan.csv. Pipeline layouts,
-CPU offload and scripts on DeepSpeed's own engine (whose step the census does not count) are not
-planned on spec hardware yet: each is refused in one line, before the script runs."""
+the spec's `peak_fp32_flops`. The table is printed and written as plan.csv. A script that trains a
+PipelineModule has its stage counts and schedules planned instead (pipeline_plan.py). CPU offload
+and scripts on DeepSpeed's own engine (whose step the census does not count) are not planned on
+spec hardware yet: each is refused in one line, before the script runs."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ import pandas as pd
 from tabulate import tabulate
 
 from autotuner.config import load_config
+from autotuner.app.pipeline_plan import (PipelineCensus, check_pipeline_costed, pipeline_degrees, pipeline_rows,
+                                         pipeline_schedules)
 from autotuner.config.hardware import HardwareSpec, load_hardware
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch.script_args import config_path, replace_config, set_flag
@@ -62,13 +65,16 @@ class Census:
     degrees: tuple[int, ...]  # of the degrees asked, those the plan can split the model over
     resident_bytes: int  # the script's process when it called initialize: its imports and data, no model
     parameter_tensors: int
+    pipeline: Any = None  # a PipelineModule's count, layer by layer (pipeline_plan.PipelineCensus); None without
 
 
 def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any], micro: int, world: int,
                 workdir: Path, debug: bool, mappings: dict[str, str], degrees: tuple[int, ...]) -> Census:
     ds = workdir / f"census_mbs{micro}.json"
-    # A script that takes the batch as its own flags (arg_mappings) gets them there too, as a tune's launches do.
-    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", 1)):
+    # A script that takes the batch as its own flags (arg_mappings) gets them there too, as a tune's launches do;
+    # a searched pipeline is counted as one stage holding every layer (the plan splits the count).
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", 1),
+                       ("pipeline.stages", 1)):
         if key in mappings:
             script_args = set_flag(script_args, mappings[key], str(value))
     ds.write_text(json.dumps({**config, "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1,
@@ -105,7 +111,8 @@ def _run_census(script: str, script_args: tuple[str, ...], config: dict[str, Any
                   int(data["activation_bytes"]), {k: int(v) for k, v in data["activation_bytes_by_policy"].items()},
                   int(data["sequence_length"]), int(data["blocks"]), dict(data.get("split") or {}),
                   tuple(int(d) for d in data.get("degrees") or ()), int(data.get("resident_bytes", 0)),
-                  int(data.get("parameter_tensors", 1)))
+                  int(data.get("parameter_tensors", 1)),
+                  PipelineCensus.from_record(data["pipeline"]) if data.get("pipeline") else None)
 
 
 def _records_at(one: Census, two: Census, micro: int) -> list:
@@ -155,9 +162,6 @@ def _check_costed(config, source: str, spec: HardwareSpec) -> None:
 def _degrees(config, nproc_per_node: int, source: str) -> tuple[int, ...]:
     """The tensor-parallel degrees to plan, inside a node: "auto" every divisor of the ranks a
     node, a list those listed, a number that one; 1 where the config sets none."""
-    if "pipeline.stages" in config.autotuning.arg_mappings:
-        raise ConfigError(f"{source}: autotuning.arg_mappings.pipeline.stages: --hardware plans data and tensor "
-                          "parallel layouts only so far; leave the pipeline out")
     size = config.tensor_parallel.autotp_size
     if size == "auto":
         return tuple(d for d in range(1, nproc_per_node + 1) if nproc_per_node % d == 0)
@@ -206,6 +210,8 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
     raw["zero_optimization"] = {**(raw.get("zero_optimization") or {}), "stage": 0}
     raw["activation_checkpointing"] = {**(raw.get("activation_checkpointing") or {}), "policy": "none"}
     raw["tensor_parallel"] = {**(raw.get("tensor_parallel") or {}), "autotp_size": 0}  # degree 1 counts what k splits
+    if "pipeline.stages" in config.autotuning.arg_mappings:  # (the census counts one stage holding every layer)
+        raw["pipeline"] = {**(raw.get("pipeline") or {}), "stages": "auto", "schedule": "1F1B", "stages_per_rank": None}
     with tempfile.TemporaryDirectory(prefix="autotuner_census_") as directory:
         mappings = dict(config.autotuning.arg_mappings)
         one, two = (_run_census(script, script_args, raw, micro, world, Path(directory), debug, mappings,
@@ -215,10 +221,23 @@ def hardware_plan(script: str, script_args: tuple[str, ...], hardware: str, num_
         raise ConfigError(f"{source}: tensor_parallel.autotp_size: the model cannot be split over {unsplittable[0]} "
                           "ranks (the tensor-parallel plan takes whole heads, and needs Linears it knows); list "
                           f"degrees it can take{', such as ' + ', '.join(map(str, one.degrees)) if one.degrees else ''}")
+    check_pipeline_costed(config, one.pipeline, degrees, script, source)
+    if one.pipeline is not None:
+        stage_counts = pipeline_degrees(config, world, one.pipeline, source)
+        schedules = pipeline_schedules(config, source)
+
     def rows_at(efficiency: float) -> list[dict]:
-        return [row for degree in degrees
-                for row in plan_rows(spec, config, search_space(config, world // degree), one, two, world, degree,
-                                     nproc_per_node, efficiency)]
+        if one.pipeline is None:
+            return [row for degree in degrees
+                    for row in plan_rows(spec, config, search_space(config, world // degree), one, two, world, degree,
+                                         nproc_per_node, efficiency)]
+        overhead, budget = rank_budget(spec, one, world, nproc_per_node)
+        searched = "pipeline.stages" in config.autotuning.arg_mappings
+        return [row for pp in stage_counts for schedule, v in (schedules if pp > 1 else schedules[:1])
+                for row in pipeline_rows(spec, config, search_space(config, world // pp), one.pipeline, two.pipeline,
+                                         one.num_params, one.sequence_length,
+                                         lambda micro: _records_at(one, two, micro), world, pp, schedule, v,
+                                         searched, overhead, budget, nproc_per_node, efficiency)]
 
     efficiency, said = spec.compute_efficiency, "stated"
     if spec.calibrate is not None:
@@ -263,29 +282,35 @@ def fitted_efficiency(rows_at, spec: HardwareSpec, source: str) -> tuple[float, 
     return efficiency, f"fitted on {wanted}'s {measured:.4g} s a step"
 
 
+def rank_budget(spec: HardwareSpec, one: Census, world: int, ranks_per_node: int | None) -> tuple[int, int]:
+    """(a rank's memory besides the model, the memory a rank may use). Besides the model: the spec's
+    process overhead, and on a CPU spec also the script's own resident set, as the census measured
+    it (a rank's memory there is its resident set). A CPU node's memory is shared by its ranks."""
+    from autotuner.tuning.memory.estimate import usable_bytes
+    from autotuner.tuning.models.memory_book import SAFETY_MARGIN
+
+    overhead = int(DEFAULT_PROCESS_OVERHEAD[spec.device] if spec.process_overhead_bytes is None
+                   else spec.process_overhead_bytes)
+    rank_memory = int(spec.memory_bytes)
+    if spec.device == "cpu":
+        overhead += one.resident_bytes
+        rank_memory //= max(1, ranks_per_node or min(world, spec.accelerators_per_node))
+    return overhead, usable_bytes(rank_memory, SAFETY_MARGIN)  # the tuner's own margin (memory_book.py)
+
+
 def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world: int, degree: int,
               ranks_per_node: int | None = None, efficiency: float | None = None) -> list[dict]:
-    """Every candidate of `space` (data parallel over world / degree) at tensor-parallel `degree`.
-    A rank's memory besides the model is the spec's process overhead; on a CPU spec also the
-    script's own resident set, as the census measured it (a rank's memory there is its resident set)."""
+    """Every candidate of `space` (data parallel over world / degree) at tensor-parallel `degree`."""
     from autotuner.tuning.memory.degree_prediction import profile_at_degree
-    from autotuner.tuning.memory.estimate import ModelProfile, StageSettings, estimate, usable_bytes
+    from autotuner.tuning.memory.estimate import ModelProfile, StageSettings, estimate
     from autotuner.tuning.models.hardware_step import TensorParallel, step_prediction
-    from autotuner.tuning.models.memory_book import SAFETY_MARGIN
 
     if efficiency is None:
         efficiency = spec.compute_efficiency or DEFAULT_COMPUTE_EFFICIENCY[spec.device]
-    overhead = int(DEFAULT_PROCESS_OVERHEAD[spec.device] if spec.process_overhead_bytes is None
-                   else spec.process_overhead_bytes)
-    if spec.device == "cpu":
-        overhead += one.resident_bytes
+    overhead, budget = rank_budget(spec, one, world, ranks_per_node)
     per_sample = {policy: two.activation_bytes_by_policy.get(policy, 0) - one.activation_bytes_by_policy.get(policy, 0)
                   for policy in one.activation_bytes_by_policy}
     plain = two.activation_bytes - one.activation_bytes
-    rank_memory = int(spec.memory_bytes)
-    if spec.device == "cpu":  # the node's memory, shared by its ranks
-        rank_memory //= max(1, ranks_per_node or min(world, spec.accelerators_per_node))
-    budget = usable_bytes(rank_memory, SAFETY_MARGIN)  # the tuner's own margin (memory_book.py)
     precision = config.precision
     tp = TensorParallel()
     split_per_sample = 0
@@ -338,9 +363,12 @@ def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world
 def plan_text(spec: HardwareSpec, table: pd.DataFrame, world: int, num_nodes: int, one: Census,
               efficiency_said: str = "stated") -> str:
     shown = table.sort_values("predicted_samples_per_s", ascending=False)
-    degrees = ", ".join(str(d) for d in sorted(set(table["tp"])))
-    lines = [f"plan for {num_nodes} node(s) x {world // max(1, num_nodes)} {spec.name} ({world} ranks; tensor "
-             f"parallel {degrees}, data parallel over the rest): "
+    if one.pipeline is not None:
+        split = "pipeline stages " + ", ".join(str(d) for d in sorted(set(table["pp"])))
+    else:
+        split = "tensor parallel " + ", ".join(str(d) for d in sorted(set(table["tp"])))
+    lines = [f"plan for {num_nodes} node(s) x {world // max(1, num_nodes)} {spec.name} ({world} ranks; {split}, "
+             "data parallel over the rest): "
              f"{one.num_params:,} parameters, counted on the meta device; compute efficiency "
              f"{float(table['compute_efficiency'].iloc[0]):.4g} "
              f"({efficiency_said}), memory {spec.memory_bytes / 2**30:.0f} GiB "

@@ -242,6 +242,12 @@ def initialize(
                                                    training_engines_before=Engine.training_engines_in_process)
     if census_requested():  # a plan for hardware not here: count one step on the meta device (census.py)
         micro = cfg.train_micro_batch_size_per_gpu
+        if isinstance(model, PipelineModule):  # every stage counted in this one process (pipeline/census.py)
+            from autotuner.runtime.pipeline.census import pipeline_census_initialize
+
+            return pipeline_census_initialize(model, micro if isinstance(micro, int) else 1, training_data,
+                                              collate_fn, {"bf16": torch.bfloat16,
+                                                           "fp16": torch.float16}.get(cfg.precision), cfg)
         asked = census_degrees()
         styles = plan_styles(model) if asked else ()
         return census_initialize(model, repeated_blocks(model), micro if isinstance(micro, int) else 1, training_data,

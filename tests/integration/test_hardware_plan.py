@@ -26,11 +26,19 @@ DS = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto", "gradien
       "tensor_parallel": {"autotp_size": [1, 8]},
       "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 1}}
 
+PIPELINE_DS = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+               "bf16": {"enabled": True}, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+               "zero_optimization": {"stage": [0, 1]}, "pipeline": {"stages": "auto", "schedule": "auto"},
+               "autotuning": {"enabled": True, "max_train_micro_batch_size_per_gpu": 4,
+                              "arg_mappings": {"pipeline.stages": "--pp"}}}
 
-def plan(out: Path, *flags: str, spec=A100, ds=DS, nodes: int = 8, ranks: int = 8, script_flags=("--size", "8b")):
+
+def plan(out: Path, *flags: str, spec=A100, ds=DS, nodes: int = 8, ranks: int = 8, script_flags=("--size", "8b"),
+         script: Path = SCRIPT):
     out.mkdir(parents=True, exist_ok=True)
+    shape = ("--seq", "8192") if script == SCRIPT else ()
     return run_launcher("--autotuning", "plan", "--hardware", write_json(out / "spec.json", spec), "--num_nodes",
-                        str(nodes), "--nproc_per_node", str(ranks), *flags, SCRIPT, *script_flags, "--seq", "8192",
+                        str(nodes), "--nproc_per_node", str(ranks), *flags, script, *script_flags, *shape,
                         "--deepspeed", write_json(out / "ds.json", ds), cwd=out, timeout=240)
 
 
@@ -109,6 +117,10 @@ def test_what_a_hardware_plan_cannot_take_is_refused_in_one_line(tmp_path):
         # (a script on DeepSpeed's engine, settled by its imports as run_clm.py's Trainer is, or by the flag)
         "deepspeeds_engine": (dict(flags=("--engine", "deepspeed")),
                               "--engine deepspeed was given; a plan for hardware not here counts our engine's step"),
+        # a pipeline schedule not costed (told after the census, which found the PipelineModule)
+        "pipeline_schedule_not_costed": (dict(script=WORKERS / "pipe_gpt_train.py", script_flags=(), ds={
+            **PIPELINE_DS, "pipeline": {"stages": "auto", "schedule": "ZBVZeroBubble"}}, nodes=1),
+            "pipeline.schedule 'ZBVZeroBubble': --hardware costs 1F1B, GPipe, Interleaved1F1B and LoopedBFS"),
     }
     for name, (kwargs, message) in cases.items():
         done = plan(tmp_path / name, *kwargs.pop("flags", ()), **kwargs)
@@ -136,3 +148,27 @@ def test_the_gpt2_example_is_planned_for_a_node_of_a100s_unchanged(tmp_path):
     assert table["fits"].all() and (table["predicted_step_s"] > 0).all()
     assert "predicted pick: z" in done.stdout
     assert not (tmp_path / "out" / "checkpoints").exists()  # nothing trained
+
+
+
+def test_a_pipeline_module_is_planned_stage_by_stage_for_a_node_of_a100s(tmp_path):
+    """A script that trains a PipelineModule with train_batch(), its stages searched (pipeline.stages
+    "auto" mapped to its --pp, schedule "auto"): counted once with every layer on the meta device,
+    then each stage count and schedule costed from the layers each rank would hold."""
+    pipe = WORKERS / "pipe_gpt_train.py"
+    done = run_launcher("--autotuning", "plan", "--hardware", write_json(tmp_path / "spec.json", A100),
+                        "--nproc_per_node", "8", pipe, "--blocks", "6", "--deepspeed",
+                        write_json(tmp_path / "ds.json", PIPELINE_DS), cwd=tmp_path, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    # the whole model counted: the tied embedding once (64 x 32), six blocks of 8,416, the final norm's 64
+    assert ("plan for 1 node(s) x 8 A100 SXM 80GB (8 ranks; pipeline stages 1, 2, 4, 8, data parallel over the "
+            f"rest): {64 * 32 + 6 * 8416 + 64:,} parameters") in done.stdout, done.stdout[:2000]
+    table = pd.read_csv(tmp_path / "autotuning_results" / "plan.csv")
+    assert set(table["pp"]) == {1, 2, 4, 8} and set(table["zero_stage"]) == {0, 1} and set(table["tp"]) == {1}
+    chunked = table[table["stages_per_rank"] == 2]
+    assert set(chunked["pipeline_schedule"]) == {"Interleaved1F1B"} and set(chunked["pp"]) == {2, 4}  # 16 > 9 layers
+    assert chunked["name"].str.match(r"z[01]_pp[24]v2_gas\d+_mbs\d+$").all()
+    row = table.set_index("name")
+    # Each rank holds its stage's share: the heaviest of 4 stages holds less than all of the model.
+    assert row.loc["z0_pp4_gas32_mbs1", "predicted_memory_bytes"] < row.loc["z0_pp1_gas8_mbs1", "predicted_memory_bytes"]
+    assert table["fits"].all() and "predicted pick: z" in done.stdout

@@ -120,18 +120,20 @@ class CensusEngine:
         self._write_and_leave()
 
     def _write_and_leave(self) -> None:
-        params = list(self.module.parameters())
-        record = {"num_params": sum(p.numel() for p in params), "parameter_tensors": len(params),
-                  "trainable_params": sum(p.numel() for p in params if p.requires_grad),
-                  "micro_batch_size": self._micro_batch_size, "blocks": self._blocks,
-                  "sequence_length": self._probe.sequence_length,
-                  "activation_bytes": self._probe.bytes_saved,
-                  "activation_bytes_by_policy": self._probe.bytes_by_policy(),
-                  "split": dataclasses.asdict(self._probe.split_regions()) if self._degrees else {},
-                  "degrees": list(self._degrees), "resident_bytes": self._resident_bytes,
-                  "records": [[r.op, r.flops, r.bytes, r.phase, r.block] for r in self._census.records]}
-        Path(self._record_path).write_text(json.dumps(record))
+        Path(self._record_path).write_text(json.dumps(self._record()))
         raise SystemExit(0)
+
+    def _record(self) -> dict[str, Any]:
+        params = list(self.module.parameters())
+        return {"num_params": sum(p.numel() for p in params), "parameter_tensors": len(params),
+                "trainable_params": sum(p.numel() for p in params if p.requires_grad),
+                "micro_batch_size": self._micro_batch_size, "blocks": self._blocks,
+                "sequence_length": self._probe.sequence_length,
+                "activation_bytes": self._probe.bytes_saved,
+                "activation_bytes_by_policy": self._probe.bytes_by_policy(),
+                "split": dataclasses.asdict(self._probe.split_regions()) if self._degrees else {},
+                "degrees": list(self._degrees), "resident_bytes": self._resident_bytes,
+                "records": [[r.op, r.flops, r.bytes, r.phase, r.block] for r in self._census.records]}
 
     def zero_grad(self, *_: Any, **__: Any) -> None:
         return None
@@ -183,6 +185,15 @@ def _to_meta(value: Any) -> Any:
     return tree_map(lambda v: v.to("meta") if isinstance(v, torch.Tensor) and v.device.type != "meta" else v, value)
 
 
+def check_on_meta(model: nn.Module) -> None:
+    """A model with a parameter off the meta device is refused in one line."""
+    off = next(((name, p.device) for name, p in model.named_parameters() if p.device.type != "meta"), None)
+    if off is not None:
+        raise ConfigError(f"--hardware: parameter {off[0]} is on {off[1]}, not the meta device: the plan runs the "
+                          "script with torch's default device set to meta so nothing is allocated; build the model "
+                          "from its config (no weights loaded, no .to(device)) before initialize")
+
+
 def census_initialize(model: nn.Module, blocks: list[nn.Module], micro_batch_size: int, training_data: Any,
                       collate_fn: Any, styles: tuple[tuple[str, str], ...] = (), degrees: tuple[int, ...] = (),
                       dtype: torch.dtype | None = None, config: Any = None) -> tuple:
@@ -191,11 +202,7 @@ def census_initialize(model: nn.Module, blocks: list[nn.Module], micro_batch_siz
     and `degrees`: the tensor-parallel plan's Linears and the degrees of those asked it can take;
     `dtype`: the compute precision the model is counted in (the engine's bf16 or fp16 copy);
     `config`: the run's config, which the engine's accessors answer from."""
-    off = next(((name, p.device) for name, p in model.named_parameters() if p.device.type != "meta"), None)
-    if off is not None:
-        raise ConfigError(f"--hardware: parameter {off[0]} is on {off[1]}, not the meta device: the plan runs the "
-                          "script with torch's default device set to meta so nothing is allocated; build the model "
-                          "from its config (no weights loaded, no .to(device)) before initialize")
+    check_on_meta(model)
     loader = _CensusLoader(training_data, micro_batch_size, collate_fn) if training_data is not None else None
     engine = CensusEngine(model, blocks, micro_batch_size, os.environ[RECORD_ENV], styles, degrees, dtype, config)
     return engine, None, loader, None

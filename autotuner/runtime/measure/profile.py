@@ -272,6 +272,11 @@ class ActivationProbe:
                 "selective": held["selective"] + max(recomputed)}
 
 
+    def saved_by_block(self) -> tuple[tuple[int, ...], int]:
+        """The bytes saved inside each block, in order, and outside every block."""
+        return tuple(self._inside), self._outside
+
+
 def sequence_length_of(inputs: list) -> int:
     """Dim 1 of a model's first tensor input where that is a sequence: token ids (batch, positions)
     or embeddings (batch, positions, features). 0 for anything else, such as an MLP's

@@ -148,6 +148,19 @@ class PipelineModule(nn.Module):
         self.parts, self.stages_per_rank, self.v_shaped = parts, per_rank, v_shaped
         self._place()
 
+    def hold_every_layer(self) -> None:
+        """Build every layer on this rank, as one stage holding the model (a plan's census counts the
+        whole model on the meta device, then splits the count by stage itself). No ties to regroup:
+        a tied module is built once and run wherever its key appears."""
+        for index in range(len(self.layer_specs)):
+            self._modules.pop(str(index), None)
+        self.tied_modules = nn.ModuleDict()
+        self.tied_weight_attrs = {}
+        funcs, modules = self._build(0, len(self.layer_specs))
+        self.chunk_funcs, self.chunk_modules = [funcs], [modules]
+        self.forward_funcs = funcs
+        self._local_layers = set(range(len(self.layer_specs)))
+
     def rank_of_virtual_stage(self, virtual: int) -> int:
         """The pipeline rank that runs virtual stage `virtual` under the current placement."""
         if self.v_shaped:
@@ -350,7 +363,10 @@ class PipelineModule(nn.Module):
 
 def _device_of_group() -> torch.device:
     """The device the script's own process group runs on (nccl: this rank's GPU, by LOCAL_RANK as
-    DeepSpeed's PipelineModule places itself)."""
+    DeepSpeed's PipelineModule places itself); under a plan's census (torch's fake group), the meta
+    device its layers were built on."""
+    if dist.get_backend() == "fake":
+        return torch.device("meta")
     if dist.get_backend() == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
     return torch.device("cpu")

@@ -68,6 +68,19 @@ class TensorParallel:
         return num_params - self.split_params + -(-self.split_params // max(1, self.degree))
 
 
+def rank_roofline(spec: HardwareSpec, precision: str, compute_efficiency: float, share: float
+                  ) -> tuple[Roofline, float]:
+    """A rank's roofline at its `share` of a node (spec.rank_share), and the factor on the whole step.
+    On a GPU the efficiency is the share of the peak the matmuls reach (the factor 1). On a CPU
+    every part of a step (operators, gloo's collectives, the optimizer) runs on the same cores,
+    measured apart on an idle machine (host_spec.py): the efficiency is the share of that speed a
+    rank keeps in training, and scales the whole step."""
+    whole = 1.0 / compute_efficiency if spec.device == "cpu" else 1.0
+    matmul = 1.0 if spec.device == "cpu" else compute_efficiency
+    peak = spec.peak_flops(precision) * share
+    return Roofline(peak, spec.memory_bandwidth * share, matmul, spec.op_overhead_s / share), whole
+
+
 def step_prediction(records: Sequence[OpRecord], num_params: int, world_size: int, zero_stage: int,
                     gradient_accumulation_steps: int, tokens_per_micro_step: int, policy: str,
                     spec: HardwareSpec, compute_efficiency: float,
@@ -89,14 +102,8 @@ def step_prediction(records: Sequence[OpRecord], num_params: int, world_size: in
     paying its latency once a unit; `parameter_tensors` the
     model's parameters, which ZeRO 1 broadcasts one by one after the step."""
     share = spec.rank_share(ranks_per_node or min(world_size, spec.accelerators_per_node))
-    peak = spec.peak_flops(precision) * share
-    # On a GPU the efficiency is the share of the peak the matmuls reach. On a CPU every part of a
-    # step (operators, gloo's collectives, the optimizer) runs on the same cores, measured apart on
-    # an idle machine (host_spec.py): the efficiency is the share of that speed a rank keeps in
-    # training, and scales the whole step.
-    whole = 1.0 / compute_efficiency if spec.device == "cpu" else 1.0
-    matmul = 1.0 if spec.device == "cpu" else compute_efficiency
-    roofline = Roofline(peak, spec.memory_bandwidth * share, matmul, spec.op_overhead_s / share)
+    roofline, whole = rank_roofline(spec, precision, compute_efficiency, share)
+    peak = roofline.peak_flops
     copy = FP32 if precision == "fp32" else BF16
     tp = tensor_parallel
     k = max(1, tp.degree)
