@@ -33,12 +33,10 @@ PIPELINE_DS = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": "auto",
                               "arg_mappings": {"pipeline.stages": "--pp"}}}
 
 
-def plan(out: Path, *flags: str, spec=A100, ds=DS, nodes: int = 8, ranks: int = 8, script_flags=("--size", "8b"),
-         script: Path = SCRIPT):
+def plan(out: Path, *flags: str, spec=A100, ds=DS, nodes: int = 8, ranks: int = 8, script_flags=("--size", "8b")):
     out.mkdir(parents=True, exist_ok=True)
-    shape = ("--seq", "8192") if script == SCRIPT else ()
     return run_launcher("--autotuning", "plan", "--hardware", write_json(out / "spec.json", spec), "--num_nodes",
-                        str(nodes), "--nproc_per_node", str(ranks), *flags, script, *script_flags, *shape,
+                        str(nodes), "--nproc_per_node", str(ranks), *flags, SCRIPT, *script_flags, "--seq", "8192",
                         "--deepspeed", write_json(out / "ds.json", ds), cwd=out, timeout=240)
 
 
@@ -117,10 +115,6 @@ def test_what_a_hardware_plan_cannot_take_is_refused_in_one_line(tmp_path):
         # (a script on DeepSpeed's engine, settled by its imports as run_clm.py's Trainer is, or by the flag)
         "deepspeeds_engine": (dict(flags=("--engine", "deepspeed")),
                               "--engine deepspeed was given; a plan for hardware not here counts our engine's step"),
-        # a pipeline schedule not costed (told after the census, which found the PipelineModule)
-        "pipeline_schedule_not_costed": (dict(script=WORKERS / "pipe_gpt_train.py", script_flags=(), ds={
-            **PIPELINE_DS, "pipeline": {"stages": "auto", "schedule": "ZBVZeroBubble"}}, nodes=1),
-            "pipeline.schedule 'ZBVZeroBubble': --hardware costs 1F1B, GPipe, Interleaved1F1B and LoopedBFS"),
     }
     for name, (kwargs, message) in cases.items():
         done = plan(tmp_path / name, *kwargs.pop("flags", ()), **kwargs)

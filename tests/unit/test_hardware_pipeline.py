@@ -1,11 +1,13 @@
 """A pipeline planned for hardware that is not here (issue 80, part 3; app/pipeline_plan.py,
 tuning/models/hardware_pipeline.py): the census' layers split into stages by the module's
 partition_method, each rank's operators, parameters (a tied module on each rank that runs it) and
-activations; the step paced by the slowest rank over gas + (pp - 1) / v micro-steps; what a plan
+activations; the step paced by the slowest rank over gas micro-steps, the fill and drain at the
+others' pace (gas + (pp - 1) / v micro-steps where the ranks are equal); what a plan
 does not cost refused in one line."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -64,14 +66,20 @@ def test_a_pipeline_step_is_its_slowest_ranks_micro_step_over_gas_plus_the_bubbl
                                     compute_efficiency=0.5)
     peak = 312e12 * 0.5
     slowest = 3e12 / peak + 8e12 * 3 / 4 / peak  # its forward and its share of the backward (3 of 4)
+    other = 1e12 / peak + 8e12 / 4 / peak
     send = 5e-6 + 8e6 / 300e9  # stages 2 ranks apart, inside the node
-    micro = slowest + 2 * send
     replicas = 2  # 4 ranks over 2 stages
     reduce = min(2 * (replicas - 1) * 5e-6 + 2 * 4 * 4e6 * 0.5 / 300e9, 2 * 1 * 5e-6 + 2 * 4 * 4e6 / 300e9)
     adam = 4e6 * ADAM_BYTES_PER_PARAMETER / 2.039e12
-    assert step.step_s == pytest.approx((6 + 1) * micro + reduce + adam, rel=1e-9)
+    # gas micro-steps at the slowest rank's pace, the fill and drain at the other's
+    assert step.step_s == pytest.approx(6 * (slowest + 2 * send) + other + 2 * send + reduce + adam, rel=1e-9)
     interleaved = pipeline_step_prediction(ranks, backward, 4, 2, 0, 6, 4096, spec, 0.5)
-    assert interleaved.step_s == pytest.approx((6 + 0.5) * (slowest + 4 * send) + reduce + adam, rel=1e-9)
+    assert interleaved.step_s == pytest.approx(6 * (slowest + 4 * send) + other / 2 + 2 * send + reduce + adam,
+                                               rel=1e-9)
+    even = replace(ranks, forward=(ranks.forward[1], ranks.forward[1]))  # equal ranks: gas + (pp - 1) / v
+    balanced = pipeline_step_prediction(even, backward, 4, 2, 0, 6, 4096, spec, 0.5)
+    each = 3e12 / peak + 8e12 / 2 / peak
+    assert balanced.step_s == pytest.approx((6 + 1 / 2) * (each + 4 * send) + reduce + adam, rel=1e-9)
     assert step.tokens_per_s_per_rank == pytest.approx(4096 * 6 / 2 / step.step_s)
 
 

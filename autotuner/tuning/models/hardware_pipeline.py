@@ -7,11 +7,13 @@ As our pipeline engine runs it (torch's schedules, runtime/pipeline/schedules.py
   looped: chunk c on rank c mod pp). The census times each layer's forward operators; the
   backward's operators carry no layer, so each rank's share of them is its share of the
   forward's time (a layer's backward costs in proportion to its forward: two matmuls per matmul);
-- the slowest rank paces the pipeline: a step is gas + (pp - 1) / v of its micro-steps (the
-  bubble of 1F1B and GPipe alike, 1/v of it with v chunks a rank: cost_model.stage_steps), each
-  waiting on the activations sent to it and the gradients sent back, one send of the largest
-  boundary each way a chunk, over the link between stages (a stage's replicas are neighbours,
-  stages dp ranks apart, as DeepSpeed's PipeDataParallelTopology lays them out);
+- the slowest rank paces the pipeline: its gas micro-steps, each waiting on the activations sent
+  to it and the gradients sent back (one send of the largest boundary each way a chunk, over the
+  link between stages: a stage's replicas are neighbours, stages dp ranks apart, as DeepSpeed's
+  PipeDataParallelTopology lays them out), plus the fill and drain, one micro-batch's forward and
+  backward through every other rank, a v-th of it with v chunks a rank. With equal ranks that is
+  cost_model.stage_steps' gas + (pp - 1) / v micro-steps; with one rank heavier (the head's
+  stage), the bubble is paid at the lighter ranks' pace, not at the heaviest's;
 - after the last backward, not overlapped (the engine averages each stage's gradients itself,
   no DDP buckets): a tied weight's gradients all-reduced over the stages holding it, each rank's
   gradients all-reduced in fp32 over its stage's dp replicas, ZeRO 1's broadcasts of the
@@ -63,9 +65,11 @@ def pipeline_step_prediction(ranks: PipelineRanks, backward: Sequence[OpRecord],
     total_forward = sum(forward) or 1.0
     compute = [f + backward_s * f / total_forward for f in forward]
     send = collective_seconds("send", ranks.boundary_bytes, group_of(2, dp, spec), spec) if pp > 1 else 0.0
-    micro_step = max(compute) + 2 * v * send
+    slowest = max(compute)
     gas = gradient_accumulation_steps
-    micro_steps = (gas + (pp - 1) / v) * micro_step
+    # The slowest rank's gas micro-steps, each waiting on a send each way a chunk; and the fill and
+    # drain around them, a micro-batch's pass through the other ranks (a v-th of it a chunk-step).
+    micro_steps = gas * (slowest + 2 * v * send) + (sum(compute) - slowest) / v + 2 * (pp - 1) * send
     heaviest = max(range(pp), key=lambda r: ranks.params[r])
     held, tensors = ranks.params[heaviest], max(1, ranks.parameter_tensors[heaviest])
     replicas = group_of(dp, 1, spec)
