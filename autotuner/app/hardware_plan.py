@@ -35,9 +35,9 @@ from typing import Any
 import pandas as pd
 from tabulate import tabulate
 
-from autotuner.config import load_config
 from autotuner.app.pipeline_plan import (PipelineCensus, check_pipeline_costed, pipeline_degrees, pipeline_rows,
                                          pipeline_schedules)
+from autotuner.config import load_config
 from autotuner.config.hardware import HardwareSpec, load_hardware
 from autotuner.core.errors import ConfigError, UsageError
 from autotuner.launch.script_args import config_path, replace_config, set_flag
