@@ -35,6 +35,7 @@ from typing import Any
 import pandas as pd
 from tabulate import tabulate
 
+from autotuner.app.plan_row import candidate_row
 from autotuner.app.pipeline_plan import (PipelineCensus, check_pipeline_costed, pipeline_degrees, pipeline_rows,
                                          pipeline_schedules)
 from autotuner.config import load_config
@@ -344,19 +345,10 @@ def plan_rows(spec: HardwareSpec, config, space, one: Census, two: Census, world
                 tokens = micro * max(1, one.sequence_length)
                 step = step_prediction(records, one.num_params, world, stage, gas, tokens, policy, spec, efficiency, tp,
                                        precision, ranks_per_node, one.blocks + 1, one.parameter_tensors)
-                fits = memory <= budget
                 name = (f"z{stage}" + (f"_tp{degree}" if degree > 1 else "") + (f"_ac{policy}" if policy != "none"
                                                                                  else "") + f"_gas{gas}_mbs{micro}")
-                rows.append({"name": name, "zero_stage": stage, "tp": degree, "pp": 1, "micro_batch_size": micro,
-                             "gradient_accumulation_steps": gas, "train_batch_size": micro * gas * dp,
-                             "activation_checkpointing": policy, "fits": fits,
-                             "predicted_memory_bytes": int(memory), "predicted_step_s": step.step_s,
-                             "predicted_samples_per_s": micro * gas * dp / step.step_s,
-                             "predicted_tokens_per_s_per_rank": step.tokens_per_s_per_rank,
-                             "predicted_mfu": step.model_flops_utilization, "compute_efficiency": efficiency,
-                             "left_out": "" if fits else (f"out of memory: {memory / 2**30:.1f} GiB a rank against "
-                                                          f"{budget / 2**30:.1f} usable"),
-                             "picked": False})
+                rows.append(candidate_row(name, stage, degree, 1, micro, gas, dp, policy, memory, budget, step,
+                                          efficiency))
     return rows
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from autotuner.app.plan_row import candidate_row
 from autotuner.core.errors import ConfigError
 
 COSTED_SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved1f1b": "Interleaved1F1B", "loopedbfs": "LoopedBFS"}
@@ -178,17 +179,9 @@ def pipeline_rows(spec, config, space, census_one: PipelineCensus, census_two: P
             memory = estimate(profile, settings, micro).total
             step = pipeline_step_prediction(ranks, backward, world, v, stage, gas, micro * max(1, sequence_length),
                                             spec, efficiency, config.precision, ranks_per_node)
-            fits = memory <= budget
-            rows.append({"name": f"z{stage}{tag}_gas{gas}_mbs{micro}", "zero_stage": stage, "tp": 1, "pp": pp,
-                         "pipeline_schedule": schedule, "stages_per_rank": v, "micro_batch_size": micro,
-                         "gradient_accumulation_steps": gas, "train_batch_size": micro * gas * dp,
-                         "activation_checkpointing": "none", "fits": fits, "predicted_memory_bytes": int(memory),
-                         "predicted_step_s": step.step_s, "predicted_samples_per_s": micro * gas * dp / step.step_s,
-                         "predicted_tokens_per_s_per_rank": step.tokens_per_s_per_rank,
-                         "predicted_mfu": step.model_flops_utilization, "compute_efficiency": efficiency,
-                         "left_out": "" if fits else (f"out of memory: {memory / 2**30:.1f} GiB a rank (its heaviest "
-                                                      f"stage) against {budget / 2**30:.1f} usable"),
-                         "picked": False})
+            rows.append(candidate_row(f"z{stage}{tag}_gas{gas}_mbs{micro}", stage, 1, pp, micro, gas, dp, "none",
+                                      memory, budget, step, efficiency, " (its heaviest stage)",
+                                      pipeline_schedule=schedule, stages_per_rank=v))
     return rows
 
 
