@@ -195,6 +195,14 @@ def check_pipeline_costed(config, census: PipelineCensus | None, degrees: tuple[
                               "(it trains data parallel); leave the mapping out, or build the model as a "
                               "PipelineModule trained with train_batch()")
         return
+    if not any(stage <= 1 for stage in config.zero_optimization.stages):
+        raise ConfigError(f"{source}: zero_optimization.stage: the pipeline engine runs ZeRO 0 and 1 only (as "
+                          "DeepSpeed's does); give 0 or 1 among the stages to plan the pipeline")
+    policy = config.activation_checkpointing.policy
+    if policy not in (None, "none", "auto", ["none"]):  # ("auto": settled to none at a pipeline, as a tune does)
+        raise ConfigError(f"{source}: activation_checkpointing.policy {policy!r}: the pipeline engine takes no "
+                          "checkpointing policy (PipelineModule's activation_checkpoint_interval is its way); leave "
+                          'it "none" to plan the pipeline')
     if any(d > 1 for d in degrees):
         raise ConfigError(f"{source}: tensor_parallel.autotp_size: --hardware plans a pipeline's stages without tensor "
                           "parallelism inside them so far; leave autotp_size out to plan the pipeline")

@@ -85,10 +85,13 @@ def test_a_pipeline_step_is_its_slowest_ranks_micro_step_over_gas_plus_the_bubbl
 
 def test_which_stage_counts_and_schedules_are_planned_and_what_is_not_costed_is_refused():
     census = _census(1)
-    config = lambda stages, mapped=True, schedule="1F1B", per_rank=None, interval=0: SimpleNamespace(  # noqa: E731
-        pipeline=SimpleNamespace(stages=stages, schedule=schedule, stages_per_rank=per_rank,
-                                 activation_checkpoint_interval=interval),
-        autotuning=SimpleNamespace(arg_mappings={"pipeline.stages": "--pp"} if mapped else {}))
+    def config(stages, mapped=True, schedule="1F1B", per_rank=None, interval=0, zero=(0, 1), policy="none"):
+        return SimpleNamespace(
+            pipeline=SimpleNamespace(stages=stages, schedule=schedule, stages_per_rank=per_rank,
+                                     activation_checkpoint_interval=interval),
+            zero_optimization=SimpleNamespace(stages=zero), activation_checkpointing=SimpleNamespace(policy=policy),
+            autotuning=SimpleNamespace(arg_mappings={"pipeline.stages": "--pp"} if mapped else {}))
+
     assert pipeline_degrees(config("auto"), 8, census, "ds.json") == (1, 2, 4)  # 8 stages would want 8 layers
     assert pipeline_degrees(config([2, 4]), 8, census, "ds.json") == (2, 4)
     assert pipeline_degrees(config("auto", mapped=False), 8, census, "ds.json") == (1,)  # the script's own
@@ -104,6 +107,10 @@ def test_which_stage_counts_and_schedules_are_planned_and_what_is_not_costed_is_
             config(2), census, (1, 2), "train.py", "ds.json"),
         "pipeline.activation_checkpoint_interval 1: --hardware does not cost": lambda: check_pipeline_costed(
             config(2, interval=1), census, (1,), "train.py", "ds.json"),
+        "zero_optimization.stage: the pipeline engine runs ZeRO 0 and 1 only": lambda: check_pipeline_costed(
+            config(2, zero=(2, 3)), census, (1,), "train.py", "ds.json"),
+        "activation_checkpointing.policy 'full': the pipeline engine takes no": lambda: check_pipeline_costed(
+            config(2, policy="full"), census, (1,), "train.py", "ds.json"),
         "autotuning.arg_mappings.pipeline.stages: train.py built no PipelineModule": lambda: check_pipeline_costed(
             config(2), None, (1,), "train.py", "ds.json"),
     }
@@ -111,5 +118,6 @@ def test_which_stage_counts_and_schedules_are_planned_and_what_is_not_costed_is_
         with pytest.raises(ConfigError, match=r"^ds\.json: " + message.replace("(", r"\(").replace(".", r"\.")):
             call()
     check_pipeline_costed(config("auto", mapped=False), None, (1, 2), "train.py", "ds.json")  # data parallel: planned
+    check_pipeline_costed(config(2, zero=(0, 1, 2), policy="auto"), census, (1,), "train.py", "ds.json")  # as a tune
     assert pipeline_schedules(config(2, schedule="auto"), "ds.json") == (("1F1B", 1), ("Interleaved1F1B", 2))
     assert pipeline_schedules(config(2, schedule="LoopedBFS", per_rank=3), "ds.json") == (("LoopedBFS", 3),)
